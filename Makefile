@@ -1,0 +1,35 @@
+# splitserve: `make serve` and `make test` are all a fresh machine needs.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+export RAY_USAGE_STATS_ENABLED := 0
+
+.PHONY: install test test-fast serve proto clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# Exactly torch 2.13.0 first: a looser spec would pull a multi-GB CUDA build.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m proto.build
+	touch $(STAMP)
+
+install: $(STAMP)
+
+proto: install
+	$(BIN)/python -m proto.build
+
+test: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+test-fast: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" tests
+
+serve: install
+	$(BIN)/splitserve serve
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

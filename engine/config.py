@@ -1,0 +1,149 @@
+"""Model and engine configuration dataclasses, validated in __post_init__."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A model directory or configuration value that splitserve cannot use."""
+
+
+@dataclass
+class ModelConfig:
+    """The subset of a Hugging Face config.json that a Llama-family decoder needs."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"unsupported architecture {self.architecture!r}; "
+                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind not in ("llama3", "default", "linear", None):
+                raise ConfigError(f"unsupported rope_scaling type {kind!r}")
+
+    @property
+    def arch(self) -> str:
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+        archs = raw.get("architectures") or []
+        if not archs:
+            raise ConfigError("config.json has no 'architectures' entry")
+        arch = archs[0]
+        num_heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        eos = raw.get("eos_token_id")
+        eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+        dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "float32").replace("torch.", "")
+        rope_theta = raw.get("rope_theta")
+        rope_scaling = raw.get("rope_scaling")
+        # transformers 5 nests rope settings under rope_parameters.
+        rope_params = raw.get("rope_parameters")
+        if isinstance(rope_params, dict):
+            rope_theta = rope_params.get("rope_theta", rope_theta)
+            if rope_params.get("rope_type", "default") not in ("default", None):
+                rope_scaling = rope_params
+        try:
+            return cls(
+                architecture=arch,
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_hidden_layers=int(raw["num_hidden_layers"]),
+                num_attention_heads=num_heads,
+                num_key_value_heads=int(raw.get("num_key_value_heads") or num_heads),
+                head_dim=int(raw.get("head_dim") or hidden // num_heads),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+                rope_scaling=rope_scaling,
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                # Qwen2 always has q/k/v bias; Llama/Mistral only when attention_bias is set.
+                attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
+                dtype=dtype,
+                bos_token_id=raw.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+            )
+        except KeyError as exc:
+            raise ConfigError(f"config.json is missing required key {exc.args[0]!r}") from None
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"no config.json in {model_dir}")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path} is not valid JSON: {exc}") from None
+        return cls.from_dict(raw)
+
+
+@dataclass
+class EngineConfig:
+    """Sizes of the KV cache and the batch; shared by the colocated engine and the workers."""
+
+    model: str
+    block_size: int = 16
+    num_gpu_blocks: int = 512          # KV blocks in the preallocated cache tensor
+    max_num_seqs: int = 64             # sequences in one running batch
+    max_num_batched_tokens: int = 2048 # token budget of one step (chunked prefill)
+    max_model_len: int | None = None   # defaults to the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    dtype: str | None = None           # defaults to the checkpoint's dtype
+    device: str = "cpu"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.num_gpu_blocks < 2:
+            raise ConfigError(f"num_gpu_blocks must be >= 2, got {self.num_gpu_blocks}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ConfigError("max_num_batched_tokens must be >= block_size")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError("max_model_len must be >= 1")

@@ -1,0 +1,87 @@
+"""Turns a scheduled batch into tensors, runs the model and samples. The only place the
+colocated engine and the workers touch tensors."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from engine.attention_metadata import AttentionMetadata
+from engine.kv_cache import KVCache
+from engine.sampler import Sampler
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, seed: int = 0):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.device = kv_cache.device
+        self.sampler = Sampler(seed)
+
+    def build_metadata(self, seqs: list[Sequence], num_new_tokens: list[int]
+                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """input ids, positions, attention metadata, and the flat index of each sequence's
+        last new token (where logits are read)."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        context_lens: list[int] = []
+        last_index: list[int] = []
+        max_blocks = 0
+        for seq, n in zip(seqs, num_new_tokens):
+            start = seq.num_computed_tokens
+            end = start + n
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_start.append(query_start[-1] + n)
+            context_lens.append(end)
+            last_index.append(query_start[-1] - 1)
+            max_blocks = max(max_blocks, -(-end // bs))
+        tables = [seq.block_table[:max_blocks] + [0] * (max_blocks - min(len(seq.block_table), max_blocks))
+                  for seq in seqs]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            query_start_loc_cpu=query_start,
+            context_lens_cpu=context_lens,
+            max_query_len=max(num_new_tokens),
+            max_context_len=max(context_lens),
+        )
+        return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
+                torch.tensor(positions, dtype=torch.int64, device=dev), meta, last_index)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch,
+                on_layer_done: Callable[[int], None] | None = None) -> dict[str, tuple[int, float | None]]:
+        """Run one step; returns the sampled token for each sequence that reached its end."""
+        if batch.is_empty:
+            return {}
+        input_ids, positions, meta, last_index = self.build_metadata(batch.seqs, batch.num_new_tokens)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, on_layer_done=on_layer_done)
+        rows, seqs = [], []
+        for seq, n, idx in zip(batch.seqs, batch.num_new_tokens, last_index):
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                rows.append(idx)
+                seqs.append(seq)
+        if not rows:
+            return {}
+        if len(rows) == hidden.shape[0]:
+            selected = hidden
+        else:
+            selected = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
+        logits = self.model.compute_logits(selected)
+        results = self.sampler.sample(logits, [s.request_id for s in seqs], [s.params for s in seqs])
+        return {s.request_id: r for s, r in zip(seqs, results)}
+
+    def forget(self, request_id: str) -> None:
+        self.sampler.forget(request_id)
