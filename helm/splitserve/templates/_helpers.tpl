@@ -1,0 +1,259 @@
+{{/* Chart name, truncated to the 63 characters of a DNS label. */}}
+{{- define "splitserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Fully qualified app name. The RayService's name prefixes the names KubeRay derives from it
+(RayCluster "<name>-<suffix>", Services "<name>-head-svc", "<name>-serve-svc"), so keep it short.
+*/}}
+{{- define "splitserve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "splitserve.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "splitserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "splitserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "splitserve.labels" -}}
+helm.sh/chart: {{ include "splitserve.chart" . }}
+{{ include "splitserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "splitserve.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{- define "splitserve.modelClaimName" -}}
+{{- default (printf "%s-model" (include "splitserve.fullname" .)) .Values.model.pvc.existingClaim }}
+{{- end }}
+
+{{/* "true" when an init container must fetch the weights into the model volume. */}}
+{{- define "splitserve.downloadsModel" -}}
+{{- if or (eq .Values.model.source "download") (and (eq .Values.model.source "pvc") .Values.model.pvc.populate) }}true{{ end }}
+{{- end }}
+
+{{/*
+Pods needed for a number of pool replicas: ceil(replicas / replicasPerPod).
+Call with (list replicas replicasPerPod).
+*/}}
+{{- define "splitserve.podsFor" -}}
+{{- $replicas := index . 0 | int }}
+{{- $perPod := index . 1 | int }}
+{{- div (add $replicas $perPod -1) $perPod }}
+{{- end }}
+
+{{/*
+Worker group spec fields of one pool. Call with (dict "root" $ "pool" "prefill").
+*/}}
+{{- define "splitserve.workerGroup" -}}
+{{- $root := .root }}
+{{- $poolName := .pool }}
+{{- $pool := index $root.Values.serve $poolName }}
+{{- $group := index $root.Values.workerGroups $poolName }}
+{{- $perPod := $group.replicasPerPod | int }}
+{{- $autoscaling := $pool.autoscaling | default dict }}
+{{- $replicas := $pool.replicas | default 1 | int }}
+{{- $minReplicas := $replicas }}
+{{- $maxReplicas := $replicas }}
+{{- if $autoscaling.enabled }}
+{{- $minReplicas = $autoscaling.min_replicas | default 1 | int }}
+{{- $maxReplicas = $autoscaling.max_replicas | default 1 | int }}
+{{- if gt $minReplicas $maxReplicas }}
+{{- fail (printf "serve.%s.autoscaling.min_replicas (%d) must be <= max_replicas (%d)" $poolName $minReplicas $maxReplicas) }}
+{{- end }}
+{{- end }}
+{{- $minPods := include "splitserve.podsFor" (list $minReplicas $perPod) | int }}
+{{- $maxPods := include "splitserve.podsFor" (list $maxReplicas $perPod) | int }}
+{{- $poolResources := $pool.resources | default dict }}
+{{- $numGpus := ceil (mulf ($poolResources.num_gpus | default 0) $perPod) | int }}
+{{- $custom := dict }}
+{{- range $key, $amount := ($poolResources.resources | default dict) }}
+{{- $_ := set $custom $key (mulf $amount $perPod) }}
+{{- end }}
+{{- $rayStartParams := dict }}
+{{- if $custom }}
+{{- $_ := set $rayStartParams "resources" (toJson $custom | quote) }}
+{{- end }}
+{{- /* The derived resources win over a user-given rayStartParams.resources. */}}
+{{- $rayStartParams = merge $rayStartParams (deepCopy ($group.rayStartParams | default dict)) }}
+- groupName: {{ $poolName }}
+  {{- if $root.Values.rayAutoscaler.enabled }}
+  replicas: {{ $minPods }}
+  minReplicas: {{ $minPods }}
+  maxReplicas: {{ $maxPods }}
+  {{- else }}
+  replicas: {{ $maxPods }}
+  minReplicas: {{ $maxPods }}
+  maxReplicas: {{ $maxPods }}
+  {{- end }}
+  rayStartParams:
+    {{- range $key, $value := $rayStartParams }}
+    {{ $key }}: {{ $value | toString | quote }}
+    {{- end }}
+    {{- if not $rayStartParams }} {}{{ end }}
+  template:
+    metadata:
+      labels:
+        {{- include "splitserve.selectorLabels" $root | nindent 8 }}
+        app.kubernetes.io/component: {{ $poolName }}
+      {{- with $group.podAnnotations }}
+      annotations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+    spec:
+      {{- with $root.Values.imagePullSecrets }}
+      imagePullSecrets:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with include "splitserve.modelInitContainers" $root }}{{ . | trim | nindent 6 }}{{ end }}
+      containers:
+        - name: ray-worker
+          image: {{ include "splitserve.image" $root }}
+          imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          {{- with $group.extraEnv }}
+          env:
+            {{- toYaml . | nindent 12 }}
+          {{- end }}
+          resources:
+            {{- $resources := deepCopy ($group.resources | default dict) }}
+            {{- if gt $numGpus 0 }}
+            {{- $limits := $resources.limits | default dict }}
+            {{- $_ := set $limits "nvidia.com/gpu" $numGpus }}
+            {{- $_ := set $resources "limits" $limits }}
+            {{- end }}
+            {{- toYaml $resources | nindent 12 }}
+          volumeMounts:
+            - name: dshm
+              mountPath: /dev/shm
+            {{- with include "splitserve.modelVolumeMount" $root }}{{ . | trim | nindent 12 }}{{ end }}
+      volumes:
+        - name: dshm
+          emptyDir:
+            medium: Memory
+            {{- with $group.shmSize }}
+            sizeLimit: {{ . }}
+            {{- end }}
+        {{- with include "splitserve.modelVolume" $root }}{{ . | trim | nindent 8 }}{{ end }}
+      {{- with $group.nodeSelector }}
+      nodeSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $group.tolerations }}
+      tolerations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $group.affinity }}
+      affinity:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+{{- end }}
+
+{{/* The model volume of a Ray pod (nothing when the image holds the model). */}}
+{{- define "splitserve.modelVolume" -}}
+{{- $source := .Values.model.source }}
+{{- if eq $source "download" }}
+- name: model
+  emptyDir:
+    {{- with .Values.model.download.sizeLimit }}
+    sizeLimit: {{ . }}
+    {{- end }}
+{{- else if eq $source "pvc" }}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ include "splitserve.modelClaimName" . }}
+{{- else if eq $source "hostPath" }}
+- name: model
+  hostPath:
+    path: {{ .Values.model.hostPath.path }}
+    {{- with .Values.model.hostPath.type }}
+    type: {{ . }}
+    {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Mounts <volume>/<subPath> at serve.model, read-only: replicas only load weights. */}}
+{{- define "splitserve.modelVolumeMount" -}}
+{{- if ne .Values.model.source "image" }}
+- name: model
+  mountPath: {{ .Values.serve.model }}
+  subPath: {{ .Values.model.subPath }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/*
+Init container that downloads the weights into <volume>/<subPath> unless config.json is
+already there. It downloads beside the target and renames, so pods sharing a PVC never see a
+half-written model.
+*/}}
+{{- define "splitserve.modelInitContainers" -}}
+{{- if include "splitserve.downloadsModel" . }}
+{{- $download := .Values.model.download }}
+initContainers:
+  - name: model-download
+    image: {{ include "splitserve.image" . }}
+    imagePullPolicy: {{ .Values.image.pullPolicy }}
+    command:
+      - /bin/bash
+      - -ec
+      - |
+        target="/model-volume/$MODEL_SUBPATH"
+        if [ -f "$target/config.json" ]; then
+          echo "model already in $target"
+          exit 0
+        fi
+        partial="$target.partial-$HOSTNAME"
+        rm -rf "$partial"
+        mkdir -p "$(dirname "$target")"
+        python -c 'import sys; from huggingface_hub import snapshot_download; snapshot_download(sys.argv[1], revision=sys.argv[2], local_dir=sys.argv[3])' "$MODEL_REPO_ID" "$MODEL_REVISION" "$partial"
+        mv -T "$partial" "$target" || rm -rf "$partial"
+        test -f "$target/config.json"
+    env:
+      - name: MODEL_REPO_ID
+        value: {{ $download.repoId | quote }}
+      - name: MODEL_REVISION
+        value: {{ $download.revision | quote }}
+      - name: MODEL_SUBPATH
+        value: {{ .Values.model.subPath | quote }}
+      {{- if $download.tokenSecret.name }}
+      - name: HF_TOKEN
+        valueFrom:
+          secretKeyRef:
+            name: {{ $download.tokenSecret.name }}
+            key: {{ $download.tokenSecret.key }}
+      {{- end }}
+    volumeMounts:
+      - name: model
+        mountPath: /model-volume
+{{- end }}
+{{- end }}
+
+{{/* Checks across values that values.schema.json cannot express. */}}
+{{- define "splitserve.validate" -}}
+{{- if and (ne .Values.model.source "image") (not .Values.serve.model) }}
+{{- fail (printf "model.source %q mounts the weights at serve.model, so serve.model must be set" .Values.model.source) }}
+{{- end }}
+{{- if and .Values.serve.model (ne .Values.model.source "image") (not (hasPrefix "/" .Values.serve.model)) }}
+{{- fail (printf "serve.model must be an absolute path inside the pods, got %q" .Values.serve.model) }}
+{{- end }}
+{{- if eq .Values.serve.http_port .Values.serve.grpc_port }}
+{{- fail "serve.http_port and serve.grpc_port must differ" }}
+{{- end }}
+{{- end }}
