@@ -1,0 +1,61 @@
+"""BackendHealthServicer: grpc.health.v1.Health that follows the serving backend's health."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Iterable
+
+from grpc_health.v1 import health as grpc_health
+from grpc_health.v1 import health_pb2
+
+logger = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class BackendHealthServicer(grpc_health.aio.HealthServicer):
+    """SERVING while backend.health()["ok"], NOT_SERVING otherwise, for the overall server ("")
+    and each named service. Check re-reads the backend; a polling task keeps Watch streams
+    current; enter_graceful_shutdown() pins everything to NOT_SERVING."""
+
+    def __init__(self, backend, service_names: Iterable[str], poll_interval_s: float = 2.0):
+        super().__init__()
+        if poll_interval_s <= 0:
+            raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s!r}")
+        self._backend = backend
+        self._service_names = ("", *service_names)
+        self._poll_interval_s = poll_interval_s
+        self._poller: asyncio.Task | None = None
+
+    async def refresh(self) -> bool:
+        """Read backend.health() and publish it; returns whether the backend is ok."""
+        try:
+            ok = bool(self._backend.health().get("ok"))
+        except Exception:  # a failing health probe is an unhealthy server, not a crashed RPC
+            logger.warning("backend.health() failed; reporting NOT_SERVING", exc_info=True)
+            ok = False
+        for name in self._service_names:
+            await self.set(name, SERVING if ok else NOT_SERVING)
+        return ok
+
+    async def Check(self, request, context):
+        await self.refresh()
+        return await super().Check(request, context)
+
+    def start_polling(self) -> None:
+        if self._poller is None:
+            self._poller = asyncio.get_running_loop().create_task(self._poll(), name="grpc-health-poll")
+
+    async def stop_polling(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+            self._poller = None
+
+    async def _poll(self) -> None:
+        while True:
+            await self.refresh()
+            await asyncio.sleep(self._poll_interval_s)
