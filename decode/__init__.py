@@ -1,0 +1,1 @@
+"""Decode pool: DecodeWorker receives KV blocks, runs the continuous batch, streams tokens."""

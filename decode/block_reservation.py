@@ -1,0 +1,38 @@
+"""Loop-thread helpers: reserve a prompt's blocks before a transfer, admit it afterwards."""
+from __future__ import annotations
+
+from engine.engine_loop import EngineLoop
+from engine.llm_engine import LLMEngine
+from engine.sequence import Sequence
+from kvtransfer.handoff import PrefillResult
+
+
+def reserve_prompt_blocks(engine: LLMEngine, seq: Sequence) -> tuple[list[int], list[int]] | None:
+    """Reuse every cached full block of the prompt, allocate the rest. Returns (indices of the
+    prompt blocks to receive, the local blocks they go to), or None if blocks are short."""
+    kv = engine.kv
+    cached = kv.find_cached_blocks(seq, max_tokens=seq.num_prompt_tokens)
+    num_cached_tokens = len(cached) * kv.block_size
+    if not kv.allocate_prompt(seq, cached, seq.num_prompt_tokens - num_cached_tokens):
+        return None
+    missing = list(range(len(cached), len(seq.block_table)))
+    return missing, [seq.block_table[i] for i in missing]
+
+
+def admit_prefilled(engine: LLMEngine, seq: Sequence, result: PrefillResult, sink, loop: EngineLoop) -> None:
+    """The prompt's KV is in place: append the first token, emit it, join the running batch."""
+    seq.num_computed_tokens = seq.num_prompt_tokens
+    seq.num_cached_tokens = result.num_cached_tokens
+    seq.append_token(result.first_token, result.first_logprob if seq.params.logprobs else None)
+    reason = engine.scheduler.check_stop(seq)
+    engine.scheduler.add_prefilled(seq)   # also enters its received full blocks into the cache
+    if reason is not None:
+        engine.scheduler.finish(seq, reason)
+    out, hit_stop = engine.outputs.process(seq)
+    if hit_stop and not seq.is_finished:
+        engine.scheduler.finish(seq, "stop")
+    if out.finished:
+        engine.runner.forget(seq.request_id)
+    else:
+        loop.register_sink(seq.request_id, sink)
+    sink(out)

@@ -1,0 +1,195 @@
+"""DecodeWorker (a Ray actor): reserves blocks for a prompt, pulls the ones it lacks from a
+prefill replica over torch.distributed, then runs the request in its continuous batch and
+streams tokens. With no prefill replica given it prefills locally (conditional
+disaggregation, and the colocated mode)."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+
+import torch
+
+from engine.config import EngineConfig
+from engine.engine_loop import EngineLoop
+from engine.llm_engine import LLMEngine
+from engine.request_output import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+from kvtransfer.handoff import DecodeRequest, Handoff, PrefillResult, StreamChunk
+from kvtransfer.kv_receiver import PostedReceive
+from kvtransfer.transport import KVTransport, resolve_host
+from decode.block_reservation import reserve_prompt_blocks, admit_prefilled
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillFailedError(RuntimeError):
+    """The remote prefill or the KV transfer failed; no token reached the client, so the
+    frontend may retry on another prefill replica."""
+
+
+class ReplicaBusyError(RuntimeError):
+    """No KV blocks came free for the prompt in time."""
+
+
+class DecodeWorker:
+    def __init__(self, replica_id: str, engine_config: dict, transport_host: str = "127.0.0.1",
+                 transfer_timeout_s: float = 20.0, torch_threads: int | None = None,
+                 reserve_timeout_s: float = 30.0):
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        self.replica_id = replica_id
+        self.engine = LLMEngine(EngineConfig(**engine_config))
+        self.transport = KVTransport(replica_id, self.engine.kv_cache.device, host=resolve_host(transport_host),
+                                     timeout_s=transfer_timeout_s)
+        self.transfer_timeout_s = transfer_timeout_s
+        self.reserve_timeout_s = reserve_timeout_s
+        self.loop = EngineLoop(self.engine).start()
+        self._epochs: dict[str, int] = {}
+        self._open_pairs: set[str] = set()
+        self._pair_locks: dict[str, asyncio.Lock] = {}
+        self._transfer_ids = itertools.count(1)
+        self.num_blocks_received = 0
+        self.num_bytes_received = 0
+        self.transfer_seconds = 0.0
+        self.num_active = 0
+
+    async def ready(self) -> str:
+        return self.replica_id
+
+    # ---- streaming generation ------------------------------------------------------------
+    async def generate(self, request_bytes: bytes, prefill=None, prefill_id: str | None = None):
+        """Async generator of StreamChunk bytes. prefill: a PrefillWorker handle, or None to
+        prefill locally."""
+        req = DecodeRequest.from_bytes(request_bytes)
+        params = SamplingParams.from_dict(req.sampling)
+        seq = self.engine.make_sequence(None, req.prompt_token_ids, params, req.request_id)
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def sink(out: RequestOutput) -> None:  # engine loop thread
+            loop.call_soon_threadsafe(outputs.put_nowait, out)
+
+        finished = False
+        self.num_active += 1
+        try:
+            if prefill is None:
+                await asyncio.wrap_future(self.loop.add_sequence(seq, sink))
+            else:
+                first = await self._remote_prefill(seq, req, prefill, prefill_id)
+                await asyncio.wrap_future(self.loop.call(lambda e: admit_prefilled(e, seq, first, sink, self.loop)))
+            while not finished:
+                timeout = None if req.deadline is None else max(req.deadline - time.time(), 0.01)
+                out = await asyncio.wait_for(outputs.get(), timeout=timeout)
+                finished = out.finished
+                yield StreamChunk(
+                    request_id=out.request_id, token_ids=out.new_token_ids, text=out.new_text,
+                    finished=out.finished, finish_reason=out.finish_reason,
+                    num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
+                    num_output_tokens=len(out.token_ids), logprobs=out.new_logprobs,
+                    prefill_replica=prefill_id).to_bytes()
+        finally:
+            self.num_active -= 1
+            if not finished:  # cancelled, timed out or failed: free everything it held
+                await asyncio.wrap_future(self.loop.abort(seq.request_id))
+
+    async def _remote_prefill(self, seq: Sequence, req: DecodeRequest, prefill, prefill_id: str) -> PrefillResult:
+        plan = await self._reserve(seq)
+        missing, dst_blocks = plan
+        try:
+            await self._ensure_pair(prefill, prefill_id)
+            transfer_id = next(self._transfer_ids)
+            handoff = Handoff(
+                request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
+                sampling=seq.params.to_dict(), block_size=seq.block_size, source=prefill_id,
+                destination=self.replica_id, send_block_indices=missing, transfer_id=transfer_id,
+                epoch=self._epochs.get(prefill_id, 0), layerwise=req.layerwise, lease_s=req.lease_s,
+                deadline=req.deadline)
+            # Post every receive before asking for the data: transfers never wait on each other.
+            posted = PostedReceive(self.transport, self.engine.kv_cache, prefill_id, transfer_id,
+                                   dst_blocks, req.layerwise)
+            try:
+                result_bytes = await prefill.prefill.remote(handoff.to_bytes())
+                num_bytes, seconds = await asyncio.to_thread(posted.complete, self.transfer_timeout_s)
+            except BaseException as exc:
+                # Closing the pair fails the posted receives; wait for them to settle before
+                # their blocks are freed.
+                self._drop_pair(prefill_id)
+                await asyncio.to_thread(posted.abandon, 5.0)
+                self._ack(prefill, seq.request_id)
+                raise PrefillFailedError(f"prefill on {prefill_id} failed: {exc}") from exc
+        except BaseException:
+            await asyncio.wrap_future(self.loop.call(lambda e: e.kv.free(seq)))
+            raise
+        self._ack(prefill, seq.request_id)
+        self.num_blocks_received += len(dst_blocks)
+        self.num_bytes_received += num_bytes
+        self.transfer_seconds += seconds
+        return PrefillResult.from_bytes(result_bytes)
+
+    @staticmethod
+    def _ack(prefill, request_id: str | None = None) -> None:
+        if request_id is None:
+            return
+        try:
+            prefill.ack.remote(request_id)
+        except Exception:  # the prefill replica may be gone; its lease frees the blocks
+            pass
+
+    async def _reserve(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        deadline = time.monotonic() + self.reserve_timeout_s
+        while True:
+            plan = await asyncio.wrap_future(self.loop.call(lambda e: reserve_prompt_blocks(e, seq)))
+            if plan is not None:
+                return plan
+            if time.monotonic() >= deadline:
+                raise ReplicaBusyError(f"{self.replica_id}: no free KV blocks for {seq.num_prompt_tokens} "
+                                       f"prompt tokens after {self.reserve_timeout_s:.0f} s")
+            await asyncio.sleep(0.02)
+
+    async def _ensure_pair(self, prefill, prefill_id: str) -> None:
+        lock = self._pair_locks.setdefault(prefill_id, asyncio.Lock())
+        async with lock:
+            if prefill_id in self._open_pairs:
+                return
+            epoch = self._epochs.get(prefill_id, 0)
+            address = await asyncio.wait_for(prefill.transport_address.remote(), self.transfer_timeout_s)
+            await asyncio.wait_for(asyncio.gather(
+                prefill.connect.remote(self.replica_id, epoch),
+                asyncio.to_thread(self.transport.open_pair, prefill_id, tuple(address), "receiver", epoch),
+            ), self.transfer_timeout_s + 5)
+            self._open_pairs.add(prefill_id)
+
+    def _drop_pair(self, prefill_id: str) -> None:
+        self._open_pairs.discard(prefill_id)
+        self._epochs[prefill_id] = self._epochs.get(prefill_id, 0) + 1
+        try:
+            self.transport.close_pair(prefill_id)
+        except Exception:
+            logger.exception("closing the pair with %s failed", prefill_id)
+
+    # ---- control and state ---------------------------------------------------------------
+    async def abort(self, request_id: str) -> None:
+        await asyncio.wrap_future(self.loop.abort(request_id))
+
+    async def poll(self) -> dict:
+        def collect(engine: LLMEngine) -> dict:
+            return {"events": [ev.to_wire() for ev in engine.kv.take_events()], "load": engine.stats()}
+        result = await asyncio.wrap_future(self.loop.call(collect))
+        result["load"]["num_active"] = self.num_active
+        result["transfer"] = {"blocks": self.num_blocks_received, "bytes": self.num_bytes_received,
+                              "seconds": self.transfer_seconds}
+        return result
+
+    async def snapshot(self) -> tuple[int, list[int]]:
+        return await asyncio.wrap_future(self.loop.call(lambda e: e.kv.snapshot()))
+
+    async def forget_peer(self, prefill_id: str) -> None:
+        """A prefill replica left: drop its process group."""
+        self._drop_pair(prefill_id)
+
+    async def shutdown(self) -> None:
+        self.loop.stop()
+        self.transport.close()

@@ -1,0 +1,60 @@
+"""Finding and reading the files of a Hugging Face checkpoint directory (torch-free until read)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A model directory that is missing files or holds weights the model cannot use."""
+
+
+def require_model_dir(model_dir: str | Path) -> Path:
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise CheckpointError(f"model directory {root} does not exist")
+    if not (root / "config.json").is_file():
+        raise CheckpointError(f"no config.json in {root}: not a Hugging Face checkpoint")
+    return root
+
+
+def weight_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint: model.safetensors, or the shards of the index."""
+    root = Path(model_dir)
+    index_path = root / INDEX_FILE
+    if index_path.is_file():
+        try:
+            index = json.loads(index_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{index_path} is not valid JSON: {exc}") from None
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index_path} has no weight_map")
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not (root / s).is_file()]
+        if missing:
+            raise CheckpointError(f"{root} is missing shard(s) {', '.join(missing)} named in {INDEX_FILE}")
+        return [root / s for s in shards]
+    if (root / SINGLE_FILE).is_file():
+        return [root / SINGLE_FILE]
+    if list(root.glob("*.bin")) or list(root.glob("*.pth")):
+        raise CheckpointError(f"{root} holds only PyTorch pickle weights; convert them to safetensors")
+    raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {root}")
+
+
+def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, "object"]]:
+    """(hf_name, torch.Tensor on CPU) for every tensor in the checkpoint, shard by shard."""
+    from safetensors import SafetensorError
+    from safetensors.torch import safe_open
+
+    for path in weight_files(model_dir):
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+        except SafetensorError as exc:
+            raise CheckpointError(f"cannot read {path}: {exc}") from None

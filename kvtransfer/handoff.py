@@ -1,0 +1,140 @@
+"""The prefill -> decode handoff: a small, versioned msgpack message. No pickle crosses here.
+
+Flow (decode-driven): the decode replica reserves blocks for the prompt, works out which of
+the prompt's blocks it lacks, and sends a Handoff to the prefill replica; the prefill replica
+computes the prompt, streams the listed blocks over torch.distributed, and answers with a
+PrefillResult carrying the first token.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+import msgpack
+
+HANDOFF_VERSION = 1
+
+
+class HandoffError(ValueError):
+    """A handoff message that is malformed or of an unknown version."""
+
+
+def _pack(kind: str, obj) -> bytes:
+    return msgpack.packb({"v": HANDOFF_VERSION, "kind": kind, "body": asdict(obj)}, use_bin_type=True)
+
+
+def _unpack(kind: str, cls, data: bytes):
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise HandoffError(f"not a msgpack {kind} message: {exc}") from None
+    if not isinstance(raw, dict) or raw.get("kind") != kind:
+        raise HandoffError(f"expected a {kind} message")
+    if raw.get("v") != HANDOFF_VERSION:
+        raise HandoffError(f"unsupported {kind} version {raw.get('v')!r} (this build speaks {HANDOFF_VERSION})")
+    body = raw.get("body")
+    names = {f.name for f in fields(cls)}
+    if not isinstance(body, dict) or set(body) - names:
+        raise HandoffError(f"malformed {kind} body")
+    try:
+        return cls(**body)
+    except TypeError as exc:
+        raise HandoffError(f"malformed {kind} body: {exc}") from None
+
+
+@dataclass
+class Handoff:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict                       # SamplingParams.to_dict()
+    block_size: int
+    source: str                          # prefill replica id
+    destination: str                     # decode replica id
+    send_block_indices: list[int]        # indices into the prompt's block list that decode lacks
+    transfer_id: int                     # unique per (source, destination) pair; picks the tags
+    epoch: int = 0                       # pair incarnation (bumped when a peer restarts)
+    layerwise: bool = True               # send each layer as soon as it is computed
+    lease_s: float = 20.0                # how long prefill pins the blocks without an ack
+    deadline: float | None = None        # wall-clock time after which nobody should bother
+
+    def to_bytes(self) -> bytes:
+        return _pack("handoff", self)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Handoff":
+        msg = _unpack("handoff", cls, data)
+        if not msg.prompt_token_ids or msg.block_size < 1:
+            raise HandoffError("handoff has an empty prompt or a bad block size")
+        num_blocks = -(-len(msg.prompt_token_ids) // msg.block_size)
+        if any(not 0 <= i < num_blocks for i in msg.send_block_indices):
+            raise HandoffError("handoff lists a block index outside the prompt")
+        return msg
+
+
+@dataclass
+class PrefillResult:
+    request_id: str
+    first_token: int
+    first_logprob: float | None
+    num_cached_tokens: int               # prompt tokens the prefill replica found in its cache
+    num_blocks_sent: int
+    num_bytes_sent: int
+    prefill_seconds: float
+    transfer_seconds: float
+    extra: dict = field(default_factory=dict)
+
+    def to_bytes(self) -> bytes:
+        return _pack("prefill_result", self)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "PrefillResult":
+        return _unpack("prefill_result", cls, data)
+
+
+def layer_tag(transfer_id: int, layer: int, num_layers: int) -> int:
+    """Distinct tag for every (transfer, layer) on a pair, so concurrent transfers never mix."""
+    return (transfer_id * (num_layers + 1) + layer) % (2**31 - 1)
+
+
+@dataclass
+class DecodeRequest:
+    """Frontend -> decode replica: what to generate (tokenized once, at the frontend)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict
+    layerwise: bool = True
+    lease_s: float = 20.0
+    deadline: float | None = None        # time.time() after which the request is abandoned
+
+    def to_bytes(self) -> bytes:
+        return _pack("decode_request", self)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "DecodeRequest":
+        msg = _unpack("decode_request", cls, data)
+        if not isinstance(msg.prompt_token_ids, list) or not isinstance(msg.sampling, dict):
+            raise HandoffError("malformed decode request")
+        return msg
+
+
+@dataclass
+class StreamChunk:
+    """Decode replica -> frontend: the tokens and text produced since the last chunk."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    logprobs: list[float] = field(default_factory=list)
+    prefill_replica: str | None = None
+
+    def to_bytes(self) -> bytes:
+        return _pack("stream_chunk", self)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "StreamChunk":
+        return _unpack("stream_chunk", cls, data)

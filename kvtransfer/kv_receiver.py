@@ -1,0 +1,59 @@
+"""Decode side of a KV transfer: receive packed blocks and unpack them into the paged cache.
+
+Every layer's receive is posted before the prefill side is asked to send, so concurrent
+transfers on one pair can never wait on each other (each has its own tags)."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.block_copy import scatter_blocks
+from engine.kv_cache import KVCache
+from kvtransfer.handoff import layer_tag
+
+
+class PostedReceive:
+    """Receives posted for one transfer; complete() waits for them and unpacks the blocks."""
+
+    def __init__(self, transport, kv_cache: KVCache, peer_id: str, transfer_id: int,
+                 block_ids: list[int], layerwise: bool):
+        self.kv_cache = kv_cache
+        self.block_ids = block_ids
+        self.layerwise = layerwise
+        self.num_bytes = 0
+        self._ops = []
+        self._start = time.perf_counter()
+        if not block_ids:
+            return
+        num_layers = kv_cache.num_layers
+        self._ids = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
+        if layerwise:
+            targets = [(kv_cache.layer_planes(layer), layer_tag(transfer_id, layer, num_layers))
+                       for layer in range(num_layers)]
+        else:
+            planes = kv_cache.kv.view(2 * num_layers, kv_cache.num_blocks, -1)
+            targets = [(planes, layer_tag(transfer_id, num_layers, num_layers))]
+        for planes, tag in targets:
+            staging = torch.empty(planes.shape[0], len(block_ids), planes.shape[2],
+                                  dtype=planes.dtype, device=planes.device)
+            self._ops.append((planes, staging, transport.irecv(peer_id, [staging], tag)))
+
+    def complete(self, timeout_s: float) -> tuple[int, float]:
+        """Wait for every layer (in order, unpacking each as it lands). Returns (bytes, seconds).
+        Raises TransferError on a dead or stalled peer instead of hanging."""
+        deadline = time.monotonic() + timeout_s
+        for planes, staging, op in self._ops:
+            op.wait(max(deadline - time.monotonic(), 0.001))
+            scatter_blocks(staging, planes, self._ids)
+            self.num_bytes += staging.numel() * staging.element_size()
+        return self.num_bytes, time.perf_counter() - self._start
+
+    def abandon(self, timeout_s: float) -> None:
+        """Wait (bounded) for posted receives to settle so their buffers and blocks can go."""
+        deadline = time.monotonic() + timeout_s
+        for _, _, op in self._ops:
+            try:
+                op.wait(max(deadline - time.monotonic(), 0.001))
+            except Exception:
+                pass

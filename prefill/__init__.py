@@ -1,0 +1,1 @@
+"""Prefill pool: PrefillWorker computes prompts and hands their KV blocks to decode."""

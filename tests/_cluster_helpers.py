@@ -1,0 +1,65 @@
+"""Helpers for tests that drive a DisaggCluster from synchronous pytest code."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from cluster.disagg_cluster import DisaggCluster
+from cluster.router import DECODE, PREFILL
+from cluster.serve_config import ServeConfig
+
+
+class LoopThread:
+    """An asyncio loop in a daemon thread; run(coro) waits for the result with a timeout."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 120.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def cluster_config(model: str, num_prefill: int = 1, num_decode: int = 1, policy: str = "round-robin",
+                lease_s: float = 5.0, num_blocks: int = 64, **extra) -> ServeConfig:
+    pool = {"num_kv_blocks": num_blocks, "resources": {"num_cpus": 1}, "torch_threads": 1}
+    return ServeConfig.model_validate({
+        "model": model, "prefill": {"replicas": num_prefill, **pool}, "decode": {"replicas": num_decode, **pool},
+        "router": {"policy": policy, "local_prefill_threshold": 0}, "kv_transfer_lease_s": lease_s, **extra})
+
+
+def start_cluster(loop: LoopThread, cfg: ServeConfig) -> DisaggCluster:
+    cluster = DisaggCluster(cfg, cfg.model, poll_interval_s=0.05)
+    loop.run(cluster.start(), timeout=180)
+    return cluster
+
+
+def pool_states(loop: LoopThread, cluster: DisaggCluster) -> dict[str, dict]:
+    async def collect():
+        out = {}
+        for name, pool in ((PREFILL, cluster.prefill_pool), (DECODE, cluster.decode_pool)):
+            for r in pool.live_replicas():
+                out[r.replica_id] = await r.handle.poll.remote()
+        return out
+    return loop.run(collect(), timeout=30)
+
+
+def wait_for_baseline(loop: LoopThread, cluster: DisaggCluster, timeout_s: float = 15.0) -> dict:
+    """Poll until every live replica holds no blocks, pins nothing and runs nothing."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = pool_states(loop, cluster)
+        busy = {rid: s["load"] for rid, s in states.items()
+                if s["load"]["num_free_blocks"] != s["load"]["num_blocks"] or s["load"].get("num_pinned", 0)
+                or s["load"]["num_running"] or s["load"]["num_waiting"]}
+        if not busy:
+            return states
+        if time.monotonic() > deadline:
+            raise AssertionError(f"block pools not back to baseline: {busy}")
+        time.sleep(0.1)
