@@ -32,7 +32,7 @@ class Dispatcher:
     def __init__(self, router: Router, prefill_pool: WorkerPool | None, decode_pool: WorkerPool,
                  max_retries: int = 1, layerwise: bool = True, lease_s: float = 20.0,
                  request_timeout_s: float = 600.0, poll_interval_s: float = 0.1,
-                 on_poll: Callable[[str, str, dict], None] | None = None):
+                 on_poll: Callable[[str, str, dict], None] | None = None, idle_pair_s: float = 300.0):
         self.router = router
         self.pools = {PREFILL: prefill_pool, DECODE: decode_pool}
         self.max_retries = max_retries
@@ -41,6 +41,7 @@ class Dispatcher:
         self.request_timeout_s = request_timeout_s
         self.poll_interval_s = poll_interval_s
         self.on_poll = on_poll
+        self.idle_pair_s = idle_pair_s
         self.inflight: dict[str, str] = {}          # request id -> decode replica id
         self._poller: asyncio.Task | None = None
         self.num_retries = 0
@@ -94,10 +95,26 @@ class Dispatcher:
         if self.on_poll is not None:
             self.on_poll(pool, rid, state)
 
+    async def close_idle_pairs(self, max_idle_s: float) -> None:
+        """Decode replicas drop process groups idle for max_idle_s; their prefill peers follow."""
+        for decode in list(self.pools[DECODE].live_replicas()):
+            try:
+                closed = await asyncio.wait_for(decode.handle.close_idle_pairs.remote(max_idle_s), 30)
+            except (asyncio.TimeoutError, ray.exceptions.RayError):
+                continue
+            for prefill_id in closed:
+                prefill = self.pools[PREFILL].get(prefill_id) if self.pools[PREFILL] else None
+                if prefill is not None:
+                    prefill.handle.forget_peer.remote(decode.replica_id)
+
     async def _poll_forever(self) -> None:
+        last_idle_sweep = time.monotonic()
         while True:
             try:
                 await self.poll_once()
+                if time.monotonic() - last_idle_sweep > self.idle_pair_s / 4:
+                    last_idle_sweep = time.monotonic()
+                    await self.close_idle_pairs(self.idle_pair_s)
             except Exception:
                 logger.exception("replica poll failed")
             await asyncio.sleep(self.poll_interval_s)

@@ -50,6 +50,9 @@ class WorkerPool:
                 "max_concurrency": 1000, "max_restarts": 0, "name": f"{self.name_prefix}-{replica_id}"}
         if self.resources.resources:
             opts["resources"] = dict(self.resources.resources)
+        if self.resources.num_gpus > 0:
+            # Fail an NCCL op with an error instead of letting the watchdog kill the process.
+            opts["runtime_env"] = {"env_vars": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}}
         return opts
 
     def start_replica(self) -> Replica:

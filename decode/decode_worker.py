@@ -186,6 +186,15 @@ class DecodeWorker:
     async def snapshot(self) -> tuple[int, list[int]]:
         return await asyncio.wrap_future(self.loop.call(lambda e: e.kv.snapshot()))
 
+    async def close_idle_pairs(self, max_idle_s: float) -> list[str]:
+        """Tear down process groups unused for max_idle_s; returns the prefill ids affected
+        (the caller tells those replicas to drop their side)."""
+        closed = await asyncio.to_thread(self.transport.close_idle, max_idle_s)
+        for prefill_id in closed:
+            self._open_pairs.discard(prefill_id)
+            self._epochs[prefill_id] = self._epochs.get(prefill_id, 0) + 1
+        return closed
+
     async def forget_peer(self, prefill_id: str) -> None:
         """A prefill replica left: drop its process group."""
         self._drop_pair(prefill_id)

@@ -157,8 +157,9 @@ class PrefillWorker:
         self.sender.stall_s = stall_send_s
         self.sender.num_sends_to_fail = fail_sends
 
-    async def close_idle_pairs(self, max_idle_s: float) -> int:
-        return await asyncio.to_thread(self.transport.close_idle, max_idle_s)
+    async def forget_peer(self, decode_id: str) -> None:
+        """The decode replica closed (or lost) its side of the pair: close ours too."""
+        await asyncio.to_thread(self.transport.close_pair, decode_id)
 
     async def shutdown(self) -> None:
         self.loop.stop()
