@@ -1,0 +1,1 @@
+"""splitserve cluster layer: Ray pools, router, autoscaling, HTTP/gRPC frontends, CLI."""
