@@ -136,7 +136,7 @@ def run_serve(args: argparse.Namespace) -> int:
     else:
         need = int(cfg.prefill.replicas * cfg.prefill.resources.num_cpus
                    + cfg.decode.replicas * cfg.decode.resources.num_cpus) + 2
-        ray.init(num_cpus=args.num_cpus or max(os.cpu_count() or 2, need), include_dashboard=False,
+        ray.init(address="local", num_cpus=args.num_cpus or max(os.cpu_count() or 2, need), include_dashboard=False,
                  _node_ip_address="127.0.0.1", logging_level="WARNING")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,0 +1,89 @@
+"""A server-sent-events response that stops generation the moment its client goes away.
+
+Starlette's StreamingResponse only notices a disconnect on some ASGI versions, and even then
+leaves a body generator that was parked at a `yield` for the garbage collector. Here the
+client is watched for the whole response, and both the event iterator and the backend's
+generator are closed explicitly, so the request is aborted on its replica right away.
+"""
+from __future__ import annotations
+
+import logging
+from typing import AsyncGenerator, AsyncIterator
+
+import anyio
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+logger = logging.getLogger(__name__)
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its response was ready."""
+
+
+async def wait_for_disconnect(receive: Receive) -> None:
+    """Return once the client disconnects (call after the request body has been read)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_until_disconnected(receive: Receive, work):
+    """Await `work` (an awaitable); cancel it and raise ClientDisconnected if the client leaves."""
+    outcome: tuple[bool, object] | None = None
+    async with anyio.create_task_group() as group:
+        async def watch() -> None:
+            await wait_for_disconnect(receive)
+            group.cancel_scope.cancel()
+
+        group.start_soon(watch)
+        try:
+            outcome = (True, await work)
+        except Exception as exc:  # re-raised below, so it is not wrapped in an ExceptionGroup
+            outcome = (False, exc)
+        finally:
+            group.cancel_scope.cancel()
+    if outcome is None:
+        raise ClientDisconnected()
+    ok, value = outcome
+    if not ok:
+        raise value
+    return value
+
+
+class SSEResponse(StreamingResponse):
+    """text/event-stream of `events`; `source` (the backend generator feeding them) is closed
+    when the response ends for any reason: finished, client disconnect, or error."""
+
+    def __init__(self, events: AsyncIterator[str], source: AsyncGenerator | None = None,
+                 status_code: int = 200):
+        super().__init__(events, status_code=status_code, headers=SSE_HEADERS,
+                         media_type="text/event-stream")
+        self.source = source
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # ASGI 2.4 servers raise on send after a disconnect
+                        logger.debug("client disconnected while streaming")
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await wait_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.close_sources()
+
+    async def close_sources(self) -> None:
+        aclose = getattr(self.body_iterator, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        if self.source is not None:
+            await self.source.aclose()
