@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP frontend: build_http_app(backend) -> FastAPI.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE with `stream: true`),
-GET /v1/models, GET /health, GET /metrics, and FastAPI's /openapi.json. Every error is
+GET /v1/models, GET /health, GET /metrics, and FastAPI's /openapi.json. A generation request
+may carry `x-request-timeout: SECONDS` (capped by request_timeout_s; past it: 504). Every error is
 OpenAI's {"error": {"message", "type", "param", "code"}}; no traceback ever reaches a client.
 `backend` is a cluster.serving_backend.ServingBackend or anything with the same interface.
 """
@@ -20,25 +21,24 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.http_guard import RequestGuard, bearer_token
-from cluster.openai_protocol import (
-    ChatCompletionRequest,
+from cluster.openai_protocol import ChatCompletionRequest, CompletionRequest, build_sampling_params
+from cluster.openai_responses import (
     ChatCompletionResponse,
-    CompletionRequest,
     CompletionResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
-    build_sampling_params,
     error_body,
 )
 from cluster.openai_render import SSE_DONE, ChatRenderer, CompletionRenderer, ResponseRenderer, sse_event
-from cluster.serving_backend import BackendError
+from cluster.backend_error import BackendError
 from cluster.sse_response import ClientDisconnected, SSEResponse, run_until_disconnected
 from engine.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503)}
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503, 504)}
+TIMEOUT_HEADER = "x-request-timeout"
 GENERATION_RESPONSES = {200: {"content": {"text/event-stream": {}}}, **_ERRORS}
 
 
@@ -110,10 +110,9 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def on_client_gone(_: Request, __: ClientDisconnected) -> Response:
         return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
 
+    # Starlette re-raises after this response is sent, so the server logs the traceback.
     @app.exception_handler(Exception)
-    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.error("unhandled error on %s %s", request.method, request.url.path,
-                     exc_info=(type(exc), exc, exc.__traceback__))
+    async def on_unexpected(_: Request, __: Exception) -> JSONResponse:
         return _error_response(500, "internal server error", "server_error")
 
 
@@ -183,7 +182,9 @@ def build_http_app(backend) -> FastAPI:
                        renderer: ResponseRenderer, stream: bool) -> Response:
         # Refusals (400/429/503) come before the first chunk, so they still get a status code.
         source = backend.generate(prompt_ids, params, request_id=renderer.request_id,
-                                  api_key=bearer_token(request.scope.get("headers", [])))
+                                  api_key=bearer_token(request.scope.get("headers", [])),
+                                  timeout_s=_request_timeout(request))
+        renderer.num_prompt_tokens = len(prompt_ids)  # chunks repeat it; this covers an empty stream
         handed_off = False
         try:
             first = await run_until_disconnected(request.receive, anext(source, None))
@@ -208,6 +209,21 @@ def build_http_app(backend) -> FastAPI:
 
     _pin_model_in_openapi(app, backend.model_name)
     return app
+
+
+def _request_timeout(request: Request) -> float | None:
+    """The client's deadline in seconds from the x-request-timeout header (None: the server's)."""
+    raw = request.headers.get(TIMEOUT_HEADER)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise OpenAIHTTPError(400, f"the {TIMEOUT_HEADER} header must be a positive number of seconds, "
+                              f"got {raw[:32]!r}", param=TIMEOUT_HEADER)
+    return value
 
 
 def _pin_model_in_openapi(app: FastAPI, model_name: str) -> None:

@@ -11,7 +11,7 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cluster.openai_protocol import error_body
+from cluster.openai_responses import error_body
 
 
 async def send_error(send: Send, status: int, message: str, error_type: str, code: str | None = None,

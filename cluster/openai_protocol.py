@@ -1,4 +1,5 @@
-"""OpenAI-compatible request and response shapes for /v1/completions and /v1/chat/completions.
+"""OpenAI-compatible request shapes for /v1/completions and /v1/chat/completions, and the
+SamplingParams they ask for (responses: cluster.openai_responses).
 
 Requests ignore fields they do not know (OpenAI clients send some) but reject wrong types
 (strict mode: no "0.5" for a float, no true for an int). Parameters splitserve cannot honour
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from engine.sampling_params import (
     MAX_STOP_STRING_CHARS,
@@ -17,7 +18,6 @@ from engine.sampling_params import (
     InvalidRequestError,
     SamplingParams,
 )
-
 
 SEED_RANGE = 2**63  # SamplingParams' seeds are in [0, 2**63)
 
@@ -147,8 +147,16 @@ def _prompt_item_kind(value) -> str:
 
 
 class ContentPart(_Request):
-    type: str = Field(json_schema_extra={"enum": ["text"]}, description="only text parts are supported")
-    text: str | None = None
+    type: Literal["text"] = Field(description="only text parts are supported")
+    text: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, value):
+        # Before the field checks, so an image part is refused for what it is.
+        if isinstance(value, dict) and value.get("type") != "text":
+            raise ValueError(f"only text content parts are supported, got a {value.get('type')!r} part")
+        return value
 
 
 class ChatMessageParam(_Request):
@@ -164,10 +172,6 @@ class ChatMessageParam(_Request):
         elif isinstance(content, str):
             text = content
         else:
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise RequestParamError(
-                        f"only text content parts are supported, got a {part.type!r} part", "messages")
             text = "\n".join(part.text for part in content)
         message = {"role": self.role, "content": text}
         if self.name is not None:
@@ -229,129 +233,3 @@ def build_sampling_params(request: CompletionRequest | ChatCompletionRequest, nu
         ignore_eos=request.ignore_eos,
         logprobs=logprobs,
     )
-
-
-# ---- responses ---------------------------------------------------------------------------
-
-def _omit_if_none(value) -> bool:
-    return value is None
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float]] | None = None
-    text_offset: list[int]
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class CompletionResponse(BaseModel):
-    """A completion, and (object "text_completion" too) each chunk of a streamed one."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = Field(None, exclude_if=_omit_if_none)
-
-
-class ChatTokenLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-    top_logprobs: list[dict] = Field(default_factory=list)
-
-
-class ChatChoiceLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] | None = None
-
-
-class ChatMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: ChatMessage
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = Field(None, exclude_if=_omit_if_none)
-    content: str | None = Field(None, exclude_if=_omit_if_none)
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: ChatDelta
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = Field(None, exclude_if=_omit_if_none)
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "splitserve"
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
-
-
-def error_body(message: str, error_type: str, param: str | None = None,
-               code: str | int | None = None) -> dict:
-    """OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}."""
-    return ErrorResponse(error=ErrorDetail(message=message, type=error_type, param=param,
-                                           code=code)).model_dump()

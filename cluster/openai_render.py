@@ -6,7 +6,7 @@ import json
 import math
 from typing import TYPE_CHECKING
 
-from cluster.openai_protocol import (
+from cluster.openai_responses import (
     ChatChoice,
     ChatChoiceLogprobs,
     ChatChunkChoice,

@@ -11,9 +11,11 @@ import uvicorn
 
 from cluster.metrics import Metrics
 from cluster.serve_config import ServeConfig
-from cluster.serving_backend import BackendError
+from cluster.backend_error import BackendError
+from engine.make_model import write_random_checkpoint
 from engine.request_validation import validate_prompt
 from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.tokenizer import Tokenizer
 from kvtransfer.handoff import StreamChunk
 
 MODEL_NAME = "tiny-test"
@@ -64,10 +66,10 @@ class FakeBackend:
     def render_metrics(self) -> bytes:
         return self.metrics.render()
 
-    async def generate(self, prompt_token_ids, params, request_id=None, api_key=None):
+    async def generate(self, prompt_token_ids, params, request_id=None, api_key=None, timeout_s=None):
         self.validate(prompt_token_ids, params)
         self.calls.append({"prompt_token_ids": list(prompt_token_ids), "params": params,
-                           "request_id": request_id, "api_key": api_key})
+                           "request_id": request_id, "api_key": api_key, "timeout_s": timeout_s})
         if self.refusal is not None:
             raise self.refusal
         if self.crash is not None:
@@ -140,3 +142,8 @@ class ServerThread:
     def url(self) -> str:
         port = self.server.servers[0].sockets[0].getsockname()[1]
         return f"http://127.0.0.1:{port}"
+
+
+def tiny_tokenizer(out_dir) -> Tokenizer:
+    """The tokenizer of a `tiny` random checkpoint written into out_dir."""
+    return Tokenizer.from_pretrained(write_random_checkpoint(out_dir, preset="tiny"))
