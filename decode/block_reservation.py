@@ -15,8 +15,10 @@ def reserve_prompt_blocks(engine: LLMEngine, seq: Sequence) -> tuple[list[int], 
     num_cached_tokens = len(cached) * kv.block_size
     if not kv.allocate_prompt(seq, cached, seq.num_prompt_tokens - num_cached_tokens):
         return None
-    missing = list(range(len(cached), len(seq.block_table)))
-    return missing, [seq.block_table[i] for i in missing]
+    # Ordered by destination block: a run of ascending ids is received in place, no unpacking.
+    pairs = sorted(((i, seq.block_table[i]) for i in range(len(cached), len(seq.block_table))),
+                   key=lambda pair: pair[1])
+    return [i for i, _ in pairs], [b for _, b in pairs]
 
 
 def admit_prefilled(engine: LLMEngine, seq: Sequence, result: PrefillResult, sink, loop: EngineLoop) -> None:

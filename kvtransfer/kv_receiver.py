@@ -1,7 +1,9 @@
 """Decode side of a KV transfer: receive packed blocks and unpack them into the paged cache.
 
 Every layer's receive is posted before the prefill side is asked to send, so concurrent
-transfers on one pair can never wait on each other (each has its own tags)."""
+transfers on one pair can never wait on each other (each has its own tags). Messages follow
+kvtransfer.wire_layout: when the reserved blocks are one ascending run they land in the cache
+directly; otherwise in a staging buffer that complete() scatters, layer by layer as they land."""
 from __future__ import annotations
 
 import time
@@ -11,6 +13,7 @@ import torch
 from engine.block_copy import scatter_blocks
 from engine.kv_cache import KVCache
 from kvtransfer.handoff import layer_tag
+from kvtransfer.wire_layout import ascending_run_start, plane_messages
 
 
 class PostedReceive:
@@ -28,25 +31,28 @@ class PostedReceive:
             return
         num_layers = kv_cache.num_layers
         self._ids = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
-        if layerwise:
-            targets = [(kv_cache.layer_planes(layer), layer_tag(transfer_id, layer, num_layers))
-                       for layer in range(num_layers)]
-        else:
-            planes = kv_cache.kv.view(2 * num_layers, kv_cache.num_blocks, -1)
-            targets = [(planes, layer_tag(transfer_id, num_layers, num_layers))]
-        for planes, tag in targets:
-            staging = torch.empty(planes.shape[0], len(block_ids), planes.shape[2],
-                                  dtype=planes.dtype, device=planes.device)
-            self._ops.append((planes, staging, transport.irecv(peer_id, [staging], tag)))
+        run_start = ascending_run_start(block_ids)
+        packed_tag = layer_tag(transfer_id, num_layers, num_layers)
+        for layer in range(num_layers):
+            # Packed transfers share one tag, but arrive (and are unpacked) layer by layer too.
+            tag = layer_tag(transfer_id, layer, num_layers) if layerwise else packed_tag
+            planes = kv_cache.layer_planes(layer)
+            if run_start is not None:  # straight into the cache: nothing to unpack
+                staging, messages = None, plane_messages(planes, run_start, len(block_ids))
+            else:
+                staging = torch.empty(planes.shape[0], len(block_ids), planes.shape[2],
+                                      dtype=planes.dtype, device=planes.device)
+                messages = list(staging.unbind(0))
+            self._ops.append((planes, staging, transport.irecv(peer_id, messages, tag)))
 
     def complete(self, timeout_s: float) -> tuple[int, float]:
         """Wait for every layer (in order, unpacking each as it lands). Returns (bytes, seconds).
         Raises TransferError on a dead or stalled peer instead of hanging."""
         deadline = time.monotonic() + timeout_s
         for planes, staging, op in self._ops:
-            op.wait(max(deadline - time.monotonic(), 0.001))
-            scatter_blocks(staging, planes, self._ids)
-            self.num_bytes += staging.numel() * staging.element_size()
+            self.num_bytes += op.wait(max(deadline - time.monotonic(), 0.001))
+            if staging is not None:
+                scatter_blocks(staging, planes, self._ids)
         return self.num_bytes, time.perf_counter() - self._start
 
     def abandon(self, timeout_s: float) -> None:

@@ -2,6 +2,9 @@
 
 A single sender thread per worker keeps sends in the order they were queued; the engine
 loop only enqueues (gathering happens here), so transfer overlaps the next layer's compute.
+Sends are posted without waiting (packing the next layer overlaps the wire); a job waits for
+all of them once, after its last layer. Messages follow kvtransfer.wire_layout: blocks that
+form one ascending run go out straight from the cache, others are packed first.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from engine.block_copy import gather_blocks
 from engine.kv_cache import KVCache
 from kvtransfer.errors import TransferError
 from kvtransfer.handoff import layer_tag
+from kvtransfer.wire_layout import ascending_run_start, plane_messages
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +38,10 @@ class SendJob:
     done: Future = field(default_factory=Future)
     num_layers_sent: int = 0
     num_bytes: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0              # sender-thread time on this job: pack, post, final wait
     failed: bool = False
+    # Posted sends, each holding its tensors until it completes.
+    pending: list = field(default_factory=list, repr=False)
 
 
 class KVSender:
@@ -87,25 +93,36 @@ class KVSender:
     def _send(self, job: SendJob, layer: int | None) -> None:
         if self.stall_s:
             time.sleep(self.stall_s)
+            if job.failed or job.done.done():  # its lease ran out meanwhile: the blocks may be reused
+                return
         if self.num_sends_to_fail:
             self.num_sends_to_fail -= 1
             raise TransferError(f"injected send failure for {job.request_id}")
         start = time.perf_counter()
         if job.block_ids:
-            if layer is None:
-                planes = self.kv_cache.kv.view(2 * self.num_layers, self.kv_cache.num_blocks, -1)
-                tag = layer_tag(job.transfer_id, self.num_layers, self.num_layers)
-            else:
-                planes = self.kv_cache.layer_planes(layer)
-                tag = layer_tag(job.transfer_id, layer, self.num_layers)
-            staging = gather_blocks(planes, job.block_ids)
-            self.transport.send(job.peer_id, [staging], tag)
-            job.num_bytes += staging.numel() * staging.element_size()
-        job.seconds += time.perf_counter() - start
+            # A packed job goes out under one tag, but still layer by layer: packing layer i + 1
+            # overlaps the wire time of layer i.
+            layers = range(self.num_layers) if layer is None else [layer]
+            tag = layer_tag(job.transfer_id, self.num_layers if layer is None else layer, self.num_layers)
+            run_start = ascending_run_start(job.block_ids)
+            for index in layers:
+                planes = self.kv_cache.layer_planes(index)
+                if run_start is not None:  # pinned until decode acks: send straight from the cache
+                    messages = plane_messages(planes, run_start, len(job.block_ids))
+                else:
+                    messages = list(gather_blocks(planes, job.block_ids).unbind(0))
+                op = self.transport.isend(job.peer_id, messages, tag)
+                job.pending.append(op)
+                job.num_bytes += op.num_bytes
         job.num_layers_sent = self.num_layers if layer is None else job.num_layers_sent + 1
-        if job.num_layers_sent == self.num_layers:
+        finished = job.num_layers_sent == self.num_layers
+        if finished:
+            for op in job.pending:   # in posting order; a failure raises TransferError
+                op.wait()
+            job.pending.clear()
+        job.seconds += time.perf_counter() - start
+        if finished:
             self.total_bytes += job.num_bytes
             self.total_seconds += job.seconds
             if job.done.set_running_or_notify_cancel():
                 job.done.set_result(job)
-

@@ -166,3 +166,16 @@ def test_idle_pairs_are_torn_down_and_reopened(loop, cluster_1p1d, reference):
     result = run_all(loop, cluster_1p1d, [prompt])[0]             # a fresh pair, next epoch
     assert result["token_ids"] == reference[tuple(prompt)] and result["prefill_replica"] == "prefill-0"
     wait_for_baseline(loop, cluster_1p1d)
+
+
+def test_colocated_mode_without_prefill_pool(ray_cluster, tiny_model, loop, reference):
+    """prefill replicas = 0: decode replicas prefill locally (the colocated baseline)."""
+    cluster = start_cluster(loop, cluster_config(tiny_model, num_prefill=0, num_decode=1))
+    try:
+        results = run_all(loop, cluster, mixed_prompts())
+        for prompt, res in zip(mixed_prompts(), results):
+            assert res["token_ids"] == reference[tuple(prompt)]
+            assert res["prefill_replica"] is None
+        wait_for_baseline(loop, cluster)
+    finally:
+        loop.run(cluster.shutdown(), timeout=60)
