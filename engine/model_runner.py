@@ -31,21 +31,29 @@ class ModelRunner:
         slots: list[int] = []
         query_start = [0]
         context_lens: list[int] = []
-        last_index: list[int] = []
-        max_blocks = 0
+        tables: list[list[int]] = []
+        num_tokens = 0
         for seq, n in zip(seqs, num_new_tokens):
             start = seq.num_computed_tokens
-            end = start + n
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            query_start.append(query_start[-1] + n)
-            context_lens.append(end)
-            last_index.append(query_start[-1] - 1)
-            max_blocks = max(max_blocks, -(-end // bs))
-        tables = [seq.block_table[:max_blocks] + [0] * (max_blocks - min(len(seq.block_table), max_blocks))
-                  for seq in seqs]
+            if n == 1:  # a decode step: skip the slicing and ranges of the general case
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                end = start + n
+                input_ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            num_tokens += n
+            query_start.append(num_tokens)
+            context_lens.append(start + n)
+            tables.append(table)
+        last_index = [q - 1 for q in query_start[1:]]
+        max_blocks = -(-max(context_lens) // bs)
+        # Each row: the first max_blocks entries of the sequence's table, zero-padded.
+        tables = [t[:max_blocks] if len(t) >= max_blocks else t + [0] * (max_blocks - len(t))
+                  for t in tables]
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
