@@ -7,8 +7,9 @@ import logging
 import uuid
 from typing import AsyncIterator
 
-from cluster.dispatcher import Dispatcher
+from cluster.dispatcher import ACTOR_GONE, Dispatcher
 from cluster.router import DECODE, PREFILL, Router
+from cluster.scaling_policy import initial_replicas
 from cluster.serve_config import EnginePoolConfig, ServeConfig
 from cluster.worker_pool import Replica, WorkerPool
 from decode.decode_worker import DecodeWorker
@@ -36,7 +37,7 @@ class DisaggCluster:
     def __init__(self, cfg: ServeConfig, model_dir: str, poll_interval_s: float = 0.1, on_poll=None):
         self.cfg = cfg
         self.model_dir = model_dir
-        self.router = Router(cfg.router, block_size=cfg.block_size)
+        router = Router(cfg.router, block_size=cfg.block_size)
         # Actor names carry a per-deployment id so two deployments can share a Ray cluster.
         self.cluster_id = uuid.uuid4().hex[:8]
         prefix = f"splitserve-{self.cluster_id}"
@@ -49,14 +50,26 @@ class DisaggCluster:
             transport_host=cfg.transport_host, transfer_timeout_s=cfg.kv_transfer_lease_s,
             torch_threads=_threads(cfg.decode), name_prefix=prefix)
         self.pools = {PREFILL: self.prefill_pool, DECODE: self.decode_pool}
-        self.dispatcher = Dispatcher(self.router, self.prefill_pool, self.decode_pool,
+        self.dispatcher = Dispatcher(router, self.prefill_pool, self.decode_pool,
                                      max_retries=cfg.max_retries, lease_s=cfg.kv_transfer_lease_s,
                                      layerwise=cfg.layerwise_transfer,
                                      request_timeout_s=cfg.request_timeout_s,
                                      poll_interval_s=poll_interval_s, on_poll=on_poll)
 
+    @property
+    def router(self) -> Router:
+        """The dispatcher's router: the one object routing reads, replaced by restart_router."""
+        return self.dispatcher.router
+
+    async def restart_router(self) -> Router:
+        """Replace the router with a fresh one (same config) indexed from every live replica's
+        snapshot, as after a router crash; requests keep flowing during the swap."""
+        return await self.dispatcher.rebuild_router(
+            lambda: Router(self.cfg.router, block_size=self.cfg.block_size))
+
     async def start(self) -> None:
-        for name, num in ((PREFILL, self.cfg.prefill.replicas), (DECODE, self.cfg.decode.replicas)):
+        for name, pool_cfg in ((PREFILL, self.cfg.prefill), (DECODE, self.cfg.decode)):
+            num = initial_replicas(pool_cfg.replicas, pool_cfg.autoscaling)
             if num:
                 await self.add_replicas(name, num)
         self.dispatcher.start_polling()
@@ -76,21 +89,22 @@ class DisaggCluster:
         return replicas
 
     async def drain_replica(self, pool: str, replica_id: str, timeout_s: float = 120.0) -> bool:
-        """Stop routing to a replica, wait for its in-flight requests, then remove it.
-        Returns False if requests were still running at the timeout (it is removed anyway)."""
+        """Stop routing to a replica, wait for its in-flight requests, then drop its index
+        entries and remove it. Returns False if requests were still in flight at the timeout
+        (it is removed anyway)."""
         self.router.set_draining(pool, replica_id, True)
         replica = self.pools[pool].get(replica_id)
-        drained = False
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while replica is not None and asyncio.get_running_loop().time() < deadline:
-            state = await replica.handle.poll.remote()
-            load = state["load"]
-            if load["num_running"] == 0 and load["num_waiting"] == 0 and load.get("num_active", 0) == 0 \
-                    and load.get("num_pinned", 0) == 0:
-                drained = True
-                break
-            await asyncio.sleep(0.1)
-        self.dispatcher.drop_replica(pool, replica_id, kill=True)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        drained = replica is None
+        while not drained and loop.time() < deadline:
+            # The dispatcher's count covers requests routed here whose call has not arrived.
+            drained = self.dispatcher.num_inflight(pool, replica_id) == 0 and await _is_idle(replica)
+            if not drained:
+                await asyncio.sleep(0.1)
+        self.dispatcher.drop_replica(pool, replica_id, kill=False)
+        if replica is not None:
+            await asyncio.to_thread(WorkerPool.kill, replica)  # blocking; keep streams flowing
         return drained
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -120,3 +134,17 @@ class DisaggCluster:
         await self.dispatcher.stop_polling()
         for pool in self.pools.values():
             await asyncio.to_thread(pool.stop)
+
+
+async def _is_idle(replica: Replica) -> bool:
+    """The replica runs, queues, streams and pins nothing (a dead one is idle: nothing is left
+    to wait for)."""
+    try:
+        state = await asyncio.wait_for(replica.handle.poll.remote(), 10)
+    except ACTOR_GONE:
+        return True
+    except asyncio.TimeoutError:
+        return False
+    load = state["load"]
+    return not (load["num_running"] or load["num_waiting"] or load.get("num_active", 0)
+                or load.get("num_pinned", 0))

@@ -40,6 +40,7 @@ STATUS_CODE_BY_HTTP_STATUS = {
     404: grpc.StatusCode.NOT_FOUND,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 # Sampling fields declared `optional` in the .proto: unset means the SamplingParams default.
 _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
@@ -109,6 +110,12 @@ def _bearer_token(metadata) -> str | None:
             if scheme.lower() == "bearer" and token.strip():
                 return token.strip()
     return None
+
+
+def _time_remaining(context: grpc.aio.ServicerContext) -> float | None:
+    """Seconds left before the client's deadline (None: it set none)."""
+    remaining = context.time_remaining()
+    return None if remaining is None else max(remaining, 0.001)
 
 
 def _address(host: str, port: int) -> str:
@@ -210,8 +217,9 @@ class GrpcFrontend:
             params = sampling_params_from(request)
         except InvalidRequestError as exc:
             raise _Rejection(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        # The client's gRPC deadline becomes the request's (capped by request_timeout_s).
         chunks = self.backend.generate(prompt_token_ids, params, request_id=request.request_id or None,
-                                       api_key=api_key)
+                                       api_key=api_key, timeout_s=_time_remaining(context))
         # aclosing: when the client cancels, the CancelledError raised in context.write closes
         # the backend generator, whose cleanup aborts the request and frees its KV blocks.
         async with contextlib.aclosing(chunks):

@@ -12,7 +12,7 @@ from typing import AsyncIterator
 from cluster.autoscaler import Autoscaler
 from cluster.disagg_cluster import DisaggCluster
 from cluster.backend_error import BackendError, invalid
-from cluster.dispatcher import RequestFailedError
+from cluster.dispatcher import DEADLINE_STATUS, RequestFailedError
 from cluster.latency_window import LatencyWindow
 from cluster.metrics import Metrics
 from cluster.router import DECODE, PREFILL
@@ -66,6 +66,7 @@ class ServingBackend:
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str) or not text:
             raise invalid("the prompt is empty")
+        _check_unicode(text)
         return self.tokenizer.encode(text)
 
     def render_chat(self, messages: list[dict]) -> list[int]:
@@ -75,6 +76,7 @@ class ServingBackend:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except (ValueError, TypeError, KeyError) as exc:
             raise invalid(f"could not apply the chat template: {exc}") from None
+        _check_unicode(text)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -91,9 +93,15 @@ class ServingBackend:
 
     # ---- generation ----------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None, api_key: str | None = None) -> AsyncIterator[StreamChunk]:
-        """Validate, admit, stream. Raises BackendError before the first chunk on refusal."""
+                       request_id: str | None = None, api_key: str | None = None,
+                       timeout_s: float | None = None) -> AsyncIterator[StreamChunk]:
+        """Validate, admit, stream. Raises BackendError before the first chunk on refusal.
+        timeout_s: the client's own deadline, capped by request_timeout_s; past it the
+        request fails with status 504 and its KV blocks are freed."""
         self.validate(prompt_token_ids, params)
+        if timeout_s is not None and not timeout_s > 0:
+            raise invalid(f"the request timeout must be a positive number of seconds, got {timeout_s!r}")
+        deadline = time.time() + min(timeout_s or self.cfg.request_timeout_s, self.cfg.request_timeout_s)
         key = api_key or ""
         if self.num_inflight >= self.cfg.max_queued_requests:
             self.metrics.requests.labels("429").inc()
@@ -110,7 +118,7 @@ class ServingBackend:
         first = True
         try:
             async for chunk in self.cluster.generate(prompt_token_ids, params, request_id or uuid.uuid4().hex,
-                                                     on_route=self._on_route):
+                                                     deadline=deadline, on_route=self._on_route):
                 now = time.perf_counter()
                 if first:
                     self.metrics.ttft.observe(now - start)
@@ -127,7 +135,7 @@ class ServingBackend:
                 yield chunk
         except RequestFailedError as exc:
             status = str(exc.status)
-            kind = "invalid_request_error" if exc.status == 400 else "server_error"
+            kind = {400: "invalid_request_error", DEADLINE_STATUS: "timeout_error"}.get(exc.status, "server_error")
             raise BackendError(str(exc), exc.status, kind) from None
         except BaseException:
             status = "499"  # the client went away (cancelled) or the frontend failed
@@ -160,3 +168,12 @@ class ServingBackend:
 
     def render_metrics(self) -> bytes:
         return self.metrics.render()
+
+
+def _check_unicode(text: str) -> None:
+    """JSON may escape lone surrogates ("\\ud800"), which are no text: refuse them here, where
+    the tokenizer would otherwise fail with a TypeError (a 500)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise invalid(f"the prompt is not valid Unicode: {exc.reason} at position {exc.start}") from None

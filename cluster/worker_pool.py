@@ -89,8 +89,13 @@ class WorkerPool:
 
     def remove(self, replica_id: str, kill: bool = True) -> None:
         replica = self.replicas.pop(replica_id, None)
-        if replica is None or not kill:
-            return
+        if replica is not None and kill:
+            self.kill(replica)
+
+    @staticmethod
+    def kill(replica: Replica) -> None:
+        """Shut a replica's actor down (blocking: call it off the event loop when serving)."""
+        replica_id = replica.replica_id
         try:
             ray.get(replica.handle.shutdown.remote(), timeout=10)
         except Exception:

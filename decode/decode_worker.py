@@ -99,7 +99,11 @@ class DecodeWorker:
         plan = await self._reserve(seq)
         missing, dst_blocks = plan
         try:
-            await self._ensure_pair(prefill, prefill_id)
+            try:
+                await self._ensure_pair(prefill, prefill_id)
+            except Exception as exc:  # retryable on another prefill replica, like a failed prefill
+                self._drop_pair(prefill_id)
+                raise PrefillFailedError(f"cannot connect to {prefill_id}: {exc!r}") from exc
             transfer_id = next(self._transfer_ids)
             handoff = Handoff(
                 request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
@@ -112,7 +116,7 @@ class DecodeWorker:
                                    dst_blocks, req.layerwise)
             try:
                 result_bytes = await prefill.prefill.remote(handoff.to_bytes())
-                num_bytes, seconds = await asyncio.to_thread(posted.complete, self.transfer_timeout_s)
+                num_bytes, _ = await asyncio.to_thread(posted.complete, self.transfer_timeout_s)
             except BaseException as exc:
                 # Closing the pair fails the posted receives; wait for them to settle before
                 # their blocks are freed.
@@ -126,8 +130,10 @@ class DecodeWorker:
         self._ack(prefill, seq.request_id)
         self.num_blocks_received += len(dst_blocks)
         self.num_bytes_received += num_bytes
-        self.transfer_seconds += seconds
-        return PrefillResult.from_bytes(result_bytes)
+        result = PrefillResult.from_bytes(result_bytes)
+        # The sender's busy time; the receive side's clock would also count the prefill.
+        self.transfer_seconds += result.transfer_seconds
+        return result
 
     @staticmethod
     def _ack(prefill, request_id: str | None = None) -> None:

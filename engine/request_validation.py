@@ -11,6 +11,13 @@ def validate_prompt(prompt_token_ids: list[int], params: SamplingParams, vocab_s
     for tok in prompt_token_ids:
         if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < vocab_size:
             raise InvalidRequestError(f"prompt token id {tok!r} is outside the vocabulary [0, {vocab_size})")
+    # Ids and top_k beyond the vocabulary mean nothing, and huge ones do not even fit the wire.
+    for tok in params.stop_token_ids:
+        if not 0 <= tok < vocab_size:
+            raise InvalidRequestError(f"stop token id {tok!r} is outside the vocabulary [0, {vocab_size})")
+    if params.top_k > vocab_size:
+        raise InvalidRequestError(f"top_k must be at most the vocabulary size {vocab_size} "
+                                  f"(0 or -1 disables it), got {params.top_k}")
     num = len(prompt_token_ids)
     if num >= max_model_len:
         raise InvalidRequestError(

@@ -5,6 +5,8 @@ import asyncio
 import threading
 import time
 
+import uvicorn
+
 from cluster.disagg_cluster import DisaggCluster
 from cluster.router import DECODE, PREFILL
 from cluster.serve_config import ServeConfig
@@ -63,3 +65,42 @@ def wait_for_baseline(loop: LoopThread, cluster: DisaggCluster, timeout_s: float
         if time.monotonic() > deadline:
             raise AssertionError(f"block pools not back to baseline: {busy}")
         time.sleep(0.1)
+
+
+def wait_until(predicate, timeout_s: float, message: str, interval_s: float = 0.05):
+    """Poll predicate() until it returns something truthy (returned); AssertionError at the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{message} (after {timeout_s:.1f} s)")
+        time.sleep(interval_s)
+
+
+class LoopHttpServer:
+    """uvicorn serving `app` on 127.0.0.1 (OS-chosen port) inside a LoopThread's event loop,
+    the loop that owns the cluster's dispatcher, so frontend and cluster share one loop."""
+
+    def __init__(self, loop: LoopThread, app):
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.loop = loop
+        self._done = None
+
+    def __enter__(self) -> "LoopHttpServer":
+        self._done = asyncio.run_coroutine_threadsafe(self.server.serve(), self.loop.loop)
+        wait_until(lambda: self.server.started or self._done.done(), 15, "uvicorn did not start")
+        if self._done.done():
+            self._done.result()  # raises what stopped it
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self._done.result(15)
+
+    @property
+    def url(self) -> str:
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"

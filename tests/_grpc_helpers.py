@@ -54,7 +54,7 @@ class FakeBackend:
             raise self.healthy
         return {"ok": self.healthy, "decode_replicas": int(self.healthy)}
 
-    async def generate(self, prompt_token_ids, params, request_id=None, api_key=None):
+    async def generate(self, prompt_token_ids, params, request_id=None, api_key=None, timeout_s=None):
         self.validate(prompt_token_ids, params)
         if self.refusal is not None:
             raise self.refusal

@@ -7,12 +7,14 @@ import time
 
 import pytest
 
+from cluster.router import PREFILL
+from engine.block_hash import hash_blocks
 from engine.sampling_params import SamplingParams
 from tests._cluster_helpers import LoopThread, cluster_config, start_cluster, wait_for_baseline
 
 pytestmark = pytest.mark.ray
 PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-PREFIX_LEN = 64   # four full blocks
+PREFIX_LEN = 128  # eight full blocks: its credit outweighs one in-flight request (running_weight 64)
 
 
 def groups() -> dict[int, list[list[int]]]:
@@ -30,6 +32,15 @@ def loop():
     lt.stop()
 
 
+async def wait_until_indexed(cluster, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    for prompts in groups().values():
+        hashes = hash_blocks(prompts[0], 16)[: PREFIX_LEN // 16]
+        while max(cluster.router.index(PREFILL).prefix_match(hashes).values(), default=0) < len(hashes):
+            assert time.monotonic() < deadline, "warm-up prefixes never reached the router's index"
+            await asyncio.sleep(0.05)
+
+
 def run_workload(loop, cluster) -> dict[int, list[dict]]:
     """First request of each group warms a replica; the rest follow once the index knows."""
     results: dict[int, list[dict]] = {g: [] for g in groups()}
@@ -37,7 +48,7 @@ def run_workload(loop, cluster) -> dict[int, list[dict]]:
     async def go():
         for g, prompts in groups().items():
             results[g].append(await cluster.complete(prompts[0], PARAMS))
-        await asyncio.sleep(0.5)   # KV events reach the router through the poller
+        await wait_until_indexed(cluster)   # KV events reach the router through the poller
         for g, prompts in groups().items():
             for p in prompts[1:]:
                 results[g].append(await cluster.complete(p, PARAMS))
