@@ -33,7 +33,7 @@ class ServingBackend:
         self.model_name = cfg.served_model_name or os.path.basename(os.path.normpath(model_dir))
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         self.model_config = ModelConfig.from_pretrained(model_dir)
-        self.max_model_len = self.model_config.max_position_embeddings
+        self.max_model_len = self.model_config.max_context_len
         pools = [cfg.decode] + ([cfg.prefill] if cfg.prefill.replicas or cfg.prefill.autoscaling.enabled else [])
         self.max_cache_tokens = min(p.num_kv_blocks for p in pools) * cfg.block_size
         self.metrics = Metrics()

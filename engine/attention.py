@@ -1,4 +1,8 @@
-"""Attention over the paged KV cache: torch paths for CPU, Triton decode kernel on CUDA.
+"""Attention over the paged KV cache.
+
+Decode: the Triton kernel on CUDA; on CPU (fp32) a sparse plan that reads K/V in place
+(engine/sparse_decode.py); otherwise gather + SDPA. Prefill and chunked prefill: SDPA per
+sequence with the causal mask aligned to the end of its context.
 
 Caches are [num_blocks, block_size, num_kv_heads, head_dim] (one layer, K or V). A token at
 slot s lives in block s // block_size at offset s % block_size.
@@ -11,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention_metadata import AttentionMetadata
+from engine.sparse_decode import SUPPORTED_DTYPES, SparseDecodePlan
 
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -36,44 +41,70 @@ def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks:
     """[B, num_blocks * block_size, kv_heads, head_dim]: each sequence's blocks side by side."""
     batch = block_tables.shape[0]
     _, block_size, num_kv_heads, head_dim = cache.shape
-    ids = block_tables[:, :num_blocks].reshape(-1).to(torch.int64)
+    ids = block_tables[:, :num_blocks].reshape(-1)
     return cache.index_select(0, ids).view(batch, num_blocks * block_size, num_kv_heads, head_dim)
+
+
+def sparse_decode_supported(q: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    return not q.is_cuda and q.dtype in SUPPORTED_DTYPES and key_cache.dtype == q.dtype
 
 
 def paged_decode_attention_torch(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                                 max_context_len: int | None = None) -> torch.Tensor:
+                                 max_context_len: int | None = None,
+                                 plan: SparseDecodePlan | None = None) -> torch.Tensor:
     """One query token per sequence: q [B, Hq, D] -> [B, Hq, D].
 
-    Each sequence's blocks are gathered and padded to the longest context; padding is masked.
-    GQA is computed without repeating K/V: the query heads that share a KV head ride along
-    the query-length axis of scaled_dot_product_attention.
+    CPU fp32 batches read K/V in place through a SparseDecodePlan (pass one to share it
+    across layers). Otherwise each sequence's blocks are gathered, padded to the longest
+    context and masked; GQA rides along the query-length axis of SDPA, so K/V are never
+    repeated per query head.
     """
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = num_heads // num_kv_heads
     if max_context_len is None:
         max_context_len = int(context_lens.max())
+    if batch > 1 and sparse_decode_supported(q, key_cache):
+        if plan is None:
+            plan = SparseDecodePlan(block_tables, context_lens, max_context_len, block_size,
+                                    num_kv_heads, num_heads)
+        return plan.attend(q, key_cache, value_cache, scale)
+    group = num_heads // num_kv_heads
     num_blocks = -(-max_context_len // block_size)
-    keys = _gather_context(key_cache, block_tables, num_blocks).transpose(1, 2)
-    values = _gather_context(value_cache, block_tables, num_blocks).transpose(1, 2)
+    q4 = q.view(batch, num_kv_heads, group, head_dim)
+    keys = _gather_context(key_cache, block_tables, num_blocks)
+    values = _gather_context(value_cache, block_tables, num_blocks)
+    if batch == 1:
+        # Nothing to pad: attend to exactly the context, no mask needed.
+        out = F.scaled_dot_product_attention(q4, keys[:, :max_context_len].transpose(1, 2),
+                                             values[:, :max_context_len].transpose(1, 2), scale=scale)
+        return out.view(batch, num_heads, head_dim)
     positions = torch.arange(num_blocks * block_size, device=q.device)
-    mask = (positions[None, :] < context_lens[:, None].to(positions.dtype))[:, None, None, :]
-    out = F.scaled_dot_product_attention(
-        q.view(batch, num_kv_heads, group, head_dim), keys, values, attn_mask=mask, scale=scale)
+    mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(q4, keys.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=mask, scale=scale)
     return out.view(batch, num_heads, head_dim)
 
 
 def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                     max_context_len: int) -> torch.Tensor:
+                     max_context_len: int, plan: SparseDecodePlan | None = None) -> torch.Tensor:
     """Batched decode: the Triton kernel on CUDA when available, else the torch path."""
     if q.is_cuda:
         kernel = _triton_decode()
         if kernel is not None:
             return kernel(q, key_cache, value_cache, block_tables, context_lens, scale)
     return paged_decode_attention_torch(q, key_cache, value_cache, block_tables, context_lens,
-                                        scale, max_context_len)
+                                        scale, max_context_len, plan)
+
+
+def make_decode_plan(meta: AttentionMetadata, q_like: torch.Tensor, key_cache: torch.Tensor,
+                     num_heads: int) -> SparseDecodePlan | None:
+    """The shared plan for a pure-decode step on CPU (None where it does not apply)."""
+    if not meta.is_pure_decode or meta.num_seqs < 2 or not sparse_decode_supported(q_like, key_cache):
+        return None
+    return SparseDecodePlan(meta.block_tables, meta.context_lens, meta.max_context_len,
+                            key_cache.shape[1], key_cache.shape[2], num_heads)
 
 
 def _prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -94,16 +125,18 @@ def _prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, new_keys: torch.Tensor | None = None,
-                    new_values: torch.Tensor | None = None) -> torch.Tensor:
+                    new_values: torch.Tensor | None = None,
+                    decode_plan: SparseDecodePlan | None = None) -> torch.Tensor:
     """Attention for a flattened batch q [T, Hq, D] -> [T, Hq, D].
 
     The new tokens' K/V must already be in the cache (write_kv). new_keys/new_values [T, Hkv, D]
     are optional copies of them: a prompt with no cached prefix then attends to them directly
-    instead of gathering its blocks back out of the cache.
+    instead of gathering its blocks back out of the cache. decode_plan (from
+    make_decode_plan) lets all layers of a pure-decode step share one plan.
     """
     if meta.is_pure_decode:
         return decode_attention(q, key_cache, value_cache, meta.block_tables, meta.context_lens,
-                                scale, meta.max_context_len)
+                                scale, meta.max_context_len, decode_plan)
     out = torch.empty_like(q)
     starts, context_lens = meta.query_start_loc_cpu, meta.context_lens_cpu
     block_size = key_cache.shape[1]

@@ -39,6 +39,9 @@ class ModelConfig:
     dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Mistral-style sliding-window attention is not implemented; within the window full
+    # attention is exact, so the engine caps its context at the window instead.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -61,6 +64,13 @@ class ModelConfig:
                 raise ConfigError(f"unsupported rope_scaling type {kind!r}")
 
     @property
+    def max_context_len(self) -> int:
+        """The longest context this engine computes exactly (sliding window included)."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @property
     def arch(self) -> str:
         return SUPPORTED_ARCHITECTURES[self.architecture]
 
@@ -70,6 +80,9 @@ class ModelConfig:
         if not archs:
             raise ConfigError("config.json has no 'architectures' entry")
         arch = archs[0]
+        missing = [k for k in ("num_attention_heads", "hidden_size") if k not in raw]
+        if missing:
+            raise ConfigError(f"config.json is missing required key {missing[0]!r}")
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         eos = raw.get("eos_token_id")
@@ -103,6 +116,8 @@ class ModelConfig:
                 dtype=dtype,
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
+                sliding_window=(int(raw["sliding_window"]) if raw.get("sliding_window")
+                                and raw.get("use_sliding_window", True) else None),
             )
         except KeyError as exc:
             raise ConfigError(f"config.json is missing required key {exc.args[0]!r}") from None

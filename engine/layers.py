@@ -11,6 +11,7 @@ from engine.attention import paged_attention, write_kv
 from engine.attention_metadata import AttentionMetadata
 from engine.config import ModelConfig
 from engine.rope import RotaryEmbedding
+from engine.sparse_decode import SparseDecodePlan
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -73,7 +74,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
-                on_kv_written: Callable[[int], None] | None = None) -> torch.Tensor:
+                on_kv_written: Callable[[int], None] | None = None,
+                decode_plan: SparseDecodePlan | None = None) -> torch.Tensor:
         """hidden [T, hidden] -> [T, hidden]; writes this layer's new K/V into the cache."""
         x = rms_norm(hidden, self.input_norm, self.eps)
         num_tokens = x.shape[0]
@@ -87,10 +89,12 @@ class DecoderLayer(nn.Module):
         write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
         if on_kv_written is not None:
             on_kv_written(self.layer_index)
-        attn = paged_attention(q, key_cache, value_cache, meta, self.scale, new_keys=k, new_values=v)
-        hidden = hidden + F.linear(attn.reshape(num_tokens, self.q_size), self.o_weight)
+        attn = paged_attention(q, key_cache, value_cache, meta, self.scale, new_keys=k, new_values=v,
+                               decode_plan=decode_plan)
+        # Residual adds in place on the fresh matmul outputs (x + r == r + x exactly).
+        hidden = F.linear(attn.reshape(num_tokens, self.q_size), self.o_weight).add_(hidden)
 
         x = rms_norm(hidden, self.post_attention_norm, self.eps)
         gate_up = F.linear(x, self.gate_up_weight)
         act = F.silu(gate_up[:, :self.intermediate_size]).mul_(gate_up[:, self.intermediate_size:])
-        return hidden + F.linear(act, self.down_weight)
+        return F.linear(act, self.down_weight).add_(hidden)

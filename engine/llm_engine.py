@@ -30,8 +30,8 @@ class LLMEngine:
         self.config = config
         self.model, self.model_config = load_model(config.model, dtype=config.dtype, device=config.device)
         self.tokenizer = Tokenizer.from_pretrained(config.model)
-        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.max_position_embeddings)
+        self.max_model_len = min(config.max_model_len or self.model_config.max_context_len,
+                                 self.model_config.max_context_len)
         self.kv_cache = KVCache(self.model_config, config)
         self.kv = KVCacheManager(config.num_gpu_blocks, config.block_size, config.enable_prefix_caching)
         eos = self.tokenizer.eos_token_ids or self.model_config.eos_token_ids

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.attention import make_decode_plan
 from engine.attention_metadata import AttentionMetadata
 from engine.checkpoint import CheckpointError
 from engine.config import ModelConfig
@@ -59,14 +60,17 @@ class LlamaForCausalLM(nn.Module):
         """
         hidden = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.cos_sin(positions)
+        # Block tables are the same for every layer: index them once per step.
+        plan = make_decode_plan(meta, hidden, kv_cache.key_cache(0), self.config.num_attention_heads)
         for i, layer in enumerate(self._layer_list):
             hidden = layer(hidden, cos, sin, kv_cache.key_cache(i), kv_cache.value_cache(i), meta,
-                           on_layer_done)
+                           on_layer_done, plan)
         return rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> float32 logits [N, vocab]."""
+        """[N, hidden] -> float32 logits [N, vocab]. A normal tensor (no_grad, not inference
+        mode) so that samplers may modify it in place."""
         return F.linear(hidden, self.lm_head).float()
 
     def _weight_targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:

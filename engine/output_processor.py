@@ -63,6 +63,8 @@ class OutputProcessor:
                         break
         state.num_tokens_seen = len(outputs)
         finished = seq.is_finished or hit_stop
+        if finished and state.stopped_text is None:
+            state.detok.flush()   # an output ending mid-character shows U+FFFD, like a full decode
         full_text = state.stopped_text if state.stopped_text is not None else state.detok.text
         visible = len(full_text)
         if not finished and stops:

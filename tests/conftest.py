@@ -8,6 +8,10 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# Tiny models on 2 shared cores: more threads only wait on each other.
+torch.set_num_threads(1)
 
 from tests._model_helpers import make_checkpoint  # noqa: E402
 
