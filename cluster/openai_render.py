@@ -2,6 +2,8 @@
 JSON body otherwise. CompletionRenderer and ChatRenderer differ only in the choice shapes."""
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import json
 import math
 from typing import TYPE_CHECKING
@@ -39,7 +41,7 @@ def sse_event(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
-class ResponseRenderer:
+class ResponseRenderer(ABC):
     """Accumulates one request's chunks (text, logprobs, usage) and renders them."""
 
     def __init__(self, request_id: str, model: str, created: int, tokenizer, include_logprobs: bool,
@@ -112,15 +114,18 @@ class ResponseRenderer:
         return events
 
     # ---- shapes (subclasses) -------------------------------------------------------------
+    @abstractmethod
     def render_chunk(self, text: str, token_ids: list[int], logprobs: list[float],
                      finish_reason: str | None) -> dict:
-        raise NotImplementedError
+        """One streamed chunk in the endpoint's shape."""
 
+    @abstractmethod
     def render_usage_chunk(self) -> dict:
-        raise NotImplementedError
+        """The final usage-only chunk (stream_options.include_usage)."""
 
+    @abstractmethod
     def render_response(self) -> dict:
-        raise NotImplementedError
+        """The whole non-streaming response body."""
 
 
 class CompletionRenderer(ResponseRenderer):

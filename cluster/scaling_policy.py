@@ -15,6 +15,8 @@ replica and measured inter-token latency. Both share the same timing rules:
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from dataclasses import dataclass
 from typing import Literal
 
@@ -108,7 +110,7 @@ class _Signal:
         return f"{self.name}={value} (target {self.target:.3g})"
 
 
-class PoolScalingPolicy:
+class PoolScalingPolicy(ABC):
     """Shared timing rules; subclasses say which signals a pool has. Stateful: it remembers
     since when the pool has been over / under target and when the cooldown ends."""
 
@@ -118,8 +120,9 @@ class PoolScalingPolicy:
         self._under_since: float | None = None
         self._cooldown_until = float("-inf")
 
+    @abstractmethod
     def signals(self, snapshot: MetricsSnapshot) -> list[_Signal]:
-        raise NotImplementedError
+        """This pool's signals (value against target) in the snapshot."""
 
     @property
     def cooldown_s(self) -> float:
