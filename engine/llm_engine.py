@@ -7,7 +7,7 @@ from typing import Callable, Iterable, Optional, Sequence as Seq
 
 import torch
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_model

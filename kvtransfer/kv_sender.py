@@ -15,7 +15,6 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-import torch
 
 from engine.block_copy import gather_blocks
 from engine.kv_cache import KVCache

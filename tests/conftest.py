@@ -27,6 +27,16 @@ def tiny_model(models_root) -> str:
     return str(make_checkpoint(models_root, "tiny", "llama"))
 
 
+@pytest.fixture(scope="module")
+def loop():
+    """An asyncio loop in a thread, for driving a DisaggCluster from synchronous tests."""
+    from tests._cluster_helpers import LoopThread
+
+    lt = LoopThread()
+    yield lt
+    lt.stop()
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray instance for the whole session, on 127.0.0.1."""

@@ -17,7 +17,7 @@ from cluster.scaling_policy import (DecodeScalingPolicy, MetricsSnapshot, Prefil
                                     ReplicaLoadSample, initial_replicas)
 from cluster.serve_config import DecodeAutoscalingConfig, PrefillAutoscalingConfig, ServeConfig
 from engine.sampling_params import SamplingParams
-from tests._cluster_helpers import LoopThread, start_cluster, wait_for_baseline
+from tests._cluster_helpers import start_cluster, wait_for_baseline
 
 # ---- policy unit tests (no Ray) ------------------------------------------------------------
 
@@ -170,13 +170,6 @@ def scaled_config(model: str) -> ServeConfig:
 
 def prompt(i: int, length: int = 40) -> list[int]:
     return [(13 * i + 7 * k) % 400 + 20 for k in range(length)]
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.stop()
 
 
 @pytest.fixture(scope="module")

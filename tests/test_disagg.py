@@ -13,7 +13,7 @@ from cluster.router import DECODE, PREFILL
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from tests._cluster_helpers import LoopThread, start_cluster, cluster_config, wait_for_baseline
+from tests._cluster_helpers import start_cluster, cluster_config, wait_for_baseline
 
 pytestmark = pytest.mark.ray
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -24,13 +24,6 @@ def mixed_prompts() -> list[list[int]]:
     # shorter than a block, exactly one block, exactly three blocks, and ragged lengths
     lengths = [3, 16, 48, 21, 70]
     return [[(7 * i + 3 * n) % 400 + 20 for i in range(n)] for n in lengths]
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.stop()
 
 
 @pytest.fixture(scope="module")

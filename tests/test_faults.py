@@ -23,7 +23,6 @@ from engine.sampling_params import SamplingParams
 from proto import load_stubs
 from tests._cluster_helpers import (
     LoopHttpServer,
-    LoopThread,
     cluster_config,
     wait_for_baseline,
     wait_until,
@@ -35,13 +34,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 # Three prompt families sharing 2-block prefixes, so the KV index has something to hold.
 PREFIXES = [[(13 * i + 7 * f) % 400 + 20 for i in range(32)] for f in range(3)]
 pb2, pb2_grpc = load_stubs()
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.stop()
 
 
 @pytest.fixture(scope="module")

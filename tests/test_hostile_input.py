@@ -32,7 +32,7 @@ from cluster.serve_config import ServeConfig
 from cluster.serving_backend import ServingBackend
 from kvtransfer.handoff import DecodeRequest, HandoffError
 from proto import load_stubs
-from tests._cluster_helpers import LoopHttpServer, LoopThread, cluster_config, wait_for_baseline, wait_until
+from tests._cluster_helpers import LoopHttpServer, cluster_config, wait_for_baseline, wait_until
 from tests._hostile_cases import MALFORMED_GRPC, raw_completion_cases
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
@@ -49,13 +49,6 @@ FUZZ_EXAMPLES = {
 MIN_FUZZ_CASES = 1000
 FUZZ_SEED = int(os.environ.get("SPLITSERVE_FUZZ_SEED", "20240611"))
 pb2, pb2_grpc = load_stubs()
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.stop()
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 from cluster.router import PREFILL
 from engine.block_hash import hash_blocks
 from engine.sampling_params import SamplingParams
-from tests._cluster_helpers import LoopThread, cluster_config, start_cluster, wait_for_baseline
+from tests._cluster_helpers import cluster_config, start_cluster, wait_for_baseline
 
 pytestmark = pytest.mark.ray
 PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -23,13 +23,6 @@ def groups() -> dict[int, list[list[int]]]:
         prefix = [(31 * g + 7 * i) % 300 + 50 for i in range(PREFIX_LEN)]
         out[g] = [prefix + [400 + g, 410 + s, 420 + s, 430 + s, 440, 441, 442, 443] for s in range(4)]
     return out
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.stop()
 
 
 async def wait_until_indexed(cluster, timeout_s: float = 30.0) -> None:

@@ -110,16 +110,25 @@ def test_chunked_prefill_and_mixed_batch_match_transformers(loaded):
     tokens = ids_a[:40] + ids_b[:-1] + ids_c[:-1]
     positions = [p for n in lens for p in range(n)]
     model(torch.tensor(tokens), torch.tensor(positions), kv_cache, meta)
-    # Step 2: decode b and c (one token each) around the second chunk of a; the batch order
-    # differs from the block ranges they own.
-    ctx = [len(ids_b), 70, len(ids_c)]
-    meta = contiguous_metadata(ctx, [1, 30, 1], 16, per_seq, block_ranges=[1, 0, 2])
-    tokens = ids_b[-1:] + ids_a[40:70] + ids_c[-1:]
-    positions = [len(ids_b) - 1] + list(range(40, 70)) + [len(ids_c) - 1]
+    # Step 2: decode b and c (one token each, a run of two decodes) next to the second chunk
+    # of a; the batch order differs from the block ranges they own.
+    ctx = [len(ids_b), len(ids_c), 70]
+    meta = contiguous_metadata(ctx, [1, 1, 30], 16, per_seq, block_ranges=[1, 2, 0])
+    tokens = ids_b[-1:] + ids_c[-1:] + ids_a[40:70]
+    positions = [len(ids_b) - 1, len(ids_c) - 1] + list(range(40, 70))
     logits = model.compute_logits(model(torch.tensor(tokens), torch.tensor(positions), kv_cache, meta))
     torch.testing.assert_close(logits[0], _hf_logits(hf, ids_b)[-1], atol=1e-4, rtol=0)
-    torch.testing.assert_close(logits[1:31], _hf_logits(hf, ids_a)[40:70], atol=1e-4, rtol=0)
-    torch.testing.assert_close(logits[31], _hf_logits(hf, ids_c)[-1], atol=1e-4, rtol=0)
+    torch.testing.assert_close(logits[1], _hf_logits(hf, ids_c)[-1], atol=1e-4, rtol=0)
+    torch.testing.assert_close(logits[2:], _hf_logits(hf, ids_a)[40:70], atol=1e-4, rtol=0)
+    # Step 3: a pure decode step of all three (the layers share one decode plan).
+    extra = 100
+    ctx = [71, len(ids_c) + 1, len(ids_b) + 1]
+    meta = contiguous_metadata(ctx, [1, 1, 1], 16, per_seq, block_ranges=[0, 2, 1])
+    positions = [c - 1 for c in ctx]
+    logits = model.compute_logits(model(torch.tensor([extra] * 3), torch.tensor(positions), kv_cache, meta))
+    for row, ids in enumerate([ids_a, ids_c, ids_b]):
+        torch.testing.assert_close(logits[row], _hf_logits(hf, ids + [extra])[-1], atol=1e-4, rtol=0)
+    logits.div_(2.0)  # a normal tensor: samplers may edit logits in place
 
 
 @pytest.mark.parametrize("case", ["llama", "mistral", "qwen2"])
@@ -183,12 +192,14 @@ def test_bfloat16_load_is_close_to_float32(loaded):
     assert agree > 0.8
 
 
-@pytest.mark.parametrize("num_seqs,chunk_bytes", [(4, 1 << 30), (5, 2 * 16 * 2 * 8 * 4 * 2), (1, 1 << 30)])
-def test_paged_decode_attention_matches_reference(monkeypatch, num_seqs, chunk_bytes):
-    """Random block tables and context lengths; the CPU path whole, chunked, and at batch 1."""
+@pytest.mark.parametrize("num_seqs,sparse", [(4, True), (5, False), (1, True)])
+def test_paged_decode_attention_matches_reference(monkeypatch, num_seqs, sparse):
+    """Random block tables and context lengths: the in-place sparse CPU path, the gather +
+    SDPA path (bf16, CUDA without Triton), and batch 1."""
     import engine.attention
 
-    monkeypatch.setattr(engine.attention, "CPU_CHUNK_BYTES", chunk_bytes)
+    if not sparse:
+        monkeypatch.setattr(engine.attention, "sparse_decode_supported", lambda q, cache: False)
     gen = torch.Generator().manual_seed(num_seqs)
     num_blocks, block_size, kv_heads, heads, dim = 40, 4, 2, 6, 8
     key_cache = torch.zeros(num_blocks, block_size, kv_heads, dim)

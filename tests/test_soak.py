@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-import ray  # noqa: F401  (puts the psutil that ray vendors on sys.path)
 
-import psutil  # noqa: E402
+import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests._serve_process import ServeProcess
