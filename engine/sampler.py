@@ -47,6 +47,8 @@ class Sampler:
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
         probs = torch.softmax(row, dim=-1)
+        if not bool(torch.isfinite(probs).all()):
+            return int(torch.argmax(row))  # degenerate logits: never let one request crash the batch
         if p.top_p < 1.0:
             sorted_probs, sorted_idx = torch.sort(probs, descending=True)
             cumulative = torch.cumsum(sorted_probs, dim=-1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+GREEDY_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
 
@@ -51,7 +52,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # Below this temperature logits/temperature overflows to inf; the limit is argmax.
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
