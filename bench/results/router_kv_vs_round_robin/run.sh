@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# KV-aware vs round-robin routing: 2 prefill replicas + 1 decode replica (1 CPU each) on
+# prefix-repetition (12 prefixes x 1024 tokens, 6 requests per prefix with 64-token suffixes).
+# Repeats alternate the order; within a repeat both policies get the same seed. kv-local
+# (threshold 128: the decode replica prefills the suffix itself when it holds the prefix)
+# runs once, in repeat 0. Run from the repo root.
+set -u
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+OUT=bench/results/router_kv_vs_round_robin
+M=${MODEL_DIR:-/tmp/splitserve-bench/small}
+REPEATS=${REPEATS:-3}
+[ -d "$M" ] || .venv/bin/splitserve make-model "$M" --preset small
+SERVE=".venv/bin/splitserve serve --model $M --http-port {port} --grpc-port 0 --prefill-replicas 2 --decode-replicas 1 --prefill-num-cpus 1 --decode-num-cpus 1"
+declare -A CMD=(
+  [kv]="$SERVE --router kv --local-prefill-threshold 32"
+  [round-robin]="$SERVE --router round-robin --local-prefill-threshold 32"
+  [kv-local]="$SERVE --router kv --local-prefill-threshold 128"
+)
+BENCH="--workload prefix-repetition --num-prefixes 12 --prefix-len 1024 --suffixes-per-prefix 6 --suffix-len 64
+  --max-tokens 16 --vocab-range 10:2000 --ignore-eos --rate 1,2,3 --max-seconds 120
+  --ttft-slo-ms 1000 --itl-slo-ms 100 --no-progress"
+run() {  # repeat name
+  echo "== repeat $1 $2 $(date +%T) $(cut -d' ' -f1-3 /proc/loadavg)"
+  .venv/bin/python -m bench.process_cpu_profile --out "$OUT/rep$1-$2.cpu.md" -- \
+    .venv/bin/splitserve bench $BENCH --seed "$1" --out "$OUT/rep$1-$2" --compare "$2=${CMD[$2]}"
+}
+for ((rep = 0; rep < REPEATS; rep++)); do
+  if ((rep % 2 == 0)); then run $rep kv; run $rep round-robin; else run $rep round-robin; run $rep kv; fi
+  ((rep == 0)) && run 0 kv-local
+done
+echo "== done $(date +%T) $(cut -d' ' -f1-3 /proc/loadavg)"
