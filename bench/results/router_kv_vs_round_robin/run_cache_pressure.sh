@@ -7,7 +7,8 @@ set -u
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 OUT=bench/results/router_kv_vs_round_robin
 M=${MODEL_DIR:-/tmp/splitserve-bench/small}
-REPEATS=${REPEATS:-2}
+REPEATS=${REPEATS:-4}
+FIRST_REPEAT=${FIRST_REPEAT:-0}  # to add repeats to an earlier run
 [ -d "$M" ] || .venv/bin/splitserve make-model "$M" --preset small
 SERVE=".venv/bin/splitserve serve --model $M --http-port {port} --grpc-port 0 --prefill-replicas 2 --decode-replicas 1 --prefill-num-cpus 1 --decode-num-cpus 1 --prefill-num-kv-blocks 512 --local-prefill-threshold 32"
 declare -A CMD=([kv]="$SERVE --router kv" [round-robin]="$SERVE --router round-robin")
@@ -19,7 +20,7 @@ run() {  # repeat name
   .venv/bin/python -m bench.process_cpu_profile --out "$OUT/pressure-rep$1-$2.cpu.md" -- \
     .venv/bin/splitserve bench $BENCH --seed "$1" --out "$OUT/pressure-rep$1-$2" --compare "$2=${CMD[$2]}"
 }
-for ((rep = 0; rep < REPEATS; rep++)); do
+for ((rep = FIRST_REPEAT; rep < REPEATS; rep++)); do
   if ((rep % 2 == 0)); then run $rep kv; run $rep round-robin; else run $rep round-robin; run $rep kv; fi
 done
 echo "== done $(date +%T) $(cut -d' ' -f1-3 /proc/loadavg)"
