@@ -8,19 +8,18 @@ export RAY_USAGE_STATS_ENABLED := 0
 
 .PHONY: install test test-fast serve proto clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# Exactly torch 2.13.0 first: a looser spec would pull a multi-GB CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[test]'
-	$(BIN)/python -m proto.build
 	touch $(STAMP)
 
 install: $(STAMP)
 
 proto: install
-	$(BIN)/python -m proto.build
+	$(BIN)/python -m splitserve.proto.build
 
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests

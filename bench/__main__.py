@@ -1,6 +1,6 @@
 """`python -m bench ...` is `splitserve bench ...`."""
 import sys
 
-from bench.cli import main
+from splitserve.bench.cli import main
 
 sys.exit(main(["bench", *sys.argv[1:]]))

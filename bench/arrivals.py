@@ -8,7 +8,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from bench.bench_request import BenchRequest, WorkloadError
+from splitserve.bench.bench_request import BenchRequest, WorkloadError
 
 
 @dataclass(frozen=True)

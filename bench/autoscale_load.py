@@ -10,9 +10,9 @@ import time
 from collections import Counter
 from typing import Callable
 
-from cluster.latency_window import LatencyWindow
-from cluster.router import PREFILL
-from engine.sampling_params import SamplingParams
+from splitserve.cluster.scaling.latency_window import LatencyWindow
+from splitserve.cluster.routing.router import PREFILL
+from splitserve.engine.io.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

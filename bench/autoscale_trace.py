@@ -2,8 +2,8 @@
 against a DisaggCluster on local Ray with both pools autoscaled. Samples replica counts per
 pool, queue depth, TTFT and ITL over time and writes a plot and a Markdown summary.
 
-  python -m bench.autoscale_trace                                   # tiny model, ~2.5 min
-  python -m bench.autoscale_trace --preset small --peak-concurrency 24 --out bench/results
+  python -m splitserve.bench.autoscale_trace                                   # tiny model, ~2.5 min
+  python -m splitserve.bench.autoscale_trace --preset small --peak-concurrency 24 --out bench/results
 
 Outputs: <out>/autoscale_trace.png and <out>/autoscale_trace.md.
 """
@@ -21,11 +21,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.autoscale_load import ClosedLoopLoad
-from cluster.autoscaler import Autoscaler, ScalingEvent
-from cluster.router import DECODE, PREFILL
-from cluster.serve_config import ServeConfig
-from engine.sampling_params import SamplingParams
+from splitserve.bench.autoscale_load import ClosedLoopLoad
+from splitserve.cluster.scaling.autoscaler import Autoscaler, ScalingEvent
+from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.cluster.config import ServeConfig
+from splitserve.engine.io.sampling_params import SamplingParams
 
 
 @dataclass
@@ -70,7 +70,7 @@ def build_config(args, model: str) -> ServeConfig:
 
 
 async def run_trace(args, cfg: ServeConfig) -> tuple[list[Sample], list[ScalingEvent], ClosedLoopLoad]:
-    from cluster.disagg_cluster import DisaggCluster
+    from splitserve.cluster.control.disagg_cluster import DisaggCluster
 
     cluster = DisaggCluster(cfg, cfg.model, poll_interval_s=0.1)
     await cluster.start()
@@ -242,11 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
-    from engine.make_model import write_random_checkpoint
+    from splitserve.engine.testing.make_model import write_random_checkpoint
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    command = "python -m bench.autoscale_trace " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    command = "python -m splitserve.bench.autoscale_trace " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(write_random_checkpoint(Path(tmp) / args.preset, preset=args.preset, seed=0))
         cfg = build_config(args, model)

@@ -1,6 +1,6 @@
 """`splitserve bench`: benchmark any OpenAI-compatible endpoint, or compare several.
 
-Wiring (cluster/cli.py): `add_bench_parser(subparsers)` registers the subcommand with
+Wiring (cluster/cli/main.py): `add_bench_parser(subparsers)` registers the subcommand with
 `func=run_bench`, so the main CLI's `args.func(args)` runs it. Standalone: `python -m bench`.
 """
 from __future__ import annotations
@@ -11,18 +11,18 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from bench.arrivals import LoadPoint, build_load_points, parse_concurrencies, parse_rates
-from bench.bench_request import WorkloadError
-from bench.client_options import DEFAULT_BASE_URL, ENDPOINT_PATHS, PROMPT_FORMATS, ClientOptions
-from bench.metrics import ITL_STATISTICS, SloTarget
-from bench.server_config import ServerConfig, ServerConfigError
-from bench.trace_workload import TraceWorkload, load_mooncake_trace
-from bench.workloads import (
+from splitserve.bench.arrivals import LoadPoint, build_load_points, parse_concurrencies, parse_rates
+from splitserve.bench.bench_request import WorkloadError
+from splitserve.bench.client_options import DEFAULT_BASE_URL, ENDPOINT_PATHS, PROMPT_FORMATS, ClientOptions
+from splitserve.bench.metrics import ITL_STATISTICS, SloTarget
+from splitserve.bench.server_config import ServerConfig, ServerConfigError
+from splitserve.bench.trace_workload import TraceWorkload, load_mooncake_trace
+from splitserve.bench.workloads import (
     WORKLOAD_KINDS, MixedLengthWorkload, MultiTurnWorkload, PrefixRepetitionWorkload, VocabRange, Workload,
 )
 
 if TYPE_CHECKING:
-    from bench.compare import BenchPlan
+    from splitserve.bench.compare import BenchPlan
 
 # bench.compare (httpx, tqdm) and bench.report (matplotlib) load inside the functions that use
 # them, so wiring the parser into the main CLI keeps `splitserve --help` fast.
@@ -218,7 +218,7 @@ def build_workload(args: argparse.Namespace) -> Workload:
 
 
 def build_plan(args: argparse.Namespace) -> "BenchPlan":
-    from bench.compare import BenchPlan
+    from splitserve.bench.compare import BenchPlan
 
     workload = build_workload(args)
     default = LoadPoint() if args.workload == "trace" else LoadPoint(concurrency=DEFAULT_CONCURRENCY)
@@ -248,9 +248,9 @@ def build_plan(args: argparse.Namespace) -> "BenchPlan":
 def run_bench(args: argparse.Namespace) -> int:
     """0 when every configuration ran and answered at least one request; 1 otherwise; 2 for bad
     arguments."""
-    from bench.compare import run_comparison
-    from bench.prompt_text import PromptTextRenderer
-    from bench.report import render_markdown, write_reports
+    from splitserve.bench.compare import run_comparison
+    from splitserve.bench.prompt_text import PromptTextRenderer
+    from splitserve.bench.report import render_markdown, write_reports
 
     try:
         plan = build_plan(args)

@@ -14,13 +14,13 @@ from typing import Any, Callable
 
 import httpx
 
-from bench.arrivals import LoadPoint
-from bench.bench_request import BenchRequest
-from bench.client_options import DEFAULT_BASE_URL, ENDPOINT_PATHS, PROMPT_FORMATS, ClientOptions
-from bench.prompt_text import PromptTextRenderer
-from bench.request_record import DEADLINE_ERROR, RequestRecord
-from bench.run_result import RunResult
-from bench.run_scheduler import RunScheduler
+from splitserve.bench.arrivals import LoadPoint
+from splitserve.bench.bench_request import BenchRequest
+from splitserve.bench.client_options import DEFAULT_BASE_URL, ENDPOINT_PATHS, PROMPT_FORMATS, ClientOptions
+from splitserve.bench.prompt_text import PromptTextRenderer
+from splitserve.bench.request_record import DEADLINE_ERROR, RequestRecord
+from splitserve.bench.run_result import RunResult
+from splitserve.bench.run_scheduler import RunScheduler
 
 __all__ = ["BenchClient", "ClientOptions", "EndpointError", "fetch_model_id",
            "DEFAULT_BASE_URL", "ENDPOINT_PATHS", "PROMPT_FORMATS"]

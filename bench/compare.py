@@ -13,17 +13,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from bench.arrivals import LoadPoint, apply_load
-from bench.bench_request import BenchRequest
-from bench.client import BenchClient, ClientOptions, EndpointError
-from bench.config_result import ConfigResult
-from bench.managed_server import ManagedServer, ServerStartError
-from bench.metrics import SloTarget, compute_goodput, compute_run_metrics
-from bench.metrics_scraper import MetricsScraper
-from bench.prompt_text import PromptTextRenderer
-from bench.report import safe_filename
-from bench.server_config import ServerConfig
-from bench.workloads import Workload
+from splitserve.bench.arrivals import LoadPoint, apply_load
+from splitserve.bench.bench_request import BenchRequest
+from splitserve.bench.client import BenchClient, ClientOptions, EndpointError
+from splitserve.bench.config_result import ConfigResult
+from splitserve.bench.managed_server import ManagedServer, ServerStartError
+from splitserve.bench.metrics import SloTarget, compute_goodput, compute_run_metrics
+from splitserve.bench.metrics_scraper import MetricsScraper
+from splitserve.bench.prompt_text import PromptTextRenderer
+from splitserve.bench.report import safe_filename
+from splitserve.bench.server_config import ServerConfig
+from splitserve.bench.workloads import Workload
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.metrics import RunMetrics
-from bench.run_result import RunResult
+from splitserve.bench.metrics import RunMetrics
+from splitserve.bench.run_result import RunResult
 
 # replica name -> [(seconds since scraping began just before the run, value)], e.g. a gauge
 # scraped from /metrics.

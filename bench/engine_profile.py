@@ -1,7 +1,7 @@
 """Where one LLMEngine step spends its time: a per-phase wall-clock split and torch.profiler ops.
 
 The phases are timed by wrapping the engine's own objects' methods on the instance, so what is
-measured is exactly the code LLMEngine.step runs. Used by `bench.engine_throughput --profile`.
+measured is exactly the code LLMEngine.step runs. Used by `splitserve.bench.engine_throughput --profile`.
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ class PhaseTimer:
 
 def _decode_steps(engine, prompts: list[list[int]], max_tokens: int):
     """Admit prompts and run their prefill; returns a function that runs one decode step."""
-    from engine.sampling_params import SamplingParams
+    from splitserve.engine.io.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for ids in prompts:

@@ -11,8 +11,8 @@ timed run gets fresh prompts, so neither engine's prefix cache helps it.
   decode tok/s = batch * (max_tokens - 1) / (t(max_tokens) - t(1)), the prefill-excluded
                  rate; t(1) is a max_tokens=1 run over other prompts of the same shape.
 
-  python -m bench.engine_throughput --vllm-python /work/vllm-venv/bin/python
-  python -m bench.engine_throughput --batch-sizes 1,8 --repeats 1      # splitserve only
+  python -m splitserve.bench.engine_throughput --vllm-python /work/vllm-venv/bin/python
+  python -m splitserve.bench.engine_throughput --batch-sizes 1,8 --repeats 1      # splitserve only
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.engine_profile import profile_engine_steps
-from bench.engine_throughput_report import EngineTimings, render, write_report
+from splitserve.bench.engine_profile import profile_engine_steps
+from splitserve.bench.engine_throughput_report import EngineTimings, render, write_report
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "engine_throughput.md"
 
@@ -57,8 +57,8 @@ class SplitserveRunner:
     def __init__(self, model: str, max_batch: int, prompt_len: int, max_tokens: int, num_threads: int):
         import torch
 
-        from engine.config import EngineConfig
-        from engine.llm_engine import LLMEngine
+        from splitserve.engine.config import EngineConfig
+        from splitserve.engine.llm_engine import LLMEngine
 
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -75,7 +75,7 @@ class SplitserveRunner:
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, list[list[int]]]:
         """Wall seconds, CPU seconds of this process (all threads) and the generated ids."""
-        from engine.sampling_params import SamplingParams
+        from splitserve.engine.io.sampling_params import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         cpu_start = time.process_time()
@@ -104,7 +104,7 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> tuple[int, floa
 
 
 def run(args: argparse.Namespace, model: str, out: Path) -> str:
-    from engine.config import ModelConfig
+    from splitserve.engine.config import ModelConfig
 
     vocab_size = ModelConfig.from_pretrained(model).vocab_size
     sizes = parse_batch_sizes(args.batch_sizes)
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace, model: str, out: Path) -> str:
     engines = {"splitserve": ours.generate}
     vllm = None
     if args.vllm_python:
-        from bench.vllm_engine_process import VllmEngineProcess
+        from splitserve.bench.vllm_engine_process import VllmEngineProcess
 
         env = {"VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_space_gib)}
         if args.vllm_omp_threads_bind:
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace, model: str, out: Path) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.engine_throughput", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m splitserve.bench.engine_throughput", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="checkpoint directory (default: a fresh `bench` preset "
                         "checkpoint in a temporary directory)")
@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.argv = ["python", "-m", "bench.engine_throughput", *(sys.argv[1:] if argv is None else argv)]
+    args.argv = ["python", "-m", "splitserve.bench.engine_throughput", *(sys.argv[1:] if argv is None else argv)]
     try:
         parse_batch_sizes(args.batch_sizes)
         if args.prompt_len < 1 or args.max_tokens < 2 or args.repeats < 1:
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.model:
             model, args.model_note = args.model, f"`{args.model}`"
         else:
-            from engine.make_model import write_random_checkpoint
+            from splitserve.engine.testing.make_model import write_random_checkpoint
 
             model = str(write_random_checkpoint(Path(tmp) / "bench-model", preset="bench"))
             args.model_note = "the `bench` preset (`splitserve make-model DIR --preset bench`)"

@@ -2,13 +2,13 @@
 torch.distributed send/recv of the same bytes on the same backend, and how much transfer time
 is left after prefill (exposed) on the real Ray actors, layer-wise vs one packed message.
 
-  python -m bench.kv_transfer                         # bench + small presets, 512/2048 tokens
-  python -m bench.kv_transfer --presets bench --lengths 512 --pair-reps 3 --actor-reps 1
+  python -m splitserve.bench.kv_transfer                         # bench + small presets, 512/2048 tokens
+  python -m splitserve.bench.kv_transfer --presets bench --lengths 512 --pair-reps 3 --actor-reps 1
 
 Three measurements, one run (see bench/kv_transfer_pair.py and bench/kv_transfer_actors.py):
   1. two-process harness: KVSender -> PostedReceive on real KVCache tensors, interleaved round
      by round with a raw gloo send/recv of the same byte count between the same processes;
-  2. kvtransfer.raw_bandwidth (fresh processes, back-to-back sends) as a second raw reference;
+  2. splitserve.bench.raw_bandwidth (fresh processes, back-to-back sends) as a second raw reference;
   3. real PrefillWorker/DecodeWorker actors on local Ray: prefill time and exposed transfer.
 Writes kv_transfer.md, kv_transfer.json and kv_transfer.png to --out.
 """
@@ -25,9 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import kv_transfer_report as report
+from splitserve.bench import kv_transfer_report as report
 
-DEFAULT_COMMAND = ".venv/bin/python -m bench.kv_transfer"
+DEFAULT_COMMAND = ".venv/bin/python -m splitserve.bench.kv_transfer"
 NOTES = [
     "- Beyond a raw send, the KV path adds: a hand-off to the sender thread, one message per K/V "
     "plane per layer (2 x layers messages), and, "
@@ -45,14 +45,14 @@ NOTES = [
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.kv_transfer", description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(prog="python -m splitserve.bench.kv_transfer", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(__doc__.splitlines()[2:]))
     parser.add_argument("--presets", nargs="+", default=["bench", "small"], choices=["tiny", "small", "bench"])
     parser.add_argument("--lengths", nargs="+", type=int, default=[512, 2048], help="prompt lengths (tokens)")
     parser.add_argument("--pair-reps", type=int, default=16, help="timed rounds of the two-process harness")
     parser.add_argument("--actor-reps", type=int, default=4, help="timed requests per config on the actors")
-    parser.add_argument("--raw-iters", type=int, default=10, help="iterations of kvtransfer.raw_bandwidth")
+    parser.add_argument("--raw-iters", type=int, default=10, help="iterations of splitserve.bench.raw_bandwidth")
     parser.add_argument("--skip-actors", action="store_true", help="no Ray: harness and raw references only")
     parser.add_argument("--out", default="bench/results", help="directory for kv_transfer.{md,json,png}")
     parser.add_argument("--no-plot", action="store_true")
@@ -63,8 +63,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def kv_bytes_per_token(model_dir: str) -> int:
-    from engine.config import ModelConfig
-    from engine.kv_cache import DTYPE_BY_NAME
+    from splitserve.engine.config import ModelConfig
+    from splitserve.engine.ops.kv_cache import DTYPE_BY_NAME
 
     cfg = ModelConfig.from_pretrained(model_dir)
     element_size = DTYPE_BY_NAME[cfg.dtype].itemsize
@@ -76,9 +76,9 @@ def measure_copies(preset: str, model_dir: str, lengths: list[int], block_size: 
     """What packing and unpacking scattered blocks cost here, against a plain copy of the bytes."""
     import torch
 
-    from engine.block_copy import gather_blocks, scatter_blocks
-    from engine.config import EngineConfig, ModelConfig
-    from engine.kv_cache import KVCache
+    from splitserve.engine.ops.block_copy import gather_blocks, scatter_blocks
+    from splitserve.engine.config import EngineConfig, ModelConfig
+    from splitserve.engine.ops.kv_cache import KVCache
 
     rows = []
     for num_tokens in lengths:
@@ -105,9 +105,9 @@ def measure_copies(preset: str, model_dir: str, lengths: list[int], block_size: 
 def run(args: argparse.Namespace, workdir: str) -> dict:
     import torch
 
-    from bench.kv_transfer_pair import run_pair_harness
-    from engine.make_model import PRESETS, write_random_checkpoint
-    from kvtransfer.raw_bandwidth import measure_gloo_bandwidth
+    from splitserve.bench.kv_transfer_pair import run_pair_harness
+    from splitserve.engine.testing.make_model import PRESETS, write_random_checkpoint
+    from splitserve.bench.raw_bandwidth import measure_gloo_bandwidth
 
     torch.set_num_threads(1)
     models = {p: str(write_random_checkpoint(Path(workdir) / p, preset=p)) for p in args.presets}
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace, workdir: str) -> dict:
     started = time.time()
     out = {"load_before": os.getloadavg(), "raw_bandwidth": {}, "pair": {}, "copies": [], "actors": {}}
     for num_bytes in sizes:
-        print(f"kvtransfer.raw_bandwidth: {num_bytes} bytes", file=sys.stderr)
+        print(f"splitserve.bench.raw_bandwidth: {num_bytes} bytes", file=sys.stderr)
         out["raw_bandwidth"][num_bytes] = measure_gloo_bandwidth(num_bytes, args.raw_iters)
     for preset in args.presets:
         print(f"copy costs and two-process harness: {preset}", file=sys.stderr)
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace, workdir: str) -> dict:
 
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        from bench.kv_transfer_actors import run_actor_path
+        from splitserve.bench.kv_transfer_actors import run_actor_path
 
         ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
                  logging_level="ERROR", log_to_driver=False)
@@ -179,7 +179,7 @@ def write_results(args: argparse.Namespace, argv: list[str], raw: dict) -> str:
         "pool), sent from / received into the cache in place; *reversed* = one descending run (what a "
         "pool hands out once it reuses freed blocks, since BlockPool queues a freed prompt tail "
         "first) and *scattered* = random: both packed and unpacked through staging buffers. "
-        "`ratio vs raw_bandwidth` compares with `kvtransfer.raw_bandwidth` "
+        "`ratio vs raw_bandwidth` compares with `splitserve.bench.raw_bandwidth` "
         f"({args.raw_iters} back-to-back sends in fresh processes).", "",
         *report.pair_table(pair_rows), "",
         "Copy costs in this run (one process, scattered block ids, all layers, medians): what the "

@@ -19,14 +19,14 @@ import random
 import time
 import uuid
 
-from cluster.router import DECODE, PREFILL
-from cluster.serve_config import PoolResources
-from cluster.worker_pool import WorkerPool
-from decode.decode_worker import DecodeWorker
-from engine.sampling_params import SamplingParams
-from kvtransfer.handoff import DecodeRequest, PrefillResult
-from kvtransfer.wire_layout import ascending_run_start
-from prefill.prefill_worker import PrefillWorker
+from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.cluster.config import PoolResources
+from splitserve.cluster.control.worker_pool import WorkerPool
+from splitserve.decode.decode_worker import DecodeWorker
+from splitserve.engine.io.sampling_params import SamplingParams
+from splitserve.kvtransfer.handoff import DecodeRequest, PrefillResult
+from splitserve.kvtransfer.wire_layout import ascending_run_start
+from splitserve.prefill.prefill_worker import PrefillWorker
 
 NUM_KV_BLOCKS = 1024          # ServeConfig's default pool size
 LEASE_S = 20.0

@@ -67,8 +67,8 @@ def _block_ids(trial_index: int, trial: Trial, num_blocks: int, pool_blocks: int
 def _make_cache(model_dir: str, pool_blocks: int, block_size: int, fill_seed: int | None):
     import torch
 
-    from engine.config import EngineConfig, ModelConfig
-    from engine.kv_cache import KVCache
+    from splitserve.engine.config import EngineConfig, ModelConfig
+    from splitserve.engine.ops.kv_cache import KVCache
 
     cache = KVCache(ModelConfig.from_pretrained(model_dir),
                     EngineConfig(model=model_dir, block_size=block_size, num_gpu_blocks=pool_blocks))
@@ -102,8 +102,8 @@ def _sender(results, conn, model_dir: str, pool_blocks: int, block_size: int, st
             schedule: list[Trial]) -> None:
     import torch
 
-    from kvtransfer.kv_sender import KVSender, SendJob
-    from kvtransfer.transport import KVTransport
+    from splitserve.kvtransfer.kv_sender import KVSender, SendJob
+    from splitserve.kvtransfer.transport import KVTransport
 
     torch.set_num_threads(1)
     cache = _make_cache(model_dir, pool_blocks, block_size, fill_seed=1)
@@ -138,8 +138,8 @@ def _receiver(results, conn, model_dir: str, pool_blocks: int, block_size: int, 
               schedule: list[Trial]) -> None:
     import torch
 
-    from kvtransfer.kv_receiver import PostedReceive
-    from kvtransfer.transport import KVTransport
+    from splitserve.kvtransfer.kv_receiver import PostedReceive
+    from splitserve.kvtransfer.transport import KVTransport
 
     torch.set_num_threads(1)
     cache = _make_cache(model_dir, pool_blocks, block_size, fill_seed=None)

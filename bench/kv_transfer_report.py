@@ -1,4 +1,4 @@
-"""Summaries, markdown and plot for bench.kv_transfer (pure functions over the run's records)."""
+"""Summaries, markdown and plot for splitserve.bench.kv_transfer (pure functions over the run's records)."""
 from __future__ import annotations
 
 import statistics
@@ -14,7 +14,7 @@ def _median(values) -> float:
 
 def summarize_pair(preset: str, records: list[dict], reference_raw: dict[int, dict]) -> list[dict]:
     """One row per (tokens, layerwise, layout) of the two-process harness, against the raw
-    send/recv timed in the same rounds (and kvtransfer.raw_bandwidth's separate run)."""
+    send/recv timed in the same rounds (and splitserve.bench.raw_bandwidth's separate run)."""
     groups = defaultdict(list)
     for rec in records:
         if rec["timed"]:

@@ -23,8 +23,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from bench.request_record import RequestRecord
-from bench.run_result import RunResult
+from splitserve.bench.request_record import RequestRecord
+from splitserve.bench.run_result import RunResult
 
 ITL_STATISTICS = ("p90", "mean")
 GOODPUT_ATTAINMENT = 0.9

@@ -8,7 +8,7 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.config_result import ReplicaSamples
+from splitserve.bench.config_result import ReplicaSamples
 
 
 def parse_replica_values(text: str, metric_name: str, replica_label: str) -> dict[str, float]:

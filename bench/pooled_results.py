@@ -6,7 +6,7 @@ pool the per-request records of equal (configuration, load point) pairs: latency
 over all requests, throughput = all completion tokens / all run seconds, SLO attainment over
 all requests. Each repeat's own figures are listed too, so the spread stays visible.
 
-    python -m bench.pooled_results A/results.json B/results.json --baseline colocated \
+    python -m splitserve.bench.pooled_results A/results.json B/results.json --baseline colocated \
         --plot bench/results/cmp.png [--ttft-slo-ms 2000 --itl-slo-ms 100]
 """
 from __future__ import annotations
@@ -25,8 +25,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from bench.metrics import GOODPUT_ATTAINMENT, SloTarget, compute_goodput, compute_run_metrics  # noqa: E402
-from bench.run_result import RunResult  # noqa: E402
+from splitserve.bench.metrics import GOODPUT_ATTAINMENT, SloTarget, compute_goodput, compute_run_metrics  # noqa: E402
+from splitserve.bench.run_result import RunResult  # noqa: E402
 
 # (column title, how to read it from RunMetrics, True when higher is better)
 METRICS = (

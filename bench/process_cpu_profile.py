@@ -8,8 +8,8 @@ COMMAND runs and prints the CPU seconds used during that window by COMMAND's des
 line / Ray process title, and by every other process on the machine as one line. Processes
 that exit between two samples lose their last interval; the rest is exact to the clock tick.
 
-    python -m bench.process_cpu_profile --out cpu.md -- splitserve bench --url ... --rate 2
-    python -m bench.process_cpu_profile --server "splitserve serve ... --http-port {port}" \
+    python -m splitserve.bench.process_cpu_profile --out cpu.md -- splitserve bench --url ... --rate 2
+    python -m splitserve.bench.process_cpu_profile --server "splitserve serve ... --http-port {port}" \
         -- splitserve bench --url {url} ...
 """
 from __future__ import annotations
@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="count this process and its descendants as COMMAND's (a server "
                         "started beforehand, so only the load phase is profiled); repeatable")
     parser.add_argument("--server", metavar="COMMAND_WITH_{port}",
-                        help="start this server first (bench.managed_server, on a free {port}), "
+                        help="start this server first (splitserve.bench.managed_server, on a free {port}), "
                         "count its processes as COMMAND's, put its URL in place of {url} in "
                         "COMMAND, and stop it afterwards: only the load phase is profiled")
     parser.add_argument("--server-log", type=Path, help="the --server's output")
@@ -154,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.server is None:
         code, wall, per_role = profile(command, args.interval, args.also_pid)
     else:
-        from bench.managed_server import ManagedServer
+        from splitserve.bench.managed_server import ManagedServer
 
         with ManagedServer(args.server, log_path=args.server_log) as server:
             command = [part.replace("{url}", server.base_url) for part in command]

@@ -13,9 +13,9 @@ matplotlib.use("Agg")  # headless: never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.config_result import ConfigResult, ReplicaSamples  # noqa: E402
-from bench.metrics import LatencySummary, SloTarget  # noqa: E402
-from bench.request_record import RequestRecord  # noqa: E402
+from splitserve.bench.config_result import ConfigResult, ReplicaSamples  # noqa: E402
+from splitserve.bench.metrics import LatencySummary, SloTarget  # noqa: E402
+from splitserve.bench.request_record import RequestRecord  # noqa: E402
 
 
 def to_jsonable(value: Any) -> Any:

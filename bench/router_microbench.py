@@ -6,8 +6,8 @@ Each replica caches requests = a prefix of one root + a private tail, emitting o
 event per request (only the blocks it did not hold yet, like BlockPool). Both pools get their
 own data over the same roots, so prompts hit both indexes.
 
-  python -m bench.router_microbench                       # 1M blocks/pool over 64 replicas
-  python -m bench.router_microbench --num-blocks 100000 --num-decisions 2000
+  python -m splitserve.bench.router_microbench                       # 1M blocks/pool over 64 replicas
+  python -m splitserve.bench.router_microbench --num-blocks 100000 --num-decisions 2000
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ import statistics
 import sys
 import time
 
-from cluster.kv_index import KVIndex
-from cluster.router import DECODE, PREFILL, Router
-from cluster.serve_config import RouterConfig
+from splitserve.cluster.routing.index import KVIndex
+from splitserve.cluster.routing.router import DECODE, PREFILL, Router
+from splitserve.cluster.config import RouterConfig
 
 TARGET_INGEST_BLOCKS_PER_S = 200_000
 TARGET_P99_MS = 1.0

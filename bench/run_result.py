@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.arrivals import LoadPoint
-from bench.request_record import RequestRecord
+from splitserve.bench.arrivals import LoadPoint
+from splitserve.bench.request_record import RequestRecord
 
 
 @dataclass

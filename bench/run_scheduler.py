@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING
 import httpx
 from tqdm import tqdm
 
-from bench.arrivals import LoadPoint
-from bench.bench_request import BenchRequest
-from bench.request_record import RequestRecord
-from bench.run_result import RunResult
+from splitserve.bench.arrivals import LoadPoint
+from splitserve.bench.bench_request import BenchRequest
+from splitserve.bench.request_record import RequestRecord
+from splitserve.bench.run_result import RunResult
 
 if TYPE_CHECKING:  # the client imports this module; the reverse import is for types only
-    from bench.client import BenchClient
+    from splitserve.bench.client import BenchClient
 
 
 class RunScheduler:

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.bench_request import BenchRequest, WorkloadError
-from bench.workloads import VocabRange
+from splitserve.bench.bench_request import BenchRequest, WorkloadError
+from splitserve.bench.workloads import VocabRange
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 from typing import IO
 
-from bench.vllm_throughput_worker import RESULT_MARKER
+from splitserve.bench.vllm_throughput_worker import RESULT_MARKER
 
 WORKER_SCRIPT = Path(__file__).with_name("vllm_throughput_worker.py")
 

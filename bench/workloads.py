@@ -2,8 +2,8 @@
 
 Every generator is a frozen dataclass (checked in __post_init__) whose `generate(seed)` returns
 the same list of BenchRequest for the same seed. Prompts are token ids drawn uniformly from the
-caller's vocab range; arrival offsets are left at 0 and assigned by bench.arrivals. The Mooncake
-trace replay lives in bench.trace_workload.
+caller's vocab range; arrival offsets are left at 0 and assigned by splitserve.bench.arrivals. The Mooncake
+trace replay lives in splitserve.bench.trace_workload.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from bench.bench_request import BenchRequest, WorkloadError
+from splitserve.bench.bench_request import BenchRequest, WorkloadError
 
 WORKLOAD_KINDS: tuple[str, ...] = ("prefix-repetition", "multi-turn", "mixed", "trace")
 

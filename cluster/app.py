@@ -12,9 +12,9 @@ import os
 
 from ray import serve
 
-from cluster.serve_config import ServeConfig
+from splitserve.cluster.config import ServeConfig
 
-APP_IMPORT_PATH = "cluster.app:build_app"
+APP_IMPORT_PATH = "splitserve.cluster.app:build_app"
 DEPLOYMENT_NAME = "splitserve"
 logger = logging.getLogger(__name__)
 
@@ -22,10 +22,10 @@ logger = logging.getLogger(__name__)
 def _make_asgi_builder(cfg_dict: dict):
     def build_asgi():
         # Runs inside the replica: the pools, the router and the servers live there.
-        from cluster.default_model import resolve_model
-        from cluster.grpc_server import GrpcFrontend
-        from cluster.http_api import build_http_app
-        from cluster.serving_backend import ServingBackend
+        from splitserve.cluster.default_model import resolve_model
+        from splitserve.cluster.frontend.grpc.server import GrpcFrontend
+        from splitserve.cluster.frontend.http.api import build_http_app
+        from splitserve.cluster.frontend.backend import ServingBackend
 
         cfg = ServeConfig.model_validate(cfg_dict)
         backend = ServingBackend(cfg, resolve_model(cfg.model))
@@ -50,7 +50,7 @@ def _make_asgi_builder(cfg_dict: dict):
 
 
 def build_app(args: dict) -> serve.Application:
-    """Serve application builder (import path cluster.app:build_app); args = ServeConfig."""
+    """Serve application builder (import path splitserve.cluster.app:build_app); args = ServeConfig."""
     args = dict(args or {})
     if not args.get("api_key") and os.environ.get("SPLITSERVE_API_KEY"):
         args["api_key"] = os.environ["SPLITSERVE_API_KEY"]  # e.g. from a Kubernetes Secret

@@ -18,7 +18,7 @@ def resolve_model(model: str | None) -> str:
         return model
     path = default_model_dir()
     if not (path / "config.json").is_file():
-        from engine.make_model import write_random_checkpoint
+        from splitserve.engine.testing.make_model import write_random_checkpoint
 
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + f".tmp-{os.getpid()}")

@@ -1,10 +1,10 @@
 """Loop-thread helpers: reserve a prompt's blocks before a transfer, admit it afterwards."""
 from __future__ import annotations
 
-from engine.engine_loop import EngineLoop
-from engine.llm_engine import LLMEngine
-from engine.sequence import Sequence
-from kvtransfer.handoff import PrefillResult
+from splitserve.engine.engine_loop import EngineLoop
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.core.sequence import Sequence
+from splitserve.kvtransfer.handoff import PrefillResult
 
 
 def reserve_prompt_blocks(engine: LLMEngine, seq: Sequence) -> tuple[list[int], list[int]] | None:

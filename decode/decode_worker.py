@@ -11,16 +11,16 @@ import time
 
 import torch
 
-from engine.config import EngineConfig
-from engine.engine_loop import EngineLoop
-from engine.llm_engine import LLMEngine
-from engine.request_output import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
-from kvtransfer.handoff import DecodeRequest, Handoff, PrefillResult, StreamChunk
-from kvtransfer.kv_receiver import PostedReceive
-from kvtransfer.transport import KVTransport, resolve_host
-from decode.block_reservation import reserve_prompt_blocks, admit_prefilled
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine_loop import EngineLoop
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.io.request_output import RequestOutput
+from splitserve.engine.io.sampling_params import SamplingParams
+from splitserve.engine.core.sequence import Sequence
+from splitserve.kvtransfer.handoff import DecodeRequest, Handoff, PrefillResult, StreamChunk
+from splitserve.kvtransfer.kv_receiver import PostedReceive
+from splitserve.kvtransfer.transport import KVTransport, resolve_host
+from splitserve.decode.block_reservation import reserve_prompt_blocks, admit_prefilled
 
 logger = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from engine.llm_engine import LLMEngine, LayerHookFactory
-from engine.request_output import RequestOutput
-from engine.sequence import Sequence
+from splitserve.engine.llm_engine import LLMEngine, LayerHookFactory
+from splitserve.engine.io.request_output import RequestOutput
+from splitserve.engine.core.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 Sink = Callable[[RequestOutput], None]

@@ -7,18 +7,18 @@ from typing import Callable, Iterable, Optional, Sequence as Seq
 
 import torch
 
-from engine.config import EngineConfig
-from engine.kv_cache import KVCache
-from engine.kv_cache_manager import KVCacheManager
-from engine.loader import load_model
-from engine.model_runner import ModelRunner
-from engine.output_processor import OutputProcessor
-from engine.request_output import RequestOutput
-from engine.request_validation import validate_prompt
-from engine.sampling_params import InvalidRequestError, SamplingParams
-from engine.scheduler import ScheduledBatch, Scheduler
-from engine.sequence import Sequence
-from engine.tokenizer import Tokenizer
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.ops.kv_cache import KVCache
+from splitserve.engine.core.kv_cache_manager import KVCacheManager
+from splitserve.engine.model.loader import load_model
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.io.output_processor import OutputProcessor
+from splitserve.engine.io.request_output import RequestOutput
+from splitserve.engine.io.request_validation import validate_prompt
+from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
+from splitserve.engine.core.scheduler import ScheduledBatch, Scheduler
+from splitserve.engine.core.sequence import Sequence
+from splitserve.engine.io.tokenizer import Tokenizer
 
 # Given the batch about to run, returns a per-layer callback (or None) for that step. The
 # prefill worker uses it to send each layer's KV while the next layer computes.

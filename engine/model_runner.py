@@ -6,11 +6,11 @@ from typing import Callable
 
 import torch
 
-from engine.attention_metadata import AttentionMetadata
-from engine.kv_cache import KVCache
-from engine.sampler import Sampler
-from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
+from splitserve.engine.ops.attention_metadata import AttentionMetadata
+from splitserve.engine.ops.kv_cache import KVCache
+from splitserve.engine.sample.sampler import Sampler
+from splitserve.engine.core.scheduler import ScheduledBatch
+from splitserve.engine.core.sequence import Sequence
 
 
 class ModelRunner:

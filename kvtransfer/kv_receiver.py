@@ -2,7 +2,7 @@
 
 Every layer's receive is posted before the prefill side is asked to send, so concurrent
 transfers on one pair can never wait on each other (each has its own tags). Messages follow
-kvtransfer.wire_layout: when the reserved blocks are one ascending run they land in the cache
+splitserve.kvtransfer.wire_layout: when the reserved blocks are one ascending run they land in the cache
 directly; otherwise in a staging buffer that complete() scatters, layer by layer as they land."""
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import time
 
 import torch
 
-from engine.block_copy import scatter_blocks
-from engine.kv_cache import KVCache
-from kvtransfer.handoff import layer_tag
-from kvtransfer.wire_layout import ascending_run_start, plane_messages
+from splitserve.engine.ops.block_copy import scatter_blocks
+from splitserve.engine.ops.kv_cache import KVCache
+from splitserve.kvtransfer.handoff import layer_tag
+from splitserve.kvtransfer.wire_layout import ascending_run_start, plane_messages
 
 
 class PostedReceive:

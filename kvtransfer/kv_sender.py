@@ -3,7 +3,7 @@
 A single sender thread per worker keeps sends in the order they were queued; the engine
 loop only enqueues (gathering happens here), so transfer overlaps the next layer's compute.
 Sends are posted without waiting (packing the next layer overlaps the wire); a job waits for
-all of them once, after its last layer. Messages follow kvtransfer.wire_layout: blocks that
+all of them once, after its last layer. Messages follow splitserve.kvtransfer.wire_layout: blocks that
 form one ascending run go out straight from the cache, others are packed first.
 """
 from __future__ import annotations
@@ -16,11 +16,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 
-from engine.block_copy import gather_blocks
-from engine.kv_cache import KVCache
-from kvtransfer.errors import TransferError
-from kvtransfer.handoff import layer_tag
-from kvtransfer.wire_layout import ascending_run_start, plane_messages
+from splitserve.engine.ops.block_copy import gather_blocks
+from splitserve.engine.ops.kv_cache import KVCache
+from splitserve.kvtransfer.errors import TransferError
+from splitserve.kvtransfer.handoff import layer_tag
+from splitserve.kvtransfer.wire_layout import ascending_run_start, plane_messages
 
 logger = logging.getLogger(__name__)
 

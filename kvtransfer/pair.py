@@ -17,9 +17,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from kvtransfer.errors import TransferError
-from kvtransfer.transfer_op import TransferOp
-from kvtransfer.transfer_stats import TransferStats
+from splitserve.kvtransfer.errors import TransferError
+from splitserve.kvtransfer.transfer_op import TransferOp
+from splitserve.kvtransfer.transfer_stats import TransferStats
 
 logger = logging.getLogger(__name__)
 

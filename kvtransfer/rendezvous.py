@@ -15,7 +15,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from kvtransfer.errors import TransferError, TransportUsageError
+from splitserve.kvtransfer.errors import TransferError, TransportUsageError
 
 Address = tuple[str, int]
 

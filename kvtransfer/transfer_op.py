@@ -5,7 +5,7 @@ import threading
 import time
 from datetime import timedelta
 
-from kvtransfer.errors import TransferError, TransportUsageError
+from splitserve.kvtransfer.errors import TransferError, TransportUsageError
 
 _MIN_WAIT = timedelta(milliseconds=1)  # c10d reads a zero timeout as "wait forever"
 

@@ -21,11 +21,11 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtransfer.errors import TransferError, TransportUsageError
-from kvtransfer.pair import MAX_USER_TAG, ROLES, Pair, backend_for
-from kvtransfer.rendezvous import Address, Rendezvous, pair_key, resolve_host
-from kvtransfer.transfer_op import TransferOp
-from kvtransfer.transfer_stats import TransferStats
+from splitserve.kvtransfer.errors import TransferError, TransportUsageError
+from splitserve.kvtransfer.pair import MAX_USER_TAG, ROLES, Pair, backend_for
+from splitserve.kvtransfer.rendezvous import Address, Rendezvous, pair_key, resolve_host
+from splitserve.kvtransfer.transfer_op import TransferOp
+from splitserve.kvtransfer.transfer_stats import TransferStats
 
 __all__ = ["KVTransport", "resolve_host"]
 

@@ -12,16 +12,16 @@ import time
 
 import torch
 
-from engine.config import EngineConfig
-from engine.engine_loop import EngineLoop
-from engine.llm_engine import LLMEngine
-from engine.request_output import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch
-from engine.sequence import SequenceStatus
-from kvtransfer.handoff import Handoff, PrefillResult
-from kvtransfer.kv_sender import KVSender, SendJob
-from kvtransfer.transport import KVTransport, resolve_host
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine_loop import EngineLoop
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.io.request_output import RequestOutput
+from splitserve.engine.io.sampling_params import SamplingParams
+from splitserve.engine.core.scheduler import ScheduledBatch
+from splitserve.engine.core.sequence import SequenceStatus
+from splitserve.kvtransfer.handoff import Handoff, PrefillResult
+from splitserve.kvtransfer.kv_sender import KVSender, SendJob
+from splitserve.kvtransfer.transport import KVTransport, resolve_host
 
 logger = logging.getLogger(__name__)
 

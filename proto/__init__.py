@@ -1,8 +1,8 @@
-"""splitserve's gRPC API: splitserve.proto and its generated stubs (see proto.build).
+"""splitserve's gRPC API: splitserve.proto and its generated stubs (see splitserve.proto.build).
 
-Use `from proto import load_stubs; pb2, pb2_grpc = load_stubs()` rather than importing the
+Use `from splitserve.proto import load_stubs; pb2, pb2_grpc = load_stubs()` rather than importing the
 generated modules directly: it builds them when they are missing or stale.
 """
-from proto.stubs import load_stubs
+from .stubs import load_stubs
 
 __all__ = ["load_stubs"]

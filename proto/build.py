@@ -1,4 +1,4 @@
-"""Generate the Python stubs for proto/splitserve.proto: `python -m proto.build [--force]`.
+"""Generate the Python stubs for proto/splitserve.proto: `python -m splitserve.proto.build [--force]`.
 
 Writes splitserve_pb2.py, splitserve_pb2.pyi and splitserve_pb2_grpc.py next to the .proto
 (they are git-ignored). grpc_tools emits `import splitserve_pb2` in the _grpc module, which
@@ -37,12 +37,12 @@ def _header(digest: str) -> str:
     return _HEADER.format(name=PROTO_FILE.name, digest=digest)
 
 
-def is_up_to_date() -> bool:
+def is_up_to_date(out_dir: Path = PROTO_DIR) -> bool:
     """True when every generated file exists and was built from the current .proto."""
     header = _header(proto_digest())
     for name in GENERATED_FILES:
         try:
-            with open(PROTO_DIR / name, encoding="utf-8") as f:
+            with open(out_dir / name, encoding="utf-8") as f:
                 if f.readline() != header:
                     return False
         except OSError:
@@ -74,14 +74,14 @@ def _fix_imports(name: str, text: str) -> str:
     return fixed
 
 
-def build(force: bool = False) -> list[Path]:
+def build(force: bool = False, out_dir: Path = PROTO_DIR) -> list[Path]:
     """(Re)generate the stubs unless they are current; returns the generated paths.
 
     Files are replaced atomically, so a concurrent importer sees an old or a new file, never
     a half-written one.
     """
-    paths = [PROTO_DIR / name for name in GENERATED_FILES]
-    if not force and is_up_to_date():
+    paths = [Path(out_dir) / name for name in GENERATED_FILES]
+    if not force and is_up_to_date(Path(out_dir)):
         return paths
     digest = proto_digest()
     with tempfile.TemporaryDirectory(prefix="splitserve-proto-") as tmp:
@@ -102,7 +102,7 @@ def build(force: bool = False) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m proto.build", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m splitserve.proto.build", description=__doc__.splitlines()[0])
     parser.add_argument("--force", action="store_true", help="rebuild even if the stubs are current")
     args = parser.parse_args(argv)
     try:

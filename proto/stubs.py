@@ -1,6 +1,6 @@
 """Import the generated splitserve stubs, building them first when missing or stale.
 
-`make install` runs `python -m proto.build`; this makes tests and `splitserve serve` work
+`make install` runs `python -m splitserve.proto.build`; this makes tests and `splitserve serve` work
 without it (a fresh checkout, an edited .proto).
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ _lock = threading.Lock()
 
 def load_stubs() -> tuple[ModuleType, ModuleType]:
     """(splitserve_pb2, splitserve_pb2_grpc), regenerated from the .proto if needed."""
-    # Imported here so `python -m proto.build` does not find proto.build already imported.
-    from proto import build as _build
+    # Imported here so `python -m splitserve.proto.build` does not find it already imported.
+    from . import build as _build
 
     with _lock:
         if not _build.is_up_to_date():
@@ -29,6 +29,6 @@ def load_stubs() -> tuple[ModuleType, ModuleType]:
                     raise
                 logger.warning("the gRPC stubs are older than %s and cannot be rebuilt; using them",
                                _build.PROTO_FILE.name, exc_info=True)
-        pb2 = importlib.import_module(f"proto.{_build.STEM}_pb2")
-        pb2_grpc = importlib.import_module(f"proto.{_build.STEM}_pb2_grpc")
+        pb2 = importlib.import_module(f"{__package__}.{_build.STEM}_pb2")
+        pb2_grpc = importlib.import_module(f"{__package__}.{_build.STEM}_pb2_grpc")
     return pb2, pb2_grpc

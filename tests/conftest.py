@@ -13,7 +13,7 @@ import torch  # noqa: E402
 # Tiny models on 2 shared cores: more threads only wait on each other.
 torch.set_num_threads(1)
 
-from tests._model_helpers import make_checkpoint  # noqa: E402
+from tests.helpers.model import make_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -30,7 +30,7 @@ def tiny_model(models_root) -> str:
 @pytest.fixture(scope="module")
 def loop():
     """An asyncio loop in a thread, for driving a DisaggCluster from synchronous tests."""
-    from tests._cluster_helpers import LoopThread
+    from tests.helpers.cluster import LoopThread
 
     lt = LoopThread()
     yield lt

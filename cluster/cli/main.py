@@ -1,0 +1,36 @@
+"""`splitserve` command line: make-model, generate, serve, bench."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from splitserve.bench.cli import add_bench_parser
+    from splitserve.cluster.cli.generate import add_generate_parser
+    from splitserve.cluster.cli.serve import add_serve_parser
+    from splitserve.engine.testing.make_model import add_make_model_parser
+
+    parser = argparse.ArgumentParser(
+        prog="splitserve",
+        description="Disaggregated prefill/decode LLM serving on Ray.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    add_make_model_parser(subparsers)
+    add_generate_parser(subparsers)
+    add_serve_parser(subparsers)
+    add_bench_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

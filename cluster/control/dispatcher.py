@@ -1,0 +1,291 @@
+"""Routes requests to a (prefill, decode) pair, streams the result back, retries safely, and
+keeps the router's view of every replica current by polling KV events and load."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import AsyncIterator, Callable
+
+import ray
+
+from splitserve.cluster.routing.router import DECODE, PREFILL, NoReplicaError, Router
+from splitserve.cluster.control.worker_pool import Replica, WorkerPool
+from splitserve.decode.decode_worker import PrefillFailedError, ReplicaBusyError
+from splitserve.engine.io.sampling_params import SamplingParams
+from splitserve.kvtransfer.handoff import DecodeRequest, StreamChunk
+
+logger = logging.getLogger(__name__)
+ACTOR_GONE = (ray.exceptions.RayActorError,)
+
+
+DEADLINE_STATUS = 504  # HTTP Gateway Timeout; gRPC DEADLINE_EXCEEDED
+_CLOCK_SLACK_S = 0.1   # timers may fire a little before the wall-clock deadline
+
+
+class RequestFailedError(RuntimeError):
+    """The request could not be served; status is the HTTP status a frontend should use."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status
+
+
+class DeadlineExceededError(RequestFailedError):
+    """The request ran past its deadline; whatever it held on the replicas is freed."""
+
+    def __init__(self, timeout_s: float):
+        super().__init__(f"the request did not finish before its deadline ({timeout_s:.1f} s after it started)",
+                         DEADLINE_STATUS)
+
+
+class Dispatcher:
+    def __init__(self, router: Router, prefill_pool: WorkerPool | None, decode_pool: WorkerPool,
+                 max_retries: int = 1, layerwise: bool = True, lease_s: float = 20.0,
+                 request_timeout_s: float = 600.0, poll_interval_s: float = 0.1,
+                 on_poll: Callable[[str, str, dict], None] | None = None, idle_pair_s: float = 300.0):
+        self.router = router
+        self.pools = {PREFILL: prefill_pool, DECODE: decode_pool}
+        self.max_retries = max_retries
+        self.layerwise = layerwise
+        self.lease_s = lease_s
+        self.request_timeout_s = request_timeout_s
+        self.poll_interval_s = poll_interval_s
+        self.on_poll = on_poll
+        self.idle_pair_s = idle_pair_s
+        self.inflight: dict[str, str] = {}          # request id -> decode replica id
+        self.inflight_prefill: dict[str, str] = {}  # request id -> prefill replica id, until its first token
+        self._poller: asyncio.Task | None = None
+        # Held while the router's view is read from the replicas (poll, add, rebuild), so a
+        # rebuilt router never misses the events taken between a snapshot and the swap.
+        self._membership = asyncio.Lock()
+        self.num_retries = 0
+
+    # ---- replica membership --------------------------------------------------------------
+    async def add_replica(self, replica: Replica) -> None:
+        """Index a ready replica from its snapshot before it gets any traffic."""
+        async with self._membership:
+            seq, hashes = await asyncio.wait_for(replica.handle.snapshot.remote(), 30)
+            if replica.replica_id in self.router.replica_ids(replica.pool):  # a rebuild got it first
+                self.router.resync(replica.pool, replica.replica_id, (seq, hashes))
+            else:
+                self.router.add_replica(replica.pool, replica.replica_id, (seq, hashes))
+
+    async def rebuild_router(self, make_router: Callable[[], Router]) -> Router:
+        """Swap in a fresh router indexed from every live replica's snapshot (a router
+        restart), while requests keep flowing. Polling pauses until the swap, so events taken
+        afterwards continue each replica's snapshot (older ones are skipped as duplicates).
+        A replica that died meanwhile is dropped; draining flags carry over."""
+        async with self._membership:
+            router = make_router()
+            live = [(pool_name, r) for pool_name, pool in self.pools.items() if pool is not None
+                    for r in pool.live_replicas()]
+            snapshots = await asyncio.gather(
+                *(asyncio.wait_for(r.handle.snapshot.remote(), 30) for _, r in live), return_exceptions=True)
+            for (pool_name, replica), snapshot in zip(live, snapshots):
+                if isinstance(snapshot, ACTOR_GONE):
+                    logger.warning("%s replica %s died; dropping it from routing", pool_name, replica.replica_id)
+                    self.drop_replica(pool_name, replica.replica_id)
+                elif isinstance(snapshot, BaseException):
+                    raise RequestFailedError(f"cannot rebuild the router: snapshot of {replica.replica_id} "
+                                             f"failed: {_short(snapshot)}", 503)
+                elif self.pools[pool_name].get(replica.replica_id) is not None:  # not removed meanwhile
+                    router.add_replica(pool_name, replica.replica_id, snapshot)
+                    if replica.replica_id in self.router.replica_ids(pool_name):
+                        router.set_draining(pool_name, replica.replica_id,
+                                            self.router.load(pool_name, replica.replica_id).draining)
+            self.router = router  # no await since the checks above: atomic on the event loop
+            logger.info("router rebuilt from %d replica snapshots", len(live))
+            return router
+
+    def drop_replica(self, pool: str, replica_id: str, kill: bool = False) -> None:
+        self.router.remove_replica(pool, replica_id)
+        worker_pool = self.pools.get(pool)
+        if worker_pool is not None:
+            worker_pool.remove(replica_id, kill=kill)
+        # Its peers drop their process groups with it (either side may be the one leaving).
+        peer_pool = self.pools[DECODE if pool == PREFILL else PREFILL]
+        for r in (peer_pool.live_replicas() if peer_pool is not None else ()):
+            r.handle.forget_peer.remote(replica_id)
+
+    def num_inflight(self, pool: str, replica_id: str) -> int:
+        """Requests sent to a replica that still need it: on decode until they finish, on
+        prefill until their first token (the KV has then been moved). Drain waits on it,
+        which also covers a request routed there whose call has not reached the replica yet."""
+        table = self.inflight if pool == DECODE else self.inflight_prefill
+        return sum(1 for rid in list(table.values()) if rid == replica_id)
+
+    # ---- polling -------------------------------------------------------------------------
+    async def poll_once(self) -> None:
+        async with self._membership:
+            tasks = []
+            for pool_name, pool in self.pools.items():
+                if pool is None:
+                    continue
+                for replica in list(pool.live_replicas()):
+                    if replica.replica_id in self.router.replica_ids(pool_name):
+                        tasks.append(self._poll_replica(pool_name, replica))
+            if tasks:
+                await asyncio.gather(*tasks)
+
+    async def _poll_replica(self, pool: str, replica: Replica) -> None:
+        rid = replica.replica_id
+        try:
+            state = await asyncio.wait_for(replica.handle.poll.remote(), 10)
+        except ACTOR_GONE:
+            logger.warning("%s replica %s died; dropping it from routing", pool, rid)
+            self.drop_replica(pool, rid)
+            return
+        except (asyncio.TimeoutError, ray.exceptions.RayError) as exc:
+            logger.warning("polling %s failed: %r", rid, exc)
+            return
+        if not self.router.apply_events(pool, rid, state["events"]):
+            if rid in self.router.replicas_needing_resync(pool):
+                seq, hashes = await asyncio.wait_for(replica.handle.snapshot.remote(), 10)
+                self.router.resync(pool, rid, (seq, hashes))
+        load = state["load"]
+        self.router.update_load(pool, rid, queued_prefill_tokens=load["num_waiting_tokens"],
+                                # num_active (decode) counts every request the replica holds:
+                                # running, waiting and in transfer; adding num_running double-counted.
+                                num_running=max(load["num_running"], load.get("num_active", 0)),
+                                kv_usage=load["kv_usage"], num_waiting=load["num_waiting"])
+        if self.on_poll is not None:
+            self.on_poll(pool, rid, state)
+
+    async def close_idle_pairs(self, max_idle_s: float) -> None:
+        """Decode replicas drop process groups idle for max_idle_s; their prefill peers follow."""
+        for decode in list(self.pools[DECODE].live_replicas()):
+            try:
+                closed = await asyncio.wait_for(decode.handle.close_idle_pairs.remote(max_idle_s), 30)
+            except (asyncio.TimeoutError, ray.exceptions.RayError):
+                continue
+            for prefill_id in closed:
+                prefill = self.pools[PREFILL].get(prefill_id) if self.pools[PREFILL] else None
+                if prefill is not None:
+                    prefill.handle.forget_peer.remote(decode.replica_id)
+
+    async def _poll_forever(self) -> None:
+        last_idle_sweep = time.monotonic()
+        while True:
+            try:
+                await self.poll_once()
+                if time.monotonic() - last_idle_sweep > self.idle_pair_s / 4:
+                    last_idle_sweep = time.monotonic()
+                    await self.close_idle_pairs(self.idle_pair_s)
+            except Exception:
+                logger.exception("replica poll failed")
+            await asyncio.sleep(self.poll_interval_s)
+
+    def start_polling(self) -> None:
+        if self._poller is None:
+            self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+
+    async def stop_polling(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
+            self._poller = None
+
+    # ---- requests ------------------------------------------------------------------------
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None, deadline: float | None = None,
+                       on_route: Callable | None = None) -> AsyncIterator[StreamChunk]:
+        """Stream a request's chunks. Retries (at most max_retries times, on other replicas)
+        only while no chunk has reached the caller; raises RequestFailedError, and
+        DeadlineExceededError once `deadline` (time.time(); default now + request_timeout_s)
+        passes, after which the replicas free whatever the request held."""
+        request_id = request_id or uuid.uuid4().hex
+        deadline = deadline or time.time() + self.request_timeout_s
+        timeout_s = deadline - time.time()
+        exclude_p: set[str] = set()
+        exclude_d: set[str] = set()
+        attempt = 0
+        while True:
+            if time.time() >= deadline:
+                raise DeadlineExceededError(timeout_s)
+            try:
+                decision = self.router.route(prompt_token_ids, exclude_prefill=exclude_p, exclude_decode=exclude_d)
+            except NoReplicaError as exc:
+                raise RequestFailedError(str(exc), status=503) from None
+            if on_route is not None:
+                on_route(decision)
+            decode = self.pools[DECODE].get(decision.decode_replica)
+            prefill = None if decision.prefill_replica is None else self.pools[PREFILL].get(decision.prefill_replica)
+            if decode is None:  # removed since the router last heard of it
+                exclude_d.add(decision.decode_replica)
+                continue
+            if decision.prefill_replica is not None and prefill is None:
+                exclude_p.add(decision.prefill_replica)
+                continue
+            req = DecodeRequest(request_id=f"{request_id}#{attempt}" if attempt else request_id,
+                                prompt_token_ids=prompt_token_ids, sampling=params.to_dict(),
+                                layerwise=self.layerwise, lease_s=self.lease_s, deadline=deadline)
+            gen = decode.handle.generate.options(num_returns="streaming").remote(
+                req.to_bytes(), None if prefill is None else prefill.handle,
+                None if prefill is None else prefill.replica_id)
+            self.inflight[request_id] = decode.replica_id
+            if prefill is not None:
+                self.inflight_prefill[request_id] = prefill.replica_id
+            sent_any = done = False
+            try:
+                while True:
+                    try:  # a replica that hangs must not hang the request past its deadline
+                        data = await asyncio.wait_for(_next_item(gen), max(deadline - time.time(), 0.001))
+                    except TimeoutError as exc:  # ours, or the replica's at the same deadline
+                        if time.time() >= deadline - _CLOCK_SLACK_S:
+                            raise DeadlineExceededError(timeout_s) from None
+                        raise RequestFailedError(f"request failed: {_short(exc)}", 503) from None
+                    if data is None:
+                        raise RequestFailedError("decode stream ended without finishing", 500)
+                    chunk = StreamChunk.from_bytes(data)
+                    sent_any = True
+                    self.inflight_prefill.pop(request_id, None)
+                    done = chunk.finished
+                    yield chunk
+                    if done:
+                        return
+            except (PrefillFailedError, ReplicaBusyError, *ACTOR_GONE) as exc:
+                if time.time() >= deadline:
+                    raise DeadlineExceededError(timeout_s) from None
+                # Never after a chunk reached the caller: a retry cannot resume it exactly.
+                if sent_any or attempt >= self.max_retries:
+                    status = 503 if isinstance(exc, (ReplicaBusyError, *ACTOR_GONE)) else 500
+                    raise RequestFailedError(f"request failed: {_short(exc)}", status) from None
+                attempt += 1
+                self.num_retries += 1
+                if isinstance(exc, (ReplicaBusyError, *ACTOR_GONE)) or prefill is None:
+                    exclude_d.add(decode.replica_id)   # the decode replica is gone or full
+                else:
+                    exclude_p.add(prefill.replica_id)
+                logger.warning("retrying %s (attempt %d) after: %s", request_id, attempt, _short(exc))
+            except ValueError as exc:  # InvalidRequestError raised inside the replica
+                raise RequestFailedError(str(exc), 400) from None
+            except ray.exceptions.RayError as exc:  # any other replica-side failure: say so
+                raise RequestFailedError(f"request failed: {_short(exc)}", 500) from None
+            finally:
+                self.inflight.pop(request_id, None)
+                self.inflight_prefill.pop(request_id, None)
+                if not done:
+                    _cancel(gen)
+
+
+async def _next_item(gen) -> bytes | None:
+    """The next item of a streaming actor call, or None at its end."""
+    try:
+        ref = await gen.__anext__()
+    except StopAsyncIteration:
+        return None
+    return await ref
+
+
+def _cancel(gen) -> None:
+    try:
+        ray.cancel(gen)
+    except Exception:
+        pass
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[-1] if text else type(exc).__name__

@@ -1,0 +1,179 @@
+"""What the HTTP and gRPC frontends call: tokenization, validation, admission control,
+metrics, and streaming generation through the disaggregated cluster."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections import defaultdict
+from typing import AsyncIterator
+
+from splitserve.cluster.scaling.autoscaler import Autoscaler
+from splitserve.cluster.control.disagg_cluster import DisaggCluster
+from splitserve.cluster.frontend.errors import BackendError, invalid
+from splitserve.cluster.control.dispatcher import DEADLINE_STATUS, RequestFailedError
+from splitserve.cluster.scaling.latency_window import LatencyWindow
+from splitserve.cluster.frontend.metrics import Metrics
+from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.cluster.config import ServeConfig
+from splitserve.engine.config import ModelConfig
+from splitserve.engine.io.request_validation import validate_prompt
+from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
+from splitserve.engine.io.tokenizer import Tokenizer
+from splitserve.kvtransfer.handoff import StreamChunk
+
+logger = logging.getLogger(__name__)
+
+
+class ServingBackend:
+    def __init__(self, cfg: ServeConfig, model_dir: str, cluster: DisaggCluster | None = None):
+        self.cfg = cfg
+        self.model_dir = model_dir
+        self.model_name = cfg.served_model_name or os.path.basename(os.path.normpath(model_dir))
+        self.tokenizer = Tokenizer.from_pretrained(model_dir)
+        self.model_config = ModelConfig.from_pretrained(model_dir)
+        self.max_model_len = self.model_config.max_context_len
+        pools = [cfg.decode] + ([cfg.prefill] if cfg.prefill.replicas or cfg.prefill.autoscaling.enabled else [])
+        self.max_cache_tokens = min(p.num_kv_blocks for p in pools) * cfg.block_size
+        self.metrics = Metrics()
+        self.cluster = cluster or DisaggCluster(cfg, model_dir, on_poll=self._on_poll)
+        self.num_inflight = 0
+        self._inflight_by_key: dict[str, int] = defaultdict(int)
+        # Recent latencies for the autoscaler: TTFT is prefill's signal, ITL decode's.
+        self.ttft_window = LatencyWindow()
+        self.itl_window = LatencyWindow()
+        self.autoscaler = None
+        if cfg.prefill.autoscaling.enabled or cfg.decode.autoscaling.enabled:
+            self.autoscaler = Autoscaler(self.cluster, cfg, self.metrics, latency_source=self.recent_latency_ms)
+
+    async def start(self) -> None:
+        await self.cluster.start()
+        self._refresh_pool_gauges()
+        if self.autoscaler is not None:
+            self.autoscaler.start()
+
+    async def shutdown(self) -> None:
+        if self.autoscaler is not None:
+            await self.autoscaler.stop()
+        await self.cluster.shutdown()
+
+    def recent_latency_ms(self, pool: str, since: float | None = None) -> float | None:
+        """p90 over the recent window: TTFT for prefill, ITL for decode (the autoscaler's input)."""
+        return (self.ttft_window if pool == PREFILL else self.itl_window).percentile_ms(90, since)
+
+    # ---- model facts ---------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str) or not text:
+            raise invalid("the prompt is empty")
+        _check_unicode(text)
+        return self.tokenizer.encode(text)
+
+    def render_chat(self, messages: list[dict]) -> list[int]:
+        if not messages:
+            raise invalid("messages must not be empty")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise invalid(f"could not apply the chat template: {exc}") from None
+        _check_unicode(text)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        try:
+            validate_prompt(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len,
+                            self.max_cache_tokens)
+        except InvalidRequestError as exc:
+            raise invalid(str(exc)) from None
+
+    def health(self) -> dict:
+        num_prefill = len(self.cluster.router.replica_ids(PREFILL, include_draining=False))
+        num_decode = len(self.cluster.router.replica_ids(DECODE, include_draining=False))
+        return {"ok": num_decode > 0, "prefill_replicas": num_prefill, "decode_replicas": num_decode}
+
+    # ---- generation ----------------------------------------------------------------------
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None, api_key: str | None = None,
+                       timeout_s: float | None = None) -> AsyncIterator[StreamChunk]:
+        """Validate, admit, stream. Raises BackendError before the first chunk on refusal.
+        timeout_s: the client's own deadline, capped by request_timeout_s; past it the
+        request fails with status 504 and its KV blocks are freed."""
+        self.validate(prompt_token_ids, params)
+        if timeout_s is not None and not timeout_s > 0:
+            raise invalid(f"the request timeout must be a positive number of seconds, got {timeout_s!r}")
+        deadline = time.time() + min(timeout_s or self.cfg.request_timeout_s, self.cfg.request_timeout_s)
+        key = api_key or ""
+        if self.num_inflight >= self.cfg.max_queued_requests:
+            self.metrics.requests.labels("429").inc()
+            raise BackendError("the server is at capacity; retry later", 429, "rate_limit_error")
+        if self._inflight_by_key[key] >= self.cfg.max_requests_per_key:
+            self.metrics.requests.labels("429").inc()
+            raise BackendError("too many concurrent requests for this API key", 429, "rate_limit_error")
+        self.num_inflight += 1
+        self._inflight_by_key[key] += 1
+        self.metrics.frontend_inflight.set(self.num_inflight)
+        self.metrics.prompt_tokens.inc(len(prompt_token_ids))
+        start = last = time.perf_counter()
+        status = "200"
+        first = True
+        try:
+            async for chunk in self.cluster.generate(prompt_token_ids, params, request_id or uuid.uuid4().hex,
+                                                     deadline=deadline, on_route=self._on_route):
+                now = time.perf_counter()
+                if first:
+                    self.metrics.ttft.observe(now - start)
+                    self.ttft_window.observe(now - start)
+                    self.metrics.prefix_hit_tokens.inc(chunk.num_cached_tokens)
+                    first = False
+                elif chunk.token_ids:
+                    gap = (now - last) / len(chunk.token_ids)
+                    for _ in chunk.token_ids:
+                        self.metrics.itl.observe(gap)
+                    self.itl_window.observe(gap)
+                last = now
+                self.metrics.generation_tokens.inc(len(chunk.token_ids))
+                yield chunk
+        except RequestFailedError as exc:
+            status = str(exc.status)
+            kind = {400: "invalid_request_error", DEADLINE_STATUS: "timeout_error"}.get(exc.status, "server_error")
+            raise BackendError(str(exc), exc.status, kind) from None
+        except BaseException:
+            status = "499"  # the client went away (cancelled) or the frontend failed
+            raise
+        finally:
+            self.num_inflight -= 1
+            self._inflight_by_key[key] -= 1
+            if not self._inflight_by_key[key]:
+                del self._inflight_by_key[key]
+            self.metrics.frontend_inflight.set(self.num_inflight)
+            self.metrics.requests.labels(status).inc()
+            if status == "200":
+                self.metrics.e2e.observe(time.perf_counter() - start)
+
+    # ---- metrics plumbing ----------------------------------------------------------------
+    def _on_route(self, decision) -> None:
+        self.metrics.router_decisions.labels(decision.reason).inc()
+
+    def _on_poll(self, pool: str, replica_id: str, state: dict) -> None:
+        self.metrics.observe_poll(pool, replica_id, state)
+        self._refresh_pool_gauges()
+
+    def _refresh_pool_gauges(self) -> None:
+        router = self.cluster.router
+        for pool in (PREFILL, DECODE):
+            ids = router.replica_ids(pool)
+            loads = [router.load(pool, rid) for rid in ids]
+            self.metrics.set_pool_totals(pool, len(ids), sum(l.num_waiting for l in loads if l),
+                                         sum(l.num_running for l in loads if l))
+
+    def render_metrics(self) -> bytes:
+        return self.metrics.render()
+
+
+def _check_unicode(text: str) -> None:
+    """JSON may escape lone surrogates ("\\ud800"), which are no text: refuse them here, where
+    the tokenizer would otherwise fail with a TypeError (a 500)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise invalid(f"the prompt is not valid Unicode: {exc.reason} at position {exc.start}") from None

@@ -1,0 +1,274 @@
+"""GrpcFrontend: splitserve.v1.SplitServe over a ServingBackend, with grpc.health.v1 and
+server reflection (so grpcurl works without the .proto).
+
+    frontend = GrpcFrontend(backend)
+    port = await frontend.start(cfg.grpc_host, cfg.grpc_port)   # port 0 picks a free one
+    ...
+    await frontend.stop(grace_s=5.0)
+
+Requests are parsed by the service itself rather than by grpc, so a malformed message is
+answered INVALID_ARGUMENT with the parser's reason instead of grpc's generic INTERNAL.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hmac
+import logging
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health as grpc_health
+from grpc_health.v1 import health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from splitserve.cluster.frontend.grpc.health import BackendHealthServicer
+from splitserve.cluster.frontend.errors import BackendError
+from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
+from splitserve.kvtransfer.handoff import StreamChunk
+from splitserve.proto import load_stubs
+
+logger = logging.getLogger(__name__)
+
+pb2, _ = load_stubs()
+SERVICE_NAME: str = pb2.DESCRIPTOR.services_by_name["SplitServe"].full_name  # "splitserve.v1.SplitServe"
+OWNED_BY = "splitserve"
+STATUS_CODE_BY_HTTP_STATUS = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+# Sampling fields declared `optional` in the .proto: unset means the SamplingParams default.
+_OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+
+
+def status_code_for(http_status: int) -> grpc.StatusCode:
+    return STATUS_CODE_BY_HTTP_STATUS.get(http_status, grpc.StatusCode.INTERNAL)
+
+
+class GrpcFrontendError(RuntimeError):
+    """The frontend could not start (address in use, bad host) or was misused."""
+
+
+class _Rejection(Exception):
+    """A request refused by the frontend itself, with the status to answer."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+@dataclass(frozen=True)
+class _MalformedRequest:
+    type_name: str
+    reason: str
+
+
+def _lenient_parser(message_class):
+    """A request deserializer that never raises: grpc would turn a raise into INTERNAL."""
+
+    def parse(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except DecodeError as exc:
+            return _MalformedRequest(message_class.DESCRIPTOR.full_name, str(exc) or "cannot parse")
+
+    return parse
+
+
+def _rpc(handler):
+    """Turn rejections, BackendErrors and bugs into a gRPC status with readable details."""
+
+    @functools.wraps(handler)
+    async def wrapper(self: "GrpcFrontend", request, context: grpc.aio.ServicerContext):
+        try:
+            if isinstance(request, _MalformedRequest):
+                raise _Rejection(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"malformed {request.type_name} message: {request.reason}")
+            return await handler(self, request, context)
+        except _Rejection as exc:
+            code, details = exc.code, exc.details
+        except BackendError as exc:
+            code, details = status_code_for(exc.status), exc.message
+        except Exception as exc:
+            logger.exception("gRPC %s failed", handler.__name__)
+            code, details = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+        await context.abort(code, details)
+
+    return wrapper
+
+
+def _bearer_token(metadata) -> str | None:
+    for key, value in metadata or ():
+        if key.lower() == "authorization" and isinstance(value, str):
+            scheme, _, token = value.strip().partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+    return None
+
+
+def _time_remaining(context: grpc.aio.ServicerContext) -> float | None:
+    """Seconds left before the client's deadline (None: it set none)."""
+    remaining = context.time_remaining()
+    return None if remaining is None else max(remaining, 0.001)
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def generate_response(chunk: StreamChunk) -> "pb2.GenerateResponse":
+    response = pb2.GenerateResponse(
+        request_id=chunk.request_id, token_ids=chunk.token_ids, text=chunk.text,
+        logprobs=chunk.logprobs, finished=chunk.finished, finish_reason=chunk.finish_reason or "")
+    if chunk.finished:
+        response.usage.prompt_tokens = chunk.num_prompt_tokens
+        response.usage.completion_tokens = chunk.num_output_tokens
+        response.usage.cached_tokens = chunk.num_cached_tokens
+    return response
+
+
+def sampling_params_from(request: "pb2.GenerateRequest") -> SamplingParams:
+    """SamplingParams from a GenerateRequest; raises InvalidRequestError on bad values."""
+    explicit = {name: getattr(request, name) for name in _OPTIONAL_SAMPLING_FIELDS if request.HasField(name)}
+    return SamplingParams(
+        **explicit, stop=list(request.stop), stop_token_ids=list(request.stop_token_ids),
+        ignore_eos=request.ignore_eos, logprobs=request.logprobs,
+        include_stop_str_in_output=request.include_stop_str_in_output)
+
+
+class GrpcFrontend:
+    def __init__(self, backend, health_poll_interval_s: float = 2.0):
+        self.backend = backend
+        self._api_key: str | None = backend.cfg.api_key or None
+        self._max_message_bytes: int = backend.cfg.max_body_bytes
+        self._health_poll_interval_s = health_poll_interval_s
+        self._server: grpc.aio.Server | None = None
+        self._health: BackendHealthServicer | None = None
+        self.port: int | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Listen on host:port (0: a free port) and serve; returns the bound port."""
+        if self._server is not None:
+            raise GrpcFrontendError(f"the gRPC frontend is already serving on port {self.port}")
+        server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", self._max_message_bytes),
+            ("grpc.so_reuseport", 0),  # a busy port must fail, not be silently shared
+        ])
+        server.add_generic_rpc_handlers((self._service_handler(),))
+        health = BackendHealthServicer(self.backend, [SERVICE_NAME], self._health_poll_interval_s)
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        reflection.enable_server_reflection(
+            [SERVICE_NAME, grpc_health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+        try:
+            bound = server.add_insecure_port(_address(host, port))
+        except RuntimeError as exc:
+            raise GrpcFrontendError(f"cannot listen for gRPC on {_address(host, port)}: {exc}") from None
+        if not bound:
+            raise GrpcFrontendError(f"cannot listen for gRPC on {_address(host, port)}")
+        await server.start()
+        await health.refresh()
+        health.start_polling()
+        self._server, self._health, self.port = server, health, bound
+        logger.info("gRPC frontend serving %s on %s", SERVICE_NAME, _address(host, bound))
+        return bound
+
+    async def stop(self, grace_s: float | None = 5.0) -> None:
+        """Report NOT_SERVING, let in-flight RPCs finish for grace_s, then cancel the rest."""
+        if self._server is None:
+            return
+        server, health = self._server, self._health
+        self._server, self._health, self.port = None, None, None
+        await health.enter_graceful_shutdown()
+        await health.stop_polling()
+        await server.stop(grace_s)
+
+    def _service_handler(self) -> grpc.GenericRpcHandler:
+        handlers = {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                self.generate, request_deserializer=_lenient_parser(pb2.GenerateRequest),
+                response_serializer=pb2.GenerateResponse.SerializeToString),
+            "Tokenize": grpc.unary_unary_rpc_method_handler(
+                self.tokenize, request_deserializer=_lenient_parser(pb2.TokenizeRequest),
+                response_serializer=pb2.TokenizeResponse.SerializeToString),
+            "Models": grpc.unary_unary_rpc_method_handler(
+                self.models, request_deserializer=_lenient_parser(pb2.ModelsRequest),
+                response_serializer=pb2.ModelsResponse.SerializeToString),
+        }
+        declared = {m.name for m in pb2.DESCRIPTOR.services_by_name["SplitServe"].methods}
+        if declared != set(handlers):
+            raise GrpcFrontendError(f"splitserve.proto declares {sorted(declared)} but the frontend "
+                                    f"implements {sorted(handlers)}; rebuild with `python -m splitserve.proto.build`")
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+    # ---- RPCs ----------------------------------------------------------------------------
+    @_rpc
+    async def generate(self, request, context: grpc.aio.ServicerContext) -> None:
+        api_key = self._authorize(context)
+        self._check_model(request.model)
+        prompt_token_ids = self._prompt_token_ids(request)
+        try:
+            params = sampling_params_from(request)
+        except InvalidRequestError as exc:
+            raise _Rejection(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        # The client's gRPC deadline becomes the request's (capped by request_timeout_s).
+        chunks = self.backend.generate(prompt_token_ids, params, request_id=request.request_id or None,
+                                       api_key=api_key, timeout_s=_time_remaining(context))
+        # aclosing: when the client cancels, the CancelledError raised in context.write closes
+        # the backend generator, whose cleanup aborts the request and frees its KV blocks.
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                await context.write(generate_response(chunk))
+
+    @_rpc
+    async def tokenize(self, request, context: grpc.aio.ServicerContext) -> "pb2.TokenizeResponse":
+        self._authorize(context)
+        self._check_model(request.model)
+        if not request.text:
+            raise _Rejection(grpc.StatusCode.INVALID_ARGUMENT, "text is empty")
+        token_ids = self.backend.encode(request.text)
+        return pb2.TokenizeResponse(token_ids=token_ids, count=len(token_ids),
+                                    max_model_len=self.backend.max_model_len)
+
+    @_rpc
+    async def models(self, request, context: grpc.aio.ServicerContext) -> "pb2.ModelsResponse":
+        self._authorize(context)
+        card = pb2.ModelCard(id=self.backend.model_name, max_model_len=self.backend.max_model_len,
+                             owned_by=OWNED_BY)
+        return pb2.ModelsResponse(models=[card])
+
+    # ---- request checks ------------------------------------------------------------------
+    def _authorize(self, context: grpc.aio.ServicerContext) -> str | None:
+        """The caller's API key (None when the deployment has none); rejects a wrong one."""
+        if self._api_key is None:
+            return None
+        token = _bearer_token(context.invocation_metadata())
+        if token is None:
+            raise _Rejection(grpc.StatusCode.UNAUTHENTICATED,
+                             "missing API key: send the metadata `authorization: Bearer <key>`")
+        if not hmac.compare_digest(token.encode(), self._api_key.encode()):
+            raise _Rejection(grpc.StatusCode.UNAUTHENTICATED, "invalid API key")
+        return token
+
+    def _check_model(self, model: str) -> None:
+        if model and model != self.backend.model_name:
+            raise _Rejection(grpc.StatusCode.NOT_FOUND,
+                             f"model {model!r} is not served here; this server serves {self.backend.model_name!r}")
+
+    def _prompt_token_ids(self, request) -> list[int]:
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            if not request.text:
+                raise _Rejection(grpc.StatusCode.INVALID_ARGUMENT, "prompt text is empty")
+            return self.backend.encode(request.text)
+        if kind == "token_ids":
+            if not request.token_ids.ids:
+                raise _Rejection(grpc.StatusCode.INVALID_ARGUMENT, "prompt token_ids is empty")
+            return list(request.token_ids.ids)
+        raise _Rejection(grpc.StatusCode.INVALID_ARGUMENT, "set the prompt: `text` or `token_ids`")

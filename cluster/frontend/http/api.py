@@ -1,0 +1,265 @@
+"""The OpenAI-compatible HTTP frontend: build_http_app(backend) -> FastAPI.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE with `stream: true`),
+GET /v1/models, GET /health, GET /metrics, and FastAPI's /openapi.json. A generation request
+may carry `x-request-timeout: SECONDS` (capped by request_timeout_s; past it: 504). Every error is
+OpenAI's {"error": {"message", "type", "param", "code"}}; no traceback ever reaches a client.
+`backend` is a splitserve.cluster.frontend.backend.ServingBackend or anything with the same interface.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import anyio
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from splitserve.cluster.frontend.http.guard import RequestGuard, bearer_token
+from splitserve.cluster.frontend.openai.protocol import ChatCompletionRequest, CompletionRequest, build_sampling_params
+from splitserve.cluster.frontend.openai.responses import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    error_body,
+)
+from splitserve.cluster.frontend.openai.render import SSE_DONE, ChatRenderer, CompletionRenderer, ResponseRenderer, sse_event
+from splitserve.cluster.frontend.errors import BackendError
+from splitserve.cluster.frontend.http.sse import ClientDisconnected, SSEResponse, run_until_disconnected
+from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503, 504)}
+TIMEOUT_HEADER = "x-request-timeout"
+GENERATION_RESPONSES = {200: {"content": {"text/event-stream": {}}}, **_ERRORS}
+
+
+class OpenAIHTTPError(Exception):
+    """An error the frontend itself answers (unknown model, ...)."""
+
+    def __init__(self, status: int, message: str, error_type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.error_type, self.param, self.code = status, message, error_type, param, code
+
+
+def _error_response(status: int, message: str, error_type: str, param: str | None = None,
+                    code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, error_type, param, code), status_code=status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One readable message (and the offending parameter) from FastAPI's validation errors."""
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "malformed JSON")
+        return f"the request body is not valid JSON: {detail}", None
+    if not loc:
+        return "the request body must be a JSON object (Content-Type: application/json)", None
+    # A value matching no branch of a union fails every branch; errors other than "wrong
+    # type" (too long, out of range...) come from the branch the client meant, so show those.
+    specific = [e for e in errors if not str(e.get("type", "")).endswith("_type")]
+    details = []
+    for err in (specific or errors)[:3]:
+        where = ".".join(str(p) for p in err.get("loc", ()) if not _is_union_branch(p))
+        details.append(f"{where}: {err.get('msg')}")
+    return "invalid request: " + "; ".join(dict.fromkeys(details)), loc[0]
+
+
+def _is_union_branch(part) -> bool:
+    """pydantic names union branches in error locations ("list[constrained-int]", "str")."""
+    return part == "body" or (isinstance(part, str) and (
+        "[" in part or "-" in part or part in ("str", "int", "float", "bool", "list", "dict")))
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return _error_response(400, message, "invalid_request_error", param)
+
+    @app.exception_handler(InvalidRequestError)
+    async def on_invalid_request(_: Request, exc: InvalidRequestError) -> JSONResponse:
+        return _error_response(400, str(exc), "invalid_request_error", getattr(exc, "param", None))
+
+    @app.exception_handler(BackendError)
+    async def on_backend_error(_: Request, exc: BackendError) -> JSONResponse:
+        headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
+        return _error_response(exc.status, exc.message, exc.error_type, headers=headers)
+
+    @app.exception_handler(OpenAIHTTPError)
+    async def on_openai_error(_: Request, exc: OpenAIHTTPError) -> JSONResponse:
+        return _error_response(exc.status, exc.message, exc.error_type, exc.param, exc.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return _error_response(exc.status_code, str(exc.detail), error_type, headers=exc.headers)
+
+    @app.exception_handler(ClientDisconnected)
+    async def on_client_gone(_: Request, __: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+
+    # Starlette re-raises after this response is sent, so the server logs the traceback.
+    @app.exception_handler(Exception)
+    async def on_unexpected(_: Request, __: Exception) -> JSONResponse:
+        return _error_response(500, "internal server error", "server_error")
+
+
+def build_http_app(backend) -> FastAPI:
+    """The OpenAI-compatible FastAPI app in front of `backend` (see the module docstring)."""
+    cfg = backend.cfg
+    app = FastAPI(title="splitserve", description="OpenAI-compatible disaggregated LLM serving",
+                  version="0.1.0", strict_content_type=False)
+    app.add_middleware(RequestGuard, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes)
+    _install_error_handlers(app)
+    created = int(time.time())
+    # Documents the bearer scheme in /openapi.json; RequestGuard enforces it before parsing.
+    auth = [Depends(HTTPBearer(auto_error=False))] if cfg.api_key else []
+
+    def check_model(model: str) -> None:
+        if model != backend.model_name:
+            raise OpenAIHTTPError(404, f"the model {model!r} does not exist; this server serves "
+                                  f"{backend.model_name!r}", param="model", code="model_not_found")
+
+    def model_card() -> ModelCard:
+        return ModelCard(id=backend.model_name, created=created, max_model_len=backend.max_model_len)
+
+    @app.get("/health", responses={503: {"description": "no decode replica is ready"}})
+    async def health() -> JSONResponse:
+        try:
+            state = dict(backend.health())
+        except Exception:
+            logger.exception("health check failed")
+            state = {"ok": False, "error": "health check failed"}
+        return JSONResponse(state, status_code=200 if state.get("ok") else 503)
+
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+    async def metrics() -> Response:
+        return Response(backend.render_metrics(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", response_model=ModelList, dependencies=auth, responses=_ERRORS)
+    async def list_models() -> ModelList:
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, dependencies=auth, responses=_ERRORS)
+    async def get_model(model_id: str) -> ModelCard:
+        check_model(model_id)
+        return model_card()
+
+    @app.post("/v1/completions", response_model=CompletionResponse, dependencies=auth,
+              responses=GENERATION_RESPONSES)
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        prompt = body.single_prompt()
+        prompt_ids = backend.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        params = build_sampling_params(body, len(prompt_ids), backend.max_model_len)
+        renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", body.model, int(time.time()),
+                                      backend.tokenizer, params.logprobs, body.include_usage)
+        return await generate(request, prompt_ids, params, renderer, body.stream)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=auth,
+              responses=GENERATION_RESPONSES)
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        prompt_ids = backend.render_chat(body.template_messages())
+        params = build_sampling_params(body, len(prompt_ids), backend.max_model_len)
+        renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", body.model, int(time.time()),
+                                backend.tokenizer, params.logprobs, body.include_usage)
+        return await generate(request, prompt_ids, params, renderer, body.stream)
+
+    async def generate(request: Request, prompt_ids: list[int], params: SamplingParams,
+                       renderer: ResponseRenderer, stream: bool) -> Response:
+        # Refusals (400/429/503) come before the first chunk, so they still get a status code.
+        source = backend.generate(prompt_ids, params, request_id=renderer.request_id,
+                                  api_key=bearer_token(request.scope.get("headers", [])),
+                                  timeout_s=_request_timeout(request))
+        renderer.num_prompt_tokens = len(prompt_ids)  # chunks repeat it; this covers an empty stream
+        handed_off = False
+        try:
+            first = await run_until_disconnected(request.receive, anext(source, None))
+            if stream:
+                handed_off = True
+                return SSEResponse(_stream_events(renderer, first, source), source=source)
+            if first is not None:
+                renderer.observe(first)
+
+            async def collect() -> None:
+                async for chunk in source:
+                    renderer.observe(chunk)
+
+            if first is not None:  # drain to the end, so the backend counts a normal finish
+                await run_until_disconnected(request.receive, collect())
+            renderer.mark_unfinished()
+            return JSONResponse(renderer.render_response())
+        finally:
+            if not handed_off:
+                with anyio.CancelScope(shield=True):
+                    await source.aclose()
+
+    _pin_model_in_openapi(app, backend.model_name)
+    return app
+
+
+def _request_timeout(request: Request) -> float | None:
+    """The client's deadline in seconds from the x-request-timeout header (None: the server's)."""
+    raw = request.headers.get(TIMEOUT_HEADER)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise OpenAIHTTPError(400, f"the {TIMEOUT_HEADER} header must be a positive number of seconds, "
+                              f"got {raw[:32]!r}", param=TIMEOUT_HEADER)
+    return value
+
+
+def _pin_model_in_openapi(app: FastAPI, model_name: str) -> None:
+    """List the one served model as the only valid `model` in /openapi.json, so schema-driven
+    clients and fuzzers (schemathesis) reach past the 404 for unknown models."""
+    base_openapi = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = base_openapi()
+            for name in ("CompletionRequest", "ChatCompletionRequest"):
+                schema["components"]["schemas"][name]["properties"]["model"]["enum"] = [model_name]
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+async def _stream_events(renderer: ResponseRenderer, first, source):
+    """SSE events of one request; a failure after the first chunk becomes an error event."""
+    for event in renderer.opening_events():
+        yield event
+    try:
+        if first is not None:
+            for event in renderer.chunk_events(first):
+                yield event
+            async for chunk in source:
+                for event in renderer.chunk_events(chunk):
+                    yield event
+    except BackendError as exc:
+        yield sse_event(error_body(exc.message, exc.error_type, code=exc.status))
+        yield SSE_DONE
+        return
+    except Exception:
+        logger.exception("stream %s failed", renderer.request_id)
+        yield sse_event(error_body("internal server error", "server_error", code=500))
+        yield SSE_DONE
+        return
+    for event in renderer.closing_events():
+        yield event

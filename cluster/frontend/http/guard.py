@@ -1,0 +1,110 @@
+"""ASGI middleware that runs before any parsing: API-key check and request-body size cap.
+
+Authentication happens first, so an unauthenticated client cannot make the server buffer a
+body. The body is then read up to `max_body_bytes` (Content-Length is checked before reading;
+the bytes actually received are counted too, for chunked uploads) and replayed to the app.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from splitserve.cluster.frontend.openai.responses import error_body
+
+
+async def send_error(send: Send, status: int, message: str, error_type: str, code: str | None = None,
+                     headers: dict[str, str] | None = None) -> None:
+    body = json.dumps(error_body(message, error_type, code=code)).encode()
+    raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw_headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def bearer_token(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """The token of an `Authorization: Bearer TOKEN` header, or None."""
+    for name, value in headers:
+        if name.lower() == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+    return None
+
+
+class RequestGuard:
+    """Wraps the app: 401 without the API key on protected paths, 413 for oversized bodies."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int,
+                 protected_prefix: str = "/v1/"):
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+        self.app = app
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.protected_prefix = protected_prefix
+
+    def _authorized(self, scope: Scope) -> bool:
+        if not self.api_key or not scope["path"].startswith(self.protected_prefix):
+            return True
+        token = bearer_token(scope.get("headers", []))
+        return token is not None and hmac.compare_digest(token.encode(), self.api_key.encode())
+
+    def _declared_length(self, scope: Scope) -> int | None:
+        for name, value in scope.get("headers", []):
+            if name.lower() == b"content-length":
+                return int(value)  # ValueError on garbage; the caller answers 400
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if not self._authorized(scope):
+            await send_error(send, 401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
+                             "invalid_request_error", code="invalid_api_key",
+                             headers={"WWW-Authenticate": "Bearer"})
+            return
+        try:
+            declared = self._declared_length(scope)
+        except ValueError:
+            await send_error(send, 400, "the Content-Length header is not an integer", "invalid_request_error")
+            return
+        if declared is not None and declared > self.max_body_bytes:
+            await self._send_too_large(send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left before sending its body
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                await self._send_too_large(send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(b"".join(chunks), receive), send)
+
+    async def _send_too_large(self, send: Send) -> None:
+        await send_error(send, 413, f"the request body exceeds the limit of {self.max_body_bytes} bytes",
+                         "invalid_request_error", code="request_too_large")
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that yields the buffered body once, then the client's later messages
+    (http.disconnect), so streaming responses still notice a client leaving."""
+    pending = True
+
+    async def replayed() -> Message:
+        nonlocal pending
+        if pending:
+            pending = False
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed

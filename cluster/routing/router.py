@@ -1,0 +1,299 @@
+"""Router: picks one prefill replica and one decode replica per request. Pure Python, no torch.
+
+Policies (RouterConfig.policy):
+  "kv"            cost-based, prefix-cache aware (below).
+  "round-robin"   cycles over live replicas; ignores prefixes and load.
+  "least-loaded"  lowest load = queue_weight*queued_tokens + running_weight*running
+                  (+ kv_usage_weight*kv_usage on decode); ignores prefixes.
+  "random"        uniform among live replicas.
+Prefix-blind policies do not consult the index: their decisions report 0 cached tokens.
+
+"kv" cost of sending a prompt of P tokens to a replica r that holds `cached` of them
+(cached = matched leading blocks * block_size, at most P - 1: the last prompt token is always
+recomputed to get the first logits), in token-equivalents, lowest wins:
+
+  cost(r) = queue_weight   * (queued_prefill_tokens + pending_tokens)
+          + running_weight * (num_running + pending_requests)
+          + (P - cached)                       # work left: tokens to prefill / to transfer
+          - prefix_weight  * cached            # credit for reuse
+          [+ kv_usage_weight * kv_usage]       # decode pool only: room for the new sequence
+
+It is a weighted trade-off, not an imbalance gate: a prefix holder wins until its extra
+queue outweighs (1 + prefix_weight) * cached tokens. The decode replica is chosen first (its
+cached blocks need not be transferred); if fewer than local_prefill_threshold uncached tokens
+remain there, the decode replica prefills them itself (prefill replica None, no KV moves).
+Otherwise the prefill replica is chosen with the same formula over the prefill index.
+
+Herding: equal costs are broken by a seeded rng, and every routed request is added to its
+replicas' pending counts until their next update_load, so a burst arriving between two load
+reports spreads out.
+"""
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass
+from typing import Hashable, Iterable, Sequence
+
+from splitserve.cluster.routing.index import KVIndex
+from splitserve.cluster.routing.load import ReplicaLoad
+from splitserve.cluster.config import RouterConfig
+from splitserve.engine.core.block_hash import hash_blocks
+
+PREFILL = "prefill"
+DECODE = "decode"
+POOLS = (PREFILL, DECODE)
+
+# Cost of a completely full decode KV cache in token-equivalents (RouterConfig has no field
+# for it): as much as 16 running requests at the default running_weight of 64.
+DEFAULT_KV_USAGE_WEIGHT = 1024.0
+_TIE_EPSILON = 1e-6
+
+
+class NoReplicaError(RuntimeError):
+    """A pool has no live, non-draining, non-excluded replica. The frontend answers 503."""
+
+    def __init__(self, pool: str):
+        super().__init__(f"no available {pool} replica")
+        self.pool = pool
+
+
+class UnknownReplicaError(KeyError):
+    """A replica id that is not registered in the named pool."""
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    prefill_replica: Hashable | None   # None: the decode replica prefills locally
+    decode_replica: Hashable
+    num_prompt_tokens: int
+    prefill_cached_tokens: int         # prompt tokens cached on the prefill replica (0 if None)
+    decode_cached_tokens: int          # prompt tokens already cached on the decode replica
+    num_transfer_tokens: int           # KV tokens to move prefill -> decode (0 if local)
+    reason: str                        # "kv-prefix", "load", "local-prefill", ...
+    block_hashes: tuple[int, ...]      # chained hashes of the prompt's full blocks
+
+    @property
+    def local_prefill(self) -> bool:
+        return self.prefill_replica is None
+
+
+class Router:
+    def __init__(self, config: RouterConfig | None = None, block_size: int = 16, *,
+                 seed: int | None = 0, kv_usage_weight: float = DEFAULT_KV_USAGE_WEIGHT,
+                 allow_local_prefill_fallback: bool = True):
+        """allow_local_prefill_fallback: with no prefill replica available (e.g. the pool
+        scaled to zero), let the decode replica prefill instead of raising NoReplicaError."""
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if kv_usage_weight < 0:
+            raise ValueError("kv_usage_weight must be >= 0")
+        self.config = config if config is not None else RouterConfig()
+        self.block_size = block_size
+        self.kv_usage_weight = kv_usage_weight
+        self.allow_local_prefill_fallback = allow_local_prefill_fallback
+        self._rng = random.Random(seed)
+        self._loads: dict[str, dict[Hashable, ReplicaLoad]] = {p: {} for p in POOLS}
+        self._indexes: dict[str, KVIndex] = {p: KVIndex() for p in POOLS}
+        self._rr_cursor: dict[str, int] = {p: 0 for p in POOLS}
+        self._decisions: Counter[str] = Counter()
+
+    # ---- registration and reports --------------------------------------------------------
+    def add_replica(self, pool: str, replica_id: Hashable,
+                    snapshot: tuple[int, Iterable[int]] | None = None) -> None:
+        """Register a replica; snapshot is its BlockPool.snapshot() (None: empty cache)."""
+        loads = self._pool(pool)
+        if replica_id in loads:
+            raise ValueError(f"{pool} replica {replica_id!r} is already registered")
+        seq, hashes = snapshot if snapshot is not None else (0, ())
+        self._indexes[pool].add_replica(replica_id, seq, hashes)
+        loads[replica_id] = ReplicaLoad(replica_id)
+
+    def remove_replica(self, pool: str, replica_id: Hashable) -> None:
+        """Forget a dead or drained replica and its index entries. Unknown ids are ignored."""
+        self._pool(pool).pop(replica_id, None)
+        self._indexes[pool].remove_replica(replica_id)
+
+    def set_draining(self, pool: str, replica_id: Hashable, draining: bool) -> None:
+        self._load(pool, replica_id).draining = draining
+
+    def update_load(self, pool: str, replica_id: Hashable, queued_prefill_tokens: int,
+                    num_running: int, kv_usage: float, num_waiting: int = 0) -> bool:
+        """Take a load report. Returns False (ignored) for a replica no longer registered:
+        a report can race with its removal."""
+        load = self._pool(pool).get(replica_id)
+        if load is None:
+            return False
+        load.report(queued_prefill_tokens, num_running, kv_usage, num_waiting)
+        return True
+
+    def apply_events(self, pool: str, replica_id: Hashable, events: Sequence) -> bool:
+        """Feed a replica's KV events. False: unregistered replica, or a seq gap (the replica
+        is then listed by replicas_needing_resync until resync())."""
+        if replica_id not in self._pool(pool):
+            return False
+        return self._indexes[pool].apply_events(replica_id, events)
+
+    def resync(self, pool: str, replica_id: Hashable, snapshot: tuple[int, Iterable[int]]) -> None:
+        self._load(pool, replica_id)
+        seq, hashes = snapshot
+        self._indexes[pool].resync(replica_id, seq, hashes)
+
+    def replicas_needing_resync(self, pool: str) -> list[Hashable]:
+        loads = self._pool(pool)
+        return [r for r in self._indexes[pool].replicas_needing_resync() if r in loads]
+
+    # ---- queries -------------------------------------------------------------------------
+    def index(self, pool: str) -> KVIndex:
+        self._pool(pool)
+        return self._indexes[pool]
+
+    def load(self, pool: str, replica_id: Hashable) -> ReplicaLoad:
+        return self._load(pool, replica_id)
+
+    def replica_ids(self, pool: str, include_draining: bool = True) -> list[Hashable]:
+        return [r for r, load in self._pool(pool).items() if include_draining or not load.draining]
+
+    def decision_counts(self) -> dict[str, int]:
+        """Decisions so far by reason (for the "router decisions by reason" counter)."""
+        return dict(self._decisions)
+
+    # ---- routing -------------------------------------------------------------------------
+    def route(self, prompt_token_ids: Sequence[int] | None = None,
+              num_prompt_tokens: int | None = None, *,
+              block_hashes: Sequence[int] | None = None,
+              exclude_prefill: Iterable[Hashable] = (),
+              exclude_decode: Iterable[Hashable] = ()) -> RouteDecision:
+        """Pick replicas for one prompt, given its token ids or its block hashes (then
+        num_prompt_tokens is required). exclude_*: replicas to skip, e.g. on a retry."""
+        hashes, num_tokens = self._prompt_hashes(prompt_token_ids, num_prompt_tokens,
+                                                 block_hashes)
+        decode_cands = self._candidates(DECODE, exclude_decode)
+        if not decode_cands:
+            raise NoReplicaError(DECODE)
+        prefill_cands = self._candidates(PREFILL, exclude_prefill)
+        prefix_aware = self.config.policy == "kv"
+
+        if prefix_aware:
+            decode, decode_cached, _ = self._pick_by_cost(DECODE, decode_cands, hashes,
+                                                          num_tokens)
+        else:
+            decode, decode_cached = self._pick_blind(DECODE, decode_cands), 0
+        remainder = num_tokens - decode_cached
+        if remainder < self.config.local_prefill_threshold or not prefill_cands:
+            if remainder >= self.config.local_prefill_threshold:
+                if not self.allow_local_prefill_fallback:
+                    raise NoReplicaError(PREFILL)
+                reason = "no-prefill-replica"
+            else:
+                reason = "local-prefill"
+            decode.add_pending(remainder)
+            return self._decide(None, decode, num_tokens, 0, decode_cached, 0, reason, hashes)
+
+        if prefix_aware:
+            prefill, prefill_cached, reason = self._pick_by_cost(PREFILL, prefill_cands,
+                                                                 hashes, num_tokens)
+        else:
+            prefill, prefill_cached = self._pick_blind(PREFILL, prefill_cands), 0
+            reason = self.config.policy
+        prefill.add_pending(num_tokens - prefill_cached)
+        decode.add_pending(0)  # a new sequence on decode; its prompt is prefilled elsewhere
+        return self._decide(prefill, decode, num_tokens, prefill_cached, decode_cached,
+                            remainder, reason, hashes)
+
+    def _prompt_hashes(self, token_ids, num_prompt_tokens, block_hashes) -> tuple[tuple, int]:
+        if (token_ids is None) == (block_hashes is None):
+            raise ValueError("pass exactly one of prompt_token_ids and block_hashes")
+        if token_ids is not None:
+            if num_prompt_tokens is not None and num_prompt_tokens != len(token_ids):
+                raise ValueError("num_prompt_tokens disagrees with len(prompt_token_ids)")
+            num_prompt_tokens = len(token_ids)
+            hashes = tuple(hash_blocks(token_ids, self.block_size))
+        else:
+            if num_prompt_tokens is None:
+                raise ValueError("num_prompt_tokens is required with block_hashes")
+            hashes = tuple(block_hashes)
+            if len(hashes) * self.block_size > num_prompt_tokens:
+                raise ValueError(f"{len(hashes)} blocks of {self.block_size} tokens exceed "
+                                 f"num_prompt_tokens={num_prompt_tokens}")
+        if num_prompt_tokens < 1:
+            raise ValueError("a prompt needs at least one token")
+        return hashes, num_prompt_tokens
+
+    def _candidates(self, pool: str, exclude: Iterable[Hashable]) -> list[ReplicaLoad]:
+        excluded = set(exclude)
+        return [load for rid, load in self._loads[pool].items()
+                if not load.draining and rid not in excluded]
+
+    def _pick_by_cost(self, pool: str, cands: list[ReplicaLoad], hashes: tuple,
+                      num_tokens: int) -> tuple[ReplicaLoad, int, str]:
+        """Lowest-cost replica, its cached prompt tokens, and the reason."""
+        all_registered = len(cands) == len(self._loads[pool])
+        matched = self._indexes[pool].prefix_match(
+            hashes, None if all_registered else [c.replica_id for c in cands])
+        cfg = self.config
+        qw, rw, pw, bs = cfg.queue_weight, cfg.running_weight, cfg.prefix_weight, self.block_size
+        kvw = self.kv_usage_weight if pool == DECODE else 0.0
+        max_cached = num_tokens - 1
+        best_cost = float("inf")
+        ties: list[tuple[ReplicaLoad, int]] = []
+        for load in cands:
+            cached = min(matched.get(load.replica_id, 0) * bs, max_cached) if matched else 0
+            cost = (qw * (load.queued_prefill_tokens + load.pending_tokens)
+                    + rw * (load.num_running + load.pending_requests)
+                    + kvw * load.kv_usage
+                    + (num_tokens - cached) - pw * cached)
+            if cost < best_cost - _TIE_EPSILON:
+                best_cost = cost
+                ties = [(load, cached)]
+            elif cost <= best_cost + _TIE_EPSILON:
+                ties.append((load, cached))
+        chosen, cached = ties[0] if len(ties) == 1 else self._rng.choice(ties)
+        best_blocks = max(matched.values(), default=0)
+        if best_blocks == 0:
+            reason = "load"
+        elif matched.get(chosen.replica_id, 0) == best_blocks:
+            reason = "kv-prefix"
+        else:
+            reason = "load-over-prefix"  # a longer prefix existed but its replica was busier
+        return chosen, cached, reason
+
+    def _pick_blind(self, pool: str, cands: list[ReplicaLoad]) -> ReplicaLoad:
+        policy = self.config.policy
+        if policy == "round-robin":
+            cursor = self._rr_cursor[pool]
+            self._rr_cursor[pool] = cursor + 1
+            return cands[cursor % len(cands)]
+        if policy == "random":
+            return self._rng.choice(cands)
+        # least-loaded
+        cfg = self.config
+        kvw = self.kv_usage_weight if pool == DECODE else 0.0
+        costs = [cfg.queue_weight * load.effective_queued_tokens
+                 + cfg.running_weight * load.effective_running + kvw * load.kv_usage
+                 for load in cands]
+        best = min(costs)
+        ties = [load for load, cost in zip(cands, costs) if cost <= best + _TIE_EPSILON]
+        return ties[0] if len(ties) == 1 else self._rng.choice(ties)
+
+    def _decide(self, prefill: ReplicaLoad | None, decode: ReplicaLoad, num_tokens: int,
+                prefill_cached: int, decode_cached: int, num_transfer: int, reason: str,
+                hashes: tuple) -> RouteDecision:
+        self._decisions[reason] += 1
+        return RouteDecision(
+            prefill_replica=prefill.replica_id if prefill is not None else None,
+            decode_replica=decode.replica_id, num_prompt_tokens=num_tokens,
+            prefill_cached_tokens=prefill_cached, decode_cached_tokens=decode_cached,
+            num_transfer_tokens=num_transfer, reason=reason, block_hashes=hashes)
+
+    def _pool(self, pool: str) -> dict[Hashable, ReplicaLoad]:
+        try:
+            return self._loads[pool]
+        except KeyError:
+            raise ValueError(f"unknown pool {pool!r}; expected one of {POOLS}") from None
+
+    def _load(self, pool: str, replica_id: Hashable) -> ReplicaLoad:
+        load = self._pool(pool).get(replica_id)
+        if load is None:
+            raise UnknownReplicaError(f"{pool} replica {replica_id!r} is not registered")
+        return load

@@ -1,0 +1,209 @@
+"""Autoscaler: one control loop per autoscaled pool, in the process that owns the pools.
+
+Every interval_s it builds a MetricsSnapshot of the pool from the router's load view (which
+the dispatcher's poller keeps current) and recent latencies (TTFT for prefill, ITL for
+decode), asks the pool's policy, and executes the decision:
+
+  up    DisaggCluster.add_replicas: the new actors ask Ray for the pool's resources (a
+        pending num_gpus / custom-resource request is what Ray's autoscaler adds nodes for),
+        load, and are indexed in the router from their snapshot before they get traffic.
+  down  DisaggCluster.drain_replica on the least-loaded replicas: no new requests, in-flight
+        ones finish, index entries dropped, actor removed; its Ray resources are freed, so
+        Ray's autoscaler can later remove the idle node.
+
+At most one action per pool is in flight; the pool's loop only observes until it finishes.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.cluster.scaling.policy import (MetricsSnapshot, PoolScalingPolicy, DecodeScalingPolicy,
+                                    PrefillScalingPolicy, ReplicaLoadSample, ScalingDecision)
+from splitserve.cluster.config import AutoscalingConfig, ServeConfig
+
+if TYPE_CHECKING:
+    from splitserve.cluster.control.disagg_cluster import DisaggCluster
+    from splitserve.cluster.frontend.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+# (pool, since) -> recent p90 latency in ms of that pool (TTFT for prefill, ITL for decode),
+# counting only samples after `since` (monotonic s; None: the whole window); None: no samples.
+LatencySource = Callable[[str, "float | None"], "float | None"]
+
+
+@dataclass
+class ScalingEvent:
+    """A scaling action the autoscaler started (kept in Autoscaler.events, newest last)."""
+
+    at: float                 # monotonic seconds: when it was decided
+    pool: str
+    action: str               # "up" | "down"
+    from_replicas: int
+    to_replicas: int
+    reason: str
+    finished_at: float | None = None    # replicas ready and routed to / drained and removed
+    ok: bool | None = None              # False: a replica failed to start or to drain in time
+
+
+class Autoscaler:
+    def __init__(self, cluster: "DisaggCluster", cfg: ServeConfig, metrics: "Metrics | None" = None,
+                 latency_source: LatencySource | None = None, drain_timeout_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.cluster = cluster
+        self.cfg = cfg
+        self.metrics = metrics
+        self.latency_source = latency_source
+        # A request may run up to request_timeout_s, so a drain waits at most that long.
+        self.drain_timeout_s = cfg.request_timeout_s if drain_timeout_s is None else drain_timeout_s
+        self.clock = clock
+        self.policies: dict[str, PoolScalingPolicy] = {}
+        if cfg.prefill.autoscaling.enabled:
+            self.policies[PREFILL] = PrefillScalingPolicy(cfg.prefill.autoscaling)
+        if cfg.decode.autoscaling.enabled:
+            self.policies[DECODE] = DecodeScalingPolicy(cfg.decode.autoscaling)
+        self.events: list[ScalingEvent] = []
+        self.last_decisions: dict[str, ScalingDecision] = {}
+        self._last_scaled_at: dict[str, float | None] = {pool: None for pool in self.policies}
+        self._actions: dict[str, asyncio.Task] = {}
+        self._loops: list[asyncio.Task] = []
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        if self._loops:
+            return
+        loop = asyncio.get_running_loop()
+        self._loops = [loop.create_task(self._run_pool(pool), name=f"autoscaler-{pool}")
+                       for pool in self.policies]
+        for pool, policy in self.policies.items():
+            c = policy.cfg
+            logger.info("autoscaling %s: %d..%d replicas, step %d, up after %.1f s, down after %.1f s",
+                        pool, c.min_replicas, c.max_replicas, c.step, c.upscale_delay_s, c.downscale_delay_s)
+
+    async def stop(self) -> None:
+        tasks = self._loops + list(self._actions.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._loops = []
+        self._actions.clear()
+
+    def scaling_in_progress(self, pool: str) -> bool:
+        task = self._actions.get(pool)
+        return task is not None and not task.done()
+
+    # ---- one control step ----------------------------------------------------------------
+    async def _run_pool(self, pool: str) -> None:
+        interval = self.policies[pool].cfg.interval_s
+        while True:
+            try:
+                self.step(pool)
+            except Exception:
+                logger.exception("autoscaler step for %s failed", pool)
+            await asyncio.sleep(interval)
+
+    def snapshot(self, pool: str, now: float | None = None) -> MetricsSnapshot:
+        now = self.clock() if now is None else now
+        router = self.cluster.router
+        loads = [router.load(pool, rid) for rid in router.replica_ids(pool, include_draining=False)]
+        since = self._last_scaled_at.get(pool)
+        latency = self.latency_source(pool, since) if self.latency_source is not None else None
+        return MetricsSnapshot(
+            taken_at=min((l.updated_at for l in loads), default=now),
+            num_replicas=len(loads),
+            loads=tuple(ReplicaLoadSample(l.queued_prefill_tokens, l.num_running, l.num_waiting, l.kv_usage)
+                        for l in loads),
+            ttft_p90_ms=latency if pool == PREFILL else None,
+            itl_p90_ms=latency if pool == DECODE else None)
+
+    def step(self, pool: str) -> ScalingDecision | None:
+        """Decide once for `pool` and start the action; None while an action is in flight."""
+        self._set_replica_gauge(pool)
+        if self.scaling_in_progress(pool):
+            return None
+        now = self.clock()
+        snap = self.snapshot(pool, now)
+        decision = self.policies[pool].decide(snap, now)
+        self.last_decisions[pool] = decision
+        if self.metrics is not None:
+            self.metrics.scaling_decisions.labels(pool, decision.action).inc()
+        if decision.action == "hold":
+            logger.debug("autoscaler %s: hold at %d (%s)", pool, snap.num_replicas, decision.reason)
+            return decision
+        cfg = self.policies[pool].cfg
+        target = min(max(decision.target_replicas, cfg.min_replicas), cfg.max_replicas)
+        num = abs(target - snap.num_replicas)
+        if num == 0:
+            return decision
+        logger.info("autoscaler %s: scale %s %d -> %d (%s)", pool, decision.action, snap.num_replicas,
+                    target, decision.reason)
+        self.events.append(ScalingEvent(now, pool, decision.action, snap.num_replicas, target, decision.reason))
+        action = self._scale_up(pool, num) if decision.action == "up" else self._scale_down(pool, num, cfg)
+        self._actions[pool] = asyncio.get_running_loop().create_task(action, name=f"scale-{pool}")
+        return decision
+
+    # ---- actions -------------------------------------------------------------------------
+    async def _scale_up(self, pool: str, num: int) -> None:
+        ok = False
+        try:
+            replicas = await self.cluster.add_replicas(pool, num)
+            logger.info("autoscaler %s: added %s", pool, ", ".join(r.replica_id for r in replicas))
+            ok = True
+        except Exception:
+            logger.exception("autoscaler %s: adding %d replica(s) failed", pool, num)
+        finally:
+            self._finish_action(pool, ok)
+
+    async def _scale_down(self, pool: str, num: int, cfg: AutoscalingConfig) -> None:
+        ok = False
+        try:
+            victims = self._least_loaded(pool, num, cfg.min_replicas)
+            results = await asyncio.gather(
+                *(self.cluster.drain_replica(pool, rid, self.drain_timeout_s) for rid in victims),
+                return_exceptions=True)
+            for rid, result in zip(victims, results):
+                if isinstance(result, BaseException):
+                    logger.error("autoscaler %s: draining %s failed: %r", pool, rid, result)
+                elif not result:
+                    logger.warning("autoscaler %s: %s still had requests after %.0f s; removed anyway",
+                                   pool, rid, self.drain_timeout_s)
+                else:
+                    logger.info("autoscaler %s: drained and removed %s", pool, rid)
+                if self.metrics is not None:
+                    self.metrics.forget_replica(pool, rid)
+            ok = all(result is True for result in results)
+        finally:
+            self._finish_action(pool, ok)
+
+    def _least_loaded(self, pool: str, num: int, min_replicas: int) -> list[str]:
+        """Up to num serving replicas that are quickest to drain, never leaving fewer than
+        min_replicas serving."""
+        router = self.cluster.router
+        ids = router.replica_ids(pool, include_draining=False)
+        num = min(num, len(ids) - min_replicas)
+        if num <= 0:
+            return []
+
+        def drain_cost(rid) -> tuple:
+            load = router.load(pool, rid)
+            return (load.num_running + load.num_waiting + load.pending_requests,
+                    load.queued_prefill_tokens + load.pending_tokens, load.kv_usage)
+        return sorted(ids, key=drain_cost)[:num]
+
+    def _finish_action(self, pool: str, ok: bool) -> None:
+        now = self.clock()
+        event = next((e for e in reversed(self.events) if e.pool == pool), None)
+        if event is not None:
+            event.finished_at, event.ok = now, ok
+        self._last_scaled_at[pool] = now
+        self.policies[pool].mark_scaled(now)   # the cooldown starts once the change is done
+        self._set_replica_gauge(pool)
+
+    def _set_replica_gauge(self, pool: str) -> None:
+        if self.metrics is not None:
+            self.metrics.replicas.labels(pool).set(len(self.cluster.router.replica_ids(pool)))

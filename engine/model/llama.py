@@ -1,0 +1,119 @@
+"""Llama-family causal LM (Llama, Mistral, Qwen2) running over the paged KV cache."""
+from __future__ import annotations
+
+import re
+from typing import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitserve.engine.ops.attention import make_decode_plan
+from splitserve.engine.ops.attention_metadata import AttentionMetadata
+from splitserve.engine.model.checkpoint import CheckpointError
+from splitserve.engine.config import ModelConfig
+from splitserve.engine.ops.kv_cache import KVCache
+from splitserve.engine.model.layers import DecoderLayer, rms_norm
+from splitserve.engine.model.rope import RotaryEmbedding
+
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# Buffers some older checkpoints carry; recomputed here, never loaded.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward() returns final hidden states; compute_logits() turns chosen rows into logits."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        hidden = config.hidden_size
+        self.embed_tokens = nn.Parameter(
+            torch.empty(config.vocab_size, hidden, dtype=dtype, device=device), requires_grad=False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
+        self.final_norm = nn.Parameter(torch.empty(hidden, dtype=dtype, device=device),
+                                       requires_grad=False)
+        if config.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = nn.Parameter(
+                torch.empty(config.vocab_size, hidden, dtype=dtype, device=device), requires_grad=False)
+        self.rotary = RotaryEmbedding(config, dtype, device)
+        self._layer_list = list(self.layers)  # plain list: cheaper to iterate in the hot loop
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata,
+                on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """input_ids/positions int64 [T] -> final hidden states [T, hidden].
+
+        Every layer writes the new tokens' K/V at meta.slot_mapping before attending;
+        on_layer_done(i) runs as soon as layer i's K/V is in the cache, so a KV sender can ship
+        layer i while later layers compute.
+        """
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary.cos_sin(positions)
+        # Block tables are the same for every layer: index them once per step.
+        plan = make_decode_plan(meta, hidden, kv_cache.key_cache(0), self.config.num_attention_heads)
+        for i, layer in enumerate(self._layer_list):
+            hidden = layer(hidden, cos, sin, kv_cache.key_cache(i), kv_cache.value_cache(i), meta,
+                           on_layer_done, plan)
+        return rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> float32 logits [N, vocab]. A normal tensor (no_grad, not inference
+        mode) so that samplers may modify it in place."""
+        return F.linear(hidden, self.lm_head).float()
+
+    def _weight_targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+        targets = {
+            "model.embed_tokens.weight": (self.embed_tokens, 0, self.embed_tokens.shape[0]),
+            "model.norm.weight": (self.final_norm, 0, self.final_norm.shape[0]),
+        }
+        if not self.config.tie_word_embeddings:
+            targets["lm_head.weight"] = (self.lm_head, 0, self.lm_head.shape[0])
+        for i, layer in enumerate(self._layer_list):
+            for sub, target in layer.weight_slices().items():
+                targets[f"model.layers.{i}.{sub}"] = target
+        return targets
+
+    def expected_weight_names(self) -> list[str]:
+        return list(self._weight_targets())
+
+    @torch.inference_mode()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the fused parameters; every expected weight must appear
+        exactly with its HF shape, and no unknown weight may appear."""
+        targets = self._weight_targets()
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # tied: the embedding is the output projection (as in transformers)
+            if name not in targets:
+                match = _LAYER_NAME.match(name)
+                if match and int(match.group(1)) >= self.config.num_hidden_layers:
+                    raise CheckpointError(
+                        f"weight {name} is for layer {match.group(1)} but config.json has "
+                        f"num_hidden_layers={self.config.num_hidden_layers}")
+                raise CheckpointError(f"unexpected weight {name} for {self.config.architecture}")
+            param, first_row, num_rows = targets[name]
+            expected = (num_rows, *param.shape[1:])
+            if tuple(tensor.shape) != expected:
+                raise CheckpointError(
+                    f"weight {name} has shape {tuple(tensor.shape)}, config.json implies {expected}")
+            param[first_row:first_row + num_rows].copy_(tensor)
+            loaded.add(name)
+        missing = [n for n in targets if n not in loaded]
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise CheckpointError(f"checkpoint is missing {len(missing)} weight(s): {shown}")

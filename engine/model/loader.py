@@ -1,0 +1,34 @@
+"""Build a LlamaForCausalLM from a Hugging Face checkpoint directory."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from splitserve.engine.model.checkpoint import CheckpointError, iterate_weights, require_model_dir, weight_files
+from splitserve.engine.config import DTYPES, ModelConfig
+from splitserve.engine.ops.kv_cache import DTYPE_BY_NAME
+from splitserve.engine.model.llama import LlamaForCausalLM
+
+__all__ = ["CheckpointError", "load_model"]
+
+
+def load_model(model_dir: str | Path, dtype: str | None = None,
+               device: str | torch.device = "cpu") -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Read config.json and the safetensors weights (single file or sharded) of model_dir.
+
+    dtype defaults to the checkpoint's. Raises CheckpointError for a missing directory or
+    file, a missing/unexpected/misshapen weight, and ConfigError (a ValueError) for a config
+    splitserve cannot run, e.g. an unsupported architecture.
+    """
+    root = require_model_dir(model_dir)
+    config = ModelConfig.from_pretrained(root)
+    if dtype is not None:
+        if dtype not in DTYPES:
+            raise CheckpointError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        config.dtype = dtype
+    weight_files(root)  # fail on missing weight files before allocating the model
+    model = LlamaForCausalLM(config, dtype=DTYPE_BY_NAME[config.dtype], device=device)
+    model.load_weights(iterate_weights(root))
+    model.eval()
+    return model, config

@@ -1,0 +1,167 @@
+"""Attention over the paged KV cache.
+
+Decode: the Triton kernel on CUDA; on CPU (fp32) a sparse plan that reads K/V in place
+(engine/ops/sparse_decode.py); otherwise gather + SDPA. Prefill and chunked prefill: SDPA per
+sequence with the causal mask aligned to the end of its context.
+
+Caches are [num_blocks, block_size, num_kv_heads, head_dim] (one layer, K or V). A token at
+slot s lives in block s // block_size at offset s % block_size.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from splitserve.engine.ops.attention_metadata import AttentionMetadata
+from splitserve.engine.ops.sparse_decode import SUPPORTED_DTYPES, SparseDecodePlan
+
+
+def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter new keys/values [T, kv_heads, head_dim] into their cache slots."""
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    flat = (num_blocks * block_size, num_kv_heads, head_dim)
+    key_cache.view(flat).index_copy_(0, slot_mapping, k.to(key_cache.dtype))
+    value_cache.view(flat).index_copy_(0, slot_mapping, v.to(value_cache.dtype))
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_decode():
+    """splitserve.engine.ops.triton_kernels.paged_decode_attention, or None where Triton cannot run."""
+    try:
+        from splitserve.engine.ops.triton_kernels import paged_decode_attention
+    except ImportError:
+        return None
+    return paged_decode_attention
+
+
+def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """[B, num_blocks * block_size, kv_heads, head_dim]: each sequence's blocks side by side."""
+    batch = block_tables.shape[0]
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    ids = block_tables[:, :num_blocks].reshape(-1)
+    return cache.index_select(0, ids).view(batch, num_blocks * block_size, num_kv_heads, head_dim)
+
+
+def sparse_decode_supported(q: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    return not q.is_cuda and q.dtype in SUPPORTED_DTYPES and key_cache.dtype == q.dtype
+
+
+def paged_decode_attention_torch(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                                 max_context_len: int | None = None,
+                                 plan: SparseDecodePlan | None = None) -> torch.Tensor:
+    """One query token per sequence: q [B, Hq, D] -> [B, Hq, D].
+
+    CPU fp32 batches read K/V in place through a SparseDecodePlan (pass one to share it
+    across layers). Otherwise each sequence's blocks are gathered, padded to the longest
+    context and masked; GQA rides along the query-length axis of SDPA, so K/V are never
+    repeated per query head.
+    """
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    if max_context_len is None:
+        max_context_len = int(context_lens.max())
+    if batch > 1 and sparse_decode_supported(q, key_cache):
+        if plan is None:
+            plan = SparseDecodePlan(block_tables, context_lens, max_context_len, block_size,
+                                    num_kv_heads, num_heads)
+        return plan.attend(q, key_cache, value_cache, scale)
+    group = num_heads // num_kv_heads
+    num_blocks = -(-max_context_len // block_size)
+    q4 = q.view(batch, num_kv_heads, group, head_dim)
+    keys = _gather_context(key_cache, block_tables, num_blocks)
+    values = _gather_context(value_cache, block_tables, num_blocks)
+    if batch == 1:
+        # Nothing to pad: attend to exactly the context, no mask needed.
+        out = F.scaled_dot_product_attention(q4, keys[:, :max_context_len].transpose(1, 2),
+                                             values[:, :max_context_len].transpose(1, 2), scale=scale)
+        return out.view(batch, num_heads, head_dim)
+    positions = torch.arange(num_blocks * block_size, device=q.device)
+    mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(q4, keys.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=mask, scale=scale)
+    return out.view(batch, num_heads, head_dim)
+
+
+def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                     max_context_len: int, plan: SparseDecodePlan | None = None) -> torch.Tensor:
+    """Batched decode: the Triton kernel on CUDA when available, else the torch path."""
+    if q.is_cuda:
+        kernel = _triton_decode()
+        if kernel is not None:
+            return kernel(q, key_cache, value_cache, block_tables, context_lens, scale)
+    return paged_decode_attention_torch(q, key_cache, value_cache, block_tables, context_lens,
+                                        scale, max_context_len, plan)
+
+
+def make_decode_plan(meta: AttentionMetadata, q_like: torch.Tensor, key_cache: torch.Tensor,
+                     num_heads: int) -> SparseDecodePlan | None:
+    """The shared plan for a pure-decode step on CPU (None where it does not apply)."""
+    if not meta.is_pure_decode or meta.num_seqs < 2 or not sparse_decode_supported(q_like, key_cache):
+        return None
+    return SparseDecodePlan(meta.block_tables, meta.context_lens, meta.max_context_len,
+                            key_cache.shape[1], key_cache.shape[2], num_heads)
+
+
+def _prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """q [n, Hq, D] are the last n positions of a context with keys/values [ctx, Hkv, D]."""
+    num_queries, context_len = q.shape[0], keys.shape[0]
+    qh, kh, vh = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
+    gqa = q.shape[1] != keys.shape[1]
+    if num_queries == context_len:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        # Causal with the queries aligned to the end of the context (a cached prefix first).
+        query_pos = torch.arange(context_len - num_queries, context_len, device=q.device)
+        mask = torch.arange(context_len, device=q.device)[None, :] <= query_pos[:, None]
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out.transpose(0, 1)
+
+
+def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, new_keys: torch.Tensor | None = None,
+                    new_values: torch.Tensor | None = None,
+                    decode_plan: SparseDecodePlan | None = None) -> torch.Tensor:
+    """Attention for a flattened batch q [T, Hq, D] -> [T, Hq, D].
+
+    The new tokens' K/V must already be in the cache (write_kv). new_keys/new_values [T, Hkv, D]
+    are optional copies of them: a prompt with no cached prefix then attends to them directly
+    instead of gathering its blocks back out of the cache. decode_plan (from
+    make_decode_plan) lets all layers of a pure-decode step share one plan.
+    """
+    if meta.is_pure_decode:
+        return decode_attention(q, key_cache, value_cache, meta.block_tables, meta.context_lens,
+                                scale, meta.max_context_len, decode_plan)
+    out = torch.empty_like(q)
+    starts, context_lens = meta.query_start_loc_cpu, meta.context_lens_cpu
+    block_size = key_cache.shape[1]
+    seq = 0
+    while seq < meta.num_seqs:
+        start, end = starts[seq], starts[seq + 1]
+        if end - start == 1:
+            # A run of decode sequences: one batched call for all of them.
+            last = seq
+            while last + 1 < meta.num_seqs and starts[last + 2] - starts[last + 1] == 1:
+                last += 1
+            rows = slice(start, starts[last + 1])
+            out[rows] = decode_attention(
+                q[rows], key_cache, value_cache, meta.block_tables[seq:last + 1],
+                meta.context_lens[seq:last + 1], scale, max(context_lens[seq:last + 1]))
+            seq = last + 1
+            continue
+        context_len = context_lens[seq]
+        if end - start == context_len and new_keys is not None and new_values is not None:
+            keys, values = new_keys[start:end], new_values[start:end]
+        else:
+            num_blocks = -(-context_len // block_size)
+            table = meta.block_tables[seq:seq + 1]
+            keys = _gather_context(key_cache, table, num_blocks)[0, :context_len]
+            values = _gather_context(value_cache, table, num_blocks)[0, :context_len]
+        out[start:end] = _prefill_attention(q[start:end], keys, values, scale)
+        seq += 1
+    return out

@@ -1,0 +1,54 @@
+"""splitserve.bench.process_cpu_profile: CPU seconds of a command's process tree, by role."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from splitserve.bench.process_cpu_profile import OTHERS, main, profile, render, _role
+
+BURN = "import time\nend = time.process_time() + 0.4\nwhile time.process_time() < end: pass\n"
+
+
+def test_child_cpu_is_counted_under_its_command():
+    code, wall, per_role = profile([sys.executable, "-c", BURN], interval_s=0.1)
+    assert code == 0 and wall > 0
+    ours = sum(seconds for role, seconds in per_role.items() if role != OTHERS)
+    assert 0.3 <= ours <= 2.0
+
+
+def test_also_pid_counts_a_server_started_beforehand(tmp_path):
+    go, done = tmp_path / "go", tmp_path / "done"
+    wait = "import pathlib, time\nend = time.time() + 30\nwhile not pathlib.Path({!r}).exists() and time.time() < end: time.sleep(0.02)\n"
+    # The "server" burns CPU only once the profiled command has started, then stays alive.
+    server = subprocess.Popen([sys.executable, "-c", wait.format(str(go)) + BURN
+                               + f"open({str(done)!r}, 'w').close()\ntime.sleep(30)\n"])
+    command = f"open({str(go)!r}, 'w').close()\n" + wait.format(str(done))
+    try:
+        _, _, per_role = profile([sys.executable, "-c", command], interval_s=0.1, also_roots=[server.pid])
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+    assert done.exists()
+    assert sum(seconds for role, seconds in per_role.items() if role != OTHERS) >= 0.35
+
+
+def test_roles_follow_ray_process_titles():
+    assert _role("ray::DecodeWorker") == "decode worker (engine)"
+    assert _role("ray::ServeReplica:splitserve:splitserve").startswith("serve ingress replica")
+    assert _role("/x/python /x/ray/_private/workers/default_worker.py --a") == "ray workers not (yet) named"
+    assert _role("VLLM::EngineCore") == "vLLM engine core / worker"
+    assert "share of used" in render(["cmd"], 2.0, {"decode worker (engine)": 1.0})
+
+
+def test_main_writes_markdown(tmp_path, capsys):
+    out = tmp_path / "cpu.md"
+    assert main(["--interval", "0.1", "--out", str(out), "--", sys.executable, "-c", "pass"]) == 0
+    assert out.read_text().startswith("CPU seconds per role")
+
+
+def test_server_is_started_profiled_and_stopped(tmp_path):
+    server = f"{sys.executable} -m http.server {{port}} --bind 127.0.0.1 --directory {tmp_path}"
+    fetch = "import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + '/v1/models')"
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v1" / "models").write_text("{}")
+    assert main(["--interval", "0.1", "--server", server, "--", sys.executable, "-c", fetch, "{url}"]) == 0

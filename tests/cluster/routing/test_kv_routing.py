@@ -1,0 +1,71 @@
+"""The KV-aware router on a live 2P+1D cluster: requests sharing a long prefix go to the
+prefill replica that holds it (and hit its cache); round-robin does not."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from splitserve.cluster.routing.router import PREFILL
+from splitserve.engine.core.block_hash import hash_blocks
+from splitserve.engine.io.sampling_params import SamplingParams
+from tests.helpers.cluster import cluster_config, start_cluster, wait_for_baseline
+
+pytestmark = pytest.mark.ray
+PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+PREFIX_LEN = 128  # eight full blocks: its credit outweighs one in-flight request (running_weight 64)
+
+
+def groups() -> dict[int, list[list[int]]]:
+    out = {}
+    for g in range(3):
+        prefix = [(31 * g + 7 * i) % 300 + 50 for i in range(PREFIX_LEN)]
+        out[g] = [prefix + [400 + g, 410 + s, 420 + s, 430 + s, 440, 441, 442, 443] for s in range(4)]
+    return out
+
+
+async def wait_until_indexed(cluster, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    for prompts in groups().values():
+        hashes = hash_blocks(prompts[0], 16)[: PREFIX_LEN // 16]
+        while max(cluster.router.index(PREFILL).prefix_match(hashes).values(), default=0) < len(hashes):
+            assert time.monotonic() < deadline, "warm-up prefixes never reached the router's index"
+            await asyncio.sleep(0.05)
+
+
+def run_workload(loop, cluster) -> dict[int, list[dict]]:
+    """First request of each group warms a replica; the rest follow once the index knows."""
+    results: dict[int, list[dict]] = {g: [] for g in groups()}
+
+    async def go():
+        for g, prompts in groups().items():
+            results[g].append(await cluster.complete(prompts[0], PARAMS))
+        await wait_until_indexed(cluster)   # KV events reach the router through the poller
+        for g, prompts in groups().items():
+            for p in prompts[1:]:
+                results[g].append(await cluster.complete(p, PARAMS))
+    loop.run(go(), timeout=180)
+    return results
+
+
+@pytest.mark.parametrize("policy", ["kv", "round-robin"])
+def test_prefix_groups_follow_their_cache(ray_cluster, tiny_model, loop, policy):
+    cluster = start_cluster(loop, cluster_config(tiny_model, num_prefill=2, policy=policy))
+    try:
+        results = run_workload(loop, cluster)
+        followers = [r for g in results.values() for r in g[1:]]
+        cached = sum(r["num_cached_tokens"] for r in followers)
+        if policy == "kv":
+            for g, rs in results.items():
+                holder = rs[0]["prefill_replica"]
+                assert all(r["prefill_replica"] == holder for r in rs[1:]), f"group {g} left its replica"
+            assert cached == PREFIX_LEN * len(followers)
+            assert cluster.router.decision_counts().get("kv-prefix", 0) >= len(followers)
+        else:
+            assert cached < PREFIX_LEN * len(followers)
+            replicas = {r["prefill_replica"] for g in results.values() for r in g}
+            assert replicas == {"prefill-0", "prefill-1"}
+        wait_for_baseline(loop, cluster)
+    finally:
+        loop.run(cluster.shutdown(), timeout=60)

@@ -1,0 +1,108 @@
+"""Scheduler behaviour without a model: budgets, chunking, preemption, stops, block baseline."""
+from splitserve.engine.core.kv_cache_manager import KVCacheManager
+from splitserve.engine.io.sampling_params import SamplingParams
+from splitserve.engine.core.scheduler import Scheduler
+from splitserve.engine.core.sequence import Sequence, SequenceStatus
+
+BS = 4
+
+
+def make(num_blocks=16, max_seqs=8, budget=16, max_len=256, eos=(0,)):
+    kv = KVCacheManager(num_blocks, BS)
+    return kv, Scheduler(kv, max_seqs, budget, max_len, list(eos))
+
+
+def fake_step(sched):
+    """Schedule, then 'sample' token 7 for every sequence that reached its end."""
+    batch = sched.schedule()
+    sampled = {s.request_id: (7, None) for s, n in zip(batch.seqs, batch.num_new_tokens)
+               if s.num_computed_tokens + n == s.num_tokens}
+    sched.update(batch, sampled)
+    return batch
+
+
+def test_chunked_prefill_respects_budget_and_decodes_first():
+    kv, sched = make(budget=8)
+    a = Sequence("a", list(range(1, 21)), SamplingParams(max_tokens=3, ignore_eos=True), BS)
+    sched.add(a)
+    b1 = fake_step(sched)
+    assert b1.num_new_tokens == [8] and a.num_output_tokens == 0
+    fake_step(sched); fake_step(sched)
+    assert a.num_computed_tokens == 20 and a.num_output_tokens == 1
+    b = Sequence("b", list(range(1, 30)), SamplingParams(max_tokens=2, ignore_eos=True), BS)
+    sched.add(b)
+    step = fake_step(sched)
+    assert step.seqs[0] is a and step.num_new_tokens[0] == 1  # decode runs before new prefill
+    assert step.num_tokens == 8
+    while sched.has_unfinished():
+        fake_step(sched)
+    assert a.finish_reason == "length" and a.num_output_tokens == 3
+    assert kv.num_free_blocks == 16
+
+
+def test_max_num_seqs():
+    kv, sched = make(max_seqs=2, budget=64)
+    for i in range(3):
+        sched.add(Sequence(str(i), [1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True), BS))
+    batch = sched.schedule()
+    assert len(batch.seqs) == 2
+
+
+def test_preemption_by_recompute_and_pool_baseline():
+    kv, sched = make(num_blocks=6, budget=64)
+    seqs = [Sequence(str(i), list(range(1 + i, 8 + i)), SamplingParams(max_tokens=12, ignore_eos=True), BS)
+            for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    while sched.has_unfinished():
+        fake_step(sched)
+    assert sched.num_preemptions > 0
+    assert all(s.num_output_tokens == 12 and s.finish_reason == "length" for s in seqs)
+    assert kv.num_free_blocks == 6
+
+
+def test_stop_conditions_and_abort():
+    kv, sched = make(eos=(7,))
+    s = Sequence("e", [1, 2, 3], SamplingParams(max_tokens=10), BS)
+    sched.add(s)
+    fake_step(sched)
+    assert s.status is SequenceStatus.FINISHED and s.finish_reason == "stop"
+    t = Sequence("t", [1, 2, 3], SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=[7]), BS)
+    sched.add(t)
+    fake_step(sched)
+    assert t.finish_reason == "stop"
+    u = Sequence("u", [1, 2, 3], SamplingParams(max_tokens=10, ignore_eos=True), BS)
+    sched.add(u)
+    fake_step(sched)
+    sched.abort("u")
+    assert u.finish_reason == "abort" and not sched.has_unfinished()
+    assert kv.num_free_blocks == 16
+
+
+def test_prefill_only_holds_blocks_until_released():
+    kv, sched = make()
+    s = Sequence("p", list(range(1, 10)), SamplingParams(max_tokens=5), BS, prefill_only=True)
+    sched.add(s)
+    fake_step(sched)
+    assert s.status is SequenceStatus.PREFILLED and s.num_output_tokens == 1
+    assert not sched.has_unfinished() and kv.num_free_blocks == 16 - 3
+    assert len(kv.pool.hash_to_block) == 2  # its two full blocks are in the prefix cache
+    sched.release_prefilled(s)
+    assert kv.num_free_blocks == 16
+
+
+def test_sampler_survives_degenerate_parameters():
+    import torch
+
+    from splitserve.engine.sample.sampler import Sampler
+
+    logits = torch.randn(3, 50)
+    params = [SamplingParams(temperature=5e-324, top_p=5e-324),          # effectively greedy
+              SamplingParams(temperature=100.0, top_p=5e-324, seed=1),    # keeps one token
+              SamplingParams(temperature=1.0, top_k=3, seed=2)]
+    out = Sampler().sample(logits, ["a", "b", "c"], params)
+    assert out[0][0] == int(torch.argmax(logits[0]))
+    assert out[1][0] == int(torch.argmax(logits[1]))
+    assert out[2][0] in torch.topk(logits[2], 3).indices.tolist()
+    inf_row = torch.full((1, 50), float("inf"))
+    assert 0 <= Sampler().sample(inf_row, ["d"], [SamplingParams(temperature=1.0)])[0][0] < 50

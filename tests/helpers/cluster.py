@@ -1,0 +1,106 @@
+"""Helpers for tests that drive a DisaggCluster from synchronous pytest code."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import uvicorn
+
+from splitserve.cluster.control.disagg_cluster import DisaggCluster
+from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.cluster.config import ServeConfig
+
+
+class LoopThread:
+    """An asyncio loop in a daemon thread; run(coro) waits for the result with a timeout."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 120.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def cluster_config(model: str, num_prefill: int = 1, num_decode: int = 1, policy: str = "round-robin",
+                lease_s: float = 5.0, num_blocks: int = 64, **extra) -> ServeConfig:
+    pool = {"num_kv_blocks": num_blocks, "resources": {"num_cpus": 1}, "torch_threads": 1}
+    return ServeConfig.model_validate({
+        "model": model, "prefill": {"replicas": num_prefill, **pool}, "decode": {"replicas": num_decode, **pool},
+        "router": {"policy": policy, "local_prefill_threshold": 0}, "kv_transfer_lease_s": lease_s, **extra})
+
+
+def start_cluster(loop: LoopThread, cfg: ServeConfig) -> DisaggCluster:
+    cluster = DisaggCluster(cfg, cfg.model, poll_interval_s=0.05)
+    loop.run(cluster.start(), timeout=180)
+    return cluster
+
+
+def pool_states(loop: LoopThread, cluster: DisaggCluster) -> dict[str, dict]:
+    async def collect():
+        out = {}
+        for name, pool in ((PREFILL, cluster.prefill_pool), (DECODE, cluster.decode_pool)):
+            for r in pool.live_replicas():
+                out[r.replica_id] = await r.handle.poll.remote()
+        return out
+    return loop.run(collect(), timeout=30)
+
+
+def wait_for_baseline(loop: LoopThread, cluster: DisaggCluster, timeout_s: float = 15.0) -> dict:
+    """Poll until every live replica holds no blocks, pins nothing and runs nothing."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = pool_states(loop, cluster)
+        busy = {rid: s["load"] for rid, s in states.items()
+                if s["load"]["num_free_blocks"] != s["load"]["num_blocks"] or s["load"].get("num_pinned", 0)
+                or s["load"]["num_running"] or s["load"]["num_waiting"]}
+        if not busy:
+            return states
+        if time.monotonic() > deadline:
+            raise AssertionError(f"block pools not back to baseline: {busy}")
+        time.sleep(0.1)
+
+
+def wait_until(predicate, timeout_s: float, message: str, interval_s: float = 0.05):
+    """Poll predicate() until it returns something truthy (returned); AssertionError at the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{message} (after {timeout_s:.1f} s)")
+        time.sleep(interval_s)
+
+
+class LoopHttpServer:
+    """uvicorn serving `app` on 127.0.0.1 (OS-chosen port) inside a LoopThread's event loop,
+    the loop that owns the cluster's dispatcher, so frontend and cluster share one loop."""
+
+    def __init__(self, loop: LoopThread, app):
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.loop = loop
+        self._done = None
+
+    def __enter__(self) -> "LoopHttpServer":
+        self._done = asyncio.run_coroutine_threadsafe(self.server.serve(), self.loop.loop)
+        wait_until(lambda: self.server.started or self._done.done(), 15, "uvicorn did not start")
+        if self._done.done():
+            self._done.result()  # raises what stopped it
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self._done.result(15)
+
+    @property
+    def url(self) -> str:
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"

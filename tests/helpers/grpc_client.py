@@ -1,0 +1,110 @@
+"""A fake ServingBackend and a GrpcFrontend running on its own event-loop thread, for tests
+that talk to the server with ordinary (sync) grpc clients."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from splitserve.cluster.frontend.grpc.server import GrpcFrontend
+from splitserve.cluster.config import ServeConfig
+from splitserve.cluster.frontend.errors import BackendError
+from splitserve.engine.io.sampling_params import SamplingParams
+from splitserve.kvtransfer.handoff import StreamChunk
+
+FAKE_MODEL_NAME = "tiny-fake"
+FAKE_MAX_MODEL_LEN = 64
+FAKE_CACHED_TOKENS = 2
+FAKE_LOGPROB = -0.5
+
+
+class FakeBackend:
+    """The ServingBackend interface the frontends use. generate() echoes the prompt's tokens
+    cyclically, one token per chunk; knobs make it refuse, fail mid-stream or go slowly."""
+
+    def __init__(self, tokenizer, cfg: ServeConfig):
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.model_name = FAKE_MODEL_NAME
+        self.max_model_len = FAKE_MAX_MODEL_LEN
+        self.reset()
+
+    def reset(self) -> None:
+        self.healthy: bool | Exception = True     # an Exception: health() raises it
+        self.refusal: Exception | None = None     # raised before the first chunk
+        self.mid_stream_failure: Exception | None = None  # raised after the first chunk
+        self.chunk_delay_s = 0.0
+        self.calls: list[tuple[list[int], SamplingParams, str | None, str | None]] = []
+        self.outcomes: list[str] = []              # per finished stream: completed | GeneratorExit | ...
+        self.stream_ended = threading.Event()      # set from the server's loop thread
+
+    def encode(self, text: str) -> list[int]:
+        if not text:
+            raise BackendError("the prompt is empty", 400, "invalid_request_error")
+        return self.tokenizer.encode(text)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise BackendError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                               f"exceeds the context length {self.max_model_len}", 400, "invalid_request_error")
+        if max(prompt_token_ids) >= self.tokenizer.vocab_size:
+            raise BackendError("token id out of range", 400, "invalid_request_error")
+
+    def health(self) -> dict:
+        if isinstance(self.healthy, Exception):
+            raise self.healthy
+        return {"ok": self.healthy, "decode_replicas": int(self.healthy)}
+
+    async def generate(self, prompt_token_ids, params, request_id=None, api_key=None, timeout_s=None):
+        self.validate(prompt_token_ids, params)
+        if self.refusal is not None:
+            raise self.refusal
+        self.calls.append((list(prompt_token_ids), params, request_id, api_key))
+        request_id = request_id or f"fake-{len(self.calls)}"
+        try:
+            for i in range(params.max_tokens):
+                if i and self.chunk_delay_s:
+                    await asyncio.sleep(self.chunk_delay_s)
+                if i == 1 and self.mid_stream_failure is not None:
+                    raise self.mid_stream_failure
+                token = prompt_token_ids[i % len(prompt_token_ids)]
+                finished = i == params.max_tokens - 1
+                yield StreamChunk(
+                    request_id=request_id, token_ids=[token], text=self.tokenizer.decode([token]),
+                    finished=finished, finish_reason="length" if finished else None,
+                    num_prompt_tokens=len(prompt_token_ids), num_cached_tokens=FAKE_CACHED_TOKENS,
+                    num_output_tokens=i + 1, logprobs=[FAKE_LOGPROB] if params.logprobs else [])
+        except BaseException as exc:
+            self.outcomes.append(type(exc).__name__)
+            raise
+        else:
+            self.outcomes.append("completed")
+        finally:
+            self.stream_ended.set()
+
+
+class FrontendThread:
+    """GrpcFrontend serving from a private event loop on a daemon thread."""
+
+    def __init__(self, backend, health_poll_interval_s: float = 0.1):
+        self.frontend = GrpcFrontend(backend, health_poll_interval_s=health_poll_interval_s)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-frontend", daemon=True)
+        self._thread.start()
+        self.port: int | None = None
+
+    def call(self, coro, timeout_s: float = 10.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        self.port = self.call(self.frontend.start(host, port))
+        return self.port
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def close(self, grace_s: float = 0.5) -> None:
+        self.call(self.frontend.stop(grace_s))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()

@@ -1,0 +1,149 @@
+"""A fake ServingBackend (real tokenizer, scripted generation) and an in-process uvicorn server
+for the HTTP frontend tests. No Ray, no model."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import uvicorn
+
+from splitserve.cluster.frontend.metrics import Metrics
+from splitserve.cluster.config import ServeConfig
+from splitserve.cluster.frontend.errors import BackendError
+from splitserve.engine.testing.make_model import write_random_checkpoint
+from splitserve.engine.io.request_validation import validate_prompt
+from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
+from splitserve.engine.io.tokenizer import Tokenizer
+from splitserve.kvtransfer.handoff import StreamChunk
+
+MODEL_NAME = "tiny-test"
+REPLY = "The quick brown fox."  # 13 tokens with the tiny tokenizer: under the default max_tokens
+
+
+class FakeBackend:
+    """ServingBackend's interface. Generation replays REPLY one token per chunk, finishing
+    with "stop" after the whole reply (unless ignore_eos) or "length" at max_tokens."""
+
+    def __init__(self, tokenizer, cfg: ServeConfig | None = None, max_model_len: int = 1024):
+        self.cfg = cfg or ServeConfig()
+        self.model_name = MODEL_NAME
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+        self.reply_ids = tokenizer.encode(REPLY, add_special_tokens=False)
+        self.metrics = Metrics()
+        self.healthy = True
+        self.num_cached_tokens = 0
+        self.refusal: BackendError | None = None     # raised before the first chunk
+        self.crash: Exception | None = None          # an unexpected error before the first chunk
+        self.fail_after: int | None = None           # raise BackendError after this many chunks
+        self.hang_after: int | None = None           # wait "forever" after this many chunks
+        self.calls: list[dict] = []
+        self.closed_request_ids: list[str] = []     # generators closed before they finished
+        self.closed_early = threading.Event()
+        self.num_yielded = 0
+
+    def encode(self, text: str) -> list[int]:
+        if not text:
+            raise BackendError("the prompt is empty", 400, "invalid_request_error")
+        return self.tokenizer.encode(text)
+
+    def render_chat(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        try:
+            validate_prompt(prompt_token_ids, params, self.tokenizer.vocab_size, self.max_model_len,
+                            self.max_model_len)
+        except InvalidRequestError as exc:
+            raise BackendError(str(exc), 400, "invalid_request_error") from None
+
+    def health(self) -> dict:
+        return {"ok": self.healthy, "decode_replicas": int(self.healthy)}
+
+    def render_metrics(self) -> bytes:
+        return self.metrics.render()
+
+    async def generate(self, prompt_token_ids, params, request_id=None, api_key=None, timeout_s=None):
+        self.validate(prompt_token_ids, params)
+        self.calls.append({"prompt_token_ids": list(prompt_token_ids), "params": params,
+                           "request_id": request_id, "api_key": api_key, "timeout_s": timeout_s})
+        if self.refusal is not None:
+            raise self.refusal
+        if self.crash is not None:
+            raise self.crash
+        finished = False
+        try:
+            for n in range(1, params.max_tokens + 1):
+                if self.hang_after is not None and n > self.hang_after:
+                    await asyncio.sleep(3600)
+                if self.fail_after is not None and n > self.fail_after:
+                    raise BackendError("the decode replica died", 503, "server_error")
+                await asyncio.sleep(0)
+                token = self.reply_ids[(n - 1) % len(self.reply_ids)]
+                stop = n == len(self.reply_ids) and not params.ignore_eos
+                finished = stop or n == params.max_tokens
+                self.metrics.generation_tokens.inc()
+                self.num_yielded += 1
+                yield StreamChunk(
+                    request_id=request_id, token_ids=[token], text=self.tokenizer.decode([token]),
+                    finished=finished, finish_reason=("stop" if stop else "length") if finished else None,
+                    num_prompt_tokens=len(prompt_token_ids),
+                    num_cached_tokens=min(self.num_cached_tokens, len(prompt_token_ids) - 1),
+                    num_output_tokens=n, logprobs=[-0.25 * n] if params.logprobs else [])
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.closed_request_ids.append(request_id)
+                self.closed_early.set()
+
+    def expected_text(self, num_tokens: int) -> str:
+        return "".join(self.tokenizer.decode([self.reply_ids[i % len(self.reply_ids)]])
+                       for i in range(num_tokens))
+
+
+def parse_sse(body: str) -> list[dict | str]:
+    """The data payloads of an SSE body: dicts, and the final "[DONE]"."""
+    events = []
+    for block in body.split("\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith("data: "), block
+        data = block[len("data: "):]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+class ServerThread:
+    """uvicorn serving `app` on 127.0.0.1, an OS-chosen port, in a daemon thread."""
+
+    def __init__(self, app) -> None:
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + 10.0
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start within 10 s")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10.0)
+
+    @property
+    def url(self) -> str:
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+
+def tiny_tokenizer(out_dir) -> Tokenizer:
+    """The tokenizer of a `tiny` random checkpoint written into out_dir."""
+    return Tokenizer.from_pretrained(write_random_checkpoint(out_dir, preset="tiny"))

@@ -1,0 +1,60 @@
+"""Run `splitserve serve` as a real subprocess on 127.0.0.1 and stop it by its process group."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProcess:
+    def __init__(self, model: str, log_path: Path, *extra: str, startup_timeout_s: float = 240.0):
+        self.http_port = free_port()
+        self.grpc_port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.http_port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "splitserve.cluster.cli.main", "serve", "--model", model, "--http-port", str(self.http_port),
+               "--grpc-port", str(self.grpc_port), "--num-cpus", "6", *extra]
+        env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0",
+                   PYTHONUNBUFFERED="1")
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True, cwd=str(Path(__file__).parents[2]))
+        self._wait_ready(startup_timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"splitserve serve exited early:\n{self.log_path.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as resp:
+                    if resp.status == 200 and "ready" in self.log_path.read_text():
+                        return
+            except Exception:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"splitserve serve not ready in {timeout_s:.0f} s:\n{self.log_path.read_text()[-4000:]}")
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """Ctrl-C, as a user would; escalate only if it does not exit in time."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self.log.close()
+        return self.proc.returncode

@@ -1,0 +1,179 @@
+"""Checks of splitserve.engine.ops.triton_kernels against torch references, run on CPU by the Triton interpreter.
+
+TRITON_INTERPRET must be set before splitserve.engine.ops.triton_kernels is imported (triton.jit reads it when
+decorating), so tests/engine/test_triton_kernels.py runs this file in a subprocess with the env set:
+    TRITON_INTERPRET=1 python tests/helpers/triton_cases.py [case ...]
+It prints one JSON object {case_name: "ok" | traceback}. Shapes are tiny: the interpreter is slow.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import traceback
+
+import torch
+
+_DTYPE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+def reference_decode_attention(q, key_cache, value_cache, block_tables, context_lens, scale):
+    """Dense fp64 attention over each sequence's gathered context."""
+    batch, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros(batch, num_q_heads, head_dim, dtype=torch.float64)
+    for seq in range(batch):
+        length = int(context_lens[seq])
+        if length == 0:
+            continue
+        blocks = block_tables[seq, : math.ceil(length / block_size)].long()
+        keys = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].double()
+        values = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].double()
+        keys = keys.repeat_interleave(group, dim=1)
+        values = values.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[seq].double(), keys) * scale
+        out[seq] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), values)
+    return out
+
+
+def _random_paged_problem(context_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed):
+    generator = torch.Generator().manual_seed(seed)
+    max_blocks = max(math.ceil(length / block_size) for length in context_lens) + 1
+    num_blocks = len(context_lens) * max_blocks + 3
+    q = torch.randn(len(context_lens), num_q_heads, head_dim, generator=generator).to(dtype)
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    # Distinct, shuffled physical blocks per sequence; unused table slots stay 0 (padding).
+    physical = torch.randperm(num_blocks - 1, generator=generator) + 1
+    block_tables = torch.zeros(len(context_lens), max_blocks, dtype=torch.int32)
+    cursor = 0
+    for seq, length in enumerate(context_lens):
+        needed = math.ceil(length / block_size)
+        block_tables[seq, :needed] = physical[cursor: cursor + needed].int()
+        cursor += needed
+    return q, key_cache, value_cache, block_tables, torch.tensor(context_lens, dtype=torch.int32)
+
+
+def _check_decode(context_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
+    from splitserve.engine.ops.triton_kernels import paged_decode_attention
+
+    q, key_cache, value_cache, block_tables, lens = _random_paged_problem(
+        context_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed)
+    scale = head_dim ** -0.5
+    out = paged_decode_attention(q, key_cache, value_cache, block_tables, lens, scale)
+    expected = reference_decode_attention(q, key_cache, value_cache, block_tables, lens, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    tolerance = _DTYPE_TOLERANCE[dtype]
+    error = (out.double() - expected).abs().max().item()
+    assert error <= tolerance, f"max abs error {error} > {tolerance}"
+
+
+def case_gqa_fp32_small_tiles():
+    # block_size 4, head_dim 8: the broadcast-sum path; partial last blocks; group of 2.
+    _check_decode([1, 7, 12], num_q_heads=4, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
+
+
+def case_gqa_fp32_dot_tiles():
+    # block_size 16, head_dim 16: the tl.dot path; group of 4; one exact-multiple length.
+    _check_decode([5, 16, 33], num_q_heads=8, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32)
+
+
+def case_mha_fp32_odd_block_size():
+    # block_size 3 (not a power of two) and group 1 (plain multi-head attention).
+    _check_decode([2, 9, 10], num_q_heads=2, num_kv_heads=2, head_dim=8, block_size=3, dtype=torch.float32)
+
+
+def case_gqa_bf16_small_tiles():
+    # Only the broadcast-sum path: triton 3.9's interpreter runs tl.dot on bf16 as np.matmul
+    # over the raw uint16 storage (garbage), so the bf16 tl.dot path needs a GPU to check.
+    _check_decode([6, 13], num_q_heads=4, num_kv_heads=1, head_dim=8, block_size=4, dtype=torch.bfloat16)
+
+
+def case_gqa_fp16_both_paths():
+    _check_decode([11, 4], num_q_heads=6, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float16)
+    _check_decode([20, 3], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float16)
+
+
+def case_empty_context_gives_zeros_and_out_is_reused():
+    from splitserve.engine.ops.triton_kernels import paged_decode_attention
+
+    q, key_cache, value_cache, block_tables, _ = _random_paged_problem(
+        [4, 4], 2, 1, 8, 4, torch.float32, seed=1)
+    lens = torch.tensor([0, 4], dtype=torch.int32)
+    out = torch.full_like(q, float("nan"))
+    returned = paged_decode_attention(q, key_cache, value_cache, block_tables, lens, 0.5, out=out)
+    assert returned is out
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    expected = reference_decode_attention(q, key_cache, value_cache, block_tables, lens, 0.5)
+    assert torch.allclose(out[1].double(), expected[1], atol=1e-5)
+
+
+def case_decode_reads_layer_view_of_full_cache():
+    # The engine passes kv[layer, 0] / kv[layer, 1]: views into the 6-D cache.
+    from splitserve.engine.ops.triton_kernels import paged_decode_attention
+
+    generator = torch.Generator().manual_seed(2)
+    kv = torch.randn(2, 2, 6, 4, 2, 8, generator=generator)  # [layer, K|V, block, offset, head, dim]
+    q = torch.randn(2, 4, 8, generator=generator)
+    block_tables = torch.tensor([[5, 2], [1, 0]], dtype=torch.int32)
+    lens = torch.tensor([6, 3], dtype=torch.int32)
+    out = paged_decode_attention(q, kv[1, 0], kv[1, 1], block_tables, lens, 0.3)
+    expected = reference_decode_attention(q, kv[1, 0], kv[1, 1], block_tables, lens, 0.3)
+    assert torch.allclose(out.double(), expected, atol=1e-5)
+
+
+def case_gather_scatter_round_trip():
+    from splitserve.engine.ops.triton_kernels import gather_blocks, scatter_blocks
+
+    generator = torch.Generator().manual_seed(3)
+    for dtype, id_dtype in ((torch.float32, torch.int64), (torch.bfloat16, torch.int32)):
+        # row_numel 1500 > the kernel's 1024-element chunk: exercises the chunk mask.
+        paged = torch.randn(4, 9, 1500, generator=generator).to(dtype)
+        ids = torch.tensor([7, 2, 5], dtype=id_dtype)
+        packed = torch.empty(4, 3, 1500, dtype=dtype)
+        assert gather_blocks(paged, ids, packed) is packed
+        assert torch.equal(packed, paged[:, ids.long()])
+        restored = torch.zeros_like(paged)
+        scatter_blocks(packed, restored, ids)
+        assert torch.equal(restored[:, ids.long()], paged[:, ids.long()])
+        untouched = [b for b in range(9) if b not in ids.tolist()]
+        assert torch.count_nonzero(restored[:, untouched]) == 0
+
+
+def case_gather_from_strided_planes():
+    # Every other plane of a bigger tensor: the plane stride differs from planes * rows * E.
+    from splitserve.engine.ops.triton_kernels import gather_blocks, scatter_blocks
+
+    base = torch.arange(6 * 5 * 7, dtype=torch.float32).view(6, 5, 7)
+    planes = base[::2]
+    ids = torch.tensor([4, 0], dtype=torch.int64)
+    packed = torch.empty(3, 2, 7)
+    gather_blocks(planes, ids, packed)
+    assert torch.equal(packed, planes[:, ids])
+    target = torch.zeros(6, 5, 7)
+    scatter_blocks(packed, target[1::2], ids)
+    assert torch.equal(target[1::2][:, ids], planes[:, ids])
+    assert torch.count_nonzero(target[::2]) == 0
+
+
+CASES = {name: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
+
+
+def run_cases(names: list[str]) -> dict[str, str]:
+    results = {}
+    for name in names:
+        try:
+            CASES[name]()
+            results[name] = "ok"
+        except Exception:  # report every failure, keep checking the rest
+            results[name] = traceback.format_exc()
+    return results
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("set TRITON_INTERPRET=1: these checks run the kernels on CPU")
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    print(json.dumps(run_cases(sys.argv[1:] or list(CASES))))

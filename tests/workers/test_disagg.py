@@ -1,0 +1,174 @@
+"""Disaggregated data path on local Ray (CPU, gloo): identical output to the colocated engine,
+delta transfers, and failures that neither hang nor leak blocks."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import ray
+
+from splitserve.cluster.control.dispatcher import RequestFailedError
+from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.io.sampling_params import SamplingParams
+from tests.helpers.cluster import start_cluster, cluster_config, wait_for_baseline
+
+pytestmark = pytest.mark.ray
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+BS = 16
+
+
+def mixed_prompts() -> list[list[int]]:
+    # shorter than a block, exactly one block, exactly three blocks, and ragged lengths
+    lengths = [3, 16, 48, 21, 70]
+    return [[(7 * i + 3 * n) % 400 + 20 for i in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    engine = LLMEngine(EngineConfig(model=tiny_model, num_gpu_blocks=128))
+    return {tuple(p): o.token_ids for p, o in zip(mixed_prompts(), engine.generate(mixed_prompts(), GREEDY))}
+
+
+def run_all(loop, cluster, prompts, params=GREEDY):
+    async def go():
+        return await asyncio.gather(*(cluster.complete(p, params) for p in prompts))
+    return loop.run(go(), timeout=180)
+
+
+@pytest.fixture(scope="module")
+def cluster_1p1d(ray_cluster, tiny_model, loop):
+    cluster = start_cluster(loop, cluster_config(tiny_model))
+    yield cluster
+    loop.run(cluster.shutdown(), timeout=60)
+
+
+def test_1p1d_matches_colocated(loop, cluster_1p1d, reference):
+    results = run_all(loop, cluster_1p1d, mixed_prompts())
+    for prompt, res in zip(mixed_prompts(), results):
+        assert res["token_ids"] == reference[tuple(prompt)], f"prompt of {len(prompt)} tokens"
+        assert res["prefill_replica"] == "prefill-0"
+    wait_for_baseline(loop, cluster_1p1d)
+
+
+def test_delta_transfer_sends_only_missing_blocks(loop, cluster_1p1d):
+    decode = cluster_1p1d.decode_pool.get("decode-0").handle
+    shared = [100 + (i % 50) for i in range(3 * BS)]           # three full blocks
+    first = shared + [11, 12, 13, 14, 15]
+    second = shared + list(range(200, 200 + BS + 4))           # same prefix, 2 more blocks
+    run_all(loop, cluster_1p1d, [first])
+    before = ray.get(decode.poll.remote())["transfer"]
+    run_all(loop, cluster_1p1d, [second])
+    after = ray.get(decode.poll.remote())["transfer"]
+    num_blocks = -(-len(second) // BS) - 3
+    assert after["blocks"] - before["blocks"] == num_blocks
+    kv = cluster_1p1d.decode_pool.engine_config
+    bytes_per_block = 2 * 2 * BS * 2 * 16 * 4   # layers * (K,V) * block * kv_heads * head_dim * fp32
+    assert after["bytes"] - before["bytes"] == num_blocks * bytes_per_block
+    assert kv["block_size"] == BS
+    wait_for_baseline(loop, cluster_1p1d)
+
+
+def test_2p1d_matches_colocated_and_uses_both(loop, cluster_1p1d, reference):
+    loop.run(cluster_1p1d.add_replicas(PREFILL, 1), timeout=120)
+    try:
+        results = run_all(loop, cluster_1p1d, mixed_prompts() * 2)
+        for prompt, res in zip(mixed_prompts() * 2, results):
+            assert res["token_ids"] == reference[tuple(prompt)]
+        assert {r["prefill_replica"] for r in results} == {"prefill-0", "prefill-1"}
+        wait_for_baseline(loop, cluster_1p1d)
+    finally:
+        loop.run(cluster_1p1d.drain_replica(PREFILL, "prefill-1"), timeout=60)
+
+
+def test_decode_killed_mid_transfer_fails_fast_and_frees_prefill_blocks(ray_cluster, tiny_model, loop):
+    cluster = start_cluster(loop, cluster_config(tiny_model, lease_s=3.0))
+    try:
+        prefill = cluster.prefill_pool.get("prefill-0").handle
+        ray.get(prefill.inject_fault.remote(stall_send_s=1.0))
+        decode = cluster.decode_pool.get("decode-0").handle
+
+        async def go():
+            task = asyncio.ensure_future(cluster.complete(mixed_prompts()[2], GREEDY))
+            await asyncio.sleep(1.5)       # prefill done, first layer's send stalled
+            ray.kill(decode)
+            return await asyncio.wait_for(task, 30)
+
+        start = time.monotonic()
+        with pytest.raises(RequestFailedError):
+            loop.run(go(), timeout=60)
+        assert time.monotonic() - start < 20
+        ray.get(prefill.inject_fault.remote(stall_send_s=0.0))
+        deadline = time.monotonic() + 10
+        while True:
+            load = ray.get(prefill.poll.remote())["load"]
+            if load["num_free_blocks"] == load["num_blocks"] and not load["num_pinned"]:
+                break
+            assert time.monotonic() < deadline, f"prefill blocks not freed: {load}"
+            time.sleep(0.2)
+        deadline = time.monotonic() + 10
+        while "decode-0" in cluster.router.replica_ids(DECODE):
+            assert time.monotonic() < deadline, "dead decode replica still routed"
+            time.sleep(0.1)
+    finally:
+        loop.run(cluster.shutdown(), timeout=60)
+
+
+def test_prefill_killed_mid_prefill_is_retried_on_another(ray_cluster, tiny_model, loop, reference):
+    cluster = start_cluster(loop, cluster_config(tiny_model, num_prefill=2))
+    try:
+        for r in cluster.prefill_pool.live_replicas():
+            ray.get(r.handle.inject_fault.remote(stall_send_s=0.5))
+        chosen = []
+
+        async def go():
+            prompt = mixed_prompts()[3]
+            task = asyncio.ensure_future(_complete(cluster, prompt, chosen))
+            await asyncio.sleep(0.6)
+            victim = cluster.prefill_pool.get(chosen[0].prefill_replica)
+            ray.kill(victim.handle)
+            return await asyncio.wait_for(task, 60)
+
+        result = loop.run(go(), timeout=90)
+        assert result["token_ids"] == reference[tuple(mixed_prompts()[3])]
+        assert result["prefill_replica"] != chosen[0].prefill_replica
+        assert cluster.dispatcher.num_retries == 1
+        for r in cluster.prefill_pool.live_replicas():
+            ray.get(r.handle.inject_fault.remote(stall_send_s=0.0))
+        wait_for_baseline(loop, cluster)
+    finally:
+        loop.run(cluster.shutdown(), timeout=60)
+
+
+async def _complete(cluster, prompt, chosen):
+    tokens, last = [], None
+    async for chunk in cluster.generate(prompt, GREEDY, on_route=chosen.append):
+        tokens.extend(chunk.token_ids)
+        last = chunk
+    return {"token_ids": tokens, "prefill_replica": last.prefill_replica}
+
+
+def test_idle_pairs_are_torn_down_and_reopened(loop, cluster_1p1d, reference):
+    prompt = mixed_prompts()[1]
+    run_all(loop, cluster_1p1d, [prompt])
+    decode = cluster_1p1d.decode_pool.get("decode-0").handle
+    loop.run(cluster_1p1d.dispatcher.close_idle_pairs(0.0), timeout=30)
+    assert ray.get(decode.close_idle_pairs.remote(0.0)) == []    # already closed
+    result = run_all(loop, cluster_1p1d, [prompt])[0]             # a fresh pair, next epoch
+    assert result["token_ids"] == reference[tuple(prompt)] and result["prefill_replica"] == "prefill-0"
+    wait_for_baseline(loop, cluster_1p1d)
+
+
+def test_colocated_mode_without_prefill_pool(ray_cluster, tiny_model, loop, reference):
+    """prefill replicas = 0: decode replicas prefill locally (the colocated baseline)."""
+    cluster = start_cluster(loop, cluster_config(tiny_model, num_prefill=0, num_decode=1))
+    try:
+        results = run_all(loop, cluster, mixed_prompts())
+        for prompt, res in zip(mixed_prompts(), results):
+            assert res["token_ids"] == reference[tuple(prompt)]
+            assert res["prefill_replica"] is None
+        wait_for_baseline(loop, cluster)
+    finally:
+        loop.run(cluster.shutdown(), timeout=60)

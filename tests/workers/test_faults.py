@@ -1,0 +1,299 @@
+"""Fault injection on local Ray (CPU, gloo), through the production ServingBackend and the
+OpenAI HTTP / gRPC frontends: router restart under load, KV transfers that fail or stall,
+request deadlines, and a decode replica killed mid-stream. After each: the request was
+retried or failed clearly (never hung), live block pools are back to baseline, and a dead
+replica is out of routing. (Prefill killed mid-prefill: tests/workers/test_disagg.py.)"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import grpc
+import httpx
+import pytest
+import ray
+
+from splitserve.cluster.control.dispatcher import DEADLINE_STATUS, DeadlineExceededError, RequestFailedError
+from splitserve.cluster.frontend.grpc.server import GrpcFrontend
+from splitserve.cluster.frontend.http.api import build_http_app
+from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.cluster.frontend.backend import ServingBackend
+from splitserve.engine.io.sampling_params import SamplingParams
+from splitserve.proto import load_stubs
+from tests.helpers.cluster import (
+    LoopHttpServer,
+    cluster_config,
+    wait_for_baseline,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+LEASE_S = 3.0
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+# Three prompt families sharing 2-block prefixes, so the KV index has something to hold.
+PREFIXES = [[(13 * i + 7 * f) % 400 + 20 for i in range(32)] for f in range(3)]
+pb2, pb2_grpc = load_stubs()
+
+
+@pytest.fixture(scope="module")
+def backend(ray_cluster, tiny_model, loop):
+    cfg = cluster_config(tiny_model, num_prefill=2, num_decode=2, policy="kv", lease_s=LEASE_S)
+    serving = ServingBackend(cfg, tiny_model)
+    loop.run(serving.start(), timeout=240)
+    yield serving
+    loop.run(serving.shutdown(), timeout=60)
+
+
+@pytest.fixture(scope="module")
+def cluster(backend):
+    return backend.cluster
+
+
+@pytest.fixture(scope="module")
+def server(loop, backend):
+    with LoopHttpServer(loop, build_http_app(backend)) as srv:
+        yield srv
+
+
+def complete(loop, cluster, prompt, params=GREEDY, timeout=60):
+    return loop.run(cluster.complete(prompt, params), timeout=timeout)
+
+
+def set_fault(cluster, **fault) -> None:
+    ray.get([r.handle.inject_fault.remote(**fault) for r in cluster.prefill_pool.live_replicas()], timeout=10)
+
+
+def iter_sse(lines):
+    """The data payloads of SSE lines as they arrive: dicts, and the final "[DONE]"."""
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            yield data if data == "[DONE]" else json.loads(data)
+
+
+def sse_events(lines) -> list:
+    return list(iter_sse(lines))
+
+
+# ---- router restart ----------------------------------------------------------------------
+
+def test_router_restart_under_load_rebuilds_the_index_from_snapshots(loop, cluster):
+    old_router = cluster.router
+    num_workers, duration_s = 6, 4.0
+    finished: list[float] = []
+    restarts: list[tuple[float, float]] = []
+
+    async def worker(w: int, stop_at: float) -> None:
+        i = 0
+        while time.monotonic() < stop_at:
+            prompt = PREFIXES[(w + i) % len(PREFIXES)] + [w + 1, i % 50 + 1]
+            result = await cluster.complete(prompt, GREEDY)   # raises if the request failed
+            assert len(result["token_ids"]) == GREEDY.max_tokens
+            finished.append(time.monotonic())
+            i += 1
+
+    async def restarter(start: float) -> None:
+        for at in (1.0, 2.5):
+            await asyncio.sleep(max(start + at - time.monotonic(), 0))
+            began = time.monotonic()
+            await cluster.restart_router()
+            restarts.append((began, time.monotonic()))
+
+    async def go():
+        start = time.monotonic()
+        await asyncio.gather(restarter(start), *(worker(w, start + duration_s) for w in range(num_workers)))
+
+    loop.run(go(), timeout=120)
+    print(f"router restart: {len(finished)} requests from {num_workers} clients in {duration_s:.0f} s, "
+          f"restarts took {', '.join(f'{(b - a) * 1000:.0f} ms' for a, b in restarts)}")
+    assert len(restarts) == 2 and cluster.router is not old_router
+    assert cluster.dispatcher.router is cluster.router
+    last_restart_end = restarts[-1][1]
+    assert sum(t > last_restart_end for t in finished) >= num_workers, "requests stopped after the restart"
+    assert sum(restarts[0][1] < t < restarts[1][0] for t in finished) >= 1, "nothing finished between restarts"
+
+    # The rebuilt index is exactly what every replica holds (the poller keeps it current).
+    def index_matches() -> bool:
+        for pool in (PREFILL, DECODE):
+            for replica in cluster.pools[pool].live_replicas():
+                _, hashes = ray.get(replica.handle.snapshot.remote(), timeout=10)
+                if cluster.router.index(pool).replica_hashes(replica.replica_id) != set(hashes):
+                    return False
+        return True
+
+    wait_until(index_matches, 10, "the rebuilt router's index differs from the replicas' snapshots")
+    assert sorted(cluster.router.replica_ids(PREFILL)) == sorted(r.replica_id for r in cluster.prefill_pool.live_replicas())
+    assert sorted(cluster.router.replica_ids(DECODE)) == sorted(r.replica_id for r in cluster.decode_pool.live_replicas())
+    # ... and the router routes by it: a known prefix goes where it is cached.
+    decision = cluster.router.route(PREFIXES[0] + [99, 98])
+    assert decision.decode_cached_tokens >= 16 or decision.prefill_cached_tokens >= 16
+    wait_for_baseline(loop, cluster)
+
+
+# ---- KV transfer failures ----------------------------------------------------------------
+
+def test_failed_kv_sends_are_retried_within_the_budget_or_fail_clearly(loop, cluster):
+    prompt = PREFIXES[1] + list(range(300, 340))           # uncached tail: a real transfer
+    reference = complete(loop, cluster, prompt)["token_ids"]
+    wait_for_baseline(loop, cluster)
+    prompt = PREFIXES[2] + list(range(300, 340))           # fresh blocks again
+    retries = cluster.dispatcher.num_retries
+
+    # Every prefill replica fails its next send: both attempts fail, the budget (1 retry) is spent.
+    set_fault(cluster, fail_sends=1)
+    start = time.monotonic()
+    with pytest.raises(RequestFailedError, match="request failed: .*injected send failure") as failed:
+        complete(loop, cluster, prompt)
+    assert failed.value.status == 500
+    assert cluster.dispatcher.num_retries == retries + 1
+    wait_for_baseline(loop, cluster, timeout_s=LEASE_S)
+    assert time.monotonic() - start < 3 * LEASE_S
+
+    # A bigger budget: both prefill replicas fail, the decode replica then prefills itself.
+    cluster.dispatcher.max_retries = 2
+    try:
+        set_fault(cluster, fail_sends=1)
+        result = complete(loop, cluster, PREFIXES[2] + list(range(340, 380)))
+        assert cluster.dispatcher.num_retries == retries + 3
+        assert result["prefill_replica"] is None and len(result["token_ids"]) == GREEDY.max_tokens
+    finally:
+        cluster.dispatcher.max_retries = 1
+    wait_for_baseline(loop, cluster, timeout_s=LEASE_S)
+    # Faults spent: an ordinary transfer works again, and gives the same tokens as before.
+    assert complete(loop, cluster, PREFIXES[1] + list(range(300, 340)))["token_ids"] == reference
+
+
+def test_stalled_kv_send_frees_blocks_within_the_lease_and_is_retried(loop, cluster):
+    stalled, *others = sorted(r.replica_id for r in cluster.prefill_pool.live_replicas())
+    stall_s = LEASE_S + 1.5
+    retries = cluster.dispatcher.num_retries
+    ray.get(cluster.prefill_pool.get(stalled).handle.inject_fault.remote(stall_send_s=stall_s))
+    for rid in others:   # route the first attempt to the stalled replica
+        cluster.router.set_draining(PREFILL, rid, True)
+    try:
+        start = time.monotonic()
+        result = complete(loop, cluster, PREFIXES[0] + list(range(200, 230)), timeout=60)
+        took = time.monotonic() - start
+    finally:
+        for rid in others:
+            cluster.router.set_draining(PREFILL, rid, False)
+        ray.get(cluster.prefill_pool.get(stalled).handle.inject_fault.remote(stall_send_s=0.0))
+    # The attempt stalled until its lease ran out; the retry (no other prefill replica left to
+    # try) prefilled on the decode replica.
+    assert result["prefill_replica"] is None and len(result["token_ids"]) == GREEDY.max_tokens
+    assert cluster.dispatcher.num_retries == retries + 1
+    print(f"stalled send: lease {LEASE_S:.0f} s, request answered after retry in {took:.2f} s")
+    assert LEASE_S <= took < LEASE_S + 6
+    # The stalled attempt's blocks were freed on both sides when its lease ran out.
+    wait_for_baseline(loop, cluster, timeout_s=LEASE_S)
+    time.sleep(max(start + stall_s + 0.5 - time.monotonic(), 0))   # the sender thread wakes up
+    assert complete(loop, cluster, PREFIXES[0] + list(range(230, 260)))["prefill_replica"] is not None
+    wait_for_baseline(loop, cluster)
+
+
+# ---- deadlines ---------------------------------------------------------------------------
+
+LONG = {"max_tokens": 900, "ignore_eos": True, "temperature": 0}
+
+
+def test_deadline_over_http_is_504_and_frees_blocks(loop, cluster, backend, server):
+    body = {"model": backend.model_name, "prompt": PREFIXES[1], **LONG}
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        start = time.monotonic()
+        resp = http.post("/v1/completions", json=body, headers={"x-request-timeout": "0.5"})
+        assert resp.status_code == DEADLINE_STATUS, resp.text
+        assert time.monotonic() - start < 5
+        error = resp.json()["error"]
+        assert error["type"] == "timeout_error" and "deadline" in error["message"]
+        wait_for_baseline(loop, cluster)
+
+        # Streaming: tokens already went out, so the deadline is an error event, then [DONE].
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True},
+                         headers={"x-request-timeout": "0.5"}) as stream:
+            assert stream.status_code == 200
+            events = sse_events(stream.iter_lines())
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == DEADLINE_STATUS
+        assert any(e != "[DONE]" and "choices" in e for e in events)
+        wait_for_baseline(loop, cluster)
+
+        # The server's own limit (request_timeout_s) applies without a header.
+        cfg = backend.cfg
+        backend.cfg = cfg.model_copy(update={"request_timeout_s": 0.5})
+        try:
+            assert http.post("/v1/completions", json=body).status_code == DEADLINE_STATUS
+        finally:
+            backend.cfg = cfg
+        for bad in ("0", "-1", "soon", "nan", "inf"):
+            resp = http.post("/v1/completions", json=body, headers={"x-request-timeout": bad})
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == "x-request-timeout"
+        ok = http.post("/v1/completions", json={**body, "max_tokens": 4}, headers={"x-request-timeout": "60"})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+    wait_for_baseline(loop, cluster)
+
+
+def test_grpc_deadline_cancels_the_request_and_frees_blocks(loop, cluster, backend):
+    frontend = GrpcFrontend(backend)
+    port = loop.run(frontend.start("127.0.0.1", 0))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb2_grpc.SplitServeStub(channel)
+            request = pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=PREFIXES[2]), max_tokens=900,
+                                          temperature=0, ignore_eos=True)
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(request, timeout=0.5))
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            wait_for_baseline(loop, cluster)
+            request.max_tokens = 3
+            assert list(stub.Generate(request, timeout=30))[-1].usage.completion_tokens == 3
+    finally:
+        loop.run(frontend.stop(1.0))
+    wait_for_baseline(loop, cluster)
+
+
+def test_deadline_during_a_stalled_transfer_fails_without_retry(loop, cluster):
+    retries = cluster.dispatcher.num_retries
+    set_fault(cluster, stall_send_s=LEASE_S - 1.0)
+    try:
+        async def go():
+            stream = cluster.generate(PREFIXES[2] + list(range(100, 120)), GREEDY, deadline=time.time() + 1.0)
+            return [chunk async for chunk in stream]
+
+        start = time.monotonic()
+        with pytest.raises(DeadlineExceededError) as exc:
+            loop.run(go(), timeout=30)
+        assert exc.value.status == DEADLINE_STATUS and time.monotonic() - start < 4
+        assert cluster.dispatcher.num_retries == retries   # no retry past the deadline
+    finally:
+        set_fault(cluster, stall_send_s=0.0)
+    wait_for_baseline(loop, cluster, timeout_s=2 * LEASE_S)
+
+
+# ---- a decode replica dies mid-stream (last: it leaves one decode replica) ----------------
+
+def test_decode_killed_mid_stream_ends_the_sse_stream_with_an_error(loop, cluster, backend, server):
+    assert len(cluster.decode_pool.live_replicas()) == 2
+    retries = cluster.dispatcher.num_retries
+    body = {"model": backend.model_name, "prompt": PREFIXES[0], "stream": True, **LONG}
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=body) as stream:
+            assert stream.status_code == 200
+            events = iter_sse(stream.iter_lines())
+            first = next(events)                          # a token reached the client
+            victim = cluster.decode_pool.get(cluster.dispatcher.inflight[first["id"]])
+            killed_at = time.monotonic()
+            ray.kill(victim.handle)
+            rest = list(events)
+            ended = time.monotonic() - killed_at
+        print(f"decode killed mid-stream: error event + [DONE] {ended:.2f} s after the kill")
+        assert ended < 5, f"the stream took {ended:.1f} s to end after its decode replica died"
+        assert rest[-1] == "[DONE]"
+        error = rest[-2]["error"]
+        assert error["code"] == 503 and error["type"] == "server_error" and "request failed" in error["message"]
+        assert cluster.dispatcher.num_retries == retries   # tokens were out: never retried
+        wait_until(lambda: victim.replica_id not in cluster.router.replica_ids(DECODE), 10,
+                   "the dead decode replica is still routed")
+        assert cluster.decode_pool.get(victim.replica_id) is None
+        ok = http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 5})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 5
+    wait_for_baseline(loop, cluster)
