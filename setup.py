@@ -4,6 +4,7 @@ engine/ is installed as splitserve.engine, cluster/ as splitserve.cluster, and s
 top-level `engine`, `cluster`, `proto` or `bench` lands in site-packages (proto-plus owns
 `proto`). The gRPC stubs are generated from proto/splitserve.proto while the wheel is built.
 """
+
 import importlib.util
 from pathlib import Path
 

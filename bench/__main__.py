@@ -1,4 +1,5 @@
 """`python -m bench ...` is `splitserve bench ...`."""
+
 import sys
 
 from splitserve.bench.cli import main

@@ -1,10 +1,12 @@
 """Load points: open-loop Poisson arrivals at a rate, closed-loop fixed concurrency, or the
 workload's own timing (trace replay), plus parsing of sweep lists like "1,2,4" or "inf"."""
+
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -106,9 +108,7 @@ def parse_concurrencies(values: Iterable[str]) -> list[int]:
     return sorted(levels)
 
 
-def build_load_points(
-    rates: list[float], concurrencies: list[int], default: LoadPoint
-) -> list[LoadPoint]:
+def build_load_points(rates: list[float], concurrencies: list[int], default: LoadPoint) -> list[LoadPoint]:
     """Rates sweep as open loop (a single concurrency value then caps in-flight requests);
     concurrencies alone sweep closed loop; neither gives `default`."""
     if rates:

@@ -2,24 +2,31 @@
 and tests: `concurrency` workers each keep one request in flight; changing `concurrency`
 while it runs makes the load rise and fall. It records TTFT / ITL into sliding windows (the
 autoscaler's latency source) and counts every request that failed."""
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
 from collections import Counter
-from typing import Callable
+from collections.abc import Callable
 
-from splitserve.cluster.scaling.latency_window import LatencyWindow
 from splitserve.cluster.routing.router import PREFILL
+from splitserve.cluster.scaling.latency_window import LatencyWindow
 from splitserve.engine.io.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 class ClosedLoopLoad:
-    def __init__(self, cluster, make_prompt: Callable[[int], list[int]], params: SamplingParams,
-                 max_concurrency: int, latency_window_s: float = 2.0):
+    def __init__(
+        self,
+        cluster,
+        make_prompt: Callable[[int], list[int]],
+        params: SamplingParams,
+        max_concurrency: int,
+        latency_window_s: float = 2.0,
+    ):
         if max_concurrency < 1:
             raise ValueError("max_concurrency must be >= 1")
         self.cluster = cluster
@@ -33,9 +40,9 @@ class ClosedLoopLoad:
         self.num_failed = 0
         self.failures: list[str] = []
         self.finish_reasons: Counter[str] = Counter()
-        self.replicas_used: Counter[str] = Counter()   # prefill and decode replica ids that served
+        self.replicas_used: Counter[str] = Counter()  # prefill and decode replica ids that served
         self._num_sent = 0
-        self.num_awaiting_first_token = 0   # in flight, no token yet: queued or being prefilled
+        self.num_awaiting_first_token = 0  # in flight, no token yet: queued or being prefilled
         self._workers: list[asyncio.Task] = []
         self._stopping = False
 
@@ -76,9 +83,12 @@ class ClosedLoopLoad:
         finish_reason = None
         try:
             async for chunk in self.cluster.generate(
-                    self.make_prompt(index), self.params,
-                    on_route=lambda d: self.replicas_used.update(
-                        [d.decode_replica] + ([d.prefill_replica] if d.prefill_replica else []))):
+                self.make_prompt(index),
+                self.params,
+                on_route=lambda d: self.replicas_used.update(
+                    [d.decode_replica] + ([d.prefill_replica] if d.prefill_replica else [])
+                ),
+            ):
                 now = time.perf_counter()
                 if first:
                     self.ttft_window.observe(now - start)

@@ -1,4 +1,5 @@
 """BenchRequest: one request a workload asks the benchmark client to send."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,9 +38,7 @@ class BenchRequest:
         if self.max_tokens < 1:
             raise WorkloadError(f"{self.request_id}: max_tokens must be >= 1, got {self.max_tokens}")
         if self.arrival_offset_s < 0:
-            raise WorkloadError(
-                f"{self.request_id}: arrival_offset_s must be >= 0, got {self.arrival_offset_s}"
-            )
+            raise WorkloadError(f"{self.request_id}: arrival_offset_s must be >= 0, got {self.arrival_offset_s}")
         if self.turn_index < 0:
             raise WorkloadError(f"{self.request_id}: turn_index must be >= 0")
 
@@ -47,10 +46,10 @@ class BenchRequest:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
-    def with_arrival(self, arrival_offset_s: float) -> "BenchRequest":
+    def with_arrival(self, arrival_offset_s: float) -> BenchRequest:
         return dataclasses.replace(self, arrival_offset_s=arrival_offset_s)
 
-    def with_text(self, prompt_text: str) -> "BenchRequest":
+    def with_text(self, prompt_text: str) -> BenchRequest:
         return dataclasses.replace(self, prompt_text=prompt_text)
 
     def to_dict(self, include_tokens: bool = False) -> dict[str, Any]:

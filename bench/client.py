@@ -5,12 +5,14 @@ Streams Server-Sent Events from /v1/completions (prompt as a list of token ids, 
 prompt, completion and cached tokens. A run is bounded by `max_requests` and `max_seconds`;
 requests still in flight at the bound are cancelled and recorded with error "deadline".
 """
+
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 
@@ -22,8 +24,15 @@ from splitserve.bench.request_record import DEADLINE_ERROR, RequestRecord
 from splitserve.bench.run_result import RunResult
 from splitserve.bench.run_scheduler import RunScheduler
 
-__all__ = ["BenchClient", "ClientOptions", "EndpointError", "fetch_model_id",
-           "DEFAULT_BASE_URL", "ENDPOINT_PATHS", "PROMPT_FORMATS"]
+__all__ = [
+    "BenchClient",
+    "ClientOptions",
+    "EndpointError",
+    "fetch_model_id",
+    "DEFAULT_BASE_URL",
+    "ENDPOINT_PATHS",
+    "PROMPT_FORMATS",
+]
 
 _MAX_ERROR_BODY_CHARS = 300
 
@@ -97,9 +106,7 @@ class BenchClient:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
         )
 
-    async def run_async(
-        self, requests: list[BenchRequest], load: LoadPoint, config_name: str = "default"
-    ) -> RunResult:
+    async def run_async(self, requests: list[BenchRequest], load: LoadPoint, config_name: str = "default") -> RunResult:
         requests = list(requests)[: self.options.max_requests]
         async with self._http_client() as http:
             model = self.options.model or await fetch_model_id(http)
@@ -111,14 +118,20 @@ class BenchClient:
             return
         first_token = requests[0].prompt_token_ids[0]
         warmup = BenchRequest("warmup", (first_token,) * 4, max_tokens=2)
-        await asyncio.gather(*(
-            self.send(http, model, warmup, RequestRecord("warmup", 4, 2, 0.0), time.perf_counter)
-            for _ in range(self.options.num_warmup_requests)
-        ))
+        await asyncio.gather(
+            *(
+                self.send(http, model, warmup, RequestRecord("warmup", 4, 2, 0.0), time.perf_counter)
+                for _ in range(self.options.num_warmup_requests)
+            )
+        )
 
     async def send(
-        self, http: httpx.AsyncClient, model: str, request: BenchRequest,
-        record: RequestRecord, clock: Callable[[], float],
+        self,
+        http: httpx.AsyncClient,
+        model: str,
+        request: BenchRequest,
+        record: RequestRecord,
+        clock: Callable[[], float],
     ) -> None:
         """Stream one request into `record`; never raises except for cancellation."""
         payload = self.build_payload(model, request)
@@ -127,7 +140,7 @@ class BenchClient:
             await asyncio.wait_for(self._exchange(http, payload, record, clock), self.options.request_timeout_s)
             if record.error is None and record.first_token_time_s is None:
                 record.error = "no_tokens: the stream ended without an output token"
-        except asyncio.TimeoutError:
+        except TimeoutError:
             record.error = f"timeout: no complete answer within {self.options.request_timeout_s:g}s"
         except asyncio.CancelledError:
             record.error = DEADLINE_ERROR
@@ -137,7 +150,10 @@ class BenchClient:
         record.end_time_s = clock()
 
     async def _exchange(
-        self, http: httpx.AsyncClient, payload: dict[str, Any], record: RequestRecord,
+        self,
+        http: httpx.AsyncClient,
+        payload: dict[str, Any],
+        record: RequestRecord,
         clock: Callable[[], float],
     ) -> None:
         async with http.stream("POST", ENDPOINT_PATHS[self.options.endpoint], json=payload) as response:
@@ -148,14 +164,12 @@ class BenchClient:
             else:
                 await self._read_stream(response, record, clock)
 
-    async def _read_stream(
-        self, response: httpx.Response, record: RequestRecord, clock: Callable[[], float]
-    ) -> None:
+    async def _read_stream(self, response: httpx.Response, record: RequestRecord, clock: Callable[[], float]) -> None:
         async for line in response.aiter_lines():
             now = clock()
             if not line.startswith("data:"):
                 continue
-            data = line[len("data:"):].strip()
+            data = line[len("data:") :].strip()
             if data == "[DONE]":
                 return
             try:

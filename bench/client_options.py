@@ -1,4 +1,5 @@
 """ClientOptions: how the benchmark client talks to the server and bounds a run."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

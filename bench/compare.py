@@ -5,13 +5,14 @@ with ManagedServer on a free port in its own process group, benchmarked once hea
 stopped by its process group before the next configuration starts, so configurations never
 share the machine.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from splitserve.bench.arrivals import LoadPoint, apply_load
 from splitserve.bench.bench_request import BenchRequest
@@ -59,8 +60,9 @@ def _log(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
-def run_loads(name: str, base_url: str, plan: BenchPlan, result: ConfigResult,
-              text_renderer: PromptTextRenderer | None = None) -> None:
+def run_loads(
+    name: str, base_url: str, plan: BenchPlan, result: ConfigResult, text_renderer: PromptTextRenderer | None = None
+) -> None:
     """Run every load point of `plan` against `base_url`, appending to `result`."""
     client = BenchClient(dataclasses.replace(plan.client, base_url=base_url), text_renderer)
     for index, load in enumerate(plan.loads):
@@ -68,8 +70,9 @@ def run_loads(name: str, base_url: str, plan: BenchPlan, result: ConfigResult,
         requests = plan.requests_for(index)
         scraper = None
         if plan.scrape_metric:
-            scraper = MetricsScraper(base_url, plan.scrape_metric, plan.replica_label,
-                                     plan.scrape_interval_s, api_key=plan.client.api_key).start()
+            scraper = MetricsScraper(
+                base_url, plan.scrape_metric, plan.replica_label, plan.scrape_interval_s, api_key=plan.client.api_key
+            ).start()
         try:
             run = client.run(requests, load, config_name=name)
         finally:
@@ -80,18 +83,22 @@ def run_loads(name: str, base_url: str, plan: BenchPlan, result: ConfigResult,
         result.runs.append(run)
         result.metrics.append(metrics)
         result.replica_samples.append(samples)
-        _log(f"{name}: {load.label}: {metrics.num_ok} ok, {metrics.num_failed} failed, "
-             f"{metrics.requests_per_s:.2f} req/s")
+        _log(
+            f"{name}: {load.label}: {metrics.num_ok} ok, {metrics.num_failed} failed, "
+            f"{metrics.requests_per_s:.2f} req/s"
+        )
     if plan.slo is not None:
         result.goodput_rps = compute_goodput(
-            ((run.load.rate, m.slo_attainment) for run, m in zip(result.runs, result.metrics)
-             if run.load.rate is not None),
+            (
+                (run.load.rate, m.slo_attainment)
+                for run, m in zip(result.runs, result.metrics)
+                if run.load.rate is not None
+            ),
             plan.slo.attainment_threshold,
         )
 
 
-def run_config(config: ServerConfig, plan: BenchPlan,
-               text_renderer: PromptTextRenderer | None = None) -> ConfigResult:
+def run_config(config: ServerConfig, plan: BenchPlan, text_renderer: PromptTextRenderer | None = None) -> ConfigResult:
     """Benchmark one configuration; a server that fails to start or answer is recorded in
     ConfigResult.error rather than raised, so the other configurations still run."""
     result = ConfigResult(name=config.name, target=config.target)
@@ -100,8 +107,12 @@ def run_config(config: ServerConfig, plan: BenchPlan,
             run_loads(config.name, config.url, plan, result, text_renderer)
             return result
         log_path = None if plan.log_dir is None else plan.log_dir / f"{safe_filename(config.name)}.server.log"
-        server = ManagedServer(config.command, startup_timeout_s=plan.startup_timeout_s,
-                               stop_timeout_s=plan.stop_timeout_s, log_path=log_path)
+        server = ManagedServer(
+            config.command,
+            startup_timeout_s=plan.startup_timeout_s,
+            stop_timeout_s=plan.stop_timeout_s,
+            log_path=log_path,
+        )
         _log(f"{config.name}: starting {config.command}")
         with server:
             _log(f"{config.name}: healthy at {server.base_url} (pid {server.pid})")
@@ -113,8 +124,9 @@ def run_config(config: ServerConfig, plan: BenchPlan,
     return result
 
 
-def run_comparison(configs: Sequence[ServerConfig], plan: BenchPlan,
-                   text_renderer: PromptTextRenderer | None = None) -> list[ConfigResult]:
+def run_comparison(
+    configs: Sequence[ServerConfig], plan: BenchPlan, text_renderer: PromptTextRenderer | None = None
+) -> list[ConfigResult]:
     names = [config.name for config in configs]
     if len(set(names)) != len(names):
         raise ValueError(f"configuration names must be unique, got {names}")

@@ -1,4 +1,5 @@
 """ConfigResult: every run of one named configuration (a server URL or a server command)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -3,6 +3,7 @@
 The phases are timed by wrapping the engine's own objects' methods on the instance, so what is
 measured is exactly the code LLMEngine.step runs. Used by `splitserve.bench.engine_throughput --profile`.
 """
+
 from __future__ import annotations
 
 import functools
@@ -48,7 +49,7 @@ class PhaseTimer:
         setattr(owner, name, timed)
         self._installed.append((owner, name))
 
-    def __enter__(self) -> "PhaseTimer":
+    def __enter__(self) -> PhaseTimer:
         for path, phase in PHASES:
             *parents, name = path.split(".")
             owner = self.engine
@@ -75,17 +76,20 @@ def _decode_steps(engine, prompts: list[list[int]], max_tokens: int):
     return engine.step
 
 
-def profile_engine_steps(engine, sizes: list[int], prompt_len: int, max_tokens: int,
-                         vocab_size: int, seed: int) -> str:
+def profile_engine_steps(engine, sizes: list[int], prompt_len: int, max_tokens: int, vocab_size: int, seed: int) -> str:
     """Markdown: per batch size, the phase split of the decode steps and the top torch ops."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    lines = ["## splitserve decode step profile", "",
-             f"Decode steps only (after the prefill): the first {(max_tokens - 1) // 2} timed per phase in "
-             f"CPU ms per step (process time, {torch.get_num_threads()} torch thread(s)), the rest under "
-             "torch.profiler. The phases run one after another; other = the glue of LLMEngine.step "
-             "and ModelRunner.execute.", ""]
+    lines = [
+        "## splitserve decode step profile",
+        "",
+        f"Decode steps only (after the prefill): the first {(max_tokens - 1) // 2} timed per phase in "
+        f"CPU ms per step (process time, {torch.get_num_threads()} torch thread(s)), the rest under "
+        "torch.profiler. The phases run one after another; other = the glue of LLMEngine.step "
+        "and ModelRunner.execute.",
+        "",
+    ]
     rng = random.Random(seed + 424242)
     tables = []
     for b in sizes:
@@ -104,9 +108,18 @@ def profile_engine_steps(engine, sizes: list[int], prompt_len: int, max_tokens: 
                     step()
         parts = ", ".join(f"{phase} {1e3 * s / num_steps:.2f}" for phase, s in timer.seconds.items())
         accounted = sum(timer.seconds.values())
-        lines.append(f"- batch {b}: {1e3 * total / num_steps:.2f} CPU ms/step = {parts}; "
-                     f"other {1e3 * (total - accounted) / num_steps:.2f}")
+        lines.append(
+            f"- batch {b}: {1e3 * total / num_steps:.2f} CPU ms/step = {parts}; "
+            f"other {1e3 * (total - accounted) / num_steps:.2f}"
+        )
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=NUM_TOP_OPS)
-        tables += ["", f"torch.profiler, batch {b}, top ops by self CPU time "
-                   f"(remaining decode steps, profiler overhead included):", "", "```", table.strip(), "```"]
+        tables += [
+            "",
+            f"torch.profiler, batch {b}, top ops by self CPU time "
+            f"(remaining decode steps, profiler overhead included):",
+            "",
+            "```",
+            table.strip(),
+            "```",
+        ]
     return "\n".join(lines + tables)

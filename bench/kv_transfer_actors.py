@@ -11,6 +11,7 @@ actor processes of one host):
   exposed       = transfer_done - prefill_done: what disaggregation adds to time-to-first-token
 Prompts are fresh random tokens, so neither side has a prefix-cache hit (checked).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,16 +20,16 @@ import random
 import time
 import uuid
 
-from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.cluster.config import PoolResources
 from splitserve.cluster.control.worker_pool import WorkerPool
+from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.decode.decode_worker import DecodeWorker
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.kvtransfer.handoff import DecodeRequest, PrefillResult
 from splitserve.kvtransfer.wire_layout import ascending_run_start
 from splitserve.prefill.prefill_worker import PrefillWorker
 
-NUM_KV_BLOCKS = 1024          # ServeConfig's default pool size
+NUM_KV_BLOCKS = 1024  # ServeConfig's default pool size
 LEASE_S = 20.0
 
 
@@ -53,8 +54,9 @@ class TimedPrefillWorker(PrefillWorker):
 class TimedDecodeWorker(DecodeWorker):
     """DecodeWorker with one extra method: a timed remote prefill of one prompt."""
 
-    async def timed_prefill(self, request_id: str, prompt: list[int], layerwise: bool,
-                            prefill, prefill_id: str) -> dict:
+    async def timed_prefill(
+        self, request_id: str, prompt: list[int], layerwise: bool, prefill, prefill_id: str
+    ) -> dict:
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         request = DecodeRequest(request_id, prompt, params.to_dict(), layerwise=layerwise, lease_s=LEASE_S)
         seq = self.engine.make_sequence(None, prompt, params, request_id)
@@ -63,14 +65,23 @@ class TimedDecodeWorker(DecodeWorker):
         transfer_done = time.perf_counter()
         dst_blocks = list(seq.block_table)
         await asyncio.wrap_future(self.loop.call(lambda engine: engine.kv.free(seq)))
-        return {"started": started, "transfer_done": transfer_done,
-                "recv_in_place": ascending_run_start(dst_blocks) is not None,
-                "result": dataclasses.asdict(result)}
+        return {
+            "started": started,
+            "transfer_done": transfer_done,
+            "recv_in_place": ascending_run_start(dst_blocks) is not None,
+            "result": dataclasses.asdict(result),
+        }
 
 
 def _engine_config(model_dir: str, max_len: int) -> dict:
-    return {"model": model_dir, "block_size": 16, "num_gpu_blocks": NUM_KV_BLOCKS, "max_num_seqs": 8,
-            "max_num_batched_tokens": max(2048, max_len), "device": "cpu"}
+    return {
+        "model": model_dir,
+        "block_size": 16,
+        "num_gpu_blocks": NUM_KV_BLOCKS,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": max(2048, max_len),
+        "device": "cpu",
+    }
 
 
 def _schedule(lengths: list[int], num_reps: int) -> list[tuple[int, bool, bool]]:
@@ -83,17 +94,27 @@ def _schedule(lengths: list[int], num_reps: int) -> list[tuple[int, bool, bool]]
     return schedule
 
 
-def run_actor_path(model_dir: str, vocab_size: int, lengths: list[int], num_reps: int,
-                   seed: int = 0, timeout_s: float = 120.0) -> list[dict]:
+def run_actor_path(
+    model_dir: str, vocab_size: int, lengths: list[int], num_reps: int, seed: int = 0, timeout_s: float = 120.0
+) -> list[dict]:
     """Start 1 prefill + 1 decode actor (1 CPU, 1 torch thread each) on the running local Ray
     instance, run the schedule, stop them. Returns one record per request."""
     import ray
 
     engine_config = _engine_config(model_dir, max(lengths))
     prefix = f"kvbench-{uuid.uuid4().hex[:6]}"
-    pools = [WorkerPool(name, cls, engine_config, PoolResources(num_cpus=1), torch_threads=1,
-                        transfer_timeout_s=LEASE_S, name_prefix=prefix)
-             for name, cls in ((PREFILL, TimedPrefillWorker), (DECODE, TimedDecodeWorker))]
+    pools = [
+        WorkerPool(
+            name,
+            cls,
+            engine_config,
+            PoolResources(num_cpus=1),
+            torch_threads=1,
+            transfer_timeout_s=LEASE_S,
+            name_prefix=prefix,
+        )
+        for name, cls in ((PREFILL, TimedPrefillWorker), (DECODE, TimedDecodeWorker))
+    ]
     rng = random.Random(seed)
     records = []
     try:
@@ -101,21 +122,31 @@ def run_actor_path(model_dir: str, vocab_size: int, lengths: list[int], num_reps
         for index, (num_tokens, layerwise, timed) in enumerate(_schedule(lengths, num_reps)):
             # Random ids from a range that skips the special tokens: every block hash is new.
             prompt = [rng.randrange(8, vocab_size) for _ in range(num_tokens)]
-            out = ray.get(decode.handle.timed_prefill.remote(
-                f"kvbench-{index}", prompt, layerwise, prefill.handle, prefill.replica_id), timeout=timeout_s)
+            out = ray.get(
+                decode.handle.timed_prefill.remote(
+                    f"kvbench-{index}", prompt, layerwise, prefill.handle, prefill.replica_id
+                ),
+                timeout=timeout_s,
+            )
             result = out["result"]
             num_blocks = -(-num_tokens // 16)
             if result["num_cached_tokens"] or result["num_blocks_sent"] != num_blocks:
                 raise RuntimeError(f"request {index} hit a prefix cache: {result}")
             prefill_done = result["extra"]["entered_at"] + result["prefill_seconds"]
-            records.append({
-                "num_tokens": num_tokens, "layerwise": layerwise, "timed": timed,
-                "num_bytes": result["num_bytes_sent"], "prefill_seconds": result["prefill_seconds"],
-                "sender_seconds": result["transfer_seconds"],
-                "exposed_seconds": out["transfer_done"] - prefill_done,
-                "ttft_seconds": out["transfer_done"] - out["started"],
-                "send_in_place": result["extra"]["send_in_place"], "recv_in_place": out["recv_in_place"],
-            })
+            records.append(
+                {
+                    "num_tokens": num_tokens,
+                    "layerwise": layerwise,
+                    "timed": timed,
+                    "num_bytes": result["num_bytes_sent"],
+                    "prefill_seconds": result["prefill_seconds"],
+                    "sender_seconds": result["transfer_seconds"],
+                    "exposed_seconds": out["transfer_done"] - prefill_done,
+                    "ttft_seconds": out["transfer_done"] - out["started"],
+                    "send_in_place": result["extra"]["send_in_place"],
+                    "recv_in_place": out["recv_in_place"],
+                }
+            )
     finally:
         for pool in pools:
             pool.stop()

@@ -12,6 +12,7 @@ ascending run each, as a fresh block pool hands them out: both ends move the dat
 queues a freed prompt's blocks tail first) or "scattered" (random); the last two are packed and
 unpacked through staging buffers.
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -35,11 +36,11 @@ LAYOUTS = ("contiguous", "reversed", "scattered")
 
 @dataclass(frozen=True)
 class Trial:
-    kind: str            # "kv" (KVSender -> PostedReceive) or "raw" (gloo send/recv)
+    kind: str  # "kv" (KVSender -> PostedReceive) or "raw" (gloo send/recv)
     num_tokens: int
-    layerwise: bool      # kv only: one message set per layer instead of one for all layers
-    layout: str          # kv only: one of LAYOUTS (see the module doc)
-    timed: bool          # False: warm-up
+    layerwise: bool  # kv only: one message set per layer instead of one for all layers
+    layout: str  # kv only: one of LAYOUTS (see the module doc)
+    timed: bool  # False: warm-up
 
 
 def build_schedule(lengths: list[int], num_reps: int) -> list[Trial]:
@@ -70,8 +71,10 @@ def _make_cache(model_dir: str, pool_blocks: int, block_size: int, fill_seed: in
     from splitserve.engine.config import EngineConfig, ModelConfig
     from splitserve.engine.ops.kv_cache import KVCache
 
-    cache = KVCache(ModelConfig.from_pretrained(model_dir),
-                    EngineConfig(model=model_dir, block_size=block_size, num_gpu_blocks=pool_blocks))
+    cache = KVCache(
+        ModelConfig.from_pretrained(model_dir),
+        EngineConfig(model=model_dir, block_size=block_size, num_gpu_blocks=pool_blocks),
+    )
     if fill_seed is not None:
         cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(fill_seed)))
     cache.kv.add_(0)  # touch every page now, not inside a timed trial
@@ -98,8 +101,9 @@ def _endpoint(role: str, results, *args) -> None:
         results.put({"error": f"{role}: {traceback.format_exc()}"})
 
 
-def _sender(results, conn, model_dir: str, pool_blocks: int, block_size: int, store_port: int,
-            schedule: list[Trial]) -> None:
+def _sender(
+    results, conn, model_dir: str, pool_blocks: int, block_size: int, store_port: int, schedule: list[Trial]
+) -> None:
     import torch
 
     from splitserve.kvtransfer.kv_sender import KVSender, SendJob
@@ -134,8 +138,9 @@ def _sender(results, conn, model_dir: str, pool_blocks: int, block_size: int, st
     group.shutdown()
 
 
-def _receiver(results, conn, model_dir: str, pool_blocks: int, block_size: int, store_port: int,
-              schedule: list[Trial]) -> None:
+def _receiver(
+    results, conn, model_dir: str, pool_blocks: int, block_size: int, store_port: int, schedule: list[Trial]
+) -> None:
     import torch
 
     from splitserve.kvtransfer.kv_receiver import PostedReceive
@@ -175,30 +180,43 @@ def _receiver(results, conn, model_dir: str, pool_blocks: int, block_size: int, 
             raise HarnessError(f"trial {index}: raw payload corrupted")
         if trial.kind == "raw":
             buffer.fill_(0)
-        records.append({"kind": trial.kind, "num_tokens": trial.num_tokens, "layerwise": trial.layerwise,
-                        "layout": trial.layout,
-                        "timed": trial.timed, "num_bytes": num_bytes, "seconds": done - started,
-                        "sender_seconds": sender_done - started, "posted_seconds": posted_seconds})
+        records.append(
+            {
+                "kind": trial.kind,
+                "num_tokens": trial.num_tokens,
+                "layerwise": trial.layerwise,
+                "layout": trial.layout,
+                "timed": trial.timed,
+                "num_bytes": num_bytes,
+                "seconds": done - started,
+                "sender_seconds": sender_done - started,
+                "posted_seconds": posted_seconds,
+            }
+        )
     results.put(records)
     transport.close()
     group.shutdown()
 
 
-def run_pair_harness(model_dir: str, lengths: list[int], num_reps: int, block_size: int = 16,
-                     timeout_s: float = 240.0) -> list[dict]:
+def run_pair_harness(
+    model_dir: str, lengths: list[int], num_reps: int, block_size: int = 16, timeout_s: float = 240.0
+) -> list[dict]:
     """Run the schedule for one checkpoint's KV shape; returns one record per trial."""
     import torch.distributed as dist
 
     max_blocks = -(-max(lengths) // block_size)
-    pool_blocks = 4 * max_blocks   # room for scattered, non-contiguous block ids
+    pool_blocks = 4 * max_blocks  # room for scattered, non-contiguous block ids
     schedule = build_schedule(lengths, num_reps)
     server = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=_TIMEOUT_S), wait_for_workers=False)
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     sender_end, receiver_end = context.Pipe()
     processes = [
-        context.Process(target=_endpoint, args=(role, results, end, model_dir, pool_blocks, block_size,
-                                                server.port, schedule), daemon=True)
+        context.Process(
+            target=_endpoint,
+            args=(role, results, end, model_dir, pool_blocks, block_size, server.port, schedule),
+            daemon=True,
+        )
         for role, end in (("sender", sender_end), ("receiver", receiver_end))
     ]
     for process in processes:

@@ -1,5 +1,6 @@
 """ManagedServer: start a server command in its own process group, wait until it is healthy,
 and stop it by its process group (SIGINT, then SIGTERM, then SIGKILL, each after a timeout)."""
+
 from __future__ import annotations
 
 import os
@@ -43,7 +44,7 @@ def _group_has_live_members(pgid: int) -> bool:
             stat = (entry / "stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp ...
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp ...
         if int(fields[2]) == pgid and fields[0] != "Z":
             return True
     return False
@@ -87,7 +88,7 @@ class ManagedServer:
         port = "" if self.port is None else str(self.port)
         return self.command_template.replace("{port}", port).replace("{host}", self.host)
 
-    def __enter__(self) -> "ManagedServer":
+    def __enter__(self) -> ManagedServer:
         self.start()
         return self
 

@@ -14,12 +14,14 @@ Definitions (all latencies from the moment the request was sent):
         no gaps and passes the ITL part. Failed requests never attain.
   goodput  the highest swept rate whose SLO attainment is >= the threshold (0.9).
 """
+
 from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -58,7 +60,7 @@ class LatencySummary:
     p99: float | None
 
     @classmethod
-    def of(cls, values: Sequence[float]) -> "LatencySummary":
+    def of(cls, values: Sequence[float]) -> LatencySummary:
         if len(values) == 0:
             return cls(0, None, None, None, None)
         array = np.asarray(values, dtype=float)

@@ -1,5 +1,6 @@
 """MetricsScraper: samples one Prometheus metric per replica from a server's /metrics while a
 run is in progress, in a background thread, giving replica -> [(seconds, value)]."""
+
 from __future__ import annotations
 
 import threading
@@ -26,8 +27,15 @@ def parse_replica_values(text: str, metric_name: str, replica_label: str) -> dic
 
 
 class MetricsScraper:
-    def __init__(self, base_url: str, metric_name: str, replica_label: str = "replica",
-                 interval_s: float = 1.0, timeout_s: float = 2.0, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        metric_name: str,
+        replica_label: str = "replica",
+        interval_s: float = 1.0,
+        timeout_s: float = 2.0,
+        api_key: str | None = None,
+    ) -> None:
         if not (interval_s > 0 and timeout_s > 0):
             raise ValueError("interval_s and timeout_s must be > 0")
         self.base_url = base_url.rstrip("/")
@@ -62,7 +70,7 @@ class MetricsScraper:
                 self.scrape_once(http)
                 self._stop.wait(self.interval_s)
 
-    def start(self) -> "MetricsScraper":
+    def start(self) -> MetricsScraper:
         self._start = time.perf_counter()
         self._thread = threading.Thread(target=self._loop, name="metrics-scraper", daemon=True)
         self._thread.start()
@@ -74,7 +82,7 @@ class MetricsScraper:
             self._thread.join(timeout=self.timeout_s + self.interval_s + 1.0)
         return self.samples
 
-    def __enter__(self) -> "MetricsScraper":
+    def __enter__(self) -> MetricsScraper:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:

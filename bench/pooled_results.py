@@ -9,16 +9,16 @@ all requests. Each repeat's own figures are listed too, so the spread stays visi
     python -m splitserve.bench.pooled_results A/results.json B/results.json --baseline colocated \
         --plot bench/results/cmp.png [--ttft-slo-ms 2000 --itl-slo-ms 100]
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import math
 import sys
-from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import matplotlib
 
@@ -55,10 +55,15 @@ class PooledPoint:
 
     def pooled_run(self) -> RunResult:
         first = self.repeats[0]
-        return RunResult(config_name=self.config, load=first.load, model=first.model, base_url="pooled",
-                         duration_s=sum(run.duration_s for run in self.repeats),
-                         records=[record for run in self.repeats for record in run.records],
-                         num_not_sent=sum(run.num_not_sent for run in self.repeats))
+        return RunResult(
+            config_name=self.config,
+            load=first.load,
+            model=first.model,
+            base_url="pooled",
+            duration_s=sum(run.duration_s for run in self.repeats),
+            records=[record for run in self.repeats for record in run.records],
+            num_not_sent=sum(run.num_not_sent for run in self.repeats),
+        )
 
 
 def load_points(paths: Sequence[Path]) -> tuple[dict[tuple[str, str], PooledPoint], dict]:
@@ -94,8 +99,10 @@ def render(points: dict[tuple[str, str], PooledPoint], slo: SloTarget | None, ba
     configs = list(dict.fromkeys(config for config, _ in points))
     labels = sorted({(p.load_value or 0.0, p.load_label) for p in points.values()})
     pooled = {key: compute_run_metrics(p.pooled_run(), slo) for key, p in points.items()}
-    lines = ["| config | load | repeats | ok | failed | " + " | ".join(t for t, _, _ in METRICS) + " |",
-             "|---" * (5 + len(METRICS)) + "|"]
+    lines = [
+        "| config | load | repeats | ok | failed | " + " | ".join(t for t, _, _ in METRICS) + " |",
+        "|---" * (5 + len(METRICS)) + "|",
+    ]
     for _, label in labels:
         for config in configs:
             key = (config, label)
@@ -103,15 +110,25 @@ def render(points: dict[tuple[str, str], PooledPoint], slo: SloTarget | None, ba
                 continue
             m = pooled[key]
             cells = [_fmt(get(m), _digits(title)) for title, get, _ in METRICS]
-            lines.append(f"| {config} | {label} | {len(points[key].repeats)} | {m.num_ok} | "
-                         f"{m.num_failed + m.num_unfinished} | " + " | ".join(cells) + " |")
-    out = ["Pooled over repeats (latency percentiles over all requests; throughput = all completion "
-           "tokens / all run seconds).", "", *lines]
+            lines.append(
+                f"| {config} | {label} | {len(points[key].repeats)} | {m.num_ok} | "
+                f"{m.num_failed + m.num_unfinished} | " + " | ".join(cells) + " |"
+            )
+    out = [
+        "Pooled over repeats (latency percentiles over all requests; throughput = all completion "
+        "tokens / all run seconds).",
+        "",
+        *lines,
+    ]
     if baseline is not None and baseline in configs:
-        out += ["", f"Ratios vs `{baseline}` (> 1 = better than {baseline}: higher-is-better metrics "
-                "as other/baseline, latencies as baseline/other):", "",
-                "| config | load | " + " | ".join(t for t, _, _ in RATIO_METRICS) + " |",
-                "|---" * (2 + len(RATIO_METRICS)) + "|"]
+        out += [
+            "",
+            f"Ratios vs `{baseline}` (> 1 = better than {baseline}: higher-is-better metrics "
+            "as other/baseline, latencies as baseline/other):",
+            "",
+            "| config | load | " + " | ".join(t for t, _, _ in RATIO_METRICS) + " |",
+            "|---" * (2 + len(RATIO_METRICS)) + "|",
+        ]
         for _, label in labels:
             base = pooled.get((baseline, label))
             for config in configs:
@@ -127,25 +144,45 @@ def render(points: dict[tuple[str, str], PooledPoint], slo: SloTarget | None, ba
             if point is None:
                 continue
             each = [compute_run_metrics(run, slo) for run in point.repeats]
-            out.append(f"- {config} @ {label}: " + "; ".join(
-                f"{_fmt(m.output_tokens_per_s)} / {_fmt(m.ttft_ms.mean)} / {_fmt(m.itl_ms.p99)} / "
-                f"{_fmt(m.slo_attainment, 3)}" for m in each))
+            out.append(
+                f"- {config} @ {label}: "
+                + "; ".join(
+                    f"{_fmt(m.output_tokens_per_s)} / {_fmt(m.ttft_ms.mean)} / {_fmt(m.itl_ms.p99)} / "
+                    f"{_fmt(m.slo_attainment, 3)}"
+                    for m in each
+                )
+            )
     if slo is not None and any(p.repeats[0].load.rate is not None for p in points.values()):
-        out += ["", f"Goodput (highest rate with >= {slo.attainment_threshold:.0%} attaining TTFT <= "
-                f"{slo.ttft_ms:g} ms and per-request ITL {slo.itl_statistic} <= {slo.itl_ms:g} ms):", ""]
+        out += [
+            "",
+            f"Goodput (highest rate with >= {slo.attainment_threshold:.0%} attaining TTFT <= "
+            f"{slo.ttft_ms:g} ms and per-request ITL {slo.itl_statistic} <= {slo.itl_ms:g} ms):",
+            "",
+        ]
         for config in configs:
             mine = [p for (c, _), p in points.items() if c == config and p.repeats[0].load.rate is not None]
-            pooled_goodput = compute_goodput((p.load_value, pooled[(config, p.load_label)].slo_attainment)
-                                             for p in mine)
+            pooled_goodput = compute_goodput(
+                (p.load_value, pooled[(config, p.load_label)].slo_attainment) for p in mine
+            )
             num_repeats = max((len(p.repeats) for p in mine), default=0)
-            per_repeat = [compute_goodput((p.load_value, compute_run_metrics(p.repeats[i], slo).slo_attainment)
-                                          for p in mine if i < len(p.repeats)) for i in range(num_repeats)]
-            sustained = sustained_goodput((p.load_value, pooled[(config, p.load_label)].slo_attainment)
-                                          for p in mine)
-            out.append(f"- {config}: pooled {_fmt(pooled_goodput, 2)} req/s (sustained "
-                       f"{_fmt(sustained, 2)}); per repeat " + ", ".join(_fmt(g, 2) for g in per_repeat))
-        out += ["", "(sustained: the highest rate at which this and every lower swept rate attain; "
-                "the bench's goodput only asks it of that rate)"]
+            per_repeat = [
+                compute_goodput(
+                    (p.load_value, compute_run_metrics(p.repeats[i], slo).slo_attainment)
+                    for p in mine
+                    if i < len(p.repeats)
+                )
+                for i in range(num_repeats)
+            ]
+            sustained = sustained_goodput((p.load_value, pooled[(config, p.load_label)].slo_attainment) for p in mine)
+            out.append(
+                f"- {config}: pooled {_fmt(pooled_goodput, 2)} req/s (sustained "
+                f"{_fmt(sustained, 2)}); per repeat " + ", ".join(_fmt(g, 2) for g in per_repeat)
+            )
+        out += [
+            "",
+            "(sustained: the highest rate at which this and every lower swept rate attain; "
+            "the bench's goodput only asks it of that rate)",
+        ]
     return "\n".join(out)
 
 
@@ -167,8 +204,7 @@ def _ratio(value: float | None, base: float | None, higher_is_better: bool) -> f
     return num / den if den else None
 
 
-def plot(points: dict[tuple[str, str], PooledPoint], slo: SloTarget | None, path: Path,
-         titles: Sequence[str]) -> Path:
+def plot(points: dict[tuple[str, str], PooledPoint], slo: SloTarget | None, path: Path, titles: Sequence[str]) -> Path:
     configs = list(dict.fromkeys(config for config, _ in points))
     getters = {title: get for title, get, _ in METRICS}
     fig, axes = plt.subplots(1, len(titles), figsize=(4.2 * len(titles), 3.6), squeeze=False)
@@ -177,11 +213,15 @@ def plot(points: dict[tuple[str, str], PooledPoint], slo: SloTarget | None, path
             mine = sorted((p for (c, _), p in points.items() if c == config), key=lambda p: p.load_value or 0)
             xs = [p.load_value for p in mine]
             ys = [getters[title](compute_run_metrics(p.pooled_run(), slo)) for p in mine]
-            line, = ax.plot(xs, ys, marker="o", label=config)
+            (line,) = ax.plot(xs, ys, marker="o", label=config)
             for p in mine:  # each repeat as a faint dot
-                ax.scatter([p.load_value] * len(p.repeats),
-                           [getters[title](compute_run_metrics(run, slo)) for run in p.repeats],
-                           color=line.get_color(), alpha=0.3, s=14)
+                ax.scatter(
+                    [p.load_value] * len(p.repeats),
+                    [getters[title](compute_run_metrics(run, slo)) for run in p.repeats],
+                    color=line.get_color(),
+                    alpha=0.3,
+                    s=14,
+                )
         first = next(iter(points.values())).repeats[0].load
         ax.set_xlabel("offered rate (req/s)" if first.rate is not None else "concurrency")
         ax.set_title(title)
@@ -201,15 +241,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--itl-slo-ms", type=float)
     parser.add_argument("--itl-slo-stat", default=None)
     parser.add_argument("--plot", type=Path, help="PNG with one panel per --plot-metric")
-    parser.add_argument("--plot-metric", action="append", default=[],
-                        choices=[title for title, _, _ in METRICS])
+    parser.add_argument("--plot-metric", action="append", default=[], choices=[title for title, _, _ in METRICS])
     args = parser.parse_args(argv)
     points, header = load_points(args.results)
     saved = header.get("slo") or {}
     slo = None
     if saved or args.ttft_slo_ms:
-        slo = SloTarget(args.ttft_slo_ms or saved["ttft_ms"], args.itl_slo_ms or saved["itl_ms"],
-                        args.itl_slo_stat or saved.get("itl_statistic", "p90"))
+        slo = SloTarget(
+            args.ttft_slo_ms or saved["ttft_ms"],
+            args.itl_slo_ms or saved["itl_ms"],
+            args.itl_slo_stat or saved.get("itl_statistic", "p90"),
+        )
     print(render(points, slo, args.baseline))
     if args.plot:
         plot(points, slo, args.plot, args.plot_metric or ["ITL p99 ms", "TTFT mean ms", "SLO"])

@@ -12,6 +12,7 @@ that exit between two samples lose their last interval; the rest is exact to the
     python -m splitserve.bench.process_cpu_profile --server "splitserve serve ... --http-port {port}" \
         -- splitserve bench --url {url} ...
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,8 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
@@ -39,7 +40,10 @@ ROLES = (
     ("splitserve serve driver", r"splitserve serve|cluster\.cli.*serve"),
     ("bench client", r"splitserve bench|-m bench\b"),
     ("ray workers not (yet) named", r"ray::IDLE|default_worker\.py"),
-    ("ray daemons (gcs, raylet, agents)", r"gcs_server|raylet|ray::DashboardAgent|ray::RuntimeEnvAgent|dashboard|log_monitor|ray/"),
+    (
+        "ray daemons (gcs, raylet, agents)",
+        r"gcs_server|raylet|ray::DashboardAgent|ray::RuntimeEnvAgent|dashboard|log_monitor|ray/",
+    ),
 )
 
 
@@ -70,9 +74,9 @@ def _snapshot() -> dict[int, tuple[float, str, int]]:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
+        fields = stat[stat.rindex(")") + 2 :].split()
         seconds = (int(fields[11]) + int(fields[12])) / _TICKS_PER_S  # utime, stime
-        out[int(entry.name)] = (seconds, cmdline or stat[stat.index("(") + 1:stat.rindex(")")], int(fields[1]))
+        out[int(entry.name)] = (seconds, cmdline or stat[stat.index("(") + 1 : stat.rindex(")")], int(fields[1]))
     return out
 
 
@@ -87,8 +91,9 @@ def _descendants(root: int, processes: dict[int, tuple[float, str, int]], known:
             known.update(chain)
 
 
-def profile(command: Sequence[str], interval_s: float = 0.5,
-            also_roots: Sequence[int] = ()) -> tuple[int, float, dict[str, float]]:
+def profile(
+    command: Sequence[str], interval_s: float = 0.5, also_roots: Sequence[int] = ()
+) -> tuple[int, float, dict[str, float]]:
     """Run command; return its exit code, the wall seconds and CPU seconds per role.
     also_roots: pids (e.g. a server started beforehand) whose trees count as COMMAND's."""
     me = os.getpid()
@@ -124,9 +129,13 @@ def profile(command: Sequence[str], interval_s: float = 0.5,
 def render(command: Sequence[str], wall_s: float, per_role: dict[str, float]) -> str:
     num_cpus = os.cpu_count() or 1
     total = sum(per_role.values())
-    lines = [f"CPU seconds per role while `{' '.join(command)}` ran: {wall_s:.1f} s wall on {num_cpus} CPUs "
-             f"= {wall_s * num_cpus:.1f} CPU-s available, {total:.1f} CPU-s used.", "",
-             "| role | CPU s | share of used | cores busy (avg) |", "|---|---|---|---|"]
+    lines = [
+        f"CPU seconds per role while `{' '.join(command)}` ran: {wall_s:.1f} s wall on {num_cpus} CPUs "
+        f"= {wall_s * num_cpus:.1f} CPU-s available, {total:.1f} CPU-s used.",
+        "",
+        "| role | CPU s | share of used | cores busy (avg) |",
+        "|---|---|---|---|",
+    ]
     for role, seconds in sorted(per_role.items(), key=lambda item: -item[1]):
         if seconds < 0.05:
             continue
@@ -138,13 +147,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--interval", type=float, default=0.5, help="seconds between /proc samples")
     parser.add_argument("--out", type=Path, help="also write the table to this markdown file")
-    parser.add_argument("--also-pid", type=int, action="append", default=[], metavar="PID",
-                        help="count this process and its descendants as COMMAND's (a server "
-                        "started beforehand, so only the load phase is profiled); repeatable")
-    parser.add_argument("--server", metavar="COMMAND_WITH_{port}",
-                        help="start this server first (splitserve.bench.managed_server, on a free {port}), "
-                        "count its processes as COMMAND's, put its URL in place of {url} in "
-                        "COMMAND, and stop it afterwards: only the load phase is profiled")
+    parser.add_argument(
+        "--also-pid",
+        type=int,
+        action="append",
+        default=[],
+        metavar="PID",
+        help="count this process and its descendants as COMMAND's (a server "
+        "started beforehand, so only the load phase is profiled); repeatable",
+    )
+    parser.add_argument(
+        "--server",
+        metavar="COMMAND_WITH_{port}",
+        help="start this server first (splitserve.bench.managed_server, on a free {port}), "
+        "count its processes as COMMAND's, put its URL in place of {url} in "
+        "COMMAND, and stop it afterwards: only the load phase is profiled",
+    )
     parser.add_argument("--server-log", type=Path, help="the --server's output")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     args = parser.parse_args(argv)

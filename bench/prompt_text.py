@@ -4,10 +4,11 @@ With a tokenizer (a tokenizer.json file, or a directory holding one) the ids are
 the server re-tokenizes to about the same ids. Without one each id becomes a fixed pseudo-word;
 either way equal id prefixes give equal text prefixes, which keeps prefix sharing intact.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 _SYLLABLES = tuple(c + v for c in "bdfgklmnprstvz" for v in "aeiou")
 

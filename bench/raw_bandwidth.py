@@ -5,6 +5,7 @@ splitserve.kvtransfer.pair, no packing, no transport bookkeeping).
 
     python -m splitserve.bench.raw_bandwidth --sizes-mb 8 64 --iters 10
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,9 @@ from datetime import timedelta
 _WARMUP_ITERS = 2
 
 
-def _endpoint(rank: int, host: str, port: int, num_bytes: int, num_iters: int, timeout_s: float,
-              results: multiprocessing.Queue) -> None:
+def _endpoint(
+    rank: int, host: str, port: int, num_bytes: int, num_iters: int, timeout_s: float, results: multiprocessing.Queue
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -46,8 +48,9 @@ def _endpoint(rank: int, host: str, port: int, num_bytes: int, num_iters: int, t
     group.shutdown()
 
 
-def measure_gloo_bandwidth(num_bytes: int, num_iters: int = 10, host: str = "127.0.0.1",
-                           timeout_s: float = 60.0) -> dict:
+def measure_gloo_bandwidth(
+    num_bytes: int, num_iters: int = 10, host: str = "127.0.0.1", timeout_s: float = 60.0
+) -> dict:
     """Send num_bytes from rank 0 to rank 1 num_iters times (after warm-up); returns the rate."""
     import torch.distributed as dist
 

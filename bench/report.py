@@ -1,11 +1,13 @@
 """Reports of benchmark results: results.json, a markdown table and PNG plots (matplotlib Agg)."""
+
 from __future__ import annotations
 
 import json
 import math
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import matplotlib
 
@@ -55,11 +57,17 @@ def render_markdown(results: Sequence[ConfigResult], workload: Mapping[str, Any]
     lines = ["# splitserve bench results", ""]
     lines.append("Workload: " + ", ".join(f"{key}={value}" for key, value in workload.items()))
     if slo is not None:
-        lines.append(f"SLO: TTFT <= {slo.ttft_ms:g} ms and per-request ITL {slo.itl_statistic} <= "
-                     f"{slo.itl_ms:g} ms; goodput = highest rate with >= {100 * slo.attainment_threshold:g}% attaining.")
-    lines += ["", "Latencies in ms (p50 / p99).", "",
-              "| config | load | ok | failed | unfinished | req/s | out tok/s | TTFT | ITL | E2E | cached share | SLO |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"SLO: TTFT <= {slo.ttft_ms:g} ms and per-request ITL {slo.itl_statistic} <= "
+            f"{slo.itl_ms:g} ms; goodput = highest rate with >= {100 * slo.attainment_threshold:g}% attaining."
+        )
+    lines += [
+        "",
+        "Latencies in ms (p50 / p99).",
+        "",
+        "| config | load | ok | failed | unfinished | req/s | out tok/s | TTFT | ITL | E2E | cached share | SLO |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
 
     def pair(summary: LatencySummary) -> str:
         return f"{_fmt(summary.p50)} / {_fmt(summary.p99)}"
@@ -76,9 +84,12 @@ def render_markdown(results: Sequence[ConfigResult], workload: Mapping[str, Any]
     lines += ["", "## Goodput", "", "| config | goodput (req/s) |", "|---|---|"]
     for result in results:
         lines.append(f"| {result.name} | {_fmt(result.goodput_rps, 2)} |")
-    error_rows = [(result.name, run.load.label, kind, count)
-                  for result in results for run, m in zip(result.runs, result.metrics)
-                  for kind, count in m.errors_by_kind.items()]
+    error_rows = [
+        (result.name, run.load.label, kind, count)
+        for result in results
+        for run, m in zip(result.runs, result.metrics)
+        for kind, count in m.errors_by_kind.items()
+    ]
     if error_rows:
         lines += ["", "## Errors", "", "| config | load | kind | count |", "|---|---|---|---|"]
         lines += [f"| {name} | {label} | {kind} | {count} |" for name, label, kind, count in error_rows]
@@ -147,8 +158,9 @@ def plot_slo_vs_load(
     return Path(path)
 
 
-def plot_replica_load(samples: ReplicaSamples, path: str | Path, title: str = "Per-replica load",
-                      ylabel: str = "value") -> Path:
+def plot_replica_load(
+    samples: ReplicaSamples, path: str | Path, title: str = "Per-replica load", ylabel: str = "value"
+) -> Path:
     """One line per replica: replica name -> [(seconds, value)]."""
     figure, axis = plt.subplots(figsize=(8, 4.5))
     for replica, points in sorted(samples.items()):
@@ -211,14 +223,19 @@ def write_reports(
         goodputs = {result.name: result.goodput_rps for result in results}
         rate_series = _slo_series(results, closed_loop=False)
         if rate_series:
-            paths.append(plot_slo_vs_load(rate_series, out / "slo_attainment.png",
-                                          slo.attainment_threshold, goodputs))
+            paths.append(plot_slo_vs_load(rate_series, out / "slo_attainment.png", slo.attainment_threshold, goodputs))
         else:
             level_series = _slo_series(results, closed_loop=True)
             if level_series:
-                paths.append(plot_slo_vs_load(level_series, out / "slo_attainment.png",
-                                              slo.attainment_threshold, None,
-                                              load_name="concurrency (requests in flight)"))
+                paths.append(
+                    plot_slo_vs_load(
+                        level_series,
+                        out / "slo_attainment.png",
+                        slo.attainment_threshold,
+                        None,
+                        load_name="concurrency (requests in flight)",
+                    )
+                )
     for result in results:
         for run, samples in zip(result.runs, result.replica_samples):
             if samples:

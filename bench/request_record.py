@@ -1,4 +1,5 @@
 """RequestRecord: what the client observed for one request (times are seconds since run start)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -79,6 +80,6 @@ class RequestRecord:
         return out
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RequestRecord":
+    def from_dict(cls, data: dict[str, Any]) -> RequestRecord:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{key: value for key, value in data.items() if key in names})

@@ -9,6 +9,7 @@ own data over the same roots, so prompts hit both indexes.
   python -m splitserve.bench.router_microbench                       # 1M blocks/pool over 64 replicas
   python -m splitserve.bench.router_microbench --num-blocks 100000 --num-decisions 2000
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,9 +19,9 @@ import statistics
 import sys
 import time
 
+from splitserve.cluster.config import RouterConfig
 from splitserve.cluster.routing.index import KVIndex
 from splitserve.cluster.routing.router import DECODE, PREFILL, Router
-from splitserve.cluster.config import RouterConfig
 
 TARGET_INGEST_BLOCKS_PER_S = 200_000
 TARGET_P99_MS = 1.0
@@ -30,17 +31,18 @@ def build_roots(rng: random.Random, num_roots: int, root_blocks: int) -> list[li
     return [[rng.getrandbits(64) for _ in range(root_blocks)] for _ in range(num_roots)]
 
 
-def build_replica_events(rng: random.Random, roots: list[list[int]], num_blocks: int,
-                         max_tail_blocks: int) -> list[list]:
+def build_replica_events(
+    rng: random.Random, roots: list[list[int]], num_blocks: int, max_tail_blocks: int
+) -> list[list]:
     """Wire-form stored events for one replica until it holds num_blocks distinct hashes."""
     held: set[int] = set()
     events: list[list] = []
     weights = [1.0 / (rank + 1) for rank in range(len(roots))]  # Zipf-like popularity
     while len(held) < num_blocks:
         root = rng.choices(roots, weights)[0]
-        prefix = root[:rng.randint(1, len(root))]
+        prefix = root[: rng.randint(1, len(root))]
         tail = [rng.getrandbits(64) for _ in range(rng.randint(1, max_tail_blocks))]
-        new = [h for h in prefix + tail if h not in held][:num_blocks - len(held)]
+        new = [h for h in prefix + tail if h not in held][: num_blocks - len(held)]
         held.update(new)
         events.append([len(events) + 1, "stored", new])
     return events
@@ -52,7 +54,7 @@ def measure_ingest(index: KVIndex, events_by_replica: dict[str, list[list]]) -> 
     start = time.perf_counter()
     for rid, events in events_by_replica.items():
         for i in range(0, len(events), 32):
-            if not index.apply_events(rid, events[i:i + 32]):
+            if not index.apply_events(rid, events[i : i + 32]):
                 raise RuntimeError(f"unexpected gap for {rid}")
     return num_blocks, time.perf_counter() - start
 
@@ -61,11 +63,9 @@ def measure_removal(index: KVIndex, rng: random.Random, fraction: float) -> tupl
     """Evict `fraction` of each replica's blocks with one `removed` event per 64 blocks."""
     batches = {}
     for rid in index.replica_ids():
-        victims = rng.sample(sorted(index.replica_hashes(rid)),
-                             int(index.num_blocks(rid) * fraction))
+        victims = rng.sample(sorted(index.replica_hashes(rid)), int(index.num_blocks(rid) * fraction))
         seq = index.last_seq(rid)
-        batches[rid] = [[seq + 1 + i // 64, "removed", victims[i:i + 64]]
-                        for i in range(0, len(victims), 64)]
+        batches[rid] = [[seq + 1 + i // 64, "removed", victims[i : i + 64]] for i in range(0, len(victims), 64)]
     return measure_ingest(index, batches)
 
 
@@ -75,12 +75,13 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 def make_prompt(rng: random.Random, roots: list[list[int]], prompt_blocks: int) -> list[int]:
     root = rng.choice(roots)
-    shared = root[:rng.randint(0, min(len(root), prompt_blocks))]
+    shared = root[: rng.randint(0, min(len(root), prompt_blocks))]
     return shared + [rng.getrandbits(64) for _ in range(prompt_blocks - len(shared))]
 
 
-def measure_routes(router: Router, rng: random.Random, roots: list[list[int]], args,
-                   replica_ids: dict[str, list[str]]) -> list[float]:
+def measure_routes(
+    router: Router, rng: random.Random, roots: list[list[int]], args, replica_ids: dict[str, list[str]]
+) -> list[float]:
     prompts = [make_prompt(rng, roots, args.prompt_blocks) for _ in range(args.num_decisions)]
     num_tokens = args.prompt_blocks * args.block_size + args.block_size // 2
     latencies_ms: list[float] = []
@@ -109,29 +110,37 @@ def measure_routes_with_hashing(router: Router, rng: random.Random, args) -> lis
 
 def latency_row(name: str, latencies_ms: list[float]) -> str:
     ordered = sorted(latencies_ms)
-    return (f"| {name} | {len(ordered)} | {statistics.median(ordered):.3f} | "
-            f"{percentile(ordered, 0.99):.3f} | {ordered[-1]:.3f} |")
+    return (
+        f"| {name} | {len(ordered)} | {statistics.median(ordered):.3f} | "
+        f"{percentile(ordered, 0.99):.3f} | {ordered[-1]:.3f} |"
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-replicas", type=int, default=64, help="replicas per pool")
-    parser.add_argument("--num-blocks", type=int, default=1_000_000,
-                        help="indexed (replica, block) entries per pool")
+    parser.add_argument("--num-blocks", type=int, default=1_000_000, help="indexed (replica, block) entries per pool")
     parser.add_argument("--num-roots", type=int, default=512, help="shared prefix chains")
     parser.add_argument("--root-blocks", type=int, default=48, help="blocks per shared prefix")
-    parser.add_argument("--max-tail-blocks", type=int, default=32,
-                        help="private blocks per cached request, at most")
+    parser.add_argument("--max-tail-blocks", type=int, default=32, help="private blocks per cached request, at most")
     parser.add_argument("--prompt-blocks", type=int, default=64, help="blocks per routed prompt")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-decisions", type=int, default=10_000)
-    parser.add_argument("--num-hashing-decisions", type=int, default=1_000,
-                        help="route(token_ids) calls, which include block hashing")
+    parser.add_argument(
+        "--num-hashing-decisions", type=int, default=1_000, help="route(token_ids) calls, which include block hashing"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    for name in ("num_replicas", "num_blocks", "num_roots", "root_blocks", "max_tail_blocks",
-                 "prompt_blocks", "block_size", "num_decisions"):
+    for name in (
+        "num_replicas",
+        "num_blocks",
+        "num_roots",
+        "root_blocks",
+        "max_tail_blocks",
+        "prompt_blocks",
+        "block_size",
+        "num_decisions",
+    ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.num_hashing_decisions < 0:
@@ -144,16 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     roots = build_roots(rng, args.num_roots, args.root_blocks)
     per_replica = args.num_blocks // args.num_replicas
-    router = Router(RouterConfig(policy="kv", local_prefill_threshold=32),
-                    block_size=args.block_size, seed=args.seed)
-    replica_ids = {pool: [f"{pool}-{i}" for i in range(args.num_replicas)]
-                   for pool in (PREFILL, DECODE)}
+    router = Router(RouterConfig(policy="kv", local_prefill_threshold=32), block_size=args.block_size, seed=args.seed)
+    replica_ids = {pool: [f"{pool}-{i}" for i in range(args.num_replicas)] for pool in (PREFILL, DECODE)}
     ingest = []
     for pool in (PREFILL, DECODE):
         for rid in replica_ids[pool]:
             router.add_replica(pool, rid)
-        events = {rid: build_replica_events(rng, roots, per_replica, args.max_tail_blocks)
-                  for rid in replica_ids[pool]}
+        events = {rid: build_replica_events(rng, roots, per_replica, args.max_tail_blocks) for rid in replica_ids[pool]}
         num_events = sum(len(e) for e in events.values())
         num_blocks, seconds = measure_ingest(router.index(pool), events)
         ingest.append((f"{pool} stored", num_events, num_blocks, seconds))
@@ -183,21 +189,26 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for name, num_events, num_blocks, secs in ingest:
         events_cell = str(num_events) if num_events >= 0 else "-"
-        lines.append(f"| {name} | {events_cell} | {num_blocks:,} | {secs:.3f} | "
-                     f"{num_blocks / secs:,.0f} |")
-    lines += ["", "| latency (ms) | calls | p50 | p99 | max |", "|---|---|---|---|---|",
-              latency_row("route(block_hashes), both pools", routes),
-              latency_row("prefix_match, prefill index", match_ms)]
+        lines.append(f"| {name} | {events_cell} | {num_blocks:,} | {secs:.3f} | {num_blocks / secs:,.0f} |")
+    lines += [
+        "",
+        "| latency (ms) | calls | p50 | p99 | max |",
+        "|---|---|---|---|---|",
+        latency_row("route(block_hashes), both pools", routes),
+        latency_row("prefix_match, prefill index", match_ms),
+    ]
     if hashing:
         lines.append(latency_row("route(token_ids) incl. hashing", hashing))
     min_ingest = min(n / s for _, _, n, s in ingest)
     p99 = percentile(sorted(routes), 0.99)
-    lines += ["", f"Targets: ingest >= {TARGET_INGEST_BLOCKS_PER_S:,} blocks/s: "
-              f"{'met' if min_ingest >= TARGET_INGEST_BLOCKS_PER_S else 'MISSED'}; "
-              f"route p99 <= {TARGET_P99_MS} ms: {'met' if p99 <= TARGET_P99_MS else 'MISSED'}."]
+    lines += [
+        "",
+        f"Targets: ingest >= {TARGET_INGEST_BLOCKS_PER_S:,} blocks/s: "
+        f"{'met' if min_ingest >= TARGET_INGEST_BLOCKS_PER_S else 'MISSED'}; "
+        f"route p99 <= {TARGET_P99_MS} ms: {'met' if p99 <= TARGET_P99_MS else 'MISSED'}.",
+    ]
     decisions = router.decision_counts()
-    lines.append("Decisions by reason: " + ", ".join(f"{k}={v}" for k, v in
-                                                     sorted(decisions.items())))
+    lines.append("Decisions by reason: " + ", ".join(f"{k}={v}" for k, v in sorted(decisions.items())))
     print("\n".join(lines))
     return 0
 

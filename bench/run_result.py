@@ -1,4 +1,5 @@
 """RunResult: the records of one benchmark run (one configuration at one load point)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -38,7 +39,7 @@ class RunResult:
         return out
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RunResult":
+    def from_dict(cls, data: dict[str, Any]) -> RunResult:
         load = data["load"]
         rate = load.get("rate")
         return cls(

@@ -1,4 +1,5 @@
 """RunScheduler: dispatches one run's requests and collects what the client observed."""
+
 from __future__ import annotations
 
 import asyncio
@@ -23,8 +24,9 @@ class RunScheduler:
     closed-loop (a fixed number of workers), honours turn dependencies and the wall-time bound,
     and collects the records."""
 
-    def __init__(self, client: "BenchClient", http: httpx.AsyncClient, model: str,
-                 requests: list[BenchRequest], load: LoadPoint) -> None:
+    def __init__(
+        self, client: BenchClient, http: httpx.AsyncClient, model: str, requests: list[BenchRequest], load: LoadPoint
+    ) -> None:
         self.client, self.http, self.model, self.requests, self.load = client, http, model, requests, load
         self.records: list[RequestRecord] = []
         self.finished = {request.request_id: asyncio.Event() for request in requests}
@@ -36,14 +38,20 @@ class RunScheduler:
 
     async def execute(self, config_name: str) -> RunResult:
         options = self.client.options
-        self.progress = tqdm(total=len(self.requests), desc=f"{config_name} {self.load.label}",
-                             unit="req", disable=not options.show_progress, leave=False)
+        self.progress = tqdm(
+            total=len(self.requests),
+            desc=f"{config_name} {self.load.label}",
+            unit="req",
+            disable=not options.show_progress,
+            leave=False,
+        )
         started_at = time.time()
         self.start = time.perf_counter()
         if self.load.mode == "closed-loop":
             queue = deque(self.requests)
-            tasks = [asyncio.create_task(self._worker(queue))
-                     for _ in range(min(self.load.concurrency, len(self.requests)))]
+            tasks = [
+                asyncio.create_task(self._worker(queue)) for _ in range(min(self.load.concurrency, len(self.requests)))
+            ]
         else:
             cap = asyncio.Semaphore(self.load.concurrency or max(1, len(self.requests)))
             tasks = [asyncio.create_task(self._arrive(request, cap)) for request in self.requests]
@@ -58,9 +66,14 @@ class RunScheduler:
         finally:
             self.progress.close()
         return RunResult(
-            config_name=config_name, load=self.load, model=self.model,
-            base_url=options.base_url, duration_s=self.clock(), records=self.records,
-            num_not_sent=len(self.requests) - len(self.records), started_at_unix_s=started_at,
+            config_name=config_name,
+            load=self.load,
+            model=self.model,
+            base_url=options.base_url,
+            duration_s=self.clock(),
+            records=self.records,
+            num_not_sent=len(self.requests) - len(self.records),
+            started_at_unix_s=started_at,
         )
 
     async def _worker(self, queue: deque[BenchRequest]) -> None:
@@ -77,9 +90,12 @@ class RunScheduler:
     async def _handle(self, request: BenchRequest) -> None:
         try:
             record = RequestRecord(
-                request_id=request.request_id, num_prompt_tokens_sent=request.num_prompt_tokens,
-                max_tokens=request.max_tokens, scheduled_time_s=request.arrival_offset_s,
-                group_id=request.group_id, conversation_id=request.conversation_id,
+                request_id=request.request_id,
+                num_prompt_tokens_sent=request.num_prompt_tokens,
+                max_tokens=request.max_tokens,
+                scheduled_time_s=request.arrival_offset_s,
+                group_id=request.group_id,
+                conversation_id=request.conversation_id,
             )
             dependency = self.finished.get(request.depends_on) if request.depends_on else None
             if dependency is not None:
@@ -87,7 +103,7 @@ class RunScheduler:
                 bound = self.max_offset_s + (request.turn_index + 1) * self.client.options.request_timeout_s
                 try:
                     await asyncio.wait_for(dependency.wait(), timeout=bound)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     record.error = f"dependency_timeout: {request.depends_on} unfinished after {bound:g}s"
                     self.records.append(record)
                     return

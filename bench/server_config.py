@@ -1,5 +1,6 @@
 """ServerConfig: one named configuration to benchmark, an existing URL or a command that starts a
 server ("NAME=http://host:port" or "NAME=shell command with {port}")."""
+
 from __future__ import annotations
 
 import re
@@ -35,7 +36,7 @@ class ServerConfig:
             )
 
     @classmethod
-    def parse(cls, spec: str) -> "ServerConfig":
+    def parse(cls, spec: str) -> ServerConfig:
         name, sep, value = spec.partition("=")
         name, value = name.strip(), value.strip()
         if not sep or not name or not value:

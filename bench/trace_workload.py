@@ -5,6 +5,7 @@ stands for one block of shared content (512 tokens in the Mooncake traces): equa
 start of two requests mean equal prompt prefix tokens. Block tokens are a pure function of
 (seed, hash id), so the replay reproduces the trace's prefix sharing exactly.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,12 +46,14 @@ def load_mooncake_trace(path: str | Path, max_records: int | None = None) -> lis
                 continue
             try:
                 row = json.loads(line)
-                records.append(TraceRecord(
-                    timestamp_ms=float(row.get("timestamp", 0)),
-                    input_length=int(row["input_length"]),
-                    output_length=int(row["output_length"]),
-                    hash_ids=tuple(int(h) for h in row.get("hash_ids", [])),
-                ))
+                records.append(
+                    TraceRecord(
+                        timestamp_ms=float(row.get("timestamp", 0)),
+                        input_length=int(row["input_length"]),
+                        output_length=int(row["output_length"]),
+                        hash_ids=tuple(int(h) for h in row.get("hash_ids", [])),
+                    )
+                )
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
                 raise WorkloadError(f"{path}:{line_number}: bad trace line: {exc}") from exc
             if max_records is not None and len(records) >= max_records:
@@ -121,13 +124,15 @@ class TraceWorkload:
             if len(tokens) < target:
                 pad_rng = np.random.default_rng([seed, 1, index])
                 tokens.extend(self.vocab.sample(pad_rng, target - len(tokens)))
-            requests.append(BenchRequest(
-                request_id=f"trace{index}",
-                prompt_token_ids=tuple(tokens[:target]),
-                max_tokens=self.output_len(record),
-                arrival_offset_s=(record.timestamp_ms - start_ms) / 1000.0 / self.speedup,
-                group_id=f"hash{record.hash_ids[0]}" if record.hash_ids else None,
-            ))
+            requests.append(
+                BenchRequest(
+                    request_id=f"trace{index}",
+                    prompt_token_ids=tuple(tokens[:target]),
+                    max_tokens=self.output_len(record),
+                    arrival_offset_s=(record.timestamp_ms - start_ms) / 1000.0 / self.speedup,
+                    group_id=f"hash{record.hash_ids[0]}" if record.hash_ids else None,
+                )
+            )
         return requests
 
     def describe(self) -> dict[str, Any]:

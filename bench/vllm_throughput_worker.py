@@ -7,6 +7,7 @@ and answers each with one stdout line `RESULT_MARKER + json` holding the wall ti
 LLM.generate, the CPU time all of vLLM's processes spent meanwhile, and the generated token ids. vLLM's own logging may share stdout, hence the marker.
 An empty line or EOF ends it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,15 +19,15 @@ RESULT_MARKER = "@@engine_throughput@@ "
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="checkpoint directory")
     parser.add_argument("--max-num-seqs", type=int, required=True)
     parser.add_argument("--max-num-batched-tokens", type=int, required=True)
     parser.add_argument("--max-model-len", type=int, required=True)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--enforce-eager", action="store_true",
-                        help="skip torch.compile (vLLM's default on CPU is to compile)")
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="skip torch.compile (vLLM's default on CPU is to compile)"
+    )
     return parser.parse_args(argv)
 
 
@@ -58,9 +59,15 @@ def main(argv: list[str] | None = None) -> int:
     import vllm
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=args.model, dtype="float32", max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-              seed=args.seed, enforce_eager=args.enforce_eager)
+    llm = LLM(
+        model=args.model,
+        dtype="float32",
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        enforce_eager=args.enforce_eager,
+    )
     reply({"ready": True, "vllm_version": vllm.__version__})
     for line in sys.stdin:
         if not line.strip():
@@ -73,9 +80,13 @@ def main(argv: list[str] | None = None) -> int:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
         cpu_end = cpu_seconds()
-        reply({"seconds": seconds,
-               "cpu_seconds": None if cpu_start is None else cpu_end - cpu_start,
-               "token_ids": [list(out.outputs[0].token_ids) for out in outputs]})
+        reply(
+            {
+                "seconds": seconds,
+                "cpu_seconds": None if cpu_start is None else cpu_end - cpu_start,
+                "token_ids": [list(out.outputs[0].token_ids) for out in outputs],
+            }
+        )
     return 0
 
 

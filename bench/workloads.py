@@ -5,6 +5,7 @@ the same list of BenchRequest for the same seed. Prompts are token ids drawn uni
 caller's vocab range; arrival offsets are left at 0 and assigned by splitserve.bench.arrivals. The Mooncake
 trace replay lives in splitserve.bench.trace_workload.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,7 +32,7 @@ class VocabRange:
             raise WorkloadError(f"vocab range needs 0 <= low < high, got [{self.low}, {self.high})")
 
     @classmethod
-    def parse(cls, text: str) -> "VocabRange":
+    def parse(cls, text: str) -> VocabRange:
         """'LOW:HIGH' (high exclusive)."""
         low, sep, high = text.partition(":")
         if not sep:
@@ -100,12 +101,14 @@ class PrefixRepetitionWorkload:
             suffix_firsts = self.vocab.sample_distinct(rng, self.suffixes_per_prefix)
             for s in range(self.suffixes_per_prefix):
                 suffix = [suffix_firsts[s]] + self.vocab.sample(rng, self.suffix_len - 1)
-                requests.append(BenchRequest(
-                    request_id=f"prefix{p}-suffix{s}",
-                    prompt_token_ids=tuple(prefix + suffix),
-                    max_tokens=self.max_tokens,
-                    group_id=f"prefix{p}",
-                ))
+                requests.append(
+                    BenchRequest(
+                        request_id=f"prefix{p}-suffix{s}",
+                        prompt_token_ids=tuple(prefix + suffix),
+                        max_tokens=self.max_tokens,
+                        group_id=f"prefix{p}",
+                    )
+                )
         if self.shuffle:
             requests = [requests[i] for i in rng.permutation(len(requests))]
         return requests
@@ -210,12 +213,14 @@ class MixedLengthWorkload:
             is_long = i in long_positions
             low, high = self.length_bounds(self.long_len if is_long else self.short_len)
             length = int(rng.integers(low, high + 1))
-            requests.append(BenchRequest(
-                request_id=f"mixed{i}-{'long' if is_long else 'short'}",
-                prompt_token_ids=tuple(self.vocab.sample(rng, length)),
-                max_tokens=self.max_tokens,
-                group_id="long" if is_long else "short",
-            ))
+            requests.append(
+                BenchRequest(
+                    request_id=f"mixed{i}-{'long' if is_long else 'short'}",
+                    prompt_token_ids=tuple(self.vocab.sample(rng, length)),
+                    max_tokens=self.max_tokens,
+                    group_id="long" if is_long else "short",
+                )
+            )
         return requests
 
     def describe(self) -> dict[str, Any]:

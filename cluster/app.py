@@ -4,6 +4,7 @@ decode pools, the router, the OpenAI HTTP API and the gRPC server.
 `splitserve serve` and the Helm chart's RayService both start it through build_app, from
 the same ServeConfig fields: one source of truth.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,9 +24,9 @@ def _make_asgi_builder(cfg_dict: dict):
     def build_asgi():
         # Runs inside the replica: the pools, the router and the servers live there.
         from splitserve.cluster.default_model import resolve_model
+        from splitserve.cluster.frontend.backend import ServingBackend
         from splitserve.cluster.frontend.grpc.server import GrpcFrontend
         from splitserve.cluster.frontend.http.api import build_http_app
-        from splitserve.cluster.frontend.backend import ServingBackend
 
         cfg = ServeConfig.model_validate(cfg_dict)
         backend = ServingBackend(cfg, resolve_model(cfg.model))
@@ -46,6 +47,7 @@ def _make_asgi_builder(cfg_dict: dict):
         http_app.router.lifespan_context = lifespan
         http_app.state.backend = backend
         return http_app
+
     return build_asgi
 
 

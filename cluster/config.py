@@ -3,6 +3,7 @@
 `splitserve serve` builds it from flags / a YAML file, and the Helm chart renders the same
 fields into the RayService's serveConfigV2 `args`; both go through splitserve.cluster.app.build_app.
 """
+
 from __future__ import annotations
 
 from typing import Literal
@@ -37,7 +38,7 @@ class AutoscalingConfig(_Strict):
     interval_s: float = Field(1.0, gt=0)
 
     @model_validator(mode="after")
-    def _check_bounds(self) -> "AutoscalingConfig":
+    def _check_bounds(self) -> AutoscalingConfig:
         if self.min_replicas > self.max_replicas:
             raise ValueError("min_replicas must be <= max_replicas")
         return self
@@ -73,16 +74,16 @@ class DecodePoolConfig(EnginePoolConfig):
 
 class RouterConfig(_Strict):
     policy: RouterPolicy = "kv"
-    prefix_weight: float = Field(1.0, ge=0)     # credit per cached prompt token
-    queue_weight: float = Field(1.0, ge=0)      # cost per queued prefill token
-    running_weight: float = Field(64.0, ge=0)   # cost per running request
+    prefix_weight: float = Field(1.0, ge=0)  # credit per cached prompt token
+    queue_weight: float = Field(1.0, ge=0)  # cost per queued prefill token
+    running_weight: float = Field(64.0, ge=0)  # cost per running request
     # Conditional disaggregation: when fewer uncached prompt tokens than this remain on
     # the chosen decode replica, it prefills them itself and no KV moves.
     local_prefill_threshold: int = Field(32, ge=0)
 
 
 class ServeConfig(_Strict):
-    model: str | None = None                    # None: the cached `small` preset model
+    model: str | None = None  # None: the cached `small` preset model
     served_model_name: str | None = None
     block_size: int = Field(16, ge=1)
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
@@ -100,13 +101,13 @@ class ServeConfig(_Strict):
     max_requests_per_key: int = Field(128, ge=1)
     # Address the KV rendezvous stores bind to and publish: "auto" = the node's IP (clusters).
     transport_host: str = "127.0.0.1"
-    layerwise_transfer: bool = True             # send each layer's KV as soon as it is computed
+    layerwise_transfer: bool = True  # send each layer's KV as soon as it is computed
     kv_transfer_lease_s: float = Field(20.0, gt=0)
     request_timeout_s: float = Field(600.0, gt=0)
     max_retries: int = Field(1, ge=0)
 
     @model_validator(mode="after")
-    def _check_block_size(self) -> "ServeConfig":
+    def _check_block_size(self) -> ServeConfig:
         if self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a power of two")
         return self

@@ -1,4 +1,5 @@
 """The model `splitserve serve` uses when none is given: the `small` preset, made once."""
+
 from __future__ import annotations
 
 import os

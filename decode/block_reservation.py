@@ -1,9 +1,10 @@
 """Loop-thread helpers: reserve a prompt's blocks before a transfer, admit it afterwards."""
+
 from __future__ import annotations
 
+from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import LLMEngine
-from splitserve.engine.core.sequence import Sequence
 from splitserve.kvtransfer.handoff import PrefillResult
 
 
@@ -16,8 +17,9 @@ def reserve_prompt_blocks(engine: LLMEngine, seq: Sequence) -> tuple[list[int], 
     if not kv.allocate_prompt(seq, cached, seq.num_prompt_tokens - num_cached_tokens):
         return None
     # Ordered by destination block: a run of ascending ids is received in place, no unpacking.
-    pairs = sorted(((i, seq.block_table[i]) for i in range(len(cached), len(seq.block_table))),
-                   key=lambda pair: pair[1])
+    pairs = sorted(
+        ((i, seq.block_table[i]) for i in range(len(cached), len(seq.block_table))), key=lambda pair: pair[1]
+    )
     return [i for i, _ in pairs], [b for _, b in pairs]
 
 
@@ -27,7 +29,7 @@ def admit_prefilled(engine: LLMEngine, seq: Sequence, result: PrefillResult, sin
     seq.num_cached_tokens = result.num_cached_tokens
     seq.append_token(result.first_token, result.first_logprob if seq.params.logprobs else None)
     reason = engine.scheduler.check_stop(seq)
-    engine.scheduler.add_prefilled(seq)   # also enters its received full blocks into the cache
+    engine.scheduler.add_prefilled(seq)  # also enters its received full blocks into the cache
     if reason is not None:
         engine.scheduler.finish(seq, reason)
     out, hit_stop = engine.outputs.process(seq)

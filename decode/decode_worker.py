@@ -2,6 +2,7 @@
 prefill replica over torch.distributed, then runs the request in its continuous batch and
 streams tokens. With no prefill replica given it prefills locally (conditional
 disaggregation, and the colocated mode)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,16 +12,16 @@ import time
 
 import torch
 
+from splitserve.decode.block_reservation import admit_prefilled, reserve_prompt_blocks
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.engine_loop import EngineLoop
-from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.io.sampling_params import SamplingParams
-from splitserve.engine.core.sequence import Sequence
+from splitserve.engine.llm_engine import LLMEngine
 from splitserve.kvtransfer.handoff import DecodeRequest, Handoff, PrefillResult, StreamChunk
 from splitserve.kvtransfer.kv_receiver import PostedReceive
 from splitserve.kvtransfer.transport import KVTransport, resolve_host
-from splitserve.decode.block_reservation import reserve_prompt_blocks, admit_prefilled
 
 logger = logging.getLogger(__name__)
 
@@ -35,15 +36,22 @@ class ReplicaBusyError(RuntimeError):
 
 
 class DecodeWorker:
-    def __init__(self, replica_id: str, engine_config: dict, transport_host: str = "127.0.0.1",
-                 transfer_timeout_s: float = 20.0, torch_threads: int | None = None,
-                 reserve_timeout_s: float = 30.0):
+    def __init__(
+        self,
+        replica_id: str,
+        engine_config: dict,
+        transport_host: str = "127.0.0.1",
+        transfer_timeout_s: float = 20.0,
+        torch_threads: int | None = None,
+        reserve_timeout_s: float = 30.0,
+    ):
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.replica_id = replica_id
         self.engine = LLMEngine(EngineConfig(**engine_config))
-        self.transport = KVTransport(replica_id, self.engine.kv_cache.device, host=resolve_host(transport_host),
-                                     timeout_s=transfer_timeout_s)
+        self.transport = KVTransport(
+            replica_id, self.engine.kv_cache.device, host=resolve_host(transport_host), timeout_s=transfer_timeout_s
+        )
         self.transfer_timeout_s = transfer_timeout_s
         self.reserve_timeout_s = reserve_timeout_s
         self.loop = EngineLoop(self.engine).start()
@@ -85,11 +93,17 @@ class DecodeWorker:
                 out = await asyncio.wait_for(outputs.get(), timeout=timeout)
                 finished = out.finished
                 yield StreamChunk(
-                    request_id=out.request_id, token_ids=out.new_token_ids, text=out.new_text,
-                    finished=out.finished, finish_reason=out.finish_reason,
-                    num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
-                    num_output_tokens=len(out.token_ids), logprobs=out.new_logprobs,
-                    prefill_replica=prefill_id).to_bytes()
+                    request_id=out.request_id,
+                    token_ids=out.new_token_ids,
+                    text=out.new_text,
+                    finished=out.finished,
+                    finish_reason=out.finish_reason,
+                    num_prompt_tokens=out.num_prompt_tokens,
+                    num_cached_tokens=out.num_cached_tokens,
+                    num_output_tokens=len(out.token_ids),
+                    logprobs=out.new_logprobs,
+                    prefill_replica=prefill_id,
+                ).to_bytes()
         finally:
             self.num_active -= 1
             if not finished:  # cancelled, timed out or failed: free everything it held
@@ -106,14 +120,23 @@ class DecodeWorker:
                 raise PrefillFailedError(f"cannot connect to {prefill_id}: {exc!r}") from exc
             transfer_id = next(self._transfer_ids)
             handoff = Handoff(
-                request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
-                sampling=seq.params.to_dict(), block_size=seq.block_size, source=prefill_id,
-                destination=self.replica_id, send_block_indices=missing, transfer_id=transfer_id,
-                epoch=self._epochs.get(prefill_id, 0), layerwise=req.layerwise, lease_s=req.lease_s,
-                deadline=req.deadline)
+                request_id=seq.request_id,
+                prompt_token_ids=seq.prompt_token_ids,
+                sampling=seq.params.to_dict(),
+                block_size=seq.block_size,
+                source=prefill_id,
+                destination=self.replica_id,
+                send_block_indices=missing,
+                transfer_id=transfer_id,
+                epoch=self._epochs.get(prefill_id, 0),
+                layerwise=req.layerwise,
+                lease_s=req.lease_s,
+                deadline=req.deadline,
+            )
             # Post every receive before asking for the data: transfers never wait on each other.
-            posted = PostedReceive(self.transport, self.engine.kv_cache, prefill_id, transfer_id,
-                                   dst_blocks, req.layerwise)
+            posted = PostedReceive(
+                self.transport, self.engine.kv_cache, prefill_id, transfer_id, dst_blocks, req.layerwise
+            )
             try:
                 result_bytes = await prefill.prefill.remote(handoff.to_bytes())
                 num_bytes, _ = await asyncio.to_thread(posted.complete, self.transfer_timeout_s)
@@ -151,8 +174,10 @@ class DecodeWorker:
             if plan is not None:
                 return plan
             if time.monotonic() >= deadline:
-                raise ReplicaBusyError(f"{self.replica_id}: no free KV blocks for {seq.num_prompt_tokens} "
-                                       f"prompt tokens after {self.reserve_timeout_s:.0f} s")
+                raise ReplicaBusyError(
+                    f"{self.replica_id}: no free KV blocks for {seq.num_prompt_tokens} "
+                    f"prompt tokens after {self.reserve_timeout_s:.0f} s"
+                )
             await asyncio.sleep(0.02)
 
     async def _ensure_pair(self, prefill, prefill_id: str) -> None:
@@ -162,10 +187,13 @@ class DecodeWorker:
                 return
             epoch = self._epochs.get(prefill_id, 0)
             address = await asyncio.wait_for(prefill.transport_address.remote(), self.transfer_timeout_s)
-            await asyncio.wait_for(asyncio.gather(
-                prefill.connect.remote(self.replica_id, epoch),
-                asyncio.to_thread(self.transport.open_pair, prefill_id, tuple(address), "receiver", epoch),
-            ), self.transfer_timeout_s + 5)
+            await asyncio.wait_for(
+                asyncio.gather(
+                    prefill.connect.remote(self.replica_id, epoch),
+                    asyncio.to_thread(self.transport.open_pair, prefill_id, tuple(address), "receiver", epoch),
+                ),
+                self.transfer_timeout_s + 5,
+            )
             self._open_pairs.add(prefill_id)
 
     def _drop_pair(self, prefill_id: str) -> None:
@@ -183,10 +211,14 @@ class DecodeWorker:
     async def poll(self) -> dict:
         def collect(engine: LLMEngine) -> dict:
             return {"events": [ev.to_wire() for ev in engine.kv.take_events()], "load": engine.stats()}
+
         result = await asyncio.wrap_future(self.loop.call(collect))
         result["load"]["num_active"] = self.num_active
-        result["transfer"] = {"blocks": self.num_blocks_received, "bytes": self.num_bytes_received,
-                              "seconds": self.transfer_seconds}
+        result["transfer"] = {
+            "blocks": self.num_blocks_received,
+            "bytes": self.num_bytes_received,
+            "seconds": self.transfer_seconds,
+        }
         return result
 
     async def snapshot(self) -> tuple[int, list[int]]:

@@ -1,4 +1,5 @@
 """Model and engine configuration dataclasses, validated in __post_init__."""
+
 from __future__ import annotations
 
 import json
@@ -49,9 +50,16 @@ class ModelConfig:
                 f"unsupported architecture {self.architecture!r}; "
                 f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -75,7 +83,7 @@ class ModelConfig:
         return SUPPORTED_ARCHITECTURES[self.architecture]
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         archs = raw.get("architectures") or []
         if not archs:
             raise ConfigError("config.json has no 'architectures' entry")
@@ -116,14 +124,17 @@ class ModelConfig:
                 dtype=dtype,
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
-                sliding_window=(int(raw["sliding_window"]) if raw.get("sliding_window")
-                                and raw.get("use_sliding_window", True) else None),
+                sliding_window=(
+                    int(raw["sliding_window"])
+                    if raw.get("sliding_window") and raw.get("use_sliding_window", True)
+                    else None
+                ),
             )
         except KeyError as exc:
             raise ConfigError(f"config.json is missing required key {exc.args[0]!r}") from None
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ConfigError(f"no config.json in {model_dir}")
@@ -140,12 +151,12 @@ class EngineConfig:
 
     model: str
     block_size: int = 16
-    num_gpu_blocks: int = 512          # KV blocks in the preallocated cache tensor
-    max_num_seqs: int = 64             # sequences in one running batch
-    max_num_batched_tokens: int = 2048 # token budget of one step (chunked prefill)
-    max_model_len: int | None = None   # defaults to the model's max_position_embeddings
+    num_gpu_blocks: int = 512  # KV blocks in the preallocated cache tensor
+    max_num_seqs: int = 64  # sequences in one running batch
+    max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill)
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     enable_prefix_caching: bool = True
-    dtype: str | None = None           # defaults to the checkpoint's dtype
+    dtype: str | None = None  # defaults to the checkpoint's dtype
     device: str = "cpu"
     seed: int = 0
 

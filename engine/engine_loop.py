@@ -3,17 +3,19 @@
 Only the loop thread touches the engine (scheduler, block pool, cache). Other threads hand it
 work with call() and receive outputs through per-request sinks, called on the loop thread.
 """
+
 from __future__ import annotations
 
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
-from splitserve.engine.llm_engine import LLMEngine, LayerHookFactory
-from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.core.sequence import Sequence
+from splitserve.engine.io.request_output import RequestOutput
+from splitserve.engine.llm_engine import LayerHookFactory, LLMEngine
 
 logger = logging.getLogger(__name__)
 Sink = Callable[[RequestOutput], None]
@@ -24,8 +26,13 @@ class EngineLoopStopped(RuntimeError):
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, layer_hook: LayerHookFactory | None = None,
-                 after_step: Callable[[LLMEngine], None] | None = None, idle_wait_s: float = 0.05):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        layer_hook: LayerHookFactory | None = None,
+        after_step: Callable[[LLMEngine], None] | None = None,
+        idle_wait_s: float = 0.05,
+    ):
         self.engine = engine
         self.layer_hook = layer_hook
         self.after_step = after_step
@@ -37,7 +44,7 @@ class EngineLoop:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
-    def start(self) -> "EngineLoop":
+    def start(self) -> EngineLoop:
         self._thread.start()
         return self
 
@@ -62,6 +69,7 @@ class EngineLoop:
                 engine.scheduler.add_prefilled(seq)
             else:
                 engine.scheduler.add(seq)
+
         return self.call(admit)
 
     def register_sink(self, request_id: str, sink: Sink) -> None:
@@ -72,6 +80,7 @@ class EngineLoop:
         def do_abort(engine: LLMEngine) -> None:
             self._sinks.pop(request_id, None)
             engine.abort(request_id)
+
         return self.call(do_abort)
 
     def stop(self, timeout_s: float = 10.0) -> None:

@@ -1,16 +1,17 @@
 """Turns a scheduled batch into tensors, runs the model and samples. The only place the
 colocated engine and the workers touch tensors."""
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
+from splitserve.engine.core.scheduler import ScheduledBatch
+from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.ops.attention_metadata import AttentionMetadata
 from splitserve.engine.ops.kv_cache import KVCache
 from splitserve.engine.sample.sampler import Sampler
-from splitserve.engine.core.scheduler import ScheduledBatch
-from splitserve.engine.core.sequence import Sequence
 
 
 class ModelRunner:
@@ -21,8 +22,9 @@ class ModelRunner:
         self.device = kv_cache.device
         self.sampler = Sampler(seed)
 
-    def build_metadata(self, seqs: list[Sequence], num_new_tokens: list[int]
-                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def build_metadata(
+        self, seqs: list[Sequence], num_new_tokens: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """input ids, positions, attention metadata, and the flat index of each sequence's
         last new token (where logits are read)."""
         bs = self.block_size
@@ -52,8 +54,7 @@ class ModelRunner:
         last_index = [q - 1 for q in query_start[1:]]
         max_blocks = -(-max(context_lens) // bs)
         # Each row: the first max_blocks entries of the sequence's table, zero-padded.
-        tables = [t[:max_blocks] if len(t) >= max_blocks else t + [0] * (max_blocks - len(t))
-                  for t in tables]
+        tables = [t[:max_blocks] if len(t) >= max_blocks else t + [0] * (max_blocks - len(t)) for t in tables]
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
@@ -65,12 +66,17 @@ class ModelRunner:
             max_query_len=max(num_new_tokens),
             max_context_len=max(context_lens),
         )
-        return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
-                torch.tensor(positions, dtype=torch.int64, device=dev), meta, last_index)
+        return (
+            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta,
+            last_index,
+        )
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch,
-                on_layer_done: Callable[[int], None] | None = None) -> dict[str, tuple[int, float | None]]:
+    def execute(
+        self, batch: ScheduledBatch, on_layer_done: Callable[[int], None] | None = None
+    ) -> dict[str, tuple[int, float | None]]:
         """Run one step; returns the sampled token for each sequence that reached its end."""
         if batch.is_empty:
             return {}

@@ -6,6 +6,7 @@ opened lazily through the sender's TCPStore and torn down when idle.
 The names below load on first use, so torch-free callers (the router, the frontends) can import
 splitserve.kvtransfer.handoff without importing torch.
 """
+
 from __future__ import annotations
 
 import importlib

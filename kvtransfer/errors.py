@@ -1,4 +1,5 @@
 """Errors raised by the KV transport."""
+
 from __future__ import annotations
 
 

@@ -5,6 +5,7 @@ the prompt's blocks it lacks, and sends a Handoff to the prefill replica; the pr
 computes the prompt, streams the listed blocks over torch.distributed, and answers with a
 PrefillResult carrying the first token.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
@@ -45,22 +46,22 @@ def _unpack(kind: str, cls, data: bytes):
 class Handoff:
     request_id: str
     prompt_token_ids: list[int]
-    sampling: dict                       # SamplingParams.to_dict()
+    sampling: dict  # SamplingParams.to_dict()
     block_size: int
-    source: str                          # prefill replica id
-    destination: str                     # decode replica id
-    send_block_indices: list[int]        # indices into the prompt's block list that decode lacks
-    transfer_id: int                     # unique per (source, destination) pair; picks the tags
-    epoch: int = 0                       # pair incarnation (bumped when a peer restarts)
-    layerwise: bool = True               # send each layer as soon as it is computed
-    lease_s: float = 20.0                # how long prefill pins the blocks without an ack
-    deadline: float | None = None        # wall-clock time after which nobody should bother
+    source: str  # prefill replica id
+    destination: str  # decode replica id
+    send_block_indices: list[int]  # indices into the prompt's block list that decode lacks
+    transfer_id: int  # unique per (source, destination) pair; picks the tags
+    epoch: int = 0  # pair incarnation (bumped when a peer restarts)
+    layerwise: bool = True  # send each layer as soon as it is computed
+    lease_s: float = 20.0  # how long prefill pins the blocks without an ack
+    deadline: float | None = None  # wall-clock time after which nobody should bother
 
     def to_bytes(self) -> bytes:
         return _pack("handoff", self)
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "Handoff":
+    def from_bytes(cls, data: bytes) -> Handoff:
         msg = _unpack("handoff", cls, data)
         if not msg.prompt_token_ids or msg.block_size < 1:
             raise HandoffError("handoff has an empty prompt or a bad block size")
@@ -75,7 +76,7 @@ class PrefillResult:
     request_id: str
     first_token: int
     first_logprob: float | None
-    num_cached_tokens: int               # prompt tokens the prefill replica found in its cache
+    num_cached_tokens: int  # prompt tokens the prefill replica found in its cache
     num_blocks_sent: int
     num_bytes_sent: int
     prefill_seconds: float
@@ -86,7 +87,7 @@ class PrefillResult:
         return _pack("prefill_result", self)
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "PrefillResult":
+    def from_bytes(cls, data: bytes) -> PrefillResult:
         return _unpack("prefill_result", cls, data)
 
 
@@ -104,13 +105,13 @@ class DecodeRequest:
     sampling: dict
     layerwise: bool = True
     lease_s: float = 20.0
-    deadline: float | None = None        # time.time() after which the request is abandoned
+    deadline: float | None = None  # time.time() after which the request is abandoned
 
     def to_bytes(self) -> bytes:
         return _pack("decode_request", self)
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "DecodeRequest":
+    def from_bytes(cls, data: bytes) -> DecodeRequest:
         msg = _unpack("decode_request", cls, data)
         if not isinstance(msg.prompt_token_ids, list) or not isinstance(msg.sampling, dict):
             raise HandoffError("malformed decode request")
@@ -136,5 +137,5 @@ class StreamChunk:
         return _pack("stream_chunk", self)
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "StreamChunk":
+    def from_bytes(cls, data: bytes) -> StreamChunk:
         return _unpack("stream_chunk", cls, data)

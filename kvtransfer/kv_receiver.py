@@ -4,6 +4,7 @@ Every layer's receive is posted before the prefill side is asked to send, so con
 transfers on one pair can never wait on each other (each has its own tags). Messages follow
 splitserve.kvtransfer.wire_layout: when the reserved blocks are one ascending run they land in the cache
 directly; otherwise in a staging buffer that complete() scatters, layer by layer as they land."""
+
 from __future__ import annotations
 
 import time
@@ -19,8 +20,9 @@ from splitserve.kvtransfer.wire_layout import ascending_run_start, plane_message
 class PostedReceive:
     """Receives posted for one transfer; complete() waits for them and unpacks the blocks."""
 
-    def __init__(self, transport, kv_cache: KVCache, peer_id: str, transfer_id: int,
-                 block_ids: list[int], layerwise: bool):
+    def __init__(
+        self, transport, kv_cache: KVCache, peer_id: str, transfer_id: int, block_ids: list[int], layerwise: bool
+    ):
         self.kv_cache = kv_cache
         self.block_ids = block_ids
         self.layerwise = layerwise
@@ -40,8 +42,9 @@ class PostedReceive:
             if run_start is not None:  # straight into the cache: nothing to unpack
                 staging, messages = None, plane_messages(planes, run_start, len(block_ids))
             else:
-                staging = torch.empty(planes.shape[0], len(block_ids), planes.shape[2],
-                                      dtype=planes.dtype, device=planes.device)
+                staging = torch.empty(
+                    planes.shape[0], len(block_ids), planes.shape[2], dtype=planes.dtype, device=planes.device
+                )
                 messages = list(staging.unbind(0))
             self._ops.append((planes, staging, transport.irecv(peer_id, messages, tag)))
 

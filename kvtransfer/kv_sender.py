@@ -6,6 +6,7 @@ Sends are posted without waiting (packing the next layer overlaps the wire); a j
 all of them once, after its last layer. Messages follow splitserve.kvtransfer.wire_layout: blocks that
 form one ascending run go out straight from the cache, others are packed first.
 """
+
 from __future__ import annotations
 
 import logging
@@ -14,7 +15,6 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-
 
 from splitserve.engine.ops.block_copy import gather_blocks
 from splitserve.engine.ops.kv_cache import KVCache
@@ -32,12 +32,12 @@ class SendJob:
     request_id: str
     peer_id: str
     transfer_id: int
-    block_ids: list[int]              # prefill-side block ids, in the order decode expects
+    block_ids: list[int]  # prefill-side block ids, in the order decode expects
     layerwise: bool
     done: Future = field(default_factory=Future)
     num_layers_sent: int = 0
     num_bytes: int = 0
-    seconds: float = 0.0              # sender-thread time on this job: pack, post, final wait
+    seconds: float = 0.0  # sender-thread time on this job: pack, post, final wait
     failed: bool = False
     # Posted sends, each holding its tensors until it completes.
     pending: list = field(default_factory=list, repr=False)
@@ -116,7 +116,7 @@ class KVSender:
         job.num_layers_sent = self.num_layers if layer is None else job.num_layers_sent + 1
         finished = job.num_layers_sent == self.num_layers
         if finished:
-            for op in job.pending:   # in posting order; a failure raises TransferError
+            for op in job.pending:  # in posting order; a failure raises TransferError
                 op.wait()
             job.pending.clear()
         job.seconds += time.perf_counter() - start

@@ -5,6 +5,7 @@ lock, so the tensors of one call go out (and are matched) in order; waiting happ
 it, so transfers with distinct tags overlap. Any failure closes the pair: a half-done transfer
 leaves the stream out of sync, so the caller reopens with a new epoch.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,7 +25,7 @@ from splitserve.kvtransfer.transfer_stats import TransferStats
 logger = logging.getLogger(__name__)
 
 ROLES = ("sender", "receiver")
-HANDSHAKE_TAG = 2**31 - 1   # reserved tags; user tags are below them
+HANDSHAKE_TAG = 2**31 - 1  # reserved tags; user tags are below them
 INTERRUPT_TAG = 2**31 - 2
 MAX_USER_TAG = INTERRUPT_TAG - 1
 
@@ -33,8 +34,9 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def _create_process_group(store: dist.Store, rank: int, device: torch.device, host: str,
-                          join_timeout_s: float, op_timeout_s: float):
+def _create_process_group(
+    store: dist.Store, rank: int, device: torch.device, host: str, join_timeout_s: float, op_timeout_s: float
+):
     """Gloo blocks until both ranks have joined, for at most join_timeout_s; NCCL joins lazily,
     at the first op, and its group timeout is the age at which its watchdog acts on an op."""
     if backend_for(device) == "nccl":
@@ -56,9 +58,18 @@ def _create_process_group(store: dist.Store, rank: int, device: torch.device, ho
 class Pair:
     """An open 2-rank group with one peer; built by Pair.open, used through KVTransport."""
 
-    def __init__(self, peer_id: str, role: str, epoch: int, key: str, device: torch.device,
-                 process_group, store: dist.Store, default_timeout_s: float,
-                 on_stats: Callable[[TransferStats], None] | None = None):
+    def __init__(
+        self,
+        peer_id: str,
+        role: str,
+        epoch: int,
+        key: str,
+        device: torch.device,
+        process_group,
+        store: dist.Store,
+        default_timeout_s: float,
+        on_stats: Callable[[TransferStats], None] | None = None,
+    ):
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.peer_id = peer_id
@@ -71,28 +82,39 @@ class Pair:
         self.peer_rank = 1 - self.rank
         self.default_timeout_s = default_timeout_s
         self._process_group = process_group
-        self._store = store              # the backend may read it again; keep it with the group
-        self._lock = threading.Lock()    # guards the group, posting order and the pending set
+        self._store = store  # the backend may read it again; keep it with the group
+        self._lock = threading.Lock()  # guards the group, posting order and the pending set
         self._pending: weakref.WeakSet[TransferOp] = weakref.WeakSet()
         self._stats = TransferStats()
         self._on_stats = on_stats
         self._last_used = time.monotonic()
 
     @classmethod
-    def open(cls, peer_id: str, role: str, epoch: int, key: str, device: torch.device,
-             store: dist.Store, host: str, timeout_s: float, op_timeout_s: float,
-             default_timeout_s: float, on_stats: Callable[[TransferStats], None] | None = None) -> "Pair":
+    def open(
+        cls,
+        peer_id: str,
+        role: str,
+        epoch: int,
+        key: str,
+        device: torch.device,
+        store: dist.Store,
+        host: str,
+        timeout_s: float,
+        op_timeout_s: float,
+        default_timeout_s: float,
+        on_stats: Callable[[TransferStats], None] | None = None,
+    ) -> Pair:
         """Join the group (both sides call this concurrently), then exchange a handshake."""
         started = time.monotonic()
         store.set_timeout(timedelta(seconds=timeout_s))
         try:
             process_group = _create_process_group(
-                store, 0 if role == "sender" else 1, device, host, timeout_s, op_timeout_s)
+                store, 0 if role == "sender" else 1, device, host, timeout_s, op_timeout_s
+            )
         except TransferError:
             raise
         except (RuntimeError, OSError) as exc:  # DistStoreError on timeout, gloo connect errors
-            raise TransferError(
-                f"pair {key}: peer {peer_id!r} did not join within {timeout_s:.1f}s: {exc}") from exc
+            raise TransferError(f"pair {key}: peer {peer_id!r} did not join within {timeout_s:.1f}s: {exc}") from exc
         pair = cls(peer_id, role, epoch, key, device, process_group, store, default_timeout_s, on_stats)
         # Also creates NCCL's communicator, which is lazy; on gloo it proves the link works.
         token = torch.tensor([epoch], dtype=torch.int64, device=device)
@@ -138,8 +160,9 @@ class Pair:
                 failure = exc
             else:
                 failure = None
-                op = TransferOp(self, works, sum(t.nbytes for t in tensors), sending, tag,
-                                self.default_timeout_s, counted)
+                op = TransferOp(
+                    self, works, sum(t.nbytes for t in tensors), sending, tag, self.default_timeout_s, counted
+                )
                 self._pending.add(op)
                 self._last_used = time.monotonic()
         if failure is not None:

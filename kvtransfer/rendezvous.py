@@ -7,6 +7,7 @@ one server, and a pair re-created after a restart uses a fresh epoch, hence fres
 A private connection per opening matters because a c10d store wait blocks the connection it
 runs on, and concurrent openings must not queue behind each other.
 """
+
 from __future__ import annotations
 
 import socket
@@ -66,7 +67,11 @@ class Rendezvous:
             if self._server is None:
                 try:
                     self._server = dist.TCPStore(
-                        self.host, 0, None, True, timedelta(seconds=self.timeout_s),
+                        self.host,
+                        0,
+                        None,
+                        True,
+                        timedelta(seconds=self.timeout_s),
                         wait_for_workers=False,
                     )
                 except (RuntimeError, OSError) as exc:

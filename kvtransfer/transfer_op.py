@@ -1,4 +1,5 @@
 """A posted send or receive of one call's tensors; wait() completes it, with a timeout."""
+
 from __future__ import annotations
 
 import threading
@@ -18,14 +19,15 @@ class TransferOp:
     Waiting again returns the same result; a recv buffer is only valid after wait() returns.
     """
 
-    def __init__(self, pair, works: list, num_bytes: int, sending: bool, tag: int,
-                 default_timeout_s: float, counted: bool = True):
+    def __init__(
+        self, pair, works: list, num_bytes: int, sending: bool, tag: int, default_timeout_s: float, counted: bool = True
+    ):
         self._pair = pair
         self._works = works
         self.num_bytes = num_bytes
         self.sending = sending
         self.tag = tag
-        self.counted = counted            # handshakes are not part of the byte counters
+        self.counted = counted  # handshakes are not part of the byte counters
         self._default_timeout_s = default_timeout_s
         self._posted_at = time.monotonic()
         self._lock = threading.Lock()
@@ -55,8 +57,8 @@ class TransferOp:
                     work.wait(max(timedelta(seconds=deadline - time.monotonic()), _MIN_WAIT))
             except RuntimeError as exc:  # timeouts, closed connections, DistBackendError
                 self._error = TransferError(
-                    f"pair {self._pair.key}: {verb} of {len(self._works)} tensor(s) with tag {self.tag} "
-                    f"failed: {exc}")
+                    f"pair {self._pair.key}: {verb} of {len(self._works)} tensor(s) with tag {self.tag} failed: {exc}"
+                )
                 self._pair.on_op_failed(self)
                 raise self._error from exc
             self._completed = True

@@ -13,6 +13,7 @@ Backend: NCCL for CUDA devices, gloo for CPU. A failed or timed-out op closes it
 fails the other ops pending on it) and raises TransferError; reopen with a new epoch.
 Thread-safe: ops on one pair are posted in call order, different tags and pairs overlap.
 """
+
 from __future__ import annotations
 
 import threading
@@ -50,8 +51,7 @@ def _check_endpoint_id(name: str, value: str) -> None:
 
 
 class KVTransport:
-    def __init__(self, endpoint_id: str, device: torch.device | str, host: str = "127.0.0.1",
-                 timeout_s: float = 20.0):
+    def __init__(self, endpoint_id: str, device: torch.device | str, host: str = "127.0.0.1", timeout_s: float = 20.0):
         _check_endpoint_id("endpoint_id", endpoint_id)
         if timeout_s <= 0:
             raise TransportUsageError(f"timeout_s must be > 0, got {timeout_s}")
@@ -78,8 +78,9 @@ class KVTransport:
         self._check_not_closed()
         return self._rendezvous.address
 
-    def open_pair(self, peer_id: str, peer_address: Address | None, role: str, epoch: int,
-                  timeout_s: float | None = None) -> Pair:
+    def open_pair(
+        self, peer_id: str, peer_address: Address | None, role: str, epoch: int, timeout_s: float | None = None
+    ) -> Pair:
         """Join (or reuse) the group with peer_id; blocks until the peer joins too.
 
         role "sender": this endpoint hosts the store (peer_address is ignored and may be None);
@@ -107,11 +108,19 @@ class KVTransport:
                 return existing
             self.close_pair(peer_id)
             store = self._rendezvous.connect(address, key, max(deadline - time.monotonic(), 0.001))
-            pair = Pair.open(peer_id, role, epoch, key, self.device, store, self.host,
-                             timeout_s=max(deadline - time.monotonic(), 0.001),
-                             op_timeout_s=self.max_timeout_s + _WATCHDOG_MARGIN_S,
-                             default_timeout_s=self.timeout_s,
-                             on_stats=self._add_stats)
+            pair = Pair.open(
+                peer_id,
+                role,
+                epoch,
+                key,
+                self.device,
+                store,
+                self.host,
+                timeout_s=max(deadline - time.monotonic(), 0.001),
+                op_timeout_s=self.max_timeout_s + _WATCHDOG_MARGIN_S,
+                default_timeout_s=self.timeout_s,
+                on_stats=self._add_stats,
+            )
             with self._lock:
                 closed = self._closed
                 if not closed:
@@ -131,14 +140,12 @@ class KVTransport:
         """Post receives into preallocated tensors; they hold data once wait() returns."""
         return self._post(peer_id, tensors, tag, sending=False)
 
-    def send(self, peer_id: str, tensors: Sequence[torch.Tensor], tag: int,
-             timeout_s: float | None = None) -> int:
+    def send(self, peer_id: str, tensors: Sequence[torch.Tensor], tag: int, timeout_s: float | None = None) -> int:
         """Send and wait until the peer has received; returns bytes sent."""
         timeout_s = self._call_timeout(timeout_s)  # checked before anything is posted
         return self.isend(peer_id, tensors, tag).wait(timeout_s)
 
-    def recv(self, peer_id: str, tensors: Sequence[torch.Tensor], tag: int,
-             timeout_s: float | None = None) -> int:
+    def recv(self, peer_id: str, tensors: Sequence[torch.Tensor], tag: int, timeout_s: float | None = None) -> int:
         """Receive into preallocated tensors, in order; returns bytes received."""
         timeout_s = self._call_timeout(timeout_s)
         return self.irecv(peer_id, tensors, tag).wait(timeout_s)
@@ -185,7 +192,7 @@ class KVTransport:
             self.close_pair(peer_id)
         self._rendezvous.close()
 
-    def __enter__(self) -> "KVTransport":
+    def __enter__(self) -> KVTransport:
         return self
 
     def __exit__(self, *exc_info) -> None:

@@ -8,6 +8,7 @@ the cache directly. Each end decides for itself; the messages are the same eithe
 ids are packed (gather) or unpacked (scatter) through a [P, num_blocks, E] staging buffer whose
 planes are the messages.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -28,4 +29,4 @@ def ascending_run_start(block_ids: Sequence[int]) -> int | None:
 
 def plane_messages(planes: torch.Tensor, first_block: int, num_blocks: int) -> list[torch.Tensor]:
     """The contiguous [num_blocks, E] views planes[p, first_block:first_block + num_blocks]."""
-    return [planes[plane, first_block:first_block + num_blocks] for plane in range(planes.shape[0])]
+    return [planes[plane, first_block : first_block + num_blocks] for plane in range(planes.shape[0])]

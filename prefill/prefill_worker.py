@@ -4,6 +4,7 @@ token and sends the KV blocks the decode replica lacks over torch.distributed.
 Blocks stay pinned after a transfer until the decode side acknowledges them (ack) or the
 lease runs out; then they are unpinned but stay in the prefix cache, evictable.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -13,12 +14,12 @@ import time
 import torch
 
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.engine_loop import EngineLoop
-from splitserve.engine.llm_engine import LLMEngine
-from splitserve.engine.io.request_output import RequestOutput
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.core.scheduler import ScheduledBatch
 from splitserve.engine.core.sequence import SequenceStatus
+from splitserve.engine.engine_loop import EngineLoop
+from splitserve.engine.io.request_output import RequestOutput
+from splitserve.engine.io.sampling_params import SamplingParams
+from splitserve.engine.llm_engine import LLMEngine
 from splitserve.kvtransfer.handoff import Handoff, PrefillResult
 from splitserve.kvtransfer.kv_sender import KVSender, SendJob
 from splitserve.kvtransfer.transport import KVTransport, resolve_host
@@ -27,22 +28,28 @@ logger = logging.getLogger(__name__)
 
 
 class PrefillWorker:
-    def __init__(self, replica_id: str, engine_config: dict, transport_host: str = "127.0.0.1",
-                 transfer_timeout_s: float = 20.0, torch_threads: int | None = None):
+    def __init__(
+        self,
+        replica_id: str,
+        engine_config: dict,
+        transport_host: str = "127.0.0.1",
+        transfer_timeout_s: float = 20.0,
+        torch_threads: int | None = None,
+    ):
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.replica_id = replica_id
         self.engine = LLMEngine(EngineConfig(**engine_config))
-        self.transport = KVTransport(replica_id, self.engine.kv_cache.device, host=resolve_host(transport_host),
-                                     timeout_s=transfer_timeout_s)
+        self.transport = KVTransport(
+            replica_id, self.engine.kv_cache.device, host=resolve_host(transport_host), timeout_s=transfer_timeout_s
+        )
         self.sender = KVSender(self.transport, self.engine.kv_cache)
         self._jobs: dict[str, SendJob] = {}
         self._send_indices: dict[str, list[int]] = {}
-        self._pinned: dict[str, float] = {}          # request id -> lease deadline (loop thread)
+        self._pinned: dict[str, float] = {}  # request id -> lease deadline (loop thread)
         self.num_requests = 0
         self.num_failed_transfers = 0
-        self.loop = EngineLoop(self.engine, layer_hook=self._layer_hook,
-                               after_step=self._expire_leases).start()
+        self.loop = EngineLoop(self.engine, layer_hook=self._layer_hook, after_step=self._expire_leases).start()
 
     # ---- loop-thread hooks ---------------------------------------------------------------
     def _bind_blocks(self, job: SendJob) -> None:
@@ -62,6 +69,7 @@ class PrefillWorker:
         def on_layer_done(layer: int) -> None:
             for job in completing:
                 self.sender.send_layer(job, layer)
+
         return on_layer_done
 
     def _expire_leases(self, engine: LLMEngine) -> None:
@@ -129,10 +137,14 @@ class PrefillWorker:
             self._jobs.pop(rid, None)
             self._send_indices.pop(rid, None)
         return PrefillResult(
-            request_id=rid, first_token=out.new_token_ids[0],
+            request_id=rid,
+            first_token=out.new_token_ids[0],
             first_logprob=out.new_logprobs[0] if out.new_logprobs else None,
-            num_cached_tokens=out.num_cached_tokens, num_blocks_sent=len(job.block_ids),
-            num_bytes_sent=job.num_bytes, prefill_seconds=prefill_s, transfer_seconds=job.seconds,
+            num_cached_tokens=out.num_cached_tokens,
+            num_blocks_sent=len(job.block_ids),
+            num_bytes_sent=job.num_bytes,
+            prefill_seconds=prefill_s,
+            transfer_seconds=job.seconds,
         ).to_bytes()
 
     async def ack(self, request_id: str) -> None:
@@ -141,10 +153,12 @@ class PrefillWorker:
 
     async def poll(self) -> dict:
         """KV events since the last poll plus load figures, for the router."""
+
         def collect(engine: LLMEngine) -> dict:
             stats = engine.stats()
             stats["num_pinned"] = len(self._pinned)
             return {"events": [ev.to_wire() for ev in engine.kv.take_events()], "load": stats}
+
         result = await asyncio.wrap_future(self.loop.call(collect))
         result["transfer"] = {"bytes": self.sender.total_bytes, "seconds": self.sender.total_seconds}
         return result

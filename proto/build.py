@@ -6,6 +6,7 @@ only works with proto/ on sys.path; it is rewritten to a package-relative import
 starts with the sha256 of the .proto it came from, so a stale build is detected even when
 file times lie (fresh checkouts, copies).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,8 +59,15 @@ def _run_protoc(out_dir: Path) -> None:
     except ImportError as exc:
         raise ProtoBuildError(f"grpcio-tools is needed to build the gRPC stubs: {exc}") from None
     include = files("grpc_tools") / "_proto"  # google/protobuf/*.proto
-    args = ["grpc_tools.protoc", f"-I{PROTO_DIR}", f"-I{include}", f"--python_out={out_dir}",
-            f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}", str(PROTO_FILE)]
+    args = [
+        "grpc_tools.protoc",
+        f"-I{PROTO_DIR}",
+        f"-I{include}",
+        f"--python_out={out_dir}",
+        f"--pyi_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        str(PROTO_FILE),
+    ]
     code = protoc.main(args)
     if code != 0:
         raise ProtoBuildError(f"protoc failed with exit code {code} on {PROTO_FILE} (its error is above)")

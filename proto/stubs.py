@@ -3,6 +3,7 @@
 `make install` runs `python -m splitserve.proto.build`; this makes tests and `splitserve serve` work
 without it (a fresh checkout, an edited .proto).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -27,8 +28,11 @@ def load_stubs() -> tuple[ModuleType, ModuleType]:
                 # A read-only install with an older build still serves; no build at all cannot.
                 if not all((_build.PROTO_DIR / name).is_file() for name in _build.GENERATED_FILES):
                     raise
-                logger.warning("the gRPC stubs are older than %s and cannot be rebuilt; using them",
-                               _build.PROTO_FILE.name, exc_info=True)
+                logger.warning(
+                    "the gRPC stubs are older than %s and cannot be rebuilt; using them",
+                    _build.PROTO_FILE.name,
+                    exc_info=True,
+                )
         pb2 = importlib.import_module(f"{__package__}.{_build.STEM}_pb2")
         pb2_grpc = importlib.import_module(f"{__package__}.{_build.STEM}_pb2_grpc")
     return pb2, pb2_grpc

@@ -1,4 +1,5 @@
 """Shared fixtures: random checkpoints (made once per session) and a local Ray cluster."""
+
 from __future__ import annotations
 
 import os
@@ -43,7 +44,12 @@ def ray_cluster():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 logging_level="ERROR", log_to_driver=False)
+        ray.init(
+            num_cpus=8,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            logging_level="ERROR",
+            log_to_driver=False,
+        )
     yield ray
     ray.shutdown()

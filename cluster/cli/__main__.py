@@ -1,4 +1,5 @@
 """`python -m splitserve.cluster.cli ...` is the `splitserve` command."""
+
 import sys
 
 from splitserve.cluster.cli.main import main

@@ -1,4 +1,5 @@
 """`splitserve generate`: offline generation with the colocated engine."""
+
 from __future__ import annotations
 
 import argparse
@@ -8,13 +9,16 @@ import sys
 
 def add_generate_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "generate", help="generate text offline with the colocated engine",
-        description="Generate from one or more prompts (several --prompt flags run as one batch).")
+        "generate",
+        help="generate text offline with the colocated engine",
+        description="Generate from one or more prompts (several --prompt flags run as one batch).",
+    )
     p.add_argument("--model", required=True, help="local Hugging Face checkpoint directory")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
-    src.add_argument("--prompt-token-ids", action="append",
-                     help="comma-separated prompt token ids, e.g. 1,2,3 (repeat for a batch)")
+    src.add_argument(
+        "--prompt-token-ids", action="append", help="comma-separated prompt token ids, e.g. 1,2,3 (repeat for a batch)"
+    )
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -25,8 +29,9 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--num-blocks", type=int, default=1024, help="KV cache blocks")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object per prompt with token_ids (generated ids) and text")
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object per prompt with token_ids (generated ids) and text"
+    )
     p.set_defaults(func=run_generate)
 
 
@@ -39,25 +44,31 @@ def _parse_ids(raw: str) -> list[int]:
 
 def run_generate(args: argparse.Namespace) -> int:
     from splitserve.engine.config import ConfigError, EngineConfig
+    from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
     from splitserve.engine.llm_engine import LLMEngine
     from splitserve.engine.model.loader import CheckpointError
-    from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 
     try:
         prompts = args.prompt if args.prompt else [_parse_ids(r) for r in args.prompt_token_ids]
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
-                                ignore_eos=args.ignore_eos)
-        engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, num_gpu_blocks=args.num_blocks,
-                                        block_size=args.block_size))
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=args.stop,
+            ignore_eos=args.ignore_eos,
+        )
+        engine = LLMEngine(
+            EngineConfig(model=args.model, dtype=args.dtype, num_gpu_blocks=args.num_blocks, block_size=args.block_size)
+        )
         outputs = engine.generate(prompts, params)
     except (ValueError, ConfigError, CheckpointError, InvalidRequestError, OSError) as exc:
         print(f"splitserve generate: error: {exc}", file=sys.stderr)
         return 2
     for out in outputs:
         if args.json:
-            print(json.dumps({"token_ids": out.token_ids, "text": out.text,
-                              "finish_reason": out.finish_reason}))
+            print(json.dumps({"token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason}))
         else:
             print(out.text)
     return 0

@@ -1,4 +1,5 @@
 """`splitserve` command line: make-model, generate, serve, bench."""
+
 from __future__ import annotations
 
 import argparse

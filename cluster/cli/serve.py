@@ -1,4 +1,5 @@
 """`splitserve serve`: start (or join) a Ray cluster and serve the app until Ctrl-C."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,13 +18,14 @@ from splitserve.cluster.config import ROUTER_POLICIES, ServeConfig
 
 def add_serve_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "serve", help="serve a model: prefill and decode pools, router, OpenAI HTTP and gRPC",
+        "serve",
+        help="serve a model: prefill and decode pools, router, OpenAI HTTP and gRPC",
         description="Start a local Ray cluster (or join one with --address) and serve a model with "
-                    "separate prefill and decode pools. Every flag can also come from --config FILE.yaml "
-                    "(a ServeConfig mapping); flags given on the command line win.")
+        "separate prefill and decode pools. Every flag can also come from --config FILE.yaml "
+        "(a ServeConfig mapping); flags given on the command line win.",
+    )
     p.add_argument("--config", help="YAML file with ServeConfig fields")
-    p.add_argument("--address", help="join an existing Ray cluster ('auto' or host:port); "
-                                     "default: start a local one")
+    p.add_argument("--address", help="join an existing Ray cluster ('auto' or host:port); default: start a local one")
     p.add_argument("--model", help="checkpoint directory (default: the `small` preset, made once)")
     p.add_argument("--served-model-name")
     p.add_argument("--prefill-replicas", type=int)
@@ -31,16 +33,17 @@ def add_serve_parser(subparsers) -> None:
     for pool in ("prefill", "decode"):
         p.add_argument(f"--{pool}-num-cpus", type=float, help=f"CPUs per {pool} replica")
         p.add_argument(f"--{pool}-num-gpus", type=float, help=f"GPUs per {pool} replica")
-        p.add_argument(f"--{pool}-resources", help=f'custom Ray resources per {pool} replica, JSON, '
-                                                   f'e.g. \'{{"{pool}_gpu": 1}}\'')
+        p.add_argument(
+            f"--{pool}-resources", help=f"custom Ray resources per {pool} replica, JSON, e.g. '{{\"{pool}_gpu\": 1}}'"
+        )
         p.add_argument(f"--{pool}-num-kv-blocks", type=int)
         p.add_argument(f"--{pool}-min-replicas", type=int, help=f"autoscaling floor ({pool})")
-        p.add_argument(f"--{pool}-max-replicas", type=int, help=f"autoscaling ceiling ({pool}); "
-                                                                f"enables autoscaling")
+        p.add_argument(f"--{pool}-max-replicas", type=int, help=f"autoscaling ceiling ({pool}); enables autoscaling")
     p.add_argument("--max-num-seqs", type=int, help="running sequences per replica (both pools)")
     p.add_argument("--router", choices=ROUTER_POLICIES, help="routing policy (default kv)")
-    p.add_argument("--local-prefill-threshold", type=int,
-                   help="uncached prompt tokens below which decode prefills itself")
+    p.add_argument(
+        "--local-prefill-threshold", type=int, help="uncached prompt tokens below which decode prefills itself"
+    )
     p.add_argument("--block-size", type=int)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", choices=["auto", "cpu", "cuda"])
@@ -48,8 +51,11 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--http-port", type=int)
     p.add_argument("--grpc-host")
     p.add_argument("--grpc-port", type=int)
-    p.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (env SPLITSERVE_API_KEY)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("SPLITSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (env SPLITSERVE_API_KEY)",
+    )
     p.add_argument("--max-queued-requests", type=int)
     p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray cluster (default: enough for the pools)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
@@ -71,21 +77,35 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             raw = yaml.safe_load(f) or {}
         if not isinstance(raw, dict):
             raise ValueError(f"{args.config} must hold a mapping of ServeConfig fields")
-    flat = {"model": "model", "served_model_name": "served_model_name", "prefill_replicas": "prefill.replicas",
-            "decode_replicas": "decode.replicas", "router": "router.policy",
-            "local_prefill_threshold": "router.local_prefill_threshold", "block_size": "block_size",
-            "dtype": "dtype", "device": "device", "http_host": "http_host", "http_port": "http_port",
-            "grpc_host": "grpc_host", "grpc_port": "grpc_port", "api_key": "api_key",
-            "max_queued_requests": "max_queued_requests"}
+    flat = {
+        "model": "model",
+        "served_model_name": "served_model_name",
+        "prefill_replicas": "prefill.replicas",
+        "decode_replicas": "decode.replicas",
+        "router": "router.policy",
+        "local_prefill_threshold": "router.local_prefill_threshold",
+        "block_size": "block_size",
+        "dtype": "dtype",
+        "device": "device",
+        "http_host": "http_host",
+        "http_port": "http_port",
+        "grpc_host": "grpc_host",
+        "grpc_port": "grpc_port",
+        "api_key": "api_key",
+        "max_queued_requests": "max_queued_requests",
+    }
     for attr, path in flat.items():
         value = getattr(args, attr)
         if value is not None:
             _set(raw, path, value)
     for pool in ("prefill", "decode"):
-        for attr, path in ((f"{pool}_num_cpus", "resources.num_cpus"), (f"{pool}_num_gpus", "resources.num_gpus"),
-                           (f"{pool}_num_kv_blocks", "num_kv_blocks"),
-                           (f"{pool}_min_replicas", "autoscaling.min_replicas"),
-                           (f"{pool}_max_replicas", "autoscaling.max_replicas")):
+        for attr, path in (
+            (f"{pool}_num_cpus", "resources.num_cpus"),
+            (f"{pool}_num_gpus", "resources.num_gpus"),
+            (f"{pool}_num_kv_blocks", "num_kv_blocks"),
+            (f"{pool}_min_replicas", "autoscaling.min_replicas"),
+            (f"{pool}_max_replicas", "autoscaling.max_replicas"),
+        ):
             value = getattr(args, attr)
             if value is not None:
                 _set(raw, f"{pool}.{path}", value)
@@ -134,10 +154,20 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.address:
         ray.init(address=args.address, logging_level="WARNING")
     else:
-        need = int(cfg.prefill.replicas * cfg.prefill.resources.num_cpus
-                   + cfg.decode.replicas * cfg.decode.resources.num_cpus) + 2
-        ray.init(address="local", num_cpus=args.num_cpus or max(os.cpu_count() or 2, need), include_dashboard=False,
-                 _node_ip_address="127.0.0.1", logging_level="WARNING")
+        need = (
+            int(
+                cfg.prefill.replicas * cfg.prefill.resources.num_cpus
+                + cfg.decode.replicas * cfg.decode.resources.num_cpus
+            )
+            + 2
+        )
+        ray.init(
+            address="local",
+            num_cpus=args.num_cpus or max(os.cpu_count() or 2, need),
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            logging_level="WARNING",
+        )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

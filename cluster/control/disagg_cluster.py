@@ -1,17 +1,18 @@
 """Driver-side API: start prefill and decode pools on a local or existing Ray cluster, keep
 the router current, and submit requests. The frontends and the autoscaler build on it."""
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import uuid
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
+from splitserve.cluster.config import EnginePoolConfig, ServeConfig
 from splitserve.cluster.control.dispatcher import ACTOR_GONE, Dispatcher
+from splitserve.cluster.control.worker_pool import Replica, WorkerPool
 from splitserve.cluster.routing.router import DECODE, PREFILL, Router
 from splitserve.cluster.scaling.policy import initial_replicas
-from splitserve.cluster.config import EnginePoolConfig, ServeConfig
-from splitserve.cluster.control.worker_pool import Replica, WorkerPool
 from splitserve.decode.decode_worker import DecodeWorker
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.kvtransfer.handoff import StreamChunk
@@ -24,9 +25,15 @@ def engine_config_for(cfg: ServeConfig, pool: EnginePoolConfig, model_dir: str) 
     device = cfg.device
     if device == "auto":
         device = "cuda" if pool.resources.num_gpus > 0 else "cpu"
-    return {"model": model_dir, "block_size": cfg.block_size, "num_gpu_blocks": pool.num_kv_blocks,
-            "max_num_seqs": pool.max_num_seqs, "max_num_batched_tokens": pool.max_num_batched_tokens,
-            "dtype": cfg.dtype, "device": device}
+    return {
+        "model": model_dir,
+        "block_size": cfg.block_size,
+        "num_gpu_blocks": pool.num_kv_blocks,
+        "max_num_seqs": pool.max_num_seqs,
+        "max_num_batched_tokens": pool.max_num_batched_tokens,
+        "dtype": cfg.dtype,
+        "device": device,
+    }
 
 
 def _threads(pool: EnginePoolConfig) -> int:
@@ -42,19 +49,37 @@ class DisaggCluster:
         self.cluster_id = uuid.uuid4().hex[:8]
         prefix = f"splitserve-{self.cluster_id}"
         self.prefill_pool = WorkerPool(
-            PREFILL, PrefillWorker, engine_config_for(cfg, cfg.prefill, model_dir), cfg.prefill.resources,
-            transport_host=cfg.transport_host, transfer_timeout_s=cfg.kv_transfer_lease_s,
-            torch_threads=_threads(cfg.prefill), name_prefix=prefix)
+            PREFILL,
+            PrefillWorker,
+            engine_config_for(cfg, cfg.prefill, model_dir),
+            cfg.prefill.resources,
+            transport_host=cfg.transport_host,
+            transfer_timeout_s=cfg.kv_transfer_lease_s,
+            torch_threads=_threads(cfg.prefill),
+            name_prefix=prefix,
+        )
         self.decode_pool = WorkerPool(
-            DECODE, DecodeWorker, engine_config_for(cfg, cfg.decode, model_dir), cfg.decode.resources,
-            transport_host=cfg.transport_host, transfer_timeout_s=cfg.kv_transfer_lease_s,
-            torch_threads=_threads(cfg.decode), name_prefix=prefix)
+            DECODE,
+            DecodeWorker,
+            engine_config_for(cfg, cfg.decode, model_dir),
+            cfg.decode.resources,
+            transport_host=cfg.transport_host,
+            transfer_timeout_s=cfg.kv_transfer_lease_s,
+            torch_threads=_threads(cfg.decode),
+            name_prefix=prefix,
+        )
         self.pools = {PREFILL: self.prefill_pool, DECODE: self.decode_pool}
-        self.dispatcher = Dispatcher(router, self.prefill_pool, self.decode_pool,
-                                     max_retries=cfg.max_retries, lease_s=cfg.kv_transfer_lease_s,
-                                     layerwise=cfg.layerwise_transfer,
-                                     request_timeout_s=cfg.request_timeout_s,
-                                     poll_interval_s=poll_interval_s, on_poll=on_poll)
+        self.dispatcher = Dispatcher(
+            router,
+            self.prefill_pool,
+            self.decode_pool,
+            max_retries=cfg.max_retries,
+            lease_s=cfg.kv_transfer_lease_s,
+            layerwise=cfg.layerwise_transfer,
+            request_timeout_s=cfg.request_timeout_s,
+            poll_interval_s=poll_interval_s,
+            on_poll=on_poll,
+        )
 
     @property
     def router(self) -> Router:
@@ -64,8 +89,7 @@ class DisaggCluster:
     async def restart_router(self) -> Router:
         """Replace the router with a fresh one (same config) indexed from every live replica's
         snapshot, as after a router crash; requests keep flowing during the swap."""
-        return await self.dispatcher.rebuild_router(
-            lambda: Router(self.cfg.router, block_size=self.cfg.block_size))
+        return await self.dispatcher.rebuild_router(lambda: Router(self.cfg.router, block_size=self.cfg.block_size))
 
     async def start(self) -> None:
         for name, pool_cfg in ((PREFILL, self.cfg.prefill), (DECODE, self.cfg.decode)):
@@ -107,14 +131,20 @@ class DisaggCluster:
             await asyncio.to_thread(WorkerPool.kill, replica)  # blocking; keep streams flowing
         return drained
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None, deadline: float | None = None,
-                       on_route=None) -> AsyncIterator[StreamChunk]:
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        deadline: float | None = None,
+        on_route=None,
+    ) -> AsyncIterator[StreamChunk]:
         async for chunk in self.dispatcher.generate(prompt_token_ids, params, request_id, deadline, on_route):
             yield chunk
 
-    async def complete(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> dict:
+    async def complete(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> dict:
         """Run one request to the end and collect it."""
         token_ids: list[int] = []
         text = []
@@ -123,9 +153,14 @@ class DisaggCluster:
             token_ids.extend(chunk.token_ids)
             text.append(chunk.text)
             last = chunk
-        return {"token_ids": token_ids, "text": "".join(text), "finish_reason": last.finish_reason,
-                "num_prompt_tokens": last.num_prompt_tokens, "num_cached_tokens": last.num_cached_tokens,
-                "prefill_replica": last.prefill_replica}
+        return {
+            "token_ids": token_ids,
+            "text": "".join(text),
+            "finish_reason": last.finish_reason,
+            "num_prompt_tokens": last.num_prompt_tokens,
+            "num_cached_tokens": last.num_cached_tokens,
+            "prefill_replica": last.prefill_replica,
+        }
 
     async def poll_replica(self, pool: str, replica_id: str) -> dict:
         return await self.pools[pool].get(replica_id).handle.poll.remote()
@@ -143,8 +178,7 @@ async def _is_idle(replica: Replica) -> bool:
         state = await asyncio.wait_for(replica.handle.poll.remote(), 10)
     except ACTOR_GONE:
         return True
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return False
     load = state["load"]
-    return not (load["num_running"] or load["num_waiting"] or load.get("num_active", 0)
-                or load.get("num_pinned", 0))
+    return not (load["num_running"] or load["num_waiting"] or load.get("num_active", 0) or load.get("num_pinned", 0))

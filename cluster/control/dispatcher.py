@@ -1,17 +1,18 @@
 """Routes requests to a (prefill, decode) pair, streams the result back, retries safely, and
 keeps the router's view of every replica current by polling KV events and load."""
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
 import uuid
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 import ray
 
-from splitserve.cluster.routing.router import DECODE, PREFILL, NoReplicaError, Router
 from splitserve.cluster.control.worker_pool import Replica, WorkerPool
+from splitserve.cluster.routing.router import DECODE, PREFILL, NoReplicaError, Router
 from splitserve.decode.decode_worker import PrefillFailedError, ReplicaBusyError
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.kvtransfer.handoff import DecodeRequest, StreamChunk
@@ -21,7 +22,7 @@ ACTOR_GONE = (ray.exceptions.RayActorError,)
 
 
 DEADLINE_STATUS = 504  # HTTP Gateway Timeout; gRPC DEADLINE_EXCEEDED
-_CLOCK_SLACK_S = 0.1   # timers may fire a little before the wall-clock deadline
+_CLOCK_SLACK_S = 0.1  # timers may fire a little before the wall-clock deadline
 
 
 class RequestFailedError(RuntimeError):
@@ -36,15 +37,25 @@ class DeadlineExceededError(RequestFailedError):
     """The request ran past its deadline; whatever it held on the replicas is freed."""
 
     def __init__(self, timeout_s: float):
-        super().__init__(f"the request did not finish before its deadline ({timeout_s:.1f} s after it started)",
-                         DEADLINE_STATUS)
+        super().__init__(
+            f"the request did not finish before its deadline ({timeout_s:.1f} s after it started)", DEADLINE_STATUS
+        )
 
 
 class Dispatcher:
-    def __init__(self, router: Router, prefill_pool: WorkerPool | None, decode_pool: WorkerPool,
-                 max_retries: int = 1, layerwise: bool = True, lease_s: float = 20.0,
-                 request_timeout_s: float = 600.0, poll_interval_s: float = 0.1,
-                 on_poll: Callable[[str, str, dict], None] | None = None, idle_pair_s: float = 300.0):
+    def __init__(
+        self,
+        router: Router,
+        prefill_pool: WorkerPool | None,
+        decode_pool: WorkerPool,
+        max_retries: int = 1,
+        layerwise: bool = True,
+        lease_s: float = 20.0,
+        request_timeout_s: float = 600.0,
+        poll_interval_s: float = 0.1,
+        on_poll: Callable[[str, str, dict], None] | None = None,
+        idle_pair_s: float = 300.0,
+    ):
         self.router = router
         self.pools = {PREFILL: prefill_pool, DECODE: decode_pool}
         self.max_retries = max_retries
@@ -54,7 +65,7 @@ class Dispatcher:
         self.poll_interval_s = poll_interval_s
         self.on_poll = on_poll
         self.idle_pair_s = idle_pair_s
-        self.inflight: dict[str, str] = {}          # request id -> decode replica id
+        self.inflight: dict[str, str] = {}  # request id -> decode replica id
         self.inflight_prefill: dict[str, str] = {}  # request id -> prefill replica id, until its first token
         self._poller: asyncio.Task | None = None
         # Held while the router's view is read from the replicas (poll, add, rebuild), so a
@@ -79,22 +90,29 @@ class Dispatcher:
         A replica that died meanwhile is dropped; draining flags carry over."""
         async with self._membership:
             router = make_router()
-            live = [(pool_name, r) for pool_name, pool in self.pools.items() if pool is not None
-                    for r in pool.live_replicas()]
+            live = [
+                (pool_name, r)
+                for pool_name, pool in self.pools.items()
+                if pool is not None
+                for r in pool.live_replicas()
+            ]
             snapshots = await asyncio.gather(
-                *(asyncio.wait_for(r.handle.snapshot.remote(), 30) for _, r in live), return_exceptions=True)
+                *(asyncio.wait_for(r.handle.snapshot.remote(), 30) for _, r in live), return_exceptions=True
+            )
             for (pool_name, replica), snapshot in zip(live, snapshots):
                 if isinstance(snapshot, ACTOR_GONE):
                     logger.warning("%s replica %s died; dropping it from routing", pool_name, replica.replica_id)
                     self.drop_replica(pool_name, replica.replica_id)
                 elif isinstance(snapshot, BaseException):
-                    raise RequestFailedError(f"cannot rebuild the router: snapshot of {replica.replica_id} "
-                                             f"failed: {_short(snapshot)}", 503)
+                    raise RequestFailedError(
+                        f"cannot rebuild the router: snapshot of {replica.replica_id} failed: {_short(snapshot)}", 503
+                    )
                 elif self.pools[pool_name].get(replica.replica_id) is not None:  # not removed meanwhile
                     router.add_replica(pool_name, replica.replica_id, snapshot)
                     if replica.replica_id in self.router.replica_ids(pool_name):
-                        router.set_draining(pool_name, replica.replica_id,
-                                            self.router.load(pool_name, replica.replica_id).draining)
+                        router.set_draining(
+                            pool_name, replica.replica_id, self.router.load(pool_name, replica.replica_id).draining
+                        )
             self.router = router  # no await since the checks above: atomic on the event loop
             logger.info("router rebuilt from %d replica snapshots", len(live))
             return router
@@ -106,7 +124,7 @@ class Dispatcher:
             worker_pool.remove(replica_id, kill=kill)
         # Its peers drop their process groups with it (either side may be the one leaving).
         peer_pool = self.pools[DECODE if pool == PREFILL else PREFILL]
-        for r in (peer_pool.live_replicas() if peer_pool is not None else ()):
+        for r in peer_pool.live_replicas() if peer_pool is not None else ():
             r.handle.forget_peer.remote(replica_id)
 
     def num_inflight(self, pool: str, replica_id: str) -> int:
@@ -137,7 +155,7 @@ class Dispatcher:
             logger.warning("%s replica %s died; dropping it from routing", pool, rid)
             self.drop_replica(pool, rid)
             return
-        except (asyncio.TimeoutError, ray.exceptions.RayError) as exc:
+        except (TimeoutError, ray.exceptions.RayError) as exc:
             logger.warning("polling %s failed: %r", rid, exc)
             return
         if not self.router.apply_events(pool, rid, state["events"]):
@@ -145,11 +163,16 @@ class Dispatcher:
                 seq, hashes = await asyncio.wait_for(replica.handle.snapshot.remote(), 10)
                 self.router.resync(pool, rid, (seq, hashes))
         load = state["load"]
-        self.router.update_load(pool, rid, queued_prefill_tokens=load["num_waiting_tokens"],
-                                # num_active (decode) counts every request the replica holds:
-                                # running, waiting and in transfer; adding num_running double-counted.
-                                num_running=max(load["num_running"], load.get("num_active", 0)),
-                                kv_usage=load["kv_usage"], num_waiting=load["num_waiting"])
+        self.router.update_load(
+            pool,
+            rid,
+            queued_prefill_tokens=load["num_waiting_tokens"],
+            # num_active (decode) counts every request the replica holds:
+            # running, waiting and in transfer; adding num_running double-counted.
+            num_running=max(load["num_running"], load.get("num_active", 0)),
+            kv_usage=load["kv_usage"],
+            num_waiting=load["num_waiting"],
+        )
         if self.on_poll is not None:
             self.on_poll(pool, rid, state)
 
@@ -158,7 +181,7 @@ class Dispatcher:
         for decode in list(self.pools[DECODE].live_replicas()):
             try:
                 closed = await asyncio.wait_for(decode.handle.close_idle_pairs.remote(max_idle_s), 30)
-            except (asyncio.TimeoutError, ray.exceptions.RayError):
+            except (TimeoutError, ray.exceptions.RayError):
                 continue
             for prefill_id in closed:
                 prefill = self.pools[PREFILL].get(prefill_id) if self.pools[PREFILL] else None
@@ -188,9 +211,14 @@ class Dispatcher:
             self._poller = None
 
     # ---- requests ------------------------------------------------------------------------
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None, deadline: float | None = None,
-                       on_route: Callable | None = None) -> AsyncIterator[StreamChunk]:
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        deadline: float | None = None,
+        on_route: Callable | None = None,
+    ) -> AsyncIterator[StreamChunk]:
         """Stream a request's chunks. Retries (at most max_retries times, on other replicas)
         only while no chunk has reached the caller; raises RequestFailedError, and
         DeadlineExceededError once `deadline` (time.time(); default now + request_timeout_s)
@@ -218,12 +246,19 @@ class Dispatcher:
             if decision.prefill_replica is not None and prefill is None:
                 exclude_p.add(decision.prefill_replica)
                 continue
-            req = DecodeRequest(request_id=f"{request_id}#{attempt}" if attempt else request_id,
-                                prompt_token_ids=prompt_token_ids, sampling=params.to_dict(),
-                                layerwise=self.layerwise, lease_s=self.lease_s, deadline=deadline)
+            req = DecodeRequest(
+                request_id=f"{request_id}#{attempt}" if attempt else request_id,
+                prompt_token_ids=prompt_token_ids,
+                sampling=params.to_dict(),
+                layerwise=self.layerwise,
+                lease_s=self.lease_s,
+                deadline=deadline,
+            )
             gen = decode.handle.generate.options(num_returns="streaming").remote(
-                req.to_bytes(), None if prefill is None else prefill.handle,
-                None if prefill is None else prefill.replica_id)
+                req.to_bytes(),
+                None if prefill is None else prefill.handle,
+                None if prefill is None else prefill.replica_id,
+            )
             self.inflight[request_id] = decode.replica_id
             if prefill is not None:
                 self.inflight_prefill[request_id] = prefill.replica_id
@@ -255,7 +290,7 @@ class Dispatcher:
                 attempt += 1
                 self.num_retries += 1
                 if isinstance(exc, (ReplicaBusyError, *ACTOR_GONE)) or prefill is None:
-                    exclude_d.add(decode.replica_id)   # the decode replica is gone or full
+                    exclude_d.add(decode.replica_id)  # the decode replica is gone or full
                 else:
                     exclude_p.add(prefill.replica_id)
                 logger.warning("retrying %s (attempt %d) after: %s", request_id, attempt, _short(exc))

@@ -3,6 +3,7 @@
 Replicas are plain Ray actors: a request for `num_gpus` or a custom resource that no node
 has yet stays pending, which is exactly what Ray's autoscaler (ray up / KubeRay) scales on.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -29,10 +30,18 @@ class Replica:
 
 
 class WorkerPool:
-    def __init__(self, pool: str, worker_cls: type, engine_config: dict, resources: PoolResources,
-                 transport_host: str = "127.0.0.1", transfer_timeout_s: float = 20.0,
-                 torch_threads: int | None = None, name_prefix: str = "splitserve",
-                 start_timeout_s: float = 300.0):
+    def __init__(
+        self,
+        pool: str,
+        worker_cls: type,
+        engine_config: dict,
+        resources: PoolResources,
+        transport_host: str = "127.0.0.1",
+        transfer_timeout_s: float = 20.0,
+        torch_threads: int | None = None,
+        name_prefix: str = "splitserve",
+        start_timeout_s: float = 300.0,
+    ):
         self.pool = pool
         self.remote_cls = ray.remote(worker_cls)
         self.engine_config = dict(engine_config)
@@ -46,8 +55,13 @@ class WorkerPool:
         self._ids = itertools.count()
 
     def _options(self, replica_id: str) -> dict:
-        opts = {"num_cpus": self.resources.num_cpus, "num_gpus": self.resources.num_gpus,
-                "max_concurrency": 1000, "max_restarts": 0, "name": f"{self.name_prefix}-{replica_id}"}
+        opts = {
+            "num_cpus": self.resources.num_cpus,
+            "num_gpus": self.resources.num_gpus,
+            "max_concurrency": 1000,
+            "max_restarts": 0,
+            "name": f"{self.name_prefix}-{replica_id}",
+        }
         if self.resources.resources:
             opts["resources"] = dict(self.resources.resources)
         if self.resources.num_gpus > 0:
@@ -59,8 +73,12 @@ class WorkerPool:
         """Create one actor (non-blocking); call wait_ready before routing to it."""
         replica_id = f"{self.pool}-{next(self._ids)}"
         handle = self.remote_cls.options(**self._options(replica_id)).remote(
-            replica_id, self.engine_config, transport_host=self.transport_host,
-            transfer_timeout_s=self.transfer_timeout_s, torch_threads=self.torch_threads)
+            replica_id,
+            self.engine_config,
+            transport_host=self.transport_host,
+            transfer_timeout_s=self.transfer_timeout_s,
+            torch_threads=self.torch_threads,
+        )
         replica = Replica(replica_id, self.pool, handle)
         self.replicas[replica_id] = replica
         return replica
@@ -70,8 +88,10 @@ class WorkerPool:
         try:
             ray.get(refs, timeout=timeout_s or self.start_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"{self.pool} replicas not ready after {timeout_s or self.start_timeout_s:.0f} s "
-                               f"(is there a node with the requested resources?)") from None
+            raise TimeoutError(
+                f"{self.pool} replicas not ready after {timeout_s or self.start_timeout_s:.0f} s "
+                f"(is there a node with the requested resources?)"
+            ) from None
         for r in replicas:
             r.ready = True
 

@@ -1,5 +1,6 @@
 """What the HTTP and gRPC frontends call: tokenization, validation, admission control,
 metrics, and streaming generation through the disaggregated cluster."""
+
 from __future__ import annotations
 
 import logging
@@ -7,16 +8,16 @@ import os
 import time
 import uuid
 from collections import defaultdict
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
-from splitserve.cluster.scaling.autoscaler import Autoscaler
+from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.control.disagg_cluster import DisaggCluster
-from splitserve.cluster.frontend.errors import BackendError, invalid
 from splitserve.cluster.control.dispatcher import DEADLINE_STATUS, RequestFailedError
-from splitserve.cluster.scaling.latency_window import LatencyWindow
+from splitserve.cluster.frontend.errors import BackendError, invalid
 from splitserve.cluster.frontend.metrics import Metrics
 from splitserve.cluster.routing.router import DECODE, PREFILL
-from splitserve.cluster.config import ServeConfig
+from splitserve.cluster.scaling.autoscaler import Autoscaler
+from splitserve.cluster.scaling.latency_window import LatencyWindow
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.io.request_validation import validate_prompt
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
@@ -81,8 +82,9 @@ class ServingBackend:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         try:
-            validate_prompt(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len,
-                            self.max_cache_tokens)
+            validate_prompt(
+                prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len, self.max_cache_tokens
+            )
         except InvalidRequestError as exc:
             raise invalid(str(exc)) from None
 
@@ -92,9 +94,14 @@ class ServingBackend:
         return {"ok": num_decode > 0, "prefill_replicas": num_prefill, "decode_replicas": num_decode}
 
     # ---- generation ----------------------------------------------------------------------
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None, api_key: str | None = None,
-                       timeout_s: float | None = None) -> AsyncIterator[StreamChunk]:
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        api_key: str | None = None,
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[StreamChunk]:
         """Validate, admit, stream. Raises BackendError before the first chunk on refusal.
         timeout_s: the client's own deadline, capped by request_timeout_s; past it the
         request fails with status 504 and its KV blocks are freed."""
@@ -117,8 +124,9 @@ class ServingBackend:
         status = "200"
         first = True
         try:
-            async for chunk in self.cluster.generate(prompt_token_ids, params, request_id or uuid.uuid4().hex,
-                                                     deadline=deadline, on_route=self._on_route):
+            async for chunk in self.cluster.generate(
+                prompt_token_ids, params, request_id or uuid.uuid4().hex, deadline=deadline, on_route=self._on_route
+            ):
                 now = time.perf_counter()
                 if first:
                     self.metrics.ttft.observe(now - start)
@@ -163,8 +171,9 @@ class ServingBackend:
         for pool in (PREFILL, DECODE):
             ids = router.replica_ids(pool)
             loads = [router.load(pool, rid) for rid in ids]
-            self.metrics.set_pool_totals(pool, len(ids), sum(l.num_waiting for l in loads if l),
-                                         sum(l.num_running for l in loads if l))
+            self.metrics.set_pool_totals(
+                pool, len(ids), sum(l.num_waiting for l in loads if l), sum(l.num_running for l in loads if l)
+            )
 
     def render_metrics(self) -> bytes:
         return self.metrics.render()

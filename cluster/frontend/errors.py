@@ -1,4 +1,5 @@
 """The error every frontend maps to its own status codes (HTTP status, gRPC code)."""
+
 from __future__ import annotations
 
 

@@ -1,42 +1,70 @@
 """Prometheus metrics of a splitserve deployment (one registry per frontend process)."""
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,
-                   3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram("splitserve_ttft_seconds", "Time to first token", registry=r,
-                              buckets=LATENCY_BUCKETS)
-        self.itl = Histogram("splitserve_itl_seconds", "Inter-token latency", registry=r,
-                             buckets=LATENCY_BUCKETS)
-        self.e2e = Histogram("splitserve_e2e_seconds", "End-to-end request latency", registry=r,
-                             buckets=LATENCY_BUCKETS)
+        self.ttft = Histogram("splitserve_ttft_seconds", "Time to first token", registry=r, buckets=LATENCY_BUCKETS)
+        self.itl = Histogram("splitserve_itl_seconds", "Inter-token latency", registry=r, buckets=LATENCY_BUCKETS)
+        self.e2e = Histogram(
+            "splitserve_e2e_seconds", "End-to-end request latency", registry=r, buckets=LATENCY_BUCKETS
+        )
         self.requests = Counter("splitserve_requests", "Finished requests by status", ["status"], registry=r)
         self.queue_depth = Gauge("splitserve_queue_depth", "Waiting requests per pool", ["pool"], registry=r)
         self.running = Gauge("splitserve_running_requests", "Running requests per pool", ["pool"], registry=r)
-        self.frontend_inflight = Gauge("splitserve_frontend_inflight_requests",
-                                       "Requests admitted by the frontend and not yet finished", registry=r)
-        self.kv_usage = Gauge("splitserve_kv_block_usage", "Fraction of KV blocks in use",
-                              ["pool", "replica"], registry=r)
-        self.prefix_hit_tokens = Counter("splitserve_prefix_cache_hit_tokens",
-                                         "Prompt tokens served from a prefix cache", registry=r)
+        self.frontend_inflight = Gauge(
+            "splitserve_frontend_inflight_requests",
+            "Requests admitted by the frontend and not yet finished",
+            registry=r,
+        )
+        self.kv_usage = Gauge(
+            "splitserve_kv_block_usage", "Fraction of KV blocks in use", ["pool", "replica"], registry=r
+        )
+        self.prefix_hit_tokens = Counter(
+            "splitserve_prefix_cache_hit_tokens", "Prompt tokens served from a prefix cache", registry=r
+        )
         self.prompt_tokens = Counter("splitserve_prompt_tokens", "Prompt tokens received", registry=r)
         self.generation_tokens = Counter("splitserve_generation_tokens", "Tokens generated", registry=r)
-        self.transfer_bytes = Counter("splitserve_kv_transfer_bytes", "KV bytes moved prefill->decode",
-                                      registry=r)
-        self.transfer_seconds = Counter("splitserve_kv_transfer_seconds",
-                                        "Seconds spent moving KV prefill->decode", registry=r)
-        self.router_decisions = Counter("splitserve_router_decisions", "Router decisions by reason",
-                                        ["reason"], registry=r)
+        self.transfer_bytes = Counter("splitserve_kv_transfer_bytes", "KV bytes moved prefill->decode", registry=r)
+        self.transfer_seconds = Counter(
+            "splitserve_kv_transfer_seconds", "Seconds spent moving KV prefill->decode", registry=r
+        )
+        self.router_decisions = Counter(
+            "splitserve_router_decisions", "Router decisions by reason", ["reason"], registry=r
+        )
         self.replicas = Gauge("splitserve_replicas", "Live replicas per pool", ["pool"], registry=r)
-        self.scaling_decisions = Counter("splitserve_scaling_decisions", "Autoscaler decisions",
-                                         ["pool", "decision"], registry=r)
+        self.scaling_decisions = Counter(
+            "splitserve_scaling_decisions", "Autoscaler decisions", ["pool", "decision"], registry=r
+        )
         self._last_transfer: dict[str, tuple[float, float]] = {}
 
     def observe_poll(self, pool: str, replica_id: str, state: dict) -> None:

@@ -13,9 +13,10 @@ are refused until resync() replaces its entries from a BlockPool.snapshot(). Sta
 of a replica awaiting resync stay in the index: a wrong guess only costs a cache miss.
 Pure Python, no torch.
 """
+
 from __future__ import annotations
 
-from typing import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 from splitserve.engine.core.block_pool import REMOVED, STORED, KVEvent
 
@@ -39,7 +40,7 @@ class _ReplicaEntry:
 
 class KVIndex:
     def __init__(self) -> None:
-        self._holders: dict[int, int] = {}          # block hash -> bitmask of slots
+        self._holders: dict[int, int] = {}  # block hash -> bitmask of slots
         self._replicas: dict[ReplicaId, _ReplicaEntry] = {}
         self._slot_owner: list[ReplicaId | None] = []  # slot -> replica id
         self._free_slots: list[int] = []
@@ -47,8 +48,7 @@ class KVIndex:
         self._unknown_needing_resync: set[ReplicaId] = set()
 
     # ---- membership ----------------------------------------------------------------------
-    def add_replica(self, replica_id: ReplicaId, snapshot_seq: int = 0,
-                    hashes: Iterable[int] = ()) -> None:
+    def add_replica(self, replica_id: ReplicaId, snapshot_seq: int = 0, hashes: Iterable[int] = ()) -> None:
         """Start indexing a replica from its BlockPool.snapshot()."""
         if replica_id in self._replicas:
             raise ValueError(f"replica {replica_id!r} is already indexed; use resync()")
@@ -110,8 +110,7 @@ class KVIndex:
                 try:
                     seq, kind, hashes = event
                 except (TypeError, ValueError):
-                    raise KVEventError(f"bad KV event {event!r}: want [seq, kind, hashes]") \
-                        from None
+                    raise KVEventError(f"bad KV event {event!r}: want [seq, kind, hashes]") from None
             if seq <= entry.last_seq:
                 continue  # duplicate delivery
             if seq != entry.last_seq + 1:
@@ -151,8 +150,9 @@ class KVIndex:
         entry.hashes.difference_update(hashes)
 
     # ---- queries -------------------------------------------------------------------------
-    def prefix_match(self, block_hashes: Sequence[int],
-                     replica_ids: Iterable[ReplicaId] | None = None) -> dict[ReplicaId, int]:
+    def prefix_match(
+        self, block_hashes: Sequence[int], replica_ids: Iterable[ReplicaId] | None = None
+    ) -> dict[ReplicaId, int]:
         """Number of leading blocks of block_hashes each replica holds.
 
         Only replicas with at least one matched block appear (use .get(id, 0)). replica_ids

@@ -28,16 +28,17 @@ Herding: equal costs are broken by a seeded rng, and every routed request is add
 replicas' pending counts until their next update_load, so a burst arriving between two load
 reports spreads out.
 """
+
 from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Sequence
 
+from splitserve.cluster.config import RouterConfig
 from splitserve.cluster.routing.index import KVIndex
 from splitserve.cluster.routing.load import ReplicaLoad
-from splitserve.cluster.config import RouterConfig
 from splitserve.engine.core.block_hash import hash_blocks
 
 PREFILL = "prefill"
@@ -64,14 +65,14 @@ class UnknownReplicaError(KeyError):
 
 @dataclass(frozen=True)
 class RouteDecision:
-    prefill_replica: Hashable | None   # None: the decode replica prefills locally
+    prefill_replica: Hashable | None  # None: the decode replica prefills locally
     decode_replica: Hashable
     num_prompt_tokens: int
-    prefill_cached_tokens: int         # prompt tokens cached on the prefill replica (0 if None)
-    decode_cached_tokens: int          # prompt tokens already cached on the decode replica
-    num_transfer_tokens: int           # KV tokens to move prefill -> decode (0 if local)
-    reason: str                        # "kv-prefix", "load", "local-prefill", ...
-    block_hashes: tuple[int, ...]      # chained hashes of the prompt's full blocks
+    prefill_cached_tokens: int  # prompt tokens cached on the prefill replica (0 if None)
+    decode_cached_tokens: int  # prompt tokens already cached on the decode replica
+    num_transfer_tokens: int  # KV tokens to move prefill -> decode (0 if local)
+    reason: str  # "kv-prefix", "load", "local-prefill", ...
+    block_hashes: tuple[int, ...]  # chained hashes of the prompt's full blocks
 
     @property
     def local_prefill(self) -> bool:
@@ -79,9 +80,15 @@ class RouteDecision:
 
 
 class Router:
-    def __init__(self, config: RouterConfig | None = None, block_size: int = 16, *,
-                 seed: int | None = 0, kv_usage_weight: float = DEFAULT_KV_USAGE_WEIGHT,
-                 allow_local_prefill_fallback: bool = True):
+    def __init__(
+        self,
+        config: RouterConfig | None = None,
+        block_size: int = 16,
+        *,
+        seed: int | None = 0,
+        kv_usage_weight: float = DEFAULT_KV_USAGE_WEIGHT,
+        allow_local_prefill_fallback: bool = True,
+    ):
         """allow_local_prefill_fallback: with no prefill replica available (e.g. the pool
         scaled to zero), let the decode replica prefill instead of raising NoReplicaError."""
         if block_size < 1:
@@ -99,8 +106,7 @@ class Router:
         self._decisions: Counter[str] = Counter()
 
     # ---- registration and reports --------------------------------------------------------
-    def add_replica(self, pool: str, replica_id: Hashable,
-                    snapshot: tuple[int, Iterable[int]] | None = None) -> None:
+    def add_replica(self, pool: str, replica_id: Hashable, snapshot: tuple[int, Iterable[int]] | None = None) -> None:
         """Register a replica; snapshot is its BlockPool.snapshot() (None: empty cache)."""
         loads = self._pool(pool)
         if replica_id in loads:
@@ -117,8 +123,15 @@ class Router:
     def set_draining(self, pool: str, replica_id: Hashable, draining: bool) -> None:
         self._load(pool, replica_id).draining = draining
 
-    def update_load(self, pool: str, replica_id: Hashable, queued_prefill_tokens: int,
-                    num_running: int, kv_usage: float, num_waiting: int = 0) -> bool:
+    def update_load(
+        self,
+        pool: str,
+        replica_id: Hashable,
+        queued_prefill_tokens: int,
+        num_running: int,
+        kv_usage: float,
+        num_waiting: int = 0,
+    ) -> bool:
         """Take a load report. Returns False (ignored) for a replica no longer registered:
         a report can race with its removal."""
         load = self._pool(pool).get(replica_id)
@@ -159,15 +172,18 @@ class Router:
         return dict(self._decisions)
 
     # ---- routing -------------------------------------------------------------------------
-    def route(self, prompt_token_ids: Sequence[int] | None = None,
-              num_prompt_tokens: int | None = None, *,
-              block_hashes: Sequence[int] | None = None,
-              exclude_prefill: Iterable[Hashable] = (),
-              exclude_decode: Iterable[Hashable] = ()) -> RouteDecision:
+    def route(
+        self,
+        prompt_token_ids: Sequence[int] | None = None,
+        num_prompt_tokens: int | None = None,
+        *,
+        block_hashes: Sequence[int] | None = None,
+        exclude_prefill: Iterable[Hashable] = (),
+        exclude_decode: Iterable[Hashable] = (),
+    ) -> RouteDecision:
         """Pick replicas for one prompt, given its token ids or its block hashes (then
         num_prompt_tokens is required). exclude_*: replicas to skip, e.g. on a retry."""
-        hashes, num_tokens = self._prompt_hashes(prompt_token_ids, num_prompt_tokens,
-                                                 block_hashes)
+        hashes, num_tokens = self._prompt_hashes(prompt_token_ids, num_prompt_tokens, block_hashes)
         decode_cands = self._candidates(DECODE, exclude_decode)
         if not decode_cands:
             raise NoReplicaError(DECODE)
@@ -175,8 +191,7 @@ class Router:
         prefix_aware = self.config.policy == "kv"
 
         if prefix_aware:
-            decode, decode_cached, _ = self._pick_by_cost(DECODE, decode_cands, hashes,
-                                                          num_tokens)
+            decode, decode_cached, _ = self._pick_by_cost(DECODE, decode_cands, hashes, num_tokens)
         else:
             decode, decode_cached = self._pick_blind(DECODE, decode_cands), 0
         remainder = num_tokens - decode_cached
@@ -191,15 +206,13 @@ class Router:
             return self._decide(None, decode, num_tokens, 0, decode_cached, 0, reason, hashes)
 
         if prefix_aware:
-            prefill, prefill_cached, reason = self._pick_by_cost(PREFILL, prefill_cands,
-                                                                 hashes, num_tokens)
+            prefill, prefill_cached, reason = self._pick_by_cost(PREFILL, prefill_cands, hashes, num_tokens)
         else:
             prefill, prefill_cached = self._pick_blind(PREFILL, prefill_cands), 0
             reason = self.config.policy
         prefill.add_pending(num_tokens - prefill_cached)
         decode.add_pending(0)  # a new sequence on decode; its prompt is prefilled elsewhere
-        return self._decide(prefill, decode, num_tokens, prefill_cached, decode_cached,
-                            remainder, reason, hashes)
+        return self._decide(prefill, decode, num_tokens, prefill_cached, decode_cached, remainder, reason, hashes)
 
     def _prompt_hashes(self, token_ids, num_prompt_tokens, block_hashes) -> tuple[tuple, int]:
         if (token_ids is None) == (block_hashes is None):
@@ -214,23 +227,23 @@ class Router:
                 raise ValueError("num_prompt_tokens is required with block_hashes")
             hashes = tuple(block_hashes)
             if len(hashes) * self.block_size > num_prompt_tokens:
-                raise ValueError(f"{len(hashes)} blocks of {self.block_size} tokens exceed "
-                                 f"num_prompt_tokens={num_prompt_tokens}")
+                raise ValueError(
+                    f"{len(hashes)} blocks of {self.block_size} tokens exceed num_prompt_tokens={num_prompt_tokens}"
+                )
         if num_prompt_tokens < 1:
             raise ValueError("a prompt needs at least one token")
         return hashes, num_prompt_tokens
 
     def _candidates(self, pool: str, exclude: Iterable[Hashable]) -> list[ReplicaLoad]:
         excluded = set(exclude)
-        return [load for rid, load in self._loads[pool].items()
-                if not load.draining and rid not in excluded]
+        return [load for rid, load in self._loads[pool].items() if not load.draining and rid not in excluded]
 
-    def _pick_by_cost(self, pool: str, cands: list[ReplicaLoad], hashes: tuple,
-                      num_tokens: int) -> tuple[ReplicaLoad, int, str]:
+    def _pick_by_cost(
+        self, pool: str, cands: list[ReplicaLoad], hashes: tuple, num_tokens: int
+    ) -> tuple[ReplicaLoad, int, str]:
         """Lowest-cost replica, its cached prompt tokens, and the reason."""
         all_registered = len(cands) == len(self._loads[pool])
-        matched = self._indexes[pool].prefix_match(
-            hashes, None if all_registered else [c.replica_id for c in cands])
+        matched = self._indexes[pool].prefix_match(hashes, None if all_registered else [c.replica_id for c in cands])
         cfg = self.config
         qw, rw, pw, bs = cfg.queue_weight, cfg.running_weight, cfg.prefix_weight, self.block_size
         kvw = self.kv_usage_weight if pool == DECODE else 0.0
@@ -239,10 +252,13 @@ class Router:
         ties: list[tuple[ReplicaLoad, int]] = []
         for load in cands:
             cached = min(matched.get(load.replica_id, 0) * bs, max_cached) if matched else 0
-            cost = (qw * (load.queued_prefill_tokens + load.pending_tokens)
-                    + rw * (load.num_running + load.pending_requests)
-                    + kvw * load.kv_usage
-                    + (num_tokens - cached) - pw * cached)
+            cost = (
+                qw * (load.queued_prefill_tokens + load.pending_tokens)
+                + rw * (load.num_running + load.pending_requests)
+                + kvw * load.kv_usage
+                + (num_tokens - cached)
+                - pw * cached
+            )
             if cost < best_cost - _TIE_EPSILON:
                 best_cost = cost
                 ties = [(load, cached)]
@@ -269,22 +285,38 @@ class Router:
         # least-loaded
         cfg = self.config
         kvw = self.kv_usage_weight if pool == DECODE else 0.0
-        costs = [cfg.queue_weight * load.effective_queued_tokens
-                 + cfg.running_weight * load.effective_running + kvw * load.kv_usage
-                 for load in cands]
+        costs = [
+            cfg.queue_weight * load.effective_queued_tokens
+            + cfg.running_weight * load.effective_running
+            + kvw * load.kv_usage
+            for load in cands
+        ]
         best = min(costs)
         ties = [load for load, cost in zip(cands, costs) if cost <= best + _TIE_EPSILON]
         return ties[0] if len(ties) == 1 else self._rng.choice(ties)
 
-    def _decide(self, prefill: ReplicaLoad | None, decode: ReplicaLoad, num_tokens: int,
-                prefill_cached: int, decode_cached: int, num_transfer: int, reason: str,
-                hashes: tuple) -> RouteDecision:
+    def _decide(
+        self,
+        prefill: ReplicaLoad | None,
+        decode: ReplicaLoad,
+        num_tokens: int,
+        prefill_cached: int,
+        decode_cached: int,
+        num_transfer: int,
+        reason: str,
+        hashes: tuple,
+    ) -> RouteDecision:
         self._decisions[reason] += 1
         return RouteDecision(
             prefill_replica=prefill.replica_id if prefill is not None else None,
-            decode_replica=decode.replica_id, num_prompt_tokens=num_tokens,
-            prefill_cached_tokens=prefill_cached, decode_cached_tokens=decode_cached,
-            num_transfer_tokens=num_transfer, reason=reason, block_hashes=hashes)
+            decode_replica=decode.replica_id,
+            num_prompt_tokens=num_tokens,
+            prefill_cached_tokens=prefill_cached,
+            decode_cached_tokens=decode_cached,
+            num_transfer_tokens=num_transfer,
+            reason=reason,
+            block_hashes=hashes,
+        )
 
     def _pool(self, pool: str) -> dict[Hashable, ReplicaLoad]:
         try:

@@ -13,18 +13,26 @@ decode), asks the pool's policy, and executes the decision:
 
 At most one action per pool is in flight; the pool's loop only observes until it finishes.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
-from splitserve.cluster.routing.router import DECODE, PREFILL
-from splitserve.cluster.scaling.policy import (MetricsSnapshot, PoolScalingPolicy, DecodeScalingPolicy,
-                                    PrefillScalingPolicy, ReplicaLoadSample, ScalingDecision)
 from splitserve.cluster.config import AutoscalingConfig, ServeConfig
+from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.cluster.scaling.policy import (
+    DecodeScalingPolicy,
+    MetricsSnapshot,
+    PoolScalingPolicy,
+    PrefillScalingPolicy,
+    ReplicaLoadSample,
+    ScalingDecision,
+)
 
 if TYPE_CHECKING:
     from splitserve.cluster.control.disagg_cluster import DisaggCluster
@@ -41,20 +49,26 @@ LatencySource = Callable[[str, "float | None"], "float | None"]
 class ScalingEvent:
     """A scaling action the autoscaler started (kept in Autoscaler.events, newest last)."""
 
-    at: float                 # monotonic seconds: when it was decided
+    at: float  # monotonic seconds: when it was decided
     pool: str
-    action: str               # "up" | "down"
+    action: str  # "up" | "down"
     from_replicas: int
     to_replicas: int
     reason: str
-    finished_at: float | None = None    # replicas ready and routed to / drained and removed
-    ok: bool | None = None              # False: a replica failed to start or to drain in time
+    finished_at: float | None = None  # replicas ready and routed to / drained and removed
+    ok: bool | None = None  # False: a replica failed to start or to drain in time
 
 
 class Autoscaler:
-    def __init__(self, cluster: "DisaggCluster", cfg: ServeConfig, metrics: "Metrics | None" = None,
-                 latency_source: LatencySource | None = None, drain_timeout_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        cluster: DisaggCluster,
+        cfg: ServeConfig,
+        metrics: Metrics | None = None,
+        latency_source: LatencySource | None = None,
+        drain_timeout_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.cluster = cluster
         self.cfg = cfg
         self.metrics = metrics
@@ -78,12 +92,18 @@ class Autoscaler:
         if self._loops:
             return
         loop = asyncio.get_running_loop()
-        self._loops = [loop.create_task(self._run_pool(pool), name=f"autoscaler-{pool}")
-                       for pool in self.policies]
+        self._loops = [loop.create_task(self._run_pool(pool), name=f"autoscaler-{pool}") for pool in self.policies]
         for pool, policy in self.policies.items():
             c = policy.cfg
-            logger.info("autoscaling %s: %d..%d replicas, step %d, up after %.1f s, down after %.1f s",
-                        pool, c.min_replicas, c.max_replicas, c.step, c.upscale_delay_s, c.downscale_delay_s)
+            logger.info(
+                "autoscaling %s: %d..%d replicas, step %d, up after %.1f s, down after %.1f s",
+                pool,
+                c.min_replicas,
+                c.max_replicas,
+                c.step,
+                c.upscale_delay_s,
+                c.downscale_delay_s,
+            )
 
     async def stop(self) -> None:
         tasks = self._loops + list(self._actions.values())
@@ -116,10 +136,12 @@ class Autoscaler:
         return MetricsSnapshot(
             taken_at=min((l.updated_at for l in loads), default=now),
             num_replicas=len(loads),
-            loads=tuple(ReplicaLoadSample(l.queued_prefill_tokens, l.num_running, l.num_waiting, l.kv_usage)
-                        for l in loads),
+            loads=tuple(
+                ReplicaLoadSample(l.queued_prefill_tokens, l.num_running, l.num_waiting, l.kv_usage) for l in loads
+            ),
             ttft_p90_ms=latency if pool == PREFILL else None,
-            itl_p90_ms=latency if pool == DECODE else None)
+            itl_p90_ms=latency if pool == DECODE else None,
+        )
 
     def step(self, pool: str) -> ScalingDecision | None:
         """Decide once for `pool` and start the action; None while an action is in flight."""
@@ -140,8 +162,9 @@ class Autoscaler:
         num = abs(target - snap.num_replicas)
         if num == 0:
             return decision
-        logger.info("autoscaler %s: scale %s %d -> %d (%s)", pool, decision.action, snap.num_replicas,
-                    target, decision.reason)
+        logger.info(
+            "autoscaler %s: scale %s %d -> %d (%s)", pool, decision.action, snap.num_replicas, target, decision.reason
+        )
         self.events.append(ScalingEvent(now, pool, decision.action, snap.num_replicas, target, decision.reason))
         action = self._scale_up(pool, num) if decision.action == "up" else self._scale_down(pool, num, cfg)
         self._actions[pool] = asyncio.get_running_loop().create_task(action, name=f"scale-{pool}")
@@ -165,13 +188,18 @@ class Autoscaler:
             victims = self._least_loaded(pool, num, cfg.min_replicas)
             results = await asyncio.gather(
                 *(self.cluster.drain_replica(pool, rid, self.drain_timeout_s) for rid in victims),
-                return_exceptions=True)
+                return_exceptions=True,
+            )
             for rid, result in zip(victims, results):
                 if isinstance(result, BaseException):
                     logger.error("autoscaler %s: draining %s failed: %r", pool, rid, result)
                 elif not result:
-                    logger.warning("autoscaler %s: %s still had requests after %.0f s; removed anyway",
-                                   pool, rid, self.drain_timeout_s)
+                    logger.warning(
+                        "autoscaler %s: %s still had requests after %.0f s; removed anyway",
+                        pool,
+                        rid,
+                        self.drain_timeout_s,
+                    )
                 else:
                     logger.info("autoscaler %s: drained and removed %s", pool, rid)
                 if self.metrics is not None:
@@ -191,8 +219,12 @@ class Autoscaler:
 
         def drain_cost(rid) -> tuple:
             load = router.load(pool, rid)
-            return (load.num_running + load.num_waiting + load.pending_requests,
-                    load.queued_prefill_tokens + load.pending_tokens, load.kv_usage)
+            return (
+                load.num_running + load.num_waiting + load.pending_requests,
+                load.queued_prefill_tokens + load.pending_tokens,
+                load.kv_usage,
+            )
+
         return sorted(ids, key=drain_cost)[:num]
 
     def _finish_action(self, pool: str, ok: bool) -> None:
@@ -201,7 +233,7 @@ class Autoscaler:
         if event is not None:
             event.finished_at, event.ok = now, ok
         self._last_scaled_at[pool] = now
-        self.policies[pool].mark_scaled(now)   # the cooldown starts once the change is done
+        self.policies[pool].mark_scaled(now)  # the cooldown starts once the change is done
         self._set_replica_gauge(pool)
 
     def _set_replica_gauge(self, pool: str) -> None:

@@ -1,5 +1,6 @@
 """A sliding window of recent latency samples, for the autoscaler (Prometheus histograms
 are cumulative since start, so they cannot say what the latency is *now*)."""
+
 from __future__ import annotations
 
 import math

@@ -13,10 +13,10 @@ replica and measured inter-token latency. Both share the same timing rules:
   * after a scaling action, a cooldown of upscale_delay_s during which the policy holds and
     gathers no evidence: the metrics first have to show the new replica count.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-
 from dataclasses import dataclass
 from typing import Literal
 
@@ -100,7 +100,7 @@ class _Signal:
 
     @property
     def well_under(self) -> bool:
-        if self.value is None:     # nothing measured (no traffic): no objection to scaling down
+        if self.value is None:  # nothing measured (no traffic): no objection to scaling down
             return True
         limit = self.target if self.is_latency else self.target * DOWNSCALE_FRACTION
         return self.value < limit
@@ -158,14 +158,18 @@ class PoolScalingPolicy(ABC):
                 return ScalingDecision("hold", n, f"{reason}; at max_replicas {cfg.max_replicas}")
             if now - self._over_since >= cfg.upscale_delay_s:
                 return self._act("up", min(n + cfg.step, cfg.max_replicas), reason, now)
-            return ScalingDecision("hold", n, f"{reason} for {now - self._over_since:.1f} s "
-                                              f"< upscale_delay_s {cfg.upscale_delay_s:.1f} s")
+            return ScalingDecision(
+                "hold", n, f"{reason} for {now - self._over_since:.1f} s < upscale_delay_s {cfg.upscale_delay_s:.1f} s"
+            )
         if under and n > cfg.min_replicas:
             reason = "well under target: " + ", ".join(s.describe() for s in signals)
             if now - self._under_since >= cfg.downscale_delay_s:
                 return self._act("down", max(n - cfg.step, cfg.min_replicas), reason, now)
-            return ScalingDecision("hold", n, f"{reason} for {now - self._under_since:.1f} s "
-                                              f"< downscale_delay_s {cfg.downscale_delay_s:.1f} s")
+            return ScalingDecision(
+                "hold",
+                n,
+                f"{reason} for {now - self._under_since:.1f} s < downscale_delay_s {cfg.downscale_delay_s:.1f} s",
+            )
         return ScalingDecision("hold", n, "within target: " + ", ".join(s.describe() for s in signals))
 
     def _act(self, action: Action, target: int, reason: str, now: float) -> ScalingDecision:
@@ -184,9 +188,14 @@ class PrefillScalingPolicy(PoolScalingPolicy):
         super().__init__(cfg)
 
     def signals(self, snapshot: MetricsSnapshot) -> list[_Signal]:
-        return [_Signal("queued_tokens_per_replica", snapshot.queued_tokens_per_replica,
-                        self.cfg.target_queued_tokens_per_replica),
-                _Signal("ttft_p90_ms", snapshot.ttft_p90_ms, self.cfg.ttft_target_ms, is_latency=True)]
+        return [
+            _Signal(
+                "queued_tokens_per_replica",
+                snapshot.queued_tokens_per_replica,
+                self.cfg.target_queued_tokens_per_replica,
+            ),
+            _Signal("ttft_p90_ms", snapshot.ttft_p90_ms, self.cfg.ttft_target_ms, is_latency=True),
+        ]
 
 
 class DecodeScalingPolicy(PoolScalingPolicy):
@@ -200,10 +209,11 @@ class DecodeScalingPolicy(PoolScalingPolicy):
         super().__init__(cfg)
 
     def signals(self, snapshot: MetricsSnapshot) -> list[_Signal]:
-        return [_Signal("kv_usage", snapshot.mean_kv_usage, self.cfg.target_kv_usage),
-                _Signal("running_per_replica", snapshot.running_per_replica,
-                        self.cfg.target_running_per_replica),
-                _Signal("itl_p90_ms", snapshot.itl_p90_ms, self.cfg.itl_target_ms, is_latency=True)]
+        return [
+            _Signal("kv_usage", snapshot.mean_kv_usage, self.cfg.target_kv_usage),
+            _Signal("running_per_replica", snapshot.running_per_replica, self.cfg.target_running_per_replica),
+            _Signal("itl_p90_ms", snapshot.itl_p90_ms, self.cfg.itl_target_ms, is_latency=True),
+        ]
 
 
 def initial_replicas(replicas: int, cfg: AutoscalingConfig) -> int:
@@ -211,4 +221,3 @@ def initial_replicas(replicas: int, cfg: AutoscalingConfig) -> int:
     if not cfg.enabled:
         return replicas
     return min(max(replicas, cfg.min_replicas), cfg.max_replicas)
-

@@ -9,11 +9,12 @@ Algorithm (version 1, fixed; change HASH_VERSION if it ever changes):
 Only *full* blocks are hashed; the hash of block i covers every token of blocks 0..i through
 the chain, so equal hashes mean equal prefixes. Pure Python, no torch: the router imports it.
 """
+
 from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 HASH_VERSION = 1
 _PERSON = b"splitserve"
@@ -35,8 +36,9 @@ def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
     return _digest(payload)
 
 
-def hash_blocks(token_ids: Sequence[int], block_size: int, parent_hash: int = ROOT_HASH,
-                start_block: int = 0) -> list[int]:
+def hash_blocks(
+    token_ids: Sequence[int], block_size: int, parent_hash: int = ROOT_HASH, start_block: int = 0
+) -> list[int]:
     """Hashes of every full block of token_ids, starting at block index start_block.
 
     parent_hash must be the hash of block start_block - 1 (ROOT_HASH when start_block is 0),
@@ -47,7 +49,7 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, parent_hash: int = RO
     hashes: list[int] = []
     num_full = len(token_ids) // block_size
     for i in range(start_block, num_full):
-        parent_hash = hash_block(parent_hash, token_ids[i * block_size:(i + 1) * block_size])
+        parent_hash = hash_block(parent_hash, token_ids[i * block_size : (i + 1) * block_size])
         hashes.append(parent_hash)
     return hashes
 

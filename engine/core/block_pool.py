@@ -5,6 +5,7 @@ same prefix can revive them. Every change to the set of cached hashes is recorde
 event (`stored` / `removed`) with a per-pool sequence number; outside indexes (the router)
 drain them with take_events() and resync from snapshot() when they see a gap.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -20,15 +21,15 @@ class NoFreeBlocksError(RuntimeError):
 
 @dataclass(frozen=True)
 class KVEvent:
-    seq: int                 # per-pool sequence number, consecutive from 1
-    kind: str                # STORED or REMOVED
+    seq: int  # per-pool sequence number, consecutive from 1
+    kind: str  # STORED or REMOVED
     block_hashes: tuple[int, ...]
 
     def to_wire(self) -> list:
         return [self.seq, self.kind, list(self.block_hashes)]
 
     @classmethod
-    def from_wire(cls, raw: list) -> "KVEvent":
+    def from_wire(cls, raw: list) -> KVEvent:
         return cls(int(raw[0]), str(raw[1]), tuple(int(h) for h in raw[2]))
 
 

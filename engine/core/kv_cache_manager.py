@@ -2,6 +2,7 @@
 
 Pure integers (it owns the BlockPool); the model runner turns block tables into tensors.
 """
+
 from __future__ import annotations
 
 from splitserve.engine.core.block_pool import BlockPool, KVEvent
@@ -37,8 +38,9 @@ class KVCacheManager:
 
     def num_new_blocks_needed(self, seq: Sequence, cached_blocks: list[int], num_new_tokens: int) -> int:
         num_computed = max(seq.num_computed_tokens, len(cached_blocks) * self.block_size)
-        return max(_cdiv(num_computed + num_new_tokens, self.block_size)
-                   - max(len(seq.block_table), len(cached_blocks)), 0)
+        return max(
+            _cdiv(num_computed + num_new_tokens, self.block_size) - max(len(seq.block_table), len(cached_blocks)), 0
+        )
 
     def can_allocate(self, num_new_blocks: int, cached_blocks: list[int] = ()) -> bool:
         # Reviving a free cached block takes it out of the free queue too.
@@ -81,8 +83,10 @@ class KVCacheManager:
             return
         seq.update_block_hashes()
         num_full = min(num_full, len(seq.block_hashes))
-        self.pool.cache_blocks(seq.block_table[seq.num_registered_blocks:num_full],
-                               seq.block_hashes[seq.num_registered_blocks:num_full])
+        self.pool.cache_blocks(
+            seq.block_table[seq.num_registered_blocks : num_full],
+            seq.block_hashes[seq.num_registered_blocks : num_full],
+        )
         seq.num_registered_blocks = num_full
 
     def free(self, seq: Sequence) -> None:

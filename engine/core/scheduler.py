@@ -6,6 +6,7 @@ max_num_seqs and free blocks allow. When a running sequence cannot grow, the new
 sequence is preempted: its blocks are freed (they keep their hashes, so the recompute usually
 hits the prefix cache) and it goes back to the head of the waiting queue.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -31,8 +32,14 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: list[int] = ()):
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: list[int] = (),
+    ):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

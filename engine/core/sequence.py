@@ -1,4 +1,5 @@
 """One request's token state as the scheduler sees it. No tensors live here."""
+
 from __future__ import annotations
 
 import enum
@@ -11,26 +12,33 @@ from splitserve.engine.io.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREFILLED = "prefilled"    # prefill-only request done; blocks held for the KV handoff
+    PREFILLED = "prefilled"  # prefill-only request done; blocks held for the KV handoff
     FINISHED = "finished"
 
 
 class Sequence:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 block_size: int, arrival_time: float | None = None, prefill_only: bool = False):
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        block_size: int,
+        arrival_time: float | None = None,
+        prefill_only: bool = False,
+    ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
-        self.token_ids = list(prompt_token_ids)   # prompt + output
+        self.token_ids = list(prompt_token_ids)  # prompt + output
         self.params = params
         self.block_size = block_size
         self.prefill_only = prefill_only
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
-        self.num_cached_tokens = 0          # prompt tokens served from the prefix cache (first admission)
-        self.num_registered_blocks = 0      # leading full blocks already entered into the prefix cache
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (first admission)
+        self.num_registered_blocks = 0  # leading full blocks already entered into the prefix cache
         self.block_table: list[int] = []
-        self.block_hashes: list[int] = []   # chained hashes of every full block of token_ids
+        self.block_hashes: list[int] = []  # chained hashes of every full block of token_ids
         self.output_logprobs: list[float] = []
         self.finish_reason: str | None = None
         self.num_preemptions = 0
@@ -46,7 +54,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+        return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -66,5 +74,7 @@ class Sequence:
             self.output_logprobs.append(logprob)
 
     def __repr__(self) -> str:
-        return (f"Sequence({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")
+        return (
+            f"Sequence({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+        )

@@ -1,4 +1,5 @@
 """Turn generated token ids into text deltas for streaming, one token at a time."""
+
 from __future__ import annotations
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -16,8 +17,7 @@ class IncrementalDetokenizer:
     tokens, which the next token completes.
     """
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int] | None = None,
-                 skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, prompt_token_ids: list[int] | None = None, skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         context = list(prompt_token_ids or [])[-PROMPT_CONTEXT_TOKENS:]
@@ -29,7 +29,7 @@ class IncrementalDetokenizer:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self._ids[self._num_context:]
+        return self._ids[self._num_context :]
 
     @property
     def text(self) -> str:
@@ -59,7 +59,7 @@ class IncrementalDetokenizer:
             return ""
         if hold_partial and new_text.endswith(REPLACEMENT_CHAR):
             return ""
-        delta = new_text[len(prefix_text):]
+        delta = new_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         self._text_parts.append(delta)

@@ -3,11 +3,12 @@
 Streaming text holds back a tail that could still grow into a stop string, so a client never
 sees the beginning of a stop string that later gets cut.
 """
+
 from __future__ import annotations
 
+from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.io.detokenizer import IncrementalDetokenizer
 from splitserve.engine.io.request_output import RequestOutput
-from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.io.tokenizer import Tokenizer
 
 
@@ -44,7 +45,7 @@ class OutputProcessor:
         if state is None:
             state = self._states[seq.request_id] = _RequestState(IncrementalDetokenizer(self.tokenizer))
         outputs = seq.output_token_ids
-        new_ids = outputs[state.num_tokens_seen:]
+        new_ids = outputs[state.num_tokens_seen :]
         hit_stop = False
         stops = seq.params.stop
         for tok in new_ids:
@@ -64,22 +65,28 @@ class OutputProcessor:
         state.num_tokens_seen = len(outputs)
         finished = seq.is_finished or hit_stop
         if finished and state.stopped_text is None:
-            state.detok.flush()   # an output ending mid-character shows U+FFFD, like a full decode
+            state.detok.flush()  # an output ending mid-character shows U+FFFD, like a full decode
         full_text = state.stopped_text if state.stopped_text is not None else state.detok.text
         visible = len(full_text)
         if not finished and stops:
             visible -= _held_back(full_text, stops)
         visible = max(visible, state.num_chars_sent)
-        new_text = full_text[state.num_chars_sent:visible]
+        new_text = full_text[state.num_chars_sent : visible]
         state.num_chars_sent = visible
-        new_logprobs = seq.output_logprobs[state.num_logprobs_seen:]
+        new_logprobs = seq.output_logprobs[state.num_logprobs_seen :]
         state.num_logprobs_seen = len(seq.output_logprobs)
         out = RequestOutput(
-            request_id=seq.request_id, new_token_ids=list(new_ids), new_text=new_text,
-            token_ids=list(outputs), text=full_text[:visible], finished=finished,
+            request_id=seq.request_id,
+            new_token_ids=list(new_ids),
+            new_text=new_text,
+            token_ids=list(outputs),
+            text=full_text[:visible],
+            finished=finished,
             finish_reason="stop" if hit_stop else seq.finish_reason,
-            num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
-            new_logprobs=list(new_logprobs), logprobs=list(seq.output_logprobs),
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            new_logprobs=list(new_logprobs),
+            logprobs=list(seq.output_logprobs),
         )
         if finished:
             self._states.pop(seq.request_id, None)

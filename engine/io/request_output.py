@@ -1,4 +1,5 @@
 """What the engine reports about a request after each step."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,10 +10,10 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     new_text: str
-    token_ids: list[int]                # every generated token so far
-    text: str                           # every generated character so far (stop string cut)
+    token_ids: list[int]  # every generated token so far
+    text: str  # every generated character so far (stop string cut)
     finished: bool
-    finish_reason: str | None           # "stop" | "length" | "abort" | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
     num_prompt_tokens: int
     num_cached_tokens: int
     new_logprobs: list[float] = field(default_factory=list)

@@ -1,11 +1,13 @@
 """Checks a request against the model before it touches the engine."""
+
 from __future__ import annotations
 
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 
 
-def validate_prompt(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,
-                    max_model_len: int, max_cache_tokens: int) -> None:
+def validate_prompt(
+    prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int, max_cache_tokens: int
+) -> None:
     if not prompt_token_ids:
         raise InvalidRequestError("the prompt is empty")
     for tok in prompt_token_ids:
@@ -16,17 +18,19 @@ def validate_prompt(prompt_token_ids: list[int], params: SamplingParams, vocab_s
         if not 0 <= tok < vocab_size:
             raise InvalidRequestError(f"stop token id {tok!r} is outside the vocabulary [0, {vocab_size})")
     if params.top_k > vocab_size:
-        raise InvalidRequestError(f"top_k must be at most the vocabulary size {vocab_size} "
-                                  f"(0 or -1 disables it), got {params.top_k}")
+        raise InvalidRequestError(
+            f"top_k must be at most the vocabulary size {vocab_size} (0 or -1 disables it), got {params.top_k}"
+        )
     num = len(prompt_token_ids)
     if num >= max_model_len:
-        raise InvalidRequestError(
-            f"the prompt has {num} tokens but the model's context is {max_model_len} tokens")
+        raise InvalidRequestError(f"the prompt has {num} tokens but the model's context is {max_model_len} tokens")
     if num + params.max_tokens > max_model_len:
         raise InvalidRequestError(
             f"the prompt ({num} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "
-            f"context of {max_model_len} tokens")
+            f"context of {max_model_len} tokens"
+        )
     if num + params.max_tokens > max_cache_tokens:
         raise InvalidRequestError(
             f"the request needs up to {num + params.max_tokens} tokens of KV cache but this "
-            f"replica holds only {max_cache_tokens}")
+            f"replica holds only {max_cache_tokens}"
+        )

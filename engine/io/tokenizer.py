@@ -1,4 +1,5 @@
 """A Hugging Face tokenizer directory (tokenizer.json + tokenizer_config.json) without transformers."""
+
 from __future__ import annotations
 
 import json
@@ -50,14 +51,14 @@ class Tokenizer:
         self._add_eos = bool(config.get("add_eos_token", False))
         eos_ids: list[int] = [] if self.eos_token_id is None else [self.eos_token_id]
         gen_eos = (generation_config or {}).get("eos_token_id")
-        for tid in ([gen_eos] if isinstance(gen_eos, int) else (gen_eos or [])):
+        for tid in [gen_eos] if isinstance(gen_eos, int) else (gen_eos or []):
             if int(tid) not in eos_ids:
                 eos_ids.append(int(tid))
         self.eos_token_ids: list[int] = eos_ids
         self._template = None
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> "Tokenizer":
+    def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:
         from tokenizers import Tokenizer as Backend
 
         root = Path(model_dir)
@@ -65,8 +66,7 @@ class Tokenizer:
             raise TokenizerError(f"tokenizer directory {root} does not exist")
         path = root / "tokenizer.json"
         if not path.is_file():
-            raise TokenizerError(
-                f"no tokenizer.json in {root}: splitserve needs a fast (tokenizers) tokenizer")
+            raise TokenizerError(f"no tokenizer.json in {root}: splitserve needs a fast (tokenizers) tokenizer")
         try:
             backend = Backend.from_file(str(path))
         except Exception as exc:  # tokenizers raises a bare Exception on malformed files
@@ -116,22 +116,25 @@ class Tokenizer:
     def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str | None]:
         return [self._backend.id_to_token(t) for t in token_ids]
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tokenize: bool = False, **extra: Any) -> str | list[int]:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tokenize: bool = False, **extra: Any
+    ) -> str | list[int]:
         """Render messages with the checkpoint's template. tokenize=True encodes the result
         without adding special tokens again (templates start with the bos token themselves)."""
         if self.chat_template is None:
             raise TokenizerError(
                 "this tokenizer has no chat_template (tokenizer_config.json), "
-                "so chat requests are not supported; use plain completions")
+                "so chat requests are not supported; use plain completions"
+            )
         if self._template is None:
             self._template = self._compile_template(self.chat_template)
         context = {
-            "bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
-            "pad_token": self.pad_token or "", **extra,
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+            "pad_token": self.pad_token or "",
+            **extra,
         }
-        text = self._template.render(messages=messages,
-                                     add_generation_prompt=add_generation_prompt, **context)
+        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     @staticmethod
@@ -143,13 +146,16 @@ class Tokenizer:
         def raise_exception(message: str) -> None:
             raise TokenizerError(f"chat template error: {message}")
 
-        def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-                   separators=None, sort_keys: bool = False) -> str:
-            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                              separators=separators, sort_keys=sort_keys)
+        def tojson(
+            value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
+        ) -> str:
+            return json.dumps(
+                value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+            )
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         try:

@@ -1,9 +1,10 @@
 """Finding and reading the files of a Hugging Face checkpoint directory (torch-free until read)."""
+
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -46,7 +47,7 @@ def weight_files(model_dir: str | Path) -> list[Path]:
     raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {root}")
 
 
-def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, "object"]]:
+def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, object]]:
     """(hf_name, torch.Tensor on CPU) for every tensor in the checkpoint, shard by shard."""
     from safetensors import SafetensorError
     from safetensors.torch import safe_open

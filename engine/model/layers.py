@@ -1,16 +1,17 @@
 """One Llama-family decoder layer, with q/k/v and gate/up fused into single matmuls."""
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.engine.ops.attention import paged_attention, write_kv
-from splitserve.engine.ops.attention_metadata import AttentionMetadata
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.model.rope import RotaryEmbedding
+from splitserve.engine.ops.attention import paged_attention, write_kv
+from splitserve.engine.ops.attention_metadata import AttentionMetadata
 from splitserve.engine.ops.sparse_decode import SparseDecodePlan
 
 
@@ -38,7 +39,7 @@ class DecoderLayer(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.intermediate_size = config.intermediate_size
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         hidden = config.hidden_size
         qkv_rows = self.q_size + 2 * self.kv_size
         self.input_norm = _parameter(hidden, dtype=dtype, device=device)
@@ -58,43 +59,51 @@ class DecoderLayer(nn.Module):
             "self_attn.k_proj.weight": (self.qkv_weight, q, kv),
             "self_attn.v_proj.weight": (self.qkv_weight, q + kv, kv),
             "self_attn.o_proj.weight": (self.o_weight, 0, self.o_weight.shape[0]),
-            "post_attention_layernorm.weight": (self.post_attention_norm, 0,
-                                                self.post_attention_norm.shape[0]),
+            "post_attention_layernorm.weight": (self.post_attention_norm, 0, self.post_attention_norm.shape[0]),
             "mlp.gate_proj.weight": (self.gate_up_weight, 0, inter),
             "mlp.up_proj.weight": (self.gate_up_weight, inter, inter),
             "mlp.down_proj.weight": (self.down_weight, 0, self.down_weight.shape[0]),
         }
         if self.qkv_bias is not None:
-            slices.update({
-                "self_attn.q_proj.bias": (self.qkv_bias, 0, q),
-                "self_attn.k_proj.bias": (self.qkv_bias, q, kv),
-                "self_attn.v_proj.bias": (self.qkv_bias, q + kv, kv),
-            })
+            slices.update(
+                {
+                    "self_attn.q_proj.bias": (self.qkv_bias, 0, q),
+                    "self_attn.k_proj.bias": (self.qkv_bias, q, kv),
+                    "self_attn.v_proj.bias": (self.qkv_bias, q + kv, kv),
+                }
+            )
         return slices
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
-                on_kv_written: Callable[[int], None] | None = None,
-                decode_plan: SparseDecodePlan | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        on_kv_written: Callable[[int], None] | None = None,
+        decode_plan: SparseDecodePlan | None = None,
+    ) -> torch.Tensor:
         """hidden [T, hidden] -> [T, hidden]; writes this layer's new K/V into the cache."""
         x = rms_norm(hidden, self.input_norm, self.eps)
         num_tokens = x.shape[0]
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         # Rotate q and k in one go: they are adjacent columns of the fused projection.
-        qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
-                                                      self.head_dim)
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         qk = RotaryEmbedding.apply(qk, cos, sin)
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
         if on_kv_written is not None:
             on_kv_written(self.layer_index)
-        attn = paged_attention(q, key_cache, value_cache, meta, self.scale, new_keys=k, new_values=v,
-                               decode_plan=decode_plan)
+        attn = paged_attention(
+            q, key_cache, value_cache, meta, self.scale, new_keys=k, new_values=v, decode_plan=decode_plan
+        )
         # Residual adds in place on the fresh matmul outputs (x + r == r + x exactly).
         hidden = F.linear(attn.reshape(num_tokens, self.q_size), self.o_weight).add_(hidden)
 
         x = rms_norm(hidden, self.post_attention_norm, self.eps)
         gate_up = F.linear(x, self.gate_up_weight)
-        act = F.silu(gate_up[:, :self.intermediate_size]).mul_(gate_up[:, self.intermediate_size:])
+        act = F.silu(gate_up[:, : self.intermediate_size]).mul_(gate_up[:, self.intermediate_size :])
         return F.linear(act, self.down_weight).add_(hidden)

@@ -1,20 +1,21 @@
 """Llama-family causal LM (Llama, Mistral, Qwen2) running over the paged KV cache."""
+
 from __future__ import annotations
 
 import re
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.engine.ops.attention import make_decode_plan
-from splitserve.engine.ops.attention_metadata import AttentionMetadata
-from splitserve.engine.model.checkpoint import CheckpointError
 from splitserve.engine.config import ModelConfig
-from splitserve.engine.ops.kv_cache import KVCache
+from splitserve.engine.model.checkpoint import CheckpointError
 from splitserve.engine.model.layers import DecoderLayer, rms_norm
 from splitserve.engine.model.rope import RotaryEmbedding
+from splitserve.engine.ops.attention import make_decode_plan
+from splitserve.engine.ops.attention_metadata import AttentionMetadata
+from splitserve.engine.ops.kv_cache import KVCache
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Buffers some older checkpoints carry; recomputed here, never loaded.
@@ -24,23 +25,22 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 class LlamaForCausalLM(nn.Module):
     """forward() returns final hidden states; compute_logits() turns chosen rows into logits."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         super().__init__()
         self.config = config
         self.dtype = dtype
         hidden = config.hidden_size
         self.embed_tokens = nn.Parameter(
-            torch.empty(config.vocab_size, hidden, dtype=dtype, device=device), requires_grad=False)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
-        self.final_norm = nn.Parameter(torch.empty(hidden, dtype=dtype, device=device),
-                                       requires_grad=False)
+            torch.empty(config.vocab_size, hidden, dtype=dtype, device=device), requires_grad=False
+        )
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
+        self.final_norm = nn.Parameter(torch.empty(hidden, dtype=dtype, device=device), requires_grad=False)
         if config.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:
             self.lm_head = nn.Parameter(
-                torch.empty(config.vocab_size, hidden, dtype=dtype, device=device), requires_grad=False)
+                torch.empty(config.vocab_size, hidden, dtype=dtype, device=device), requires_grad=False
+            )
         self.rotary = RotaryEmbedding(config, dtype, device)
         self._layer_list = list(self.layers)  # plain list: cheaper to iterate in the hot loop
 
@@ -49,9 +49,14 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.device
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata,
-                on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        on_layer_done: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
         """input_ids/positions int64 [T] -> final hidden states [T, hidden].
 
         Every layer writes the new tokens' K/V at meta.slot_mapping before attending;
@@ -63,8 +68,7 @@ class LlamaForCausalLM(nn.Module):
         # Block tables are the same for every layer: index them once per step.
         plan = make_decode_plan(meta, hidden, kv_cache.key_cache(0), self.config.num_attention_heads)
         for i, layer in enumerate(self._layer_list):
-            hidden = layer(hidden, cos, sin, kv_cache.key_cache(i), kv_cache.value_cache(i), meta,
-                           on_layer_done, plan)
+            hidden = layer(hidden, cos, sin, kv_cache.key_cache(i), kv_cache.value_cache(i), meta, on_layer_done, plan)
         return rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
 
     @torch.no_grad()
@@ -104,14 +108,14 @@ class LlamaForCausalLM(nn.Module):
                 if match and int(match.group(1)) >= self.config.num_hidden_layers:
                     raise CheckpointError(
                         f"weight {name} is for layer {match.group(1)} but config.json has "
-                        f"num_hidden_layers={self.config.num_hidden_layers}")
+                        f"num_hidden_layers={self.config.num_hidden_layers}"
+                    )
                 raise CheckpointError(f"unexpected weight {name} for {self.config.architecture}")
             param, first_row, num_rows = targets[name]
             expected = (num_rows, *param.shape[1:])
             if tuple(tensor.shape) != expected:
-                raise CheckpointError(
-                    f"weight {name} has shape {tuple(tensor.shape)}, config.json implies {expected}")
-            param[first_row:first_row + num_rows].copy_(tensor)
+                raise CheckpointError(f"weight {name} has shape {tuple(tensor.shape)}, config.json implies {expected}")
+            param[first_row : first_row + num_rows].copy_(tensor)
             loaded.add(name)
         missing = [n for n in targets if n not in loaded]
         if missing:

@@ -1,20 +1,22 @@
 """Build a LlamaForCausalLM from a Hugging Face checkpoint directory."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
 
-from splitserve.engine.model.checkpoint import CheckpointError, iterate_weights, require_model_dir, weight_files
 from splitserve.engine.config import DTYPES, ModelConfig
-from splitserve.engine.ops.kv_cache import DTYPE_BY_NAME
+from splitserve.engine.model.checkpoint import CheckpointError, iterate_weights, require_model_dir, weight_files
 from splitserve.engine.model.llama import LlamaForCausalLM
+from splitserve.engine.ops.kv_cache import DTYPE_BY_NAME
 
 __all__ = ["CheckpointError", "load_model"]
 
 
-def load_model(model_dir: str | Path, dtype: str | None = None,
-               device: str | torch.device = "cpu") -> tuple[LlamaForCausalLM, ModelConfig]:
+def load_model(
+    model_dir: str | Path, dtype: str | None = None, device: str | torch.device = "cpu"
+) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Read config.json and the safetensors weights (single file or sharded) of model_dir.
 
     dtype defaults to the checkpoint's. Raises CheckpointError for a missing directory or

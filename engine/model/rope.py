@@ -1,4 +1,5 @@
 """Rotary position embeddings (neox-style rotate_half, as in HF Llama), with Llama-3 scaling."""
+
 from __future__ import annotations
 
 import math
@@ -40,7 +41,7 @@ class RotaryEmbedding:
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str):
         inv_freq = inverse_frequencies(config)
         positions = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
-        freqs = positions[:, None] * inv_freq[None, :]   # same product order as HF's forward
+        freqs = positions[:, None] * inv_freq[None, :]  # same product order as HF's forward
         # Only half is stored: cat(freqs, freqs) repeats it, so cos/sin halves are equal.
         self.cos_half = freqs.cos().to(dtype=dtype, device=device)
         self.sin_half = freqs.sin().to(dtype=dtype, device=device)

@@ -7,6 +7,7 @@ sequence with the causal mask aligned to the end of its context.
 Caches are [num_blocks, block_size, num_kv_heads, head_dim] (one layer, K or V). A token at
 slot s lives in block s // block_size at offset s % block_size.
 """
+
 from __future__ import annotations
 
 import functools
@@ -18,8 +19,9 @@ from splitserve.engine.ops.attention_metadata import AttentionMetadata
 from splitserve.engine.ops.sparse_decode import SUPPORTED_DTYPES, SparseDecodePlan
 
 
-def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Scatter new keys/values [T, kv_heads, head_dim] into their cache slots."""
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     flat = (num_blocks * block_size, num_kv_heads, head_dim)
@@ -49,10 +51,16 @@ def sparse_decode_supported(q: torch.Tensor, key_cache: torch.Tensor) -> bool:
     return not q.is_cuda and q.dtype in SUPPORTED_DTYPES and key_cache.dtype == q.dtype
 
 
-def paged_decode_attention_torch(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                                 max_context_len: int | None = None,
-                                 plan: SparseDecodePlan | None = None) -> torch.Tensor:
+def paged_decode_attention_torch(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int | None = None,
+    plan: SparseDecodePlan | None = None,
+) -> torch.Tensor:
     """One query token per sequence: q [B, Hq, D] -> [B, Hq, D].
 
     CPU fp32 batches read K/V in place through a SparseDecodePlan (pass one to share it
@@ -66,8 +74,7 @@ def paged_decode_attention_torch(q: torch.Tensor, key_cache: torch.Tensor, value
         max_context_len = int(context_lens.max())
     if batch > 1 and sparse_decode_supported(q, key_cache):
         if plan is None:
-            plan = SparseDecodePlan(block_tables, context_lens, max_context_len, block_size,
-                                    num_kv_heads, num_heads)
+            plan = SparseDecodePlan(block_tables, context_lens, max_context_len, block_size, num_kv_heads, num_heads)
         return plan.attend(q, key_cache, value_cache, scale)
     group = num_heads // num_kv_heads
     num_blocks = -(-max_context_len // block_size)
@@ -76,39 +83,48 @@ def paged_decode_attention_torch(q: torch.Tensor, key_cache: torch.Tensor, value
     values = _gather_context(value_cache, block_tables, num_blocks)
     if batch == 1:
         # Nothing to pad: attend to exactly the context, no mask needed.
-        out = F.scaled_dot_product_attention(q4, keys[:, :max_context_len].transpose(1, 2),
-                                             values[:, :max_context_len].transpose(1, 2), scale=scale)
+        out = F.scaled_dot_product_attention(
+            q4, keys[:, :max_context_len].transpose(1, 2), values[:, :max_context_len].transpose(1, 2), scale=scale
+        )
         return out.view(batch, num_heads, head_dim)
     positions = torch.arange(num_blocks * block_size, device=q.device)
     mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]
-    out = F.scaled_dot_product_attention(q4, keys.transpose(1, 2), values.transpose(1, 2),
-                                         attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(q4, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale)
     return out.view(batch, num_heads, head_dim)
 
 
-def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                     max_context_len: int, plan: SparseDecodePlan | None = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int,
+    plan: SparseDecodePlan | None = None,
+) -> torch.Tensor:
     """Batched decode: the Triton kernel on CUDA when available, else the torch path."""
     if q.is_cuda:
         kernel = _triton_decode()
         if kernel is not None:
             return kernel(q, key_cache, value_cache, block_tables, context_lens, scale)
-    return paged_decode_attention_torch(q, key_cache, value_cache, block_tables, context_lens,
-                                        scale, max_context_len, plan)
+    return paged_decode_attention_torch(
+        q, key_cache, value_cache, block_tables, context_lens, scale, max_context_len, plan
+    )
 
 
-def make_decode_plan(meta: AttentionMetadata, q_like: torch.Tensor, key_cache: torch.Tensor,
-                     num_heads: int) -> SparseDecodePlan | None:
+def make_decode_plan(
+    meta: AttentionMetadata, q_like: torch.Tensor, key_cache: torch.Tensor, num_heads: int
+) -> SparseDecodePlan | None:
     """The shared plan for a pure-decode step on CPU (None where it does not apply)."""
     if not meta.is_pure_decode or meta.num_seqs < 2 or not sparse_decode_supported(q_like, key_cache):
         return None
-    return SparseDecodePlan(meta.block_tables, meta.context_lens, meta.max_context_len,
-                            key_cache.shape[1], key_cache.shape[2], num_heads)
+    return SparseDecodePlan(
+        meta.block_tables, meta.context_lens, meta.max_context_len, key_cache.shape[1], key_cache.shape[2], num_heads
+    )
 
 
-def _prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                       scale: float) -> torch.Tensor:
+def _prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
     """q [n, Hq, D] are the last n positions of a context with keys/values [ctx, Hkv, D]."""
     num_queries, context_len = q.shape[0], keys.shape[0]
     qh, kh, vh = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
@@ -123,10 +139,16 @@ def _prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     return out.transpose(0, 1)
 
 
-def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, new_keys: torch.Tensor | None = None,
-                    new_values: torch.Tensor | None = None,
-                    decode_plan: SparseDecodePlan | None = None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    new_keys: torch.Tensor | None = None,
+    new_values: torch.Tensor | None = None,
+    decode_plan: SparseDecodePlan | None = None,
+) -> torch.Tensor:
     """Attention for a flattened batch q [T, Hq, D] -> [T, Hq, D].
 
     The new tokens' K/V must already be in the cache (write_kv). new_keys/new_values [T, Hkv, D]
@@ -135,8 +157,9 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     make_decode_plan) lets all layers of a pure-decode step share one plan.
     """
     if meta.is_pure_decode:
-        return decode_attention(q, key_cache, value_cache, meta.block_tables, meta.context_lens,
-                                scale, meta.max_context_len, decode_plan)
+        return decode_attention(
+            q, key_cache, value_cache, meta.block_tables, meta.context_lens, scale, meta.max_context_len, decode_plan
+        )
     out = torch.empty_like(q)
     starts, context_lens = meta.query_start_loc_cpu, meta.context_lens_cpu
     block_size = key_cache.shape[1]
@@ -150,8 +173,14 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
                 last += 1
             rows = slice(start, starts[last + 1])
             out[rows] = decode_attention(
-                q[rows], key_cache, value_cache, meta.block_tables[seq:last + 1],
-                meta.context_lens[seq:last + 1], scale, max(context_lens[seq:last + 1]))
+                q[rows],
+                key_cache,
+                value_cache,
+                meta.block_tables[seq : last + 1],
+                meta.context_lens[seq : last + 1],
+                scale,
+                max(context_lens[seq : last + 1]),
+            )
             seq = last + 1
             continue
         context_len = context_lens[seq]
@@ -159,7 +188,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
             keys, values = new_keys[start:end], new_values[start:end]
         else:
             num_blocks = -(-context_len // block_size)
-            table = meta.block_tables[seq:seq + 1]
+            table = meta.block_tables[seq : seq + 1]
             keys = _gather_context(key_cache, table, num_blocks)[0, :context_len]
             values = _gather_context(value_cache, table, num_blocks)[0, :context_len]
         out[start:end] = _prefill_attention(q[start:end], keys, values, scale)

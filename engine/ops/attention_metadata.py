@@ -1,4 +1,5 @@
 """What one forward pass needs to know about where tokens live in the paged KV cache."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,10 +18,10 @@ class AttentionMetadata:
     paged cache through block_tables.
     """
 
-    slot_mapping: torch.Tensor      # int64 [num_tokens]: block_id * block_size + offset per new token
-    query_start_loc: torch.Tensor   # int32 [num_seqs + 1], on the model device
-    context_lens: torch.Tensor      # int32 [num_seqs]: total tokens (cached + new) after this step
-    block_tables: torch.Tensor      # int32 [num_seqs, max_num_blocks], padded with 0
+    slot_mapping: torch.Tensor  # int64 [num_tokens]: block_id * block_size + offset per new token
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1], on the model device
+    context_lens: torch.Tensor  # int32 [num_seqs]: total tokens (cached + new) after this step
+    block_tables: torch.Tensor  # int32 [num_seqs, max_num_blocks], padded with 0
     query_start_loc_cpu: list[int]  # the same as Python ints (avoids device syncs in loops)
     context_lens_cpu: list[int]
     max_query_len: int

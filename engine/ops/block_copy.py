@@ -4,6 +4,7 @@ Runs the Triton kernel on CUDA tensors when triton imports, torch index ops othe
 Planes are the leading dim: K and V of one layer (KVCache.layer_planes), or all layers'
 K and V (kv.view(2 * num_layers, num_blocks, -1)).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -22,6 +23,7 @@ def _kernels():
     if _triton_kernels is None and HAS_TRITON:
         try:
             from splitserve.engine.ops import triton_kernels
+
             _triton_kernels = triton_kernels
         except ImportError:
             HAS_TRITON = False
@@ -42,8 +44,9 @@ def _as_block_ids(block_ids: torch.Tensor | Sequence[int], device: torch.device)
 
 def _check(packed: torch.Tensor, paged: torch.Tensor, num_ids: int) -> None:
     if packed.dim() != 3 or paged.dim() != 3:
-        raise BlockCopyError(f"expected 3-D [planes, rows, row_numel] tensors, got "
-                             f"{tuple(packed.shape)} and {tuple(paged.shape)}")
+        raise BlockCopyError(
+            f"expected 3-D [planes, rows, row_numel] tensors, got {tuple(packed.shape)} and {tuple(paged.shape)}"
+        )
     expected = (paged.shape[0], num_ids, paged.shape[2])
     if tuple(packed.shape) != expected:
         raise BlockCopyError(f"packed buffer is {tuple(packed.shape)}, expected {expected}")
@@ -55,8 +58,9 @@ def _use_triton(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and tensor.stride(-1) == 1 and _kernels() is not None
 
 
-def gather_blocks(src: torch.Tensor, block_ids: torch.Tensor | Sequence[int],
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+def gather_blocks(
+    src: torch.Tensor, block_ids: torch.Tensor | Sequence[int], out: torch.Tensor | None = None
+) -> torch.Tensor:
     """out[p, i] = src[p, block_ids[i]]: src [P, num_blocks, E] -> out [P, n, E] (contiguous)."""
     ids = _as_block_ids(block_ids, src.device)
     if src.dim() != 3:
@@ -71,8 +75,7 @@ def gather_blocks(src: torch.Tensor, block_ids: torch.Tensor | Sequence[int],
     return torch.index_select(src, 1, ids, out=out)
 
 
-def scatter_blocks(src: torch.Tensor, dst: torch.Tensor,
-                   block_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
+def scatter_blocks(src: torch.Tensor, dst: torch.Tensor, block_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
     """dst[p, block_ids[i]] = src[p, i]: src [P, n, E] into dst [P, num_blocks, E] in place.
 
     Block ids are not range-checked on CUDA (that would sync); the caller owns them.

@@ -1,4 +1,5 @@
 """The paged KV cache: one preallocated tensor of fixed-size blocks for all layers."""
+
 from __future__ import annotations
 
 import torch
@@ -23,8 +24,14 @@ class KVCache:
         self.num_kv_heads = model_config.num_key_value_heads
         self.head_dim = model_config.head_dim
         self.kv = torch.zeros(
-            self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
-            dtype=dtype, device=engine_config.device,
+            self.num_layers,
+            2,
+            self.num_blocks,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+            dtype=dtype,
+            device=engine_config.device,
         )
 
     @property

@@ -8,6 +8,7 @@ viewed as a table with one row per (slot, kv_head), and
 so K and V are each read once, in place. The row indices depend only on the block tables,
 so one plan serves every layer of a forward pass.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -27,24 +28,29 @@ with warnings.catch_warnings():
 class SparseDecodePlan:
     """Cache-row indices, CSR layout and padding mask for one decode batch."""
 
-    def __init__(self, block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int,
-                 block_size: int, num_kv_heads: int, num_heads: int):
+    def __init__(
+        self,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        max_context_len: int,
+        block_size: int,
+        num_kv_heads: int,
+        num_heads: int,
+    ):
         batch = block_tables.shape[0]
         device = block_tables.device
         group = num_heads // num_kv_heads
         length = max_context_len
         num_blocks = -(-length // block_size)
         offsets = torch.arange(block_size, device=device)
-        slots = (block_tables[:, :num_blocks].long()[:, :, None] * block_size + offsets)
+        slots = block_tables[:, :num_blocks].long()[:, :, None] * block_size + offsets
         slots = slots.view(batch, num_blocks * block_size)[:, :length]
         padding = torch.arange(length, device=device)[None, :] >= context_lens[:, None]
         # Padding points at row 0 (always valid); its softmax weight is exactly 0.
         slots = slots.masked_fill(padding, 0)
         kv_head_of = torch.div(torch.arange(num_heads, device=device), group, rounding_mode="floor")
-        self.rows = (slots[:, None, :] * num_kv_heads + kv_head_of[None, :, None]).reshape(
-            batch * num_heads, length)
-        self.padding = padding[:, None, :].expand(batch, num_heads, length).reshape(
-            batch * num_heads, length)
+        self.rows = (slots[:, None, :] * num_kv_heads + kv_head_of[None, :, None]).reshape(batch * num_heads, length)
+        self.padding = padding[:, None, :].expand(batch, num_heads, length).reshape(batch * num_heads, length)
         num_entries = batch * num_heads * length
         self.crow = torch.arange(0, num_entries + 1, length, device=device)
         self.cols = self.rows.view(-1)
@@ -54,21 +60,27 @@ class SparseDecodePlan:
     def _zero_values(self, dtype: torch.dtype) -> torch.Tensor:
         zeros = self._zeros.get(dtype)
         if zeros is None:
-            zeros = self._zeros[dtype] = torch.zeros(self.cols.numel(), dtype=dtype,
-                                                     device=self.cols.device)
+            zeros = self._zeros[dtype] = torch.zeros(self.cols.numel(), dtype=dtype, device=self.cols.device)
         return zeros
 
-    def attend(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               scale: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """q [B, Hq, D] against caches [num_blocks, block_size, Hkv, D] -> [B, Hq, D]."""
         head_dim = q.shape[-1]
         num_rows = key_cache.shape[0] * key_cache.shape[1] * key_cache.shape[2]
         key_table = key_cache.view(num_rows, head_dim)
         value_table = value_cache.view(num_rows, head_dim)
-        pattern = torch.sparse_csr_tensor(self.crow, self.cols, self._zero_values(q.dtype),
-                                          size=(self.rows.shape[0], num_rows), check_invariants=False)
-        scores = torch.sparse.sampled_addmm(pattern, q.reshape(-1, head_dim), key_table.t(),
-                                            beta=0.0, alpha=scale).values().view(self.rows.shape)
+        pattern = torch.sparse_csr_tensor(
+            self.crow,
+            self.cols,
+            self._zero_values(q.dtype),
+            size=(self.rows.shape[0], num_rows),
+            check_invariants=False,
+        )
+        scores = (
+            torch.sparse.sampled_addmm(pattern, q.reshape(-1, head_dim), key_table.t(), beta=0.0, alpha=scale)
+            .values()
+            .view(self.rows.shape)
+        )
         probs = scores.masked_fill_(self.padding, float("-inf")).softmax(-1)
         out = F.embedding_bag(self.rows, value_table, per_sample_weights=probs, mode="sum")
         return out.view(self.batch, self.num_heads, head_dim)

@@ -3,6 +3,7 @@
 Importing this module needs triton but no GPU (the kernels are only compiled when launched);
 under TRITON_INTERPRET=1 they run on CPU tensors, which is how the tests check them.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,14 +22,30 @@ class KernelInputError(ValueError):
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, out_ptr, scale,
-    stride_qb, stride_qh,
-    stride_kblock, stride_koff, stride_khead,
-    stride_vblock, stride_voff, stride_vhead,
-    stride_bt, stride_ob, stride_oh,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    out_ptr,
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_kblock,
+    stride_koff,
+    stride_khead,
+    stride_vblock,
+    stride_voff,
+    stride_vhead,
+    stride_bt,
+    stride_ob,
+    stride_oh,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     USE_DOT: tl.constexpr,
 ):
     # One program = one sequence x one KV head, covering that head's GROUP query heads.
@@ -56,10 +73,12 @@ def _paged_decode_kernel(
         token = block_index * BLOCK_SIZE + offs_n
         mask_n = (offs_n < BLOCK_SIZE) & (token < context_len)
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k_ptrs = (k_ptr + block_id * stride_kblock + offs_n[:, None] * stride_koff
-                  + kv_head * stride_khead + offs_d[None, :])
-        v_ptrs = (v_ptr + block_id * stride_vblock + offs_n[:, None] * stride_voff
-                  + kv_head * stride_vhead + offs_d[None, :])
+        k_ptrs = (
+            k_ptr + block_id * stride_kblock + offs_n[:, None] * stride_koff + kv_head * stride_khead + offs_d[None, :]
+        )
+        v_ptrs = (
+            v_ptr + block_id * stride_vblock + offs_n[:, None] * stride_voff + kv_head * stride_vhead + offs_d[None, :]
+        )
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
 
@@ -94,7 +113,8 @@ def _check_attention_inputs(q, key_cache, value_cache, block_tables, context_len
     if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
         raise KernelInputError(
             "key_cache/value_cache must both be [num_blocks, block_size, kv_heads, head_dim], "
-            f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
+            f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
+        )
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
     if key_cache.shape[3] != head_dim:
@@ -103,10 +123,12 @@ def _check_attention_inputs(q, key_cache, value_cache, block_tables, context_len
         raise KernelInputError(f"q heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads})")
     if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.dtype != torch.int32:
         raise KernelInputError(
-            f"block_tables must be int32 [{batch}, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}")
+            f"block_tables must be int32 [{batch}, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}"
+        )
     if context_lens.shape != (batch,) or context_lens.dtype != torch.int32:
         raise KernelInputError(
-            f"context_lens must be int32 [{batch}], got {context_lens.dtype} {tuple(context_lens.shape)}")
+            f"context_lens must be int32 [{batch}], got {context_lens.dtype} {tuple(context_lens.shape)}"
+        )
     for name, tensor in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
         if tensor.dtype not in _SUPPORTED_DTYPES:
             raise KernelInputError(f"{name} dtype {tensor.dtype} not in {_SUPPORTED_DTYPES}")
@@ -153,13 +175,31 @@ def paged_decode_attention(
     if not use_dot:
         block_g = triton.next_power_of_2(group)  # no padding needed for broadcast-sum
     _paged_decode_kernel[(batch, num_kv_heads)](
-        q, key_cache, value_cache, block_tables, context_lens, out, float(scale),
-        q.stride(0), q.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_G=block_g, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, USE_DOT=use_dot,
+        q,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lens,
+        out,
+        float(scale),
+        q.stride(0),
+        q.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        BLOCK_G=block_g,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        USE_DOT=use_dot,
         num_warps=4,
     )
     return out
@@ -167,9 +207,17 @@ def paged_decode_attention(
 
 @triton.jit
 def _copy_rows_kernel(
-    src_ptr, dst_ptr, block_ids_ptr, num_ids, row_numel,
-    stride_src_plane, stride_src_row, stride_dst_plane, stride_dst_row,
-    GATHER: tl.constexpr, BLOCK: tl.constexpr,
+    src_ptr,
+    dst_ptr,
+    block_ids_ptr,
+    num_ids,
+    row_numel,
+    stride_src_plane,
+    stride_src_row,
+    stride_dst_plane,
+    stride_dst_row,
+    GATHER: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     # Program (plane * num_ids + i, chunk) copies one BLOCK-sized chunk of row i.
     # GATHER: dst[plane, i] = src[plane, ids[i]]; else dst[plane, ids[i]] = src[plane, i].
@@ -191,8 +239,10 @@ def _copy_rows_kernel(
 
 def _check_planes(name: str, tensor: torch.Tensor) -> None:
     if tensor.dim() != 3 or tensor.stride(-1) != 1:
-        raise KernelInputError(f"{name} must be [planes, rows, row_numel] contiguous in its last dim, "
-                               f"got shape {tuple(tensor.shape)} strides {tensor.stride()}")
+        raise KernelInputError(
+            f"{name} must be [planes, rows, row_numel] contiguous in its last dim, "
+            f"got shape {tuple(tensor.shape)} strides {tensor.stride()}"
+        )
 
 
 def _launch_copy(src, dst, block_ids, gather: bool) -> None:
@@ -201,9 +251,17 @@ def _launch_copy(src, dst, block_ids, gather: bool) -> None:
         return
     grid = (num_planes * num_ids, triton.cdiv(row_numel, _COPY_BLOCK))
     _copy_rows_kernel[grid](
-        src, dst, block_ids, num_ids, row_numel,
-        src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
-        GATHER=gather, BLOCK=_COPY_BLOCK,
+        src,
+        dst,
+        block_ids,
+        num_ids,
+        row_numel,
+        src.stride(0),
+        src.stride(1),
+        dst.stride(0),
+        dst.stride(1),
+        GATHER=gather,
+        BLOCK=_COPY_BLOCK,
     )
 
 
@@ -215,7 +273,8 @@ def _check_copy(packed: torch.Tensor, paged: torch.Tensor, block_ids: torch.Tens
     if packed.shape != (paged.shape[0], block_ids.shape[0], paged.shape[2]):
         raise KernelInputError(
             f"packed buffer {tuple(packed.shape)} does not match paged {tuple(paged.shape)} "
-            f"with {block_ids.shape[0]} block ids")
+            f"with {block_ids.shape[0]} block ids"
+        )
     if packed.dtype != paged.dtype:
         raise KernelInputError(f"dtype mismatch: {packed.dtype} vs {paged.dtype}")
     if len({packed.device, paged.device, block_ids.device}) != 1:

@@ -1,4 +1,5 @@
 """Token sampling: greedy, temperature, top-k, top-p, per-request seeded generators."""
+
 from __future__ import annotations
 
 import torch
@@ -22,8 +23,9 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def sample(self, logits: torch.Tensor, request_ids: list[str],
-               params: list[SamplingParams]) -> list[tuple[int, float | None]]:
+    def sample(
+        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+    ) -> list[tuple[int, float | None]]:
         """logits [N, vocab] float32 -> (token id, logprob of that token or None) per row."""
         logits = logits.float()
         # max(dim).indices is argmax (the first maximum on ties, NaN counts as the maximum),

@@ -4,6 +4,7 @@
 directory that transformers' AutoModelForCausalLM / AutoTokenizer and splitserve.engine.model.loader both load.
 The same arguments always produce byte-identical files.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,7 +75,7 @@ def train_tokenizer(vocab_size: int):
     return Tokenizer.from_str(_trained_tokenizer_json(vocab_size))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _trained_tokenizer_json(vocab_size: int) -> str:
     # Training is deterministic but takes a second; tests write many checkpoints.
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -91,19 +92,22 @@ def _trained_tokenizer_json(vocab_size: int) -> str:
     )
     tokenizer.train_from_iterator(CORPUS_TEXT.split("\n\n"), trainer=trainer)
     bos_id = tokenizer.token_to_id(BOS_TOKEN)
-    tokenizer.post_processor = processors.Sequence([
-        processors.ByteLevel(trim_offsets=False),
-        processors.TemplateProcessing(
-            single=f"{BOS_TOKEN} $A",
-            pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
-            special_tokens=[(BOS_TOKEN, bos_id)],
-        ),
-    ])
+    tokenizer.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single=f"{BOS_TOKEN} $A",
+                pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
+                special_tokens=[(BOS_TOKEN, bos_id)],
+            ),
+        ]
+    )
     return tokenizer.to_str()
 
 
-def _config_dict(preset: ModelPreset, arch: str, vocab_size: int, dtype: str,
-                 rope_scaling: bool, token_ids: dict[str, int]) -> dict:
+def _config_dict(
+    preset: ModelPreset, arch: str, vocab_size: int, dtype: str, rope_scaling: bool, token_ids: dict[str, int]
+) -> dict:
     architecture, model_type = ARCHITECTURE_BY_ARCH[arch]
     config = {
         "architectures": [architecture],
@@ -134,8 +138,7 @@ def _config_dict(preset: ModelPreset, arch: str, vocab_size: int, dtype: str,
     elif arch == "mistral":
         config.update(sliding_window=None)  # full attention, like Llama
     else:
-        config.update(use_sliding_window=False, sliding_window=None,
-                      max_window_layers=preset.num_hidden_layers)
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=preset.num_hidden_layers)
     return config
 
 
@@ -155,7 +158,7 @@ def _random_weights(config: dict, seed: int, dtype: str) -> dict:
         return torch.randn(*shape, generator=gen) * std
 
     def linear(out_features: int, in_features: int, gain: float = 1.0) -> torch.Tensor:
-        return normal(out_features, in_features, std=gain / in_features ** 0.5)
+        return normal(out_features, in_features, std=gain / in_features**0.5)
 
     def norm_weight(mean: float = 1.0) -> torch.Tensor:
         return mean * (1.0 + normal(hidden, std=0.1))
@@ -182,7 +185,7 @@ def _random_weights(config: dict, seed: int, dtype: str) -> dict:
         weights[p + "mlp.down_proj.weight"] = linear(hidden, inter)
     # Logits with std ~4 whether the output projection is lm_head or the embedding.
     logit_std = 4.0
-    weights["model.norm.weight"] = norm_weight(logit_std / (embed_std * hidden ** 0.5) if tied else 1.0)
+    weights["model.norm.weight"] = norm_weight(logit_std / (embed_std * hidden**0.5) if tied else 1.0)
     if not tied:
         weights["lm_head.weight"] = linear(vocab, hidden, gain=logit_std)
     torch_dtype = getattr(torch, dtype)
@@ -200,7 +203,7 @@ def _write_safetensors(weights: dict, out_dir: Path, num_shards: int) -> None:
     weight_map = {}
     for s in range(num_shards):
         shard_name = f"model-{s + 1:05d}-of-{num_shards:05d}.safetensors"
-        chunk = {n: weights[n] for n in names[s * per_shard:(s + 1) * per_shard]}
+        chunk = {n: weights[n] for n in names[s * per_shard : (s + 1) * per_shard]}
         save_file(chunk, str(out_dir / shard_name), metadata={"format": "pt"})
         weight_map.update({n: shard_name for n in chunk})
     total = sum(t.numel() * t.element_size() for t in weights.values())
@@ -216,31 +219,51 @@ def _write_tokenizer(tokenizer, out_dir: Path, max_len: int) -> dict[str, int]:
     tokenizer.save(str(out_dir / "tokenizer.json"))
     ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
     added = {
-        str(ids[tok]): {"content": tok, "lstrip": False, "normalized": False, "rstrip": False,
-                        "single_word": False, "special": True}
+        str(ids[tok]): {
+            "content": tok,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
         for tok in SPECIAL_TOKENS
     }
-    _write_json(out_dir / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS_TOKEN,
-        "eos_token": EOS_TOKEN,
-        "pad_token": PAD_TOKEN,
-        "additional_special_tokens": [IM_START, IM_END],
-        "added_tokens_decoder": added,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": max_len,
-        "chat_template": CHAT_TEMPLATE,
-    })
-    _write_json(out_dir / "special_tokens_map.json", {
-        "bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN,
-        "additional_special_tokens": [IM_START, IM_END],
-    })
+    _write_json(
+        out_dir / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": BOS_TOKEN,
+            "eos_token": EOS_TOKEN,
+            "pad_token": PAD_TOKEN,
+            "additional_special_tokens": [IM_START, IM_END],
+            "added_tokens_decoder": added,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": max_len,
+            "chat_template": CHAT_TEMPLATE,
+        },
+    )
+    _write_json(
+        out_dir / "special_tokens_map.json",
+        {
+            "bos_token": BOS_TOKEN,
+            "eos_token": EOS_TOKEN,
+            "pad_token": PAD_TOKEN,
+            "additional_special_tokens": [IM_START, IM_END],
+        },
+    )
     return ids
 
 
-def write_random_checkpoint(out_dir: str | Path, preset: str = "tiny", arch: str = "llama",
-                            seed: int = 0, dtype: str = "float32", num_shards: int = 1,
-                            rope_scaling: bool = False) -> Path:
+def write_random_checkpoint(
+    out_dir: str | Path,
+    preset: str = "tiny",
+    arch: str = "llama",
+    seed: int = 0,
+    dtype: str = "float32",
+    num_shards: int = 1,
+    rope_scaling: bool = False,
+) -> Path:
     """Write a complete random-weight checkpoint into out_dir (created if missing)."""
     if preset not in PRESETS:
         raise MakeModelError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
@@ -260,11 +283,14 @@ def write_random_checkpoint(out_dir: str | Path, preset: str = "tiny", arch: str
     vocab_size = tokenizer.get_vocab_size()
     config = _config_dict(shape, arch, vocab_size, dtype, rope_scaling, token_ids)
     _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", {
-        "bos_token_id": config["bos_token_id"],
-        "eos_token_id": config["eos_token_id"],
-        "pad_token_id": config["pad_token_id"],
-    })
+    _write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": config["bos_token_id"],
+            "eos_token_id": config["eos_token_id"],
+            "pad_token_id": config["pad_token_id"],
+        },
+    )
     weights = _random_weights(config, seed, dtype)
     if num_shards > len(weights):
         raise MakeModelError(f"num_shards {num_shards} exceeds the {len(weights)} weight tensors")
@@ -279,8 +305,7 @@ def add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--num-shards", type=int, default=1)
-    parser.add_argument("--rope-scaling", action="store_true",
-                        help="add Llama-3 rope_scaling to the config")
+    parser.add_argument("--rope-scaling", action="store_true", help="add Llama-3 rope_scaling to the config")
 
 
 def add_make_model_parser(subparsers) -> argparse.ArgumentParser:
@@ -292,9 +317,15 @@ def add_make_model_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_make_model(args: argparse.Namespace) -> int:
-    out = write_random_checkpoint(args.out_dir, preset=args.preset, arch=args.arch,
-                                  seed=args.seed, dtype=args.dtype, num_shards=args.num_shards,
-                                  rope_scaling=args.rope_scaling)
+    out = write_random_checkpoint(
+        args.out_dir,
+        preset=args.preset,
+        arch=args.arch,
+        seed=args.seed,
+        dtype=args.dtype,
+        num_shards=args.num_shards,
+        rope_scaling=args.rope_scaling,
+    )
     print(f"wrote {args.preset} {args.arch} checkpoint to {out}")
     return 0
 

@@ -3,6 +3,7 @@
 The client runs against tests/helpers/bench_fake_server.py (uvicorn in a thread, or as a subprocess for
 the command configuration of --compare).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,17 +17,26 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers.bench_fake_server import FakeServerState, FakeServerThread  # noqa: E402
-
 from splitserve.bench.arrivals import (  # noqa: E402
-    LoadPoint, apply_load, build_load_points, parse_concurrencies, parse_rates, poisson_arrival_offsets,
+    LoadPoint,
+    apply_load,
+    build_load_points,
+    parse_concurrencies,
+    parse_rates,
+    poisson_arrival_offsets,
 )
 from splitserve.bench.bench_request import BenchRequest, WorkloadError  # noqa: E402
 from splitserve.bench.cli import add_bench_parser, run_bench  # noqa: E402
 from splitserve.bench.client import BenchClient, ClientOptions  # noqa: E402
 from splitserve.bench.managed_server import ManagedServer, ServerStartError, _group_has_live_members  # noqa: E402
 from splitserve.bench.metrics import (  # noqa: E402
-    LatencySummary, SloTarget, compute_goodput, compute_run_metrics, meets_slo, request_itl_ms, slo_attainment,
+    LatencySummary,
+    SloTarget,
+    compute_goodput,
+    compute_run_metrics,
+    meets_slo,
+    request_itl_ms,
+    slo_attainment,
 )
 from splitserve.bench.metrics_scraper import parse_replica_values  # noqa: E402
 from splitserve.bench.prompt_text import PromptTextRenderer, token_id_to_word  # noqa: E402
@@ -35,8 +45,12 @@ from splitserve.bench.run_result import RunResult  # noqa: E402
 from splitserve.bench.server_config import ServerConfig, ServerConfigError  # noqa: E402
 from splitserve.bench.trace_workload import TraceWorkload, load_mooncake_trace  # noqa: E402
 from splitserve.bench.workloads import (  # noqa: E402
-    MixedLengthWorkload, MultiTurnWorkload, PrefixRepetitionWorkload, VocabRange,
+    MixedLengthWorkload,
+    MultiTurnWorkload,
+    PrefixRepetitionWorkload,
+    VocabRange,
 )
+from tests.helpers.bench_fake_server import FakeServerState, FakeServerThread  # noqa: E402
 
 FAKE_SERVER_SCRIPT = Path(__file__).parents[1] / "helpers" / "bench_fake_server.py"
 VOCAB = VocabRange(100, 5000)
@@ -68,8 +82,9 @@ def _pid_alive(pid: int) -> bool:
 
 
 def test_prefix_repetition_groups_share_exactly_the_prefix():
-    workload = PrefixRepetitionWorkload(num_prefixes=3, prefix_len=20, suffixes_per_prefix=5,
-                                        suffix_len=7, max_tokens=4, vocab=VOCAB)
+    workload = PrefixRepetitionWorkload(
+        num_prefixes=3, prefix_len=20, suffixes_per_prefix=5, suffix_len=7, max_tokens=4, vocab=VOCAB
+    )
     requests = workload.generate(seed=11)
     assert requests == workload.generate(seed=11)
     assert requests != workload.generate(seed=12)
@@ -82,7 +97,7 @@ def test_prefix_repetition_groups_share_exactly_the_prefix():
     assert sorted(len(members) for members in groups.values()) == [5, 5, 5]
     for members in groups.values():
         for i, a in enumerate(members):
-            for b in members[i + 1:]:
+            for b in members[i + 1 :]:
                 assert _common_prefix_len(a.prompt_token_ids, b.prompt_token_ids) == 20
     firsts = [members[0].prompt_token_ids[0] for members in groups.values()]
     assert len(set(firsts)) == 3  # different groups diverge at the first token
@@ -91,8 +106,9 @@ def test_prefix_repetition_groups_share_exactly_the_prefix():
 
 
 def test_multi_turn_history_grows_and_chains():
-    workload = MultiTurnWorkload(num_conversations=3, num_turns=4, first_turn_len=10,
-                                 user_turn_len=5, max_tokens=6, vocab=VOCAB)
+    workload = MultiTurnWorkload(
+        num_conversations=3, num_turns=4, first_turn_len=10, user_turn_len=5, max_tokens=6, vocab=VOCAB
+    )
     requests = workload.generate(seed=3)
     assert requests == workload.generate(seed=3)
     assert [r.turn_index for r in requests] == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
@@ -109,8 +125,9 @@ def test_multi_turn_history_grows_and_chains():
 
 
 def test_mixed_lengths_follow_the_stated_distribution():
-    workload = MixedLengthWorkload(num_requests=40, short_len=20, long_len=400, long_fraction=0.1,
-                                   length_jitter=0.25, max_tokens=3, vocab=VOCAB)
+    workload = MixedLengthWorkload(
+        num_requests=40, short_len=20, long_len=400, long_fraction=0.1, length_jitter=0.25, max_tokens=3, vocab=VOCAB
+    )
     requests = workload.generate(seed=5)
     assert requests == workload.generate(seed=5)
     longs = [r for r in requests if r.group_id == "long"]
@@ -144,8 +161,9 @@ def test_trace_hash_ids_give_shared_prefixes(tmp_path: Path):
     assert third.prompt_token_ids[:4] == tuple(workload.block_tokens(0, 5))
     assert [r.arrival_offset_s for r in (first, second, third)] == [0.0, 0.25, 1.0]
     assert [r.max_tokens for r in (first, second, third)] == [9, 4, 2]
-    capped = TraceWorkload(tuple(records), block_size=4, max_prompt_tokens=5, max_output_tokens=3,
-                           vocab=VOCAB).generate(seed=0)
+    capped = TraceWorkload(
+        tuple(records), block_size=4, max_prompt_tokens=5, max_output_tokens=3, vocab=VOCAB
+    ).generate(seed=0)
     assert [r.num_prompt_tokens for r in capped] == [5, 5, 5]
     assert [r.max_tokens for r in capped] == [3, 3, 2]
     (tmp_path / "bad.jsonl").write_text('{"timestamp": 0, "output_length": 3}\n')
@@ -191,10 +209,16 @@ def test_text_rendering_keeps_prefixes(tmp_path: Path):
 
 def _record(request_id: str, send: float, chunks: list[float], **kwargs) -> RequestRecord:
     return RequestRecord(
-        request_id=request_id, num_prompt_tokens_sent=10, max_tokens=len(chunks) or 1,
-        scheduled_time_s=send, send_time_s=send, first_token_time_s=chunks[0] if chunks else None,
-        chunk_times_s=chunks, end_time_s=chunks[-1] if chunks else send + 0.01,
-        status=kwargs.pop("status", 200), **kwargs,
+        request_id=request_id,
+        num_prompt_tokens_sent=10,
+        max_tokens=len(chunks) or 1,
+        scheduled_time_s=send,
+        send_time_s=send,
+        first_token_time_s=chunks[0] if chunks else None,
+        chunk_times_s=chunks,
+        end_time_s=chunks[-1] if chunks else send + 0.01,
+        status=kwargs.pop("status", 200),
+        **kwargs,
     )
 
 
@@ -250,8 +274,10 @@ def test_goodput_over_a_synthetic_sweep():
     assert compute_goodput([(1.0, 0.5), (2.0, 0.2)]) is None
     # attainment computed from records feeds straight in
     slo = SloTarget(ttft_ms=100.0, itl_ms=50.0)
-    runs = {rate: [_record(f"{rate}-{i}", 0.0, [ttft, ttft + 0.01]) for i, ttft in enumerate(ttfts)]
-            for rate, ttfts in {1.0: [0.05] * 10, 2.0: [0.05] * 9 + [0.5], 4.0: [0.05] * 8 + [0.5] * 2}.items()}
+    runs = {
+        rate: [_record(f"{rate}-{i}", 0.0, [ttft, ttft + 0.01]) for i, ttft in enumerate(ttfts)]
+        for rate, ttfts in {1.0: [0.05] * 10, 2.0: [0.05] * 9 + [0.5], 4.0: [0.05] * 8 + [0.5] * 2}.items()
+    }
     assert compute_goodput((rate, slo_attainment(records, slo)) for rate, records in runs.items()) == 2.0
 
 
@@ -284,8 +310,9 @@ def test_client_streams_records_and_errors(fake_server):
 
 
 def test_client_cached_share_and_dependencies(fake_server):
-    workload = MultiTurnWorkload(num_conversations=2, num_turns=3, first_turn_len=32,
-                                 user_turn_len=16, max_tokens=16, vocab=VOCAB)
+    workload = MultiTurnWorkload(
+        num_conversations=2, num_turns=3, first_turn_len=32, user_turn_len=16, max_tokens=16, vocab=VOCAB
+    )
     options = ClientOptions(base_url=fake_server.url, show_progress=False)
     run = BenchClient(options).run(workload.generate(seed=99), LoadPoint(concurrency=4), "mt")
     by_id = {r.request_id: r for r in run.records}
@@ -295,8 +322,9 @@ def test_client_cached_share_and_dependencies(fake_server):
         for earlier, later in zip(turns, turns[1:]):
             assert later.send_time_s >= earlier.end_time_s  # next turn waits for the previous one
         assert [t.cached_tokens for t in turns] == [0, 32, 64]
-    prefix = PrefixRepetitionWorkload(num_prefixes=2, prefix_len=32, suffixes_per_prefix=4,
-                                      suffix_len=8, max_tokens=2, vocab=VOCAB)
+    prefix = PrefixRepetitionWorkload(
+        num_prefixes=2, prefix_len=32, suffixes_per_prefix=4, suffix_len=8, max_tokens=2, vocab=VOCAB
+    )
     run = BenchClient(options).run(prefix.generate(seed=123), LoadPoint(concurrency=1), "prefix")
     # per group the first request caches nothing, the other 3 hit the 32-token prefix
     assert compute_run_metrics(run).cached_token_share == pytest.approx(2 * 3 * 32 / (8 * 40))
@@ -305,8 +333,7 @@ def test_client_cached_share_and_dependencies(fake_server):
 def test_client_wall_time_bound_cancels_in_flight():
     server = FakeServerThread(FakeServerState(ttft_s=0.01, itl_s=0.2)).start()
     try:
-        requests = [BenchRequest(f"r{i}", (300, 301, 302), max_tokens=50, arrival_offset_s=0.1 * i)
-                    for i in range(10)]
+        requests = [BenchRequest(f"r{i}", (300, 301, 302), max_tokens=50, arrival_offset_s=0.1 * i) for i in range(10)]
         options = ClientOptions(base_url=server.url, max_seconds=0.5, max_requests=8, show_progress=False)
         started = time.monotonic()
         run = BenchClient(options).run(requests, LoadPoint(), "slow")
@@ -341,8 +368,11 @@ def test_managed_server_failures_and_escalation(tmp_path: Path):
     with pytest.raises(ServerStartError, match="exited with code 3"):
         failing.start()
     pid_file = tmp_path / "stubborn.pid"
-    stubborn = ManagedServer(f"{sys.executable} {FAKE_SERVER_SCRIPT} --stubborn --port {{port}} "
-                             f"--pid-file {pid_file}", startup_timeout_s=20, stop_timeout_s=0.5)
+    stubborn = ManagedServer(
+        f"{sys.executable} {FAKE_SERVER_SCRIPT} --stubborn --port {{port}} --pid-file {pid_file}",
+        startup_timeout_s=20,
+        stop_timeout_s=0.5,
+    )
     stubborn.start()
     server_pid = int(pid_file.read_text())
     started = time.monotonic()
@@ -358,15 +388,46 @@ def _bench_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(["bench", *argv])
 
 
-SMALL_WORKLOAD = ["--num-prefixes", "2", "--prefix-len", "32", "--suffixes-per-prefix", "3",
-                  "--suffix-len", "8", "--max-tokens", "6", "--vocab-range", "100:5000", "--no-progress"]
+SMALL_WORKLOAD = [
+    "--num-prefixes",
+    "2",
+    "--prefix-len",
+    "32",
+    "--suffixes-per-prefix",
+    "3",
+    "--suffix-len",
+    "8",
+    "--max-tokens",
+    "6",
+    "--vocab-range",
+    "100:5000",
+    "--no-progress",
+]
 
 
 def test_run_bench_end_to_end(fake_server, tmp_path: Path):
     out = tmp_path / "out"
-    args = _bench_args(["--url", fake_server.url, *SMALL_WORKLOAD, "--rate", "20", "--rate", "40,inf",
-                        "--ttft-slo-ms", "1000", "--itl-slo-ms", "200", "--out", str(out),
-                        "--scrape-metric", "fake_requests_in_flight", "--scrape-interval", "0.05"])
+    args = _bench_args(
+        [
+            "--url",
+            fake_server.url,
+            *SMALL_WORKLOAD,
+            "--rate",
+            "20",
+            "--rate",
+            "40,inf",
+            "--ttft-slo-ms",
+            "1000",
+            "--itl-slo-ms",
+            "200",
+            "--out",
+            str(out),
+            "--scrape-metric",
+            "fake_requests_in_flight",
+            "--scrape-interval",
+            "0.05",
+        ]
+    )
     assert run_bench(args) == 0
     results = json.loads((out / "results.json").read_text())
     (config,) = results["configs"]
@@ -390,12 +451,39 @@ def test_run_bench_compare_urls_and_command(fake_server, tmp_path: Path):
     command = f"{sys.executable} {FAKE_SERVER_SCRIPT} --port {{port}} --ttft-ms 5 --pid-file {pid_file}"
     out = tmp_path / "cmp"
     try:
-        args = _bench_args([*SMALL_WORKLOAD, "--workload", "multi-turn", "--num-conversations", "2",
-                            "--num-turns", "2", "--first-turn-len", "16", "--user-turn-len", "4",
-                            "--concurrency", "2", "--ttft-slo-ms", "600", "--itl-slo-ms", "300", "--out", str(out),
-                            "--prompt-format", "text",
-                            "--compare", f"fast={fake_server.url}", "--compare", f"slow={slow.url}",
-                            "--compare", f"spawned={command}", "--stop-timeout", "5"])
+        args = _bench_args(
+            [
+                *SMALL_WORKLOAD,
+                "--workload",
+                "multi-turn",
+                "--num-conversations",
+                "2",
+                "--num-turns",
+                "2",
+                "--first-turn-len",
+                "16",
+                "--user-turn-len",
+                "4",
+                "--concurrency",
+                "2",
+                "--ttft-slo-ms",
+                "600",
+                "--itl-slo-ms",
+                "300",
+                "--out",
+                str(out),
+                "--prompt-format",
+                "text",
+                "--compare",
+                f"fast={fake_server.url}",
+                "--compare",
+                f"slow={slow.url}",
+                "--compare",
+                f"spawned={command}",
+                "--stop-timeout",
+                "5",
+            ]
+        )
         assert run_bench(args) == 0
     finally:
         slow.stop()

@@ -1,6 +1,7 @@
 """bench/engine_throughput.py end to end on the tiny model, with a stand-in `vllm` package that
 wraps splitserve's own engine, so the subprocess protocol, the ratios and the output agreement
 are checked without vLLM installed."""
+
 from __future__ import annotations
 
 import subprocess
@@ -60,8 +61,26 @@ def fake_vllm_env(tmp_path: Path, monkeypatch, fail: bool = False) -> None:
 def test_report_with_stand_in_vllm(tiny_model, tmp_path, monkeypatch):
     fake_vllm_env(tmp_path, monkeypatch)
     out = tmp_path / "throughput.md"
-    assert main(["--model", tiny_model, "--vllm-python", sys.executable, "--batch-sizes", "1,2",
-                 "--max-tokens", "4", "--repeats", "2", "--out", str(out), "--profile"]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                tiny_model,
+                "--vllm-python",
+                sys.executable,
+                "--batch-sizes",
+                "1,2",
+                "--max-tokens",
+                "4",
+                "--repeats",
+                "2",
+                "--out",
+                str(out),
+                "--profile",
+            ]
+        )
+        == 0
+    )
     text = out.read_text()
     assert "vLLM 0.0-fake" in text
     for batch in (1, 2):
@@ -83,16 +102,44 @@ def test_vllm_that_fails_to_start_names_its_log(tiny_model, tmp_path, monkeypatc
     fake_vllm_env(tmp_path, monkeypatch, fail=True)
     out = tmp_path / "throughput.md"
     with pytest.raises(VllmProcessError, match="exited .* during start; see .*vllm.log"):
-        main(["--model", tiny_model, "--vllm-python", sys.executable, "--batch-sizes", "1",
-              "--max-tokens", "2", "--repeats", "1", "--out", str(out)])
+        main(
+            [
+                "--model",
+                tiny_model,
+                "--vllm-python",
+                sys.executable,
+                "--batch-sizes",
+                "1",
+                "--max-tokens",
+                "2",
+                "--repeats",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
     assert "fake vllm refuses to start" in out.with_suffix(".vllm.log").read_text()
     assert not out.exists()
 
 
 def test_missing_vllm_python_is_reported(tiny_model, tmp_path):
     with pytest.raises(VllmProcessError, match="no python interpreter"):
-        main(["--model", tiny_model, "--vllm-python", str(tmp_path / "nope" / "python"),
-              "--batch-sizes", "1", "--max-tokens", "2", "--repeats", "1", "--out", str(tmp_path / "r.md")])
+        main(
+            [
+                "--model",
+                tiny_model,
+                "--vllm-python",
+                str(tmp_path / "nope" / "python"),
+                "--batch-sizes",
+                "1",
+                "--max-tokens",
+                "2",
+                "--repeats",
+                "1",
+                "--out",
+                str(tmp_path / "r.md"),
+            ]
+        )
 
 
 def test_rerun_keeps_the_hand_written_analysis(tmp_path):
@@ -111,6 +158,11 @@ def test_bad_arguments_exit_with_usage(argv, capsys):
 
 
 def test_help_runs_as_a_module():
-    proc = subprocess.run([sys.executable, "-m", "splitserve.bench.engine_throughput", "--help"], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "splitserve.bench.engine_throughput", "--help"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0 and "--vllm-python" in proc.stdout

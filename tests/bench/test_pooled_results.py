@@ -1,4 +1,5 @@
 """splitserve.bench.pooled_results: repeats of one (config, load) pool their records and seconds."""
+
 from __future__ import annotations
 
 import json
@@ -14,22 +15,43 @@ from splitserve.bench.run_result import RunResult
 
 def _record(i: int, ttft_s: float, gap_s: float, tokens: int = 4) -> RequestRecord:
     chunks = [ttft_s + k * gap_s for k in range(tokens)]
-    return RequestRecord(request_id=f"r{i}", num_prompt_tokens_sent=10, max_tokens=tokens, scheduled_time_s=0.0,
-                         send_time_s=0.0, first_token_time_s=ttft_s, chunk_times_s=chunks,
-                         end_time_s=chunks[-1], prompt_tokens=10, completion_tokens=tokens, cached_tokens=5,
-                         status=200)
+    return RequestRecord(
+        request_id=f"r{i}",
+        num_prompt_tokens_sent=10,
+        max_tokens=tokens,
+        scheduled_time_s=0.0,
+        send_time_s=0.0,
+        first_token_time_s=ttft_s,
+        chunk_times_s=chunks,
+        end_time_s=chunks[-1],
+        prompt_tokens=10,
+        completion_tokens=tokens,
+        cached_tokens=5,
+        status=200,
+    )
 
 
 def _write(path, runs_by_config: dict[str, list[RunResult]]) -> None:
-    payload = {"workload": {"kind": "test"}, "slo": SloTarget(100.0, 30.0).to_dict(),
-               "configs": [{"name": name, "runs": [{**run.to_dict(), "metrics": {}} for run in runs]}
-                           for name, runs in runs_by_config.items()]}
+    payload = {
+        "workload": {"kind": "test"},
+        "slo": SloTarget(100.0, 30.0).to_dict(),
+        "configs": [
+            {"name": name, "runs": [{**run.to_dict(), "metrics": {}} for run in runs]}
+            for name, runs in runs_by_config.items()
+        ],
+    }
     path.write_text(json.dumps(payload))
 
 
 def _run(config: str, rate: float, ttft_s: float, gap_s: float, duration_s: float) -> RunResult:
-    return RunResult(config_name=config, load=LoadPoint(rate=rate), model="m", base_url="u",
-                     duration_s=duration_s, records=[_record(i, ttft_s, gap_s) for i in range(3)])
+    return RunResult(
+        config_name=config,
+        load=LoadPoint(rate=rate),
+        model="m",
+        base_url="u",
+        duration_s=duration_s,
+        records=[_record(i, ttft_s, gap_s) for i in range(3)],
+    )
 
 
 def test_repeats_pool_records_and_seconds(tmp_path):
@@ -53,8 +75,13 @@ def test_repeats_pool_records_and_seconds(tmp_path):
 
 def test_main_writes_plot(tmp_path, capsys):
     results = tmp_path / "r.json"
-    _write(results, {"a": [_run("a", 1.0, 0.05, 0.01, 2.0), _run("a", 2.0, 0.05, 0.01, 1.0)],
-                     "b": [_run("b", 1.0, 0.1, 0.01, 2.0), _run("b", 2.0, 0.3, 0.01, 1.0)]})
+    _write(
+        results,
+        {
+            "a": [_run("a", 1.0, 0.05, 0.01, 2.0), _run("a", 2.0, 0.05, 0.01, 1.0)],
+            "b": [_run("b", 1.0, 0.1, 0.01, 2.0), _run("b", 2.0, 0.3, 0.01, 1.0)],
+        },
+    )
     png = tmp_path / "p.png"
     assert main([str(results), "--baseline", "b", "--plot", str(png)]) == 0
     assert png.stat().st_size > 1000

@@ -1,10 +1,11 @@
 """splitserve.bench.process_cpu_profile: CPU seconds of a command's process tree, by role."""
+
 from __future__ import annotations
 
 import subprocess
 import sys
 
-from splitserve.bench.process_cpu_profile import OTHERS, main, profile, render, _role
+from splitserve.bench.process_cpu_profile import OTHERS, _role, main, profile, render
 
 BURN = "import time\nend = time.process_time() + 0.4\nwhile time.process_time() < end: pass\n"
 
@@ -20,8 +21,9 @@ def test_also_pid_counts_a_server_started_beforehand(tmp_path):
     go, done = tmp_path / "go", tmp_path / "done"
     wait = "import pathlib, time\nend = time.time() + 30\nwhile not pathlib.Path({!r}).exists() and time.time() < end: time.sleep(0.02)\n"
     # The "server" burns CPU only once the profiled command has started, then stays alive.
-    server = subprocess.Popen([sys.executable, "-c", wait.format(str(go)) + BURN
-                               + f"open({str(done)!r}, 'w').close()\ntime.sleep(30)\n"])
+    server = subprocess.Popen(
+        [sys.executable, "-c", wait.format(str(go)) + BURN + f"open({str(done)!r}, 'w').close()\ntime.sleep(30)\n"]
+    )
     command = f"open({str(go)!r}, 'w').close()\n" + wait.format(str(done))
     try:
         _, _, per_role = profile([sys.executable, "-c", command], interval_s=0.1, also_roots=[server.pid])

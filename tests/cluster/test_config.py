@@ -1,12 +1,20 @@
 """ModelConfig / EngineConfig / ServeConfig validation."""
+
 import pytest
 
 from splitserve.cluster.config import ServeConfig
 from splitserve.engine.config import ConfigError, EngineConfig, ModelConfig
 
-BASE = {"architectures": ["MistralForCausalLM"], "vocab_size": 100, "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_position_embeddings": 1024}
+BASE = {
+    "architectures": ["MistralForCausalLM"],
+    "vocab_size": 100,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+}
 
 
 def test_sliding_window_caps_the_context():
@@ -17,11 +25,14 @@ def test_sliding_window_caps_the_context():
     assert ModelConfig.from_dict(qwen).attention_bias
 
 
-@pytest.mark.parametrize("patch,match", [
-    ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture"),
-    ({"num_key_value_heads": 3}, "multiple"),
-    ({"architectures": []}, "architectures"),
-])
+@pytest.mark.parametrize(
+    "patch,match",
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture"),
+        ({"num_key_value_heads": 3}, "multiple"),
+        ({"architectures": []}, "architectures"),
+    ],
+)
 def test_bad_model_configs(patch, match):
     with pytest.raises(ConfigError, match=match):
         ModelConfig.from_dict({**BASE, **patch})

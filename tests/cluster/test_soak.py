@@ -6,6 +6,7 @@ memory of the whole serve process tree flat after warm-up, block pools back to b
     pytest tests/cluster/test_soak.py                                    # CI: 32 clients x 30 s
     SPLITSERVE_SOAK_SECONDS=1800 pytest -m slow tests/cluster/test_soak.py   # the long soak
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,9 +20,8 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
-import pytest
-
 import psutil
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers.serve_process import ServeProcess
@@ -29,8 +29,8 @@ from tests.helpers.serve_process import ServeProcess
 pytestmark = pytest.mark.ray
 NUM_CLIENTS = 32
 CI_SECONDS = 30.0
-MAX_QUEUED = 24            # < NUM_CLIENTS: the frontend must shed load with 429, not queue it
-MAX_RSS_GROWTH = 0.15      # between the end of warm-up (1/3 of the run) and the end
+MAX_QUEUED = 24  # < NUM_CLIENTS: the frontend must shed load with 429, not queue it
+MAX_RSS_GROWTH = 0.15  # between the end of warm-up (1/3 of the run) and the end
 # Prompt families with shared prefixes (the KV router's and prefix caches' normal case).
 TOPICS = ["the history of the printing press", "how tides work", "a recipe for bread", "the rules of chess"]
 
@@ -75,26 +75,42 @@ def tree_rss(pid: int) -> dict[str, int]:
 def listening_hosts(pid: int, port: int) -> set[str]:
     """The addresses the serve process tree listens on at `port`."""
     pids = {pid, *(child.pid for child in psutil.Process(pid).children(recursive=True))}
-    return {conn.laddr.ip for conn in psutil.net_connections(kind="inet")
-            if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid in pids}
+    return {
+        conn.laddr.ip
+        for conn in psutil.net_connections(kind="inet")
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid in pids
+    }
 
 
 def _is_loopback(host: str) -> bool:
     address = ipaddress.ip_address(host)
-    return (getattr(address, "ipv4_mapped", None) or address).is_loopback   # "::ffff:127.0.0.1" too
+    return (getattr(address, "ipv4_mapped", None) or address).is_loopback  # "::ffff:127.0.0.1" too
 
 
 async def one_request(http: httpx.AsyncClient, model: str, rng: random.Random, report: SoakReport) -> None:
     topic = rng.choice(TOPICS)
     max_tokens = rng.randint(4, 24)
-    common = {"model": model, "max_tokens": max_tokens, "stream": True, "temperature": rng.choice([0.0, 0.8]),
-              "seed": rng.randrange(1000), "stream_options": {"include_usage": True}}
+    common = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "temperature": rng.choice([0.0, 0.8]),
+        "seed": rng.randrange(1000),
+        "stream_options": {"include_usage": True},
+    }
     if rng.random() < 0.7:
         path, body = "/v1/completions", {**common, "prompt": f"Write about {topic}. Part {rng.randrange(50)}:"}
     else:
-        path, body = "/v1/chat/completions", {**common, "messages": [
-            {"role": "system", "content": "You are a helpful assistant."},
-            {"role": "user", "content": f"Tell me about {topic}, point {rng.randrange(50)}."}]}
+        path, body = (
+            "/v1/chat/completions",
+            {
+                **common,
+                "messages": [
+                    {"role": "system", "content": "You are a helpful assistant."},
+                    {"role": "user", "content": f"Tell me about {topic}, point {rng.randrange(50)}."},
+                ],
+            },
+        )
     async with http.stream("POST", path, json=body) as resp:
         if resp.status_code == 429:
             report.num_429 += 1
@@ -104,7 +120,7 @@ async def one_request(http: httpx.AsyncClient, model: str, rng: random.Random, r
         if resp.status_code != 200:
             report.errors.append(f"{path}: HTTP {resp.status_code} {(await resp.aread())[:200]!r}")
             return
-        events = [line[len("data: "):] async for line in resp.aiter_lines() if line.startswith("data: ")]
+        events = [line[len("data: ") :] async for line in resp.aiter_lines() if line.startswith("data: ")]
     if not events or events[-1] != "[DONE]":
         report.errors.append(f"{path}: stream ended without [DONE] after {len(events)} events")
         return
@@ -130,7 +146,7 @@ async def run_clients(base_url: str, duration_s: float, report: SoakReport) -> N
             while time.monotonic() < stop_at:
                 try:
                     await one_request(http, model, rng, report)
-                except (httpx.HTTPError, ValueError, KeyError) as exc:   # a hang ends as a timeout here
+                except (httpx.HTTPError, ValueError, KeyError) as exc:  # a hang ends as a timeout here
                     report.errors.append(f"client {i}: {type(exc).__name__}: {exc}")
 
         await asyncio.gather(*(client(i) for i in range(NUM_CLIENTS)))
@@ -150,11 +166,21 @@ def pools_at_baseline(base_url: str) -> bool:
 
 
 def soak(tiny_model: str, log_dir, duration_s: float) -> SoakReport:
-    server = ServeProcess(tiny_model, log_dir / "serve.log", "--prefill-replicas", "1", "--decode-replicas", "1",
-                          "--router", "kv", "--max-queued-requests", str(MAX_QUEUED))
+    server = ServeProcess(
+        tiny_model,
+        log_dir / "serve.log",
+        "--prefill-replicas",
+        "1",
+        "--decode-replicas",
+        "1",
+        "--router",
+        "kv",
+        "--max-queued-requests",
+        str(MAX_QUEUED),
+    )
     report = SoakReport()
     try:
-        for port in (server.http_port, server.grpc_port):   # the default: loopback only
+        for port in (server.http_port, server.grpc_port):  # the default: loopback only
             hosts = listening_hosts(server.proc.pid, port)
             assert hosts and all(_is_loopback(h) for h in hosts), f"port {port} listens on {hosts}"
         stop = threading.Event()
@@ -173,10 +199,16 @@ def soak(tiny_model: str, log_dir, duration_s: float) -> SoakReport:
         while not pools_at_baseline(server.base_url):
             assert time.monotonic() < deadline, f"block pools not back to baseline: {metric_samples(server.base_url)}"
             time.sleep(0.2)
-        statuses = {s.labels["status"]: s.value for s in metric_samples(server.base_url)["splitserve_requests"]
-                    if s.name.endswith("_total")}
-        report.errors += [f"server counted {n:.0f} requests with status {status}"
-                          for status, n in statuses.items() if status not in ("200", "429")]
+        statuses = {
+            s.labels["status"]: s.value
+            for s in metric_samples(server.base_url)["splitserve_requests"]
+            if s.name.endswith("_total")
+        }
+        report.errors += [
+            f"server counted {n:.0f} requests with status {status}"
+            for status, n in statuses.items()
+            if status not in ("200", "429")
+        ]
         assert server.proc.poll() is None, "the server died during the soak"
     finally:
         assert server.stop() == 0, server.log_path.read_text()[-3000:]
@@ -187,10 +219,12 @@ def check(report: SoakReport, duration_s: float) -> None:
     warm, end = duration_s / 3, duration_s
     rss_warm, rss_end = report.rss_at(warm - 2, warm + 2), report.rss_at(end - 4, end)
     growth = rss_end / rss_warm - 1
-    print(f"soak: {NUM_CLIENTS} clients x {duration_s:.0f} s: {report.num_ok} streams ok "
-          f"({report.num_tokens} tokens), {report.num_429} x 429, {len(report.errors)} unexpected errors; "
-          f"tree RSS {rss_warm / 2**20:.0f} MiB after warm-up -> {rss_end / 2**20:.0f} MiB at the end "
-          f"({100 * growth:+.1f}%); grew most: {report.top_growers(warm)}")
+    print(
+        f"soak: {NUM_CLIENTS} clients x {duration_s:.0f} s: {report.num_ok} streams ok "
+        f"({report.num_tokens} tokens), {report.num_429} x 429, {len(report.errors)} unexpected errors; "
+        f"tree RSS {rss_warm / 2**20:.0f} MiB after warm-up -> {rss_end / 2**20:.0f} MiB at the end "
+        f"({100 * growth:+.1f}%); grew most: {report.top_growers(warm)}"
+    )
     assert not report.errors, report.errors[:10]
     assert report.num_ok >= NUM_CLIENTS, "the server completed almost nothing"
     assert growth < MAX_RSS_GROWTH, f"resident memory grew {100 * growth:.1f}% after warm-up"

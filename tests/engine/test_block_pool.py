@@ -1,11 +1,12 @@
 """Block pool, block hashes and the KV cache manager: pure-integer bookkeeping."""
+
 import pytest
 
-from splitserve.engine.core.block_hash import ROOT_HASH, hash_block, hash_blocks, extend_hashes
+from splitserve.engine.core.block_hash import ROOT_HASH, extend_hashes, hash_block, hash_blocks
 from splitserve.engine.core.block_pool import REMOVED, STORED, BlockPool, KVEvent, NoFreeBlocksError
 from splitserve.engine.core.kv_cache_manager import KVCacheManager
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.core.sequence import Sequence
+from splitserve.engine.io.sampling_params import SamplingParams
 
 
 def test_hash_is_fixed_and_chained():
@@ -26,10 +27,18 @@ def test_hash_is_fixed_and_chained():
 
 
 def test_hash_stable_across_processes():
-    import subprocess, sys
+    import subprocess
+    import sys
+
     code = "from splitserve.engine.core.block_hash import hash_blocks; print(hash_blocks(list(range(32)), 16))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PYTHONHASHSEED": "123", "PATH": ""}, cwd=str(__import__("pathlib").Path(__file__).parents[2]))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONHASHSEED": "123", "PATH": ""},
+        cwd=str(__import__("pathlib").Path(__file__).parents[2]),
+    )
     assert out.stdout.strip() == str(hash_blocks(list(range(32)), 16))
 
 
@@ -46,7 +55,7 @@ def test_pool_lru_keeps_hash_until_reuse_and_emits_events():
     pool.free(a)
     assert pool.num_free_blocks == 4
     assert pool.lookup(111) == a[0]  # still cached while free
-    pool.touch([a[0]])                # revive
+    pool.touch([a[0]])  # revive
     assert pool.num_free_blocks == 3
     pool.free([a[0]])
     # Uncached blocks are reused before cached ones.

@@ -1,4 +1,5 @@
 """The paged-KV model matches Hugging Face transformers on random checkpoints (tiny preset)."""
+
 from __future__ import annotations
 
 import json
@@ -9,13 +10,13 @@ from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 
-from splitserve.engine.ops.attention import paged_decode_attention_torch, write_kv  # noqa: E402
-from splitserve.engine.model.checkpoint import CheckpointError  # noqa: E402
 from splitserve.engine.config import ConfigError  # noqa: E402
+from splitserve.engine.model.checkpoint import CheckpointError  # noqa: E402
 from splitserve.engine.model.loader import load_model  # noqa: E402
-from splitserve.engine.testing.make_model import MakeModelError, main as make_model_main, write_random_checkpoint  # noqa: E402
-from tests.helpers.model import (  # noqa: E402
-    contiguous_metadata, greedy_generate, make_checkpoint, make_kv_cache)
+from splitserve.engine.ops.attention import paged_decode_attention_torch, write_kv  # noqa: E402
+from splitserve.engine.testing.make_model import MakeModelError, write_random_checkpoint  # noqa: E402
+from splitserve.engine.testing.make_model import main as make_model_main  # noqa: E402
+from tests.helpers.model import contiguous_metadata, greedy_generate, make_checkpoint, make_kv_cache  # noqa: E402
 
 ARCH_CASES = {
     "llama": dict(arch="llama", seed=1),
@@ -55,6 +56,7 @@ def loaded(models_root):
             hf_tok = transformers.AutoTokenizer.from_pretrained(path)
             cache[case] = (path, model, hf, hf_tok)
         return cache[case]
+
     return get
 
 
@@ -67,8 +69,14 @@ def test_make_model_is_deterministic_and_loads(models_root, tmp_path):
     first = make_checkpoint(models_root, "tiny", "llama", seed=1)
     second = tmp_path / "again"
     assert make_model_main([str(second), "--preset", "tiny", "--arch", "llama", "--seed", "1"]) == 0
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "generation_config.json", "special_tokens_map.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "special_tokens_map.json",
+    ):
         assert (first / name).read_bytes() == (second / name).read_bytes(), name
     other = write_random_checkpoint(tmp_path / "seed9", preset="tiny", seed=9)
     assert (other / "model.safetensors").read_bytes() != (first / "model.safetensors").read_bytes()
@@ -83,8 +91,9 @@ def test_make_model_is_deterministic_and_loads(models_root, tmp_path):
 @pytest.mark.parametrize("case", list(ARCH_CASES))
 def test_prefill_logits_match_transformers(loaded, case):
     path, model, hf, hf_tok = loaded(case)
-    expected_class = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                      "qwen2": "Qwen2ForCausalLM"}[ARCH_CASES[case]["arch"]]
+    expected_class = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[
+        ARCH_CASES[case]["arch"]
+    ]
     assert type(hf).__name__ == expected_class
     ids = hf_tok(PROMPT).input_ids
     assert len(ids) > 100
@@ -137,10 +146,15 @@ def test_greedy_matches_transformers_generate(loaded, case):
     prompt = hf_tok("Hello, how are you today? I am fine").input_ids
     num_new = 72
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          max_new_tokens=num_new, do_sample=False,
-                          eos_token_id=None, pad_token_id=hf_tok.pad_token_id)
-    expected = out[0, len(prompt):].tolist()
+        out = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=num_new,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=hf_tok.pad_token_id,
+        )
+    expected = out[0, len(prompt) :].tolist()
     mine = greedy_generate(model, prompt, num_new)
     assert mine == expected
     assert len(set(mine)) > 8  # a random model that just repeats one token would prove little
@@ -168,8 +182,9 @@ def test_on_layer_done_runs_after_each_layers_kv_is_written(loaded):
     seen = []
 
     def on_layer_done(layer: int) -> None:
-        written = kv_cache.key_cache(layer).reshape(-1, model.config.num_key_value_heads,
-                                                    model.config.head_dim)[meta.slot_mapping]
+        written = kv_cache.key_cache(layer).reshape(-1, model.config.num_key_value_heads, model.config.head_dim)[
+            meta.slot_mapping
+        ]
         not_yet = [kv_cache.key_cache(i).abs().sum().item() for i in range(layer + 1, 2)]
         seen.append((layer, bool(written.abs().sum() > 0), not_yet))
 
@@ -205,18 +220,18 @@ def test_paged_decode_attention_matches_reference(monkeypatch, num_seqs, sparse)
     key_cache = torch.zeros(num_blocks, block_size, kv_heads, dim)
     value_cache = torch.zeros_like(key_cache)
     context_lens = [1, 7, 13, 4, 16][:num_seqs] if num_seqs > 1 else [11]
-    tables = torch.randperm(num_blocks, generator=gen)[:num_seqs * 4].view(num_seqs, 4).to(torch.int32)
+    tables = torch.randperm(num_blocks, generator=gen)[: num_seqs * 4].view(num_seqs, 4).to(torch.int32)
     keys = [torch.randn(n, kv_heads, dim, generator=gen) for n in context_lens]
     values = [torch.randn(n, kv_heads, dim, generator=gen) for n in context_lens]
     for seq, n in enumerate(context_lens):
-        slots = torch.tensor([int(tables[seq, p // block_size]) * block_size + p % block_size
-                              for p in range(n)])
+        slots = torch.tensor([int(tables[seq, p // block_size]) * block_size + p % block_size for p in range(n)])
         write_kv(key_cache, value_cache, keys[seq], values[seq], slots)
     q = torch.randn(num_seqs, heads, dim, generator=gen)
-    out = paged_decode_attention_torch(q, key_cache, value_cache, tables,
-                                       torch.tensor(context_lens, dtype=torch.int32), 0.3)
+    out = paged_decode_attention_torch(
+        q, key_cache, value_cache, tables, torch.tensor(context_lens, dtype=torch.int32), 0.3
+    )
     for seq in range(num_seqs):
-        k = keys[seq].repeat_interleave(heads // kv_heads, dim=1)   # [n, H, D]
+        k = keys[seq].repeat_interleave(heads // kv_heads, dim=1)  # [n, H, D]
         v = values[seq].repeat_interleave(heads // kv_heads, dim=1)
         probs = (torch.einsum("hd,nhd->hn", q[seq], k) * 0.3).softmax(-1)
         torch.testing.assert_close(out[seq], torch.einsum("hn,nhd->hd", probs, v))

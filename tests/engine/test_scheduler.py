@@ -1,8 +1,9 @@
 """Scheduler behaviour without a model: budgets, chunking, preemption, stops, block baseline."""
+
 from splitserve.engine.core.kv_cache_manager import KVCacheManager
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.core.scheduler import Scheduler
 from splitserve.engine.core.sequence import Sequence, SequenceStatus
+from splitserve.engine.io.sampling_params import SamplingParams
 
 BS = 4
 
@@ -15,8 +16,11 @@ def make(num_blocks=16, max_seqs=8, budget=16, max_len=256, eos=(0,)):
 def fake_step(sched):
     """Schedule, then 'sample' token 7 for every sequence that reached its end."""
     batch = sched.schedule()
-    sampled = {s.request_id: (7, None) for s, n in zip(batch.seqs, batch.num_new_tokens)
-               if s.num_computed_tokens + n == s.num_tokens}
+    sampled = {
+        s.request_id: (7, None)
+        for s, n in zip(batch.seqs, batch.num_new_tokens)
+        if s.num_computed_tokens + n == s.num_tokens
+    }
     sched.update(batch, sampled)
     return batch
 
@@ -27,7 +31,8 @@ def test_chunked_prefill_respects_budget_and_decodes_first():
     sched.add(a)
     b1 = fake_step(sched)
     assert b1.num_new_tokens == [8] and a.num_output_tokens == 0
-    fake_step(sched); fake_step(sched)
+    fake_step(sched)
+    fake_step(sched)
     assert a.num_computed_tokens == 20 and a.num_output_tokens == 1
     b = Sequence("b", list(range(1, 30)), SamplingParams(max_tokens=2, ignore_eos=True), BS)
     sched.add(b)
@@ -50,8 +55,10 @@ def test_max_num_seqs():
 
 def test_preemption_by_recompute_and_pool_baseline():
     kv, sched = make(num_blocks=6, budget=64)
-    seqs = [Sequence(str(i), list(range(1 + i, 8 + i)), SamplingParams(max_tokens=12, ignore_eos=True), BS)
-            for i in range(3)]
+    seqs = [
+        Sequence(str(i), list(range(1 + i, 8 + i)), SamplingParams(max_tokens=12, ignore_eos=True), BS)
+        for i in range(3)
+    ]
     for s in seqs:
         sched.add(s)
     while sched.has_unfinished():
@@ -97,9 +104,11 @@ def test_sampler_survives_degenerate_parameters():
     from splitserve.engine.sample.sampler import Sampler
 
     logits = torch.randn(3, 50)
-    params = [SamplingParams(temperature=5e-324, top_p=5e-324),          # effectively greedy
-              SamplingParams(temperature=100.0, top_p=5e-324, seed=1),    # keeps one token
-              SamplingParams(temperature=1.0, top_k=3, seed=2)]
+    params = [
+        SamplingParams(temperature=5e-324, top_p=5e-324),  # effectively greedy
+        SamplingParams(temperature=100.0, top_p=5e-324, seed=1),  # keeps one token
+        SamplingParams(temperature=1.0, top_k=3, seed=2),
+    ]
     out = Sampler().sample(logits, ["a", "b", "c"], params)
     assert out[0][0] == int(torch.argmax(logits[0]))
     assert out[1][0] == int(torch.argmax(logits[1]))

@@ -1,4 +1,5 @@
 """splitserve.engine.io.tokenizer / splitserve.engine.io.detokenizer agree with transformers' AutoTokenizer."""
+
 from __future__ import annotations
 
 import json
@@ -7,9 +8,9 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from splitserve.engine.model.checkpoint import CheckpointError  # noqa: E402
 from splitserve.engine.io.detokenizer import IncrementalDetokenizer  # noqa: E402
 from splitserve.engine.io.tokenizer import Tokenizer, TokenizerError  # noqa: E402
+from splitserve.engine.model.checkpoint import CheckpointError  # noqa: E402
 from tests.helpers.model import make_checkpoint  # noqa: E402
 
 TEXTS = [
@@ -65,8 +66,7 @@ def test_special_ids_and_vocab(tokenizers, checkpoint):
 def test_chat_template_matches_transformers(tokenizers, add_generation_prompt):
     ours, hf = tokenizers
     text = ours.apply_chat_template(MESSAGES, add_generation_prompt=add_generation_prompt)
-    assert text == hf.apply_chat_template(MESSAGES, tokenize=False,
-                                          add_generation_prompt=add_generation_prompt)
+    assert text == hf.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=add_generation_prompt)
     assert text.startswith("<s><|im_start|>system\nYou are terse.<|im_end|>\n")
     assert text.endswith("<|im_start|>assistant\n") == add_generation_prompt
     ids = ours.apply_chat_template(MESSAGES, add_generation_prompt=add_generation_prompt, tokenize=True)

@@ -4,6 +4,7 @@ The kernel checks live in tests/helpers/triton_cases.py and run once, in a subpr
 TRITON_INTERPRET=1 (triton.jit reads it at decoration time, and this pytest process may already
 have imported the kernels without it); each case is then reported as its own test here.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -39,7 +40,11 @@ def interpreted_results() -> dict[str, str]:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     completed = subprocess.run(
         [sys.executable, str(CASES_PATH)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert completed.returncode == 0, completed.stderr[-4000:]
     return json.loads(completed.stdout.strip().splitlines()[-1])

@@ -6,6 +6,7 @@ Rejects token ids >= vocab_size with 400 like vLLM. Exposes /health, /v1/models 
 (`fake_requests_in_flight{replica=...}`). Runs in a thread (FakeServerThread) or as a script;
 `--stubborn` instead serves only /health and ignores SIGINT and SIGTERM, to test escalation.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -113,13 +114,22 @@ def create_app(state: FakeServerState) -> FastAPI:
                         await asyncio.sleep(state.itl_s)
                     finish = "length" if i == max_tokens - 1 else None
                     text = f" tok{i}"
-                    choice = ({"index": 0, "delta": {"content": text}, "finish_reason": finish} if chat
-                              else {"index": 0, "text": text, "finish_reason": finish})
+                    choice = (
+                        {"index": 0, "delta": {"content": text}, "finish_reason": finish}
+                        if chat
+                        else {"index": 0, "text": text, "finish_reason": finish}
+                    )
                     yield event([choice])
                 if include_usage:
-                    yield event([], {"prompt_tokens": len(units), "completion_tokens": max_tokens,
-                                     "total_tokens": len(units) + max_tokens,
-                                     "prompt_tokens_details": {"cached_tokens": cached}})
+                    yield event(
+                        [],
+                        {
+                            "prompt_tokens": len(units),
+                            "completion_tokens": max_tokens,
+                            "total_tokens": len(units) + max_tokens,
+                            "prompt_tokens_details": {"cached_tokens": cached},
+                        },
+                    )
                 yield "data: [DONE]\n\n"
             finally:
                 state.in_flight[replica] -= 1
@@ -142,12 +152,11 @@ class FakeServerThread:
 
     def __init__(self, state: FakeServerState | None = None) -> None:
         self.state = state or FakeServerState()
-        config = uvicorn.Config(create_app(self.state), host="127.0.0.1", port=0,
-                                log_level="warning", lifespan="off")
+        config = uvicorn.Config(create_app(self.state), host="127.0.0.1", port=0, log_level="warning", lifespan="off")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def start(self) -> "FakeServerThread":
+    def start(self) -> FakeServerThread:
         self.thread.start()
         deadline = time.monotonic() + 10.0
         while not self.server.started:

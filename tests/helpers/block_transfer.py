@@ -6,6 +6,7 @@ receiver's block ids differ (each side allocates its own blocks); only their cou
 On CUDA the gather/scatter run on the current stream, which NCCL's send waits on and its recv
 is waited on by, so no extra synchronization is needed.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -16,17 +17,29 @@ from splitserve.engine.ops.block_copy import BlockCopyError, gather_blocks, scat
 from splitserve.kvtransfer.transport import KVTransport
 
 
-def send_blocks(transport: KVTransport, peer_id: str, planes: torch.Tensor,
-                block_ids: torch.Tensor | Sequence[int], tag: int,
-                staging: torch.Tensor | None = None, timeout_s: float | None = None) -> int:
+def send_blocks(
+    transport: KVTransport,
+    peer_id: str,
+    planes: torch.Tensor,
+    block_ids: torch.Tensor | Sequence[int],
+    tag: int,
+    staging: torch.Tensor | None = None,
+    timeout_s: float | None = None,
+) -> int:
     """Pack planes[:, block_ids] (into staging if given, [P, n, E]) and send it; returns bytes."""
     packed = gather_blocks(planes, block_ids, out=staging)
     return transport.send(peer_id, [packed], tag, timeout_s)
 
 
-def recv_blocks(transport: KVTransport, peer_id: str, planes: torch.Tensor,
-                block_ids: torch.Tensor | Sequence[int], tag: int,
-                staging: torch.Tensor | None = None, timeout_s: float | None = None) -> int:
+def recv_blocks(
+    transport: KVTransport,
+    peer_id: str,
+    planes: torch.Tensor,
+    block_ids: torch.Tensor | Sequence[int],
+    tag: int,
+    staging: torch.Tensor | None = None,
+    timeout_s: float | None = None,
+) -> int:
     """Receive n packed blocks and write them to planes[:, block_ids]; returns bytes."""
     shape = (planes.shape[0], len(block_ids), planes.shape[2])
     if staging is None:

@@ -1,4 +1,5 @@
 """Helpers for tests that drive a DisaggCluster from synchronous pytest code."""
+
 from __future__ import annotations
 
 import asyncio
@@ -7,9 +8,8 @@ import time
 
 import uvicorn
 
-from splitserve.cluster.control.disagg_cluster import DisaggCluster
-from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.cluster.config import ServeConfig
+from splitserve.cluster.control.disagg_cluster import DisaggCluster
 
 
 class LoopThread:
@@ -28,12 +28,26 @@ class LoopThread:
         self.thread.join(5)
 
 
-def cluster_config(model: str, num_prefill: int = 1, num_decode: int = 1, policy: str = "round-robin",
-                lease_s: float = 5.0, num_blocks: int = 64, **extra) -> ServeConfig:
+def cluster_config(
+    model: str,
+    num_prefill: int = 1,
+    num_decode: int = 1,
+    policy: str = "round-robin",
+    lease_s: float = 5.0,
+    num_blocks: int = 64,
+    **extra,
+) -> ServeConfig:
     pool = {"num_kv_blocks": num_blocks, "resources": {"num_cpus": 1}, "torch_threads": 1}
-    return ServeConfig.model_validate({
-        "model": model, "prefill": {"replicas": num_prefill, **pool}, "decode": {"replicas": num_decode, **pool},
-        "router": {"policy": policy, "local_prefill_threshold": 0}, "kv_transfer_lease_s": lease_s, **extra})
+    return ServeConfig.model_validate(
+        {
+            "model": model,
+            "prefill": {"replicas": num_prefill, **pool},
+            "decode": {"replicas": num_decode, **pool},
+            "router": {"policy": policy, "local_prefill_threshold": 0},
+            "kv_transfer_lease_s": lease_s,
+            **extra,
+        }
+    )
 
 
 def start_cluster(loop: LoopThread, cfg: ServeConfig) -> DisaggCluster:
@@ -45,10 +59,11 @@ def start_cluster(loop: LoopThread, cfg: ServeConfig) -> DisaggCluster:
 def pool_states(loop: LoopThread, cluster: DisaggCluster) -> dict[str, dict]:
     async def collect():
         out = {}
-        for name, pool in ((PREFILL, cluster.prefill_pool), (DECODE, cluster.decode_pool)):
+        for pool in (cluster.prefill_pool, cluster.decode_pool):
             for r in pool.live_replicas():
                 out[r.replica_id] = await r.handle.poll.remote()
         return out
+
     return loop.run(collect(), timeout=30)
 
 
@@ -57,9 +72,14 @@ def wait_for_baseline(loop: LoopThread, cluster: DisaggCluster, timeout_s: float
     deadline = time.monotonic() + timeout_s
     while True:
         states = pool_states(loop, cluster)
-        busy = {rid: s["load"] for rid, s in states.items()
-                if s["load"]["num_free_blocks"] != s["load"]["num_blocks"] or s["load"].get("num_pinned", 0)
-                or s["load"]["num_running"] or s["load"]["num_waiting"]}
+        busy = {
+            rid: s["load"]
+            for rid, s in states.items()
+            if s["load"]["num_free_blocks"] != s["load"]["num_blocks"]
+            or s["load"].get("num_pinned", 0)
+            or s["load"]["num_running"]
+            or s["load"]["num_waiting"]
+        }
         if not busy:
             return states
         if time.monotonic() > deadline:
@@ -89,7 +109,7 @@ class LoopHttpServer:
         self.loop = loop
         self._done = None
 
-    def __enter__(self) -> "LoopHttpServer":
+    def __enter__(self) -> LoopHttpServer:
         self._done = asyncio.run_coroutine_threadsafe(self.server.serve(), self.loop.loop)
         wait_until(lambda: self.server.started or self._done.done(), 15, "uvicorn did not start")
         if self._done.done():

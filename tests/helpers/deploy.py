@@ -5,13 +5,15 @@ cluster/config.py changes (test_deploy_helm fails until you do):
 
     .venv/bin/python tests/helpers/deploy.py
 """
+
 from __future__ import annotations
 
 import copy
 import json
-from functools import lru_cache
+from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import yaml
 
@@ -63,8 +65,7 @@ def render_chart(values: dict[str, Any] | None = None) -> dict[str, str]:
     import helm_python
 
     with helm_python.Chart.load(CHART_DIR) as chart:
-        return chart.render(values=values, name=RELEASE_NAME, namespace=RELEASE_NAMESPACE,
-                            is_install=True)
+        return chart.render(values=values, name=RELEASE_NAME, namespace=RELEASE_NAMESPACE, is_install=True)
 
 
 def merged_values(values: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -91,9 +92,12 @@ def _strict(node: Any) -> None:
     """Forbid fields a schema does not declare, the way the API server prunes them: a typo
     in a rendered manifest then fails validation instead of vanishing silently."""
     if isinstance(node, dict):
-        if (node.get("type") == "object" and "properties" in node
-                and "additionalProperties" not in node
-                and not node.get("x-kubernetes-preserve-unknown-fields")):
+        if (
+            node.get("type") == "object"
+            and "properties" in node
+            and "additionalProperties" not in node
+            and not node.get("x-kubernetes-preserve-unknown-fields")
+        ):
             node["additionalProperties"] = False
         for value in node.values():
             _strict(value)
@@ -102,7 +106,7 @@ def _strict(node: Any) -> None:
             _strict(value)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _crd_schema(kind: str, version: str) -> str:
     plural = {"RayService": "rayservices", "RayCluster": "rayclusters"}[kind]
     crd = load_yaml(CRD_DIR / f"ray.io_{plural}.yaml")
@@ -156,12 +160,12 @@ def model_field_tree(model_cls) -> dict[str, Any]:
 
 def key_tree(values: dict[str, Any], like: dict[str, Any]) -> dict[str, Any]:
     """The keys of `values`, descending where `like` (a model_field_tree) has a subtree."""
-    return {k: (key_tree(values[k], like[k]) if like.get(k) is not None else None)
-            for k in values}
+    return {k: (key_tree(values[k], like[k]) if like.get(k) is not None else None) for k in values}
 
 
 # Value sets: "default" (the chart's values.yaml) and the stem of every ci/*.yaml. Renders
 # are cached per set; accessors hand out deep copies so tests cannot disturb each other.
+
 
 def value_set_names() -> list[str]:
     return ["default"] + [path.stem for path in ci_values_files()]
@@ -173,7 +177,7 @@ def values_for(name: str) -> dict[str, Any] | None:
     return load_yaml(CHART_DIR / "ci" / f"{name}.yaml")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _rendered_set(name: str) -> str:
     return json.dumps(rendered_objects(render_chart(values_for(name))))
 
@@ -191,7 +195,7 @@ def ray_service_of(name: str) -> dict[str, Any]:
     return ray_service
 
 
-@lru_cache(maxsize=None)
+@cache
 def _merged_set(name: str) -> str:
     return json.dumps(merged_values(values_for(name)))
 
@@ -200,7 +204,7 @@ def merged_values_of(name: str) -> dict[str, Any]:
     return json.loads(_merged_set(name))
 
 
-@lru_cache(maxsize=None)
+@cache
 def crd_validator(kind: str):
     """A cached jsonschema validator of the strict KubeRay CRD schema of `kind`."""
     import jsonschema

@@ -1,13 +1,14 @@
 """A fake ServingBackend and a GrpcFrontend running on its own event-loop thread, for tests
 that talk to the server with ordinary (sync) grpc clients."""
+
 from __future__ import annotations
 
 import asyncio
 import threading
 
-from splitserve.cluster.frontend.grpc.server import GrpcFrontend
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.frontend.errors import BackendError
+from splitserve.cluster.frontend.grpc.server import GrpcFrontend
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.kvtransfer.handoff import StreamChunk
 
@@ -29,13 +30,13 @@ class FakeBackend:
         self.reset()
 
     def reset(self) -> None:
-        self.healthy: bool | Exception = True     # an Exception: health() raises it
-        self.refusal: Exception | None = None     # raised before the first chunk
+        self.healthy: bool | Exception = True  # an Exception: health() raises it
+        self.refusal: Exception | None = None  # raised before the first chunk
         self.mid_stream_failure: Exception | None = None  # raised after the first chunk
         self.chunk_delay_s = 0.0
         self.calls: list[tuple[list[int], SamplingParams, str | None, str | None]] = []
-        self.outcomes: list[str] = []              # per finished stream: completed | GeneratorExit | ...
-        self.stream_ended = threading.Event()      # set from the server's loop thread
+        self.outcomes: list[str] = []  # per finished stream: completed | GeneratorExit | ...
+        self.stream_ended = threading.Event()  # set from the server's loop thread
 
     def encode(self, text: str) -> list[int]:
         if not text:
@@ -44,8 +45,12 @@ class FakeBackend:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
-            raise BackendError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                               f"exceeds the context length {self.max_model_len}", 400, "invalid_request_error")
+            raise BackendError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                f"exceeds the context length {self.max_model_len}",
+                400,
+                "invalid_request_error",
+            )
         if max(prompt_token_ids) >= self.tokenizer.vocab_size:
             raise BackendError("token id out of range", 400, "invalid_request_error")
 
@@ -69,10 +74,16 @@ class FakeBackend:
                 token = prompt_token_ids[i % len(prompt_token_ids)]
                 finished = i == params.max_tokens - 1
                 yield StreamChunk(
-                    request_id=request_id, token_ids=[token], text=self.tokenizer.decode([token]),
-                    finished=finished, finish_reason="length" if finished else None,
-                    num_prompt_tokens=len(prompt_token_ids), num_cached_tokens=FAKE_CACHED_TOKENS,
-                    num_output_tokens=i + 1, logprobs=[FAKE_LOGPROB] if params.logprobs else [])
+                    request_id=request_id,
+                    token_ids=[token],
+                    text=self.tokenizer.decode([token]),
+                    finished=finished,
+                    finish_reason="length" if finished else None,
+                    num_prompt_tokens=len(prompt_token_ids),
+                    num_cached_tokens=FAKE_CACHED_TOKENS,
+                    num_output_tokens=i + 1,
+                    logprobs=[FAKE_LOGPROB] if params.logprobs else [],
+                )
         except BaseException as exc:
             self.outcomes.append(type(exc).__name__)
             raise

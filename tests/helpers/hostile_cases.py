@@ -1,4 +1,5 @@
 """Hand-written hostile requests for tests/cluster/frontend/test_hostile_input.py."""
+
 from __future__ import annotations
 
 import json
@@ -18,24 +19,51 @@ def raw_completion_cases(model: str) -> list[tuple[str, bytes, int, str]]:
         ("not JSON", b"\x00\x01\x02 definitely not json", 400, ""),
         ("truncated JSON", head + b'"prompt": "x", "max_tokens": ', 400, "JSON"),
         ("deeply nested array body", _nested(30_000), 400, ""),
-        ("deeply nested prompt", head + b'"prompt": ' + _nested(5_000)[:5_000] + b"1" + _nested(5_000)[5_000:] + b"}",
-         400, ""),
-        ("deeply nested unknown field", head + b'"prompt": "x", "extra": ' + b'{"a":' * 5_000 + b"1"
-         + b"}" * 5_000 + b"}", 400, ""),
-        ("moderately nested unknown field", head + b'"prompt": "x", "max_tokens": 2, "extra": ' + _nested(200)
-         + b"}", 200, ""),
+        (
+            "deeply nested prompt",
+            head + b'"prompt": ' + _nested(5_000)[:5_000] + b"1" + _nested(5_000)[5_000:] + b"}",
+            400,
+            "",
+        ),
+        (
+            "deeply nested unknown field",
+            head + b'"prompt": "x", "extra": ' + b'{"a":' * 5_000 + b"1" + b"}" * 5_000 + b"}",
+            400,
+            "",
+        ),
+        (
+            "moderately nested unknown field",
+            head + b'"prompt": "x", "max_tokens": 2, "extra": ' + _nested(200) + b"}",
+            200,
+            "",
+        ),
         ("huge max_tokens", head + b'"prompt": "x", "max_tokens": 1000000000000}', 400, "max_tokens"),
         ("max_tokens beyond int64", head + b'"prompt": "x", "max_tokens": ' + b"9" * 40 + b"}", 400, "max_tokens"),
         ("max_tokens with 5000 digits", head + b'"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", 400, ""),
         ("negative max_tokens", head + b'"prompt": "x", "max_tokens": -5}', 400, "max_tokens"),
         ("NaN temperature", head + b'"prompt": "x", "temperature": NaN}', 400, "temperature"),
-        ("thousands of stop strings", head + b'"prompt": "x", "stop": ' + json.dumps(["s"] * 5000).encode() + b"}",
-         400, "at most 64"),
+        (
+            "thousands of stop strings",
+            head + b'"prompt": "x", "stop": ' + json.dumps(["s"] * 5000).encode() + b"}",
+            400,
+            "at most 64",
+        ),
         ("a huge stop string", head + b'"prompt": "x", "stop": "' + b"s" * 5000 + b'"}', 400, "stop"),
-        ("thousands of stop token ids", head + b'"prompt": "x", "max_tokens": 2, "stop_token_ids": '
-         + json.dumps([i % 500 for i in range(3000)]).encode() + b"}", 200, ""),
-        ("stop token id beyond int64", head + b'"prompt": "x", "stop_token_ids": [' + b"9" * 30 + b"]}",
-         400, "vocabulary"),
+        (
+            "thousands of stop token ids",
+            head
+            + b'"prompt": "x", "max_tokens": 2, "stop_token_ids": '
+            + json.dumps([i % 500 for i in range(3000)]).encode()
+            + b"}",
+            200,
+            "",
+        ),
+        (
+            "stop token id beyond int64",
+            head + b'"prompt": "x", "stop_token_ids": [' + b"9" * 30 + b"]}",
+            400,
+            "vocabulary",
+        ),
         ("top_k beyond int64", head + b'"prompt": "x", "top_k": ' + b"9" * 30 + b"}", 400, "top_k"),
         ("token id out of the vocabulary", head + b'"prompt": [1, 2, 99999999]}', 400, "vocabulary"),
         ("prompt longer than the cache", head + b'"prompt": ' + json.dumps([5] * 500).encode() + b"}", 400, "tokens"),
@@ -45,12 +73,12 @@ def raw_completion_cases(model: str) -> list[tuple[str, bytes, int, str]]:
 
 
 MALFORMED_GRPC = [
-    ("Generate", b"\x0a\xff"),                       # a length running past the end
-    ("Generate", b"\x12\x03\xff\xfe\xfd"),           # text (field 2): invalid UTF-8
-    ("Generate", b"\x1a\x05\x0a\x03\xff\xff\xff"),   # token_ids: a truncated packed varint
-    ("Generate", b"\x20" + b"\xff" * 11),            # max_tokens: a varint of 11 bytes
-    ("Generate", b"\x0f\x00"),                       # an invalid wire type
+    ("Generate", b"\x0a\xff"),  # a length running past the end
+    ("Generate", b"\x12\x03\xff\xfe\xfd"),  # text (field 2): invalid UTF-8
+    ("Generate", b"\x1a\x05\x0a\x03\xff\xff\xff"),  # token_ids: a truncated packed varint
+    ("Generate", b"\x20" + b"\xff" * 11),  # max_tokens: a varint of 11 bytes
+    ("Generate", b"\x0f\x00"),  # an invalid wire type
     ("Generate", b"\xff" * 64),
-    ("Tokenize", b"\x12\x02\xc3\x28"),               # text: invalid UTF-8
-    ("Models", b"\x08"),                              # a field with no value
+    ("Tokenize", b"\x12\x02\xc3\x28"),  # text: invalid UTF-8
+    ("Models", b"\x08"),  # a field with no value
 ]

@@ -1,5 +1,6 @@
 """A fake ServingBackend (real tokenizer, scripted generation) and an in-process uvicorn server
 for the HTTP frontend tests. No Ray, no model."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,13 +10,13 @@ import time
 
 import uvicorn
 
-from splitserve.cluster.frontend.metrics import Metrics
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.frontend.errors import BackendError
-from splitserve.engine.testing.make_model import write_random_checkpoint
+from splitserve.cluster.frontend.metrics import Metrics
 from splitserve.engine.io.request_validation import validate_prompt
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.io.tokenizer import Tokenizer
+from splitserve.engine.testing.make_model import write_random_checkpoint
 from splitserve.kvtransfer.handoff import StreamChunk
 
 MODEL_NAME = "tiny-test"
@@ -35,12 +36,12 @@ class FakeBackend:
         self.metrics = Metrics()
         self.healthy = True
         self.num_cached_tokens = 0
-        self.refusal: BackendError | None = None     # raised before the first chunk
-        self.crash: Exception | None = None          # an unexpected error before the first chunk
-        self.fail_after: int | None = None           # raise BackendError after this many chunks
-        self.hang_after: int | None = None           # wait "forever" after this many chunks
+        self.refusal: BackendError | None = None  # raised before the first chunk
+        self.crash: Exception | None = None  # an unexpected error before the first chunk
+        self.fail_after: int | None = None  # raise BackendError after this many chunks
+        self.hang_after: int | None = None  # wait "forever" after this many chunks
         self.calls: list[dict] = []
-        self.closed_request_ids: list[str] = []     # generators closed before they finished
+        self.closed_request_ids: list[str] = []  # generators closed before they finished
         self.closed_early = threading.Event()
         self.num_yielded = 0
 
@@ -55,8 +56,7 @@ class FakeBackend:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         try:
-            validate_prompt(prompt_token_ids, params, self.tokenizer.vocab_size, self.max_model_len,
-                            self.max_model_len)
+            validate_prompt(prompt_token_ids, params, self.tokenizer.vocab_size, self.max_model_len, self.max_model_len)
         except InvalidRequestError as exc:
             raise BackendError(str(exc), 400, "invalid_request_error") from None
 
@@ -68,8 +68,15 @@ class FakeBackend:
 
     async def generate(self, prompt_token_ids, params, request_id=None, api_key=None, timeout_s=None):
         self.validate(prompt_token_ids, params)
-        self.calls.append({"prompt_token_ids": list(prompt_token_ids), "params": params,
-                           "request_id": request_id, "api_key": api_key, "timeout_s": timeout_s})
+        self.calls.append(
+            {
+                "prompt_token_ids": list(prompt_token_ids),
+                "params": params,
+                "request_id": request_id,
+                "api_key": api_key,
+                "timeout_s": timeout_s,
+            }
+        )
         if self.refusal is not None:
             raise self.refusal
         if self.crash is not None:
@@ -88,11 +95,16 @@ class FakeBackend:
                 self.metrics.generation_tokens.inc()
                 self.num_yielded += 1
                 yield StreamChunk(
-                    request_id=request_id, token_ids=[token], text=self.tokenizer.decode([token]),
-                    finished=finished, finish_reason=("stop" if stop else "length") if finished else None,
+                    request_id=request_id,
+                    token_ids=[token],
+                    text=self.tokenizer.decode([token]),
+                    finished=finished,
+                    finish_reason=("stop" if stop else "length") if finished else None,
                     num_prompt_tokens=len(prompt_token_ids),
                     num_cached_tokens=min(self.num_cached_tokens, len(prompt_token_ids) - 1),
-                    num_output_tokens=n, logprobs=[-0.25 * n] if params.logprobs else [])
+                    num_output_tokens=n,
+                    logprobs=[-0.25 * n] if params.logprobs else [],
+                )
                 if finished:
                     return
         finally:
@@ -101,8 +113,7 @@ class FakeBackend:
                 self.closed_early.set()
 
     def expected_text(self, num_tokens: int) -> str:
-        return "".join(self.tokenizer.decode([self.reply_ids[i % len(self.reply_ids)]])
-                       for i in range(num_tokens))
+        return "".join(self.tokenizer.decode([self.reply_ids[i % len(self.reply_ids)]]) for i in range(num_tokens))
 
 
 def parse_sse(body: str) -> list[dict | str]:
@@ -112,7 +123,7 @@ def parse_sse(body: str) -> list[dict | str]:
         if not block.strip():
             continue
         assert block.startswith("data: "), block
-        data = block[len("data: "):]
+        data = block[len("data: ") :]
         events.append(data if data == "[DONE]" else json.loads(data))
     return events
 
@@ -125,7 +136,7 @@ class ServerThread:
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         self.thread.start()
         deadline = time.monotonic() + 10.0
         while not self.server.started:

@@ -1,4 +1,5 @@
 """Shared helpers for model tests: cached random checkpoints and a minimal paged greedy loop."""
+
 from __future__ import annotations
 
 import functools
@@ -6,13 +7,13 @@ from pathlib import Path
 
 import torch
 
-from splitserve.engine.ops.attention_metadata import AttentionMetadata
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.ops.attention_metadata import AttentionMetadata
 from splitserve.engine.ops.kv_cache import KVCache
 from splitserve.engine.testing.make_model import write_random_checkpoint
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cached_checkpoint(root: str, preset: str, arch: str, items: tuple) -> Path:
     kwargs = dict(items)
     name = "-".join([preset, arch] + [f"{k}={v}" for k, v in items])
@@ -30,9 +31,14 @@ def make_checkpoint(tmp_root: str | Path, preset: str = "tiny", arch: str = "lla
     return _cached_checkpoint(str(tmp_root), preset, arch, tuple(sorted(kwargs.items())))
 
 
-def contiguous_metadata(context_lens: list[int], query_lens: list[int], block_size: int,
-                        blocks_per_seq: int, device: str | torch.device = "cpu",
-                        block_ranges: list[int] | None = None) -> AttentionMetadata:
+def contiguous_metadata(
+    context_lens: list[int],
+    query_lens: list[int],
+    block_size: int,
+    blocks_per_seq: int,
+    device: str | torch.device = "cpu",
+    block_ranges: list[int] | None = None,
+) -> AttentionMetadata:
     """Metadata for sequences that own contiguous block ranges: batch entry i uses blocks
     [r * blocks_per_seq, (r + 1) * blocks_per_seq) with r = block_ranges[i] (default i)."""
     ranges = list(range(len(context_lens))) if block_ranges is None else block_ranges
@@ -57,17 +63,20 @@ def contiguous_metadata(context_lens: list[int], query_lens: list[int], block_si
 def make_kv_cache(model, max_len: int, num_seqs: int = 1, block_size: int = 16) -> tuple[KVCache, int]:
     """A KV cache with room for num_seqs contiguous sequences of max_len tokens."""
     blocks_per_seq = -(-max_len // block_size)
-    engine_config = EngineConfig(model="unused", block_size=block_size,
-                                 num_gpu_blocks=max(2, num_seqs * blocks_per_seq),
-                                 max_num_batched_tokens=max(block_size, max_len * num_seqs),
-                                 device=str(model.device))
-    engine_config.dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16",
-                           torch.float16: "float16"}[model.dtype]
+    engine_config = EngineConfig(
+        model="unused",
+        block_size=block_size,
+        num_gpu_blocks=max(2, num_seqs * blocks_per_seq),
+        max_num_batched_tokens=max(block_size, max_len * num_seqs),
+        device=str(model.device),
+    )
+    engine_config.dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[model.dtype]
     return KVCache(model.config, engine_config), blocks_per_seq
 
 
-def greedy_generate(model, prompt_ids: list[int], max_new_tokens: int, block_size: int = 16,
-                    eos_token_ids: tuple[int, ...] = ()) -> list[int]:
+def greedy_generate(
+    model, prompt_ids: list[int], max_new_tokens: int, block_size: int = 16, eos_token_ids: tuple[int, ...] = ()
+) -> list[int]:
     """Prefill once, then decode one token at a time through the paged cache (argmax)."""
     device = model.device
     kv_cache, blocks_per_seq = make_kv_cache(model, len(prompt_ids) + max_new_tokens, 1, block_size)

@@ -1,4 +1,5 @@
 """Run `splitserve serve` as a real subprocess on 127.0.0.1 and stop it by its process group."""
+
 from __future__ import annotations
 
 import os
@@ -23,13 +24,31 @@ class ServeProcess:
         self.grpc_port = free_port()
         self.base_url = f"http://127.0.0.1:{self.http_port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "splitserve.cluster.cli.main", "serve", "--model", model, "--http-port", str(self.http_port),
-               "--grpc-port", str(self.grpc_port), "--num-cpus", "6", *extra]
-        env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0",
-                   PYTHONUNBUFFERED="1")
+        cmd = [
+            sys.executable,
+            "-m",
+            "splitserve.cluster.cli.main",
+            "serve",
+            "--model",
+            model,
+            "--http-port",
+            str(self.http_port),
+            "--grpc-port",
+            str(self.grpc_port),
+            "--num-cpus",
+            "6",
+            *extra,
+        ]
+        env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True, cwd=str(Path(__file__).parents[2]))
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            cwd=str(Path(__file__).parents[2]),
+        )
         self._wait_ready(startup_timeout_s)
 
     def _wait_ready(self, timeout_s: float) -> None:

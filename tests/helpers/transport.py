@@ -7,6 +7,7 @@ processes (and the peer can be killed). Tensors are rebuilt on both sides from
     python tests/helpers/transport.py    # one JSON command per line in, one reply per line out;
                                           # it exits at end of input
 """
+
 from __future__ import annotations
 
 import json
@@ -42,8 +43,13 @@ class PeerProcess:
     def __init__(self):
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.process = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve())], cwd=ROOT, env=env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            [sys.executable, str(Path(__file__).resolve())],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
         )
         self._replies: queue.Queue = queue.Queue()
         threading.Thread(target=self._read_replies, daemon=True).start()
@@ -106,8 +112,12 @@ def _serve() -> None:
             return {"bytes": num_bytes, "match": all(torch.equal(a, b) for a, b in zip(buffers, expected))}
         if op == "stats":
             stats = transport.stats()
-            return {"bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received,
-                    "num_sends": stats.num_sends, "num_recvs": stats.num_recvs}
+            return {
+                "bytes_sent": stats.bytes_sent,
+                "bytes_received": stats.bytes_received,
+                "num_sends": stats.num_sends,
+                "num_recvs": stats.num_recvs,
+            }
         if op == "peers":
             return {"peers": transport.peers()}
         raise ValueError(f"unknown op {op!r}")

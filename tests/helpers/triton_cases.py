@@ -5,6 +5,7 @@ decorating), so tests/engine/test_triton_kernels.py runs this file in a subproce
     TRITON_INTERPRET=1 python tests/helpers/triton_cases.py [case ...]
 It prints one JSON object {case_name: "ok" | traceback}. Shapes are tiny: the interpreter is slow.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,7 +52,7 @@ def _random_paged_problem(context_lens, num_q_heads, num_kv_heads, head_dim, blo
     cursor = 0
     for seq, length in enumerate(context_lens):
         needed = math.ceil(length / block_size)
-        block_tables[seq, :needed] = physical[cursor: cursor + needed].int()
+        block_tables[seq, :needed] = physical[cursor : cursor + needed].int()
         cursor += needed
     return q, key_cache, value_cache, block_tables, torch.tensor(context_lens, dtype=torch.int32)
 
@@ -60,8 +61,9 @@ def _check_decode(context_lens, num_q_heads, num_kv_heads, head_dim, block_size,
     from splitserve.engine.ops.triton_kernels import paged_decode_attention
 
     q, key_cache, value_cache, block_tables, lens = _random_paged_problem(
-        context_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed)
-    scale = head_dim ** -0.5
+        context_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed
+    )
+    scale = head_dim**-0.5
     out = paged_decode_attention(q, key_cache, value_cache, block_tables, lens, scale)
     expected = reference_decode_attention(q, key_cache, value_cache, block_tables, lens, scale)
     assert out.dtype == dtype and out.shape == q.shape
@@ -99,8 +101,7 @@ def case_gqa_fp16_both_paths():
 def case_empty_context_gives_zeros_and_out_is_reused():
     from splitserve.engine.ops.triton_kernels import paged_decode_attention
 
-    q, key_cache, value_cache, block_tables, _ = _random_paged_problem(
-        [4, 4], 2, 1, 8, 4, torch.float32, seed=1)
+    q, key_cache, value_cache, block_tables, _ = _random_paged_problem([4, 4], 2, 1, 8, 4, torch.float32, seed=1)
     lens = torch.tensor([0, 4], dtype=torch.int32)
     out = torch.full_like(q, float("nan"))
     returned = paged_decode_attention(q, key_cache, value_cache, block_tables, lens, 0.5, out=out)

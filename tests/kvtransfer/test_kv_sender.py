@@ -1,5 +1,6 @@
 """KVSender -> PostedReceive over a real gloo pair (two endpoints in this process): every block
 layout (in-place runs, scattered, reversed) and both send modes move exactly the right data."""
+
 from __future__ import annotations
 
 import itertools
@@ -28,8 +29,7 @@ LAYOUTS = {  # (prefill block ids, decode block ids)
 
 
 def _cache(model_dir: str, seed: int | None) -> KVCache:
-    cache = KVCache(ModelConfig.from_pretrained(model_dir),
-                    EngineConfig(model=model_dir, num_gpu_blocks=NUM_BLOCKS))
+    cache = KVCache(ModelConfig.from_pretrained(model_dir), EngineConfig(model=model_dir, num_gpu_blocks=NUM_BLOCKS))
     if seed is not None:
         cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(seed)))
     return cache
@@ -59,7 +59,7 @@ def _transfer(pair, src_ids, dst_ids, layerwise, send_per_layer=False):
     transfer_id = next(_transfer_ids)
     posted = PostedReceive(decode, target, "test-prefill", transfer_id, dst_ids, layerwise)
     job = SendJob(f"req-{transfer_id}", "test-decode", transfer_id, src_ids, layerwise)
-    if send_per_layer:   # how PrefillWorker's layer hook feeds it
+    if send_per_layer:  # how PrefillWorker's layer hook feeds it
         for layer in range(sender.num_layers):
             sender.send_layer(job, layer)
     else:
@@ -79,7 +79,7 @@ def test_blocks_arrive_intact_and_nothing_else_is_written(pair, layout, layerwis
     assert torch.equal(target.kv[:, :, dst_ids], sender.kv_cache.kv[:, :, src_ids])
     untouched = [b for b in range(NUM_BLOCKS) if b not in dst_ids]
     assert not target.kv[:, :, untouched].any()
-    assert not job.pending   # the finished job holds no buffers
+    assert not job.pending  # the finished job holds no buffers
 
 
 def test_layer_by_layer_feed_matches_send_all(pair):
@@ -97,7 +97,7 @@ def test_concurrent_transfers_on_one_pair_do_not_mix(pair):
         transfer_id = next(_transfer_ids)
         posted.append(PostedReceive(decode, target, "test-prefill", transfer_id, dst_ids, layerwise))
         jobs.append(SendJob(f"req-{transfer_id}", "test-decode", transfer_id, src_ids, layerwise))
-    for job in reversed(jobs):   # sent in the opposite order to posting
+    for job in reversed(jobs):  # sent in the opposite order to posting
         sender.send_all(job)
     for receive in posted:
         receive.complete(TIMEOUT_S)

@@ -1,19 +1,17 @@
 """kvtransfer.KVTransport over gloo on 127.0.0.1: this process is one endpoint, a child the other."""
+
 from __future__ import annotations
 
-import importlib.util
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from splitserve.kvtransfer import KVTransport, TransferError, TransportUsageError, resolve_host
-from tests.helpers.block_transfer import recv_blocks, send_blocks
 from splitserve.bench.raw_bandwidth import measure_gloo_bandwidth
-
+from splitserve.kvtransfer import KVTransport, TransferError, TransportUsageError, resolve_host
 from tests.helpers import transport as helpers
+from tests.helpers.block_transfer import recv_blocks, send_blocks
 
 PEER_TIMEOUT_S = 5.0
 KV_MESSAGE = [([2, 2, 4, 8], "float32", 1), ([3, 5], "bfloat16", 2), ([7], "int64", 3)]
@@ -294,8 +292,7 @@ def test_closing_a_pair_fails_its_pending_ops_promptly_on_both_sides(local):
         except TransferError:
             outcomes[name] = time.monotonic() - started
 
-    waiters = [threading.Thread(target=wait, args=item)
-               for item in (("recv", pending_recv), ("send", pending_send))]
+    waiters = [threading.Thread(target=wait, args=item) for item in (("recv", pending_recv), ("send", pending_send))]
     for thread in waiters:
         thread.start()
     time.sleep(0.3)
@@ -315,7 +312,8 @@ def test_paged_blocks_move_between_different_block_ids(local):
     source = torch.randn(2, 2, 6, 4, 2, 8, dtype=torch.bfloat16)
     target = torch.zeros(2, 2, 9, 4, 2, 8, dtype=torch.bfloat16)
     sender = threading.Thread(
-        target=send_blocks, args=(prefill, "decode-blocks", source[1].view(2, 6, -1), [5, 0, 3], 4))
+        target=send_blocks, args=(prefill, "decode-blocks", source[1].view(2, 6, -1), [5, 0, 3], 4)
+    )
     sender.start()
     num_bytes = recv_blocks(decode, "prefill-blocks", target[1].view(2, 9, -1), torch.tensor([1, 8, 2]), 4)
     sender.join(timeout=10)

@@ -1,5 +1,6 @@
 """Disaggregated data path on local Ray (CPU, gloo): identical output to the colocated engine,
 delta transfers, and failures that neither hang nor leak blocks."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,9 +12,9 @@ import ray
 from splitserve.cluster.control.dispatcher import RequestFailedError
 from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.io.sampling_params import SamplingParams
-from tests.helpers.cluster import start_cluster, cluster_config, wait_for_baseline
+from splitserve.engine.llm_engine import LLMEngine
+from tests.helpers.cluster import cluster_config, start_cluster, wait_for_baseline
 
 pytestmark = pytest.mark.ray
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -35,6 +36,7 @@ def reference(tiny_model):
 def run_all(loop, cluster, prompts, params=GREEDY):
     async def go():
         return await asyncio.gather(*(cluster.complete(p, params) for p in prompts))
+
     return loop.run(go(), timeout=180)
 
 
@@ -55,9 +57,9 @@ def test_1p1d_matches_colocated(loop, cluster_1p1d, reference):
 
 def test_delta_transfer_sends_only_missing_blocks(loop, cluster_1p1d):
     decode = cluster_1p1d.decode_pool.get("decode-0").handle
-    shared = [100 + (i % 50) for i in range(3 * BS)]           # three full blocks
+    shared = [100 + (i % 50) for i in range(3 * BS)]  # three full blocks
     first = shared + [11, 12, 13, 14, 15]
-    second = shared + list(range(200, 200 + BS + 4))           # same prefix, 2 more blocks
+    second = shared + list(range(200, 200 + BS + 4))  # same prefix, 2 more blocks
     run_all(loop, cluster_1p1d, [first])
     before = ray.get(decode.poll.remote())["transfer"]
     run_all(loop, cluster_1p1d, [second])
@@ -65,7 +67,7 @@ def test_delta_transfer_sends_only_missing_blocks(loop, cluster_1p1d):
     num_blocks = -(-len(second) // BS) - 3
     assert after["blocks"] - before["blocks"] == num_blocks
     kv = cluster_1p1d.decode_pool.engine_config
-    bytes_per_block = 2 * 2 * BS * 2 * 16 * 4   # layers * (K,V) * block * kv_heads * head_dim * fp32
+    bytes_per_block = 2 * 2 * BS * 2 * 16 * 4  # layers * (K,V) * block * kv_heads * head_dim * fp32
     assert after["bytes"] - before["bytes"] == num_blocks * bytes_per_block
     assert kv["block_size"] == BS
     wait_for_baseline(loop, cluster_1p1d)
@@ -92,7 +94,7 @@ def test_decode_killed_mid_transfer_fails_fast_and_frees_prefill_blocks(ray_clus
 
         async def go():
             task = asyncio.ensure_future(cluster.complete(mixed_prompts()[2], GREEDY))
-            await asyncio.sleep(1.5)       # prefill done, first layer's send stalled
+            await asyncio.sleep(1.5)  # prefill done, first layer's send stalled
             ray.kill(decode)
             return await asyncio.wait_for(task, 30)
 
@@ -155,8 +157,8 @@ def test_idle_pairs_are_torn_down_and_reopened(loop, cluster_1p1d, reference):
     run_all(loop, cluster_1p1d, [prompt])
     decode = cluster_1p1d.decode_pool.get("decode-0").handle
     loop.run(cluster_1p1d.dispatcher.close_idle_pairs(0.0), timeout=30)
-    assert ray.get(decode.close_idle_pairs.remote(0.0)) == []    # already closed
-    result = run_all(loop, cluster_1p1d, [prompt])[0]             # a fresh pair, next epoch
+    assert ray.get(decode.close_idle_pairs.remote(0.0)) == []  # already closed
+    result = run_all(loop, cluster_1p1d, [prompt])[0]  # a fresh pair, next epoch
     assert result["token_ids"] == reference[tuple(prompt)] and result["prefill_replica"] == "prefill-0"
     wait_for_baseline(loop, cluster_1p1d)
 

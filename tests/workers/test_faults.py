@@ -3,6 +3,7 @@ OpenAI HTTP / gRPC frontends: router restart under load, KV transfers that fail 
 request deadlines, and a decode replica killed mid-stream. After each: the request was
 retried or failed clearly (never hung), live block pools are back to baseline, and a dead
 replica is out of routing. (Prefill killed mid-prefill: tests/workers/test_disagg.py.)"""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,10 +16,10 @@ import pytest
 import ray
 
 from splitserve.cluster.control.dispatcher import DEADLINE_STATUS, DeadlineExceededError, RequestFailedError
+from splitserve.cluster.frontend.backend import ServingBackend
 from splitserve.cluster.frontend.grpc.server import GrpcFrontend
 from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.cluster.routing.router import DECODE, PREFILL
-from splitserve.cluster.frontend.backend import ServingBackend
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.proto import load_stubs
 from tests.helpers.cluster import (
@@ -68,7 +69,7 @@ def iter_sse(lines):
     """The data payloads of SSE lines as they arrive: dicts, and the final "[DONE]"."""
     for line in lines:
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             yield data if data == "[DONE]" else json.loads(data)
 
 
@@ -77,6 +78,7 @@ def sse_events(lines) -> list:
 
 
 # ---- router restart ----------------------------------------------------------------------
+
 
 def test_router_restart_under_load_rebuilds_the_index_from_snapshots(loop, cluster):
     old_router = cluster.router
@@ -88,7 +90,7 @@ def test_router_restart_under_load_rebuilds_the_index_from_snapshots(loop, clust
         i = 0
         while time.monotonic() < stop_at:
             prompt = PREFIXES[(w + i) % len(PREFIXES)] + [w + 1, i % 50 + 1]
-            result = await cluster.complete(prompt, GREEDY)   # raises if the request failed
+            result = await cluster.complete(prompt, GREEDY)  # raises if the request failed
             assert len(result["token_ids"]) == GREEDY.max_tokens
             finished.append(time.monotonic())
             i += 1
@@ -105,8 +107,10 @@ def test_router_restart_under_load_rebuilds_the_index_from_snapshots(loop, clust
         await asyncio.gather(restarter(start), *(worker(w, start + duration_s) for w in range(num_workers)))
 
     loop.run(go(), timeout=120)
-    print(f"router restart: {len(finished)} requests from {num_workers} clients in {duration_s:.0f} s, "
-          f"restarts took {', '.join(f'{(b - a) * 1000:.0f} ms' for a, b in restarts)}")
+    print(
+        f"router restart: {len(finished)} requests from {num_workers} clients in {duration_s:.0f} s, "
+        f"restarts took {', '.join(f'{(b - a) * 1000:.0f} ms' for a, b in restarts)}"
+    )
     assert len(restarts) == 2 and cluster.router is not old_router
     assert cluster.dispatcher.router is cluster.router
     last_restart_end = restarts[-1][1]
@@ -123,8 +127,12 @@ def test_router_restart_under_load_rebuilds_the_index_from_snapshots(loop, clust
         return True
 
     wait_until(index_matches, 10, "the rebuilt router's index differs from the replicas' snapshots")
-    assert sorted(cluster.router.replica_ids(PREFILL)) == sorted(r.replica_id for r in cluster.prefill_pool.live_replicas())
-    assert sorted(cluster.router.replica_ids(DECODE)) == sorted(r.replica_id for r in cluster.decode_pool.live_replicas())
+    assert sorted(cluster.router.replica_ids(PREFILL)) == sorted(
+        r.replica_id for r in cluster.prefill_pool.live_replicas()
+    )
+    assert sorted(cluster.router.replica_ids(DECODE)) == sorted(
+        r.replica_id for r in cluster.decode_pool.live_replicas()
+    )
     # ... and the router routes by it: a known prefix goes where it is cached.
     decision = cluster.router.route(PREFIXES[0] + [99, 98])
     assert decision.decode_cached_tokens >= 16 or decision.prefill_cached_tokens >= 16
@@ -133,11 +141,12 @@ def test_router_restart_under_load_rebuilds_the_index_from_snapshots(loop, clust
 
 # ---- KV transfer failures ----------------------------------------------------------------
 
+
 def test_failed_kv_sends_are_retried_within_the_budget_or_fail_clearly(loop, cluster):
-    prompt = PREFIXES[1] + list(range(300, 340))           # uncached tail: a real transfer
+    prompt = PREFIXES[1] + list(range(300, 340))  # uncached tail: a real transfer
     reference = complete(loop, cluster, prompt)["token_ids"]
     wait_for_baseline(loop, cluster)
-    prompt = PREFIXES[2] + list(range(300, 340))           # fresh blocks again
+    prompt = PREFIXES[2] + list(range(300, 340))  # fresh blocks again
     retries = cluster.dispatcher.num_retries
 
     # Every prefill replica fails its next send: both attempts fail, the budget (1 retry) is spent.
@@ -169,7 +178,7 @@ def test_stalled_kv_send_frees_blocks_within_the_lease_and_is_retried(loop, clus
     stall_s = LEASE_S + 1.5
     retries = cluster.dispatcher.num_retries
     ray.get(cluster.prefill_pool.get(stalled).handle.inject_fault.remote(stall_send_s=stall_s))
-    for rid in others:   # route the first attempt to the stalled replica
+    for rid in others:  # route the first attempt to the stalled replica
         cluster.router.set_draining(PREFILL, rid, True)
     try:
         start = time.monotonic()
@@ -187,7 +196,7 @@ def test_stalled_kv_send_frees_blocks_within_the_lease_and_is_retried(loop, clus
     assert LEASE_S <= took < LEASE_S + 6
     # The stalled attempt's blocks were freed on both sides when its lease ran out.
     wait_for_baseline(loop, cluster, timeout_s=LEASE_S)
-    time.sleep(max(start + stall_s + 0.5 - time.monotonic(), 0))   # the sender thread wakes up
+    time.sleep(max(start + stall_s + 0.5 - time.monotonic(), 0))  # the sender thread wakes up
     assert complete(loop, cluster, PREFIXES[0] + list(range(230, 260)))["prefill_replica"] is not None
     wait_for_baseline(loop, cluster)
 
@@ -209,8 +218,9 @@ def test_deadline_over_http_is_504_and_frees_blocks(loop, cluster, backend, serv
         wait_for_baseline(loop, cluster)
 
         # Streaming: tokens already went out, so the deadline is an error event, then [DONE].
-        with http.stream("POST", "/v1/completions", json={**body, "stream": True},
-                         headers={"x-request-timeout": "0.5"}) as stream:
+        with http.stream(
+            "POST", "/v1/completions", json={**body, "stream": True}, headers={"x-request-timeout": "0.5"}
+        ) as stream:
             assert stream.status_code == 200
             events = sse_events(stream.iter_lines())
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == DEADLINE_STATUS
@@ -238,8 +248,9 @@ def test_grpc_deadline_cancels_the_request_and_frees_blocks(loop, cluster, backe
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = pb2_grpc.SplitServeStub(channel)
-            request = pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=PREFIXES[2]), max_tokens=900,
-                                          temperature=0, ignore_eos=True)
+            request = pb2.GenerateRequest(
+                token_ids=pb2.TokenIds(ids=PREFIXES[2]), max_tokens=900, temperature=0, ignore_eos=True
+            )
             with pytest.raises(grpc.RpcError) as err:
                 list(stub.Generate(request, timeout=0.5))
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -255,6 +266,7 @@ def test_deadline_during_a_stalled_transfer_fails_without_retry(loop, cluster):
     retries = cluster.dispatcher.num_retries
     set_fault(cluster, stall_send_s=LEASE_S - 1.0)
     try:
+
         async def go():
             stream = cluster.generate(PREFIXES[2] + list(range(100, 120)), GREEDY, deadline=time.time() + 1.0)
             return [chunk async for chunk in stream]
@@ -263,13 +275,14 @@ def test_deadline_during_a_stalled_transfer_fails_without_retry(loop, cluster):
         with pytest.raises(DeadlineExceededError) as exc:
             loop.run(go(), timeout=30)
         assert exc.value.status == DEADLINE_STATUS and time.monotonic() - start < 4
-        assert cluster.dispatcher.num_retries == retries   # no retry past the deadline
+        assert cluster.dispatcher.num_retries == retries  # no retry past the deadline
     finally:
         set_fault(cluster, stall_send_s=0.0)
     wait_for_baseline(loop, cluster, timeout_s=2 * LEASE_S)
 
 
 # ---- a decode replica dies mid-stream (last: it leaves one decode replica) ----------------
+
 
 def test_decode_killed_mid_stream_ends_the_sse_stream_with_an_error(loop, cluster, backend, server):
     assert len(cluster.decode_pool.live_replicas()) == 2
@@ -279,7 +292,7 @@ def test_decode_killed_mid_stream_ends_the_sse_stream_with_an_error(loop, cluste
         with http.stream("POST", "/v1/completions", json=body) as stream:
             assert stream.status_code == 200
             events = iter_sse(stream.iter_lines())
-            first = next(events)                          # a token reached the client
+            first = next(events)  # a token reached the client
             victim = cluster.decode_pool.get(cluster.dispatcher.inflight[first["id"]])
             killed_at = time.monotonic()
             ray.kill(victim.handle)
@@ -290,9 +303,12 @@ def test_decode_killed_mid_stream_ends_the_sse_stream_with_an_error(loop, cluste
         assert rest[-1] == "[DONE]"
         error = rest[-2]["error"]
         assert error["code"] == 503 and error["type"] == "server_error" and "request failed" in error["message"]
-        assert cluster.dispatcher.num_retries == retries   # tokens were out: never retried
-        wait_until(lambda: victim.replica_id not in cluster.router.replica_ids(DECODE), 10,
-                   "the dead decode replica is still routed")
+        assert cluster.dispatcher.num_retries == retries  # tokens were out: never retried
+        wait_until(
+            lambda: victim.replica_id not in cluster.router.replica_ids(DECODE),
+            10,
+            "the dead decode replica is still routed",
+        )
         assert cluster.decode_pool.get(victim.replica_id) is None
         ok = http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 5})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 5

@@ -1,10 +1,11 @@
 """BackendHealthServicer: grpc.health.v1.Health that follows the serving backend's health."""
+
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from typing import Iterable
+from collections.abc import Iterable
 
 from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2

@@ -9,6 +9,7 @@ server reflection (so grpcurl works without the .proto).
 Requests are parsed by the service itself rather than by grpc, so a malformed message is
 answered INVALID_ARGUMENT with the parser's reason instead of grpc's generic INTERNAL.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,8 +24,8 @@ from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from splitserve.cluster.frontend.grpc.health import BackendHealthServicer
 from splitserve.cluster.frontend.errors import BackendError
+from splitserve.cluster.frontend.grpc.health import BackendHealthServicer
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.kvtransfer.handoff import StreamChunk
 from splitserve.proto import load_stubs
@@ -85,11 +86,12 @@ def _rpc(handler):
     """Turn rejections, BackendErrors and bugs into a gRPC status with readable details."""
 
     @functools.wraps(handler)
-    async def wrapper(self: "GrpcFrontend", request, context: grpc.aio.ServicerContext):
+    async def wrapper(self: GrpcFrontend, request, context: grpc.aio.ServicerContext):
         try:
             if isinstance(request, _MalformedRequest):
-                raise _Rejection(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"malformed {request.type_name} message: {request.reason}")
+                raise _Rejection(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"malformed {request.type_name} message: {request.reason}"
+                )
             return await handler(self, request, context)
         except _Rejection as exc:
             code, details = exc.code, exc.details
@@ -122,10 +124,15 @@ def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
-def generate_response(chunk: StreamChunk) -> "pb2.GenerateResponse":
+def generate_response(chunk: StreamChunk) -> pb2.GenerateResponse:
     response = pb2.GenerateResponse(
-        request_id=chunk.request_id, token_ids=chunk.token_ids, text=chunk.text,
-        logprobs=chunk.logprobs, finished=chunk.finished, finish_reason=chunk.finish_reason or "")
+        request_id=chunk.request_id,
+        token_ids=chunk.token_ids,
+        text=chunk.text,
+        logprobs=chunk.logprobs,
+        finished=chunk.finished,
+        finish_reason=chunk.finish_reason or "",
+    )
     if chunk.finished:
         response.usage.prompt_tokens = chunk.num_prompt_tokens
         response.usage.completion_tokens = chunk.num_output_tokens
@@ -133,13 +140,17 @@ def generate_response(chunk: StreamChunk) -> "pb2.GenerateResponse":
     return response
 
 
-def sampling_params_from(request: "pb2.GenerateRequest") -> SamplingParams:
+def sampling_params_from(request: pb2.GenerateRequest) -> SamplingParams:
     """SamplingParams from a GenerateRequest; raises InvalidRequestError on bad values."""
     explicit = {name: getattr(request, name) for name in _OPTIONAL_SAMPLING_FIELDS if request.HasField(name)}
     return SamplingParams(
-        **explicit, stop=list(request.stop), stop_token_ids=list(request.stop_token_ids),
-        ignore_eos=request.ignore_eos, logprobs=request.logprobs,
-        include_stop_str_in_output=request.include_stop_str_in_output)
+        **explicit,
+        stop=list(request.stop),
+        stop_token_ids=list(request.stop_token_ids),
+        ignore_eos=request.ignore_eos,
+        logprobs=request.logprobs,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+    )
 
 
 class GrpcFrontend:
@@ -157,15 +168,16 @@ class GrpcFrontend:
         """Listen on host:port (0: a free port) and serve; returns the bound port."""
         if self._server is not None:
             raise GrpcFrontendError(f"the gRPC frontend is already serving on port {self.port}")
-        server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", self._max_message_bytes),
-            ("grpc.so_reuseport", 0),  # a busy port must fail, not be silently shared
-        ])
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", self._max_message_bytes),
+                ("grpc.so_reuseport", 0),  # a busy port must fail, not be silently shared
+            ]
+        )
         server.add_generic_rpc_handlers((self._service_handler(),))
         health = BackendHealthServicer(self.backend, [SERVICE_NAME], self._health_poll_interval_s)
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
-        reflection.enable_server_reflection(
-            [SERVICE_NAME, grpc_health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+        reflection.enable_server_reflection([SERVICE_NAME, grpc_health.SERVICE_NAME, reflection.SERVICE_NAME], server)
         try:
             bound = server.add_insecure_port(_address(host, port))
         except RuntimeError as exc:
@@ -192,19 +204,27 @@ class GrpcFrontend:
     def _service_handler(self) -> grpc.GenericRpcHandler:
         handlers = {
             "Generate": grpc.unary_stream_rpc_method_handler(
-                self.generate, request_deserializer=_lenient_parser(pb2.GenerateRequest),
-                response_serializer=pb2.GenerateResponse.SerializeToString),
+                self.generate,
+                request_deserializer=_lenient_parser(pb2.GenerateRequest),
+                response_serializer=pb2.GenerateResponse.SerializeToString,
+            ),
             "Tokenize": grpc.unary_unary_rpc_method_handler(
-                self.tokenize, request_deserializer=_lenient_parser(pb2.TokenizeRequest),
-                response_serializer=pb2.TokenizeResponse.SerializeToString),
+                self.tokenize,
+                request_deserializer=_lenient_parser(pb2.TokenizeRequest),
+                response_serializer=pb2.TokenizeResponse.SerializeToString,
+            ),
             "Models": grpc.unary_unary_rpc_method_handler(
-                self.models, request_deserializer=_lenient_parser(pb2.ModelsRequest),
-                response_serializer=pb2.ModelsResponse.SerializeToString),
+                self.models,
+                request_deserializer=_lenient_parser(pb2.ModelsRequest),
+                response_serializer=pb2.ModelsResponse.SerializeToString,
+            ),
         }
         declared = {m.name for m in pb2.DESCRIPTOR.services_by_name["SplitServe"].methods}
         if declared != set(handlers):
-            raise GrpcFrontendError(f"splitserve.proto declares {sorted(declared)} but the frontend "
-                                    f"implements {sorted(handlers)}; rebuild with `python -m splitserve.proto.build`")
+            raise GrpcFrontendError(
+                f"splitserve.proto declares {sorted(declared)} but the frontend "
+                f"implements {sorted(handlers)}; rebuild with `python -m splitserve.proto.build`"
+            )
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
     # ---- RPCs ----------------------------------------------------------------------------
@@ -218,8 +238,13 @@ class GrpcFrontend:
         except InvalidRequestError as exc:
             raise _Rejection(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         # The client's gRPC deadline becomes the request's (capped by request_timeout_s).
-        chunks = self.backend.generate(prompt_token_ids, params, request_id=request.request_id or None,
-                                       api_key=api_key, timeout_s=_time_remaining(context))
+        chunks = self.backend.generate(
+            prompt_token_ids,
+            params,
+            request_id=request.request_id or None,
+            api_key=api_key,
+            timeout_s=_time_remaining(context),
+        )
         # aclosing: when the client cancels, the CancelledError raised in context.write closes
         # the backend generator, whose cleanup aborts the request and frees its KV blocks.
         async with contextlib.aclosing(chunks):
@@ -227,20 +252,18 @@ class GrpcFrontend:
                 await context.write(generate_response(chunk))
 
     @_rpc
-    async def tokenize(self, request, context: grpc.aio.ServicerContext) -> "pb2.TokenizeResponse":
+    async def tokenize(self, request, context: grpc.aio.ServicerContext) -> pb2.TokenizeResponse:
         self._authorize(context)
         self._check_model(request.model)
         if not request.text:
             raise _Rejection(grpc.StatusCode.INVALID_ARGUMENT, "text is empty")
         token_ids = self.backend.encode(request.text)
-        return pb2.TokenizeResponse(token_ids=token_ids, count=len(token_ids),
-                                    max_model_len=self.backend.max_model_len)
+        return pb2.TokenizeResponse(token_ids=token_ids, count=len(token_ids), max_model_len=self.backend.max_model_len)
 
     @_rpc
-    async def models(self, request, context: grpc.aio.ServicerContext) -> "pb2.ModelsResponse":
+    async def models(self, request, context: grpc.aio.ServicerContext) -> pb2.ModelsResponse:
         self._authorize(context)
-        card = pb2.ModelCard(id=self.backend.model_name, max_model_len=self.backend.max_model_len,
-                             owned_by=OWNED_BY)
+        card = pb2.ModelCard(id=self.backend.model_name, max_model_len=self.backend.max_model_len, owned_by=OWNED_BY)
         return pb2.ModelsResponse(models=[card])
 
     # ---- request checks ------------------------------------------------------------------
@@ -250,16 +273,19 @@ class GrpcFrontend:
             return None
         token = _bearer_token(context.invocation_metadata())
         if token is None:
-            raise _Rejection(grpc.StatusCode.UNAUTHENTICATED,
-                             "missing API key: send the metadata `authorization: Bearer <key>`")
+            raise _Rejection(
+                grpc.StatusCode.UNAUTHENTICATED, "missing API key: send the metadata `authorization: Bearer <key>`"
+            )
         if not hmac.compare_digest(token.encode(), self._api_key.encode()):
             raise _Rejection(grpc.StatusCode.UNAUTHENTICATED, "invalid API key")
         return token
 
     def _check_model(self, model: str) -> None:
         if model and model != self.backend.model_name:
-            raise _Rejection(grpc.StatusCode.NOT_FOUND,
-                             f"model {model!r} is not served here; this server serves {self.backend.model_name!r}")
+            raise _Rejection(
+                grpc.StatusCode.NOT_FOUND,
+                f"model {model!r} is not served here; this server serves {self.backend.model_name!r}",
+            )
 
     def _prompt_token_ids(self, request) -> list[int]:
         kind = request.WhichOneof("prompt")

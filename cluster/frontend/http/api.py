@@ -6,6 +6,7 @@ may carry `x-request-timeout: SECONDS` (capped by request_timeout_s; past it: 50
 OpenAI's {"error": {"message", "type", "param", "code"}}; no traceback ever reaches a client.
 `backend` is a splitserve.cluster.frontend.backend.ServingBackend or anything with the same interface.
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,8 +21,17 @@ from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from splitserve.cluster.frontend.errors import BackendError
 from splitserve.cluster.frontend.http.guard import RequestGuard, bearer_token
+from splitserve.cluster.frontend.http.sse import ClientDisconnected, SSEResponse, run_until_disconnected
 from splitserve.cluster.frontend.openai.protocol import ChatCompletionRequest, CompletionRequest, build_sampling_params
+from splitserve.cluster.frontend.openai.render import (
+    SSE_DONE,
+    ChatRenderer,
+    CompletionRenderer,
+    ResponseRenderer,
+    sse_event,
+)
 from splitserve.cluster.frontend.openai.responses import (
     ChatCompletionResponse,
     CompletionResponse,
@@ -30,9 +40,6 @@ from splitserve.cluster.frontend.openai.responses import (
     ModelList,
     error_body,
 )
-from splitserve.cluster.frontend.openai.render import SSE_DONE, ChatRenderer, CompletionRenderer, ResponseRenderer, sse_event
-from splitserve.cluster.frontend.errors import BackendError
-from splitserve.cluster.frontend.http.sse import ClientDisconnected, SSEResponse, run_until_disconnected
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -45,14 +52,26 @@ GENERATION_RESPONSES = {200: {"content": {"text/event-stream": {}}}, **_ERRORS}
 class OpenAIHTTPError(Exception):
     """An error the frontend itself answers (unknown model, ...)."""
 
-    def __init__(self, status: int, message: str, error_type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        error_type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.error_type, self.param, self.code = status, message, error_type, param, code
 
 
-def _error_response(status: int, message: str, error_type: str, param: str | None = None,
-                    code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+def _error_response(
+    status: int,
+    message: str,
+    error_type: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     return JSONResponse(error_body(message, error_type, param, code), status_code=status, headers=headers)
 
 
@@ -78,8 +97,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def _is_union_branch(part) -> bool:
     """pydantic names union branches in error locations ("list[constrained-int]", "str")."""
-    return part == "body" or (isinstance(part, str) and (
-        "[" in part or "-" in part or part in ("str", "int", "float", "bool", "list", "dict")))
+    return part == "body" or (
+        isinstance(part, str)
+        and ("[" in part or "-" in part or part in ("str", "int", "float", "bool", "list", "dict"))
+    )
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -119,8 +140,12 @@ def _install_error_handlers(app: FastAPI) -> None:
 def build_http_app(backend) -> FastAPI:
     """The OpenAI-compatible FastAPI app in front of `backend` (see the module docstring)."""
     cfg = backend.cfg
-    app = FastAPI(title="splitserve", description="OpenAI-compatible disaggregated LLM serving",
-                  version="0.1.0", strict_content_type=False)
+    app = FastAPI(
+        title="splitserve",
+        description="OpenAI-compatible disaggregated LLM serving",
+        version="0.1.0",
+        strict_content_type=False,
+    )
     app.add_middleware(RequestGuard, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes)
     _install_error_handlers(app)
     created = int(time.time())
@@ -129,8 +154,12 @@ def build_http_app(backend) -> FastAPI:
 
     def check_model(model: str) -> None:
         if model != backend.model_name:
-            raise OpenAIHTTPError(404, f"the model {model!r} does not exist; this server serves "
-                                  f"{backend.model_name!r}", param="model", code="model_not_found")
+            raise OpenAIHTTPError(
+                404,
+                f"the model {model!r} does not exist; this server serves {backend.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     def model_card() -> ModelCard:
         return ModelCard(id=backend.model_name, created=created, max_model_len=backend.max_model_len)
@@ -157,33 +186,50 @@ def build_http_app(backend) -> FastAPI:
         check_model(model_id)
         return model_card()
 
-    @app.post("/v1/completions", response_model=CompletionResponse, dependencies=auth,
-              responses=GENERATION_RESPONSES)
+    @app.post("/v1/completions", response_model=CompletionResponse, dependencies=auth, responses=GENERATION_RESPONSES)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         prompt = body.single_prompt()
         prompt_ids = backend.encode(prompt) if isinstance(prompt, str) else list(prompt)
         params = build_sampling_params(body, len(prompt_ids), backend.max_model_len)
-        renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", body.model, int(time.time()),
-                                      backend.tokenizer, params.logprobs, body.include_usage)
+        renderer = CompletionRenderer(
+            f"cmpl-{uuid.uuid4().hex}",
+            body.model,
+            int(time.time()),
+            backend.tokenizer,
+            params.logprobs,
+            body.include_usage,
+        )
         return await generate(request, prompt_ids, params, renderer, body.stream)
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=auth,
-              responses=GENERATION_RESPONSES)
+    @app.post(
+        "/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=auth, responses=GENERATION_RESPONSES
+    )
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
         prompt_ids = backend.render_chat(body.template_messages())
         params = build_sampling_params(body, len(prompt_ids), backend.max_model_len)
-        renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", body.model, int(time.time()),
-                                backend.tokenizer, params.logprobs, body.include_usage)
+        renderer = ChatRenderer(
+            f"chatcmpl-{uuid.uuid4().hex}",
+            body.model,
+            int(time.time()),
+            backend.tokenizer,
+            params.logprobs,
+            body.include_usage,
+        )
         return await generate(request, prompt_ids, params, renderer, body.stream)
 
-    async def generate(request: Request, prompt_ids: list[int], params: SamplingParams,
-                       renderer: ResponseRenderer, stream: bool) -> Response:
+    async def generate(
+        request: Request, prompt_ids: list[int], params: SamplingParams, renderer: ResponseRenderer, stream: bool
+    ) -> Response:
         # Refusals (400/429/503) come before the first chunk, so they still get a status code.
-        source = backend.generate(prompt_ids, params, request_id=renderer.request_id,
-                                  api_key=bearer_token(request.scope.get("headers", [])),
-                                  timeout_s=_request_timeout(request))
+        source = backend.generate(
+            prompt_ids,
+            params,
+            request_id=renderer.request_id,
+            api_key=bearer_token(request.scope.get("headers", [])),
+            timeout_s=_request_timeout(request),
+        )
         renderer.num_prompt_tokens = len(prompt_ids)  # chunks repeat it; this covers an empty stream
         handed_off = False
         try:
@@ -221,8 +267,11 @@ def _request_timeout(request: Request) -> float | None:
     except ValueError:
         value = float("nan")
     if not 0 < value < float("inf"):
-        raise OpenAIHTTPError(400, f"the {TIMEOUT_HEADER} header must be a positive number of seconds, "
-                              f"got {raw[:32]!r}", param=TIMEOUT_HEADER)
+        raise OpenAIHTTPError(
+            400,
+            f"the {TIMEOUT_HEADER} header must be a positive number of seconds, got {raw[:32]!r}",
+            param=TIMEOUT_HEADER,
+        )
     return value
 
 

@@ -4,6 +4,7 @@ Authentication happens first, so an unauthenticated client cannot make the serve
 body. The body is then read up to `max_body_bytes` (Content-Length is checked before reading;
 the bytes actually received are counted too, for chunked uploads) and replayed to the app.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -14,8 +15,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from splitserve.cluster.frontend.openai.responses import error_body
 
 
-async def send_error(send: Send, status: int, message: str, error_type: str, code: str | None = None,
-                     headers: dict[str, str] | None = None) -> None:
+async def send_error(
+    send: Send,
+    status: int,
+    message: str,
+    error_type: str,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> None:
     body = json.dumps(error_body(message, error_type, code=code)).encode()
     raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw_headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
@@ -36,8 +43,7 @@ def bearer_token(headers: list[tuple[bytes, bytes]]) -> str | None:
 class RequestGuard:
     """Wraps the app: 401 without the API key on protected paths, 413 for oversized bodies."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int,
-                 protected_prefix: str = "/v1/"):
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, protected_prefix: str = "/v1/"):
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
         self.app = app
@@ -62,9 +68,14 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         if not self._authorized(scope):
-            await send_error(send, 401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
-                             "invalid_request_error", code="invalid_api_key",
-                             headers={"WWW-Authenticate": "Bearer"})
+            await send_error(
+                send,
+                401,
+                "invalid or missing API key; send 'Authorization: Bearer <key>'",
+                "invalid_request_error",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
             return
         try:
             declared = self._declared_length(scope)
@@ -91,8 +102,13 @@ class RequestGuard:
         await self.app(scope, _replay(b"".join(chunks), receive), send)
 
     async def _send_too_large(self, send: Send) -> None:
-        await send_error(send, 413, f"the request body exceeds the limit of {self.max_body_bytes} bytes",
-                         "invalid_request_error", code="request_too_large")
+        await send_error(
+            send,
+            413,
+            f"the request body exceeds the limit of {self.max_body_bytes} bytes",
+            "invalid_request_error",
+            code="request_too_large",
+        )
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

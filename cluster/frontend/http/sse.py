@@ -5,10 +5,11 @@ leaves a body generator that was parked at a `yield` for the garbage collector. 
 client is watched for the whole response, and both the event iterator and the backend's
 generator are closed explicitly, so the request is aborted on its replica right away.
 """
+
 from __future__ import annotations
 
 import logging
-from typing import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import anyio
 from starlette.responses import StreamingResponse
@@ -35,6 +36,7 @@ async def run_until_disconnected(receive: Receive, work):
     """Await `work` (an awaitable); cancel it and raise ClientDisconnected if the client leaves."""
     outcome: tuple[bool, object] | None = None
     async with anyio.create_task_group() as group:
+
         async def watch() -> None:
             await wait_for_disconnect(receive)
             group.cancel_scope.cancel()
@@ -58,15 +60,14 @@ class SSEResponse(StreamingResponse):
     """text/event-stream of `events`; `source` (the backend generator feeding them) is closed
     when the response ends for any reason: finished, client disconnect, or error."""
 
-    def __init__(self, events: AsyncIterator[str], source: AsyncGenerator | None = None,
-                 status_code: int = 200):
-        super().__init__(events, status_code=status_code, headers=SSE_HEADERS,
-                         media_type="text/event-stream")
+    def __init__(self, events: AsyncIterator[str], source: AsyncGenerator | None = None, status_code: int = 200):
+        super().__init__(events, status_code=status_code, headers=SSE_HEADERS, media_type="text/event-stream")
         self.source = source
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             async with anyio.create_task_group() as group:
+
                 async def stream() -> None:
                     try:
                         await self.stream_response(send)

@@ -6,6 +6,7 @@ Requests ignore fields they do not know (OpenAI clients send some) but reject wr
 (n > 1, echo, penalties, top alternatives in logprobs, tools) are refused with a 400 that
 names the parameter rather than silently ignored.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Literal
@@ -75,8 +76,9 @@ class _SamplingRequest(_Request):
     ignore_eos: bool = Field(False, description="splitserve extension: keep generating past EOS")
     presence_penalty: float | None = _only(None, 0, None, description="only 0 is supported")
     frequency_penalty: float | None = _only(None, 0, None, description="only 0 is supported")
-    logit_bias: dict[str, float] | None = Field(None, description="only an empty map is supported",
-                                                json_schema_extra={"maxProperties": 0})
+    logit_bias: dict[str, float] | None = Field(
+        None, description="only an empty map is supported", json_schema_extra={"maxProperties": 0}
+    )
     user: str | None = None
 
     @property
@@ -94,13 +96,16 @@ class _SamplingRequest(_Request):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: (Annotated[str, Field(min_length=1)] | TokenIds
-             | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)]
-             | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]) = Field(
-        description="one prompt: text, token ids, or a list holding one of those")
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)]
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
+    ) = Field(description="one prompt: text, token ids, or a list holding one of those")
     max_tokens: PositiveInt | None = 16
-    logprobs: JsonInt | None = _only(None, 0, None,
-                                 description="0: the chosen token's log-probability, without alternatives")
+    logprobs: JsonInt | None = _only(
+        None, 0, None, description="0: the chosen token's log-probability, without alternatives"
+    )
     echo: bool = _only(False, False, description="only false is supported")
     best_of: JsonInt | None = _only(None, 1, None, description="only 1 is supported")
     suffix: str | None = Field(None, description="not supported", json_schema_extra={"maxLength": 0})
@@ -127,8 +132,8 @@ class CompletionRequest(_SamplingRequest):
             raise RequestParamError("suffix is not supported", "suffix")
         if self.logprobs not in (None, 0):
             raise RequestParamError(
-                "only logprobs=0 is supported: the chosen token's log-probability, without "
-                "top alternatives", "logprobs")
+                "only logprobs=0 is supported: the chosen token's log-probability, without top alternatives", "logprobs"
+            )
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request: text or token ids (validation allows only one)."""
@@ -186,27 +191,27 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: JsonInt | None = _only(None, 0, None, description="only 0 is supported")
     tools: list[dict] | None = Field(None, description="not supported", json_schema_extra={"maxItems": 0})
-    response_format: dict | None = _only(None, {"type": "text"}, None,
-                                         description='only {"type": "text"} is supported')
+    response_format: dict | None = _only(None, {"type": "text"}, None, description='only {"type": "text"} is supported')
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.top_logprobs:
             raise RequestParamError(
-                "only top_logprobs=0 is supported: the chosen token's log-probability, without "
-                "top alternatives", "top_logprobs")
+                "only top_logprobs=0 is supported: the chosen token's log-probability, without top alternatives",
+                "top_logprobs",
+            )
         if self.tools:
             raise RequestParamError("tools are not supported", "tools")
         if self.response_format not in (None, {"type": "text"}):
-            raise RequestParamError('only response_format {"type": "text"} is supported',
-                                    "response_format")
+            raise RequestParamError('only response_format {"type": "text"} is supported', "response_format")
 
     def template_messages(self) -> list[dict]:
         return [m.to_template_dict() for m in self.messages]
 
 
-def build_sampling_params(request: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int,
-                          max_model_len: int) -> SamplingParams:
+def build_sampling_params(
+    request: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int, max_model_len: int
+) -> SamplingParams:
     """SamplingParams for a request; raises InvalidRequestError (-> 400) for bad values.
 
     Chat requests without a token limit may use the rest of the context, as OpenAI's do.

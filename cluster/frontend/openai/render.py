@@ -1,11 +1,11 @@
 """Turn the backend's StreamChunks into OpenAI responses: SSE chunks while streaming, one
 JSON body otherwise. CompletionRenderer and ChatRenderer differ only in the choice shapes."""
-from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from __future__ import annotations
 
 import json
 import math
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 from splitserve.cluster.frontend.openai.responses import (
@@ -44,8 +44,9 @@ def sse_event(payload: dict | str) -> str:
 class ResponseRenderer(ABC):
     """Accumulates one request's chunks (text, logprobs, usage) and renders them."""
 
-    def __init__(self, request_id: str, model: str, created: int, tokenizer, include_logprobs: bool,
-                 include_usage: bool):
+    def __init__(
+        self, request_id: str, model: str, created: int, tokenizer, include_logprobs: bool, include_usage: bool
+    ):
         self.request_id = request_id
         self.model = model
         self.created = created
@@ -81,9 +82,12 @@ class ResponseRenderer(ABC):
         return "".join(self.text_parts)
 
     def usage(self) -> Usage:
-        return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_output_tokens,
-                     total_tokens=self.num_prompt_tokens + self.num_output_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=self.num_cached_tokens))
+        return Usage(
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=self.num_output_tokens,
+            total_tokens=self.num_prompt_tokens + self.num_output_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.num_cached_tokens),
+        )
 
     def token_strings(self, token_ids: list[int]) -> list[str]:
         return [self.tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
@@ -115,8 +119,7 @@ class ResponseRenderer(ABC):
 
     # ---- shapes (subclasses) -------------------------------------------------------------
     @abstractmethod
-    def render_chunk(self, text: str, token_ids: list[int], logprobs: list[float],
-                     finish_reason: str | None) -> dict:
+    def render_chunk(self, text: str, token_ids: list[int], logprobs: list[float], finish_reason: str | None) -> dict:
         """One streamed chunk in the endpoint's shape."""
 
     @abstractmethod
@@ -144,34 +147,40 @@ class CompletionRenderer(ResponseRenderer):
         return CompletionLogprobs(tokens=tokens, token_logprobs=list(logprobs), text_offset=offsets)
 
     def render_chunk(self, text, token_ids, logprobs, finish_reason) -> dict:
-        choice = CompletionChoice(text=text, logprobs=self._logprobs(token_ids, logprobs),
-                                  finish_reason=finish_reason)
-        return CompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                  choices=[choice]).model_dump(mode="json")
+        choice = CompletionChoice(text=text, logprobs=self._logprobs(token_ids, logprobs), finish_reason=finish_reason)
+        return CompletionResponse(
+            id=self.request_id, created=self.created, model=self.model, choices=[choice]
+        ).model_dump(mode="json")
 
     def render_usage_chunk(self) -> dict:
-        return CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=[],
-                                  usage=self.usage()).model_dump(mode="json")
+        return CompletionResponse(
+            id=self.request_id, created=self.created, model=self.model, choices=[], usage=self.usage()
+        ).model_dump(mode="json")
 
     def render_response(self) -> dict:
         self._text_offset = 0
-        choice = CompletionChoice(text=self.text, logprobs=self._logprobs(self.token_ids, self.logprobs),
-                                  finish_reason=self.finish_reason)
-        return CompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                  choices=[choice], usage=self.usage()).model_dump(mode="json")
+        choice = CompletionChoice(
+            text=self.text, logprobs=self._logprobs(self.token_ids, self.logprobs), finish_reason=self.finish_reason
+        )
+        return CompletionResponse(
+            id=self.request_id, created=self.created, model=self.model, choices=[choice], usage=self.usage()
+        ).model_dump(mode="json")
 
 
 class ChatRenderer(ResponseRenderer):
     def _logprobs(self, token_ids: list[int], logprobs: list[float]) -> ChatChoiceLogprobs | None:
         if not self.include_logprobs:
             return None
-        content = [ChatTokenLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
-                   for token, logprob in zip(self.token_strings(token_ids), logprobs)]
+        content = [
+            ChatTokenLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
+            for token, logprob in zip(self.token_strings(token_ids), logprobs)
+        ]
         return ChatChoiceLogprobs(content=content)
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> dict:
-        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
-                                   choices=choices, usage=usage).model_dump(mode="json")
+        return ChatCompletionChunk(
+            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
+        ).model_dump(mode="json")
 
     def opening_events(self) -> list[str]:
         # OpenAI opens every chat stream with the assistant role and empty content.
@@ -179,15 +188,19 @@ class ChatRenderer(ResponseRenderer):
 
     def render_chunk(self, text, token_ids, logprobs, finish_reason) -> dict:
         delta = ChatDelta(content=text if text or finish_reason is None else None)
-        return self._chunk([ChatChunkChoice(delta=delta, logprobs=self._logprobs(token_ids, logprobs),
-                                            finish_reason=finish_reason)])
+        return self._chunk(
+            [ChatChunkChoice(delta=delta, logprobs=self._logprobs(token_ids, logprobs), finish_reason=finish_reason)]
+        )
 
     def render_usage_chunk(self) -> dict:
         return self._chunk([], usage=self.usage())
 
     def render_response(self) -> dict:
-        choice = ChatChoice(message=ChatMessage(content=self.text),
-                            logprobs=self._logprobs(self.token_ids, self.logprobs),
-                            finish_reason=self.finish_reason)
-        return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                      choices=[choice], usage=self.usage()).model_dump(mode="json")
+        choice = ChatChoice(
+            message=ChatMessage(content=self.text),
+            logprobs=self._logprobs(self.token_ids, self.logprobs),
+            finish_reason=self.finish_reason,
+        )
+        return ChatCompletionResponse(
+            id=self.request_id, created=self.created, model=self.model, choices=[choice], usage=self.usage()
+        ).model_dump(mode="json")

@@ -1,5 +1,6 @@
 """OpenAI-compatible response shapes: completions, chat completions, their stream chunks,
 usage (with prompt_tokens_details.cached_tokens), the model list and the error body."""
+
 from __future__ import annotations
 
 from typing import Literal
@@ -124,8 +125,6 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-def error_body(message: str, error_type: str, param: str | None = None,
-               code: str | int | None = None) -> dict:
+def error_body(message: str, error_type: str, param: str | None = None, code: str | int | None = None) -> dict:
     """OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}."""
-    return ErrorResponse(error=ErrorDetail(message=message, type=error_type, param=param,
-                                           code=code)).model_dump()
+    return ErrorResponse(error=ErrorDetail(message=message, type=error_type, param=param, code=code)).model_dump()

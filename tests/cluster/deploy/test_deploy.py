@@ -3,6 +3,7 @@
 Everything runs offline: Ray's own cluster-config preparation and schema, no cloud calls.
 The Helm chart is tested in tests/cluster/deploy/test_deploy_helm.py.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -10,16 +11,13 @@ import json
 import os
 import shlex
 import subprocess
-import sys
 import tomllib
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import deploy  # noqa: E402
-
 from splitserve.cluster.config import ServeConfig  # noqa: E402
+from tests.helpers import deploy  # noqa: E402
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
@@ -61,8 +59,7 @@ def test_serve_gpu_yaml_is_a_gpu_serve_config():
 
 
 def _replicas_per_node(node_resources: dict[str, float], pool_cfg) -> int:
-    request = {"CPU": pool_cfg.resources.num_cpus, "GPU": pool_cfg.resources.num_gpus,
-               **pool_cfg.resources.resources}
+    request = {"CPU": pool_cfg.resources.num_cpus, "GPU": pool_cfg.resources.num_gpus, **pool_cfg.resources.resources}
     return min(int(node_resources.get(k, 0) // v) for k, v in request.items() if v > 0)
 
 
@@ -91,12 +88,13 @@ def test_aws_worker_node_types_host_their_pool():
 
 def _run_local_worker_start(command: str, ip: str, num_gpus: int) -> subprocess.CompletedProcess:
     """Run local.yaml's worker start command with hostname/nvidia-smi/ray stubbed out."""
-    stubs = (f"hostname() {{ echo '{ip} 172.17.0.1'; }}; "
-             f"nvidia-smi() {{ for i in $(seq 1 {num_gpus}); do echo GPU; done; }}; "
-             "ray() { printf '%s\\n' \"$@\"; }; ulimit() { :; }; ")
+    stubs = (
+        f"hostname() {{ echo '{ip} 172.17.0.1'; }}; "
+        f"nvidia-smi() {{ for i in $(seq 1 {num_gpus}); do echo GPU; done; }}; "
+        "ray() { printf '%s\\n' \"$@\"; }; ulimit() { :; }; "
+    )
     env = {"PATH": os.environ["PATH"], "RAY_HEAD_IP": "10.0.0.10"}
-    return subprocess.run(["bash", "-c", stubs + command], capture_output=True, text=True,
-                          env=env, timeout=10)
+    return subprocess.run(["bash", "-c", stubs + command], capture_output=True, text=True, env=env, timeout=10)
 
 
 def test_local_workers_advertise_their_pools_resources():
@@ -110,20 +108,18 @@ def test_local_workers_advertise_their_pools_resources():
         args = result.stdout.split("\n")
         assert args[0] == "start" and "--address=10.0.0.10:6379" in args
         assert "--num-gpus=2" in args
-        resources = json.loads(next(a for a in args if a.startswith("--resources="))
-                               .removeprefix("--resources="))
+        resources = json.loads(next(a for a in args if a.startswith("--resources=")).removeprefix("--resources="))
         assert len(resources) == 1
-        (pool_resource, amount), = resources.items()
-        assert amount == 2          # one unit per GPU
+        ((pool_resource, amount),) = resources.items()
+        assert amount == 2  # one unit per GPU
         advertised.setdefault(pool_resource, set()).add(ip)
     # Both pools get machines; a pool replica (1 GPU + 1 unit) fits each of them.
     for pool in POOLS:
         pool_cfg = getattr(cfg, pool)
-        (name, per_replica), = pool_cfg.resources.resources.items()
+        ((name, per_replica),) = pool_cfg.resources.resources.items()
         assert name in advertised, f"no local worker advertises {name}"
         assert per_replica == pool_cfg.resources.num_gpus
-    assert set(advertised) == {k for pool in POOLS
-                               for k in getattr(cfg, pool).resources.resources}
+    assert set(advertised) == {k for pool in POOLS for k in getattr(cfg, pool).resources.resources}
     unknown = _run_local_worker_start(start, "10.9.9.9", num_gpus=1)
     assert unknown.returncode != 0 and "no pool" in unknown.stderr
     head_start = " ".join(raw["head_start_ray_commands"])
@@ -144,7 +140,7 @@ def test_ray_up_ships_serve_config_and_model(name):
     local = None
     for remote_dir, local_dir in raw["file_mounts"].items():
         if remote_config.startswith(remote_dir.rstrip("/") + "/"):
-            local = deploy.REPO_ROOT / local_dir / remote_config[len(remote_dir) + 1:]
+            local = deploy.REPO_ROOT / local_dir / remote_config[len(remote_dir) + 1 :]
     assert local is not None and local.resolve() == SERVE_CONFIG_PATH.resolve()
     # Every node installs the wheel from a mounted dist/ and downloads the weights to the
     # path the serve config loads them from.
@@ -163,7 +159,7 @@ def test_ray_up_serve_command_is_accepted_by_the_cli(name):
     raw = deploy.load_yaml(deploy.DEPLOY_DIR / name)
     serve_cmd = next(c for c in raw["head_start_ray_commands"] if "splitserve serve" in c)
     argv = shlex.split(serve_cmd.split(">")[0].removeprefix("nohup "))
-    argv[argv.index("--config") + 1] = str(SERVE_CONFIG_PATH)   # the file ray up mounts there
+    argv[argv.index("--config") + 1] = str(SERVE_CONFIG_PATH)  # the file ray up mounts there
     args = cli.build_parser().parse_args(argv[1:])
     assert args.address == "auto"
     assert config_from_args(args) == _serve_config()

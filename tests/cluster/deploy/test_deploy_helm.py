@@ -4,13 +4,12 @@ Everything runs offline: Helm's Go SDK through helm-python-sdk (no helm binary),
 CRDs in ../shared/crds and kubernetes-validate. Each test runs for the chart's default values
 and for every helm/splitserve/ci/*.yaml.
 """
+
 from __future__ import annotations
 
 import json
 import math
 import re
-import sys
-from pathlib import Path
 
 import helm_python
 import jsonschema
@@ -18,22 +17,27 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.helpers import deploy  # noqa: E402
-from tests.helpers.deploy import (  # noqa: E402
-    all_objects_of, crd_validator, merged_values_of, objects_of, ray_service_of, values_for)
-
 from splitserve.cluster.config import ROUTER_POLICIES, ServeConfig  # noqa: E402
+from tests.helpers import deploy  # noqa: E402
+from tests.helpers.deploy import all_objects_of, crd_validator, merged_values_of, objects_of, ray_service_of, values_for  # noqa: E402
 
 POOLS = deploy.POOLS
 VALUE_SETS = deploy.value_set_names()
 KUBE_VERSION = kubernetes_validate.latest_version()
 # The metrics the Grafana dashboard must chart (names as Prometheus exposes them).
 DASHBOARD_METRICS = (
-    "splitserve_ttft_seconds", "splitserve_itl_seconds", "splitserve_e2e_seconds",
-    "splitserve_requests_total", "splitserve_queue_depth", "splitserve_running_requests",
-    "splitserve_kv_block_usage", "splitserve_prefix_cache_hit_tokens_total",
-    "splitserve_kv_transfer_bytes_total", "splitserve_kv_transfer_seconds",
-    "splitserve_router_decisions_total", "splitserve_replicas",
+    "splitserve_ttft_seconds",
+    "splitserve_itl_seconds",
+    "splitserve_e2e_seconds",
+    "splitserve_requests_total",
+    "splitserve_queue_depth",
+    "splitserve_running_requests",
+    "splitserve_kv_block_usage",
+    "splitserve_prefix_cache_hit_tokens_total",
+    "splitserve_kv_transfer_bytes_total",
+    "splitserve_kv_transfer_seconds",
+    "splitserve_router_decisions_total",
+    "splitserve_replicas",
 )
 
 
@@ -63,20 +67,27 @@ def test_rendered_objects_validate(name):
         if obj["apiVersion"] == "ray.io/v1":
             crd_validator(obj["kind"]).validate(obj)
         elif obj["kind"] == "ServiceMonitor":
-            assert obj["apiVersion"] == "monitoring.coreos.com/v1"   # checked further below
+            assert obj["apiVersion"] == "monitoring.coreos.com/v1"  # checked further below
         else:
             kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
     ray_service = ray_service_of(name)
     # KubeRay wants a DNS-1035 label and derives longer names (Services, RayClusters) from it.
     assert re.fullmatch(r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?", ray_service["metadata"]["name"])
     # The embedded cluster is a valid RayCluster spec too, and its pod templates valid pods.
-    crd_validator("RayCluster").validate({
-        "apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": {"name": "check"},
-        "spec": ray_service["spec"]["rayClusterConfig"]})
+    crd_validator("RayCluster").validate(
+        {
+            "apiVersion": "ray.io/v1",
+            "kind": "RayCluster",
+            "metadata": {"name": "check"},
+            "spec": ray_service["spec"]["rayClusterConfig"],
+        }
+    )
     for group, template in deploy.iter_ray_pod_templates(ray_service):
-        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate",
-                                      "metadata": {"name": group}, "template": template},
-                                     KUBE_VERSION, strict=True)
+        kubernetes_validate.validate(
+            {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": group}, "template": template},
+            KUBE_VERSION,
+            strict=True,
+        )
 
 
 def test_crd_validation_catches_typos():
@@ -133,8 +144,9 @@ def test_worker_groups_host_their_pools(name):
         assert int(limits.get("nvidia.com/gpu", 0)) == num_gpus
         assert deploy.quantity(limits["cpu"]) >= pool_cfg.resources.num_cpus * per_pod
         scaling = pool_cfg.autoscaling
-        low, high = ((scaling.min_replicas, scaling.max_replicas) if scaling.enabled
-                     else (pool_cfg.replicas, pool_cfg.replicas))
+        low, high = (
+            (scaling.min_replicas, scaling.max_replicas) if scaling.enabled else (pool_cfg.replicas, pool_cfg.replicas)
+        )
         if autoscaler_on:
             expected = (_pods_for(low, per_pod), _pods_for(high, per_pod))
         else:
@@ -157,8 +169,7 @@ def test_model_volume_is_mounted_at_serve_model(name):
     for group, template in deploy.iter_ray_pod_templates(ray_service):
         spec = template["spec"]
         volumes = {v["name"]: v for v in spec["volumes"]}
-        mounts = [m for c in spec["containers"] for m in c.get("volumeMounts", [])
-                  if m["name"] == "model"]
+        mounts = [m for c in spec["containers"] for m in c.get("volumeMounts", []) if m["name"] == "model"]
         if source == "image":
             assert "model" not in volumes and not mounts
             continue
@@ -179,7 +190,9 @@ def test_service_exposes_the_head_frontends(name):
     values = merged_values_of(name)
     serve = values["serve"]
     assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {
-        "http": serve["http_port"], "grpc": serve["grpc_port"]}
+        "http": serve["http_port"],
+        "grpc": serve["grpc_port"],
+    }
     templates = dict(deploy.iter_ray_pod_templates(ray_service_of(name)))
     selector = service["spec"]["selector"].items()
     assert selector <= templates["head"]["metadata"]["labels"].items()
@@ -189,7 +202,7 @@ def test_service_exposes_the_head_frontends(name):
     container_ports = {p["name"]: p["containerPort"] for p in head["ports"]}
     for port in service["spec"]["ports"]:
         assert container_ports[port["targetPort"]] == port["port"]
-    assert container_ports["serve"] == serve["http_port"]   # KubeRay's serve Service uses it
+    assert container_ports["serve"] == serve["http_port"]  # KubeRay's serve Service uses it
     if values["head"]["probes"]["enabled"]:
         assert head["readinessProbe"]["httpGet"] == {"path": "/health", "port": "serve"}
         assert head["livenessProbe"]["grpc"]["port"] == serve["grpc_port"]
@@ -220,7 +233,9 @@ def test_monitoring_objects_target_the_service():
 
 
 def test_dashboard_metrics_exist_in_the_app():
-    metrics = pytest.importorskip("splitserve.cluster.frontend.metrics", reason="splitserve.cluster.frontend.metrics is not importable yet")
+    metrics = pytest.importorskip(
+        "splitserve.cluster.frontend.metrics", reason="splitserve.cluster.frontend.metrics is not importable yet"
+    )
     exposed = set()
     for family in metrics.Metrics().registry.collect():
         exposed.add(family.name)
@@ -263,7 +278,8 @@ CROSS_FIELD_ERRORS = {
     "relative model path": ({"serve": {"model": "models/x"}}, "absolute path"),
     "min above max replicas": (
         {"serve": {"prefill": {"autoscaling": {"min_replicas": 5, "max_replicas": 2}}}},
-        "min_replicas"),
+        "min_replicas",
+    ),
 }
 
 
@@ -282,7 +298,8 @@ def test_router_policy_enum_matches_serve_config():
 def test_values_schema_is_generated_from_serve_config():
     schema = json.loads(deploy.VALUES_SCHEMA_PATH.read_text())
     assert schema["definitions"] == deploy.serve_schema_definitions(), (
-        "values.schema.json is stale: run .venv/bin/python tests/helpers/deploy.py")
+        "values.schema.json is stale: run .venv/bin/python tests/helpers/deploy.py"
+    )
     assert schema["properties"]["serve"]["$ref"] == "#/definitions/ServeConfig"
 
 

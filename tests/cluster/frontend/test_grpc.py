@@ -1,5 +1,6 @@
 """The gRPC frontend against a fake backend: streaming, status codes, auth, cancel, health,
 a reflection-only client (what grpcurl does), malformed input, and the self-building stubs."""
+
 from __future__ import annotations
 
 import shutil
@@ -13,14 +14,20 @@ from google.protobuf import descriptor_pool, json_format, message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from splitserve.cluster.frontend.grpc.server import SERVICE_NAME, GrpcFrontend, GrpcFrontendError
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.frontend.errors import BackendError
-from splitserve.engine.testing.make_model import write_random_checkpoint
+from splitserve.cluster.frontend.grpc.server import SERVICE_NAME, GrpcFrontend, GrpcFrontendError
 from splitserve.engine.io.tokenizer import Tokenizer
+from splitserve.engine.testing.make_model import write_random_checkpoint
 from splitserve.proto import load_stubs
-from tests.helpers.grpc_client import (FAKE_CACHED_TOKENS, FAKE_LOGPROB, FAKE_MAX_MODEL_LEN, FAKE_MODEL_NAME,
-                                 FakeBackend, FrontendThread)
+from tests.helpers.grpc_client import (
+    FAKE_CACHED_TOKENS,
+    FAKE_LOGPROB,
+    FAKE_MAX_MODEL_LEN,
+    FAKE_MODEL_NAME,
+    FakeBackend,
+    FrontendThread,
+)
 
 pb2, pb2_grpc = load_stubs()
 API_KEY = "sk-test-key"
@@ -83,8 +90,19 @@ def _status(call) -> tuple[grpc.StatusCode, str]:
 def test_generate_streams_deltas_and_usage_last(stub, backend, tokenizer):
     prompt = "The quick brown fox"
     prompt_ids = tokenizer.encode(prompt)
-    responses = _stream(stub, text=prompt, max_tokens=4, temperature=0.0, top_k=5, seed=7, stop=["\n"],
-                        stop_token_ids=[3], ignore_eos=True, logprobs=True, request_id="req-1")
+    responses = _stream(
+        stub,
+        text=prompt,
+        max_tokens=4,
+        temperature=0.0,
+        top_k=5,
+        seed=7,
+        stop=["\n"],
+        stop_token_ids=[3],
+        ignore_eos=True,
+        logprobs=True,
+        request_id="req-1",
+    )
     assert [r.finished for r in responses] == [False, False, False, True]
     assert [r.request_id for r in responses] == ["req-1"] * 4
     token_ids = [t for r in responses for t in r.token_ids]
@@ -94,7 +112,11 @@ def test_generate_streams_deltas_and_usage_last(stub, backend, tokenizer):
     assert [r.finish_reason for r in responses] == ["", "", "", "length"]
     assert not any(r.HasField("usage") for r in responses[:-1])
     usage = responses[-1].usage
-    assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) == (len(prompt_ids), 4, FAKE_CACHED_TOKENS)
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) == (
+        len(prompt_ids),
+        4,
+        FAKE_CACHED_TOKENS,
+    )
     ids, params, request_id, api_key = backend.calls[-1]
     assert ids == prompt_ids and request_id == "req-1" and api_key is None
     assert (params.max_tokens, params.temperature, params.top_k, params.seed) == (4, 0.0, 5, 7)
@@ -116,35 +138,47 @@ def test_tokenize_and_models(stub, tokenizer):
     assert list(response.token_ids) == tokenizer.encode("Hello world")
     assert response.count == len(response.token_ids) and response.max_model_len == FAKE_MAX_MODEL_LEN
     models = stub.Models(pb2.ModelsRequest(), timeout=TIMEOUT_S).models
-    assert [(m.id, m.max_model_len, m.owned_by) for m in models] == [(FAKE_MODEL_NAME, FAKE_MAX_MODEL_LEN, "splitserve")]
+    assert [(m.id, m.max_model_len, m.owned_by) for m in models] == [
+        (FAKE_MODEL_NAME, FAKE_MAX_MODEL_LEN, "splitserve")
+    ]
 
 
-@pytest.mark.parametrize("request_fields, code, details", [
-    ({"text": "hi", "model": "gpt-9"}, Code.NOT_FOUND, "gpt-9"),
-    ({"max_tokens": 2}, Code.INVALID_ARGUMENT, "set the prompt"),
-    ({"text": ""}, Code.INVALID_ARGUMENT, "empty"),
-    ({"token_ids": pb2.TokenIds()}, Code.INVALID_ARGUMENT, "token_ids is empty"),
-    ({"text": "hi", "top_p": 0.0}, Code.INVALID_ARGUMENT, "top_p"),
-    ({"text": "hi", "max_tokens": 0}, Code.INVALID_ARGUMENT, "max_tokens"),
-    ({"text": "hi", "temperature": float("nan")}, Code.INVALID_ARGUMENT, "temperature"),
-    ({"text": "hi", "seed": 2**63}, Code.INVALID_ARGUMENT, "seed"),
-    ({"token_ids": pb2.TokenIds(ids=[1]), "max_tokens": FAKE_MAX_MODEL_LEN}, Code.INVALID_ARGUMENT, "context length"),
-    ({"token_ids": pb2.TokenIds(ids=[10**6])}, Code.INVALID_ARGUMENT, "out of range"),
-])
+@pytest.mark.parametrize(
+    "request_fields, code, details",
+    [
+        ({"text": "hi", "model": "gpt-9"}, Code.NOT_FOUND, "gpt-9"),
+        ({"max_tokens": 2}, Code.INVALID_ARGUMENT, "set the prompt"),
+        ({"text": ""}, Code.INVALID_ARGUMENT, "empty"),
+        ({"token_ids": pb2.TokenIds()}, Code.INVALID_ARGUMENT, "token_ids is empty"),
+        ({"text": "hi", "top_p": 0.0}, Code.INVALID_ARGUMENT, "top_p"),
+        ({"text": "hi", "max_tokens": 0}, Code.INVALID_ARGUMENT, "max_tokens"),
+        ({"text": "hi", "temperature": float("nan")}, Code.INVALID_ARGUMENT, "temperature"),
+        ({"text": "hi", "seed": 2**63}, Code.INVALID_ARGUMENT, "seed"),
+        (
+            {"token_ids": pb2.TokenIds(ids=[1]), "max_tokens": FAKE_MAX_MODEL_LEN},
+            Code.INVALID_ARGUMENT,
+            "context length",
+        ),
+        ({"token_ids": pb2.TokenIds(ids=[10**6])}, Code.INVALID_ARGUMENT, "out of range"),
+    ],
+)
 def test_generate_rejects_bad_requests(stub, backend, request_fields, code, details):
     got_code, got_details = _status(lambda: _stream(stub, **request_fields))
     assert got_code == code and details in got_details
     assert backend.calls == []
 
 
-@pytest.mark.parametrize("error, code", [
-    (BackendError("the server is at capacity; retry later", 429, "rate_limit_error"), Code.RESOURCE_EXHAUSTED),
-    (BackendError("no decode replica", 503), Code.UNAVAILABLE),
-    (BackendError("bad key", 401), Code.UNAUTHENTICATED),
-    (BackendError("gone", 404), Code.NOT_FOUND),
-    (BackendError("kv transfer failed", 500), Code.INTERNAL),
-    (RuntimeError("a bug"), Code.INTERNAL),
-])
+@pytest.mark.parametrize(
+    "error, code",
+    [
+        (BackendError("the server is at capacity; retry later", 429, "rate_limit_error"), Code.RESOURCE_EXHAUSTED),
+        (BackendError("no decode replica", 503), Code.UNAVAILABLE),
+        (BackendError("bad key", 401), Code.UNAUTHENTICATED),
+        (BackendError("gone", 404), Code.NOT_FOUND),
+        (BackendError("kv transfer failed", 500), Code.INTERNAL),
+        (RuntimeError("a bug"), Code.INTERNAL),
+    ],
+)
 def test_backend_refusals_map_to_status_codes(stub, backend, error, code):
     backend.refusal = error
     got_code, got_details = _status(lambda: _stream(stub, text="hi"))
@@ -171,19 +205,27 @@ def test_api_key(keyed):
     backend, channel = keyed
     stub = pb2_grpc.SplitServeStub(channel)
     request = pb2.GenerateRequest(text="hi", max_tokens=2)
-    for metadata, details in [(None, "missing API key"), ((("authorization", "Bearer nope"),), "invalid API key"),
-                              ((("authorization", API_KEY),), "missing API key")]:
-        code, got_details = _status(lambda: list(stub.Generate(request, metadata=metadata, timeout=TIMEOUT_S)))
+    for metadata, details in [
+        (None, "missing API key"),
+        ((("authorization", "Bearer nope"),), "invalid API key"),
+        ((("authorization", API_KEY),), "missing API key"),
+    ]:
+        code, got_details = _status(lambda md=metadata: list(stub.Generate(request, metadata=md, timeout=TIMEOUT_S)))
         assert code == Code.UNAUTHENTICATED and details in got_details
-        assert _status(lambda: stub.Models(pb2.ModelsRequest(), metadata=metadata, timeout=TIMEOUT_S))[0] == \
-            Code.UNAUTHENTICATED
+        assert (
+            _status(lambda md=metadata: stub.Models(pb2.ModelsRequest(), metadata=md, timeout=TIMEOUT_S))[0]
+            == Code.UNAUTHENTICATED
+        )
     good = (("authorization", f"Bearer {API_KEY}"),)
     assert len(list(stub.Generate(request, metadata=good, timeout=TIMEOUT_S))) == 2
     assert backend.calls[-1][3] == API_KEY
     assert stub.Tokenize(pb2.TokenizeRequest(text="hi"), metadata=good, timeout=TIMEOUT_S).count > 0
     # Health and reflection stay open: load balancers and grpcurl carry no key.
     health = health_pb2_grpc.HealthStub(channel)
-    assert health.Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT_S).status == health_pb2.HealthCheckResponse.SERVING
+    assert (
+        health.Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT_S).status
+        == health_pb2.HealthCheckResponse.SERVING
+    )
 
 
 def test_health_check_and_watch_follow_backend(served, backend):
@@ -191,11 +233,13 @@ def test_health_check_and_watch_follow_backend(served, backend):
     SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
     for service in ("", SERVICE_NAME):
         assert health.Check(health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT_S).status == SERVING
-    assert _status(lambda: health.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=TIMEOUT_S))[0] == \
-        Code.NOT_FOUND
+    assert (
+        _status(lambda: health.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=TIMEOUT_S))[0]
+        == Code.NOT_FOUND
+    )
     watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=TIMEOUT_S)
     assert next(watch).status == SERVING
-    backend.healthy = False                      # picked up by the poller, no Check needed
+    backend.healthy = False  # picked up by the poller, no Check needed
     assert next(watch).status == NOT_SERVING
     watch.cancel()
     assert health.Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT_S).status == NOT_SERVING
@@ -213,38 +257,51 @@ def test_client_built_only_from_reflection(served, backend, tokenizer):
 
     def method(service_name: str, method_name: str):
         found = pool.FindServiceByName(service_name).methods_by_name[method_name]
-        return (found, message_factory.GetMessageClass(found.input_type),
-                message_factory.GetMessageClass(found.output_type))
+        return (
+            found,
+            message_factory.GetMessageClass(found.input_type),
+            message_factory.GetMessageClass(found.output_type),
+        )
 
     generate, request_class, response_class = method(SERVICE_NAME, "Generate")
     assert request_class is not pb2.GenerateRequest and generate.server_streaming
     request = json_format.ParseDict({"text": "Hello", "maxTokens": 3, "temperature": 0}, request_class())
-    call = channel.unary_stream(f"/{SERVICE_NAME}/Generate", request_serializer=request_class.SerializeToString,
-                                response_deserializer=response_class.FromString)
+    call = channel.unary_stream(
+        f"/{SERVICE_NAME}/Generate",
+        request_serializer=request_class.SerializeToString,
+        response_deserializer=response_class.FromString,
+    )
     replies = [json_format.MessageToDict(r) for r in call(request, timeout=TIMEOUT_S)]
     assert len(replies) == 3 and replies[-1]["finished"] and replies[-1]["finishReason"] == "length"
     assert replies[-1]["usage"]["promptTokens"] == len(tokenizer.encode("Hello"))
     assert backend.calls[-1][1].temperature == 0.0
 
     _, check_request, check_response = method("grpc.health.v1.Health", "Check")
-    check = channel.unary_unary("/grpc.health.v1.Health/Check", request_serializer=check_request.SerializeToString,
-                                response_deserializer=check_response.FromString)
+    check = channel.unary_unary(
+        "/grpc.health.v1.Health/Check",
+        request_serializer=check_request.SerializeToString,
+        response_deserializer=check_response.FromString,
+    )
     assert json_format.MessageToDict(check(check_request(), timeout=TIMEOUT_S)) == {"status": "SERVING"}
 
 
-@pytest.mark.parametrize("method, garbage", [
-    ("Generate", b"\x0a\xff"),            # field 1: a 255-byte string with 0 bytes behind it
-    ("Generate", b"\x12\x02\xff\xfe"),    # field 2 (text): invalid UTF-8
-    ("Generate", b"\xff\xff\xff\xff"),
-    ("Tokenize", b"\x0a\xff"),
-])
+@pytest.mark.parametrize(
+    "method, garbage",
+    [
+        ("Generate", b"\x0a\xff"),  # field 1: a 255-byte string with 0 bytes behind it
+        ("Generate", b"\x12\x02\xff\xfe"),  # field 2 (text): invalid UTF-8
+        ("Generate", b"\xff\xff\xff\xff"),
+        ("Tokenize", b"\x0a\xff"),
+    ],
+)
 def test_malformed_bytes_are_invalid_argument_and_server_keeps_serving(served, stub, method, garbage):
     channel = served[2]
     path = f"/{SERVICE_NAME}/{method}"
     # No serializers: the raw bytes go on the wire as they are.
     call = channel.unary_stream(path) if method == "Generate" else channel.unary_unary(path)
-    code, details = _status(lambda: list(call(garbage, timeout=TIMEOUT_S)) if method == "Generate"
-                            else call(garbage, timeout=TIMEOUT_S))
+    code, details = _status(
+        lambda: list(call(garbage, timeout=TIMEOUT_S)) if method == "Generate" else call(garbage, timeout=TIMEOUT_S)
+    )
     assert code == Code.INVALID_ARGUMENT and "malformed" in details
     assert len(_stream(stub, text="still up", max_tokens=2)) == 2
 
@@ -267,8 +324,9 @@ def test_stop_cancels_streams_in_flight(tokenizer):
     backend, server, channel = _serve(tokenizer)
     try:
         backend.chunk_delay_s = 0.05
-        call = pb2_grpc.SplitServeStub(channel).Generate(pb2.GenerateRequest(text="hi", max_tokens=50),
-                                                         timeout=TIMEOUT_S)
+        call = pb2_grpc.SplitServeStub(channel).Generate(
+            pb2.GenerateRequest(text="hi", max_tokens=50), timeout=TIMEOUT_S
+        )
         next(call)
         server.call(server.frontend.stop(grace_s=0.1))
         assert backend.stream_ended.wait(5) and backend.outcomes[0] != "completed"
@@ -284,8 +342,10 @@ def test_stubs_build_when_missing_and_rebuild_when_proto_changes(tmp_path):
     source = Path(__file__).resolve().parents[3] / "proto"
     for name in ("__init__.py", "build.py", "stubs.py", "splitserve.proto"):
         shutil.copy(source / name, package / name)
-    load = ("from api_copy import load_stubs; pb2, pb2_grpc = load_stubs(); "
-            "print(pb2.__file__, pb2_grpc.SplitServeStub.__name__, 'Extra' in pb2.DESCRIPTOR.message_types_by_name)")
+    load = (
+        "from api_copy import load_stubs; pb2, pb2_grpc = load_stubs(); "
+        "print(pb2.__file__, pb2_grpc.SplitServeStub.__name__, 'Extra' in pb2.DESCRIPTOR.message_types_by_name)"
+    )
 
     def run(*args: str) -> str:
         done = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True, timeout=60)

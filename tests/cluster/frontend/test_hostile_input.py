@@ -8,6 +8,7 @@ Why this shape: generation is real but cheap. The tiny model, 4 KV blocks per re
 prompt + max_tokens <= 64 tokens; larger asks are a 400) and uvicorn on the cluster's own
 event loop keep a case at tens of milliseconds; schemathesis drives the operations through
 Hypothesis directly (fixed seed, no example database) so the case count is exact."""
+
 from __future__ import annotations
 
 import json
@@ -26,10 +27,10 @@ import requests
 import schemathesis
 from hypothesis import HealthCheck, Phase
 
-from splitserve.cluster.frontend.grpc.server import GrpcFrontend
-from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.frontend.backend import ServingBackend
+from splitserve.cluster.frontend.grpc.server import GrpcFrontend
+from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.kvtransfer.handoff import DecodeRequest, HandoffError
 from splitserve.proto import load_stubs
 from tests.helpers.cluster import LoopHttpServer, cluster_config, wait_for_baseline, wait_until
@@ -53,8 +54,15 @@ pb2, pb2_grpc = load_stubs()
 
 @pytest.fixture(scope="module")
 def backend(ray_cluster, tiny_model, loop):
-    cfg = cluster_config(tiny_model, policy="kv", num_blocks=4, api_key=API_KEY, max_body_bytes=MAX_BODY_BYTES,
-                         max_requests_per_key=2, max_queued_requests=16)
+    cfg = cluster_config(
+        tiny_model,
+        policy="kv",
+        num_blocks=4,
+        api_key=API_KEY,
+        max_body_bytes=MAX_BODY_BYTES,
+        max_requests_per_key=2,
+        max_queued_requests=16,
+    )
     serving = ServingBackend(cfg, tiny_model)
     loop.run(serving.start(), timeout=240)
     yield serving
@@ -98,6 +106,7 @@ def assert_openai_error(resp, status: int, *words: str) -> dict:
 
 # ---- schemathesis ------------------------------------------------------------------------
 
+
 def test_generated_requests_never_get_a_5xx(loop, backend, server, http):
     schema = schemathesis.openapi.from_dict(build_http_app(backend).openapi())
     session = requests.Session()
@@ -105,12 +114,12 @@ def test_generated_requests_never_get_a_5xx(loop, backend, server, http):
     statuses: dict[int, int] = {}
 
     def check(case) -> None:
-        case.headers = {**(case.headers or {}), **AUTH}   # reach past the key check (tested below)
+        case.headers = {**(case.headers or {}), **AUTH}  # reach past the key check (tested below)
         resp = case.call(base_url=server.url, session=session, timeout=60)
         statuses[resp.status_code] = statuses.get(resp.status_code, 0) + 1
         where = f"{case.method} {case.path} body={str(case.body)[:300]!r}"
         assert resp.status_code < 500, f"{where} -> {resp.status_code} {resp.text[:300]}"
-        content_type = resp.headers.get("content-type") or [""]   # schemathesis: name -> values
+        content_type = resp.headers.get("content-type") or [""]  # schemathesis: name -> values
         if content_type[0].startswith("text/event-stream"):
             assert resp.text.rstrip().endswith("data: [DONE]"), where
             assert '"server_error"' not in resp.text, f"{where} -> {resp.text[-300:]}"
@@ -124,7 +133,7 @@ def test_generated_requests_never_get_a_5xx(loop, backend, server, http):
     total = sum(counts.values())
     print(f"schemathesis: {total} cases, by operation {counts}, by status {dict(sorted(statuses.items()))}")
     assert total >= MIN_FUZZ_CASES, counts
-    assert statuses.get(200, 0) >= 100, statuses      # real generations ran, not only refusals
+    assert statuses.get(200, 0) >= 100, statuses  # real generations ran, not only refusals
     normal_request_works(http, backend.model_name)
     wait_for_baseline(loop, backend.cluster)
 
@@ -134,8 +143,14 @@ def fuzz_operation(operation, mode, max_examples: int, check) -> int:
     num_cases = 0
 
     @hypothesis.seed(FUZZ_SEED)
-    @hypothesis.settings(max_examples=max_examples, deadline=None, database=None, print_blob=True,
-                         phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    @hypothesis.settings(
+        max_examples=max_examples,
+        deadline=None,
+        database=None,
+        print_blob=True,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @hypothesis.given(case=operation.as_strategy(generation_mode=mode))
     def fuzz(case) -> None:
         nonlocal num_cases
@@ -150,6 +165,7 @@ def fuzz_operation(operation, mode, max_examples: int, check) -> int:
 
 
 # ---- hand-written abuse over HTTP ----------------------------------------------------------
+
 
 @pytest.mark.parametrize("case", range(len(raw_completion_cases("m"))), ids=[c[0] for c in raw_completion_cases("m")])
 def test_hostile_bodies_get_a_clear_4xx_and_the_server_keeps_serving(http, backend, case):
@@ -179,27 +195,33 @@ def test_hostile_chat_messages(http, backend):
         body = json.dumps({"model": model, "max_tokens": 2, **extra}).encode()
         resp = http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
         assert_openai_error(resp, 400, word)
-    ok = http.post("/v1/chat/completions", json={"model": model, "max_tokens": 2,
-                                                 "messages": [{"role": "user", "content": "hello"}]})
+    ok = http.post(
+        "/v1/chat/completions",
+        json={"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}]},
+    )
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
 def test_oversized_bodies_are_413_declared_or_chunked(server, http, backend):
     big = json.dumps({"model": backend.model_name, "prompt": "x" * (2 * MAX_BODY_BYTES)}).encode()
-    assert_openai_error(http.post("/v1/completions", content=big, headers={"content-type": "application/json"}),
-                        413, "exceeds")
+    assert_openai_error(
+        http.post("/v1/completions", content=big, headers={"content-type": "application/json"}), 413, "exceeds"
+    )
 
-    def chunks():   # no Content-Length: the guard counts the bytes as they arrive
+    def chunks():  # no Content-Length: the guard counts the bytes as they arrive
         for start in range(0, len(big), 8192):
-            yield big[start:start + 8192]
+            yield big[start : start + 8192]
 
     resp = http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
     assert_openai_error(resp, 413, "exceeds")
     # A client that claims a huge body and then sends nothing is refused before any read.
     port = int(server.url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + API_KEY.encode()
-                     + b"\r\nContent-Type: application/json\r\nContent-Length: 99999999999\r\n\r\n")
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+            + API_KEY.encode()
+            + b"\r\nContent-Type: application/json\r\nContent-Length: 99999999999\r\n\r\n"
+        )
         reply = sock.recv(4096)
     assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
     normal_request_works(http, backend.model_name)
@@ -209,8 +231,9 @@ def test_api_key_and_per_key_concurrency_limit(loop, server, http, backend):
     model = backend.model_name
     body = {"model": model, "prompt": "Once upon a time", "max_tokens": 2}
     assert_openai_error(httpx.post(f"{server.url}/v1/completions", json=body, timeout=10), 401)
-    assert_openai_error(httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer wrong"},
-                                  timeout=10), 401)
+    assert_openai_error(
+        httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer wrong"}, timeout=10), 401
+    )
     # max_requests_per_key = 2: while two requests of a key are in flight (held in their KV
     # transfer by a stalled sender), a third on the same key is refused with 429.
     prefill = backend.cluster.prefill_pool.live_replicas()[0].handle
@@ -244,6 +267,7 @@ def ray_get(ref):
 
 # ---- gRPC --------------------------------------------------------------------------------
 
+
 def test_malformed_grpc_messages_are_invalid_argument(grpc_port, backend):
     metadata = (("authorization", f"Bearer {API_KEY}"),)
     with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
@@ -260,8 +284,9 @@ def test_malformed_grpc_messages_are_invalid_argument(grpc_port, backend):
                     call(garbage, metadata=metadata, timeout=10)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, garbage, err.value.details())
             assert "malformed" in err.value.details()
-            ok = list(stub.Generate(pb2.GenerateRequest(text="Once upon a time", max_tokens=2),
-                                    metadata=metadata, timeout=30))
+            ok = list(
+                stub.Generate(pb2.GenerateRequest(text="Once upon a time", max_tokens=2), metadata=metadata, timeout=30)
+            )
             assert ok[-1].finished and ok[-1].usage.completion_tokens == 2
         bad_values = [
             (pb2.GenerateRequest(text="x", max_tokens=2**32 - 1), grpc.StatusCode.INVALID_ARGUMENT),
@@ -277,12 +302,14 @@ def test_malformed_grpc_messages_are_invalid_argument(grpc_port, backend):
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(pb2.GenerateRequest(text="x", max_tokens=2), timeout=10))
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        ok = list(stub.Generate(pb2.GenerateRequest(text="Once upon a time", max_tokens=2),
-                                metadata=metadata, timeout=30))
+        ok = list(
+            stub.Generate(pb2.GenerateRequest(text="Once upon a time", max_tokens=2), metadata=metadata, timeout=30)
+        )
         assert ok[-1].usage.completion_tokens == 2
 
 
 # ---- security defaults ---------------------------------------------------------------------
+
 
 def test_secure_defaults_and_no_pickle_from_clients():
     cfg = ServeConfig()
@@ -295,5 +322,5 @@ def test_secure_defaults_and_no_pickle_from_clients():
         DecodeRequest.from_bytes(pickle.dumps(request))
     started = time.monotonic()
     with pytest.raises(HandoffError):
-        DecodeRequest.from_bytes(b"\xdd\xff\xff\xff\xff")   # msgpack array header claiming 4G items
+        DecodeRequest.from_bytes(b"\xdd\xff\xff\xff\xff")  # msgpack array header claiming 4G items
     assert time.monotonic() - started < 1

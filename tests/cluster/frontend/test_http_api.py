@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP frontend against a fake backend: response shapes, SSE streams,
 errors in OpenAI's shape, API key, body limits. Disconnects and the `openai` client:
 test_http_api_clients.py."""
+
 from __future__ import annotations
 
 import json
@@ -8,9 +9,9 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.frontend.errors import BackendError
+from splitserve.cluster.frontend.http.api import build_http_app
 from tests.helpers.http_api import MODEL_NAME, FakeBackend, parse_sse, tiny_tokenizer
 
 pytestmark = pytest.mark.timeout(60)
@@ -45,6 +46,7 @@ def assert_error(resp, status: int, error_type: str = "invalid_request_error", p
 
 # ---- completions / chat ----------------------------------------------------------------------
 
+
 def test_completion_text_prompt(client, backend, tokenizer):
     backend.num_cached_tokens = 3
     resp = client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "hello world", "max_tokens": 5})
@@ -56,24 +58,47 @@ def test_completion_text_prompt(client, backend, tokenizer):
     assert choice["text"] == backend.expected_text(5) and choice["finish_reason"] == "length"
     assert choice["logprobs"] is None
     num_prompt = len(tokenizer.encode("hello world"))
-    assert body["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 5,
-                             "total_tokens": num_prompt + 5, "prompt_tokens_details": {"cached_tokens": 3}}
+    assert body["usage"] == {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": 5,
+        "total_tokens": num_prompt + 5,
+        "prompt_tokens_details": {"cached_tokens": 3},
+    }
     call = backend.calls[0]
     assert call["prompt_token_ids"] == tokenizer.encode("hello world") and call["request_id"] == body["id"]
     assert call["params"].max_tokens == 5 and call["api_key"] is None
 
 
 def test_completion_token_prompt_and_sampling_params(client, backend):
-    resp = client.post("/v1/completions", json={
-        "model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 100, "temperature": 0.5, "top_p": 0.9,
-        "top_k": 4, "seed": 7, "stop": "xyz", "ignore_eos": True, "user": "u1", "presence_penalty": 0,
-        "some_new_openai_field": {"x": 1}})
+    resp = client.post(
+        "/v1/completions",
+        json={
+            "model": MODEL_NAME,
+            "prompt": [5, 6, 7],
+            "max_tokens": 100,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "top_k": 4,
+            "seed": 7,
+            "stop": "xyz",
+            "ignore_eos": True,
+            "user": "u1",
+            "presence_penalty": 0,
+            "some_new_openai_field": {"x": 1},
+        },
+    )
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["finish_reason"] == "length"
     params = backend.calls[0]["params"]
     assert backend.calls[0]["prompt_token_ids"] == [5, 6, 7]
-    assert (params.temperature, params.top_p, params.top_k, params.seed, params.stop, params.ignore_eos) == \
-        (0.5, 0.9, 4, 7, ["xyz"], True)
+    assert (params.temperature, params.top_p, params.top_k, params.seed, params.stop, params.ignore_eos) == (
+        0.5,
+        0.9,
+        4,
+        7,
+        ["xyz"],
+        True,
+    )
     # a list holding one prompt is one prompt; default max_tokens is 16; the reply ends with "stop"
     for prompt in (["hello"], [[5, 6]]):
         resp = client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": prompt})
@@ -90,17 +115,21 @@ def test_completion_token_prompt_and_sampling_params(client, backend):
 
 
 def test_chat_completion_uses_the_chat_template(client, backend, tokenizer):
-    messages = [{"role": "system", "content": "be brief"},
-                {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}]
-    resp = client.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": messages,
-                                                     "max_completion_tokens": 4})
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]},
+    ]
+    resp = client.post(
+        "/v1/chat/completions", json={"model": MODEL_NAME, "messages": messages, "max_completion_tokens": 4}
+    )
     assert resp.status_code == 200, resp.text
     body = resp.json()
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
     assert body["choices"][0]["message"] == {"role": "assistant", "content": backend.expected_text(4)}
     assert body["choices"][0]["finish_reason"] == "length"
-    rendered = tokenizer.apply_chat_template([{"role": "system", "content": "be brief"},
-                                              {"role": "user", "content": "hi\nthere"}])
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi\nthere"}]
+    )
     assert backend.calls[0]["prompt_token_ids"] == tokenizer.encode(rendered, add_special_tokens=False)
     assert body["usage"]["prompt_tokens"] == len(backend.calls[0]["prompt_token_ids"])
     # without a limit a chat request may use the rest of the context
@@ -114,8 +143,10 @@ def test_logprobs_shapes(client, backend):
     assert lp["token_logprobs"] == [-0.25, -0.5, -0.75] and lp["top_logprobs"] is None
     assert "".join(lp["tokens"]) == backend.expected_text(3)
     assert lp["text_offset"] == [0, len(lp["tokens"][0]), len(lp["tokens"][0]) + len(lp["tokens"][1])]
-    resp = client.post("/v1/chat/completions", json={
-        "model": MODEL_NAME, "messages": [{"role": "user", "content": "a"}], "max_tokens": 2, "logprobs": True})
+    resp = client.post(
+        "/v1/chat/completions",
+        json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "a"}], "max_tokens": 2, "logprobs": True},
+    )
     content = resp.json()["choices"][0]["logprobs"]["content"]
     assert [c["logprob"] for c in content] == [-0.25, -0.5]
     assert content[0]["bytes"] == list(content[0]["token"].encode()) and content[0]["top_logprobs"] == []
@@ -123,10 +154,19 @@ def test_logprobs_shapes(client, backend):
 
 # ---- streaming -------------------------------------------------------------------------------
 
+
 def test_stream_completion_with_usage(client, backend):
     backend.num_cached_tokens = 2
-    resp = client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "hello world", "max_tokens": 4,
-                                                "stream": True, "stream_options": {"include_usage": True}})
+    resp = client.post(
+        "/v1/completions",
+        json={
+            "model": MODEL_NAME,
+            "prompt": "hello world",
+            "max_tokens": 4,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
     events = parse_sse(resp.text)
     assert events[-1] == "[DONE]"
@@ -141,8 +181,10 @@ def test_stream_completion_with_usage(client, backend):
 
 
 def test_stream_chat_without_usage(client, backend):
-    resp = client.post("/v1/chat/completions", json={
-        "model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "stream": True})
+    resp = client.post(
+        "/v1/chat/completions",
+        json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "stream": True},
+    )
     events = parse_sse(resp.text)
     assert events[-1] == "[DONE]" and all("usage" not in e for e in events[:-1])
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
@@ -160,11 +202,13 @@ def test_error_after_the_first_chunk_becomes_an_sse_error_event(client, backend)
     assert events[-2]["error"]["code"] == 503 and "died" in events[-2]["error"]["message"]
     assert len(events) == 4
     # the same failure without streaming is a plain 503
-    assert_error(client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 8}),
-                 503, "server_error")
+    assert_error(
+        client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 8}), 503, "server_error"
+    )
 
 
 # ---- other routes ----------------------------------------------------------------------------
+
 
 def test_models_health_metrics_openapi(client, backend):
     models = client.get("/v1/models").json()
@@ -182,51 +226,60 @@ def test_models_health_metrics_openapi(client, backend):
     schema = client.get("/openapi.json").json()
     assert {"CompletionRequest", "ChatCompletionRequest", "ErrorResponse"} <= set(schema["components"]["schemas"])
     assert "/v1/chat/completions" in schema["paths"]
-    request_schemas = json.dumps([schema["components"]["schemas"][n] for n in ("CompletionRequest", "ChatCompletionRequest")])
+    request_schemas = json.dumps(
+        [schema["components"]["schemas"][n] for n in ("CompletionRequest", "ChatCompletionRequest")]
+    )
     assert '"ge"' not in request_schemas and '"minimum": 1' in request_schemas  # real JSON Schema keywords
     assert schema["components"]["schemas"]["CompletionRequest"]["properties"]["model"]["enum"] == [MODEL_NAME]
 
 
 # ---- errors ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("payload, param, words", [
-    ({"prompt": "x", "temperature": "hot"}, "temperature", "valid number"),
-    ({"prompt": "x", "max_tokens": True}, "max_tokens", "valid integer"),
-    ({"prompt": "x", "max_tokens": 3.5}, "max_tokens", "valid integer"),
-    ({"prompt": "x", "max_tokens": "16"}, "max_tokens", "valid integer"),
-    ({"prompt": [1, "a"]}, "prompt", "list of token ids"),
-    ({"prompt": "x", "stream_options": {"include_usage": "yes"}}, "stream_options", "valid boolean"),
-    ({}, "prompt", "required"),
-    ({"prompt": "x", "n": 2}, "n", "only n=1"),
-    ({"prompt": "x", "echo": True}, "echo", "echo"),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
-    ({"prompt": "x", "frequency_penalty": -1.0}, "frequency_penalty", "not supported"),
-    ({"prompt": "x", "logprobs": 2}, "logprobs", "logprobs=0"),
-    ({"prompt": ["a", "b"]}, "prompt", "only one prompt"),
-    ({"prompt": [[1], [2]]}, "prompt", "only one prompt"),
-    ({"prompt": []}, "prompt", "at least 1"),
-    ({"prompt": ""}, "prompt", "at least 1"),
-    ({"prompt": "x", "stop": ""}, "stop", "at least 1"),
-    ({"prompt": "x", "temperature": -1.0}, "temperature", "greater than or equal to 0"),
-    ({"prompt": "x", "top_p": 0}, "top_p", "greater than 0"),
-    ({"prompt": "x", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
-    ({"prompt": [999999]}, None, "outside the vocabulary"),
-    ({"prompt": "x", "max_tokens": 5000}, None, "context"),
-])
+
+@pytest.mark.parametrize(
+    "payload, param, words",
+    [
+        ({"prompt": "x", "temperature": "hot"}, "temperature", "valid number"),
+        ({"prompt": "x", "max_tokens": True}, "max_tokens", "valid integer"),
+        ({"prompt": "x", "max_tokens": 3.5}, "max_tokens", "valid integer"),
+        ({"prompt": "x", "max_tokens": "16"}, "max_tokens", "valid integer"),
+        ({"prompt": [1, "a"]}, "prompt", "list of token ids"),
+        ({"prompt": "x", "stream_options": {"include_usage": "yes"}}, "stream_options", "valid boolean"),
+        ({}, "prompt", "required"),
+        ({"prompt": "x", "n": 2}, "n", "only n=1"),
+        ({"prompt": "x", "echo": True}, "echo", "echo"),
+        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+        ({"prompt": "x", "frequency_penalty": -1.0}, "frequency_penalty", "not supported"),
+        ({"prompt": "x", "logprobs": 2}, "logprobs", "logprobs=0"),
+        ({"prompt": ["a", "b"]}, "prompt", "only one prompt"),
+        ({"prompt": [[1], [2]]}, "prompt", "only one prompt"),
+        ({"prompt": []}, "prompt", "at least 1"),
+        ({"prompt": ""}, "prompt", "at least 1"),
+        ({"prompt": "x", "stop": ""}, "stop", "at least 1"),
+        ({"prompt": "x", "temperature": -1.0}, "temperature", "greater than or equal to 0"),
+        ({"prompt": "x", "top_p": 0}, "top_p", "greater than 0"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+        ({"prompt": [999999]}, None, "outside the vocabulary"),
+        ({"prompt": "x", "max_tokens": 5000}, None, "context"),
+    ],
+)
 def test_completion_bad_requests_are_400(client, backend, payload, param, words):
     error = assert_error(client.post("/v1/completions", json={"model": MODEL_NAME, **payload}), 400, param=param)
     assert words in error["message"]
     assert backend.num_yielded == 0
 
 
-@pytest.mark.parametrize("payload, param", [
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
-    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3, "logprobs": True}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": "hello"}, "messages"),
-])
+@pytest.mark.parametrize(
+    "payload, param",
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3, "logprobs": True}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": "hello"}, "messages"),
+    ],
+)
 def test_chat_bad_requests_are_400(client, payload, param):
     assert_error(client.post("/v1/chat/completions", json={"model": MODEL_NAME, **payload}), 400, param=param)
 
@@ -237,14 +290,18 @@ def test_malformed_json_unknown_model_and_route(client):
     assert_error(client.post("/v1/completions", content=b"[1, 2]", headers={"content-type": "application/json"}), 400)
     error = assert_error(client.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"}), 404, param="model")
     assert error["code"] == "model_not_found"
-    assert_error(client.post("/v1/chat/completions", json={"model": "gpt-4", "messages": [
-        {"role": "user", "content": "x"}]}), 404, param="model")
+    assert_error(
+        client.post("/v1/chat/completions", json={"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}),
+        404,
+        param="model",
+    )
     assert_error(client.get("/v1/nothing-here"), 404)
     assert_error(client.get("/v1/completions"), 405)
 
 
-@pytest.mark.parametrize("status, error_type", [(429, "rate_limit_error"), (503, "server_error"),
-                                                (400, "invalid_request_error")])
+@pytest.mark.parametrize(
+    "status, error_type", [(429, "rate_limit_error"), (503, "server_error"), (400, "invalid_request_error")]
+)
 def test_backend_refusals_keep_their_status(client, backend, status, error_type):
     backend.refusal = BackendError(f"refused with {status}", status, error_type)
     for stream in (False, True):
@@ -284,10 +341,11 @@ def test_oversized_bodies_are_413(tokenizer):
         def chunked():  # no Content-Length: the bytes actually received are counted
             data = json.dumps(big).encode()
             for i in range(0, len(data), 512):
-                yield data[i:i + 512]
+                yield data[i : i + 512]
 
-        assert_error(client.post("/v1/completions", content=chunked(),
-                                 headers={"content-type": "application/json"}), 413)
+        assert_error(
+            client.post("/v1/completions", content=chunked(), headers={"content-type": "application/json"}), 413
+        )
         assert backend.calls == []
         assert client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "word"}).status_code == 200
 
@@ -296,9 +354,17 @@ def test_non_finite_logprobs_stay_valid_json(tokenizer):
     from splitserve.cluster.frontend.openai.render import MIN_LOGPROB, ChatRenderer, CompletionRenderer
     from splitserve.kvtransfer.handoff import StreamChunk
 
-    chunk = StreamChunk(request_id="r", token_ids=[5, 6], text="ab", finished=True, finish_reason="stop",
-                        num_prompt_tokens=3, num_cached_tokens=0, num_output_tokens=2,
-                        logprobs=[float("-inf"), float("nan")])
+    chunk = StreamChunk(
+        request_id="r",
+        token_ids=[5, 6],
+        text="ab",
+        finished=True,
+        finish_reason="stop",
+        num_prompt_tokens=3,
+        num_cached_tokens=0,
+        num_output_tokens=2,
+        logprobs=[float("-inf"), float("nan")],
+    )
     for cls in (CompletionRenderer, ChatRenderer):
         renderer = cls("r", MODEL_NAME, 0, tokenizer, include_logprobs=True, include_usage=True)
         events = renderer.chunk_events(chunk) + renderer.closing_events()

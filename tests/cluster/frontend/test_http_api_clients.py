@@ -1,5 +1,6 @@
 """The HTTP frontend with real clients: a client that disconnects cancels its generation
 (streaming and not), and the official `openai` client against uvicorn on 127.0.0.1."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,8 +10,8 @@ import httpx
 import openai
 import pytest
 
-from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.cluster.config import ServeConfig
+from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.cluster.frontend.http.sse import SSEResponse
 from tests.helpers.http_api import MODEL_NAME, FakeBackend, ServerThread, tiny_tokenizer
 
@@ -28,6 +29,7 @@ def backend(tokenizer):
 
 
 # ---- disconnects -----------------------------------------------------------------------------
+
 
 def test_stream_disconnect_closes_the_backend_generator(backend):
     backend.hang_after = 2
@@ -60,15 +62,26 @@ def test_non_stream_disconnect_closes_the_backend_generator(backend):
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-             "query_string": b"", "root_path": "", "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1),
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "server": ("127.0.0.1", 80),
+        "client": ("127.0.0.1", 1),
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+    }
     asyncio.run(asyncio.wait_for(app(scope, receive, send), timeout=10))
     assert backend.closed_request_ids == [backend.calls[0]["request_id"]]
 
 
 # ---- the official openai client --------------------------------------------------------------
+
 
 def test_openai_client(tokenizer):
     backend = FakeBackend(tokenizer, ServeConfig(api_key="sk-test"))
@@ -79,18 +92,25 @@ def test_openai_client(tokenizer):
         completion = client.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=3)
         assert completion.choices[0].text == backend.expected_text(3)
         assert completion.usage.prompt_tokens_details.cached_tokens == 1
-        chat = client.chat.completions.create(model=MODEL_NAME, max_tokens=3, logprobs=True,
-                                              messages=[{"role": "user", "content": "hi"}])
+        chat = client.chat.completions.create(
+            model=MODEL_NAME, max_tokens=3, logprobs=True, messages=[{"role": "user", "content": "hi"}]
+        )
         assert chat.choices[0].message.content == backend.expected_text(3)
         assert chat.choices[0].finish_reason == "length" and len(chat.choices[0].logprobs.content) == 3
-        stream = client.chat.completions.create(model=MODEL_NAME, max_tokens=4, stream=True,
-                                                stream_options={"include_usage": True},
-                                                messages=[{"role": "user", "content": "hi"}])
+        stream = client.chat.completions.create(
+            model=MODEL_NAME,
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+            messages=[{"role": "user", "content": "hi"}],
+        )
         chunks = list(stream)
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == backend.expected_text(4)
         assert chunks[-1].usage.completion_tokens == 4
-        text = "".join(c.choices[0].text for c in client.completions.create(
-            model=MODEL_NAME, prompt="hello", max_tokens=5, stream=True))
+        text = "".join(
+            c.choices[0].text
+            for c in client.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=5, stream=True)
+        )
         assert text == backend.expected_text(5)
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="nope", prompt="hello")

@@ -1,5 +1,6 @@
 """The KV-aware router on a live 2P+1D cluster: requests sharing a long prefix go to the
 prefill replica that holds it (and hit its cache); round-robin does not."""
+
 from __future__ import annotations
 
 import asyncio
@@ -41,10 +42,11 @@ def run_workload(loop, cluster) -> dict[int, list[dict]]:
     async def go():
         for g, prompts in groups().items():
             results[g].append(await cluster.complete(prompts[0], PARAMS))
-        await wait_until_indexed(cluster)   # KV events reach the router through the poller
+        await wait_until_indexed(cluster)  # KV events reach the router through the poller
         for g, prompts in groups().items():
             for p in prompts[1:]:
                 results[g].append(await cluster.complete(p, PARAMS))
+
     loop.run(go(), timeout=180)
     return results
 

@@ -1,4 +1,5 @@
 """KVIndex and Router: index consistency, cost policy, herding, disaggregation, no torch."""
+
 from __future__ import annotations
 
 import subprocess
@@ -8,10 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.cluster.routing.index import KVEventError, KVIndex
-from splitserve.cluster.routing.router import (DECODE, PREFILL, NoReplicaError, Router, RouteDecision,
-                            UnknownReplicaError)
 from splitserve.cluster.config import RouterConfig
+from splitserve.cluster.routing.index import KVEventError, KVIndex
+from splitserve.cluster.routing.router import (
+    DECODE,
+    PREFILL,
+    NoReplicaError,
+    RouteDecision,
+    Router,
+    UnknownReplicaError,
+)
 from splitserve.engine.core.block_hash import hash_blocks
 from splitserve.engine.core.block_pool import BlockPool, KVEvent
 
@@ -139,8 +146,8 @@ def test_prefix_match_counts_leading_blocks_per_replica():
     index = KVIndex()
     index.add_replica("a", 0, [1, 2, 3])
     index.add_replica("b", 0, [1, 2, 4])
-    index.add_replica("c", 0, [2, 3])      # no first block: no match at all
-    index.add_replica("d", 0, [1, 3])      # holds block 3 but not 2: match stops at 1
+    index.add_replica("c", 0, [2, 3])  # no first block: no match at all
+    index.add_replica("d", 0, [1, 3])  # holds block 3 but not 2: match stops at 1
     assert index.prefix_match([1, 2, 3]) == {"a": 3, "b": 2, "d": 1}
     assert index.prefix_match([1, 2, 3], replica_ids=["b", "c", "zz"]) == {"b": 2}
     assert index.prefix_match([9, 1]) == {}
@@ -230,8 +237,7 @@ def test_conditional_disaggregation_threshold():
     decision = router.route(tokens)
     assert decision.prefill_replica is not None and decision.num_transfer_tokens == 16
     # Short prompts prefill locally even with prefix-blind policies.
-    assert _router("round-robin", local_prefill_threshold=16).route(
-        _tokens(7, 1) + [1, 2]).local_prefill
+    assert _router("round-robin", local_prefill_threshold=16).route(_tokens(7, 1) + [1, 2]).local_prefill
 
 
 # ---- Router: prefix-blind policies ------------------------------------------------------
@@ -249,7 +255,7 @@ def test_least_loaded_picks_lowest_load_and_ignores_prefix():
     tokens = _tokens(9, 8)
     _store(router, PREFILL, "p0", hash_blocks(tokens, BS))
     router.update_load(PREFILL, "p0", 100, 0, 0.0)
-    router.update_load(PREFILL, "p1", 0, 1, 0.0)   # 64 with running_weight 64
+    router.update_load(PREFILL, "p1", 0, 1, 0.0)  # 64 with running_weight 64
     router.update_load(PREFILL, "p2", 500, 0, 0.0)
     decision = router.route(tokens)
     assert decision.prefill_replica == "p1" and decision.reason == "least-loaded"
@@ -284,8 +290,7 @@ def test_no_replica_error_and_local_prefill_fallback():
     router.remove_replica(PREFILL, "p0")
     decision = router.route(_tokens(1, 4))
     assert decision.local_prefill and decision.reason == "no-prefill-replica"
-    strict = Router(RouterConfig(local_prefill_threshold=0), block_size=BS,
-                    allow_local_prefill_fallback=False)
+    strict = Router(RouterConfig(local_prefill_threshold=0), block_size=BS, allow_local_prefill_fallback=False)
     strict.add_replica(DECODE, "d0")
     with pytest.raises(NoReplicaError) as info:
         strict.route(_tokens(1, 4))
@@ -319,7 +324,7 @@ def test_route_input_validation():
     with pytest.raises(ValueError):
         router.route()
     with pytest.raises(ValueError):
-        router.route(block_hashes=[1, 2])            # num_prompt_tokens missing
+        router.route(block_hashes=[1, 2])  # num_prompt_tokens missing
     with pytest.raises(ValueError):
         router.route(block_hashes=[1, 2], num_prompt_tokens=5)  # 2 blocks of 4 > 5 tokens
     with pytest.raises(ValueError):
@@ -333,18 +338,35 @@ def test_route_input_validation():
 
 
 def test_router_modules_do_not_import_torch():
-    code = ("import sys, splitserve.cluster.routing.router, splitserve.cluster.routing.index, splitserve.cluster.routing.load; "
-            "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]; "
-            "print(bad); sys.exit(1 if bad else 0)")
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                            text=True, timeout=60)
+    code = (
+        "import sys, splitserve.cluster.routing.router, splitserve.cluster.routing.index, splitserve.cluster.routing.load; "
+        "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_router_microbench_runs_small(capsys):
     from splitserve.bench.router_microbench import main
-    assert main(["--num-replicas", "4", "--num-blocks", "2000", "--num-roots", "8",
-                 "--num-decisions", "50", "--num-hashing-decisions", "5"]) == 0
+
+    assert (
+        main(
+            [
+                "--num-replicas",
+                "4",
+                "--num-blocks",
+                "2000",
+                "--num-roots",
+                "8",
+                "--num-decisions",
+                "50",
+                "--num-hashing-decisions",
+                "5",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "| prefill stored |" in out and "| route(block_hashes), both pools | 50 |" in out
     with pytest.raises(SystemExit):

@@ -1,5 +1,6 @@
 """Autoscaling per phase: policy decisions (pure), graceful decode drain with streams in
 flight, and a rising-then-falling load that scales both pools up and back down (local Ray)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,24 +10,46 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.bench.autoscale_load import ClosedLoopLoad
-from splitserve.cluster.scaling.autoscaler import Autoscaler
-from splitserve.cluster.scaling.latency_window import LatencyWindow
+from splitserve.cluster.config import DecodeAutoscalingConfig, PrefillAutoscalingConfig, ServeConfig
 from splitserve.cluster.frontend.metrics import Metrics
 from splitserve.cluster.routing.router import DECODE, PREFILL
-from splitserve.cluster.scaling.policy import (DecodeScalingPolicy, MetricsSnapshot, PrefillScalingPolicy,
-                                    ReplicaLoadSample, initial_replicas)
-from splitserve.cluster.config import DecodeAutoscalingConfig, PrefillAutoscalingConfig, ServeConfig
+from splitserve.cluster.scaling.autoscaler import Autoscaler
+from splitserve.cluster.scaling.latency_window import LatencyWindow
+from splitserve.cluster.scaling.policy import (
+    DecodeScalingPolicy,
+    MetricsSnapshot,
+    PrefillScalingPolicy,
+    ReplicaLoadSample,
+    initial_replicas,
+)
 from splitserve.engine.io.sampling_params import SamplingParams
 from tests.helpers.cluster import start_cluster, wait_for_baseline
 
 # ---- policy unit tests (no Ray) ------------------------------------------------------------
 
-PREFILL_CFG = PrefillAutoscalingConfig(enabled=True, min_replicas=1, max_replicas=3, step=1,
-                                       upscale_delay_s=2, downscale_delay_s=5, metrics_stale_s=3,
-                                       target_queued_tokens_per_replica=100, ttft_target_ms=500)
-DECODE_CFG = DecodeAutoscalingConfig(enabled=True, min_replicas=1, max_replicas=4, step=2,
-                                     upscale_delay_s=2, downscale_delay_s=5, metrics_stale_s=3,
-                                     target_kv_usage=0.8, target_running_per_replica=8, itl_target_ms=50)
+PREFILL_CFG = PrefillAutoscalingConfig(
+    enabled=True,
+    min_replicas=1,
+    max_replicas=3,
+    step=1,
+    upscale_delay_s=2,
+    downscale_delay_s=5,
+    metrics_stale_s=3,
+    target_queued_tokens_per_replica=100,
+    ttft_target_ms=500,
+)
+DECODE_CFG = DecodeAutoscalingConfig(
+    enabled=True,
+    min_replicas=1,
+    max_replicas=4,
+    step=2,
+    upscale_delay_s=2,
+    downscale_delay_s=5,
+    metrics_stale_s=3,
+    target_kv_usage=0.8,
+    target_running_per_replica=8,
+    itl_target_ms=50,
+)
 
 
 def prefill_snap(t, n, queued_each=0, ttft=None) -> MetricsSnapshot:
@@ -45,7 +68,7 @@ def run_policy(policy, snaps_at):
 def test_prefill_scales_up_on_queued_tokens_after_delay_then_cools_down():
     p = PrefillScalingPolicy(PREFILL_CFG)
     actions = run_policy(p, [(t, prefill_snap(t, 1, queued_each=150)) for t in (0, 1, 1.9)])
-    assert actions == ["hold", "hold", "hold"]          # over, but not for upscale_delay_s yet
+    assert actions == ["hold", "hold", "hold"]  # over, but not for upscale_delay_s yet
     d = p.decide(prefill_snap(2.0, 1, queued_each=150), 2.0)
     assert (d.action, d.target_replicas) == ("up", 2) and "queued_tokens_per_replica" in d.reason
     # cooldown: still over target, but holds for upscale_delay_s and gathers no evidence
@@ -61,9 +84,15 @@ def test_prefill_scales_up_on_queued_tokens_after_delay_then_cools_down():
 
 def test_prefill_scales_up_on_ttft_and_an_interruption_restarts_the_delay():
     p = PrefillScalingPolicy(PREFILL_CFG)
-    assert run_policy(p, [(0, prefill_snap(0, 1, ttft=900)), (1.5, prefill_snap(1.5, 1, ttft=100)),
-                          (2.5, prefill_snap(2.5, 1, ttft=900)), (4.0, prefill_snap(4.0, 1, ttft=900))]) \
-        == ["hold", "hold", "hold", "hold"]
+    assert run_policy(
+        p,
+        [
+            (0, prefill_snap(0, 1, ttft=900)),
+            (1.5, prefill_snap(1.5, 1, ttft=100)),
+            (2.5, prefill_snap(2.5, 1, ttft=900)),
+            (4.0, prefill_snap(4.0, 1, ttft=900)),
+        ],
+    ) == ["hold", "hold", "hold", "hold"]
     assert p.decide(prefill_snap(4.5, 1, ttft=900), 4.5).action == "up"
 
 
@@ -89,9 +118,9 @@ def test_prefill_latency_over_target_blocks_scale_down():
 def test_prefill_holds_on_stale_metrics_and_restarts_evidence():
     p = PrefillScalingPolicy(PREFILL_CFG)
     assert p.decide(prefill_snap(0, 1, queued_each=500), 0).action == "hold"
-    d = p.decide(prefill_snap(0, 1, queued_each=500), 3.5)      # 3.5 s old > metrics_stale_s 3
+    d = p.decide(prefill_snap(0, 1, queued_each=500), 3.5)  # 3.5 s old > metrics_stale_s 3
     assert d.action == "hold" and "stale" in d.reason
-    assert p.decide(prefill_snap(4, 1, queued_each=500), 4).action == "hold"   # evidence restarted
+    assert p.decide(prefill_snap(4, 1, queued_each=500), 4).action == "hold"  # evidence restarted
     assert p.decide(prefill_snap(6, 1, queued_each=500), 6).action == "up"
 
 
@@ -103,22 +132,27 @@ def test_min_max_clamps_act_at_once():
     assert (d.action, d.target_replicas) == ("down", 4)
     assert initial_replicas(1, PREFILL_CFG.model_copy(update={"min_replicas": 2})) == 2
     assert initial_replicas(9, PREFILL_CFG) == 3
-    assert initial_replicas(0, PrefillAutoscalingConfig()) == 0      # disabled: as configured
+    assert initial_replicas(0, PrefillAutoscalingConfig()) == 0  # disabled: as configured
 
 
-@pytest.mark.parametrize("snap_kwargs, signal", [
-    ({"kv": 0.9}, "kv_usage"), ({"running_each": 9}, "running_per_replica"), ({"itl": 80.0}, "itl_p90_ms")])
+@pytest.mark.parametrize(
+    "snap_kwargs, signal",
+    [({"kv": 0.9}, "kv_usage"), ({"running_each": 9}, "running_per_replica"), ({"itl": 80.0}, "itl_p90_ms")],
+)
 def test_decode_scales_up_on_each_signal_by_step_within_max(snap_kwargs, signal):
     p = DecodeScalingPolicy(DECODE_CFG)
     assert p.decide(decode_snap(0, 3, **snap_kwargs), 0).action == "hold"
     d = p.decide(decode_snap(2, 3, **snap_kwargs), 2)
-    assert (d.action, d.target_replicas) == ("up", 4)           # step 2, clamped to max 4
+    assert (d.action, d.target_replicas) == ("up", 4)  # step 2, clamped to max 4
     assert signal in d.reason
 
 
 def test_decode_scales_down_by_step_within_min_and_cools_down():
     p = DecodeScalingPolicy(DECODE_CFG.model_copy(update={"min_replicas": 2}))
-    quiet = lambda t, n: decode_snap(t, n, running_each=3, kv=0.3, itl=20.0)   # all < half target
+
+    def quiet(t, n):  # every signal below half its target
+        return decode_snap(t, n, running_each=3, kv=0.3, itl=20.0)
+
     assert p.decide(quiet(0, 4), 0).action == "hold"
     d = p.decide(quiet(5, 4), 5)
     assert (d.action, d.target_replicas) == ("down", 2)
@@ -128,7 +162,7 @@ def test_decode_scales_down_by_step_within_min_and_cools_down():
     d = p.decide(quiet(40, 3), 40)
     assert d.action == "hold"
     d = p.decide(quiet(45, 3), 45)
-    assert (d.action, d.target_replicas) == ("down", 2)       # never below min_replicas 2
+    assert (d.action, d.target_replicas) == ("down", 2)  # never below min_replicas 2
 
 
 def test_decode_idle_with_no_latency_samples_scales_down():
@@ -146,26 +180,42 @@ def test_policy_rejects_the_other_pools_config():
 def test_latency_window_percentile_respects_window_and_since():
     w = LatencyWindow(window_s=10)
     for i in range(1, 11):
-        w.observe(i / 1000, now=float(i))           # 1..10 ms at t=1..10
+        w.observe(i / 1000, now=float(i))  # 1..10 ms at t=1..10
     assert w.percentile_ms(90, now=10.0) == pytest.approx(9.0)
-    assert w.percentile_ms(50, since=8.0, now=10.0) == pytest.approx(9.0)   # 8, 9, 10
-    assert w.percentile_ms(90, now=25.0) is None                              # all expired
+    assert w.percentile_ms(50, since=8.0, now=10.0) == pytest.approx(9.0)  # 8, 9, 10
+    assert w.percentile_ms(90, now=25.0) is None  # all expired
     assert len(w) == 0
 
 
 # ---- on local Ray: graceful drain, and a load that rises then falls ----------------------
 
+
 def scaled_config(model: str) -> ServeConfig:
     """1 prefill + 1 decode, each autoscaled within [1, 2] with short delays; targets low
     enough that a dozen concurrent requests on the tiny model are over them."""
-    timing = {"enabled": True, "min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 0.5,
-              "downscale_delay_s": 2.0, "interval_s": 0.2, "metrics_stale_s": 2.0}
+    timing = {
+        "enabled": True,
+        "min_replicas": 1,
+        "max_replicas": 2,
+        "upscale_delay_s": 0.5,
+        "downscale_delay_s": 2.0,
+        "interval_s": 0.2,
+        "metrics_stale_s": 2.0,
+    }
     pool = {"replicas": 1, "num_kv_blocks": 64, "resources": {"num_cpus": 1}, "torch_threads": 1}
-    return ServeConfig.model_validate({
-        "model": model, "kv_transfer_lease_s": 5.0, "router": {"local_prefill_threshold": 0},
-        "prefill": {**pool, "max_num_batched_tokens": 64,
-                    "autoscaling": {**timing, "target_queued_tokens_per_replica": 16, "ttft_target_ms": 5}},
-        "decode": {**pool, "autoscaling": {**timing, "target_running_per_replica": 2, "itl_target_ms": 1}}})
+    return ServeConfig.model_validate(
+        {
+            "model": model,
+            "kv_transfer_lease_s": 5.0,
+            "router": {"local_prefill_threshold": 0},
+            "prefill": {
+                **pool,
+                "max_num_batched_tokens": 64,
+                "autoscaling": {**timing, "target_queued_tokens_per_replica": 16, "ttft_target_ms": 5},
+            },
+            "decode": {**pool, "autoscaling": {**timing, "target_running_per_replica": 2, "itl_target_ms": 1}},
+        }
+    )
 
 
 def prompt(i: int, length: int = 40) -> list[int]:
@@ -201,15 +251,17 @@ def test_draining_completes_every_in_flight_request(loop, scaled_cluster):
 
     async def add_both():
         return await asyncio.gather(cluster.add_replicas(PREFILL, 1), cluster.add_replicas(DECODE, 1))
+
     [new_prefill], [new_decode] = loop.run(add_both(), timeout=120)
     params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
 
     async def stream(i: int, started: set) -> dict:
         rec = {"tokens": 0, "finish": None}
 
-        def on_route(d) -> None:   # called per attempt; a retry would route again
+        def on_route(d) -> None:  # called per attempt; a retry would route again
             rec.setdefault("first_prefill", d.prefill_replica)
             rec["prefill"], rec["decode"] = d.prefill_replica, d.decode_replica
+
         async for chunk in cluster.generate(prompt(i), params, on_route=on_route):
             rec["tokens"] += len(chunk.token_ids)
             rec["finish"] = chunk.finish_reason if chunk.finished else rec["finish"]
@@ -219,14 +271,14 @@ def test_draining_completes_every_in_flight_request(loop, scaled_cluster):
     async def scenario():
         started: set[int] = set()
         tasks = [asyncio.ensure_future(stream(i, started)) for i in range(6)]
-        await asyncio.sleep(0)               # every stream is routed, none has reached prefill
+        await asyncio.sleep(0)  # every stream is routed, none has reached prefill
         prefill_drain = asyncio.ensure_future(cluster.drain_replica(PREFILL, new_prefill.replica_id, 60))
         await wait_until(lambda: len(started) == 6, 30, "every stream's first token")
         on_decode = cluster.dispatcher.num_inflight(DECODE, new_decode.replica_id)
         decode_drain = asyncio.ensure_future(cluster.drain_replica(DECODE, new_decode.replica_id, 60))
-        await asyncio.sleep(0)               # the drain task marks the replica draining
+        await asyncio.sleep(0)  # the drain task marks the replica draining
         draining = cluster.router.load(DECODE, new_decode.replica_id).draining and not decode_drain.done()
-        late = await stream(100, set())      # arrives during the drain: must go elsewhere
+        late = await stream(100, set())  # arrives during the drain: must go elsewhere
         results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
         drained = await asyncio.wait_for(asyncio.gather(prefill_drain, decode_drain), 60)
         return on_decode, results, late, draining, drained
@@ -252,15 +304,26 @@ def test_rising_then_falling_load_scales_each_pool_up_and_back_down(loop, scaled
     cfg = cluster.cfg
     initial = {pool: set(serving(cluster, pool)) for pool in (PREFILL, DECODE)}
     assert {pool: len(ids) for pool, ids in initial.items()} == {PREFILL: 1, DECODE: 1}
-    load = ClosedLoopLoad(cluster, lambda i: prompt(i, 64), SamplingParams(temperature=0, max_tokens=24,
-                          ignore_eos=True), max_concurrency=12, latency_window_s=1.0)
+    load = ClosedLoopLoad(
+        cluster,
+        lambda i: prompt(i, 64),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        max_concurrency=12,
+        latency_window_s=1.0,
+    )
     metrics = Metrics()
     autoscaler = Autoscaler(cluster, cfg, metrics, latency_source=load.latency_ms, drain_timeout_s=30)
-    samples: list[tuple[int, int, int, int]] = []   # serving and total (incl. draining) per pool
+    samples: list[tuple[int, int, int, int]] = []  # serving and total (incl. draining) per pool
 
     def sample() -> bool:
-        samples.append((len(serving(cluster, PREFILL)), len(cluster.router.replica_ids(PREFILL)),
-                        len(serving(cluster, DECODE)), len(cluster.router.replica_ids(DECODE))))
+        samples.append(
+            (
+                len(serving(cluster, PREFILL)),
+                len(cluster.router.replica_ids(PREFILL)),
+                len(serving(cluster, DECODE)),
+                len(cluster.router.replica_ids(DECODE)),
+            )
+        )
         return True
 
     def at(num: int) -> bool:
@@ -272,10 +335,10 @@ def test_rising_then_falling_load_scales_each_pool_up_and_back_down(loop, scaled
         autoscaler.start()
         load.start()
         try:
-            load.concurrency = 12                               # rise
+            load.concurrency = 12  # rise
             await wait_until(lambda: at(2), 45, "both pools at 2 replicas")
-            await asyncio.sleep(1.0)                            # the new replicas take traffic
-            load.concurrency = 0                                # fall
+            await asyncio.sleep(1.0)  # the new replicas take traffic
+            load.concurrency = 0  # fall
             await wait_until(lambda: at(1) and load.num_inflight == 0, 30, "both pools back at 1")
         finally:
             await load.stop(30)
@@ -291,8 +354,11 @@ def test_rising_then_falling_load_scales_each_pool_up_and_back_down(loop, scaled
         assert added, f"the new {pool} replica never served a request"
         assert set(serving(cluster, pool)) <= initial[pool] | added
     assert all(1 <= n <= 2 for s in samples for n in s), "a pool left [min_replicas, max_replicas]"
-    scraped = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in text_string_to_metric_families(metrics.render().decode()) for s in family.samples}
+    scraped = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for s in family.samples
+    }
     for pool in (PREFILL, DECODE):
         for action in ("up", "down"):
             assert scraped[("splitserve_scaling_decisions_total", (("decision", action), ("pool", pool)))] == 1
@@ -304,7 +370,7 @@ def test_rising_then_falling_load_scales_each_pool_up_and_back_down(loop, scaled
 def test_serving_backend_wires_the_autoscaler_and_its_latency_windows(tiny_model):
     from splitserve.cluster.frontend.backend import ServingBackend
 
-    class _NoCluster:       # the backend only keeps a reference until start()
+    class _NoCluster:  # the backend only keeps a reference until start()
         router = None
 
     backend = ServingBackend(scaled_config(tiny_model), tiny_model, cluster=_NoCluster())
