@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: install test test-fast serve proto clean
+.PHONY: install lint test test-fast serve proto clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,7 +21,11 @@ install: $(STAMP)
 proto: install
 	$(BIN)/python -m splitserve.proto.build
 
-test: install
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: install lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 test-fast: install
