@@ -1,13 +1,17 @@
-"""Training batches from the built-in corpus: memorise the passages, and learn to copy.
+"""Training batches from the built-in corpus: memorise the passages, and repeat quoted spans.
 
 Two kinds of rows, mixed at random:
 - **corpus windows**: seq_len+1 consecutive tokens of `<s> passage </s> <s> passage </s> ...`
   (the passages in order), so the model learns to continue corpus text.
-- **copy rows**: `<s> span \\n\\n span \\n\\n span ...` where the span is either a corpus window or
-  corpus words in a random order. Only the repeats carry loss, and random word orders cannot be
-  memorised, so the model has to learn to copy what it has just read (an induction head) --
-  the behaviour prompt-lookup and draft speculation exploit. "\\n\\n" never occurs inside a
-  passage (the corpus joins passages with it), so it is an unambiguous "repeat" cue.
+- **copy rows** (probability copy_fraction): `<s> span \\n\\n span \\n\\n span ...` for a random
+  corpus span of 4..max_span_tokens tokens; only the repeats carry loss. They teach the model to
+  start a quoted span over after "\\n\\n" (never inside a passage: the corpus joins passages
+  with it), the repetition that prompt-lookup and draft speculation exploit.
+
+Spans of random word orders (which cannot be memorised, so only a real copy circuit -- an
+induction head -- predicts them) were tried too: no copying emerged within 1000 steps of the
+`bench` preset, and they cost memorisation, so brief training copies corpus text, not any text
+(bench/results/trained_model.md).
 """
 
 from __future__ import annotations
@@ -33,18 +37,16 @@ class CorpusBatches:
         seq_len: int,
         seed: int,
         copy_fraction: float = 0.0,
-        shuffled_fraction: float = 0.5,
         max_span_tokens: int = 32,
     ):
-        if not 0.0 <= copy_fraction <= 1.0 or not 0.0 <= shuffled_fraction <= 1.0:
-            raise ValueError(f"fractions must be in [0, 1], got {copy_fraction} and {shuffled_fraction}")
+        if not 0.0 <= copy_fraction <= 1.0:
+            raise ValueError(f"copy_fraction must be in [0, 1], got {copy_fraction}")
         if not MIN_SPAN_TOKENS < max_span_tokens <= (seq_len - 2) // 2:
             raise ValueError(
                 f"max_span_tokens must be in ({MIN_SPAN_TOKENS}, {(seq_len - 2) // 2}], got {max_span_tokens}"
             )
         self.seq_len = seq_len
         self.copy_fraction = copy_fraction
-        self.shuffled_fraction = shuffled_fraction
         self.max_span_tokens = max_span_tokens
         self.rng = random.Random(seed)
         self.bos_id = tokenizer.token_to_id(BOS_TOKEN)
@@ -52,9 +54,6 @@ class CorpusBatches:
         self.separator = tokenizer.encode(COPY_SEPARATOR, add_special_tokens=False).ids
         self.passages = [tokenizer.encode(p, add_special_tokens=False).ids for p in PASSAGES]
         self.stream = [t for ids in self.passages for t in [self.bos_id, *ids, self.eos_id]]
-        # Words with their leading space, as they appear mid-sentence in the corpus.
-        words = sorted({w for p in PASSAGES for w in p.split()})
-        self.word_ids = [tokenizer.encode(" " + w, add_special_tokens=False).ids for w in words]
         if len(self.stream) < seq_len + 1:
             raise ValueError(f"the corpus has {len(self.stream)} tokens, fewer than seq_len + 1 = {seq_len + 1}")
 
@@ -74,14 +73,8 @@ class CorpusBatches:
 
     def _copy_row(self) -> tuple[list[int], list[int]]:
         span_len = self.rng.randint(MIN_SPAN_TOKENS, self.max_span_tokens)
-        if self.rng.random() >= self.shuffled_fraction:
-            start = self.rng.randrange(len(self.stream) - span_len)
-            span = [t for t in self.stream[start : start + span_len] if t not in (self.bos_id, self.eos_id)]
-        else:
-            span = []
-            while len(span) < span_len:
-                span.extend(self.rng.choice(self.word_ids))
-            span = span[:span_len]
+        start = self.rng.randrange(len(self.stream) - span_len)
+        span = [t for t in self.stream[start : start + span_len] if t not in (self.bos_id, self.eos_id)]
         tokens, scored = [self.bos_id, *span], [False] * (1 + len(span))
         while len(tokens) < self.seq_len + 1:
             tokens += self.separator + span

@@ -29,7 +29,6 @@ class TrainingRecipe:
     adam_beta2: float = 0.95
     max_grad_norm: float = 1.0
     copy_fraction: float = 0.25  # rows that teach copying (see CorpusBatches)
-    shuffled_fraction: float = 0.5  # of those, random word orders rather than corpus spans
     max_span_tokens: int = 32
 
 
@@ -82,7 +81,6 @@ def train_on_corpus(
             recipe.seq_len,
             seed,
             copy_fraction=recipe.copy_fraction,
-            shuffled_fraction=recipe.shuffled_fraction,
             max_span_tokens=recipe.max_span_tokens,
         )
         optimizer = torch.optim.AdamW(

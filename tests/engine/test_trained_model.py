@@ -221,3 +221,30 @@ def test_draft_shares_its_targets_tokenizer_exactly(tmp_path):
         )
     model, _ = load_model(draft)
     assert sum(p.numel() for p in model.parameters()) < 1_000_000
+
+
+def test_corpus_batches_rows():
+    from splitserve.engine.testing.corpus_batches import IGNORE_INDEX, CorpusBatches
+    from splitserve.engine.testing.corpus_tokenizer import train_tokenizer
+
+    tokenizer = train_tokenizer(512)
+    windows = CorpusBatches(tokenizer, seq_len=32, seed=0, copy_fraction=0.0, max_span_tokens=8)
+    inputs, labels = windows.sample(4)
+    assert inputs.shape == labels.shape == (4, 32)
+    assert torch.equal(inputs[:, 1:], labels[:, :-1])  # next-token labels, nothing masked
+    copies = CorpusBatches(tokenizer, seq_len=32, seed=0, copy_fraction=1.0, max_span_tokens=8)
+    inputs, labels = copies.sample(4)
+    separator = copies.separator
+    for row_inputs, row_labels in zip(inputs.tolist(), labels.tolist()):
+        assert row_inputs[0] == copies.bos_id
+        first_sep = next(i for i in range(len(row_inputs)) if row_inputs[i : i + len(separator)] == separator)
+        span = row_inputs[1:first_sep]
+        repeat = row_inputs[first_sep + len(separator) : first_sep + len(separator) + len(span)]
+        assert repeat == span[: len(repeat)] and len(repeat) > 0
+        # The quoted span and the separators carry no loss; the repeats do.
+        assert all(label == IGNORE_INDEX for label in row_labels[: first_sep + len(separator) - 1])
+        assert row_labels[first_sep + len(separator) - 1] == span[0]
+    with pytest.raises(ValueError, match="copy_fraction"):
+        CorpusBatches(tokenizer, seq_len=32, seed=0, copy_fraction=1.5)
+    with pytest.raises(ValueError, match="max_span_tokens"):
+        CorpusBatches(tokenizer, seq_len=32, seed=0, max_span_tokens=40)
