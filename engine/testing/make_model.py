@@ -240,7 +240,7 @@ def run_make_model(args: argparse.Namespace) -> int:
         write_checkpoint(spec, out)
         print(f"wrote {spec.preset} {spec.arch} checkpoint to {out}")
         return 0
-    progress = _progress_printer(spec.train_steps)
+    progress = progress_printer(spec.train_steps)
     if args.no_cache:
         write_checkpoint(spec, out, num_threads=args.train_threads, on_step=progress)
         source = "trained (not cached)"
@@ -259,7 +259,8 @@ def run_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _progress_printer(steps: int):
+def progress_printer(steps: int):
+    """An on_step callback that prints the loss to stderr about ten times over a run."""
     every = max(1, steps // 10)
 
     def on_step(step: int, loss: float) -> None:
