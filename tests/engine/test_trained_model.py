@@ -202,6 +202,8 @@ def test_cli_trains_through_the_cache(tmp_path, monkeypatch, capsys):
     assert make_model_main([str(tmp_path / "c"), *argv, "--no-cache"]) == 0
     assert "not cached" in capsys.readouterr().out
     assert len(json.loads((tmp_path / "c" / TRAINING_FILE).read_text())["losses"]) == 3
+    # Training is deterministic on one machine (same seed, data order and thread count).
+    assert (tmp_path / "c" / "model.safetensors").read_bytes() == (tmp_path / "a" / "model.safetensors").read_bytes()
 
 
 def test_draft_shares_its_targets_tokenizer_exactly(tmp_path):
