@@ -51,12 +51,14 @@ def _is_annotated_engine(arg: ast.arg) -> bool:
 
 
 def _engine_names(tree: ast.AST) -> set[str]:
-    """Names bound to an LLMEngine: `engine`, parameters annotated LLMEngine, and the parameter
-    of a function handed to EngineLoop.call (it runs as fn(engine))."""
+    """Names bound to an LLMEngine: `engine`, parameters annotated LLMEngine, names assigned
+    self.engine, and the parameter of a lambda handed to EngineLoop.call (run as fn(engine))."""
     names = {"engine"}
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             names.update(a.arg for a in node.args.args if _is_annotated_engine(a))
+        if isinstance(node, ast.Assign) and _is_self_attr(node.value, "engine"):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "call":
             fn = node.args[0] if node.args else None
             if isinstance(fn, ast.Lambda) and fn.args.args:
@@ -137,6 +139,7 @@ def test_allow_lists_name_public_api_that_exists():
         ("self.loop.call(lambda e: e.kv.free(seq))", "LLMEngine.kv"),
         ("def f(eng: LLMEngine):\n    eng.runner.forget(rid)", "LLMEngine.runner"),
         ("engine.outputs.process(seq)", "LLMEngine.outputs"),
+        ("eng = self.engine\neng.scheduler.finish(seq)", "LLMEngine.scheduler"),
         ("self.loop.register_sink(rid, sink)", "EngineLoop.register_sink"),
         ("self.loop._sinks[rid] = sink", "private state"),
         ("seq._secret", "private state"),
