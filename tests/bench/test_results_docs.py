@@ -66,3 +66,11 @@ def test_raw_output_is_ignored_at_any_depth():
         assert _ignored(results / raw), raw
     for kept in ("a/rep0-x/results.md", "a/rep0-x/latency_cdf.png", "a/rep0-x.cpu.md", "a/run.sh", "x.md"):
         assert not _ignored(results / kept), kept
+
+
+def test_readme_indexes_every_bench_module():
+    modules_section = (BENCH_DIR / "README.md").read_text(encoding="utf-8").split("## Modules", 1)[1]
+    modules_section = modules_section.split("\n## ", 1)[0]
+    modules = [path.name for path in sorted(BENCH_DIR.glob("*.py")) if path.name != "__init__.py"]
+    missing = [name for name in modules if f"`{name}`" not in modules_section]
+    assert missing == [], f"bench/README.md's Modules table does not name {missing}"
