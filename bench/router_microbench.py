@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 
+from splitserve.bench import source_commit
 from splitserve.cluster.config import RouterConfig
 from splitserve.cluster.routing.index import KVIndex
 from splitserve.cluster.routing.load import LoadReport
@@ -180,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     hashing = measure_routes_with_hashing(router, rng, args) if args.num_hashing_decisions else []
 
     lines = [
+        source_commit(),
+        "",
         f"Index: {args.num_replicas} replicas/pool, {prefill_index.num_indexed_hashes:,} distinct"
         f" hashes / {args.num_blocks:,} entries in the prefill pool; prompts of "
         f"{args.prompt_blocks} blocks x {args.block_size} tokens; Python "

@@ -1,4 +1,4 @@
-"""splitserve.bench.pooled_results: repeats of one (config, load) pool their records and seconds."""
+"""splitserve.bench.report's pooled report: repeats of one (config, load) pool their records and seconds."""
 
 from __future__ import annotations
 
@@ -6,11 +6,9 @@ import json
 
 import pytest
 
-from splitserve.bench.arrivals import LoadPoint
 from splitserve.bench.metrics import SloTarget, compute_run_metrics
-from splitserve.bench.pooled_results import load_points, main, render, sustained_goodput
-from splitserve.bench.request_record import RequestRecord
-from splitserve.bench.run_result import RunResult
+from splitserve.bench.records import LoadPoint, RequestRecord, RunResult
+from splitserve.bench.report import load_points, main, render_pooled, sustained_goodput
 
 
 def _record(i: int, ttft_s: float, gap_s: float, tokens: int = 4) -> RequestRecord:
@@ -66,7 +64,7 @@ def test_repeats_pool_records_and_seconds(tmp_path):
     assert pooled.num_ok == 6
     assert pooled.output_tokens_per_s == pytest.approx(24 / 8.0)  # all tokens / all seconds
     assert pooled.ttft_ms.mean == pytest.approx(100.0)
-    text = render(points, SloTarget(100.0, 30.0), baseline="slow")
+    text = render_pooled(points, SloTarget(100.0, 30.0), baseline="slow")
     # Ratio row vs slow: out tok/s 3.0 / 6.0, then TTFT mean 200 ms / 100 ms.
     assert "| fast | rate=1 | 0.50x | 2.00x |" in text
     # Half of fast's pooled requests meet the 100 ms TTFT, only the first repeat's all do.
@@ -93,3 +91,21 @@ def test_sustained_goodput_stops_at_the_first_failing_rate():
     assert sustained_goodput([(3.0, 0.95), (1.0, 0.95), (2.0, 0.5)]) == 1.0
     assert sustained_goodput([(1.0, 0.5), (2.0, 0.99)]) is None
     assert sustained_goodput([(1.0, 0.9), (2.0, None)]) == 1.0
+
+
+def test_pooled_plot_gets_pooled_and_per_repeat_values_in_table_order(tmp_path, monkeypatch):
+    from splitserve.bench import plots, report
+
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    # "slow" appears first in the files but only at the higher rate: it still comes first.
+    _write(first, {"slow": [_run("slow", 2.0, 0.2, 0.05, 2.0)], "fast": [_run("fast", 1.0, 0.05, 0.01, 2.0)]})
+    _write(second, {"fast": [_run("fast", 1.0, 0.15, 0.01, 6.0)]})
+    points, _ = load_points([first, second])
+    drawn = {}
+    monkeypatch.setattr(plots, "plot_pooled", lambda panels, path, load_name: drawn.update(panels, x=load_name))
+    report.plot_pooled(points, None, tmp_path / "p.png", ["out tok/s", "TTFT mean ms"])
+    assert drawn["x"] == "offered rate (req/s)"
+    assert list(drawn["TTFT mean ms"]) == ["slow", "fast"]
+    ((load, pooled, repeats),) = drawn["TTFT mean ms"]["fast"]
+    assert load == 1.0 and pooled == pytest.approx(100.0) and repeats == pytest.approx([50.0, 150.0])
+    assert drawn["out tok/s"]["fast"][0][1] == pytest.approx(24 / 8.0)
