@@ -127,9 +127,9 @@ async def run_trace(args, cfg: ServeConfig) -> tuple[list[Sample], list[ScalingE
                 serving = router.replica_ids(pool, include_draining=False)
                 replicas[pool], draining[pool] = len(serving), len(ids) - len(serving)
                 loads = [router.load(pool, rid) for rid in ids]
-                waiting[pool] = sum(l.num_waiting for l in loads)
+                waiting[pool] = sum(l.report.num_waiting for l in loads)
                 if pool == PREFILL:
-                    queued = sum(l.queued_prefill_tokens for l in loads)
+                    queued = sum(l.report.queued_prefill_tokens for l in loads)
             samples.append(
                 Sample(
                     t,
