@@ -5,7 +5,7 @@ CUDA IPC or host memory when both ends share one GPU; see channel.py), opened la
 the sender's TCPStore and torn down when idle.
 
 The names below load on first use, so torch-free callers (the router, the frontends) can import
-splitserve.kvtransfer.handoff without importing torch.
+splitserve.kvtransfer.handoff and splitserve.kvtransfer.poll_reply without importing torch.
 """
 
 from __future__ import annotations
