@@ -113,7 +113,7 @@ def _markdown(report: dict) -> str:
     lines = [
         f"# GPU check: {env.get('device', '?')}",
         "",
-        f"`{env['command']}` at commit `{env['commit']}`, {env['date']}.",
+        f"`{env['command']}` at commit {env['commit']}, {env['date']}.",
         "",
         f"**{counts['pass']} passed, {counts['fail']} failed, {counts['missed']} speed targets missed**, "
         f"{counts['info']} measurements without a target.",
