@@ -89,8 +89,8 @@ class BufferExporter:
         strategy = mp.get_sharing_strategy()
         if strategy != "file_system":
             raise IpcUnavailableError(
-                "CPU tensors are shared through named files: call "
-                f"torch.multiprocessing.set_sharing_strategy('file_system') in both processes (this one uses {strategy!r})"
+                "CPU tensors are shared through named files: call torch.multiprocessing."
+                f"set_sharing_strategy('file_system') in both processes (this one uses {strategy!r})"
             )
         if not storage.is_shared():
             raise IpcUnavailableError("a CPU receive buffer must live in shared memory (share_memory_())")

@@ -124,7 +124,8 @@ class _SendWork:
             reason = f"cannot open the receiver's buffer: {type(exc).__name__}: {exc}"
             self._fail(deadline, _OPEN_FAILED, IpcUnavailableError(reason))
         if dst.shape != self._tensor.shape or dst.dtype != self._tensor.dtype:
-            reason = f"receive buffer {dst.dtype} {tuple(dst.shape)} != sent {self._tensor.dtype} {tuple(self._tensor.shape)}"
+            sent = self._tensor
+            reason = f"receive buffer {dst.dtype} {tuple(dst.shape)} != sent {sent.dtype} {tuple(sent.shape)}"
             self._fail(deadline, _MISMATCH, RuntimeError(reason))
         self._group.copy(dst, self._tensor, ready)
         self._send_done(_OK)

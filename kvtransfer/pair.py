@@ -1,10 +1,11 @@
 """One (sender, receiver) connection: a standalone 2-rank process group, never the default group.
 
 The group runs on the channel both ends agree on when they open it (process_groups.py): NCCL
-across GPUs, gloo on CPU, and for two ends on one GPU CUDA IPC or host memory. Rank 0 is the sender (prefill), rank 1 the receiver (decode). Ops are posted under the pair's
-lock, so the tensors of one call go out (and are matched) in order; waiting happens outside
-it, so transfers with distinct tags overlap. Any failure closes the pair: a half-done transfer
-leaves the stream out of sync, so the caller reopens with a new epoch.
+across GPUs, gloo on CPU, and for two ends on one GPU CUDA IPC or host memory. Rank 0 is the
+sender (prefill), rank 1 the receiver (decode). Ops are posted under the pair's lock, so the
+tensors of one call go out (and are matched) in order; waiting happens outside it, so transfers
+with distinct tags overlap. Any failure closes the pair: a half-done transfer leaves the stream
+out of sync, so the caller reopens with a new epoch.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ class Pair:
         started = time.monotonic()
         store.set_timeout(timedelta(seconds=timeout_s))
         try:
-            opened = open_group(store, 0 if role == "sender" else 1, device, host, same_device, timeout_s, op_timeout_s)
+            rank = 0 if role == "sender" else 1
+            opened = open_group(store, rank, device, host, same_device, timeout_s, op_timeout_s, HANDSHAKE_TAG)
         except TransferError as exc:
             raise TransferError(f"pair {key}: {exc}") from exc
         except (RuntimeError, OSError) as exc:  # DistStoreError on timeout, gloo connect errors

@@ -24,7 +24,6 @@ from splitserve.kvtransfer.ipc_group import IpcGroup, IpcUnavailableError
 
 logger = logging.getLogger(__name__)
 
-_PROBE_TAG = 2**31 - 3  # below the pair's reserved tags, above every user tag
 _PROBE_VALUE = 0x5EED5EED
 
 
@@ -52,9 +51,12 @@ def open_group(
     same_device: str,
     join_timeout_s: float,
     op_timeout_s: float,
+    probe_tag: int,
 ) -> OpenedGroup:
     """Gloo blocks until both ranks have joined, for at most join_timeout_s; NCCL joins lazily,
-    at the first op, and its group timeout is the age at which its watchdog acts on an op."""
+    at the first op, and its group timeout is the age at which its watchdog acts on an op.
+    probe_tag: a reserved tag for the ipc probe (the pair's handshake tag: the probe is the
+    first op on it, and a tag's messages are matched in order)."""
     started = time.monotonic()
     channel = exchange_identities(store, rank, device, same_device)
     if channel == "nccl":
@@ -71,7 +73,7 @@ def open_group(
         return OpenedGroup(HostStagedGroup(control, device), channel)
     ipc = IpcGroup(control, rank, device)
     remaining_s = max(join_timeout_s - (time.monotonic() - started), 0.001)
-    reason = _probe(ipc, rank, device, remaining_s)
+    reason = _probe(ipc, rank, device, remaining_s, probe_tag)
     if reason is None:
         return OpenedGroup(ipc, channel)
     logger.warning("CUDA IPC/shared memory does not work for this same-device pair (%s); using host memory", reason)
@@ -88,17 +90,17 @@ def _gloo_group(store: dist.Store, rank: int, host: str, join_timeout_s: float):
     return dist.ProcessGroupGloo(store, rank, 2, options)
 
 
-def _probe(ipc: IpcGroup, rank: int, device: torch.device, timeout_s: float) -> str | None:
+def _probe(ipc: IpcGroup, rank: int, device: torch.device, timeout_s: float, tag: int) -> str | None:
     """Move one value sender -> receiver over IPC: None if it arrived, else why not. The receiver
     then sends its verdict, so both ends decide alike (a share or open failure already reaches
     the other end in its frame; a wrong value only the receiver can see)."""
     deadline = time.monotonic() + timeout_s
     if rank == 0:
         token = torch.tensor([_PROBE_VALUE], dtype=torch.int64, device=device)
-        work = ipc.send([token], 1, _PROBE_TAG)
+        work = ipc.send([token], 1, tag)
     else:
         token = torch.zeros(1, dtype=torch.int64, device=device)
-        work = ipc.recv([token], 0, _PROBE_TAG)
+        work = ipc.recv([token], 0, tag)
     reason = None
     try:
         work.wait(_remaining(deadline))
@@ -111,9 +113,9 @@ def _probe(ipc: IpcGroup, rank: int, device: torch.device, timeout_s: float) -> 
     verdict = torch.tensor([0 if reason is None else 1], dtype=torch.int64)
     try:
         if rank == 1:
-            ipc.control.send([verdict], 0, _PROBE_TAG).wait(_remaining(deadline))
+            ipc.control.send([verdict], 0, tag).wait(_remaining(deadline))
         else:
-            ipc.control.recv([verdict], 1, _PROBE_TAG).wait(_remaining(deadline))
+            ipc.control.recv([verdict], 1, tag).wait(_remaining(deadline))
     except RuntimeError as exc:
         raise TransferError(f"the same-device probe's verdict did not arrive: {exc}") from exc
     if reason is None and int(verdict.item()) != 0:
