@@ -7,7 +7,9 @@ loaded by splitserve's loader and by transformers on the same device):
                  in that dtype: median per-position max error <= 1.5x transformers' + 0.02;
              (b) LLMEngine's greedy tokens equal transformers' greedy tokens in that dtype, or the
                  first difference is a near-tie: the fp32 logit gap between the two tokens is at
-                 most the sum of both sides' measured max logit errors (what rounding can flip).
+                 most the sum of both sides' measured max logit errors (what rounding can flip);
+             (c) bf16 only: seeded sampling (temperature, top-p) runs on the device and repeats.
+The two greedy prompts (of different lengths) run as one batch, so decode is ragged.
 """
 
 from __future__ import annotations

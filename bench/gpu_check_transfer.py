@@ -149,7 +149,7 @@ def check_transfer(device: torch.device, tiny: bool) -> dict:
     reports = {}
     try:
         for _ in processes:
-            role, report = results.get(timeout=_TIMEOUT_S * 4)
+            role, report = results.get(timeout=_TIMEOUT_S * 3)
             reports[role] = report
     except queue.Empty:
         reports.setdefault("error", "an endpoint gave no result in time")
