@@ -10,8 +10,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from splitserve.cluster.config import ServeConfig
-from splitserve.cluster.frontend.errors import BackendError
-from splitserve.cluster.frontend.http.api import build_http_app
+from splitserve.cluster.frontend.http.api import HTTP_STATUS_BY_KIND, build_http_app
+from splitserve.cluster.request_error import ErrorKind, RequestError
 from tests.helpers.http_api import MODEL_NAME, FakeBackend, parse_sse, tiny_tokenizer
 
 pytestmark = pytest.mark.timeout(60)
@@ -300,13 +300,32 @@ def test_malformed_json_unknown_model_and_route(client):
 
 
 @pytest.mark.parametrize(
-    "status, error_type", [(429, "rate_limit_error"), (503, "server_error"), (400, "invalid_request_error")]
+    "kind, status, error_type",
+    [
+        (ErrorKind.INVALID, 400, "invalid_request_error"),
+        (ErrorKind.OVERLOADED, 429, "rate_limit_error"),
+        (ErrorKind.UNAVAILABLE, 503, "server_error"),
+        (ErrorKind.DEADLINE, 504, "timeout_error"),
+        (ErrorKind.INTERNAL, 500, "server_error"),
+    ],
 )
-def test_backend_refusals_keep_their_status(client, backend, status, error_type):
-    backend.refusal = BackendError(f"refused with {status}", status, error_type)
+def test_error_kinds_map_to_http_statuses(client, backend, kind, status, error_type):
+    backend.refusal = RequestError(kind, f"refused: {kind}", retry_after_s=2.5)
     for stream in (False, True):
         resp = client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "stream": stream})
-        assert assert_error(resp, status, error_type)["message"] == f"refused with {status}"
+        assert assert_error(resp, status, error_type)["message"] == f"refused: {kind}"
+        # Every 429 and 503 tells the client when to come back (whole seconds, rounded up).
+        assert resp.headers.get("retry-after") == ("3" if status in (429, 503) else None)
+
+
+def test_every_kind_has_an_http_status():
+    assert set(HTTP_STATUS_BY_KIND) == set(ErrorKind)
+
+
+def test_unhealthy_503_carries_retry_after(client, backend):
+    backend.healthy = False
+    resp = client.get("/health")
+    assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
 
 
 def test_unexpected_errors_are_500_without_details(client, backend):
