@@ -4,7 +4,6 @@ metrics, and streaming generation through the disaggregated cluster."""
 from __future__ import annotations
 
 import logging
-import os
 import time
 import uuid
 from collections import defaultdict
@@ -32,10 +31,10 @@ class ServingBackend:
     def __init__(self, cfg: ServeConfig, model_dir: str, cluster: DisaggCluster | None = None):
         self.cfg = cfg
         self.model_dir = model_dir
-        self.model_name = cfg.served_model_name or os.path.basename(os.path.normpath(model_dir))
+        self.model_name = cfg.model_id
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         self.model_config = ModelConfig.from_pretrained(model_dir)
-        self.max_model_len = self.model_config.max_context_len
+        self.max_model_len = self.model_config.resolve_max_model_len(cfg.max_model_len)
         pools = [cfg.decode] + ([cfg.prefill] if cfg.prefill.replicas or cfg.prefill.autoscaling.enabled else [])
         self.max_cache_tokens = min(p.num_kv_blocks for p in pools) * cfg.block_size
         self.metrics = Metrics()

@@ -29,7 +29,7 @@ def mixed_prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_model):
-    engine = LLMEngine(EngineConfig(model=tiny_model, num_gpu_blocks=128))
+    engine = LLMEngine(EngineConfig(model=tiny_model, num_kv_blocks=128))
     return {tuple(p): o.token_ids for p, o in zip(mixed_prompts(), engine.generate(mixed_prompts(), GREEDY))}
 
 

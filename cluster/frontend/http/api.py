@@ -21,6 +21,7 @@ from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from splitserve.cluster.frontend.http.access_log import AccessLog
 from splitserve.cluster.frontend.http.guard import RequestGuard, bearer_token
 from splitserve.cluster.frontend.http.sse import ClientDisconnected, SSEResponse, run_until_disconnected
 from splitserve.cluster.frontend.openai.protocol import ChatCompletionRequest, CompletionRequest, build_sampling_params
@@ -164,6 +165,7 @@ def build_http_app(backend) -> FastAPI:
         strict_content_type=False,
     )
     app.add_middleware(RequestGuard, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes)
+    app.add_middleware(AccessLog)  # outermost: logs the guard's refusals too
     _install_error_handlers(app)
     created = int(time.time())
     # Documents the bearer scheme in /openapi.json; RequestGuard enforces it before parsing.
