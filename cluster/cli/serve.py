@@ -94,39 +94,16 @@ def _serve(cfg, args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from splitserve.cluster.app import build_app
-
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # "Started Serve", "Application is ready"...
-    if args.address:
-        ray.init(address=args.address, logging_level="WARNING")
-    else:
-        need = int(cfg.prefill.replicas * cfg.prefill.resources.num_cpus)
-        need += int(cfg.decode.replicas * cfg.decode.resources.num_cpus) + 2
-        ray.init(
-            address="local",
-            num_cpus=args.num_cpus or max(os.cpu_count() or 2, need),
-            include_dashboard=False,
-            _node_ip_address="127.0.0.1",
-            logging_level="WARNING",
-        )
     try:
-        serve.start(
-            http_options={"host": cfg.http_host, "port": cfg.http_port}, logging_config={"log_level": "WARNING"}
-        )
-        try:
-            serve.run(build_app(cfg.model_dump(), fail_fast=True), name=APP_NAME, route_prefix="/", blocking=False)
-        except RuntimeError as exc:
-            cause = _deployment_failure(serve) or str(exc)
-            _shutdown(ray, serve)  # first, so that no forwarded log line follows ours
-            return fail(f"the server failed to start: {cause}", 1)
-        _wait_healthy(f"http://{_client_host(cfg.http_host)}:{cfg.http_port}/health", args.startup_timeout)
+        failure = _start(ray, serve, cfg, args)
     except KeyboardInterrupt:
         print("splitserve: interrupted during start-up; shutting down", flush=True)
         _shutdown(ray, serve)
         return 130
-    except Exception as exc:
-        _shutdown(ray, serve)
-        return fail(str(exc), 1)
+    if failure is not None:
+        _shutdown(ray, serve)  # first, so that no forwarded log line follows ours
+        return fail(failure, 1)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -142,6 +119,39 @@ def _serve(cfg, args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _shutdown(ray, serve)
     return 0
+
+
+def _start(ray, serve, cfg, args: argparse.Namespace) -> str | None:
+    """Start Ray, Serve and the app, and wait until it is healthy; the failure, if any."""
+    from splitserve.cluster.app import build_app
+
+    try:
+        if args.address:
+            ray.init(address=args.address, logging_level="WARNING")
+        else:
+            need = int(cfg.prefill.replicas * cfg.prefill.resources.num_cpus)
+            need += int(cfg.decode.replicas * cfg.decode.resources.num_cpus) + 2
+            ray.init(
+                address="local",
+                num_cpus=args.num_cpus or max(os.cpu_count() or 2, need),
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+                logging_level="WARNING",
+            )
+        serve.start(
+            http_options={"host": cfg.http_host, "port": cfg.http_port}, logging_config={"log_level": "WARNING"}
+        )
+    except Exception as exc:
+        return f"cannot start Ray Serve: {exc}"
+    try:
+        serve.run(build_app(cfg.model_dump(), fail_fast=True), name=APP_NAME, route_prefix="/", blocking=False)
+    except RuntimeError as exc:
+        return f"the server failed to start: {_deployment_failure(serve) or exc}"
+    try:
+        _wait_healthy(f"http://{_client_host(cfg.http_host)}:{cfg.http_port}/health", args.startup_timeout)
+    except TimeoutError as exc:
+        return str(exc)
+    return None
 
 
 def _deployment_failure(serve) -> str | None:
@@ -189,7 +199,8 @@ def _shutdown(ray, serve) -> None:
     local cluster ends with it. serve.shutdown() is not used: it kills the controller while
     its graceful_shutdown task runs, and the raylet then logs that task as failed."""
     try:
-        serve.delete(APP_NAME)
+        if ray.is_initialized() and APP_NAME in serve.status().applications:
+            serve.delete(APP_NAME)
     except Exception as exc:
         print(f"splitserve: could not stop the app cleanly: {exc}", file=sys.stderr, flush=True)
     finally:

@@ -282,3 +282,29 @@ def test_failed_start_prints_the_root_cause_once(tiny_model, tmp_path):
     # Ray Serve's own tracebacks stay in its log files; one attempt, not Serve's three.
     assert "ServeController" not in res.stderr and "Deploying application" not in res.stderr
     assert elapsed < 200
+
+
+def test_root_cause_is_the_innermost_exception_line():
+    from splitserve.cluster.startup_error import StartupError, root_cause, startup_error_in
+
+    # What Ray makes of an actor whose constructor raised: the original is the last line.
+    ray_text = (
+        "The actor died because of an error raised in its creation task, \x1b[36mray::PrefillWorker.__init__()\x1b[39m\n"
+        '  File "llama.py", line 101, in load_weights\n'
+        "splitserve.engine.model.checkpoint.CheckpointError: weight w has shape (64, 128), config.json implies (64, 192)"
+    )
+    assert (
+        root_cause(RuntimeError(ray_text))
+        == "CheckpointError: weight w has shape (64, 128), config.json implies (64, 192)"
+    )
+    try:
+        try:
+            raise OSError("port taken")
+        except OSError as inner:
+            raise RuntimeError("wrapper") from inner
+    except RuntimeError as outer:
+        assert root_cause(outer) == "OSError: port taken"
+    assert root_cause(ValueError("")) == "ValueError"
+    status_message = f"Traceback ...\n  raise StartupError(x)\nsplitserve.cluster.startup_error.{StartupError.__name__}: CheckpointError: bad\n"
+    assert startup_error_in(status_message) == "CheckpointError: bad"
+    assert startup_error_in("RuntimeError: ASGI lifespan startup failed") is None

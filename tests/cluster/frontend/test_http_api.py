@@ -5,6 +5,7 @@ test_http_api_clients.py."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 from fastapi.testclient import TestClient
@@ -389,3 +390,21 @@ def test_non_finite_logprobs_stay_valid_json(tokenizer):
         events = renderer.chunk_events(chunk) + renderer.closing_events()
         body = json.dumps(renderer.render_response(), allow_nan=False)
         assert str(MIN_LOGPROB) in body and all("Infinity" not in e and "NaN" not in e for e in events)
+
+
+def test_access_log_quiets_scrapes_and_names_the_path(client, caplog):
+    """Prometheus scrapes and health probes log at DEBUG; every other request at INFO with
+    the path the client asked for (a 404 too), its status and duration."""
+    caplog.set_level(logging.DEBUG, logger="splitserve.access")
+    client.get("/metrics")
+    client.get("/health")
+    client.get("/v1/no/such/thing")
+    client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2})
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "splitserve.access"]
+    assert [(level, " ".join(msg.split()[:3])) for level, msg in lines] == [
+        (logging.DEBUG, "GET /metrics 200"),
+        (logging.DEBUG, "GET /health 200"),
+        (logging.INFO, "GET /v1/no/such/thing 404"),
+        (logging.INFO, "POST /v1/completions 200"),
+    ]
+    assert all(msg.endswith("ms") for _, msg in lines)
