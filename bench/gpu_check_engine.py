@@ -42,7 +42,7 @@ def _engine_logits(model, ids: list[int], device: torch.device, num_decode: int 
 
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[model.dtype]
     num_blocks = -(-len(ids) // 16) + 1
-    cache = KVCache(model.config, EngineConfig(model="-", num_gpu_blocks=num_blocks, dtype=name, device=str(device)))
+    cache = KVCache(model.config, EngineConfig(model="-", num_kv_blocks=num_blocks, dtype=name, device=str(device)))
     table = list(range(1, num_blocks))  # block 0 stays unused: a wrong table entry reads zeros
     rows, start = [], 0
     for end in [len(ids) - num_decode] + list(range(len(ids) - num_decode + 1, len(ids) + 1)):
@@ -139,7 +139,7 @@ def _parity_one(path: Path, arch: str, device: torch.device, tiny: bool) -> list
                 model=str(path),
                 dtype=name,
                 device=str(device),
-                num_gpu_blocks=64,
+                num_kv_blocks=64,
                 max_num_seqs=4,
                 max_num_batched_tokens=512,
             )

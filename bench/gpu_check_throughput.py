@@ -155,7 +155,7 @@ def check_throughput(device: torch.device, tiny: bool, work_dir: Path) -> dict:
         model=str(path),
         dtype="bfloat16",
         device=str(device),
-        num_gpu_blocks=max(batches) * blocks_per_seq + 16,
+        num_kv_blocks=max(batches) * blocks_per_seq + 16,
         max_num_seqs=max(batches),
         max_num_batched_tokens=512 if tiny else 8192,
         enable_prefix_caching=False,

@@ -61,7 +61,7 @@ def _kv_cache(shape: dict, device: torch.device, seed: int | None):
         max_position_embeddings=4096,
     )
     cache = KVCache(
-        model, EngineConfig(model="-", num_gpu_blocks=shape["blocks"], dtype="bfloat16", device=str(device))
+        model, EngineConfig(model="-", num_kv_blocks=shape["blocks"], dtype="bfloat16", device=str(device))
     )
     if seed is not None:
         gen = torch.Generator(device=device).manual_seed(seed)
