@@ -60,9 +60,7 @@ def _kv_cache(shape: dict, device: torch.device, seed: int | None):
         head_dim=shape["head_dim"],
         max_position_embeddings=4096,
     )
-    cache = KVCache(
-        model, EngineConfig(model="-", num_kv_blocks=shape["blocks"], dtype="bfloat16", device=str(device))
-    )
+    cache = KVCache(model, EngineConfig(model="-", num_kv_blocks=shape["blocks"], dtype="bfloat16", device=str(device)))
     if seed is not None:
         gen = torch.Generator(device=device).manual_seed(seed)
         cache.kv.copy_(torch.randn(cache.kv.shape, generator=gen, device=device))
