@@ -103,7 +103,11 @@ def _serve() -> None:
     def handle(command: dict) -> dict:
         nonlocal transport
         op = command["op"]
-        if op == "init":
+        if op == "ping":  # answered once the child has imported torch and the transport
+            return {}
+        if op == "init":  # again: the previous transport closes, a new one takes its place
+            if transport is not None:
+                transport.close()
             if command.get("sharing_strategy"):
                 torch.multiprocessing.set_sharing_strategy(command["sharing_strategy"])
             transport = KVTransport(

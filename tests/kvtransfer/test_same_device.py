@@ -14,6 +14,7 @@ from splitserve.kvtransfer.channel import DeviceIdentity, choose_channel, local_
 from tests.helpers import transport as helpers
 
 PEER_TIMEOUT_S = 5.0
+STARTUP_TIMEOUT_S = 120.0
 MESSAGE = [([2, 3, 4], "float32", 11), ([5], "bfloat16", 12), ([3, 2], "int64", 13)]
 
 
@@ -53,34 +54,41 @@ def test_channel_choice_rejects_bad_identities_and_modes():
     assert DeviceIdentity.from_json(identity.to_json()) == identity and identity.device == "cpu"
 
 
-def _start(started: list, endpoints: dict[str, dict]) -> list[helpers.PeerProcess]:
-    """Child endpoints, each its own process; started together so their torch imports overlap."""
-    peers = [helpers.PeerProcess() for _ in endpoints]
+def _start(started: list, count: int) -> list[helpers.PeerProcess]:
+    """Child processes (each will be one endpoint), started together so their torch imports
+    overlap; waits until each answers."""
+    peers = [helpers.PeerProcess() for _ in range(count)]
     started.extend(peers)
-    for peer, (endpoint_id, init) in zip(peers, endpoints.items()):
-        peer.call("init", endpoint_id=endpoint_id, timeout_s=PEER_TIMEOUT_S, **init)
+    for peer in peers:  # importing torch in several processes at once is slow on a loaded box
+        peer.post("ping")
+        assert "error" not in peer.reply(timeout_s=STARTUP_TIMEOUT_S)
     return peers
 
 
-@pytest.fixture
-def peers():
-    """start({endpoint_id: init args, ...}) -> child endpoints, killed at teardown."""
-    started: list[helpers.PeerProcess] = []
-    yield lambda endpoints: _start(started, endpoints)
-    for peer in started:
-        peer.kill()
+def _init(peers: list[helpers.PeerProcess], endpoints: dict[str, dict]) -> list[helpers.PeerProcess]:
+    """Make the first len(endpoints) children fresh endpoints: {endpoint_id: init args}. The
+    sharing strategy is set every time (default torch's 'file_descriptor'): it is per process."""
+    for peer, (endpoint_id, init) in zip(peers, endpoints.items()):
+        init = {"sharing_strategy": "file_descriptor", **init}
+        peer.call("init", endpoint_id=endpoint_id, timeout_s=PEER_TIMEOUT_S, **init)
+    return peers[: len(endpoints)]
 
 
 @pytest.fixture(scope="module")
-def ipc_pair():
-    """One open ipc pair between two children, for the tests that leave it alive."""
+def children():
+    """Three children shared by the tests that leave them alive; each test re-initialises them."""
     started: list[helpers.PeerProcess] = []
-    shared = {"same_device": "ipc", "sharing_strategy": "file_system"}
-    sender, receiver = _start(started, {"sender": shared, "receiver": {"sharing_strategy": "file_system"}})
-    opened = _connect(sender, receiver)
-    yield sender, receiver, opened
+    yield _start(started, 3)
     for peer in started:
         peer.kill()
+
+
+@pytest.fixture
+def ipc_pair(children):
+    """An open ipc pair between two children (CPU shared memory: the 'file_system' strategy)."""
+    shared = {"sharing_strategy": "file_system"}
+    sender, receiver = _init(children, {"sender": {"same_device": "ipc", **shared}, "receiver": shared})
+    return sender, receiver, _connect(sender, receiver)
 
 
 def _connect(
@@ -123,10 +131,12 @@ def test_ipc_channel_receives_into_buffers_outside_shared_memory_through_a_bounc
     assert receiver.reply()["match"]
 
 
-def test_ipc_falls_back_to_host_memory_when_the_receiver_cannot_share(peers):
+def test_ipc_falls_back_to_host_memory_when_the_receiver_cannot_share(children):
     # The receiver keeps torch's default 'file_descriptor' strategy, whose handles another
     # process cannot open: both ends learn it in the probe and move tensors through host memory.
-    sender, receiver = peers({"sender": {"same_device": "ipc", "sharing_strategy": "file_system"}, "receiver": {}})
+    sender, receiver = _init(
+        children, {"sender": {"same_device": "ipc", "sharing_strategy": "file_system"}, "receiver": {}}
+    )
     opened = _connect(sender, receiver)
     assert [o["channel"] for o in opened] == ["host", "host"]
     assert all("file_system" in o["fallback_reason"] for o in opened)
@@ -135,8 +145,8 @@ def test_ipc_falls_back_to_host_memory_when_the_receiver_cannot_share(peers):
     assert receiver.reply()["match"]
 
 
-def test_host_channel_and_default_gloo_between_processes(peers):
-    sender, receiver, plain = peers({"sender": {"same_device": "host"}, "receiver": {}, "plain": {}})
+def test_host_channel_and_default_gloo_between_processes(children):
+    sender, receiver, plain = _init(children, {"sender": {"same_device": "host"}, "receiver": {}, "plain": {}})
     assert [o["channel"] for o in _connect(sender, receiver, epoch=0)] == ["host", "host"]
     receiver.post("recv", peer_id="sender", specs=MESSAGE, tag=1)
     sender.call("send", peer_id="receiver", specs=MESSAGE, tag=1)
@@ -145,9 +155,18 @@ def test_host_channel_and_default_gloo_between_processes(peers):
     assert [o["channel"] for o in _connect(plain, receiver, epoch=1, sender_id="plain")] == ["gloo", "gloo"]
 
 
-def test_killed_receiver_fails_an_ipc_send_fast(peers):
+def test_killed_receiver_fails_an_ipc_send_fast():
+    started: list[helpers.PeerProcess] = []  # its own children: one of them is killed
+    try:
+        _kill_receiver_during_send(_start(started, 2))
+    finally:
+        for peer in started:
+            peer.kill()
+
+
+def _kill_receiver_during_send(peers: list[helpers.PeerProcess]) -> None:
     shared = {"sharing_strategy": "file_system"}
-    sender, receiver = peers({"sender": {"same_device": "ipc", **shared}, "receiver": shared})
+    sender, receiver = _init(peers, {"sender": {"same_device": "ipc", **shared}, "receiver": shared})
     _connect(sender, receiver)
     sender.post("send", peer_id="receiver", specs=MESSAGE, tag=2, timeout_s=PEER_TIMEOUT_S)
     receiver.kill()  # never posted its receive
