@@ -91,7 +91,7 @@ class EngineLoop:
         If the release failed or is not done, every block counts as held: nobody can tell."""
         if self.wait_stopped(timeout_s) and self._final_stats is not None:
             return self._final_stats
-        num_blocks = self.engine.config.num_gpu_blocks
+        num_blocks = self.engine.config.num_kv_blocks
         return EngineStats(
             num_free_blocks=0,
             num_blocks=num_blocks,

@@ -92,7 +92,9 @@ class ServingBackend:
     def health(self) -> dict:
         """Each pool's live (routable) and expected replica counts and its floor (`min`: its
         configured replicas, or min_replicas when it autoscales). Not ok while a pool is below
-        its floor or no decode replica serves; `degraded` and `reason` then name the pools."""
+        its floor or no decode replica serves; `degraded` and `reason` then name the pools.
+        `serving`: requests can be served at all (a decode replica is live; without prefill
+        replicas decode prefills itself) -- what a probe deciding on restarts should read."""
         cluster = self.cluster
         pools = {}
         for pool in (PREFILL, DECODE):
@@ -104,6 +106,7 @@ class ServingBackend:
             degraded.append(DECODE)
         state = {
             "ok": not degraded,
+            "serving": pools[DECODE]["live"] > 0,
             "prefill_replicas": pools[PREFILL]["live"],
             "decode_replicas": pools[DECODE]["live"],
             "pools": pools,

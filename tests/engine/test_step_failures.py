@@ -23,7 +23,7 @@ BS = 16
 
 
 def engine_for(model_dir, **kw) -> LLMEngine:
-    kw.setdefault("num_gpu_blocks", 32)
+    kw.setdefault("num_kv_blocks", 32)
     return LLMEngine(EngineConfig(model=str(model_dir), block_size=BS, **kw))
 
 

@@ -26,7 +26,7 @@ import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.cluster.frontend.backend import ServingBackend
-from splitserve.cluster.frontend.grpc.health import pool_service_name
+from splitserve.cluster.frontend.grpc.health import READY_SERVICE, pool_service_name
 from splitserve.cluster.frontend.grpc.server import GrpcFrontend
 from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.cluster.routing.router import DECODE, PREFILL
@@ -74,7 +74,7 @@ def cluster(backend):
 
 @pytest.fixture(scope="module")
 def reference(tiny_model):
-    engine = LLMEngine(EngineConfig(model=tiny_model, num_gpu_blocks=64))
+    engine = LLMEngine(EngineConfig(model=tiny_model, num_kv_blocks=64))
     return lambda ids, params=GREEDY: engine.generate([ids], params)[0].token_ids
 
 
@@ -206,14 +206,16 @@ def _leaves_routing(loop, cluster, caplog, pool: str, replica_id: str) -> float:
 
 
 def _check_lost_capacity(server_url: str, grpc_port: int, pool: str, replica_id: str, degraded: list[str]) -> None:
-    """/health (HTTP and gRPC) names the pools short of their floor; /metrics counts one
-    replica less in `pool` and exports nothing of replica_id."""
+    """/health (HTTP and gRPC) names the pools short of their floor while /ready still says
+    it serves; /metrics counts one replica less in `pool` and exports nothing of replica_id."""
     with httpx.Client(base_url=server_url, timeout=10) as http:
         resp = http.get("/health")
         assert resp.status_code == 503, resp.text
         body = resp.json()
         assert body["ok"] is False and body["degraded"] == degraded and f"the {pool} pool has 1" in body["reason"]
         assert body["pools"][pool] == {"ok": False, "live": 1, "expected": 2, "min": 2}
+        ready = http.get("/ready")  # degraded, but serving: what the probes read
+        assert ready.status_code == 200 and ready.json()["serving"] is True
         metrics = http.get("/metrics").text
     assert re.search(rf'^splitserve_replicas\{{pool="{pool}"\}} 1\.0$', metrics, re.M), metrics
     assert f'replica="{replica_id}"' not in metrics  # its series are gone
@@ -223,7 +225,7 @@ def _check_lost_capacity(server_url: str, grpc_port: int, pool: str, replica_id:
         def status(service: str):
             return health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
 
-        assert status("") == NOT_SERVING
+        assert status("") == NOT_SERVING and status(READY_SERVICE) == SERVING
         for name in (PREFILL, DECODE):
             assert status(pool_service_name(name)) == (NOT_SERVING if name in degraded else SERVING)
 
