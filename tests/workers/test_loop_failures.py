@@ -197,7 +197,7 @@ def _leaves_routing(loop, cluster, caplog, pool: str, replica_id: str) -> float:
     """Resume polling; seconds until replica_id is out of routing. Then checks it was said once."""
     since, started = time.time(), time.monotonic()
     resume_polling(loop, cluster)
-    wait_until(lambda: replica_id not in cluster.router.replica_ids(pool), 10, f"{replica_id} is still routed")
+    wait_until(lambda: replica_id not in cluster.router.replica_ids(pool), 10, f"{replica_id} is still routed", 0.002)
     took = time.monotonic() - started
     time.sleep(1.0)  # ten more poll intervals: nothing more to say about it
     lines = _dispatcher_lines(caplog, replica_id, since)
