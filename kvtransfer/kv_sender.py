@@ -124,8 +124,8 @@ class KVSender:
             if not job.done.done() and job.num_blocks:
                 num_layers = self.num_layers
                 planes = self.kv_cache.layer_planes(0)
-                filler = torch.zeros(planes.shape[0], job.num_blocks, planes.shape[2], dtype=planes.dtype)
-                messages = list(filler.to(planes.device).unbind(0))
+                shape = (planes.shape[0], job.num_blocks, planes.shape[2])
+                messages = list(torch.zeros(shape, dtype=planes.dtype, device=planes.device).unbind(0))
                 for layer in range(job.num_layers_sent, num_layers):
                     tag = layer_tag(job.transfer_id, layer if job.layerwise else num_layers, num_layers)
                     job.pending.append(self.transport.isend(job.peer_id, messages, tag))
