@@ -21,6 +21,8 @@ from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.engine.model.loader import load_model
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.ops.kv_cache import KVCache
+from splitserve.engine.sample.grammar_compiler import GrammarCompiler
+from splitserve.engine.sample.grammar_spec import GrammarSpec
 
 # Given the batch about to run, returns a per-layer callback (or None) for that step. The
 # prefill worker uses it to send each layer's KV while the next layer computes.
@@ -38,6 +40,7 @@ class LLMEngine:
         self.kv_cache = KVCache(self.model_config, config)
         self.kv = KVCacheManager(config.num_gpu_blocks, config.block_size, config.enable_prefix_caching)
         eos = self.tokenizer.eos_token_ids or self.model_config.eos_token_ids
+        self.grammar = GrammarCompiler(self.tokenizer.to_json(), self.model_config.vocab_size, eos)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, eos)
         self.runner = ModelRunner(self.model, self.kv_cache, config.seed)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -75,7 +78,16 @@ class LLMEngine:
             self.config.num_gpu_blocks * self.config.block_size,
         )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        return Sequence(rid, prompt_token_ids, params, self.config.block_size, prefill_only=prefill_only)
+        seq = Sequence(rid, prompt_token_ids, params, self.config.block_size, prefill_only=prefill_only)
+        if params.structured_output is not None:
+            # Compiles on a cache miss: callers on an event loop run this in a worker thread.
+            seq.grammar = self.grammar.new_matcher(params.structured_output)
+        return seq
+
+    def compile_grammar(self, spec: GrammarSpec) -> None:
+        """Compile (and cache) a grammar ahead of its requests. Thread-safe; raises
+        InvalidRequestError with the grammar engine's message for an invalid one."""
+        self.grammar.compile(spec)
 
     def add_request(
         self,
@@ -169,4 +181,6 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_computed_prompt_tokens": self.scheduler.num_computed_prompt_tokens,
             "num_prefix_hit_tokens": self.kv.num_hit_tokens,
+            **self.grammar.stats(),
+            **self.runner.grammar_mask.stats(),
         }
