@@ -24,7 +24,16 @@ def reserve_prompt_blocks(engine: LLMEngine, seq: Sequence) -> tuple[list[int], 
 
 
 def admit_prefilled(engine: LLMEngine, seq: Sequence, result: PrefillResult, sink, loop: EngineLoop) -> None:
-    """The prompt's KV is in place: append the first token, emit it, join the running batch."""
+    """The prompt's KV is in place: append the first token, emit it, join the running batch.
+
+    A constrained request's matcher replays the token the prefill replica accepted under the
+    same grammar (its whole grammar state: the tokens accepted so far)."""
+    if seq.grammar is not None and not seq.grammar.accept_token(result.first_token):
+        engine.kv.free(seq)  # not in the scheduler yet: free its reserved blocks here
+        raise RuntimeError(
+            f"the prefill replica's first token {result.first_token} breaks the request's grammar "
+            f"({seq.grammar.error.strip()}); is it running an older splitserve?"
+        )
     seq.num_computed_tokens = seq.num_prompt_tokens
     seq.num_cached_tokens = result.num_cached_tokens
     seq.append_token(result.first_token, result.first_logprob if seq.params.logprobs else None)

@@ -13,6 +13,7 @@ import time
 import torch
 
 from splitserve.decode.block_reservation import admit_prefilled, reserve_prompt_blocks
+from splitserve.engine.async_admission import make_sequence_async
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.engine_loop import EngineLoop
@@ -73,7 +74,9 @@ class DecodeWorker:
         prefill locally."""
         req = DecodeRequest.from_bytes(request_bytes)
         params = SamplingParams.from_dict(req.sampling)
-        seq = self.engine.make_sequence(None, req.prompt_token_ids, params, req.request_id)
+        seq = await make_sequence_async(
+            self.engine, req.prompt_token_ids, params, req.request_id, deadline=req.deadline
+        )
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
 

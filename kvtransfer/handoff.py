@@ -4,6 +4,10 @@ Flow (decode-driven): the decode replica reserves blocks for the prompt, works o
 the prompt's blocks it lacks, and sends a Handoff to the prefill replica; the prefill replica
 computes the prompt, streams the listed blocks over torch.distributed, and answers with a
 PrefillResult carrying the first token.
+
+A constrained request (sampling["structured_output"]) is compiled on both sides; prefill
+samples the first token under the grammar, and its grammar state crosses as the tokens it
+accepted, i.e. that first token, which decode replays into its own matcher.
 """
 
 from __future__ import annotations

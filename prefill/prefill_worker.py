@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from splitserve.engine.async_admission import make_sequence_async
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.core.scheduler import ScheduledBatch
 from splitserve.engine.core.sequence import SequenceStatus
@@ -106,7 +107,11 @@ class PrefillWorker:
         handoff = Handoff.from_bytes(handoff_bytes)
         rid = handoff.request_id
         params = SamplingParams.from_dict(handoff.sampling)
-        seq = self.engine.make_sequence(None, handoff.prompt_token_ids, params, rid, prefill_only=True)
+        # A constrained request's grammar is compiled off the engine loop; its mask then
+        # applies to the first token, sampled here.
+        seq = await make_sequence_async(
+            self.engine, handoff.prompt_token_ids, params, rid, prefill_only=True, deadline=handoff.deadline
+        )
         job = SendJob(rid, handoff.destination, handoff.transfer_id, [], handoff.layerwise)
         loop = asyncio.get_running_loop()
         first: asyncio.Future[RequestOutput] = loop.create_future()

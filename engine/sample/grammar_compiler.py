@@ -18,6 +18,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future
 
 from splitserve.engine.io.sampling_params import InvalidRequestError
 from splitserve.engine.sample.grammar_matcher import GrammarMatcher
@@ -67,6 +68,7 @@ class GrammarCompiler:
         self.cache_size = cache_size
         self._tokenizer = None
         self._cache: OrderedDict[GrammarSpec, object] = OrderedDict()
+        self._inflight: dict[GrammarSpec, Future] = {}  # concurrent requests share one compile
         self._lock = threading.Lock()
         self._tokenizer_lock = threading.Lock()
         self.num_compiles = 0
@@ -95,6 +97,26 @@ class GrammarCompiler:
                 self._cache.move_to_end(spec)
                 self.num_cache_hits += 1
                 return compiled
+            pending = self._inflight.get(spec)
+            if pending is None:
+                pending = self._inflight[spec] = Future()
+                owner = True
+            else:
+                owner = False
+        if not owner:
+            return pending.result()  # the same grammar, or the same InvalidRequestError
+        try:
+            compiled = self._build(spec)
+            pending.set_result(compiled)
+            return compiled
+        except BaseException as exc:
+            pending.set_exception(exc)
+            raise
+        finally:
+            with self._lock:
+                self._inflight.pop(spec, None)
+
+    def _build(self, spec: GrammarSpec):
         import llguidance
 
         start = time.perf_counter()
