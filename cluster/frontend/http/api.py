@@ -40,6 +40,7 @@ from splitserve.cluster.frontend.openai.responses import (
     ModelList,
     error_body,
 )
+from splitserve.cluster.frontend.openai.tool_call_output import ToolCallOutput
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -207,8 +208,9 @@ def build_http_app(backend) -> FastAPI:
     )
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        prompt_ids = backend.render_chat(body.template_messages())
+        prompt_ids = backend.render_chat(body.template_messages(), tools=body.template_tools())
         params = build_sampling_params(body, len(prompt_ids), backend.max_model_len)
+        plan = body.tool_call_plan()
         renderer = ChatRenderer(
             f"chatcmpl-{uuid.uuid4().hex}",
             body.model,
@@ -216,6 +218,7 @@ def build_http_app(backend) -> FastAPI:
             backend.tokenizer,
             params.logprobs,
             body.include_usage,
+            tool_output=None if plan is None else ToolCallOutput(plan),
         )
         return await generate(request, prompt_ids, params, renderer, body.stream)
 
