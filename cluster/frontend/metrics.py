@@ -113,6 +113,8 @@ class Metrics:
         except KeyError:
             pass
         self._last_transfer.pop(replica_id, None)
+        for key in [k for k in self._last_grammar if k[0] == replica_id]:
+            del self._last_grammar[key]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
