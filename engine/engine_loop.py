@@ -6,15 +6,18 @@ work with call() and receive outputs through per-request sinks, called on the lo
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.io.request_output import RequestOutput
+from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LayerHookFactory, LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -62,19 +65,49 @@ class EngineLoop:
         self._wake.set()
         return fut
 
-    def add_sequence(self, seq: Sequence, sink: Sink, prefilled: bool = False) -> Future:
-        def admit(engine: LLMEngine) -> None:
+    async def make_sequence(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        prefill_only: bool = False,
+        deadline: float | None = None,
+    ) -> Sequence:
+        """LLMEngine.make_sequence for an asyncio actor. A constrained request's grammar may take
+        long to compile: that runs on a worker thread, never on the loop thread or the event
+        loop, so other requests keep streaming, and within the request's deadline (time.time()),
+        so compile time counts toward it (TimeoutError past it). InvalidRequestError for bad
+        input, an invalid grammar included."""
+        if params.structured_output is None:
+            return self.engine.make_sequence(None, prompt_token_ids, params, request_id, prefill_only=prefill_only)
+        build = asyncio.to_thread(
+            self.engine.make_sequence, None, prompt_token_ids, params, request_id, prefill_only=prefill_only
+        )
+        timeout = None if deadline is None else max(deadline - time.time(), 0.001)
+        return await asyncio.wait_for(build, timeout)
+
+    def add_sequence(self, seq: Sequence, sink: Sink) -> Future:
+        """Queue seq (from LLMEngine.make_sequence); its outputs go to sink."""
+
+        def add(engine: LLMEngine) -> None:
             self._sinks[seq.request_id] = sink
-            if prefilled:
-                engine.scheduler.add_prefilled(seq)
-            else:
-                engine.scheduler.add(seq)
+            engine.add_sequence(seq)
+
+        return self.call(add)
+
+    def admit_prefilled(
+        self, request_id: str, first_token: int, first_logprob: float | None, num_cached_tokens: int, sink: Sink
+    ) -> Future:
+        """LLMEngine.admit_prefilled on the loop thread: its first output and every later one
+        go to sink."""
+
+        def admit(engine: LLMEngine) -> None:
+            out = engine.admit_prefilled(request_id, first_token, first_logprob, num_cached_tokens)
+            if not out.finished:
+                self._sinks[request_id] = sink
+            sink(out)
 
         return self.call(admit)
-
-    def register_sink(self, request_id: str, sink: Sink) -> None:
-        """Loop thread only (inside a call()): route request_id's outputs to sink."""
-        self._sinks[request_id] = sink
 
     def abort(self, request_id: str) -> Future:
         def do_abort(engine: LLMEngine) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from splitserve.kvtransfer.poll_reply import PollReply
+
 LATENCY_BUCKETS = (
     0.005,
     0.01,
@@ -85,22 +87,21 @@ class Metrics:
         self._last_transfer: dict[str, tuple[float, float]] = {}
         self._last_grammar: dict[tuple[str, str], float] = {}
 
-    def observe_poll(self, pool: str, replica_id: str, state: dict) -> None:
+    def observe_poll(self, pool: str, replica_id: str, poll: PollReply) -> None:
         """Fold one replica poll into the gauges and the transfer counters."""
-        load = state.get("load", {})
-        self.kv_usage.labels(pool, replica_id).set(load.get("kv_usage", 0.0))
+        self.kv_usage.labels(pool, replica_id).set(poll.engine.kv_usage)
         for key, counter in self.replica_grammar.items():
             stat = key.removesuffix("_replica")
-            if stat in load:
-                previous = self._last_grammar.get((replica_id, stat), 0.0)
-                counter.labels(pool).inc(max(load[stat] - previous, 0))
-                self._last_grammar[(replica_id, stat)] = load[stat]
-        transfer = state.get("transfer")
-        if pool == "decode" and transfer:
+            value = getattr(poll.engine, stat)
+            previous = self._last_grammar.get((replica_id, stat), 0.0)
+            counter.labels(pool).inc(max(value - previous, 0))
+            self._last_grammar[(replica_id, stat)] = value
+        if pool == "decode":
+            transfer = poll.transfer
             prev_bytes, prev_secs = self._last_transfer.get(replica_id, (0.0, 0.0))
-            self.transfer_bytes.inc(max(transfer["bytes"] - prev_bytes, 0))
-            self.transfer_seconds.inc(max(transfer["seconds"] - prev_secs, 0))
-            self._last_transfer[replica_id] = (transfer["bytes"], transfer["seconds"])
+            self.transfer_bytes.inc(max(transfer.num_bytes - prev_bytes, 0))
+            self.transfer_seconds.inc(max(transfer.seconds - prev_secs, 0))
+            self._last_transfer[replica_id] = (transfer.num_bytes, transfer.seconds)
 
     def set_pool_totals(self, pool: str, num_replicas: int, num_waiting: int, num_running: int) -> None:
         self.replicas.labels(pool).set(num_replicas)

@@ -59,10 +59,10 @@ def test_100_json_schema_requests_through_1p1d_are_valid(loop, cluster):
         jsonschema.validate(json.loads(tok.decode(res["token_ids"])), SCHEMAS[names[i % 5]])
         assert res["text"] == tok.decode(res["token_ids"])
     states = wait_for_baseline(loop, cluster)
-    prefill, decode = states["prefill-0"]["load"], states["decode-0"]["load"]
+    prefill, decode = states["prefill-0"].engine, states["decode-0"].engine
     # Every first token was sampled on the prefill replica, under the grammar.
-    assert prefill["grammar_masked_rows"] >= 100 and prefill["grammar_compiles"] == 5
-    assert decode["grammar_compiles"] == 5 and decode["grammar_mask_steps"] > 0
+    assert prefill.grammar_masked_rows >= 100 and prefill.grammar_compiles == 5
+    assert decode.grammar_compiles == 5 and decode.grammar_mask_steps > 0
 
 
 def cluster_tokenizer(cluster):
@@ -126,5 +126,5 @@ def test_huge_schema_compile_does_not_stall_other_requests(loop, cluster):
     assert huge_at > plain_done
     # The huge request's grammar was compiled on both replicas, outside their engine loops.
     states = pool_states(loop, cluster)
-    assert states["decode-0"]["load"]["grammar_compile_seconds"] > 0.2
+    assert states["decode-0"].engine.grammar_compile_seconds > 0.2
     wait_for_baseline(loop, cluster)
