@@ -13,7 +13,8 @@ next schema when its instance is complete. Timed per decode step:
   apply = one bitmask op on the [batch, vocab] logits
   accept = advancing every row's matcher by its sampled token
 
-and per-token cost = (fill + apply + accept) / batch. It also counts instances that are not
+and per-token cost = median over steps of (fill + apply + accept), / batch (medians: the
+machine is shared, and other jobs' bursts land on single steps). It also counts instances that are not
 valid JSON for their schema (json.loads + jsonschema), and times compiling each schema cold
 and again once cached.
 
@@ -195,7 +196,8 @@ def run_batch(lib, compiled: list, batch: int, steps: int, seed: int) -> dict:
     which = list(range(batch))
     matchers = [lib.matcher(compiled[i % len(compiled)]) for i in which]
     outputs: list[list[int]] = [[] for _ in which]
-    fill_s = apply_s = accept_s = cpu_s = 0.0
+    fill, apply, accept = [], [], []
+    cpu_s = 0.0
     instances: list[tuple[int, list[int]]] = []
     for _ in range(steps):
         logits = torch.randn(batch, vocab, generator=gen) * 3
@@ -210,9 +212,9 @@ def run_batch(lib, compiled: list, batch: int, steps: int, seed: int) -> dict:
             if not lib.accept(matchers[row], token):
                 raise RuntimeError(f"{lib.name} rejected a token its own mask allowed")
         t4, c4 = time.perf_counter(), time.process_time()
-        fill_s += t1 - t0
-        apply_s += t2 - t1
-        accept_s += t4 - t3
+        fill.append(t1 - t0)
+        apply.append(t2 - t1)
+        accept.append(t4 - t3)
         cpu_s += (c2 - c0) + (c4 - c3)
         for row, token in enumerate(tokens):
             outputs[row].append(token)
@@ -222,12 +224,15 @@ def run_batch(lib, compiled: list, batch: int, steps: int, seed: int) -> dict:
                 matchers[row] = lib.matcher(compiled[which[row] % len(compiled)])
                 outputs[row] = []
     num_tokens = steps * batch
+    # Medians per step: robust to the other jobs' bursts on this shared machine.
+    per_token = 1e6 / batch
+    total = [f + a + c for f, a, c in zip(fill, apply, accept)]
     return {
-        "fill_us_per_token": 1e6 * fill_s / num_tokens,
-        "apply_us_per_token": 1e6 * apply_s / num_tokens,
-        "accept_us_per_token": 1e6 * accept_s / num_tokens,
-        "total_us_per_token": 1e6 * (fill_s + apply_s + accept_s) / num_tokens,
-        "ms_per_step": 1e3 * (fill_s + apply_s + accept_s) / steps,
+        "fill_us_per_token": per_token * statistics.median(fill),
+        "apply_us_per_token": per_token * statistics.median(apply),
+        "accept_us_per_token": per_token * statistics.median(accept),
+        "total_us_per_token": per_token * statistics.median(total),
+        "ms_per_step": 1e3 * statistics.median(total),
         "cpu_us_per_token": 1e6 * cpu_s / num_tokens,
         "instances": instances,
     }
@@ -279,8 +284,9 @@ def render(results: dict[str, dict], command: str, commit: str, num_threads: int
         f"Command: `{command}`  ",
         f"Commit: `{commit}`; torch threads {num_threads}; {os.cpu_count()} CPUs (shared with other jobs).",
         "",
-        "Per-token cost = (fill masks + apply one bitmask op to the logits + accept the sampled",
-        "tokens) / batch, over seeded random logits, five JSON schemas (engine/testing/json_schemas.py),",
+        "Per-token cost = median per step of (fill masks + apply one bitmask op to the logits + accept",
+        "the sampled tokens) / batch; CPU us/token = process CPU time (all threads) / tokens, the mean.",
+        "Seeded random logits, five JSON schemas (engine/testing/json_schemas.py),",
         "compact JSON (no free whitespace). `invalid` counts finished instances that json.loads +",
         "jsonschema reject. Compile: cold = first compile + matcher, cached = what a repeated schema",
         "costs (xgrammar: compiler cache hit + matcher; llguidance: deep copy of a cached matcher).",
