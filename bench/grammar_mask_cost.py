@@ -42,6 +42,7 @@ DEFAULT_OUT = Path(__file__).parent / "results" / "grammar_mask_cost.md"
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "splitserve"
 LARGE_VOCAB = 32000
 MAX_INSTANCE_STEPS = 400  # a runaway instance is cut here (counted as invalid)
+MASK_THREADS = 2  # --mask-threads
 
 
 def large_vocab_tokenizer_json(vocab_size: int = LARGE_VOCAB) -> str:
@@ -98,7 +99,7 @@ class XGrammarLib:
             add_prefix_space=meta["add_prefix_space"],
         )
         self.compiler = xgr.GrammarCompiler(info)
-        self.batch = xgr.BatchGrammarMatcher()
+        self.batch = xgr.BatchGrammarMatcher(max_threads=MASK_THREADS)
         self.version = xgr.__version__ if hasattr(xgr, "__version__") else _dist_version("xgrammar")
 
     def compile(self, schema: dict):
@@ -132,7 +133,7 @@ class LLGuidanceLib:
         self.llg, self.llg_torch = llguidance, llg_torch
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, eos_token=eos_ids)
         self.vocab_size = self.tokenizer.vocab_size
-        self.executor = llguidance.LLExecutor(num_threads=max(torch.get_num_threads(), 2))
+        self.executor = llguidance.LLExecutor(num_threads=MASK_THREADS)
         self.version = _dist_version("llguidance")
 
     def compile(self, schema: dict):
@@ -282,7 +283,8 @@ def render(results: dict[str, dict], command: str, commit: str, num_threads: int
         "# Grammar mask cost: xgrammar vs llguidance",
         "",
         f"Command: `{command}`  ",
-        f"Commit: `{commit}`; torch threads {num_threads}; {os.cpu_count()} CPUs (shared with other jobs).",
+        f"Commit: `{commit}`; torch threads {num_threads}, mask-fill threads {MASK_THREADS}; {os.cpu_count()} CPUs "
+        f"(shared with other jobs; load average {os.getloadavg()[0]:.1f} at the end).",
         "",
         "Per-token cost = median per step of (fill masks + apply one bitmask op to the logits + accept",
         "the sampled tokens) / batch; CPU us/token = process CPU time (all threads) / tokens, the mean.",
@@ -329,12 +331,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", required=True, help="checkpoint dir whose tokenizer.json is one vocabulary")
     parser.add_argument("--batch-sizes", default="1,32")
     parser.add_argument("--steps", type=int, default=150, help="decode steps per batch>1 run (batch 1: 4x)")
-    parser.add_argument("--threads", type=int, default=2, help="torch / executor threads")
+    # One torch thread: on a loaded 2-core box OpenMP's spinning barriers make a tiny op take ms.
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the engine's tests and workers use 1)")
+    parser.add_argument("--mask-threads", type=int, default=2, help="threads of the libraries' batch mask fill")
     parser.add_argument("--no-large-vocab", action="store_true", help=f"skip the {LARGE_VOCAB}-token vocabulary")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    global MASK_THREADS
+    MASK_THREADS = args.mask_threads
     batches = [int(b) for b in args.batch_sizes.split(",")]
     model_json = (Path(args.model) / "tokenizer.json").read_text()
     eos = json.loads((Path(args.model) / "generation_config.json").read_text()).get("eos_token_id", [])

@@ -45,11 +45,12 @@ def run_all(loop, cluster, requests, timeout=300):
     return loop.run(go(), timeout=timeout)
 
 
-def test_100_json_schema_requests_through_1p1d_are_valid(loop, cluster):
+def test_json_schema_requests_through_1p1d_are_valid(loop, cluster):
+    """30 here; the 100 (and 100 streamed) over HTTP go through 1P+1D too."""
     names = list(SCHEMAS)
     requests = [
         (prompt(i), constrained(GrammarSpec.json_schema(SCHEMAS[names[i % 5]]), seed=i, temperature=0.3 + i % 3))
-        for i in range(100)
+        for i in range(30)
     ]
     results = run_all(loop, cluster, requests)
     tok = cluster_tokenizer(cluster)
@@ -61,7 +62,7 @@ def test_100_json_schema_requests_through_1p1d_are_valid(loop, cluster):
     states = wait_for_baseline(loop, cluster)
     prefill, decode = states["prefill-0"].engine, states["decode-0"].engine
     # Every first token was sampled on the prefill replica, under the grammar.
-    assert prefill.grammar_masked_rows >= 100 and prefill.grammar_compiles == 5
+    assert prefill.grammar_masked_rows >= 30 and prefill.grammar_compiles == 5
     assert decode.grammar_compiles == 5 and decode.grammar_mask_steps > 0
 
 
