@@ -40,7 +40,12 @@ class Metrics:
         self.e2e = Histogram(
             "splitserve_e2e_seconds", "End-to-end request latency", registry=r, buckets=LATENCY_BUCKETS
         )
-        self.requests = Counter("splitserve_requests", "Finished requests by status", ["status"], registry=r)
+        self.requests = Counter(
+            "splitserve_requests",
+            "Finished requests by status: ok, cancelled, or the error kind",
+            ["status"],
+            registry=r,
+        )
         self.queue_depth = Gauge("splitserve_queue_depth", "Waiting requests per pool", ["pool"], registry=r)
         self.running = Gauge("splitserve_running_requests", "Running requests per pool", ["pool"], registry=r)
         self.frontend_inflight = Gauge(
