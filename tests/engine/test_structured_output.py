@@ -24,7 +24,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine(tiny_model) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=tiny_model, num_gpu_blocks=1024, max_num_seqs=128))
+    return LLMEngine(EngineConfig(model=tiny_model, num_kv_blocks=1024, max_num_seqs=128))
 
 
 def constrained(spec: GrammarSpec, **kw) -> SamplingParams:
@@ -34,7 +34,7 @@ def constrained(spec: GrammarSpec, **kw) -> SamplingParams:
 
 
 def assert_baseline(engine: LLMEngine) -> None:
-    assert engine.kv.num_free_blocks == engine.config.num_gpu_blocks
+    assert engine.kv.num_free_blocks == engine.config.num_kv_blocks
     assert not engine.scheduler.has_unfinished()
 
 

@@ -13,7 +13,7 @@ import time
 import jsonschema
 import pytest
 
-from splitserve.cluster.control.dispatcher import RequestFailedError
+from splitserve.cluster.request_error import ErrorKind, RequestError
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.sample.grammar_spec import GrammarSpec
 from splitserve.engine.testing.json_schemas import MAX_INSTANCE_TOKENS, SCHEMAS
@@ -87,9 +87,9 @@ def test_regex_and_choice_through_1p1d(loop, cluster):
 
 def test_invalid_schema_is_400_and_leaks_nothing(loop, cluster):
     bad = SamplingParams(structured_output=GrammarSpec("regex", "([a-z]"), max_tokens=8)
-    with pytest.raises(RequestFailedError) as err:
+    with pytest.raises(RequestError) as err:
         run_all(loop, cluster, [(prompt(1), bad)])
-    assert err.value.status == 400 and "regex" in str(err.value)
+    assert err.value.kind is ErrorKind.INVALID and "regex" in str(err.value)
     wait_for_baseline(loop, cluster)
     ok = run_all(loop, cluster, [(prompt(2), SamplingParams(max_tokens=4, ignore_eos=True))])[0]
     assert len(ok["token_ids"]) == 4
