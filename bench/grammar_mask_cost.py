@@ -283,7 +283,7 @@ def render(results: dict[str, dict], command: str, commit: str, num_threads: int
         "# Grammar mask cost: xgrammar vs llguidance",
         "",
         f"Command: `{command}`  ",
-        f"Commit: `{commit}`; torch threads {num_threads}, mask-fill threads {MASK_THREADS}; {os.cpu_count()} CPUs "
+        f"Commit: {commit}; torch threads {num_threads}, mask-fill threads {MASK_THREADS}; {os.cpu_count()} CPUs "
         f"(shared with other jobs; load average {os.getloadavg()[0]:.1f} at the end).",
         "",
         "Per-token cost = median per step of (fill masks + apply one bitmask op to the logits + accept",

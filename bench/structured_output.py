@@ -150,7 +150,7 @@ def render(levels: list[dict], compile_ms: dict, command: str, commit: str) -> s
         "# Structured output overhead (JSON schema vs none)",
         "",
         f"Command: `{command}`  ",
-        f"Commit: `{commit}`; {os.cpu_count()} CPUs shared with other jobs (load average at start "
+        f"Commit: {commit}; {os.cpu_count()} CPUs shared with other jobs (load average at start "
         f"{os.getloadavg()[0]:.1f}); server: `splitserve serve`, 1 prefill + 1 decode replica, the `bench` model.",
         "",
         "Both runs of a level generate identical token counts (the plain run uses each constrained",

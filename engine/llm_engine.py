@@ -31,7 +31,6 @@ from splitserve.engine.model.loader import load_model
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.ops.kv_cache import KVCache
 from splitserve.engine.sample.grammar_compiler import GrammarCompiler
-from splitserve.engine.sample.grammar_spec import GrammarSpec
 
 # Given the batch about to run, returns a per-layer callback (or None) for that step. The
 # prefill worker uses it to send each layer's KV while the next layer computes.
@@ -93,11 +92,6 @@ class LLMEngine:
             # Compiles on a cache miss: callers on an event loop run this in a worker thread.
             seq.grammar = self.grammar.new_matcher(params.structured_output)
         return seq
-
-    def compile_grammar(self, spec: GrammarSpec) -> None:
-        """Compile (and cache) a grammar ahead of its requests. Thread-safe; raises
-        InvalidRequestError with the grammar engine's message for an invalid one."""
-        self.grammar.compile(spec)
 
     def add_sequence(self, seq: Sequence) -> None:
         """Queue a sequence from make_sequence. A prefill_only one stops after its first token
