@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import sysconfig
 import time
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from splitserve.bench import MissingBenchDependency, source_commit
 from splitserve.engine.sample.token_bitmask import apply_token_bitmask_
 from splitserve.engine.testing.json_schemas import SCHEMAS
 
@@ -81,9 +81,14 @@ class XGrammarLib:
     name = "xgrammar"
 
     def __init__(self, tokenizer_json: str, eos_ids: list[int]):
-        import xgrammar as xgr
         from tokenizers import Tokenizer
 
+        try:
+            import xgrammar as xgr
+        except ModuleNotFoundError as exc:
+            raise MissingBenchDependency(
+                "this comparison needs xgrammar: pip install 'splitserve[grammar-bench]'", name="xgrammar"
+            ) from exc
         self.xgr = xgr
         backend = Tokenizer.from_str(tokenizer_json)
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
@@ -283,7 +288,7 @@ def render(results: dict[str, dict], command: str, commit: str, num_threads: int
         "# Grammar mask cost: xgrammar vs llguidance",
         "",
         f"Command: `{command}`  ",
-        f"Commit: {commit}; torch threads {num_threads}, mask-fill threads {MASK_THREADS}; {os.cpu_count()} CPUs "
+        f"{commit}; torch threads {num_threads}, mask-fill threads {MASK_THREADS}; {os.cpu_count()} CPUs "
         f"(shared with other jobs; load average {os.getloadavg()[0]:.1f} at the end).",
         "",
         "Per-token cost = median per step of (fill masks + apply one bitmask op to the logits + accept",
@@ -313,19 +318,6 @@ def render(results: dict[str, dict], command: str, commit: str, num_threads: int
     return "\n".join(lines) + "\n"
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).parent,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="checkpoint dir whose tokenizer.json is one vocabulary")
@@ -350,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
         large = large_vocab_tokenizer_json()
         results["stdlib BPE"] = measure(large, [1], batches, args.steps, args.seed)
     command = "python -m splitserve.bench.grammar_mask_cost " + " ".join(sys.argv[1:] if argv is None else argv)
-    text = render(results, command, _commit(), torch.get_num_threads())
+    text = render(results, command, source_commit(), torch.get_num_threads())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from splitserve.bench.grammar_mask_cost import _commit
+from splitserve.bench import source_commit
 from splitserve.bench.managed_server import ManagedServer, find_free_port
 from splitserve.engine.testing.json_schemas import MAX_INSTANCE_TOKENS, SCHEMAS
 
@@ -150,7 +150,7 @@ def render(levels: list[dict], compile_ms: dict, command: str, commit: str) -> s
         "# Structured output overhead (JSON schema vs none)",
         "",
         f"Command: `{command}`  ",
-        f"Commit: {commit}; {os.cpu_count()} CPUs shared with other jobs (load average at start "
+        f"{commit}; {os.cpu_count()} CPUs shared with other jobs (load average at start "
         f"{os.getloadavg()[0]:.1f}); server: `splitserve serve`, 1 prefill + 1 decode replica, the `bench` model.",
         "",
         "Both runs of a level generate identical token counts (the plain run uses each constrained",
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
             print(level, flush=True)
             levels.append(level)
     text = render(
-        levels, compile_ms, "python -m splitserve.bench.structured_output " + " ".join(sys.argv[1:]), _commit()
+        levels, compile_ms, "python -m splitserve.bench.structured_output " + " ".join(sys.argv[1:]), source_commit()
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
