@@ -9,6 +9,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from splitserve.bench import source_commit
+
 TARGET_RATIO = 1.2
 KEPT_SECTION = "## Analysis"  # a hand-written section from here on survives reruns
 NAMES = ("splitserve", "vLLM")
@@ -39,6 +41,7 @@ class EngineTimings:
 
 
 def cpu_model() -> str:
+    """The CPU's marketing name: psutil has no call for it, so Linux's cpuinfo is read."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -71,6 +74,8 @@ def _header(args, ours, vllm_version, load_before, load_after) -> list[str]:
         " ".join(shlex.quote(a) for a in args.argv),
         "```",
         "",
+        source_commit(),
+        "",
         f"Model: {args.model_note}; fp32; prompts {args.prompt_len} random token ids; "
         f"{args.max_tokens} greedy tokens per sequence, ignore_eos; {args.repeats} repeats, medians "
         "shown; the engines run back to back inside each repeat (order alternating).",
@@ -80,7 +85,7 @@ def _header(args, ours, vllm_version, load_before, load_after) -> list[str]:
         f"{platform.python_version()}, torch {ours.torch_version} ({ours.num_threads} thread(s)) for "
         "splitserve" + (f", vLLM {vllm_version} (its own venv, `{args.vllm_python}`)." if vllm_version else "."),
         "",
-        f"splitserve: `EngineConfig(num_gpu_blocks={cfg.num_gpu_blocks}, max_num_seqs={cfg.max_num_seqs}, "
+        f"splitserve: `EngineConfig(num_kv_blocks={cfg.num_kv_blocks}, max_num_seqs={cfg.max_num_seqs}, "
         f"max_num_batched_tokens={cfg.max_num_batched_tokens}, max_model_len={cfg.max_model_len})`, "
         "in this process.",
     ]

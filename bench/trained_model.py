@@ -30,13 +30,13 @@ import json
 import os
 import random
 import shlex
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+from splitserve.bench import source_commit
 from splitserve.engine.testing.corpus import PASSAGES
 from splitserve.engine.testing.make_model import TRAINING_FILE, ModelSpec, write_checkpoint
 from splitserve.engine.testing.model_cache import cached_checkpoint
@@ -152,7 +152,7 @@ def run(args) -> dict:
     params = {role: sum(p.numel() for p in models[role, "trained"].parameters()) for role in ("target", "draft")}
     return {
         "argv": args.argv,
-        "commit": _commit(),
+        "commit": source_commit(),
         "load_before": load_before,
         "load_after": os.getloadavg(),
         "specs": {"target": target_spec.name, "draft": draft_spec.name},
@@ -165,14 +165,6 @@ def run(args) -> dict:
         "num_prompts": len(prompts["continue"]),
         "max_new_tokens": args.max_new_tokens,
     }
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,8 @@ import platform
 import shlex
 from pathlib import Path
 
+from splitserve.bench import require_extra
+
 KINDS = ("continue", "quote", "shuffled quote")
 
 
@@ -32,10 +34,9 @@ def _moving_average(values: list[float], window: int) -> list[float]:
 
 
 def plot_losses(result: dict, path: Path) -> None:
-    import matplotlib
-
+    matplotlib = require_extra("matplotlib")
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = require_extra("matplotlib.pyplot")
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for role, color in (("target", "tab:blue"), ("draft", "tab:orange")):
@@ -72,7 +73,7 @@ def render(result: dict, png_name: str) -> str:
     lines = [
         "# Briefly trained checkpoints: loss, cost, n-gram hit rate before vs after",
         "",
-        f"Command (from the repo root, commit `{result['commit']}`):",
+        f"{result['commit']}. Command (from the repo root):",
         "",
         "```",
         shlex.join(result["argv"]),

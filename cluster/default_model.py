@@ -26,6 +26,10 @@ def default_model_spec() -> ModelSpec:
     return DEFAULT_SPEC
 
 
+# Its directory's name, and the model id clients send when serve is given no model.
+DEFAULT_MODEL_NAME = default_model_spec().name
+
+
 def default_model_dir() -> Path:
     from splitserve.engine.testing.model_cache import cache_entry_path
 

@@ -12,34 +12,29 @@ from collections.abc import AsyncIterator, Callable
 import ray
 
 from splitserve.cluster.control.worker_pool import Replica, WorkerPool
+from splitserve.cluster.request_error import ErrorKind, RequestError
+from splitserve.cluster.routing.load import LoadReport
 from splitserve.cluster.routing.router import DECODE, PREFILL, NoReplicaError, Router
-from splitserve.decode.decode_worker import PrefillFailedError, ReplicaBusyError
+from splitserve.decode.decode_worker import PrefillFailedError, PrefillReplicaDeadError, ReplicaBusyError
+from splitserve.engine.engine_errors import EngineLoopStopped
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.kvtransfer.handoff import DecodeRequest, StreamChunk
+from splitserve.kvtransfer.poll_reply import PollReply
 
 logger = logging.getLogger(__name__)
 ACTOR_GONE = (ray.exceptions.RayActorError,)
+# The replica called is dead: its actor died, or its engine loop stopped for good.
+REPLICA_GONE = (EngineLoopStopped, *ACTOR_GONE)
 
 
-DEADLINE_STATUS = 504  # HTTP Gateway Timeout; gRPC DEADLINE_EXCEEDED
 _CLOCK_SLACK_S = 0.1  # timers may fire a little before the wall-clock deadline
 
 
-class RequestFailedError(RuntimeError):
-    """The request could not be served; status is the HTTP status a frontend should use."""
-
-    def __init__(self, message: str, status: int = 500):
-        super().__init__(message)
-        self.status = status
-
-
-class DeadlineExceededError(RequestFailedError):
+def deadline_exceeded(timeout_s: float) -> RequestError:
     """The request ran past its deadline; whatever it held on the replicas is freed."""
-
-    def __init__(self, timeout_s: float):
-        super().__init__(
-            f"the request did not finish before its deadline ({timeout_s:.1f} s after it started)", DEADLINE_STATUS
-        )
+    return RequestError(
+        ErrorKind.DEADLINE, f"the request did not finish before its deadline ({timeout_s:.1f} s after it started)"
+    )
 
 
 class Dispatcher:
@@ -53,8 +48,9 @@ class Dispatcher:
         lease_s: float = 20.0,
         request_timeout_s: float = 600.0,
         poll_interval_s: float = 0.1,
-        on_poll: Callable[[str, str, dict], None] | None = None,
+        on_poll: Callable[[str, str, PollReply], None] | None = None,
         idle_pair_s: float = 300.0,
+        on_drop: Callable[[str, str], None] | None = None,
     ):
         self.router = router
         self.pools = {PREFILL: prefill_pool, DECODE: decode_pool}
@@ -64,6 +60,7 @@ class Dispatcher:
         self.request_timeout_s = request_timeout_s
         self.poll_interval_s = poll_interval_s
         self.on_poll = on_poll
+        self.on_drop = on_drop  # (pool, replica id) once a replica left routing, for any reason
         self.idle_pair_s = idle_pair_s
         self.inflight: dict[str, str] = {}  # request id -> decode replica id
         self.inflight_prefill: dict[str, str] = {}  # request id -> prefill replica id, until its first token
@@ -72,6 +69,7 @@ class Dispatcher:
         # rebuilt router never misses the events taken between a snapshot and the swap.
         self._membership = asyncio.Lock()
         self.num_retries = 0
+        self._kills: set[asyncio.Task] = set()  # dead replicas being shut down off the event loop
 
     # ---- replica membership --------------------------------------------------------------
     async def add_replica(self, replica: Replica) -> None:
@@ -100,12 +98,13 @@ class Dispatcher:
                 *(asyncio.wait_for(r.handle.snapshot.remote(), 30) for _, r in live), return_exceptions=True
             )
             for (pool_name, replica), snapshot in zip(live, snapshots):
-                if isinstance(snapshot, ACTOR_GONE):
-                    logger.warning("%s replica %s died; dropping it from routing", pool_name, replica.replica_id)
-                    self.drop_replica(pool_name, replica.replica_id)
+                if isinstance(snapshot, REPLICA_GONE):  # its actor or its engine loop is dead
+                    logger.warning("%s replica %s is dead; dropping it from routing", pool_name, replica.replica_id)
+                    self.drop_replica(pool_name, replica.replica_id, kill=not isinstance(snapshot, ACTOR_GONE))
                 elif isinstance(snapshot, BaseException):
-                    raise RequestFailedError(
-                        f"cannot rebuild the router: snapshot of {replica.replica_id} failed: {_short(snapshot)}", 503
+                    raise RequestError(
+                        ErrorKind.UNAVAILABLE,
+                        f"cannot rebuild the router: snapshot of {replica.replica_id} failed: {_short(snapshot)}",
                     )
                 elif self.pools[pool_name].get(replica.replica_id) is not None:  # not removed meanwhile
                     router.add_replica(pool_name, replica.replica_id, snapshot)
@@ -118,14 +117,23 @@ class Dispatcher:
             return router
 
     def drop_replica(self, pool: str, replica_id: str, kill: bool = False) -> None:
+        """Take a replica out of routing and its pool; kill: also shut its actor down (in a
+        thread: it blocks), as for one whose engine loop stopped."""
         self.router.remove_replica(pool, replica_id)
         worker_pool = self.pools.get(pool)
+        replica = worker_pool.get(replica_id) if worker_pool is not None else None
         if worker_pool is not None:
-            worker_pool.remove(replica_id, kill=kill)
+            worker_pool.remove(replica_id, kill=False)
+        if kill and replica is not None:
+            task = asyncio.get_running_loop().create_task(asyncio.to_thread(WorkerPool.kill, replica))
+            self._kills.add(task)
+            task.add_done_callback(self._kills.discard)
         # Its peers drop their process groups with it (either side may be the one leaving).
         peer_pool = self.pools[DECODE if pool == PREFILL else PREFILL]
         for r in peer_pool.live_replicas() if peer_pool is not None else ():
             r.handle.forget_peer.remote(replica_id)
+        if self.on_drop is not None:
+            self.on_drop(pool, replica_id)
 
     def num_inflight(self, pool: str, replica_id: str) -> int:
         """Requests sent to a replica that still need it: on decode until they finish, on
@@ -150,7 +158,7 @@ class Dispatcher:
     async def _poll_replica(self, pool: str, replica: Replica) -> None:
         rid = replica.replica_id
         try:
-            state = await asyncio.wait_for(replica.handle.poll.remote(), 10)
+            poll = PollReply.from_bytes(await asyncio.wait_for(replica.handle.poll.remote(), 10))
         except ACTOR_GONE:
             logger.warning("%s replica %s died; dropping it from routing", pool, rid)
             self.drop_replica(pool, rid)
@@ -158,23 +166,19 @@ class Dispatcher:
         except (TimeoutError, ray.exceptions.RayError) as exc:
             logger.warning("polling %s failed: %r", rid, exc)
             return
-        if not self.router.apply_events(pool, rid, state["events"]):
+        if rid not in self.router.replica_ids(pool):  # drained and dropped while we waited
+            return
+        if not poll.is_serving:  # it reported itself dead: out of routing now, once
+            logger.error("%s replica %s stopped serving (%s); dropping it from routing", pool, rid, poll.error)
+            self.drop_replica(pool, rid, kill=True)
+            return
+        if not self.router.apply_events(pool, rid, poll.events):
             if rid in self.router.replicas_needing_resync(pool):
                 seq, hashes = await asyncio.wait_for(replica.handle.snapshot.remote(), 10)
                 self.router.resync(pool, rid, (seq, hashes))
-        load = state["load"]
-        self.router.update_load(
-            pool,
-            rid,
-            queued_prefill_tokens=load["num_waiting_tokens"],
-            # num_active (decode) counts every request the replica holds:
-            # running, waiting and in transfer; adding num_running double-counted.
-            num_running=max(load["num_running"], load.get("num_active", 0)),
-            kv_usage=load["kv_usage"],
-            num_waiting=load["num_waiting"],
-        )
+        self.router.update_load(pool, rid, LoadReport.from_poll(poll))
         if self.on_poll is not None:
-            self.on_poll(pool, rid, state)
+            self.on_poll(pool, rid, poll)
 
     async def close_idle_pairs(self, max_idle_s: float) -> None:
         """Decode replicas drop process groups idle for max_idle_s; their prefill peers follow."""
@@ -220,22 +224,23 @@ class Dispatcher:
         on_route: Callable | None = None,
     ) -> AsyncIterator[StreamChunk]:
         """Stream a request's chunks. Retries (at most max_retries times, on other replicas)
-        only while no chunk has reached the caller; raises RequestFailedError, and
-        DeadlineExceededError once `deadline` (time.time(); default now + request_timeout_s)
-        passes, after which the replicas free whatever the request held."""
+        only while no chunk has reached the caller; raises RequestError (kind DEADLINE once
+        `deadline` (time.time(); default now + request_timeout_s) passes, after which the
+        replicas free whatever the request held)."""
         request_id = request_id or uuid.uuid4().hex
         deadline = deadline or time.time() + self.request_timeout_s
         timeout_s = deadline - time.time()
         exclude_p: set[str] = set()
         exclude_d: set[str] = set()
         attempt = 0
+        num_budgeted = 0  # retries that count against max_retries
         while True:
             if time.time() >= deadline:
-                raise DeadlineExceededError(timeout_s)
+                raise deadline_exceeded(timeout_s)
             try:
                 decision = self.router.route(prompt_token_ids, exclude_prefill=exclude_p, exclude_decode=exclude_d)
             except NoReplicaError as exc:
-                raise RequestFailedError(str(exc), status=503) from None
+                raise RequestError(ErrorKind.UNAVAILABLE, str(exc)) from None
             if on_route is not None:
                 on_route(decision)
             decode = self.pools[DECODE].get(decision.decode_replica)
@@ -269,10 +274,10 @@ class Dispatcher:
                         data = await asyncio.wait_for(_next_item(gen), max(deadline - time.time(), 0.001))
                     except TimeoutError as exc:  # ours, or the replica's at the same deadline
                         if time.time() >= deadline - _CLOCK_SLACK_S:
-                            raise DeadlineExceededError(timeout_s) from None
-                        raise RequestFailedError(f"request failed: {_short(exc)}", 503) from None
+                            raise deadline_exceeded(timeout_s) from None
+                        raise RequestError(ErrorKind.UNAVAILABLE, f"request failed: {_short(exc)}") from None
                     if data is None:
-                        raise RequestFailedError("decode stream ended without finishing", 500)
+                        raise RequestError(ErrorKind.INTERNAL, "decode stream ended without finishing")
                     chunk = StreamChunk.from_bytes(data)
                     sent_any = True
                     self.inflight_prefill.pop(request_id, None)
@@ -280,24 +285,29 @@ class Dispatcher:
                     yield chunk
                     if done:
                         return
-            except (PrefillFailedError, ReplicaBusyError, *ACTOR_GONE) as exc:
+            except (PrefillFailedError, ReplicaBusyError, *REPLICA_GONE) as exc:
                 if time.time() >= deadline:
-                    raise DeadlineExceededError(timeout_s) from None
+                    raise deadline_exceeded(timeout_s) from None
+                # A dead replica is no fault of the request: excluded, it costs no retry (the
+                # pools are finite, so this ends).
+                replica_dead = isinstance(exc, (PrefillReplicaDeadError, *REPLICA_GONE))
                 # Never after a chunk reached the caller: a retry cannot resume it exactly.
-                if sent_any or attempt >= self.max_retries:
-                    status = 503 if isinstance(exc, (ReplicaBusyError, *ACTOR_GONE)) else 500
-                    raise RequestFailedError(f"request failed: {_short(exc)}", status) from None
+                if sent_any or (num_budgeted >= self.max_retries and not replica_dead):
+                    busy = isinstance(exc, (ReplicaBusyError, *REPLICA_GONE))
+                    kind = ErrorKind.UNAVAILABLE if busy else ErrorKind.INTERNAL
+                    raise RequestError(kind, f"request failed: {_short(exc)}") from None
                 attempt += 1
+                num_budgeted += not replica_dead
                 self.num_retries += 1
-                if isinstance(exc, (ReplicaBusyError, *ACTOR_GONE)) or prefill is None:
+                if isinstance(exc, (ReplicaBusyError, *REPLICA_GONE)) or prefill is None:
                     exclude_d.add(decode.replica_id)  # the decode replica is gone or full
                 else:
                     exclude_p.add(prefill.replica_id)
                 logger.warning("retrying %s (attempt %d) after: %s", request_id, attempt, _short(exc))
             except ValueError as exc:  # InvalidRequestError raised inside the replica
-                raise RequestFailedError(str(exc), 400) from None
+                raise RequestError(ErrorKind.INVALID, str(exc)) from None
             except ray.exceptions.RayError as exc:  # any other replica-side failure: say so
-                raise RequestFailedError(f"request failed: {_short(exc)}", 500) from None
+                raise RequestError(ErrorKind.INTERNAL, f"request failed: {_short(exc)}") from None
             finally:
                 self.inflight.pop(request_id, None)
                 self.inflight_prefill.pop(request_id, None)

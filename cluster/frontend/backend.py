@@ -3,8 +3,8 @@ metrics, and streaming generation through the disaggregated cluster."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import os
 import time
 import uuid
 from collections import defaultdict
@@ -12,9 +12,8 @@ from collections.abc import AsyncIterator
 
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.control.disagg_cluster import DisaggCluster
-from splitserve.cluster.control.dispatcher import DEADLINE_STATUS, RequestFailedError
-from splitserve.cluster.frontend.errors import BackendError, invalid
 from splitserve.cluster.frontend.metrics import Metrics
+from splitserve.cluster.request_error import ErrorKind, RequestError, invalid
 from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.cluster.scaling.autoscaler import Autoscaler
 from splitserve.cluster.scaling.latency_window import LatencyWindow
@@ -22,23 +21,31 @@ from splitserve.engine.config import ModelConfig
 from splitserve.engine.io.request_validation import validate_prompt
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.io.tokenizer import Tokenizer
+from splitserve.engine.sample.grammar_compiler import GrammarCompiler
+from splitserve.engine.sample.grammar_spec import GrammarSpec
 from splitserve.kvtransfer.handoff import StreamChunk
+from splitserve.kvtransfer.poll_reply import PollReply
 
 logger = logging.getLogger(__name__)
+# splitserve_requests_total{status}: OK, CANCELLED, or the ErrorKind that ended the request.
+OK, CANCELLED = "ok", "cancelled"
 
 
 class ServingBackend:
     def __init__(self, cfg: ServeConfig, model_dir: str, cluster: DisaggCluster | None = None):
         self.cfg = cfg
         self.model_dir = model_dir
-        self.model_name = cfg.served_model_name or os.path.basename(os.path.normpath(model_dir))
+        self.model_name = cfg.model_id
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         self.model_config = ModelConfig.from_pretrained(model_dir)
-        self.max_model_len = self.model_config.max_context_len
+        self.max_model_len = self.model_config.resolve_max_model_len(cfg.max_model_len)
         pools = [cfg.decode] + ([cfg.prefill] if cfg.prefill.replicas or cfg.prefill.autoscaling.enabled else [])
         self.max_cache_tokens = min(p.num_kv_blocks for p in pools) * cfg.block_size
+        eos = self.tokenizer.eos_token_ids or self.model_config.eos_token_ids
+        # Checks constrained requests before any compute (replicas compile their own copies).
+        self.grammar = GrammarCompiler(self.tokenizer.to_json(), self.model_config.vocab_size, eos)
         self.metrics = Metrics()
-        self.cluster = cluster or DisaggCluster(cfg, model_dir, on_poll=self._on_poll)
+        self.cluster = cluster or DisaggCluster(cfg, model_dir, on_poll=self._on_poll, on_drop=self._on_drop)
         self.num_inflight = 0
         self._inflight_by_key: dict[str, int] = defaultdict(int)
         # Recent latencies for the autoscaler: TTFT is prefill's signal, ITL decode's.
@@ -70,11 +77,12 @@ class ServingBackend:
         _check_unicode(text)
         return self.tokenizer.encode(text)
 
-    def render_chat(self, messages: list[dict]) -> list[int]:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         if not messages:
             raise invalid("messages must not be empty")
+        extra = {} if tools is None else {"tools": tools}  # templates that know tools show them
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
         except (ValueError, TypeError, KeyError) as exc:
             raise invalid(f"could not apply the chat template: {exc}") from None
         _check_unicode(text)
@@ -89,9 +97,35 @@ class ServingBackend:
             raise invalid(str(exc)) from None
 
     def health(self) -> dict:
-        num_prefill = len(self.cluster.router.replica_ids(PREFILL, include_draining=False))
-        num_decode = len(self.cluster.router.replica_ids(DECODE, include_draining=False))
-        return {"ok": num_decode > 0, "prefill_replicas": num_prefill, "decode_replicas": num_decode}
+        """Each pool's live (routable) and expected replica counts and its floor (`min`: its
+        configured replicas, or min_replicas when it autoscales). Not ok while a pool is below
+        its floor or no decode replica serves; `degraded` and `reason` then name the pools.
+        `serving`: requests can be served at all (a decode replica is live; without prefill
+        replicas decode prefills itself) -- what a probe deciding on restarts should read."""
+        cluster = self.cluster
+        pools = {}
+        for pool in (PREFILL, DECODE):
+            live, floor = cluster.live_replicas(pool), cluster.min_replicas[pool]
+            expected = max(cluster.expected_replicas[pool], floor)
+            pools[pool] = {"ok": live >= floor, "live": live, "expected": expected, "min": floor}
+        degraded = [pool for pool, state in pools.items() if not state["ok"]]
+        if not pools[DECODE]["live"] and DECODE not in degraded:
+            degraded.append(DECODE)
+        state = {
+            "ok": not degraded,
+            "serving": pools[DECODE]["live"] > 0,
+            "prefill_replicas": pools[PREFILL]["live"],
+            "decode_replicas": pools[DECODE]["live"],
+            "pools": pools,
+        }
+        if degraded:
+            state["degraded"] = degraded
+            state["reason"] = "; ".join(
+                f"the {pool} pool has {pools[pool]['live']} live replica(s) of {pools[pool]['expected']} expected "
+                f"(min {pools[pool]['min']})"
+                for pool in degraded
+            )
+        return state
 
     # ---- generation ----------------------------------------------------------------------
     async def generate(
@@ -102,26 +136,28 @@ class ServingBackend:
         api_key: str | None = None,
         timeout_s: float | None = None,
     ) -> AsyncIterator[StreamChunk]:
-        """Validate, admit, stream. Raises BackendError before the first chunk on refusal.
+        """Validate, admit, stream. Raises RequestError (before the first chunk on refusal).
         timeout_s: the client's own deadline, capped by request_timeout_s; past it the
-        request fails with status 504 and its KV blocks are freed."""
+        request fails with kind DEADLINE and its KV blocks are freed."""
         self.validate(prompt_token_ids, params)
         if timeout_s is not None and not timeout_s > 0:
             raise invalid(f"the request timeout must be a positive number of seconds, got {timeout_s!r}")
         deadline = time.time() + min(timeout_s or self.cfg.request_timeout_s, self.cfg.request_timeout_s)
+        if params.structured_output is not None:
+            await self.check_grammar(params.structured_output, deadline)
         key = api_key or ""
         if self.num_inflight >= self.cfg.max_queued_requests:
-            self.metrics.requests.labels("429").inc()
-            raise BackendError("the server is at capacity; retry later", 429, "rate_limit_error")
+            self.metrics.requests.labels(ErrorKind.OVERLOADED.value).inc()
+            raise RequestError(ErrorKind.OVERLOADED, "the server is at capacity; retry later")
         if self._inflight_by_key[key] >= self.cfg.max_requests_per_key:
-            self.metrics.requests.labels("429").inc()
-            raise BackendError("too many concurrent requests for this API key", 429, "rate_limit_error")
+            self.metrics.requests.labels(ErrorKind.OVERLOADED.value).inc()
+            raise RequestError(ErrorKind.OVERLOADED, "too many concurrent requests for this API key")
         self.num_inflight += 1
         self._inflight_by_key[key] += 1
         self.metrics.frontend_inflight.set(self.num_inflight)
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
         start = last = time.perf_counter()
-        status = "200"
+        status = OK
         first = True
         try:
             async for chunk in self.cluster.generate(
@@ -141,12 +177,11 @@ class ServingBackend:
                 last = now
                 self.metrics.generation_tokens.inc(len(chunk.token_ids))
                 yield chunk
-        except RequestFailedError as exc:
-            status = str(exc.status)
-            kind = {400: "invalid_request_error", DEADLINE_STATUS: "timeout_error"}.get(exc.status, "server_error")
-            raise BackendError(str(exc), exc.status, kind) from None
+        except RequestError as exc:
+            status = exc.kind.value
+            raise
         except BaseException:
-            status = "499"  # the client went away (cancelled) or the frontend failed
+            status = CANCELLED  # the client went away or the frontend failed
             raise
         finally:
             self.num_inflight -= 1
@@ -155,15 +190,36 @@ class ServingBackend:
                 del self._inflight_by_key[key]
             self.metrics.frontend_inflight.set(self.num_inflight)
             self.metrics.requests.labels(status).inc()
-            if status == "200":
+            if status == OK:
                 self.metrics.e2e.observe(time.perf_counter() - start)
+
+    async def check_grammar(self, spec: GrammarSpec, deadline: float) -> None:
+        """Compile a request's grammar (cached) on a worker thread: an invalid schema, regex or
+        grammar is an invalid-request error with the grammar engine's message; the time counts toward the deadline."""
+        self.metrics.structured_requests.labels(spec.kind).inc()
+        start = time.perf_counter()
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.grammar.compile, spec), max(deadline - time.time(), 0.001))
+        except InvalidRequestError as exc:
+            raise invalid(str(exc)) from None
+        except TimeoutError:
+            raise RequestError(
+                ErrorKind.DEADLINE, "compiling the request's grammar did not finish before its deadline"
+            ) from None
+        self.metrics.grammar_compile.observe(time.perf_counter() - start)
 
     # ---- metrics plumbing ----------------------------------------------------------------
     def _on_route(self, decision) -> None:
         self.metrics.router_decisions.labels(decision.reason).inc()
 
-    def _on_poll(self, pool: str, replica_id: str, state: dict) -> None:
-        self.metrics.observe_poll(pool, replica_id, state)
+    def _on_poll(self, pool: str, replica_id: str, poll: PollReply) -> None:
+        self.metrics.observe_poll(pool, replica_id, poll)
+        self._refresh_pool_gauges()
+
+    def _on_drop(self, pool: str, replica_id: str) -> None:
+        """A replica left (drained, died, or its engine loop stopped): its series go, and the
+        pool's replica count shows the change at once."""
+        self.metrics.forget_replica(pool, replica_id)
         self._refresh_pool_gauges()
 
     def _refresh_pool_gauges(self) -> None:
@@ -172,7 +228,7 @@ class ServingBackend:
             ids = router.replica_ids(pool)
             loads = [router.load(pool, rid) for rid in ids]
             self.metrics.set_pool_totals(
-                pool, len(ids), sum(l.num_waiting for l in loads if l), sum(l.num_running for l in loads if l)
+                pool, len(ids), sum(l.report.num_waiting for l in loads), sum(l.report.num_running for l in loads)
             )
 
     def render_metrics(self) -> bytes:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from splitserve.kvtransfer.poll_reply import PollReply
+
 LATENCY_BUCKETS = (
     0.005,
     0.01,
@@ -38,7 +40,12 @@ class Metrics:
         self.e2e = Histogram(
             "splitserve_e2e_seconds", "End-to-end request latency", registry=r, buckets=LATENCY_BUCKETS
         )
-        self.requests = Counter("splitserve_requests", "Finished requests by status", ["status"], registry=r)
+        self.requests = Counter(
+            "splitserve_requests",
+            "Finished requests by status: ok, cancelled, or the error kind",
+            ["status"],
+            registry=r,
+        )
         self.queue_depth = Gauge("splitserve_queue_depth", "Waiting requests per pool", ["pool"], registry=r)
         self.running = Gauge("splitserve_running_requests", "Running requests per pool", ["pool"], registry=r)
         self.frontend_inflight = Gauge(
@@ -62,21 +69,46 @@ class Metrics:
             "splitserve_router_decisions", "Router decisions by reason", ["reason"], registry=r
         )
         self.replicas = Gauge("splitserve_replicas", "Live replicas per pool", ["pool"], registry=r)
+        # Every family labelled by replica: forget_replica removes a replica's series from each.
+        self.per_replica = (self.kv_usage,)
         self.scaling_decisions = Counter(
             "splitserve_scaling_decisions", "Autoscaler decisions", ["pool", "decision"], registry=r
         )
+        self.structured_requests = Counter(
+            "splitserve_structured_requests", "Requests with a structured-output constraint", ["kind"], registry=r
+        )
+        self.grammar_compile = Histogram(
+            "splitserve_grammar_compile_seconds",
+            "Frontend grammar compile time per structured request (cache hits included)",
+            registry=r,
+            buckets=(0.0001, 0.0005, 0.001, 0.005, *LATENCY_BUCKETS[1:]),
+        )
+        self.replica_grammar = {
+            key: Counter(f"splitserve_{key}", help_text, ["pool"], registry=r)
+            for key, help_text in (
+                ("grammar_compile_seconds_replica", "Seconds replicas spent compiling grammars"),
+                ("grammar_mask_seconds", "Seconds decode steps spent waiting for and applying grammar masks"),
+                ("grammar_mask_steps", "Engine steps that applied grammar masks"),
+            )
+        }
         self._last_transfer: dict[str, tuple[float, float]] = {}
+        self._last_grammar: dict[tuple[str, str], float] = {}
 
-    def observe_poll(self, pool: str, replica_id: str, state: dict) -> None:
+    def observe_poll(self, pool: str, replica_id: str, poll: PollReply) -> None:
         """Fold one replica poll into the gauges and the transfer counters."""
-        load = state.get("load", {})
-        self.kv_usage.labels(pool, replica_id).set(load.get("kv_usage", 0.0))
-        transfer = state.get("transfer")
-        if pool == "decode" and transfer:
+        self.kv_usage.labels(pool, replica_id).set(poll.engine.kv_usage)
+        for key, counter in self.replica_grammar.items():
+            stat = key.removesuffix("_replica")
+            value = getattr(poll.engine, stat)
+            previous = self._last_grammar.get((replica_id, stat), 0.0)
+            counter.labels(pool).inc(max(value - previous, 0))
+            self._last_grammar[(replica_id, stat)] = value
+        if pool == "decode":
+            transfer = poll.transfer
             prev_bytes, prev_secs = self._last_transfer.get(replica_id, (0.0, 0.0))
-            self.transfer_bytes.inc(max(transfer["bytes"] - prev_bytes, 0))
-            self.transfer_seconds.inc(max(transfer["seconds"] - prev_secs, 0))
-            self._last_transfer[replica_id] = (transfer["bytes"], transfer["seconds"])
+            self.transfer_bytes.inc(max(transfer.num_bytes - prev_bytes, 0))
+            self.transfer_seconds.inc(max(transfer.seconds - prev_secs, 0))
+            self._last_transfer[replica_id] = (transfer.num_bytes, transfer.seconds)
 
     def set_pool_totals(self, pool: str, num_replicas: int, num_waiting: int, num_running: int) -> None:
         self.replicas.labels(pool).set(num_replicas)
@@ -84,11 +116,15 @@ class Metrics:
         self.running.labels(pool).set(num_running)
 
     def forget_replica(self, pool: str, replica_id: str) -> None:
-        try:
-            self.kv_usage.remove(pool, replica_id)
-        except KeyError:
-            pass
+        """A replica left: stop exporting its series (they would show it forever, frozen)."""
+        for family in self.per_replica:
+            try:
+                family.remove(pool, replica_id)
+            except KeyError:
+                pass
         self._last_transfer.pop(replica_id, None)
+        for key in [k for k in self._last_grammar if k[0] == replica_id]:
+            del self._last_grammar[key]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,6 +12,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+from splitserve.engine.config import DTYPES
 from splitserve.engine.testing.corpus import TEXT as CORPUS_TEXT
 
 
@@ -45,7 +46,6 @@ ARCHITECTURE_BY_ARCH = {
     "mistral": ("MistralForCausalLM", "mistral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
 }
-DTYPES = ("float32", "bfloat16", "float16")
 # Bump when the random init, the training data or the training loop changes what is written:
 # cached checkpoints made by older code then stop matching.
 RECIPE_VERSION = 1

@@ -11,8 +11,6 @@ from splitserve.cluster import default_model
 from splitserve.engine.testing import model_cache
 from splitserve.engine.testing.make_model import TRAINING_FILE, ModelSpec
 
-pytest.importorskip("transformers")
-
 
 @pytest.fixture
 def tiny_defaults(tmp_path, monkeypatch):

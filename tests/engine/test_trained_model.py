@@ -7,15 +7,14 @@ import threading
 
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
-
-from splitserve.engine.model.loader import load_model  # noqa: E402
-from splitserve.engine.testing import model_cache, model_spec  # noqa: E402
-from splitserve.engine.testing.make_model import TRAINING_FILE, MakeModelError, ModelSpec, write_checkpoint  # noqa: E402
-from splitserve.engine.testing.make_model import main as make_model_main  # noqa: E402
-from splitserve.engine.testing.model_cache import cache_entry_path, cached_checkpoint  # noqa: E402
-from tests.helpers.model import contiguous_metadata, greedy_generate, make_kv_cache  # noqa: E402
+from splitserve.engine.model.loader import load_model
+from splitserve.engine.testing import model_cache, model_spec
+from splitserve.engine.testing.make_model import TRAINING_FILE, MakeModelError, ModelSpec, write_checkpoint
+from splitserve.engine.testing.make_model import main as make_model_main
+from splitserve.engine.testing.model_cache import cache_entry_path, cached_checkpoint
+from tests.helpers.model import contiguous_metadata, greedy_generate, make_kv_cache
 
 TRAIN_STEPS = 24
 PROMPT = "It was the best of times, it was the worst of times, it was the age of wisdom"

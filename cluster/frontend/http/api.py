@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP frontend: build_http_app(backend) -> FastAPI.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE with `stream: true`),
-GET /v1/models, GET /health, GET /metrics, and FastAPI's /openapi.json. A generation request
+GET /v1/models, GET /health, GET /ready, GET /metrics, and FastAPI's /openapi.json. A generation request
 may carry `x-request-timeout: SECONDS` (capped by request_timeout_s; past it: 504). Every error is
 OpenAI's {"error": {"message", "type", "param", "code"}}; no traceback ever reaches a client.
 `backend` is a splitserve.cluster.frontend.backend.ServingBackend or anything with the same interface.
@@ -21,7 +21,7 @@ from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from splitserve.cluster.frontend.errors import BackendError
+from splitserve.cluster.frontend.http.access_log import AccessLog
 from splitserve.cluster.frontend.http.guard import RequestGuard, bearer_token
 from splitserve.cluster.frontend.http.sse import ClientDisconnected, SSEResponse, run_until_disconnected
 from splitserve.cluster.frontend.openai.protocol import ChatCompletionRequest, CompletionRequest, build_sampling_params
@@ -40,10 +40,21 @@ from splitserve.cluster.frontend.openai.responses import (
     ModelList,
     error_body,
 )
+from splitserve.cluster.frontend.openai.tool_call_output import ToolCallOutput
+from splitserve.cluster.request_error import ErrorKind, RequestError
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# The one table from a RequestError's kind to HTTP: (status, OpenAI error type).
+HTTP_STATUS_BY_KIND: dict[ErrorKind, tuple[int, str]] = {
+    ErrorKind.INVALID: (400, "invalid_request_error"),
+    ErrorKind.OVERLOADED: (429, "rate_limit_error"),
+    ErrorKind.UNAVAILABLE: (503, "server_error"),
+    ErrorKind.DEADLINE: (504, "timeout_error"),
+    ErrorKind.INTERNAL: (500, "server_error"),
+}
+RETRY_STATUSES = (429, 503)  # answered with Retry-After, always
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503, 504)}
 TIMEOUT_HEADER = "x-request-timeout"
 GENERATION_RESPONSES = {200: {"content": {"text/event-stream": {}}}, **_ERRORS}
@@ -71,8 +82,16 @@ def _error_response(
     param: str | None = None,
     code: str | None = None,
     headers: dict[str, str] | None = None,
+    retry_after_s: float = 1.0,
 ) -> JSONResponse:
+    if status in RETRY_STATUSES:
+        headers = {"Retry-After": retry_after(retry_after_s), **(headers or {})}
     return JSONResponse(error_body(message, error_type, param, code), status_code=status, headers=headers)
+
+
+def retry_after(seconds: float) -> str:
+    """A Retry-After value: whole seconds, at least 1 (RFC 9110 allows no fractions)."""
+    return str(max(1, int(-(-seconds // 1))))
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -113,10 +132,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def on_invalid_request(_: Request, exc: InvalidRequestError) -> JSONResponse:
         return _error_response(400, str(exc), "invalid_request_error", getattr(exc, "param", None))
 
-    @app.exception_handler(BackendError)
-    async def on_backend_error(_: Request, exc: BackendError) -> JSONResponse:
-        headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
-        return _error_response(exc.status, exc.message, exc.error_type, headers=headers)
+    @app.exception_handler(RequestError)
+    async def on_request_error(_: Request, exc: RequestError) -> JSONResponse:
+        status, error_type = HTTP_STATUS_BY_KIND[exc.kind]
+        return _error_response(status, exc.message, error_type, retry_after_s=exc.retry_after_s)
 
     @app.exception_handler(OpenAIHTTPError)
     async def on_openai_error(_: Request, exc: OpenAIHTTPError) -> JSONResponse:
@@ -147,6 +166,7 @@ def build_http_app(backend) -> FastAPI:
         strict_content_type=False,
     )
     app.add_middleware(RequestGuard, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes)
+    app.add_middleware(AccessLog)  # outermost: logs the guard's refusals too
     _install_error_handlers(app)
     created = int(time.time())
     # Documents the bearer scheme in /openapi.json; RequestGuard enforces it before parsing.
@@ -164,14 +184,29 @@ def build_http_app(backend) -> FastAPI:
     def model_card() -> ModelCard:
         return ModelCard(id=backend.model_name, created=created, max_model_len=backend.max_model_len)
 
-    @app.get("/health", responses={503: {"description": "no decode replica is ready"}})
-    async def health() -> JSONResponse:
+    def health_state() -> dict:
         try:
-            state = dict(backend.health())
+            return dict(backend.health())
         except Exception:
             logger.exception("health check failed")
-            state = {"ok": False, "error": "health check failed"}
-        return JSONResponse(state, status_code=200 if state.get("ok") else 503)
+            return {"ok": False, "serving": False, "error": "health check failed"}
+
+    def health_response(state: dict, ok: bool) -> JSONResponse:
+        if ok:
+            return JSONResponse(state)
+        return JSONResponse(state, status_code=503, headers={"Retry-After": retry_after(1.0)})
+
+    @app.get("/health", responses={503: {"description": "a pool is below its floor, or no decode replica is live"}})
+    async def health() -> JSONResponse:
+        """Every pool at or above its floor; the body gives each pool's live/expected/min."""
+        state = health_state()
+        return health_response(state, bool(state.get("ok")))
+
+    @app.get("/ready", responses={503: {"description": "no decode replica is live: nothing can be served"}})
+    async def ready() -> JSONResponse:
+        """Requests can be served at all, degraded or not (the readiness probe's endpoint)."""
+        state = health_state()
+        return health_response(state, bool(state.get("serving", state.get("ok"))))
 
     @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
     async def metrics() -> Response:
@@ -207,8 +242,9 @@ def build_http_app(backend) -> FastAPI:
     )
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        prompt_ids = backend.render_chat(body.template_messages())
+        prompt_ids = backend.render_chat(body.template_messages(), tools=body.template_tools())
         params = build_sampling_params(body, len(prompt_ids), backend.max_model_len)
+        plan = body.tool_call_plan()
         renderer = ChatRenderer(
             f"chatcmpl-{uuid.uuid4().hex}",
             body.model,
@@ -216,6 +252,7 @@ def build_http_app(backend) -> FastAPI:
             backend.tokenizer,
             params.logprobs,
             body.include_usage,
+            tool_output=None if plan is None else ToolCallOutput(plan),
         )
         return await generate(request, prompt_ids, params, renderer, body.stream)
 
@@ -301,8 +338,9 @@ async def _stream_events(renderer: ResponseRenderer, first, source):
             async for chunk in source:
                 for event in renderer.chunk_events(chunk):
                     yield event
-    except BackendError as exc:
-        yield sse_event(error_body(exc.message, exc.error_type, code=exc.status))
+    except RequestError as exc:
+        status, error_type = HTTP_STATUS_BY_KIND[exc.kind]
+        yield sse_event(error_body(exc.message, error_type, code=status))
         yield SSE_DONE
         return
     except Exception:
