@@ -1,4 +1,4 @@
-"""Markdown, loss-curve PNG and raw JSON for bench/trained_model.py."""
+"""Markdown, loss-curve PNG and raw JSON (not committed) for bench/trained_model.py."""
 
 from __future__ import annotations
 
