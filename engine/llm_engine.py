@@ -39,7 +39,7 @@ class LLMEngine:
         self.kv = KVCacheManager(config.num_gpu_blocks, config.block_size, config.enable_prefix_caching)
         eos = self.tokenizer.eos_token_ids or self.model_config.eos_token_ids
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, eos)
-        self.runner = ModelRunner(self.model, self.kv_cache, config.seed)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.seed, eos)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.num_steps = 0
@@ -122,6 +122,8 @@ class LLMEngine:
                         num_cached_tokens=seq.num_cached_tokens,
                         new_logprobs=list(seq.output_logprobs),
                         logprobs=list(seq.output_logprobs),
+                        new_top_logprobs=list(seq.output_top_logprobs),
+                        top_logprobs=list(seq.output_top_logprobs),
                     )
                 )
                 continue

@@ -143,7 +143,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def update(self, batch: ScheduledBatch, sampled: dict[str, tuple[int, float | None]]) -> list[Sequence]:
+    def update(self, batch: ScheduledBatch, sampled: dict[str, tuple]) -> list[Sequence]:
         """Advance computed counts, cache full blocks, append sampled tokens, stop finished
         sequences. Returns the sequences that received a token this step."""
         advanced = []
@@ -169,12 +169,15 @@ class Scheduler:
         return advanced
 
     def check_stop(self, seq: Sequence) -> str | None:
-        """Token-level stop conditions; stop strings are checked by the output processor."""
+        """Token-level stop conditions; stop strings are checked by the output processor.
+        Before min_tokens outputs neither EOS nor a stop token ends it (the sampler masks them)."""
         last = seq.token_ids[-1]
-        if not seq.params.ignore_eos and last in self.eos_token_ids:
-            return "stop"
-        if last in seq.params.stop_token_ids:
-            return "stop"
+        if seq.num_output_tokens > seq.params.min_tokens:
+            if last in seq.params.stop_token_ids:
+                seq.stop_reason = last
+                return "stop"
+            if not seq.params.ignore_eos and last in self.eos_token_ids:
+                return "stop"
         if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
