@@ -98,6 +98,7 @@ class ServeConfig(_Strict):
     api_key: str | None = None
     max_queued_requests: int = Field(256, ge=1)
     max_body_bytes: int = Field(1 << 20, ge=1024)
+    # Only with api_key set: without keys, clients are bounded by max_queued_requests alone.
     max_requests_per_key: int = Field(128, ge=1)
     # Address the KV rendezvous stores bind to and publish: "auto" = the node's IP (clusters).
     transport_host: str = "127.0.0.1"

@@ -27,7 +27,9 @@ def admit_prefilled(engine: LLMEngine, seq: Sequence, result: PrefillResult, sin
     """The prompt's KV is in place: append the first token, emit it, join the running batch."""
     seq.num_computed_tokens = seq.num_prompt_tokens
     seq.num_cached_tokens = result.num_cached_tokens
-    seq.append_token(result.first_token, result.first_logprob if seq.params.logprobs else None)
+    seq.queue_seconds = result.queue_seconds
+    top = [(int(t), float(lp)) for t, lp in result.first_top_logprobs] if seq.params.top_logprobs else None
+    seq.append_token(result.first_token, result.first_logprob if seq.params.logprobs else None, top)
     reason = engine.scheduler.check_stop(seq)
     engine.scheduler.add_prefilled(seq)  # also enters its received full blocks into the cache
     if reason is not None:

@@ -81,6 +81,7 @@ class DecodeWorker:
             loop.call_soon_threadsafe(outputs.put_nowait, out)
 
         finished = False
+        first_chunk = True
         self.num_active += 1
         try:
             if prefill is None:
@@ -103,7 +104,11 @@ class DecodeWorker:
                     num_output_tokens=len(out.token_ids),
                     logprobs=out.new_logprobs,
                     prefill_replica=prefill_id,
+                    top_logprobs=[[list(pair) for pair in top] for top in out.new_top_logprobs],
+                    stop_reason=out.stop_reason if out.finished else None,
+                    queue_seconds=out.queue_seconds if first_chunk else None,
                 ).to_bytes()
+                first_chunk = False
         finally:
             self.num_active -= 1
             if not finished:  # cancelled, timed out or failed: free everything it held

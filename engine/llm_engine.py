@@ -124,6 +124,7 @@ class LLMEngine:
                         logprobs=list(seq.output_logprobs),
                         new_top_logprobs=list(seq.output_top_logprobs),
                         top_logprobs=list(seq.output_top_logprobs),
+                        queue_seconds=seq.queue_seconds,
                     )
                 )
                 continue

@@ -82,6 +82,9 @@ class PrefillResult:
     prefill_seconds: float
     transfer_seconds: float
     extra: dict = field(default_factory=dict)
+    # With top_logprobs: the first token's most likely [token id, logprob] pairs.
+    first_top_logprobs: list = field(default_factory=list)
+    queue_seconds: float = 0.0  # how long the prompt waited in the prefill replica's queue
 
     def to_bytes(self) -> bytes:
         return _pack("prefill_result", self)
@@ -132,6 +135,10 @@ class StreamChunk:
     num_output_tokens: int
     logprobs: list[float] = field(default_factory=list)
     prefill_replica: str | None = None
+    # Per token (with top_logprobs): [[token id, logprob], ...], most likely first.
+    top_logprobs: list = field(default_factory=list)
+    stop_reason: int | str | None = None  # the stop token id or stop string, on the last chunk
+    queue_seconds: float | None = None  # on the first chunk: time the prompt waited to be scheduled
 
     def to_bytes(self) -> bytes:
         return _pack("stream_chunk", self)

@@ -37,7 +37,7 @@ class ServingBackend:
         self.max_model_len = self.model_config.max_context_len
         pools = [cfg.decode] + ([cfg.prefill] if cfg.prefill.replicas or cfg.prefill.autoscaling.enabled else [])
         self.max_cache_tokens = min(p.num_kv_blocks for p in pools) * cfg.block_size
-        self.metrics = Metrics()
+        self.metrics = Metrics(self.model_name)
         self.cluster = cluster or DisaggCluster(cfg, model_dir, on_poll=self._on_poll)
         self.num_inflight = 0
         self._inflight_by_key: dict[str, int] = defaultdict(int)
@@ -70,15 +70,23 @@ class ServingBackend:
         _check_unicode(text)
         return self.tokenizer.encode(text)
 
-    def render_chat(self, messages: list[dict]) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """/tokenize: like encode, but an empty text is fine."""
+        _check_unicode(text)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, add_special_tokens: bool = False
+    ) -> list[int]:
         if not messages:
             raise invalid("messages must not be empty")
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         except (ValueError, TypeError, KeyError) as exc:
             raise invalid(f"could not apply the chat template: {exc}") from None
         _check_unicode(text)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        # The template writes the special tokens itself; encoding must not add them again.
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         try:
@@ -109,20 +117,24 @@ class ServingBackend:
         if timeout_s is not None and not timeout_s > 0:
             raise invalid(f"the request timeout must be a positive number of seconds, got {timeout_s!r}")
         deadline = time.time() + min(timeout_s or self.cfg.request_timeout_s, self.cfg.request_timeout_s)
-        key = api_key or ""
+        # Per-key fairness is for clients told apart by their API keys; without configured
+        # keys every client is "keyless" and only the global queue bounds them.
+        key = (api_key or "") if self.cfg.api_key else None
         if self.num_inflight >= self.cfg.max_queued_requests:
             self.metrics.requests.labels("429").inc()
             raise BackendError("the server is at capacity; retry later", 429, "rate_limit_error")
-        if self._inflight_by_key[key] >= self.cfg.max_requests_per_key:
+        if key is not None and self._inflight_by_key[key] >= self.cfg.max_requests_per_key:
             self.metrics.requests.labels("429").inc()
             raise BackendError("too many concurrent requests for this API key", 429, "rate_limit_error")
         self.num_inflight += 1
-        self._inflight_by_key[key] += 1
+        if key is not None:
+            self._inflight_by_key[key] += 1
         self.metrics.frontend_inflight.set(self.num_inflight)
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
         start = last = time.perf_counter()
         status = "200"
         first = True
+        finished = False
         try:
             async for chunk in self.cluster.generate(
                 prompt_token_ids, params, request_id or uuid.uuid4().hex, deadline=deadline, on_route=self._on_route
@@ -131,7 +143,10 @@ class ServingBackend:
                 if first:
                     self.metrics.ttft.observe(now - start)
                     self.ttft_window.observe(now - start)
+                    self.metrics.prefix_query_tokens.inc(len(prompt_token_ids))
                     self.metrics.prefix_hit_tokens.inc(chunk.num_cached_tokens)
+                    if chunk.queue_seconds is not None:
+                        self.metrics.queue_time.observe(chunk.queue_seconds)
                     first = False
                 elif chunk.token_ids:
                     gap = (now - last) / len(chunk.token_ids)
@@ -140,6 +155,9 @@ class ServingBackend:
                     self.itl_window.observe(gap)
                 last = now
                 self.metrics.generation_tokens.inc(len(chunk.token_ids))
+                if chunk.finished:
+                    finished = True
+                    self.metrics.observe_finished(chunk.finish_reason, len(prompt_token_ids), chunk.num_output_tokens)
                 yield chunk
         except RequestFailedError as exc:
             status = str(exc.status)
@@ -150,11 +168,14 @@ class ServingBackend:
             raise
         finally:
             self.num_inflight -= 1
-            self._inflight_by_key[key] -= 1
-            if not self._inflight_by_key[key]:
-                del self._inflight_by_key[key]
+            if key is not None:
+                self._inflight_by_key[key] -= 1
+                if not self._inflight_by_key[key]:
+                    del self._inflight_by_key[key]
             self.metrics.frontend_inflight.set(self.num_inflight)
             self.metrics.requests.labels(status).inc()
+            if status == "499" and not finished:
+                self.metrics.request_success.labels("abort").inc()
             if status == "200":
                 self.metrics.e2e.observe(time.perf_counter() - start)
 

@@ -9,6 +9,7 @@ hits the prefix cache) and it goes back to the head of the waiting queue.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -128,6 +129,8 @@ class Scheduler:
             if not self.kv.allocate_prompt(seq, cached, num_new):
                 break
             self.waiting.popleft()
+            if seq.queue_seconds is None:
+                seq.queue_seconds = time.monotonic() - seq.arrival_time
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)

@@ -46,6 +46,7 @@ class Sequence:
         # What stopped it (vLLM's stop_reason): the stop token id, the stop string, or None
         # (EOS, length, abort). A stop token's text is left out unless include_stop_str_in_output.
         self.stop_reason: int | str | None = None
+        self.queue_seconds: float | None = None  # arrival -> first scheduled (vLLM's queue time)
         self.num_preemptions = 0
         self.first_admitted = False
 

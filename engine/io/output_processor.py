@@ -105,6 +105,7 @@ class OutputProcessor:
             new_top_logprobs=list(new_top_logprobs),
             top_logprobs=list(seq.output_top_logprobs),
             stop_reason=seq.stop_reason,
+            queue_seconds=seq.queue_seconds,
         )
         if finished:
             self._states.pop(seq.request_id, None)

@@ -22,3 +22,4 @@ class RequestOutput:
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    queue_seconds: float | None = None  # arrival -> first scheduled

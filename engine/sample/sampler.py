@@ -7,6 +7,8 @@ then min_tokens / logit_bias / penalties (logits_processing.py, batched), then t
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from splitserve.engine.core.sequence import Sequence
@@ -17,19 +19,29 @@ from splitserve.engine.sample.logits_processing import LogitsProcessing
 SampledToken = tuple[int, float | None, list[tuple[int, float]] | None]
 
 
+def step_seed(seed: int, position: int) -> int:
+    """A 64-bit seed for output token `position` of a request seeded with `seed`."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
 class Sampler:
     def __init__(self, seed: int = 0, eos_token_ids: list[int] | tuple[int, ...] = ()):
         self._default_generator = torch.Generator().manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
         self.logits_processing = LogitsProcessing(eos_token_ids)
 
-    def generator_for(self, request_id: str, params: SamplingParams) -> torch.Generator:
+    def generator_for(self, seq: Sequence) -> torch.Generator:
+        """A seeded request's generator is reseeded from (seed, output position) at every
+        step, so its tokens depend on nothing else: not on the batch, not on preemption, and
+        not on which replica samples which token (disaggregated prefill samples the first)."""
+        params = seq.params
         if params.seed is None:
             return self._default_generator
-        gen = self._generators.get(request_id)
+        gen = self._generators.get(seq.request_id)
         if gen is None:
-            gen = self._generators[request_id] = torch.Generator().manual_seed(params.seed)
-        return gen
+            gen = self._generators[seq.request_id] = torch.Generator()
+        return gen.manual_seed(step_seed(params.seed, seq.num_output_tokens))
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -49,7 +61,7 @@ class Sampler:
         if logprobs is None and all(p.is_greedy for p in params):
             return [(token, None, None) for token in greedy]  # the common all-greedy batch
         tokens = [
-            greedy[row] if p.is_greedy else self._sample_row(logits[row], p, self.generator_for(s.request_id, p))
+            greedy[row] if p.is_greedy else self._sample_row(logits[row], p, self.generator_for(s))
             for row, (s, p) in enumerate(zip(seqs, params))
         ]
         if logprobs is None:

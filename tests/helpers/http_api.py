@@ -33,7 +33,7 @@ class FakeBackend:
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self.reply_ids = tokenizer.encode(REPLY, add_special_tokens=False)
-        self.metrics = Metrics()
+        self.metrics = Metrics(MODEL_NAME)
         self.healthy = True
         self.num_cached_tokens = 0
         self.refusal: BackendError | None = None  # raised before the first chunk
@@ -50,9 +50,12 @@ class FakeBackend:
             raise BackendError("the prompt is empty", 400, "invalid_request_error")
         return self.tokenizer.encode(text)
 
-    def render_chat(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt=True, add_special_tokens=False) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         try:

@@ -43,6 +43,9 @@ STATUS_CODE_BY_HTTP_STATUS = {
     503: grpc.StatusCode.UNAVAILABLE,
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
+RETRYABLE_STATUSES = (429, 503)
+RETRY_AFTER_S = 1
+RETRY_TRAILERS = (("retry-after", str(RETRY_AFTER_S)), ("grpc-retry-pushback-ms", str(RETRY_AFTER_S * 1000)))
 # Sampling fields declared `optional` in the .proto: unset means the SamplingParams default.
 _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
 
@@ -97,6 +100,9 @@ def _rpc(handler):
             code, details = exc.code, exc.details
         except BackendError as exc:
             code, details = status_code_for(exc.status), exc.message
+            if exc.status in RETRYABLE_STATUSES:
+                # HTTP's Retry-After, and gRPC's own pushback for clients with a retry policy.
+                context.set_trailing_metadata(RETRY_TRAILERS)
         except Exception as exc:
             logger.exception("gRPC %s failed", handler.__name__)
             code, details = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"

@@ -181,8 +181,15 @@ def test_generate_rejects_bad_requests(stub, backend, request_fields, code, deta
 )
 def test_backend_refusals_map_to_status_codes(stub, backend, error, code):
     backend.refusal = error
-    got_code, got_details = _status(lambda: _stream(stub, text="hi"))
-    assert got_code == code and str(error) in got_details
+    call = stub.Generate(pb2.GenerateRequest(text="hi"), timeout=TIMEOUT_S)
+    with pytest.raises(grpc.RpcError) as err:
+        list(call)
+    assert err.value.code() == code and str(error) in err.value.details()
+    trailers = dict(err.value.trailing_metadata() or ())
+    if code in (Code.RESOURCE_EXHAUSTED, Code.UNAVAILABLE):  # retry later: say when
+        assert trailers["retry-after"] == "1" and trailers["grpc-retry-pushback-ms"] == "1000"
+    else:
+        assert "retry-after" not in trailers
 
 
 def test_failure_after_first_chunk_ends_stream_with_status(stub, backend):
