@@ -112,7 +112,10 @@ class DecodeWorker:
         finally:
             self.num_active -= 1
             if not finished:  # cancelled, timed out or failed: free everything it held
-                await asyncio.wrap_future(self.loop.abort(seq.request_id))
+                # Both queued now, so they run even if this task is cancelled again; the free
+                # covers a request cancelled between its reservation and its admission.
+                cleanup = [self.loop.abort(seq.request_id), self.loop.call(lambda e: e.kv.free(seq))]
+                await asyncio.shield(asyncio.gather(*(asyncio.wrap_future(f) for f in cleanup)))
 
     async def _remote_prefill(self, seq: Sequence, req: DecodeRequest, prefill, prefill_id: str) -> PrefillResult:
         plan = await self._reserve(seq)

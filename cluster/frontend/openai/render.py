@@ -158,7 +158,9 @@ class CompletionRenderer(ResponseRenderer):
         if self.num_top_logprobs:
             top = []
             for token_id, logprob, alternatives in zip(token_ids, choice.logprobs[start:], choice.top_logprobs[start:]):
-                entry = {self.token_string(t): lp for t, lp in alternatives}
+                entry: dict[str, float] = {}
+                for t, lp in alternatives:  # most likely first; tokens decoding alike keep the first
+                    entry.setdefault(self.token_string(t), lp)
                 # As OpenAI and vLLM: the chosen token is always listed (up to logprobs + 1).
                 entry.setdefault(self.token_string(token_id), logprob)
                 top.append(entry)
