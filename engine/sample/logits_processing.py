@@ -2,8 +2,8 @@
 tensor ops (no Python loop over the vocabulary or per request in the math): min_tokens,
 logit_bias, and vLLM's repetition / frequency / presence penalties, in vLLM's order.
 
-Only the rows whose request asks for one of them are touched, so an ordinary batch pays one
-`any()` over its parameters and nothing else.
+Only the rows whose request asks for one of them are touched, and within a row only the
+tokens concerned, so an ordinary batch pays one `any()` over its parameters and nothing else.
 """
 
 from __future__ import annotations
@@ -15,38 +15,42 @@ import torch
 from splitserve.engine.core.sequence import Sequence
 
 
-def token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """[len(token_lists), vocab_size] float32: how often each token occurs in each list."""
-    num_rows = len(token_lists)
+def flat_keys(token_lists: list[list[int]], vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """row * vocab_size + token for every token of every row (row i = token_lists[i])."""
     lengths = torch.tensor([len(t) for t in token_lists], dtype=torch.int64)
-    if not int(lengths.sum()):
-        return torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=device)
-    flat = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.int64)
-    rows = torch.repeat_interleave(torch.arange(num_rows, dtype=torch.int64), lengths)
-    counts = torch.bincount(rows * vocab_size + flat, minlength=num_rows * vocab_size)
-    return counts.view(num_rows, vocab_size).to(device=device, dtype=torch.float32)
+    tokens = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.arange(len(token_lists), dtype=torch.int64), lengths)
+    return (rows * vocab_size + tokens).to(device)
 
 
 def apply_penalties(
     logits: torch.Tensor,
-    prompt_counts: torch.Tensor,
-    output_counts: torch.Tensor,
+    prompt_ids: list[list[int]],
+    output_ids: list[list[int]],
     presence: torch.Tensor,
     frequency: torch.Tensor,
     repetition: torch.Tensor,
 ) -> torch.Tensor:
-    """vLLM's penalties for [R, V] logits (a new tensor). presence/frequency/repetition are [R].
+    """vLLM's penalties, in place on contiguous [R, V] logits; presence/frequency/repetition
+    are [R]. Returns logits.
 
     repetition (prompt and output tokens): a seen token's positive logit is divided by it,
     a negative one multiplied, so > 1 always makes it less likely. frequency subtracts
     penalty x its count in the output, presence subtracts penalty once if it occurs there.
+    Only the (row, token) pairs that occur are touched: the work grows with the tokens seen,
+    not with batch x vocabulary.
     """
-    output_seen = output_counts > 0
-    seen = output_seen | (prompt_counts > 0)
-    scale = torch.where(seen, repetition.unsqueeze(1), torch.ones_like(logits))
-    logits = torch.where(logits > 0, logits / scale, logits * scale)
-    logits = logits - frequency.unsqueeze(1) * output_counts
-    return logits - presence.unsqueeze(1) * output_seen.to(logits.dtype)
+    vocab_size = logits.shape[1]
+    flat = logits.view(-1)
+    out_keys, out_counts = torch.unique(flat_keys(output_ids, vocab_size, logits.device), return_counts=True)
+    seen = torch.unique(torch.cat([flat_keys(prompt_ids, vocab_size, logits.device), out_keys]))
+    if seen.numel():
+        values, scale = flat[seen], repetition[seen // vocab_size]
+        flat[seen] = torch.where(values > 0, values / scale, values * scale)
+    if out_keys.numel():
+        rows = out_keys // vocab_size
+        flat[out_keys] -= frequency[rows] * out_counts.to(logits.dtype) + presence[rows]
+    return logits
 
 
 class LogitsProcessing:
@@ -61,18 +65,20 @@ class LogitsProcessing:
         return ids if seq.params.ignore_eos else ids + list(self.eos_token_ids)
 
     def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """logits [N, V] float32 (modified in place and returned) for seqs[i] in row i."""
+        """logits [N, V] float32 for seqs[i] in row i; returns the processed logits (the same
+        tensor, changed in place, when it is contiguous)."""
         rows = [i for i, s in enumerate(seqs) if s.params.processes_logits]
         if not rows:
             return logits
-        chosen = [seqs[i] for i in rows]
-        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-        sub = logits.index_select(0, index)
+        every_row = len(rows) == len(seqs)
+        chosen = seqs if every_row else [seqs[i] for i in rows]
+        index = None if every_row else torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        sub = logits.contiguous() if every_row else logits.index_select(0, index)
         sub = self._mask_stops_before_min_tokens(sub, chosen)
         sub = self._add_logit_bias(sub, chosen)
         if any(s.params.has_penalties for s in chosen):
             sub = self._penalize(sub, chosen)
-        return logits.index_copy_(0, index, sub)
+        return sub if every_row else logits.index_copy_(0, index, sub)
 
     def _mask_stops_before_min_tokens(self, sub: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         masked = [
@@ -101,19 +107,17 @@ class LogitsProcessing:
 
     @staticmethod
     def _penalize(sub: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        vocab_size, device = sub.shape[1], sub.device
-        output_counts = token_counts([s.output_token_ids for s in seqs], vocab_size, device)
-        # The prompt only matters to the repetition penalty; skip counting it when unused.
+        device = sub.device
+        # The prompt only matters to the repetition penalty; skip it where that is off.
         prompts = [s.prompt_token_ids if s.params.repetition_penalty != 1 else [] for s in seqs]
-        prompt_counts = token_counts(prompts, vocab_size, device)
 
         def column(name: str) -> torch.Tensor:
             return torch.tensor([getattr(s.params, name) for s in seqs], dtype=sub.dtype, device=device)
 
         return apply_penalties(
             sub,
-            prompt_counts,
-            output_counts,
+            prompts,
+            [s.output_token_ids for s in seqs],
             column("presence_penalty"),
             column("frequency_penalty"),
             column("repetition_penalty"),

@@ -13,7 +13,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
-from splitserve.engine.sample.logits_processing import LogitsProcessing, token_counts
+from splitserve.engine.sample.logits_processing import LogitsProcessing, flat_keys
 from splitserve.engine.sample.sampler import Sampler
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
@@ -90,9 +90,8 @@ def test_batched_processing_equals_a_per_row_reference():
     assert untouched and torch.equal(got[untouched], logits[untouched])  # plain rows are left alone
 
 
-def test_token_counts_and_a_crafted_repetition_row():
-    counts = token_counts([[1, 1, 2], [], [0]], 4)
-    assert counts.tolist() == [[0, 2, 1, 0], [0, 0, 0, 0], [1, 0, 0, 0]]
+def test_flat_keys_and_a_crafted_penalty_row():
+    assert flat_keys([[1, 1, 2], [], [0]], 4).tolist() == [1, 1, 2, 8]
     seq = Sequence("r", [0], SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=1), 16)
     seq.append_token(1)
     seq.append_token(1)

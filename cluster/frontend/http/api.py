@@ -207,6 +207,8 @@ def build_http_app(backend) -> FastAPI:
         body.check_supported()  # before any prompt is tokenized
         prompts = [backend.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
         params = build_sampling_params(body, max(map(len, prompts)), backend.max_model_len)
+        for prompt in prompts:  # every prompt is checked before anything is decoded or started
+            backend.validate(prompt, params)
         echoes = (
             [p if isinstance(p, str) else backend.tokenizer.decode(p) for p in body.prompts()] if body.echo else None
         )
@@ -232,6 +234,7 @@ def build_http_app(backend) -> FastAPI:
         body.check_supported()
         prompt_ids = backend.render_chat(body.template_messages())
         params = build_sampling_params(body, len(prompt_ids), backend.max_model_len)
+        backend.validate(prompt_ids, params)
         renderer = ChatRenderer(
             f"chatcmpl-{uuid.uuid4().hex}",
             body.model,
@@ -254,8 +257,6 @@ def build_http_app(backend) -> FastAPI:
     ) -> Response:
         """One backend generation per choice (prompt x n), streamed or collected."""
         choices = [(prompt, choice_params(params, i)) for prompt in prompts for i in range(n)]
-        for prompt, choice in choices:  # every prompt is checked before any generation starts
-            backend.validate(prompt, choice)
         api_key = bearer_token(request.scope.get("headers", []))
         timeout_s = _request_timeout(request)
         multiple = len(choices) > 1

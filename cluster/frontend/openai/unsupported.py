@@ -8,7 +8,7 @@ from typing import Any
 
 # name -> (values that change nothing and are accepted, why the rest are refused)
 UNSUPPORTED_PARAMETERS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "suffix": ((None, ""), "insertion (fill-in-the-middle) needs a model trained for it"),
+    "suffix": ((None, ""), "insertion (fill-in-the-middle) is not implemented"),
     "min_p": ((None, 0, 0.0), "min-p sampling is not implemented; use top_p or top_k"),
     "typical_p": ((None, 1, 1.0), "typical sampling is not implemented"),
     "use_beam_search": ((None, False), "beam search is not implemented"),

@@ -384,3 +384,19 @@ def test_non_finite_logprobs_stay_valid_json(tokenizer):
         events = renderer.chunk_events(chunk) + renderer.closing_events()
         body = json.dumps(renderer.render_response(), allow_nan=False)
         assert str(MIN_LOGPROB) in body and all("Infinity" not in e and "NaN" not in e for e in events)
+
+
+def test_every_refused_parameter_is_refused_and_listed_in_the_readme(client):
+    from pathlib import Path
+
+    from splitserve.cluster.frontend.openai.unsupported import UNSUPPORTED_PARAMETERS
+
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    for name, (neutral, reason) in UNSUPPORTED_PARAMETERS.items():
+        assert f"`{name}`" in readme, f"README does not list the unsupported parameter {name}"
+        ok = client.post(
+            "/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 1, name: neutral[0]}
+        )
+        assert ok.status_code == 200, (name, ok.text)  # the neutral value changes nothing and is accepted
+        bad = client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x", name: {"set": 1}})
+        assert assert_error(bad, 400, param=name)["message"] == f"{name} is not supported: {reason}"
