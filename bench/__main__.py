@@ -1,4 +1,4 @@
-"""`python -m bench ...` is `splitserve bench ...`."""
+"""`python -m splitserve.bench ...` is `splitserve bench ...`."""
 
 import sys
 

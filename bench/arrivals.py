@@ -1,55 +1,14 @@
-"""Load points: open-loop Poisson arrivals at a rate, closed-loop fixed concurrency, or the
-workload's own timing (trace replay), plus parsing of sweep lists like "1,2,4" or "inf"."""
+"""Arrivals for a LoadPoint (records.py): open-loop Poisson offsets at a rate, closed-loop (all at
+0), or the workload's own timing (trace replay), plus parsing of sweep lists like "1,2,4" or "inf"."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from splitserve.bench.bench_request import BenchRequest, WorkloadError
-
-
-@dataclass(frozen=True)
-class LoadPoint:
-    """How requests are offered to the server during one run.
-
-    rate set: open loop, Poisson arrivals at `rate` req/s (inf = all at t=0); `concurrency`, if
-    also set, caps requests in flight (later arrivals queue). rate unset, concurrency set: closed
-    loop, `concurrency` requests always in flight. Neither: open loop at the requests' own
-    arrival offsets (trace timestamps).
-    """
-
-    rate: float | None = None
-    concurrency: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.rate is not None and not self.rate > 0:
-            raise WorkloadError(f"rate must be > 0 (or inf), got {self.rate}")
-        if self.concurrency is not None and self.concurrency < 1:
-            raise WorkloadError(f"concurrency must be >= 1, got {self.concurrency}")
-
-    @property
-    def mode(self) -> str:
-        if self.rate is not None:
-            return "poisson"
-        return "closed-loop" if self.concurrency is not None else "trace-timing"
-
-    @property
-    def label(self) -> str:
-        if self.rate is not None:
-            text = f"rate={self.rate:g}"
-            return text if self.concurrency is None else f"{text},cap={self.concurrency}"
-        if self.concurrency is not None:
-            return f"concurrency={self.concurrency}"
-        return "trace-timing"
-
-    def to_dict(self) -> dict[str, Any]:
-        rate = None if self.rate is None else ("inf" if math.isinf(self.rate) else self.rate)
-        return {"mode": self.mode, "rate": rate, "concurrency": self.concurrency, "label": self.label}
+from splitserve.bench.records import BenchRequest, LoadPoint, WorkloadError
 
 
 def poisson_arrival_offsets(num_requests: int, rate: float, seed: int) -> list[float]:

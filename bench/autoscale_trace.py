@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from splitserve.bench import require_extra, source_commit
 from splitserve.bench.autoscale_load import ClosedLoopLoad
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.routing.router import DECODE, PREFILL
@@ -126,9 +127,9 @@ async def run_trace(args, cfg: ServeConfig) -> tuple[list[Sample], list[ScalingE
                 serving = router.replica_ids(pool, include_draining=False)
                 replicas[pool], draining[pool] = len(serving), len(ids) - len(serving)
                 loads = [router.load(pool, rid) for rid in ids]
-                waiting[pool] = sum(l.num_waiting for l in loads)
+                waiting[pool] = sum(l.report.num_waiting for l in loads)
                 if pool == PREFILL:
-                    queued = sum(l.queued_prefill_tokens for l in loads)
+                    queued = sum(l.report.queued_prefill_tokens for l in loads)
             samples.append(
                 Sample(
                     t,
@@ -161,10 +162,7 @@ async def run_trace(args, cfg: ServeConfig) -> tuple[list[Sample], list[ScalingE
 
 
 def plot(samples: list[Sample], events: list[ScalingEvent], out: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from splitserve.bench.plots import plt
 
     t = [s.t for s in samples]
     fig, axes = plt.subplots(4, 1, figsize=(10, 11), sharex=True)
@@ -251,6 +249,8 @@ def write_report(
         command,
         "```",
         "",
+        source_commit(),
+        "",
         f"Model preset `{args.preset}`; closed-loop load: concurrency 0 -> {args.peak_concurrency} over "
         f"{args.rise_s:.0f} s, held {args.hold_s:.0f} s, down to 0 over {args.fall_s:.0f} s, then idle "
         f"{args.tail_s:.0f} s. Prompts of {args.prompt_len} tokens, {args.max_tokens} output tokens.",
@@ -325,6 +325,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    require_extra("matplotlib")  # fail now, not after the trace has run
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray

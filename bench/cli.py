@@ -1,7 +1,9 @@
 """`splitserve bench`: benchmark any OpenAI-compatible endpoint, or compare several.
 
-Wiring (cluster/cli/main.py): `add_bench_parser(subparsers)` registers the subcommand with
-`func=run_bench`, so the main CLI's `args.func(args)` runs it. Standalone: `python -m bench`.
+Wiring: pyproject.toml registers `add_bench_parser` under the `splitserve.commands` entry point
+group; cluster/cli/main.py finds it there (it never imports bench) and calls it with its
+subparsers, and `func=run_bench` makes the main CLI's `args.func(args)` run it.
+Standalone: `python -m splitserve.bench`.
 """
 
 from __future__ import annotations
@@ -13,11 +15,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from splitserve.bench.arrivals import LoadPoint, build_load_points, parse_concurrencies, parse_rates
-from splitserve.bench.bench_request import WorkloadError
-from splitserve.bench.client_options import DEFAULT_BASE_URL, ENDPOINT_PATHS, PROMPT_FORMATS, ClientOptions
+from splitserve.bench import MissingBenchDependency
+from splitserve.bench.arrivals import build_load_points, parse_concurrencies, parse_rates
 from splitserve.bench.metrics import ITL_STATISTICS, SloTarget
-from splitserve.bench.server_config import ServerConfig, ServerConfigError
+from splitserve.bench.records import (
+    DEFAULT_BASE_URL,
+    ENDPOINT_PATHS,
+    PROMPT_FORMATS,
+    ClientOptions,
+    LoadPoint,
+    ServerConfig,
+    ServerConfigError,
+    WorkloadError,
+)
 from splitserve.bench.trace_workload import TraceWorkload, load_mooncake_trace
 from splitserve.bench.workloads import (
     WORKLOAD_KINDS,
@@ -31,8 +41,9 @@ from splitserve.bench.workloads import (
 if TYPE_CHECKING:
     from splitserve.bench.compare import BenchPlan
 
-# bench.compare (httpx, tqdm) and bench.report (matplotlib) load inside the functions that use
-# them, so wiring the parser into the main CLI keeps `splitserve --help` fast.
+# bench.compare (httpx, tqdm, psutil) and bench.report (matplotlib) load inside run_bench, so
+# wiring the parser into the main CLI keeps `splitserve --help` fast and working without the
+# `bench` extra.
 
 DEFAULT_CONCURRENCY = 8
 DEFAULT_MIXED_REQUESTS = 100
@@ -317,7 +328,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_bench_arguments(parser)
-    parser.set_defaults(func=run_bench)  # cluster/cli.py dispatches with args.func(args)
+    parser.set_defaults(func=run_bench)  # cluster/cli/main.py dispatches with args.func(args)
     return parser
 
 
@@ -399,11 +410,14 @@ def build_plan(args: argparse.Namespace) -> BenchPlan:
 
 def run_bench(args: argparse.Namespace) -> int:
     """0 when every configuration ran and answered at least one request; 1 otherwise; 2 for bad
-    arguments."""
-    from splitserve.bench.compare import run_comparison
-    from splitserve.bench.prompt_text import PromptTextRenderer
-    from splitserve.bench.report import render_markdown, write_reports
-
+    arguments or a missing `bench` extra."""
+    try:  # before anything runs: a missing `bench` extra must not surface after the benchmark
+        from splitserve.bench.client import PromptTextRenderer
+        from splitserve.bench.compare import run_comparison
+        from splitserve.bench.report import render_markdown, write_reports
+    except MissingBenchDependency as exc:
+        print(f"splitserve bench: error: {exc}", file=sys.stderr)
+        return 2
     try:
         plan = build_plan(args)
         configs = [ServerConfig.parse(spec) for spec in args.compare] or [

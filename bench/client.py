@@ -4,6 +4,11 @@ Streams Server-Sent Events from /v1/completions (prompt as a list of token ids, 
 /v1/chat/completions, asking for `stream_options.include_usage` so the final chunk reports
 prompt, completion and cached tokens. A run is bounded by `max_requests` and `max_seconds`;
 requests still in flight at the bound are cancelled and recorded with error "deadline".
+
+Text prompts (chat, or --prompt-format text) come from PromptTextRenderer: with a tokenizer
+(a tokenizer.json file, or a directory holding one) the ids are decoded by it, so the server
+re-tokenizes to about the same ids; without one each id becomes a fixed pseudo-word. Either way
+equal id prefixes give equal text prefixes, which keeps prefix sharing intact.
 """
 
 from __future__ import annotations
@@ -11,23 +16,30 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
 
-from splitserve.bench.arrivals import LoadPoint
-from splitserve.bench.bench_request import BenchRequest
-from splitserve.bench.client_options import DEFAULT_BASE_URL, ENDPOINT_PATHS, PROMPT_FORMATS, ClientOptions
-from splitserve.bench.prompt_text import PromptTextRenderer
-from splitserve.bench.request_record import DEADLINE_ERROR, RequestRecord
-from splitserve.bench.run_result import RunResult
+from splitserve.bench.records import (
+    DEADLINE_ERROR,
+    DEFAULT_BASE_URL,
+    ENDPOINT_PATHS,
+    PROMPT_FORMATS,
+    BenchRequest,
+    ClientOptions,
+    LoadPoint,
+    RequestRecord,
+    RunResult,
+)
 from splitserve.bench.run_scheduler import RunScheduler
 
 __all__ = [
     "BenchClient",
     "ClientOptions",
     "EndpointError",
+    "PromptTextRenderer",
     "fetch_model_id",
     "DEFAULT_BASE_URL",
     "ENDPOINT_PATHS",
@@ -35,6 +47,7 @@ __all__ = [
 ]
 
 _MAX_ERROR_BODY_CHARS = 300
+_SYLLABLES = tuple(c + v for c in "bdfgklmnprstvz" for v in "aeiou")
 
 
 class EndpointError(RuntimeError):
@@ -67,6 +80,40 @@ def _carries_token(choice: dict[str, Any], endpoint: str) -> bool:
     if text is None:
         return False
     return text != "" or choice.get("finish_reason") is None
+
+
+def token_id_to_word(token_id: int) -> str:
+    """Base-70 syllable spelling of the id: distinct ids give distinct words."""
+    if token_id < 0:
+        raise ValueError(f"token ids must be >= 0, got {token_id}")
+    syllables = []
+    value = token_id
+    while True:
+        value, digit = divmod(value, len(_SYLLABLES))
+        syllables.append(_SYLLABLES[digit])
+        if value == 0:
+            return "".join(reversed(syllables))
+
+
+class PromptTextRenderer:
+    """Token-id prompts as text, for servers or endpoints that need text (see the module doc)."""
+
+    def __init__(self, tokenizer_path: str | Path | None = None) -> None:
+        self._tokenizer = None
+        if tokenizer_path is not None:
+            from tokenizers import Tokenizer  # only needed when a tokenizer is given
+
+            path = Path(tokenizer_path)
+            if path.is_dir():
+                path = path / "tokenizer.json"
+            if not path.is_file():
+                raise FileNotFoundError(f"no tokenizer.json at {tokenizer_path}")
+            self._tokenizer = Tokenizer.from_file(str(path))
+
+    def render(self, token_ids: Sequence[int]) -> str:
+        if self._tokenizer is not None:
+            return self._tokenizer.decode(list(token_ids), skip_special_tokens=False)
+        return " ".join(token_id_to_word(token_id) for token_id in token_ids)
 
 
 class BenchClient:

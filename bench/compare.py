@@ -14,16 +14,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitserve.bench.arrivals import LoadPoint, apply_load
-from splitserve.bench.bench_request import BenchRequest
-from splitserve.bench.client import BenchClient, ClientOptions, EndpointError
-from splitserve.bench.config_result import ConfigResult
+from splitserve.bench.arrivals import apply_load
+from splitserve.bench.client import BenchClient, EndpointError, PromptTextRenderer
 from splitserve.bench.managed_server import ManagedServer, ServerStartError
 from splitserve.bench.metrics import SloTarget, compute_goodput, compute_run_metrics
 from splitserve.bench.metrics_scraper import MetricsScraper
-from splitserve.bench.prompt_text import PromptTextRenderer
+from splitserve.bench.records import BenchRequest, ClientOptions, ConfigResult, LoadPoint, ServerConfig
 from splitserve.bench.report import safe_filename
-from splitserve.bench.server_config import ServerConfig
 from splitserve.bench.workloads import Workload
 
 

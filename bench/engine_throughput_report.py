@@ -9,6 +9,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from splitserve.bench import source_commit
+
 TARGET_RATIO = 1.2
 KEPT_SECTION = "## Analysis"  # a hand-written section from here on survives reruns
 NAMES = ("splitserve", "vLLM")
@@ -39,6 +41,7 @@ class EngineTimings:
 
 
 def cpu_model() -> str:
+    """The CPU's marketing name: psutil has no call for it, so Linux's cpuinfo is read."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -70,6 +73,8 @@ def _header(args, ours, vllm_version, load_before, load_after) -> list[str]:
         "```",
         " ".join(shlex.quote(a) for a in args.argv),
         "```",
+        "",
+        source_commit(),
         "",
         f"Model: {args.model_note}; fp32; prompts {args.prompt_len} random token ids; "
         f"{args.max_tokens} greedy tokens per sequence, ignore_eos; {args.repeats} repeats, medians "

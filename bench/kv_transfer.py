@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from splitserve.bench import kv_transfer_report as report
+from splitserve.bench import require_extra, source_commit
 
 DEFAULT_COMMAND = ".venv/bin/python -m splitserve.bench.kv_transfer"
 NOTES = [
@@ -63,6 +64,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if any(n < 16 for n in args.lengths) or min(args.pair_reps, args.actor_reps, args.raw_iters) < 1:
         parser.error("lengths must be >= 16 tokens and every repeat count >= 1")
+    if not args.no_plot:
+        require_extra("matplotlib")  # fail now, not after minutes of measuring
     return args
 
 
@@ -187,6 +190,8 @@ def write_results(args: argparse.Namespace, argv: list[str], raw: dict) -> str:
         "# KV transfer benchmark",
         "",
         f"Command (repo root): `{command}` — {raw['wall_seconds']:.0f} s wall.",
+        "",
+        source_commit(),
         "",
         f"Machine: {os.cpu_count()} CPU cores shared with other jobs (load average "
         f"{raw['load_before'][0]:.1f} before, {raw['load_after'][0]:.1f} after), no GPU; gloo over loopback "

@@ -15,10 +15,11 @@ Prompts are fresh random tokens, so neither side has a prefix-cache hit (checked
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import random
 import time
 import uuid
+
+import msgspec
 
 from splitserve.cluster.config import PoolResources
 from splitserve.cluster.control.worker_pool import WorkerPool
@@ -64,12 +65,12 @@ class TimedDecodeWorker(DecodeWorker):
         result = await self._remote_prefill(seq, request, prefill, prefill_id)
         transfer_done = time.perf_counter()
         dst_blocks = list(seq.block_table)
-        await asyncio.wrap_future(self.loop.call(lambda engine: engine.kv.free(seq)))
+        await asyncio.wrap_future(self.loop.call(lambda engine: engine.release_reservation(request_id)))
         return {
             "started": started,
             "transfer_done": transfer_done,
             "recv_in_place": ascending_run_start(dst_blocks) is not None,
-            "result": dataclasses.asdict(result),
+            "result": msgspec.structs.asdict(result),
         }
 
 

@@ -181,10 +181,7 @@ def verdicts(pair_rows: list[dict], actor_rows: list[dict]) -> list[str]:
 
 
 def plot(pair_rows: list[dict], actor_rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from splitserve.bench.plots import plt
 
     fig, (left, right) = plt.subplots(
         1, 2, figsize=(13, 0.28 * len(pair_rows) + 2.5), gridspec_kw={"width_ratios": [3, 2]}

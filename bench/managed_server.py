@@ -13,6 +13,10 @@ from typing import IO
 
 import httpx
 
+from splitserve.bench import require_extra
+
+psutil = require_extra("psutil")
+
 HEALTH_PATHS = ("/health", "/v1/models")
 _LOG_TAIL_CHARS = 2000
 
@@ -30,23 +34,12 @@ def find_free_port(host: str = "127.0.0.1") -> int:
 def _group_has_live_members(pgid: int) -> bool:
     """True while a non-zombie process is in the group (zombies of reparented children can
     linger unreaped and must not count)."""
-    proc = Path("/proc")
-    if not proc.is_dir():
+    for process in psutil.process_iter(["status"]):
         try:
-            os.killpg(pgid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
+            if os.getpgid(process.pid) == pgid and process.info["status"] != psutil.STATUS_ZOMBIE:
+                return True
+        except ProcessLookupError:  # exited since the listing
             continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp ...
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
     return False
 
 

@@ -25,8 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from splitserve.bench.request_record import RequestRecord
-from splitserve.bench.run_result import RunResult
+from splitserve.bench.records import RequestRecord, RunResult
 
 ITL_STATISTICS = ("p90", "mean")
 GOODPUT_ATTAINMENT = 0.9

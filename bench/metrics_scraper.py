@@ -9,7 +9,7 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.bench.config_result import ReplicaSamples
+from splitserve.bench.records import ReplicaSamples
 
 
 def parse_replica_values(text: str, metric_name: str, replica_label: str) -> dict[str, float]:

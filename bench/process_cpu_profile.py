@@ -2,7 +2,7 @@
 
 On a small shared machine the question behind a latency number is often "who had the cores":
 the engine threads, the Ray Serve proxy and ingress relaying tokens, Ray's own daemons, the
-load generator, or somebody else's job. This samples /proc every `--interval` seconds while
+load generator, or somebody else's job. This samples every process (psutil) every `--interval` seconds while
 COMMAND runs and prints the CPU seconds used during that window by COMMAND's descendants
 (servers it starts, their Ray daemons and actors), grouped by a role read from the command
 line / Ray process title, and by every other process on the machine as one line. Processes
@@ -25,7 +25,9 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+from splitserve.bench import require_extra
+
+psutil = require_extra("psutil")
 
 # First match wins: (role, pattern searched in the process's command line). Ray retitles a
 # worker when it becomes an actor, so a process keeps the earliest-listed role it ever showed.
@@ -38,7 +40,7 @@ ROLES = (
     ("vLLM engine core / worker", r"VLLM::|EngineCore|VllmWorker"),
     ("vLLM API server", r"vllm\.entrypoints"),
     ("splitserve serve driver", r"splitserve serve|cluster\.cli.*serve"),
-    ("bench client", r"splitserve bench|-m bench\b"),
+    ("bench client", r"splitserve bench|-m (splitserve\.)?bench\b"),
     ("ray workers not (yet) named", r"ray::IDLE|default_worker\.py"),
     (
         "ray daemons (gcs, raylet, agents)",
@@ -64,19 +66,14 @@ def _role(cmdline: str) -> str:
 
 
 def _snapshot() -> dict[int, tuple[float, str, int]]:
-    """pid -> (utime + stime seconds, command line, parent pid) of every readable process."""
+    """pid -> (user + system CPU seconds, command line, parent pid) of every readable process."""
     out = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+    for process in psutil.process_iter(["ppid", "name", "cmdline", "cpu_times"]):
+        info = process.info  # fields psutil could not read (access denied, gone) are None
+        if info["cpu_times"] is None or info["ppid"] is None:
             continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        seconds = (int(fields[11]) + int(fields[12])) / _TICKS_PER_S  # utime, stime
-        out[int(entry.name)] = (seconds, cmdline or stat[stat.index("(") + 1 : stat.rindex(")")], int(fields[1]))
+        cmdline = " ".join(info["cmdline"] or []).strip() or (info["name"] or "")
+        out[process.pid] = (info["cpu_times"].user + info["cpu_times"].system, cmdline, info["ppid"])
     return out
 
 
@@ -145,7 +142,7 @@ def render(command: Sequence[str], wall_s: float, per_role: dict[str, float]) ->
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--interval", type=float, default=0.5, help="seconds between /proc samples")
+    parser.add_argument("--interval", type=float, default=0.5, help="seconds between samples of every process")
     parser.add_argument("--out", type=Path, help="also write the table to this markdown file")
     parser.add_argument(
         "--also-pid",

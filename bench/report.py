@@ -1,23 +1,53 @@
-"""Reports of benchmark results: results.json, a markdown table and PNG plots (matplotlib Agg)."""
+"""Reports of benchmark results: results.json, markdown tables and PNG plots (plots.py).
+
+One `splitserve bench` invocation: write_reports gives results.json, results.md and the plots.
+
+Repeats: on a shared, noisy machine one run per configuration says little, so the committed
+results run each comparison more than once (different seeds, alternating configuration order)
+and pool the per-request records of equal (configuration, load point) pairs: latency percentiles
+over all requests, throughput = all completion tokens / all run seconds, SLO attainment over all
+requests. Each repeat's own figures are listed too, so the spread stays visible.
+
+    python -m splitserve.bench.report A/results.json B/results.json --baseline colocated \\
+        --plot bench/results/cmp.png [--ttft-slo-ms 2000 --itl-slo-ms 100]
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+from splitserve.bench import plots
+from splitserve.bench.metrics import (
+    GOODPUT_ATTAINMENT,
+    LatencySummary,
+    RunMetrics,
+    SloTarget,
+    compute_goodput,
+    compute_run_metrics,
+)
+from splitserve.bench.records import ConfigResult, RunResult
 
-matplotlib.use("Agg")  # headless: never needs a display
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-from splitserve.bench.config_result import ConfigResult, ReplicaSamples  # noqa: E402
-from splitserve.bench.metrics import LatencySummary, SloTarget  # noqa: E402
-from splitserve.bench.request_record import RequestRecord  # noqa: E402
+# Pooled tables: (column title, how to read it from RunMetrics, True when higher is better).
+METRICS = (
+    ("out tok/s", lambda m: m.output_tokens_per_s, True),
+    ("TTFT mean ms", lambda m: m.ttft_ms.mean, False),
+    ("TTFT p99 ms", lambda m: m.ttft_ms.p99, False),
+    ("ITL p50 ms", lambda m: m.itl_ms.p50, False),
+    ("ITL p99 ms", lambda m: m.itl_ms.p99, False),
+    ("E2E p50 ms", lambda m: m.e2e_ms.p50, False),
+    ("cached share", lambda m: m.cached_token_share, True),
+    ("SLO", lambda m: m.slo_attainment, True),
+)
+# Median gaps are often ~0 ms (several tokens in one read), so their ratios say nothing.
+RATIO_METRICS = tuple(metric for metric in METRICS if metric[0] != "ITL p50 ms")
 
 
 def to_jsonable(value: Any) -> Any:
@@ -43,10 +73,15 @@ def safe_filename(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "run"
 
 
-def _fmt(value: float | None, digits: int = 1) -> str:
+def _fmt(value: float | None, digits: int = 1, separator: str = "") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
-    return "inf" if math.isinf(value) else f"{value:.{digits}f}"
+    return "inf" if math.isinf(value) else f"{value:{separator}.{digits}f}"
+
+
+def _grouped(value: float | None, digits: int = 1) -> str:
+    """The pooled tables' numbers: thousands separated (1,234.5)."""
+    return _fmt(value, digits, separator=",")
 
 
 def _pct(value: float | None) -> str:
@@ -96,88 +131,6 @@ def render_markdown(results: Sequence[ConfigResult], workload: Mapping[str, Any]
     return "\n".join(lines) + "\n"
 
 
-def _plot_cdf(axis: Any, values_ms: Sequence[float], label: str) -> None:
-    if len(values_ms) == 0:
-        return
-    ordered = np.sort(np.asarray(values_ms, dtype=float))
-    axis.step(ordered, np.arange(1, len(ordered) + 1) / len(ordered), where="post", label=label)
-
-
-def plot_latency_cdfs(runs: Mapping[str, Sequence[RequestRecord]], path: str | Path) -> Path:
-    """TTFT, ITL and E2E CDFs, one line per run (label -> records), overlaid."""
-    figure, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    for label, records in runs.items():
-        ok = [record for record in records if record.ok]
-        _plot_cdf(axes[0], [1000.0 * record.ttft_s for record in ok], label)
-        _plot_cdf(axes[1], [1000.0 * gap for record in ok for gap in record.itl_gaps_s], label)
-        _plot_cdf(axes[2], [1000.0 * record.e2e_s for record in ok], label)
-    for axis, title in zip(axes, ("TTFT", "Inter-token latency", "End-to-end latency")):
-        axis.set_title(title)
-        axis.set_xlabel("ms")
-        axis.set_ylabel("fraction of requests" if title != "Inter-token latency" else "fraction of gaps")
-        axis.set_ylim(0, 1.02)
-        axis.grid(alpha=0.3)
-        if axis.lines:
-            axis.legend(fontsize="small")
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return Path(path)
-
-
-def plot_slo_vs_load(
-    series: Mapping[str, Sequence[tuple[float, float | None, float]]],
-    path: str | Path,
-    threshold: float,
-    goodputs: Mapping[str, float | None] | None = None,
-    load_name: str = "offered rate (req/s)",
-) -> Path:
-    """Per config: (load, SLO attainment, achieved req/s) points -> attainment and throughput
-    against load, with the goodput threshold and each config's goodput marked."""
-    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, points in series.items():
-        ordered = sorted((load, attained, rps) for load, attained, rps in points if math.isfinite(load))
-        loads = [load for load, _, _ in ordered]
-        line = left.plot(loads, [np.nan if a is None else 100 * a for _, a, _ in ordered], marker="o", label=name)
-        right.plot(loads, [rps for _, _, rps in ordered], marker="o", label=name)
-        goodput = (goodputs or {}).get(name)
-        if goodput is not None and math.isfinite(goodput):
-            left.axvline(goodput, linestyle=":", color=line[0].get_color())
-    left.axhline(100 * threshold, color="grey", linestyle="--", label=f"{100 * threshold:g}% target")
-    left.set_ylabel("requests meeting both SLOs (%)")
-    left.set_ylim(0, 102)
-    right.set_ylabel("achieved requests/s")
-    for axis, title in ((left, "SLO attainment"), (right, "Throughput")):
-        axis.set_title(title)
-        axis.set_xlabel(load_name)
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize="small")
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return Path(path)
-
-
-def plot_replica_load(
-    samples: ReplicaSamples, path: str | Path, title: str = "Per-replica load", ylabel: str = "value"
-) -> Path:
-    """One line per replica: replica name -> [(seconds, value)]."""
-    figure, axis = plt.subplots(figsize=(8, 4.5))
-    for replica, points in sorted(samples.items()):
-        ordered = sorted(points)
-        axis.plot([t for t, _ in ordered], [v for _, v in ordered], marker=".", label=replica)
-    axis.set_title(title)
-    axis.set_xlabel("seconds since scraping began (just before the run)")
-    axis.set_ylabel(ylabel)
-    axis.grid(alpha=0.3)
-    if axis.lines:
-        axis.legend(fontsize="small")
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return Path(path)
-
-
 def _slo_series(
     results: Sequence[ConfigResult], closed_loop: bool
 ) -> dict[str, list[tuple[float, float | None, float]]]:
@@ -218,27 +171,229 @@ def write_reports(
     paths.append(markdown)
     runs = {run.label: run.records for result in results for run in result.runs}
     if runs:
-        paths.append(plot_latency_cdfs(runs, out / "latency_cdf.png"))
+        paths.append(plots.plot_latency_cdfs(runs, out / "latency_cdf.png"))
     if slo is not None:
         goodputs = {result.name: result.goodput_rps for result in results}
         rate_series = _slo_series(results, closed_loop=False)
+        level_series = {} if rate_series else _slo_series(results, closed_loop=True)
         if rate_series:
-            paths.append(plot_slo_vs_load(rate_series, out / "slo_attainment.png", slo.attainment_threshold, goodputs))
-        else:
-            level_series = _slo_series(results, closed_loop=True)
-            if level_series:
-                paths.append(
-                    plot_slo_vs_load(
-                        level_series,
-                        out / "slo_attainment.png",
-                        slo.attainment_threshold,
-                        None,
-                        load_name="concurrency (requests in flight)",
-                    )
+            paths.append(
+                plots.plot_slo_vs_load(rate_series, out / "slo_attainment.png", slo.attainment_threshold, goodputs)
+            )
+        elif level_series:
+            paths.append(
+                plots.plot_slo_vs_load(
+                    level_series,
+                    out / "slo_attainment.png",
+                    slo.attainment_threshold,
+                    None,
+                    "concurrency (requests in flight)",
                 )
+            )
     for result in results:
         for run, samples in zip(result.runs, result.replica_samples):
             if samples:
                 name = f"replica_load_{safe_filename(result.name)}_{safe_filename(run.load.label)}.png"
-                paths.append(plot_replica_load(samples, out / name, title=run.label, ylabel=replica_metric))
+                paths.append(plots.plot_replica_load(samples, out / name, title=run.label, ylabel=replica_metric))
     return paths
+
+
+# ----------------------------------------------------------------------------- pooled repeats
+
+
+@dataclass
+class PooledPoint:
+    """Every repeat of one configuration at one load point."""
+
+    config: str
+    load_label: str
+    load_value: float | None
+    repeats: list[RunResult] = field(default_factory=list)
+
+    def pooled_run(self) -> RunResult:
+        first = self.repeats[0]
+        return RunResult(
+            config_name=self.config,
+            load=first.load,
+            model=first.model,
+            base_url="pooled",
+            duration_s=sum(run.duration_s for run in self.repeats),
+            records=[record for run in self.repeats for record in run.records],
+            num_not_sent=sum(run.num_not_sent for run in self.repeats),
+        )
+
+
+def load_points(paths: Sequence[Path]) -> tuple[dict[tuple[str, str], PooledPoint], dict]:
+    """(config, load label) -> PooledPoint over every results.json, and the first file's header."""
+    points: dict[tuple[str, str], PooledPoint] = {}
+    header: dict = {}
+    for path in paths:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        header = header or {key: data.get(key) for key in ("workload", "slo")}
+        for config in data["configs"]:
+            for raw in config["runs"]:
+                run = RunResult.from_dict(raw)
+                value = run.load.rate if run.load.rate is not None else run.load.concurrency
+                key = (config["name"], run.load.label)
+                points.setdefault(key, PooledPoint(config["name"], run.load.label, value)).repeats.append(run)
+    return points, header
+
+
+def _ratio(value: float | None, base: float | None, higher_is_better: bool) -> float | None:
+    if value is None or base is None:
+        return None
+    num, den = (value, base) if higher_is_better else (base, value)
+    return num / den if den else None
+
+
+def sustained_goodput(
+    points: Iterable[tuple[float, float | None]], threshold: float = GOODPUT_ATTAINMENT
+) -> float | None:
+    """Highest rate r such that every swept rate <= r attains; None when the lowest fails.
+    Unlike compute_goodput, one lucky high-rate run after failing lower rates does not count."""
+    best = None
+    for rate, attainment in sorted(points, key=lambda point: point[0]):
+        if attainment is None or attainment < threshold:
+            break
+        best = rate
+    return best
+
+
+def _goodput_lines(points: dict[tuple[str, str], PooledPoint], pooled: dict, slo: SloTarget) -> list[str]:
+    out = [
+        "",
+        f"Goodput (highest rate with >= {slo.attainment_threshold:.0%} attaining TTFT <= "
+        f"{slo.ttft_ms:g} ms and per-request ITL {slo.itl_statistic} <= {slo.itl_ms:g} ms):",
+        "",
+    ]
+    for config in dict.fromkeys(config for config, _ in points):
+        mine = [p for (c, _), p in points.items() if c == config and p.repeats[0].load.rate is not None]
+        attained = [(p.load_value, pooled[(config, p.load_label)].slo_attainment) for p in mine]
+        num_repeats = max((len(p.repeats) for p in mine), default=0)
+        per_repeat = [
+            compute_goodput(
+                (p.load_value, compute_run_metrics(p.repeats[i], slo).slo_attainment)
+                for p in mine
+                if i < len(p.repeats)
+            )
+            for i in range(num_repeats)
+        ]
+        out.append(
+            f"- {config}: pooled {_grouped(compute_goodput(attained), 2)} req/s (sustained "
+            f"{_grouped(sustained_goodput(attained), 2)}); per repeat " + ", ".join(_grouped(g, 2) for g in per_repeat)
+        )
+    out += [
+        "",
+        "(sustained: the highest rate at which this and every lower swept rate attain; "
+        "the bench's goodput only asks it of that rate)",
+    ]
+    return out
+
+
+def render_pooled(points: dict[tuple[str, str], PooledPoint], slo: SloTarget | None, baseline: str | None) -> str:
+    """The pooled table, ratios against `baseline`, each repeat's figures and goodput."""
+    configs = list(dict.fromkeys(config for config, _ in points))
+    labels = sorted({(p.load_value or 0.0, p.load_label) for p in points.values()})
+    keys = [(config, label) for _, label in labels for config in configs if (config, label) in points]
+    pooled: dict[tuple[str, str], RunMetrics] = {
+        key: compute_run_metrics(points[key].pooled_run(), slo) for key in keys
+    }
+    out = [
+        "Pooled over repeats (latency percentiles over all requests; throughput = all completion "
+        "tokens / all run seconds).",
+        "",
+        "| config | load | repeats | ok | failed | " + " | ".join(t for t, _, _ in METRICS) + " |",
+        "|---" * (5 + len(METRICS)) + "|",
+    ]
+    for config, label in keys:
+        m = pooled[(config, label)]
+        cells = [_grouped(get(m), 3 if title in ("cached share", "SLO") else 1) for title, get, _ in METRICS]
+        repeats = len(points[(config, label)].repeats)
+        out.append(
+            f"| {config} | {label} | {repeats} | {m.num_ok} | {m.num_failed + m.num_unfinished} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    if baseline is not None and baseline in configs:
+        out += [
+            "",
+            f"Ratios vs `{baseline}` (> 1 = better than {baseline}: higher-is-better metrics "
+            "as other/baseline, latencies as baseline/other):",
+            "",
+            "| config | load | " + " | ".join(t for t, _, _ in RATIO_METRICS) + " |",
+            "|---" * (2 + len(RATIO_METRICS)) + "|",
+        ]
+        for config, label in keys:
+            base = pooled.get((baseline, label))
+            if config == baseline or base is None:
+                continue
+            m = pooled[(config, label)]
+            cells = [_grouped(_ratio(get(m), get(base), higher), 2) + "x" for _, get, higher in RATIO_METRICS]
+            out.append(f"| {config} | {label} | " + " | ".join(cells) + " |")
+    out += ["", "Per repeat (in file order): out tok/s; TTFT mean ms; ITL p99 ms; SLO attainment", ""]
+    for config, label in keys:
+        each = [compute_run_metrics(run, slo) for run in points[(config, label)].repeats]
+        figures = [
+            " / ".join(
+                (_grouped(m.output_tokens_per_s), _grouped(m.ttft_ms.mean), _grouped(m.itl_ms.p99))
+                + (_grouped(m.slo_attainment, 3),)
+            )
+            for m in each
+        ]
+        out.append(f"- {config} @ {label}: " + "; ".join(figures))
+    if slo is not None and any(p.repeats[0].load.rate is not None for p in points.values()):
+        out += _goodput_lines(points, pooled, slo)
+    return "\n".join(out)
+
+
+def plot_pooled(
+    points: dict[tuple[str, str], PooledPoint], slo: SloTarget | None, path: Path, titles: Sequence[str]
+) -> Path:
+    """plots.plot_pooled of the `titles` columns of METRICS: pooled lines, one dot per repeat."""
+    getters = {title: get for title, get, _ in METRICS}
+    panels = {}
+    for title in titles:
+        get = getters[title]
+        series: dict[str, list] = {config: [] for config, _ in points}  # first-seen order, as in the tables
+        for (config, _), point in sorted(points.items(), key=lambda item: item[1].load_value or 0):
+            pooled = get(compute_run_metrics(point.pooled_run(), slo))
+            repeats = [get(compute_run_metrics(run, slo)) for run in point.repeats]
+            series.setdefault(config, []).append((point.load_value, pooled, repeats))
+        panels[title] = series
+    first = next(iter(points.values())).repeats[0].load
+    return plots.plot_pooled(panels, path, "offered rate (req/s)" if first.rate is not None else "concurrency")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Pool several results.json of `splitserve bench` into one comparison (see the module doc)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m splitserve.bench.report",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("results", nargs="+", type=Path, help="results.json files of `splitserve bench`")
+    parser.add_argument("--baseline", help="configuration the ratios are taken against")
+    parser.add_argument("--ttft-slo-ms", type=float, help="SLO to judge (default: the first file's)")
+    parser.add_argument("--itl-slo-ms", type=float)
+    parser.add_argument("--itl-slo-stat", default=None)
+    parser.add_argument("--plot", type=Path, help="PNG with one panel per --plot-metric")
+    parser.add_argument("--plot-metric", action="append", default=[], choices=[title for title, _, _ in METRICS])
+    args = parser.parse_args(argv)
+    points, header = load_points(args.results)
+    saved = header.get("slo") or {}
+    slo = None
+    if saved or args.ttft_slo_ms:
+        slo = SloTarget(
+            args.ttft_slo_ms or saved["ttft_ms"],
+            args.itl_slo_ms or saved["itl_ms"],
+            args.itl_slo_stat or saved.get("itl_statistic", "p90"),
+        )
+    print(render_pooled(points, slo, args.baseline))
+    if args.plot:
+        plot_pooled(points, slo, args.plot, args.plot_metric or ["ITL p99 ms", "TTFT mean ms", "SLO"])
+        print(f"\nplot: {args.plot}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

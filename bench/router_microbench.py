@@ -19,8 +19,10 @@ import statistics
 import sys
 import time
 
+from splitserve.bench import source_commit
 from splitserve.cluster.config import RouterConfig
 from splitserve.cluster.routing.index import KVIndex
+from splitserve.cluster.routing.load import LoadReport
 from splitserve.cluster.routing.router import DECODE, PREFILL, Router
 
 TARGET_INGEST_BLOCKS_PER_S = 200_000
@@ -89,7 +91,7 @@ def measure_routes(
         if i % 16 == 0:  # load reports trickle in while routing
             pool = PREFILL if i % 32 == 0 else DECODE
             rid = rng.choice(replica_ids[pool])
-            router.update_load(pool, rid, rng.randint(0, 8192), rng.randint(0, 32), rng.random())
+            router.update_load(pool, rid, LoadReport(rng.randint(0, 8192), rng.randint(0, 32), rng.random()))
         start = time.perf_counter_ns()
         router.route(block_hashes=hashes, num_prompt_tokens=num_tokens)
         latencies_ms.append((time.perf_counter_ns() - start) / 1e6)
@@ -179,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     hashing = measure_routes_with_hashing(router, rng, args) if args.num_hashing_decisions else []
 
     lines = [
+        source_commit(),
+        "",
         f"Index: {args.num_replicas} replicas/pool, {prefill_index.num_indexed_hashes:,} distinct"
         f" hashes / {args.num_blocks:,} entries in the prefill pool; prompts of "
         f"{args.prompt_blocks} blocks x {args.block_size} tokens; Python "

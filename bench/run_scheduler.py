@@ -8,12 +8,11 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 import httpx
-from tqdm import tqdm
 
-from splitserve.bench.arrivals import LoadPoint
-from splitserve.bench.bench_request import BenchRequest
-from splitserve.bench.request_record import RequestRecord
-from splitserve.bench.run_result import RunResult
+from splitserve.bench import require_extra
+from splitserve.bench.records import BenchRequest, LoadPoint, RequestRecord, RunResult
+
+tqdm = require_extra("tqdm").tqdm
 
 if TYPE_CHECKING:  # the client imports this module; the reverse import is for types only
     from splitserve.bench.client import BenchClient

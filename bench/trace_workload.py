@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from splitserve.bench.bench_request import BenchRequest, WorkloadError
+from splitserve.bench.records import BenchRequest, WorkloadError
 from splitserve.bench.workloads import VocabRange
 
 

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from splitserve.bench.bench_request import BenchRequest, WorkloadError
+from splitserve.bench.records import BenchRequest, WorkloadError
 
 WORKLOAD_KINDS: tuple[str, ...] = ("prefix-repetition", "multi-turn", "mixed", "trace")
 

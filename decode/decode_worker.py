@@ -10,18 +10,14 @@ import itertools
 import logging
 import time
 
-import torch
-
-from splitserve.decode.block_reservation import admit_prefilled, reserve_prompt_blocks
-from splitserve.engine.config import EngineConfig
 from splitserve.engine.core.sequence import Sequence
-from splitserve.engine.engine_loop import EngineLoop
+from splitserve.engine.io.block_reservation import BlockReservation
 from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.io.sampling_params import SamplingParams
-from splitserve.engine.llm_engine import LLMEngine
+from splitserve.kvtransfer.engine_worker import EngineWorker
 from splitserve.kvtransfer.handoff import DecodeRequest, Handoff, PrefillResult, StreamChunk
 from splitserve.kvtransfer.kv_receiver import PostedReceive
-from splitserve.kvtransfer.transport import KVTransport, resolve_host
+from splitserve.kvtransfer.poll_reply import TransferTotals
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +31,7 @@ class ReplicaBusyError(RuntimeError):
     """No KV blocks came free for the prompt in time."""
 
 
-class DecodeWorker:
+class DecodeWorker(EngineWorker):
     def __init__(
         self,
         replica_id: str,
@@ -45,16 +41,8 @@ class DecodeWorker:
         torch_threads: int | None = None,
         reserve_timeout_s: float = 30.0,
     ):
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
-        self.replica_id = replica_id
-        self.engine = LLMEngine(EngineConfig(**engine_config))
-        self.transport = KVTransport(
-            replica_id, self.engine.kv_cache.device, host=resolve_host(transport_host), timeout_s=transfer_timeout_s
-        )
-        self.transfer_timeout_s = transfer_timeout_s
+        super().__init__(replica_id, engine_config, transport_host, transfer_timeout_s, torch_threads)
         self.reserve_timeout_s = reserve_timeout_s
-        self.loop = EngineLoop(self.engine).start()
         self._epochs: dict[str, int] = {}
         self._open_pairs: set[str] = set()
         self._pair_locks: dict[str, asyncio.Lock] = {}
@@ -62,10 +50,7 @@ class DecodeWorker:
         self.num_blocks_received = 0
         self.num_bytes_received = 0
         self.transfer_seconds = 0.0
-        self.num_active = 0
-
-    async def ready(self) -> str:
-        return self.replica_id
+        self.start_loop()
 
     # ---- streaming generation ------------------------------------------------------------
     async def generate(self, request_bytes: bytes, prefill=None, prefill_id: str | None = None):
@@ -88,7 +73,17 @@ class DecodeWorker:
                 await asyncio.wrap_future(self.loop.add_sequence(seq, sink))
             else:
                 first = await self._remote_prefill(seq, req, prefill, prefill_id)
-                await asyncio.wrap_future(self.loop.call(lambda e: admit_prefilled(e, seq, first, sink, self.loop)))
+                await asyncio.wrap_future(
+                    self.loop.admit_prefilled(
+                        seq.request_id,
+                        first.first_token,
+                        first.first_logprob,
+                        first.num_cached_tokens,
+                        sink,
+                        first.first_top_logprobs,
+                        first.queue_seconds,
+                    )
+                )
             while not finished:
                 timeout = None if req.deadline is None else max(req.deadline - time.time(), 0.01)
                 out = await asyncio.wait_for(outputs.get(), timeout=timeout)
@@ -104,7 +99,7 @@ class DecodeWorker:
                     num_output_tokens=len(out.token_ids),
                     logprobs=out.new_logprobs,
                     prefill_replica=prefill_id,
-                    top_logprobs=[[list(pair) for pair in top] for top in out.new_top_logprobs],
+                    top_logprobs=out.new_top_logprobs,
                     stop_reason=out.stop_reason if out.finished else None,
                     queue_seconds=out.queue_seconds if first_chunk else None,
                 ).to_bytes()
@@ -112,14 +107,12 @@ class DecodeWorker:
         finally:
             self.num_active -= 1
             if not finished:  # cancelled, timed out or failed: free everything it held
-                # Both queued now, so they run even if this task is cancelled again; the free
-                # covers a request cancelled between its reservation and its admission.
-                cleanup = [self.loop.abort(seq.request_id), self.loop.call(lambda e: e.kv.free(seq))]
-                await asyncio.shield(asyncio.gather(*(asyncio.wrap_future(f) for f in cleanup)))
+                # Queued now and shielded: a second cancellation must not cancel the abort
+                # before it runs (it also frees blocks still reserved for a transfer).
+                await asyncio.shield(asyncio.wrap_future(self.loop.abort(seq.request_id)))
 
     async def _remote_prefill(self, seq: Sequence, req: DecodeRequest, prefill, prefill_id: str) -> PrefillResult:
-        plan = await self._reserve(seq)
-        missing, dst_blocks = plan
+        missing, dst_blocks = await self._reserve(seq)
         try:
             try:
                 await self._ensure_pair(prefill, prefill_id)
@@ -156,7 +149,7 @@ class DecodeWorker:
                 self._ack(prefill, seq.request_id)
                 raise PrefillFailedError(f"prefill on {prefill_id} failed: {exc}") from exc
         except BaseException:
-            await asyncio.wrap_future(self.loop.call(lambda e: e.kv.free(seq)))
+            await asyncio.wrap_future(self.loop.call(lambda e: e.release_reservation(seq.request_id)))
             raise
         self._ack(prefill, seq.request_id)
         self.num_blocks_received += len(dst_blocks)
@@ -175,12 +168,12 @@ class DecodeWorker:
         except Exception:  # the prefill replica may be gone; its lease frees the blocks
             pass
 
-    async def _reserve(self, seq: Sequence) -> tuple[list[int], list[int]]:
+    async def _reserve(self, seq: Sequence) -> BlockReservation:
         deadline = time.monotonic() + self.reserve_timeout_s
         while True:
-            plan = await asyncio.wrap_future(self.loop.call(lambda e: reserve_prompt_blocks(e, seq)))
-            if plan is not None:
-                return plan
+            reservation = await asyncio.wrap_future(self.loop.call(lambda e: e.reserve_prompt_blocks(seq)))
+            if reservation is not None:
+                return reservation
             if time.monotonic() >= deadline:
                 raise ReplicaBusyError(
                     f"{self.replica_id}: no free KV blocks for {seq.num_prompt_tokens} "
@@ -216,21 +209,8 @@ class DecodeWorker:
     async def abort(self, request_id: str) -> None:
         await asyncio.wrap_future(self.loop.abort(request_id))
 
-    async def poll(self) -> dict:
-        def collect(engine: LLMEngine) -> dict:
-            return {"events": [ev.to_wire() for ev in engine.kv.take_events()], "load": engine.stats()}
-
-        result = await asyncio.wrap_future(self.loop.call(collect))
-        result["load"]["num_active"] = self.num_active
-        result["transfer"] = {
-            "blocks": self.num_blocks_received,
-            "bytes": self.num_bytes_received,
-            "seconds": self.transfer_seconds,
-        }
-        return result
-
-    async def snapshot(self) -> tuple[int, list[int]]:
-        return await asyncio.wrap_future(self.loop.call(lambda e: e.kv.snapshot()))
+    def transfer_totals(self) -> TransferTotals:
+        return TransferTotals(self.num_blocks_received, self.num_bytes_received, self.transfer_seconds)
 
     async def close_idle_pairs(self, max_idle_s: float) -> list[str]:
         """Tear down process groups unused for max_idle_s; returns the prefill ids affected
@@ -242,9 +222,5 @@ class DecodeWorker:
         return closed
 
     async def forget_peer(self, prefill_id: str) -> None:
-        """A prefill replica left: drop its process group."""
+        """A prefill replica left: drop its process group (the next pair with it is a new epoch)."""
         self._drop_pair(prefill_id)
-
-    async def shutdown(self) -> None:
-        self.loop.stop()
-        self.transport.close()

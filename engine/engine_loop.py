@@ -62,19 +62,37 @@ class EngineLoop:
         self._wake.set()
         return fut
 
-    def add_sequence(self, seq: Sequence, sink: Sink, prefilled: bool = False) -> Future:
-        def admit(engine: LLMEngine) -> None:
+    def add_sequence(self, seq: Sequence, sink: Sink) -> Future:
+        """Queue seq (from LLMEngine.make_sequence); its outputs go to sink."""
+
+        def add(engine: LLMEngine) -> None:
             self._sinks[seq.request_id] = sink
-            if prefilled:
-                engine.scheduler.add_prefilled(seq)
-            else:
-                engine.scheduler.add(seq)
+            engine.add_sequence(seq)
+
+        return self.call(add)
+
+    def admit_prefilled(
+        self,
+        request_id: str,
+        first_token: int,
+        first_logprob: float | None,
+        num_cached_tokens: int,
+        sink: Sink,
+        first_top_logprobs: list[tuple[int, float]] | None = None,
+        queue_seconds: float | None = None,
+    ) -> Future:
+        """LLMEngine.admit_prefilled on the loop thread: its first output and every later one
+        go to sink."""
+
+        def admit(engine: LLMEngine) -> None:
+            out = engine.admit_prefilled(
+                request_id, first_token, first_logprob, num_cached_tokens, first_top_logprobs, queue_seconds
+            )
+            if not out.finished:
+                self._sinks[request_id] = sink
+            sink(out)
 
         return self.call(admit)
-
-    def register_sink(self, request_id: str, sink: Sink) -> None:
-        """Loop thread only (inside a call()): route request_id's outputs to sink."""
-        self._sinks[request_id] = sink
 
     def abort(self, request_id: str) -> Future:
         def do_abort(engine: LLMEngine) -> None:

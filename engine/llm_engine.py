@@ -1,5 +1,11 @@
 """The colocated engine: prefill and decode in one process. The offline API and the baseline
-the disaggregated system is compared with; the workers reuse its parts."""
+the disaggregated system is compared with; the workers reuse its parts.
+
+The prefill and decode workers use only its named operations (make_sequence with prefill_only,
+reserve_prompt_blocks, admit_prefilled, release_*, abort, prompt_block_ids, take_events,
+snapshot, stats, kv_cache, device), through EngineLoop; tests/workers/test_engine_api_use.py
+checks that by parsing their source.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +17,11 @@ import torch
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.core.kv_cache_manager import KVCacheManager
+from splitserve.engine.core.kv_events import KVEvent
 from splitserve.engine.core.scheduler import ScheduledBatch, Scheduler
-from splitserve.engine.core.sequence import Sequence
+from splitserve.engine.core.sequence import Sequence, SequenceStatus
+from splitserve.engine.io.block_reservation import BlockReservation
+from splitserve.engine.io.engine_stats import EngineStats
 from splitserve.engine.io.output_processor import OutputProcessor
 from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.io.request_validation import validate_prompt
@@ -42,6 +51,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, config.seed, eos)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self._reserved: dict[str, Sequence] = {}  # request id -> sequence holding reserved blocks
         self.num_steps = 0
 
     @classmethod
@@ -77,6 +87,11 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         return Sequence(rid, prompt_token_ids, params, self.config.block_size, prefill_only=prefill_only)
 
+    def add_sequence(self, seq: Sequence) -> None:
+        """Queue a sequence from make_sequence. A prefill_only one stops after its first token
+        and keeps its blocks (pinned) until release_prefilled."""
+        self.scheduler.add(seq)
+
     def add_request(
         self,
         prompt: str | None = None,
@@ -85,13 +100,80 @@ class LLMEngine:
         request_id: str | None = None,
     ) -> str:
         seq = self.make_sequence(prompt, prompt_token_ids, params, request_id)
-        self.scheduler.add(seq)
+        self.add_sequence(seq)
         return seq.request_id
 
     def abort(self, request_id: str) -> None:
+        """Stop a request and free all it holds (blocks, a reservation, detokenizer state).
+        Unknown or finished ids are ignored."""
+        self.release_reservation(request_id)
         self.scheduler.abort(request_id)
         self.runner.forget(request_id)
         self.outputs.forget(request_id)
+
+    def release_prefilled(self, request_id: str) -> None:
+        """After the KV handoff: a prefilled request's blocks are unpinned (they stay in the
+        prefix cache, evictable); a request that has not finished prefilling is aborted."""
+        seq = self.scheduler.requests.get(request_id)
+        if seq is None:
+            return
+        if seq.status is SequenceStatus.PREFILLED:
+            self.scheduler.release_prefilled(seq)
+        else:
+            self.abort(request_id)
+
+    def prompt_block_ids(self, request_id: str, block_indices: Iterable[int]) -> list[int]:
+        """The local block ids of a queued or running request's prompt blocks, by index."""
+        table = self.scheduler.requests[request_id].block_table
+        return [table[i] for i in block_indices]
+
+    # ---- disaggregated decode: reserve blocks, receive the KV, admit ---------------------
+    def reserve_prompt_blocks(self, seq: Sequence) -> BlockReservation | None:
+        """Reuse every cached full block of seq's prompt and allocate the rest, before its KV
+        arrives from a prefill replica. Returns the prompt blocks still to receive and where
+        they go, or None (holding nothing) if blocks are short. The blocks stay reserved until
+        admit_prefilled, release_reservation or abort."""
+        if seq.request_id in self._reserved:
+            raise ValueError(f"duplicate request id {seq.request_id!r}")
+        kv = self.kv
+        cached = kv.find_cached_blocks(seq, max_tokens=seq.num_prompt_tokens)
+        if not kv.allocate_prompt(seq, cached, seq.num_prompt_tokens - len(cached) * kv.block_size):
+            return None
+        self._reserved[seq.request_id] = seq
+        pairs = sorted(((i, seq.block_table[i]) for i in range(len(cached), len(seq.block_table))), key=lambda p: p[1])
+        return BlockReservation([i for i, _ in pairs], [b for _, b in pairs])
+
+    def release_reservation(self, request_id: str) -> None:
+        """Free a reservation's blocks (its transfer failed or was abandoned). Unknown ids are ignored."""
+        seq = self._reserved.pop(request_id, None)
+        if seq is not None:
+            self.kv.free(seq)
+
+    def admit_prefilled(
+        self,
+        request_id: str,
+        first_token: int,
+        first_logprob: float | None,
+        num_cached_tokens: int,
+        first_top_logprobs: list[tuple[int, float]] | None = None,
+        queue_seconds: float | None = None,
+    ) -> RequestOutput:
+        """The reserved prompt's KV is in place: append the first token (sampled by the prefill
+        replica, with its top alternatives when asked for), check the stop conditions, join the
+        running batch, and return the first output, post-processed exactly like a step's.
+        queue_seconds: how long the prompt waited in the prefill replica's queue."""
+        seq = self._reserved[request_id]
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.num_cached_tokens = num_cached_tokens
+        seq.queue_seconds = queue_seconds
+        top = [(int(t), float(lp)) for t, lp in first_top_logprobs or ()] if seq.params.top_logprobs else None
+        seq.append_token(first_token, first_logprob if seq.params.logprobs else None, top)
+        reason = self.scheduler.check_stop(seq)
+        self.scheduler.add_prefilled(seq)  # also enters its received full blocks into the cache
+        del self._reserved[request_id]  # only now: until here, abort() still frees its blocks
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        return self._emit_output(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -105,36 +187,37 @@ class LLMEngine:
         sampled = self.runner.execute(batch, on_layer_done)
         advanced = self.scheduler.update(batch, sampled)
         self.num_steps += 1
-        results = []
-        for seq in advanced:
-            if seq.prefill_only:
-                self.runner.forget(seq.request_id)
-                results.append(
-                    RequestOutput(
-                        request_id=seq.request_id,
-                        new_token_ids=[seq.token_ids[-1]],
-                        new_text="",
-                        token_ids=[seq.token_ids[-1]],
-                        text="",
-                        finished=True,
-                        finish_reason="prefilled",
-                        num_prompt_tokens=seq.num_prompt_tokens,
-                        num_cached_tokens=seq.num_cached_tokens,
-                        new_logprobs=list(seq.output_logprobs),
-                        logprobs=list(seq.output_logprobs),
-                        new_top_logprobs=list(seq.output_top_logprobs),
-                        top_logprobs=list(seq.output_top_logprobs),
-                        queue_seconds=seq.queue_seconds,
-                    )
-                )
-                continue
-            out, hit_stop = self.outputs.process(seq)
-            if hit_stop and not seq.is_finished:
-                self.scheduler.finish(seq, "stop")
-            if out.finished:
-                self.runner.forget(seq.request_id)
-            results.append(out)
-        return results
+        return [self._prefilled_output(seq) if seq.prefill_only else self._emit_output(seq) for seq in advanced]
+
+    def _emit_output(self, seq: Sequence) -> RequestOutput:
+        """seq's new tokens as an output: detokenized, cut at a stop string, and the request
+        forgotten once finished. Every output but a prefill-only one comes through here."""
+        out, hit_stop = self.outputs.process(seq)
+        if hit_stop and not seq.is_finished:
+            self.scheduler.finish(seq, "stop")
+        if out.finished:
+            self.runner.forget(seq.request_id)
+        return out
+
+    def _prefilled_output(self, seq: Sequence) -> RequestOutput:
+        """A prefill-only request's one output: its first token, no text (decode detokenizes)."""
+        self.runner.forget(seq.request_id)
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[seq.token_ids[-1]],
+            new_text="",
+            token_ids=[seq.token_ids[-1]],
+            text="",
+            finished=True,
+            finish_reason="prefilled",
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            new_logprobs=list(seq.output_logprobs),
+            logprobs=list(seq.output_logprobs),
+            new_top_logprobs=list(seq.output_top_logprobs),
+            top_logprobs=list(seq.output_top_logprobs),
+            queue_seconds=seq.queue_seconds,
+        )
 
     def generate(
         self, prompts: Iterable[str | Seq[int]], params: SamplingParams | list[SamplingParams] | None = None
@@ -151,7 +234,7 @@ class LLMEngine:
             else:
                 seqs.append(self.make_sequence(None, list(prompt), p))
         for seq in seqs:  # validate all before queueing any: bad input loses nothing
-            self.scheduler.add(seq)
+            self.add_sequence(seq)
         final: dict[str, RequestOutput] = {}
         with torch.inference_mode():
             while len(final) < len(seqs):
@@ -160,16 +243,29 @@ class LLMEngine:
                         final[out.request_id] = out
         return [final[s.request_id] for s in seqs]
 
-    # ---- stats ---------------------------------------------------------------------------
-    def stats(self) -> dict[str, float]:
-        return {
-            "num_free_blocks": self.kv.num_free_blocks,
-            "num_blocks": self.config.num_gpu_blocks,
-            "kv_usage": self.kv.usage,
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_waiting_tokens": self.scheduler.num_waiting_tokens,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_computed_prompt_tokens": self.scheduler.num_computed_prompt_tokens,
-            "num_prefix_hit_tokens": self.kv.num_hit_tokens,
-        }
+    # ---- prefix cache and load, for the router -------------------------------------------
+    def take_events(self) -> list[KVEvent]:
+        """KV events since the last call, in order."""
+        return self.kv.take_events()
+
+    def snapshot(self) -> tuple[int, list[int]]:
+        """(sequence number of the last KV event, every cached block hash) for a full resync."""
+        return self.kv.snapshot()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_free_blocks=self.kv.num_free_blocks,
+            num_blocks=self.config.num_gpu_blocks,
+            kv_usage=self.kv.usage,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_waiting_tokens=self.scheduler.num_waiting_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_computed_prompt_tokens=self.scheduler.num_computed_prompt_tokens,
+            num_prefix_hit_tokens=self.kv.num_hit_tokens,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        """Where the KV cache lives (the transport opens NCCL pairs for CUDA, gloo for CPU)."""
+        return self.kv_cache.device

@@ -4,7 +4,7 @@ Each (prefill, decode) pair gets its own 2-rank process group (NCCL on GPU, gloo
 opened lazily through the sender's TCPStore and torn down when idle.
 
 The names below load on first use, so torch-free callers (the router, the frontends) can import
-splitserve.kvtransfer.handoff without importing torch.
+splitserve.kvtransfer.handoff and splitserve.kvtransfer.poll_reply without importing torch.
 """
 
 from __future__ import annotations

@@ -1,52 +1,35 @@
-"""The prefill -> decode handoff: a small, versioned msgpack message. No pickle crosses here.
+"""The prefill -> decode handoff and the decode stream: versioned msgpack messages
+(msgspec Structs, splitserve.kvtransfer.message_codec). No pickle crosses here.
 
 Flow (decode-driven): the decode replica reserves blocks for the prompt, works out which of
 the prompt's blocks it lacks, and sends a Handoff to the prefill replica; the prefill replica
 computes the prompt, streams the listed blocks over torch.distributed, and answers with a
-PrefillResult carrying the first token.
+PrefillResult carrying the first token. The ingress opens a decode with a DecodeRequest and
+receives StreamChunks.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
-import msgpack
+import msgspec
+
+from splitserve.kvtransfer.message_codec import MessageCodec, MessageError
 
 HANDOFF_VERSION = 1
 
 
-class HandoffError(ValueError):
+class HandoffError(MessageError):
     """A handoff message that is malformed or of an unknown version."""
 
 
-def _pack(kind: str, obj) -> bytes:
-    return msgpack.packb({"v": HANDOFF_VERSION, "kind": kind, "body": asdict(obj)}, use_bin_type=True)
+_codec = MessageCodec(HANDOFF_VERSION, HandoffError)
 
 
-def _unpack(kind: str, cls, data: bytes):
-    try:
-        raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise HandoffError(f"not a msgpack {kind} message: {exc}") from None
-    if not isinstance(raw, dict) or raw.get("kind") != kind:
-        raise HandoffError(f"expected a {kind} message")
-    if raw.get("v") != HANDOFF_VERSION:
-        raise HandoffError(f"unsupported {kind} version {raw.get('v')!r} (this build speaks {HANDOFF_VERSION})")
-    body = raw.get("body")
-    names = {f.name for f in fields(cls)}
-    if not isinstance(body, dict) or set(body) - names:
-        raise HandoffError(f"malformed {kind} body")
-    try:
-        return cls(**body)
-    except TypeError as exc:
-        raise HandoffError(f"malformed {kind} body: {exc}") from None
-
-
-@dataclass
-class Handoff:
+class Handoff(msgspec.Struct, forbid_unknown_fields=True):
     request_id: str
     prompt_token_ids: list[int]
-    sampling: dict  # SamplingParams.to_dict()
+    sampling: dict[str, Any]  # SamplingParams.to_dict()
     block_size: int
     source: str  # prefill replica id
     destination: str  # decode replica id
@@ -58,11 +41,11 @@ class Handoff:
     deadline: float | None = None  # wall-clock time after which nobody should bother
 
     def to_bytes(self) -> bytes:
-        return _pack("handoff", self)
+        return _codec.encode("handoff", self)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Handoff:
-        msg = _unpack("handoff", cls, data)
+        msg = _codec.decode("handoff", cls, data)
         if not msg.prompt_token_ids or msg.block_size < 1:
             raise HandoffError("handoff has an empty prompt or a bad block size")
         num_blocks = -(-len(msg.prompt_token_ids) // msg.block_size)
@@ -71,8 +54,7 @@ class Handoff:
         return msg
 
 
-@dataclass
-class PrefillResult:
+class PrefillResult(msgspec.Struct, forbid_unknown_fields=True):
     request_id: str
     first_token: int
     first_logprob: float | None
@@ -81,17 +63,17 @@ class PrefillResult:
     num_bytes_sent: int
     prefill_seconds: float
     transfer_seconds: float
-    extra: dict = field(default_factory=dict)
-    # With top_logprobs: the first token's most likely [token id, logprob] pairs.
-    first_top_logprobs: list = field(default_factory=list)
+    extra: dict[str, Any] = msgspec.field(default_factory=dict)
+    # With top_logprobs: the first token's most likely (token id, logprob) pairs.
+    first_top_logprobs: list[tuple[int, float]] = msgspec.field(default_factory=list)
     queue_seconds: float = 0.0  # how long the prompt waited in the prefill replica's queue
 
     def to_bytes(self) -> bytes:
-        return _pack("prefill_result", self)
+        return _codec.encode("prefill_result", self)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> PrefillResult:
-        return _unpack("prefill_result", cls, data)
+        return _codec.decode("prefill_result", cls, data)
 
 
 def layer_tag(transfer_id: int, layer: int, num_layers: int) -> int:
@@ -99,30 +81,25 @@ def layer_tag(transfer_id: int, layer: int, num_layers: int) -> int:
     return (transfer_id * (num_layers + 1) + layer) % (2**31 - 1)
 
 
-@dataclass
-class DecodeRequest:
+class DecodeRequest(msgspec.Struct, forbid_unknown_fields=True):
     """Frontend -> decode replica: what to generate (tokenized once, at the frontend)."""
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling: dict
+    sampling: dict[str, Any]
     layerwise: bool = True
     lease_s: float = 20.0
     deadline: float | None = None  # time.time() after which the request is abandoned
 
     def to_bytes(self) -> bytes:
-        return _pack("decode_request", self)
+        return _codec.encode("decode_request", self)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> DecodeRequest:
-        msg = _unpack("decode_request", cls, data)
-        if not isinstance(msg.prompt_token_ids, list) or not isinstance(msg.sampling, dict):
-            raise HandoffError("malformed decode request")
-        return msg
+        return _codec.decode("decode_request", cls, data)
 
 
-@dataclass
-class StreamChunk:
+class StreamChunk(msgspec.Struct, forbid_unknown_fields=True):
     """Decode replica -> frontend: the tokens and text produced since the last chunk."""
 
     request_id: str
@@ -133,16 +110,16 @@ class StreamChunk:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
-    logprobs: list[float] = field(default_factory=list)
+    logprobs: list[float] = msgspec.field(default_factory=list)
     prefill_replica: str | None = None
-    # Per token (with top_logprobs): [[token id, logprob], ...], most likely first.
-    top_logprobs: list = field(default_factory=list)
+    # Per token (with top_logprobs): [(token id, logprob), ...], most likely first.
+    top_logprobs: list[list[tuple[int, float]]] = msgspec.field(default_factory=list)
     stop_reason: int | str | None = None  # the stop token id or stop string, on the last chunk
     queue_seconds: float | None = None  # on the first chunk: time the prompt waited to be scheduled
 
     def to_bytes(self) -> bytes:
-        return _pack("stream_chunk", self)
+        return _codec.encode("stream_chunk", self)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> StreamChunk:
-        return _unpack("stream_chunk", cls, data)
+        return _codec.decode("stream_chunk", cls, data)

@@ -11,23 +11,19 @@ import asyncio
 import logging
 import time
 
-import torch
-
-from splitserve.engine.config import EngineConfig
 from splitserve.engine.core.scheduler import ScheduledBatch
-from splitserve.engine.core.sequence import SequenceStatus
-from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.kvtransfer.engine_worker import EngineWorker
 from splitserve.kvtransfer.handoff import Handoff, PrefillResult
 from splitserve.kvtransfer.kv_sender import KVSender, SendJob
-from splitserve.kvtransfer.transport import KVTransport, resolve_host
+from splitserve.kvtransfer.poll_reply import TransferTotals
 
 logger = logging.getLogger(__name__)
 
 
-class PrefillWorker:
+class PrefillWorker(EngineWorker):
     def __init__(
         self,
         replica_id: str,
@@ -36,31 +32,25 @@ class PrefillWorker:
         transfer_timeout_s: float = 20.0,
         torch_threads: int | None = None,
     ):
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
-        self.replica_id = replica_id
-        self.engine = LLMEngine(EngineConfig(**engine_config))
-        self.transport = KVTransport(
-            replica_id, self.engine.kv_cache.device, host=resolve_host(transport_host), timeout_s=transfer_timeout_s
-        )
+        super().__init__(replica_id, engine_config, transport_host, transfer_timeout_s, torch_threads)
         self.sender = KVSender(self.transport, self.engine.kv_cache)
         self._jobs: dict[str, SendJob] = {}
         self._send_indices: dict[str, list[int]] = {}
         self._pinned: dict[str, float] = {}  # request id -> lease deadline (loop thread)
         self.num_requests = 0
         self.num_failed_transfers = 0
-        self.loop = EngineLoop(self.engine, layer_hook=self._layer_hook, after_step=self._expire_leases).start()
+        self.num_blocks_sent = 0
+        self.start_loop(layer_hook=self._layer_hook, after_step=self._expire_leases)
 
     # ---- loop-thread hooks ---------------------------------------------------------------
     def _bind_blocks(self, job: SendJob) -> None:
-        seq = self.engine.scheduler.requests[job.request_id]
-        job.block_ids = [seq.block_table[i] for i in self._send_indices[job.request_id]]
+        job.block_ids = self.engine.prompt_block_ids(job.request_id, self._send_indices[job.request_id])
 
     def _layer_hook(self, batch: ScheduledBatch):
         completing = []
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            job = self._jobs.get(seq.request_id)
-            if job is not None and job.layerwise and seq.num_computed_tokens + num_new == seq.num_tokens:
+        for request_id in batch.request_ids_computing_last_token():
+            job = self._jobs.get(request_id)
+            if job is not None and job.layerwise:
                 self._bind_blocks(job)
                 completing.append(job)
         if not completing:
@@ -83,18 +73,15 @@ class PrefillWorker:
 
     def _release(self, engine: LLMEngine, request_id: str) -> None:
         self._pinned.pop(request_id, None)
-        seq = engine.scheduler.requests.get(request_id)
-        if seq is None:
-            return
-        if seq.status is SequenceStatus.PREFILLED:
-            engine.scheduler.release_prefilled(seq)
-        else:
-            engine.abort(request_id)
+        engine.release_prefilled(request_id)
+
+    def num_pinned(self) -> int:
+        return len(self._pinned)
+
+    def transfer_totals(self) -> TransferTotals:
+        return TransferTotals(self.num_blocks_sent, self.sender.total_bytes, self.sender.total_seconds)
 
     # ---- actor methods -------------------------------------------------------------------
-    async def ready(self) -> str:
-        return self.replica_id
-
     async def transport_address(self) -> tuple[str, int]:
         return self.transport.address
 
@@ -136,11 +123,12 @@ class PrefillWorker:
         finally:
             self._jobs.pop(rid, None)
             self._send_indices.pop(rid, None)
+        self.num_blocks_sent += len(job.block_ids)
         return PrefillResult(
             request_id=rid,
             first_token=out.new_token_ids[0],
             first_logprob=out.new_logprobs[0] if out.new_logprobs else None,
-            first_top_logprobs=[list(pair) for pair in out.new_top_logprobs[0]] if out.new_top_logprobs else [],
+            first_top_logprobs=out.new_top_logprobs[0] if out.new_top_logprobs else [],
             queue_seconds=out.queue_seconds or 0.0,
             num_cached_tokens=out.num_cached_tokens,
             num_blocks_sent=len(job.block_ids),
@@ -153,31 +141,12 @@ class PrefillWorker:
         """Decode has the blocks (or gave up): unpin them now instead of at lease expiry."""
         await asyncio.wrap_future(self.loop.call(lambda e: self._release(e, request_id)))
 
-    async def poll(self) -> dict:
-        """KV events since the last poll plus load figures, for the router."""
-
-        def collect(engine: LLMEngine) -> dict:
-            stats = engine.stats()
-            stats["num_pinned"] = len(self._pinned)
-            return {"events": [ev.to_wire() for ev in engine.kv.take_events()], "load": stats}
-
-        result = await asyncio.wrap_future(self.loop.call(collect))
-        result["transfer"] = {"bytes": self.sender.total_bytes, "seconds": self.sender.total_seconds}
-        return result
-
-    async def snapshot(self) -> tuple[int, list[int]]:
-        return await asyncio.wrap_future(self.loop.call(lambda e: e.kv.snapshot()))
-
     async def inject_fault(self, stall_send_s: float = 0.0, fail_sends: int = 0) -> None:
         """Chaos testing: stall every KV send by stall_send_s, or fail the next fail_sends."""
         self.sender.stall_s = stall_send_s
         self.sender.num_sends_to_fail = fail_sends
 
-    async def forget_peer(self, decode_id: str) -> None:
-        """The decode replica closed (or lost) its side of the pair: close ours too."""
-        await asyncio.to_thread(self.transport.close_pair, decode_id)
-
     async def shutdown(self) -> None:
         self.loop.stop()
-        self.sender.close()
-        self.transport.close()
+        self.sender.close()  # before the transport it sends on
+        await super().shutdown()

@@ -1,13 +1,24 @@
-"""`splitserve` command line: make-model, generate, serve, bench."""
+"""`splitserve` command line: make-model, generate, serve, and the commands other packages
+register under the `splitserve.commands` entry point group (bench/ registers `bench` in
+pyproject.toml), so the cluster never imports a layer above it."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from importlib.metadata import entry_points
+
+# Entry point group of extra subcommands: each names a function that takes the subparsers
+# action and adds its own parser (with `func` set), like add_serve_parser does.
+COMMAND_GROUP = "splitserve.commands"
+
+
+def add_registered_parsers(subparsers: argparse._SubParsersAction) -> None:
+    for entry_point in sorted(entry_points(group=COMMAND_GROUP), key=lambda point: point.name):
+        entry_point.load()(subparsers)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from splitserve.bench.cli import add_bench_parser
     from splitserve.cluster.cli.generate import add_generate_parser
     from splitserve.cluster.cli.serve import add_serve_parser
     from splitserve.engine.testing.make_model import add_make_model_parser
@@ -20,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_make_model_parser(subparsers)
     add_generate_parser(subparsers)
     add_serve_parser(subparsers)
-    add_bench_parser(subparsers)
+    add_registered_parsers(subparsers)
     return parser
 
 

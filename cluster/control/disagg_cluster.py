@@ -16,6 +16,7 @@ from splitserve.cluster.scaling.policy import initial_replicas
 from splitserve.decode.decode_worker import DecodeWorker
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.kvtransfer.handoff import StreamChunk
+from splitserve.kvtransfer.poll_reply import PollReply
 from splitserve.prefill.prefill_worker import PrefillWorker
 
 logger = logging.getLogger(__name__)
@@ -162,8 +163,8 @@ class DisaggCluster:
             "prefill_replica": last.prefill_replica,
         }
 
-    async def poll_replica(self, pool: str, replica_id: str) -> dict:
-        return await self.pools[pool].get(replica_id).handle.poll.remote()
+    async def poll_replica(self, pool: str, replica_id: str) -> PollReply:
+        return PollReply.from_bytes(await self.pools[pool].get(replica_id).handle.poll.remote())
 
     async def shutdown(self) -> None:
         await self.dispatcher.stop_polling()
@@ -175,10 +176,9 @@ async def _is_idle(replica: Replica) -> bool:
     """The replica runs, queues, streams and pins nothing (a dead one is idle: nothing is left
     to wait for)."""
     try:
-        state = await asyncio.wait_for(replica.handle.poll.remote(), 10)
+        data = await asyncio.wait_for(replica.handle.poll.remote(), 10)
     except ACTOR_GONE:
         return True
     except TimeoutError:
         return False
-    load = state["load"]
-    return not (load["num_running"] or load["num_waiting"] or load.get("num_active", 0) or load.get("num_pinned", 0))
+    return PollReply.from_bytes(data).is_idle

@@ -12,10 +12,12 @@ from collections.abc import AsyncIterator, Callable
 import ray
 
 from splitserve.cluster.control.worker_pool import Replica, WorkerPool
+from splitserve.cluster.routing.load import LoadReport
 from splitserve.cluster.routing.router import DECODE, PREFILL, NoReplicaError, Router
 from splitserve.decode.decode_worker import PrefillFailedError, ReplicaBusyError
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.kvtransfer.handoff import DecodeRequest, StreamChunk
+from splitserve.kvtransfer.poll_reply import PollReply
 
 logger = logging.getLogger(__name__)
 ACTOR_GONE = (ray.exceptions.RayActorError,)
@@ -53,7 +55,7 @@ class Dispatcher:
         lease_s: float = 20.0,
         request_timeout_s: float = 600.0,
         poll_interval_s: float = 0.1,
-        on_poll: Callable[[str, str, dict], None] | None = None,
+        on_poll: Callable[[str, str, PollReply], None] | None = None,
         idle_pair_s: float = 300.0,
     ):
         self.router = router
@@ -150,7 +152,7 @@ class Dispatcher:
     async def _poll_replica(self, pool: str, replica: Replica) -> None:
         rid = replica.replica_id
         try:
-            state = await asyncio.wait_for(replica.handle.poll.remote(), 10)
+            poll = PollReply.from_bytes(await asyncio.wait_for(replica.handle.poll.remote(), 10))
         except ACTOR_GONE:
             logger.warning("%s replica %s died; dropping it from routing", pool, rid)
             self.drop_replica(pool, rid)
@@ -158,23 +160,13 @@ class Dispatcher:
         except (TimeoutError, ray.exceptions.RayError) as exc:
             logger.warning("polling %s failed: %r", rid, exc)
             return
-        if not self.router.apply_events(pool, rid, state["events"]):
+        if not self.router.apply_events(pool, rid, poll.events):
             if rid in self.router.replicas_needing_resync(pool):
                 seq, hashes = await asyncio.wait_for(replica.handle.snapshot.remote(), 10)
                 self.router.resync(pool, rid, (seq, hashes))
-        load = state["load"]
-        self.router.update_load(
-            pool,
-            rid,
-            queued_prefill_tokens=load["num_waiting_tokens"],
-            # num_active (decode) counts every request the replica holds:
-            # running, waiting and in transfer; adding num_running double-counted.
-            num_running=max(load["num_running"], load.get("num_active", 0)),
-            kv_usage=load["kv_usage"],
-            num_waiting=load["num_waiting"],
-        )
+        self.router.update_load(pool, rid, LoadReport.from_poll(poll))
         if self.on_poll is not None:
-            self.on_poll(pool, rid, state)
+            self.on_poll(pool, rid, poll)
 
     async def close_idle_pairs(self, max_idle_s: float) -> None:
         """Decode replicas drop process groups idle for max_idle_s; their prefill peers follow."""

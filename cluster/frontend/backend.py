@@ -23,6 +23,7 @@ from splitserve.engine.io.request_validation import validate_prompt
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.kvtransfer.handoff import StreamChunk
+from splitserve.kvtransfer.poll_reply import PollReply
 
 logger = logging.getLogger(__name__)
 
@@ -183,8 +184,8 @@ class ServingBackend:
     def _on_route(self, decision) -> None:
         self.metrics.router_decisions.labels(decision.reason).inc()
 
-    def _on_poll(self, pool: str, replica_id: str, state: dict) -> None:
-        self.metrics.observe_poll(pool, replica_id, state)
+    def _on_poll(self, pool: str, replica_id: str, poll: PollReply) -> None:
+        self.metrics.observe_poll(pool, replica_id, poll)
         self._refresh_pool_gauges()
 
     def _refresh_pool_gauges(self) -> None:
@@ -193,7 +194,7 @@ class ServingBackend:
             ids = router.replica_ids(pool)
             loads = [router.load(pool, rid) for rid in ids]
             self.metrics.set_pool_totals(
-                pool, len(ids), sum(l.num_waiting for l in loads if l), sum(l.num_running for l in loads if l)
+                pool, len(ids), sum(l.report.num_waiting for l in loads), sum(l.report.num_running for l in loads)
             )
 
     def render_metrics(self) -> bytes:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from splitserve.kvtransfer.poll_reply import PollReply
+
 LATENCY_BUCKETS = (
     0.005,
     0.01,
@@ -106,21 +108,18 @@ class Metrics:
     def _bind(self, metric, labels: tuple[str, ...]):
         return _ModelLabeled(metric, self.model_name) if labels else metric.labels(self.model_name)
 
-    def observe_poll(self, pool: str, replica_id: str, state: dict) -> None:
+    def observe_poll(self, pool: str, replica_id: str, poll: PollReply) -> None:
         """Fold one replica poll into the gauges and the cumulative counters."""
-        load = state.get("load", {})
-        self.kv_usage.labels(pool, replica_id).set(load.get("kv_usage", 0.0))
-        num_preemptions = load.get("num_preemptions")
-        if num_preemptions is not None:
-            prev = self._last_preemptions.get((pool, replica_id), 0)
-            self.preemptions.labels(pool).inc(max(num_preemptions - prev, 0))
-            self._last_preemptions[(pool, replica_id)] = num_preemptions
-        transfer = state.get("transfer")
-        if pool == "decode" and transfer:
+        self.kv_usage.labels(pool, replica_id).set(poll.engine.kv_usage)
+        prev = self._last_preemptions.get((pool, replica_id), 0)
+        self.preemptions.labels(pool).inc(max(poll.engine.num_preemptions - prev, 0))
+        self._last_preemptions[(pool, replica_id)] = poll.engine.num_preemptions
+        if pool == "decode":
+            transfer = poll.transfer
             prev_bytes, prev_secs = self._last_transfer.get(replica_id, (0.0, 0.0))
-            self.transfer_bytes.inc(max(transfer["bytes"] - prev_bytes, 0))
-            self.transfer_seconds.inc(max(transfer["seconds"] - prev_secs, 0))
-            self._last_transfer[replica_id] = (transfer["bytes"], transfer["seconds"])
+            self.transfer_bytes.inc(max(transfer.num_bytes - prev_bytes, 0))
+            self.transfer_seconds.inc(max(transfer.seconds - prev_secs, 0))
+            self._last_transfer[replica_id] = (transfer.num_bytes, transfer.seconds)
 
     def observe_finished(self, finish_reason: str | None, num_prompt_tokens: int, num_output_tokens: int) -> None:
         """A request's last chunk arrived: count it by finish reason, record its sizes."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 
-from splitserve.engine.core.block_pool import REMOVED, STORED, KVEvent
+from splitserve.engine.core.kv_events import REMOVED, STORED, KVEvent
 
 ReplicaId = Hashable
 
@@ -90,7 +90,7 @@ class KVIndex:
 
     # ---- events --------------------------------------------------------------------------
     def apply_events(self, replica_id: ReplicaId, events: Sequence[KVEvent | list]) -> bool:
-        """Apply a replica's events in order (KVEvent or wire `[seq, kind, [hashes]]`).
+        """Apply a replica's events in order (KVEvent, or its plain form `[seq, kind, [hashes]]`).
 
         Returns False (and flags the replica for resync) on a seq gap or an unknown replica;
         events after the gap are not applied. Raises KVEventError on a malformed event.
@@ -104,13 +104,12 @@ class KVIndex:
         if entry.needs_resync:
             return False
         for event in events:
-            if isinstance(event, KVEvent):
-                seq, kind, hashes = event.seq, event.kind, event.block_hashes
-            else:
+            if not isinstance(event, KVEvent):
                 try:
-                    seq, kind, hashes = event
-                except (TypeError, ValueError):
-                    raise KVEventError(f"bad KV event {event!r}: want [seq, kind, hashes]") from None
+                    event = KVEvent.from_wire(event)
+                except ValueError as exc:
+                    raise KVEventError(f"bad KV event {event!r}: want [seq, kind, hashes] ({exc})") from None
+            seq, kind, hashes = event.seq, event.kind, event.block_hashes
             if seq <= entry.last_seq:
                 continue  # duplicate delivery
             if seq != entry.last_seq + 1:

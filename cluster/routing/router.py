@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from splitserve.cluster.config import RouterConfig
 from splitserve.cluster.routing.index import KVIndex
-from splitserve.cluster.routing.load import ReplicaLoad
+from splitserve.cluster.routing.load import LoadReport, ReplicaLoad
 from splitserve.engine.core.block_hash import hash_blocks
 
 PREFILL = "prefill"
@@ -123,21 +123,13 @@ class Router:
     def set_draining(self, pool: str, replica_id: Hashable, draining: bool) -> None:
         self._load(pool, replica_id).draining = draining
 
-    def update_load(
-        self,
-        pool: str,
-        replica_id: Hashable,
-        queued_prefill_tokens: int,
-        num_running: int,
-        kv_usage: float,
-        num_waiting: int = 0,
-    ) -> bool:
+    def update_load(self, pool: str, replica_id: Hashable, report: LoadReport) -> bool:
         """Take a load report. Returns False (ignored) for a replica no longer registered:
         a report can race with its removal."""
         load = self._pool(pool).get(replica_id)
         if load is None:
             return False
-        load.report(queued_prefill_tokens, num_running, kv_usage, num_waiting)
+        load.update(report)
         return True
 
     def apply_events(self, pool: str, replica_id: Hashable, events: Sequence) -> bool:
@@ -253,9 +245,9 @@ class Router:
         for load in cands:
             cached = min(matched.get(load.replica_id, 0) * bs, max_cached) if matched else 0
             cost = (
-                qw * (load.queued_prefill_tokens + load.pending_tokens)
-                + rw * (load.num_running + load.pending_requests)
-                + kvw * load.kv_usage
+                qw * load.effective_queued_tokens
+                + rw * load.effective_running
+                + kvw * load.report.kv_usage
                 + (num_tokens - cached)
                 - pw * cached
             )
@@ -288,7 +280,7 @@ class Router:
         costs = [
             cfg.queue_weight * load.effective_queued_tokens
             + cfg.running_weight * load.effective_running
-            + kvw * load.kv_usage
+            + kvw * load.report.kv_usage
             for load in cands
         ]
         best = min(costs)

@@ -30,7 +30,6 @@ from splitserve.cluster.scaling.policy import (
     MetricsSnapshot,
     PoolScalingPolicy,
     PrefillScalingPolicy,
-    ReplicaLoadSample,
     ScalingDecision,
 )
 
@@ -136,9 +135,7 @@ class Autoscaler:
         return MetricsSnapshot(
             taken_at=min((l.updated_at for l in loads), default=now),
             num_replicas=len(loads),
-            loads=tuple(
-                ReplicaLoadSample(l.queued_prefill_tokens, l.num_running, l.num_waiting, l.kv_usage) for l in loads
-            ),
+            loads=tuple(l.report for l in loads),
             ttft_p90_ms=latency if pool == PREFILL else None,
             itl_p90_ms=latency if pool == DECODE else None,
         )
@@ -220,9 +217,9 @@ class Autoscaler:
         def drain_cost(rid) -> tuple:
             load = router.load(pool, rid)
             return (
-                load.num_running + load.num_waiting + load.pending_requests,
-                load.queued_prefill_tokens + load.pending_tokens,
-                load.kv_usage,
+                load.report.num_running + load.report.num_waiting + load.pending_requests,
+                load.effective_queued_tokens,
+                load.report.kv_usage,
             )
 
         return sorted(ids, key=drain_cost)[:num]

@@ -21,26 +21,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from splitserve.cluster.config import AutoscalingConfig, DecodeAutoscalingConfig, PrefillAutoscalingConfig
+from splitserve.cluster.routing.load import LoadReport
 
 Action = Literal["up", "down", "hold"]
 # "Well under target": utilisation below this fraction of its target allows a scale-down.
 DOWNSCALE_FRACTION = 0.5
-
-
-@dataclass(frozen=True)
-class ReplicaLoadSample:
-    """One replica's load as the router last saw it."""
-
-    queued_prefill_tokens: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_usage: float = 0.0
-
-    def __post_init__(self) -> None:
-        if min(self.queued_prefill_tokens, self.num_running, self.num_waiting) < 0:
-            raise ValueError("load counts must be >= 0")
-        if not 0.0 <= self.kv_usage <= 1.0:
-            raise ValueError(f"kv_usage must be in [0, 1], got {self.kv_usage}")
 
 
 @dataclass(frozen=True)
@@ -53,7 +38,7 @@ class MetricsSnapshot:
 
     taken_at: float
     num_replicas: int
-    loads: tuple[ReplicaLoadSample, ...] = ()
+    loads: tuple[LoadReport, ...] = ()
     ttft_p90_ms: float | None = None
     itl_p90_ms: float | None = None
 

@@ -9,28 +9,12 @@ drain them with take_events() and resync from snapshot() when they see a gap.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 
-STORED = "stored"
-REMOVED = "removed"
+from splitserve.engine.core.kv_events import REMOVED, STORED, KVEvent
 
 
 class NoFreeBlocksError(RuntimeError):
     """Asked for more blocks than the pool has free."""
-
-
-@dataclass(frozen=True)
-class KVEvent:
-    seq: int  # per-pool sequence number, consecutive from 1
-    kind: str  # STORED or REMOVED
-    block_hashes: tuple[int, ...]
-
-    def to_wire(self) -> list:
-        return [self.seq, self.kind, list(self.block_hashes)]
-
-    @classmethod
-    def from_wire(cls, raw: list) -> KVEvent:
-        return cls(int(raw[0]), str(raw[1]), tuple(int(h) for h in raw[2]))
 
 
 class BlockPool:

@@ -5,7 +5,8 @@ Pure integers (it owns the BlockPool); the model runner turns block tables into 
 
 from __future__ import annotations
 
-from splitserve.engine.core.block_pool import BlockPool, KVEvent
+from splitserve.engine.core.block_pool import BlockPool
+from splitserve.engine.core.kv_events import KVEvent
 from splitserve.engine.core.sequence import Sequence
 
 

@@ -31,6 +31,15 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    def request_ids_computing_last_token(self) -> list[str]:
+        """Requests whose every token is computed once this step ran: a prompt's final chunk,
+        or a decode step (the prefill worker sends a prompt's KV as its final chunk computes)."""
+        return [
+            seq.request_id
+            for seq, num_new in zip(self.seqs, self.num_new_tokens)
+            if seq.num_computed_tokens + num_new == seq.num_tokens
+        ]
+
 
 class Scheduler:
     def __init__(

@@ -15,19 +15,18 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from splitserve.bench.arrivals import (  # noqa: E402
-    LoadPoint,
     apply_load,
     build_load_points,
     parse_concurrencies,
     parse_rates,
     poisson_arrival_offsets,
 )
-from splitserve.bench.bench_request import BenchRequest, WorkloadError  # noqa: E402
 from splitserve.bench.cli import add_bench_parser, run_bench  # noqa: E402
-from splitserve.bench.client import BenchClient, ClientOptions  # noqa: E402
+from splitserve.bench.client import BenchClient, PromptTextRenderer, token_id_to_word  # noqa: E402
 from splitserve.bench.managed_server import ManagedServer, ServerStartError, _group_has_live_members  # noqa: E402
 from splitserve.bench.metrics import (  # noqa: E402
     LatencySummary,
@@ -39,10 +38,17 @@ from splitserve.bench.metrics import (  # noqa: E402
     slo_attainment,
 )
 from splitserve.bench.metrics_scraper import parse_replica_values  # noqa: E402
-from splitserve.bench.prompt_text import PromptTextRenderer, token_id_to_word  # noqa: E402
-from splitserve.bench.request_record import DEADLINE_ERROR, RequestRecord  # noqa: E402
-from splitserve.bench.run_result import RunResult  # noqa: E402
-from splitserve.bench.server_config import ServerConfig, ServerConfigError  # noqa: E402
+from splitserve.bench.records import (  # noqa: E402
+    DEADLINE_ERROR,
+    BenchRequest,
+    ClientOptions,
+    LoadPoint,
+    RequestRecord,
+    RunResult,
+    ServerConfig,
+    ServerConfigError,
+    WorkloadError,
+)
 from splitserve.bench.trace_workload import TraceWorkload, load_mooncake_trace  # noqa: E402
 from splitserve.bench.workloads import (  # noqa: E402
     MixedLengthWorkload,
@@ -72,10 +78,9 @@ def _common_prefix_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
 
 def _pid_alive(pid: int) -> bool:
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 # ----------------------------------------------------------------------------- workloads

@@ -10,6 +10,7 @@ import uvicorn
 
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.control.disagg_cluster import DisaggCluster
+from splitserve.kvtransfer.poll_reply import PollReply
 
 
 class LoopThread:
@@ -56,29 +57,29 @@ def start_cluster(loop: LoopThread, cfg: ServeConfig) -> DisaggCluster:
     return cluster
 
 
-def pool_states(loop: LoopThread, cluster: DisaggCluster) -> dict[str, dict]:
+def pool_states(loop: LoopThread, cluster: DisaggCluster) -> dict[str, PollReply]:
     async def collect():
         out = {}
         for pool in (cluster.prefill_pool, cluster.decode_pool):
             for r in pool.live_replicas():
-                out[r.replica_id] = await r.handle.poll.remote()
+                out[r.replica_id] = PollReply.from_bytes(await r.handle.poll.remote())
         return out
 
     return loop.run(collect(), timeout=30)
 
 
-def wait_for_baseline(loop: LoopThread, cluster: DisaggCluster, timeout_s: float = 15.0) -> dict:
+def wait_for_baseline(loop: LoopThread, cluster: DisaggCluster, timeout_s: float = 15.0) -> dict[str, PollReply]:
     """Poll until every live replica holds no blocks, pins nothing and runs nothing."""
     deadline = time.monotonic() + timeout_s
     while True:
         states = pool_states(loop, cluster)
         busy = {
-            rid: s["load"]
+            rid: s
             for rid, s in states.items()
-            if s["load"]["num_free_blocks"] != s["load"]["num_blocks"]
-            or s["load"].get("num_pinned", 0)
-            or s["load"]["num_running"]
-            or s["load"]["num_waiting"]
+            if s.engine.num_free_blocks != s.engine.num_blocks
+            or s.num_pinned
+            or s.engine.num_running
+            or s.engine.num_waiting
         }
         if not busy:
             return states

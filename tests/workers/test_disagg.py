@@ -14,6 +14,7 @@ from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.kvtransfer.poll_reply import PollReply
 from tests.helpers.cluster import cluster_config, start_cluster, wait_for_baseline
 
 pytestmark = pytest.mark.ray
@@ -61,14 +62,14 @@ def test_delta_transfer_sends_only_missing_blocks(loop, cluster_1p1d):
     first = shared + [11, 12, 13, 14, 15]
     second = shared + list(range(200, 200 + BS + 4))  # same prefix, 2 more blocks
     run_all(loop, cluster_1p1d, [first])
-    before = ray.get(decode.poll.remote())["transfer"]
+    before = PollReply.from_bytes(ray.get(decode.poll.remote())).transfer
     run_all(loop, cluster_1p1d, [second])
-    after = ray.get(decode.poll.remote())["transfer"]
+    after = PollReply.from_bytes(ray.get(decode.poll.remote())).transfer
     num_blocks = -(-len(second) // BS) - 3
-    assert after["blocks"] - before["blocks"] == num_blocks
+    assert after.num_blocks - before.num_blocks == num_blocks
     kv = cluster_1p1d.decode_pool.engine_config
     bytes_per_block = 2 * 2 * BS * 2 * 16 * 4  # layers * (K,V) * block * kv_heads * head_dim * fp32
-    assert after["bytes"] - before["bytes"] == num_blocks * bytes_per_block
+    assert after.num_bytes - before.num_bytes == num_blocks * bytes_per_block
     assert kv["block_size"] == BS
     wait_for_baseline(loop, cluster_1p1d)
 
@@ -105,10 +106,10 @@ def test_decode_killed_mid_transfer_fails_fast_and_frees_prefill_blocks(ray_clus
         ray.get(prefill.inject_fault.remote(stall_send_s=0.0))
         deadline = time.monotonic() + 10
         while True:
-            load = ray.get(prefill.poll.remote())["load"]
-            if load["num_free_blocks"] == load["num_blocks"] and not load["num_pinned"]:
+            poll = PollReply.from_bytes(ray.get(prefill.poll.remote()))
+            if poll.engine.num_free_blocks == poll.engine.num_blocks and not poll.num_pinned:
                 break
-            assert time.monotonic() < deadline, f"prefill blocks not freed: {load}"
+            assert time.monotonic() < deadline, f"prefill blocks not freed: {poll}"
             time.sleep(0.2)
         deadline = time.monotonic() + 10
         while "decode-0" in cluster.router.replica_ids(DECODE):

@@ -12,7 +12,7 @@ declare -A CMD=([splitserve-1t]="$SS --decode-num-cpus 1" [vllm-1t]="$VL"
                 [splitserve-2t]="$SS --decode-num-cpus 2" [vllm-2t]="VLLM_CPU_OMP_THREADS_BIND=0-1 $VL")
 for name in splitserve-1t vllm-1t splitserve-2t vllm-2t; do
   echo "== $name $(date +%T) $(cut -d' ' -f1-3 /proc/loadavg)"
-  .venv/bin/python -m bench.process_cpu_profile --out "$OUT/profile-c32-$name.cpu.md" \
+  .venv/bin/python -m splitserve.bench.process_cpu_profile --out "$OUT/profile-c32-$name.cpu.md" \
     --server "${CMD[$name]}" --server-log "/tmp/profile-c32-$name.server.log" -- \
     .venv/bin/splitserve bench --url {url} --workload mixed --num-requests 96 --short-len 128 --long-fraction 0 \
       --length-jitter 0 --max-tokens 128 --vocab-range 10:2000 --ignore-eos --concurrency 32 --no-progress \

@@ -27,7 +27,7 @@ for ((rep = 0; rep < REPEATS; rep++)); do
     # repeat 1 swaps each pair's order: vllm-2t, splitserve-2t, vllm-1t, splitserve-1t
     name=${ORDER[$(( rep % 2 == 0 ? i : i ^ 1 ))]}
     echo "== repeat $rep $name $(date +%T) $(cut -d' ' -f1-3 /proc/loadavg)"
-    .venv/bin/python -m bench.process_cpu_profile --out "$OUT/rep$rep-$name.cpu.md" -- \
+    .venv/bin/python -m splitserve.bench.process_cpu_profile --out "$OUT/rep$rep-$name.cpu.md" -- \
       .venv/bin/splitserve bench $BENCH --seed "$rep" --out "$OUT/rep$rep-$name" --compare "$name=${CMD[$name]}"
   done
 done

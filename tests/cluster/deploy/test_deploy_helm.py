@@ -1,7 +1,8 @@
 """Deployment on Kubernetes: the Helm chart in helm/splitserve/ (a KubeRay RayService).
 
 Everything runs offline: Helm's Go SDK through helm-python-sdk (no helm binary), the KubeRay
-CRDs in ../shared/crds and kubernetes-validate. Each test runs for the chart's default values
+CRDs from $SPLITSERVE_CRD_DIR (default ../shared/crds; the CRD checks skip without them, or fail
+under SPLITSERVE_REQUIRE_CRDS=1) and kubernetes-validate. Each test runs for the chart's default values
 and for every helm/splitserve/ci/*.yaml.
 """
 
@@ -60,34 +61,58 @@ def test_helm_lint_strict(name):
 
 @pytest.mark.parametrize("name", VALUE_SETS)
 def test_rendered_objects_validate(name):
+    """Every object of a core kind, and every Ray pod template, against the Kubernetes schemas
+    (needs no CRDs, so it runs on a fresh clone too)."""
     objects = all_objects_of(name)
     kinds = sorted(o["kind"] for o in objects)
     assert {"RayService", "Service"} <= set(kinds)
     for obj in objects:
         if obj["apiVersion"] == "ray.io/v1":
-            crd_validator(obj["kind"]).validate(obj)
-        elif obj["kind"] == "ServiceMonitor":
+            continue  # test_ray_objects_validate_against_the_kuberay_crds
+        if obj["kind"] == "ServiceMonitor":
             assert obj["apiVersion"] == "monitoring.coreos.com/v1"  # checked further below
         else:
             kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
     ray_service = ray_service_of(name)
     # KubeRay wants a DNS-1035 label and derives longer names (Services, RayClusters) from it.
     assert re.fullmatch(r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?", ray_service["metadata"]["name"])
-    # The embedded cluster is a valid RayCluster spec too, and its pod templates valid pods.
-    crd_validator("RayCluster").validate(
-        {
-            "apiVersion": "ray.io/v1",
-            "kind": "RayCluster",
-            "metadata": {"name": "check"},
-            "spec": ray_service["spec"]["rayClusterConfig"],
-        }
-    )
     for group, template in deploy.iter_ray_pod_templates(ray_service):
         kubernetes_validate.validate(
             {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": group}, "template": template},
             KUBE_VERSION,
             strict=True,
         )
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_ray_objects_validate_against_the_kuberay_crds(name):
+    """ray.io objects against the strict KubeRay CRD schemas (skips without the CRDs, see
+    tests/helpers/deploy.py)."""
+    ray_objects = [o for o in all_objects_of(name) if o["apiVersion"] == "ray.io/v1"]
+    assert ray_objects
+    for obj in ray_objects:
+        crd_validator(obj["kind"]).validate(obj)
+    # The embedded cluster is a valid RayCluster spec too.
+    crd_validator("RayCluster").validate(
+        {
+            "apiVersion": "ray.io/v1",
+            "kind": "RayCluster",
+            "metadata": {"name": "check"},
+            "spec": ray_service_of(name)["spec"]["rayClusterConfig"],
+        }
+    )
+
+
+def test_missing_crds_skip_with_the_file_named_or_fail_when_required(monkeypatch, tmp_path):
+    monkeypatch.setattr(deploy, "CRD_DIR", tmp_path)
+    monkeypatch.delenv("SPLITSERVE_REQUIRE_CRDS", raising=False)
+    with pytest.raises(pytest.skip.Exception, match=r"ray\.io_rayservices\.yaml not found.*SPLITSERVE_CRD_DIR"):
+        deploy.crd_path("RayService")
+    monkeypatch.setenv("SPLITSERVE_REQUIRE_CRDS", "1")
+    with pytest.raises(pytest.fail.Exception, match=r"ray\.io_rayclusters\.yaml not found.*REQUIRE_CRDS=1"):
+        deploy.crd_path("RayCluster")
+    (tmp_path / "ray.io_rayclusters.yaml").write_text("kind: CustomResourceDefinition\n")
+    assert deploy.crd_path("RayCluster") == tmp_path / "ray.io_rayclusters.yaml"
 
 
 def test_crd_validation_catches_typos():

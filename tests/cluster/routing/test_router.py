@@ -11,6 +11,7 @@ import pytest
 
 from splitserve.cluster.config import RouterConfig
 from splitserve.cluster.routing.index import KVEventError, KVIndex
+from splitserve.cluster.routing.load import LoadReport
 from splitserve.cluster.routing.router import (
     DECODE,
     PREFILL,
@@ -20,7 +21,8 @@ from splitserve.cluster.routing.router import (
     UnknownReplicaError,
 )
 from splitserve.engine.core.block_hash import hash_blocks
-from splitserve.engine.core.block_pool import BlockPool, KVEvent
+from splitserve.engine.core.block_pool import BlockPool
+from splitserve.engine.core.kv_events import KVEvent
 
 REPO = Path(__file__).resolve().parents[3]
 BS = 4  # block size: tiny prompts
@@ -160,8 +162,8 @@ def test_kv_policy_prefers_the_prefix_holder_under_similar_load():
     router = _router()
     tokens = _tokens(1, 8)
     _store(router, PREFILL, "p1", hash_blocks(tokens, BS))
-    router.update_load(PREFILL, "p0", 0, 1, 0.1)
-    router.update_load(PREFILL, "p1", 16, 1, 0.1)  # slightly busier, but holds the prefix
+    router.update_load(PREFILL, "p0", LoadReport(0, 1, 0.1))
+    router.update_load(PREFILL, "p1", LoadReport(16, 1, 0.1))  # slightly busier, but holds the prefix
     decision = router.route(tokens)
     assert decision.prefill_replica == "p1"
     assert decision.reason == "kv-prefix"
@@ -173,7 +175,7 @@ def test_kv_policy_sends_to_idle_replica_when_holder_is_overloaded():
     router = _router(queue_weight=1.0, prefix_weight=1.0)
     tokens = _tokens(2, 8)  # 32 tokens
     _store(router, PREFILL, "p1", hash_blocks(tokens, BS))
-    router.update_load(PREFILL, "p1", 5000, 8, 0.9)
+    router.update_load(PREFILL, "p1", LoadReport(5000, 8, 0.9))
     decision = router.route(tokens)
     assert decision.prefill_replica == "p0"
     assert decision.reason == "load-over-prefix"
@@ -181,7 +183,7 @@ def test_kv_policy_sends_to_idle_replica_when_holder_is_overloaded():
     # A large enough prefix_weight makes the same holder win again.
     router = _router(queue_weight=1.0, prefix_weight=1000.0)
     _store(router, PREFILL, "p1", hash_blocks(tokens, BS))
-    router.update_load(PREFILL, "p1", 5000, 8, 0.9)
+    router.update_load(PREFILL, "p1", LoadReport(5000, 8, 0.9))
     assert router.route(tokens).prefill_replica == "p1"
 
 
@@ -194,7 +196,7 @@ def test_decode_choice_uses_overlap_and_load():
     assert decision.decode_cached_tokens == 24
     assert decision.num_transfer_tokens == 8
     # A nearly full decode cache costs more than the overlap saves.
-    router.update_load(DECODE, "d2", 0, 30, 0.99)
+    router.update_load(DECODE, "d2", LoadReport(0, 30, 0.99))
     assert router.route(tokens).decode_replica in {"d0", "d1"}
 
 
@@ -210,7 +212,7 @@ def test_burst_of_identical_requests_spreads_without_herding():
     assert all(20 <= n <= 30 for n in spread.values()), spread
     assert all(20 <= n <= 30 for n in decode_spread.values()), decode_spread
     # A load report clears the optimistic accounting.
-    router.update_load(PREFILL, "p0", 0, 0, 0.0)
+    router.update_load(PREFILL, "p0", LoadReport(0, 0, 0.0))
     assert router.load(PREFILL, "p0").pending_tokens == 0
 
 
@@ -254,9 +256,9 @@ def test_least_loaded_picks_lowest_load_and_ignores_prefix():
     router = _router("least-loaded", num_prefill=3)
     tokens = _tokens(9, 8)
     _store(router, PREFILL, "p0", hash_blocks(tokens, BS))
-    router.update_load(PREFILL, "p0", 100, 0, 0.0)
-    router.update_load(PREFILL, "p1", 0, 1, 0.0)  # 64 with running_weight 64
-    router.update_load(PREFILL, "p2", 500, 0, 0.0)
+    router.update_load(PREFILL, "p0", LoadReport(100, 0, 0.0))
+    router.update_load(PREFILL, "p1", LoadReport(0, 1, 0.0))  # 64 with running_weight 64
+    router.update_load(PREFILL, "p2", LoadReport(500, 0, 0.0))
     decision = router.route(tokens)
     assert decision.prefill_replica == "p1" and decision.reason == "least-loaded"
     assert decision.prefill_cached_tokens == 0
@@ -304,7 +306,7 @@ def test_remove_replica_drops_index_entries_and_load():
     router.remove_replica(PREFILL, "p1")
     assert "p1" not in router.index(PREFILL)
     assert router.index(PREFILL).prefix_match(hash_blocks(tokens, BS)) == {}
-    assert not router.update_load(PREFILL, "p1", 0, 0, 0.0)  # late report: ignored
+    assert not router.update_load(PREFILL, "p1", LoadReport(0, 0, 0.0))  # late report: ignored
     assert not router.apply_events(PREFILL, "p1", [[2, "stored", [1]]])
     assert router.replicas_needing_resync(PREFILL) == []
     with pytest.raises(UnknownReplicaError):
@@ -330,7 +332,7 @@ def test_route_input_validation():
     with pytest.raises(ValueError):
         router.route([])
     with pytest.raises(ValueError):
-        router.update_load(PREFILL, "p0", 0, 0, 1.5)
+        router.update_load(PREFILL, "p0", LoadReport(0, 0, 1.5))
     with pytest.raises(ValueError):
         router.add_replica("middle", "x")
     decision = router.route(block_hashes=hash_blocks(_tokens(1, 2), BS), num_prompt_tokens=9)

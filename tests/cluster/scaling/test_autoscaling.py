@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from splitserve.bench.autoscale_load import ClosedLoopLoad
 from splitserve.cluster.config import DecodeAutoscalingConfig, PrefillAutoscalingConfig, ServeConfig
 from splitserve.cluster.frontend.metrics import Metrics
+from splitserve.cluster.routing.load import LoadReport
 from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.cluster.scaling.autoscaler import Autoscaler
 from splitserve.cluster.scaling.latency_window import LatencyWindow
@@ -19,7 +20,6 @@ from splitserve.cluster.scaling.policy import (
     DecodeScalingPolicy,
     MetricsSnapshot,
     PrefillScalingPolicy,
-    ReplicaLoadSample,
     initial_replicas,
 )
 from splitserve.engine.io.sampling_params import SamplingParams
@@ -53,11 +53,11 @@ DECODE_CFG = DecodeAutoscalingConfig(
 
 
 def prefill_snap(t, n, queued_each=0, ttft=None) -> MetricsSnapshot:
-    return MetricsSnapshot(t, n, [ReplicaLoadSample(queued_prefill_tokens=queued_each)] * n, ttft_p90_ms=ttft)
+    return MetricsSnapshot(t, n, [LoadReport(queued_prefill_tokens=queued_each)] * n, ttft_p90_ms=ttft)
 
 
 def decode_snap(t, n, running_each=0, kv=0.0, itl=None) -> MetricsSnapshot:
-    return MetricsSnapshot(t, n, [ReplicaLoadSample(num_running=running_each, kv_usage=kv)] * n, itl_p90_ms=itl)
+    return MetricsSnapshot(t, n, [LoadReport(num_running=running_each, kv_usage=kv)] * n, itl_p90_ms=itl)
 
 
 def run_policy(policy, snaps_at):
@@ -174,7 +174,7 @@ def test_policy_rejects_the_other_pools_config():
     with pytest.raises(TypeError):
         PrefillScalingPolicy(DECODE_CFG)
     with pytest.raises(ValueError):
-        ReplicaLoadSample(kv_usage=1.5)
+        LoadReport(kv_usage=1.5)
 
 
 def test_latency_window_percentile_respects_window_and_since():

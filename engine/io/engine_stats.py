@@ -1,0 +1,20 @@
+"""EngineStats: what LLMEngine.stats() reports (pure data, no torch).
+
+A msgspec Struct, so a replica's poll reply (splitserve.kvtransfer.poll_reply) carries it as is.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class EngineStats(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    num_free_blocks: int  # KV blocks nobody holds (cached ones included: they are evictable)
+    num_blocks: int  # KV blocks in the pool
+    kv_usage: float  # fraction of KV blocks held, 0..1
+    num_running: int  # requests in the running batch
+    num_waiting: int  # requests queued, not yet running
+    num_waiting_tokens: int  # tokens the waiting requests still have to prefill
+    num_preemptions: int  # since start
+    num_computed_prompt_tokens: int  # prompt tokens computed since start (prefix-cache hits excluded)
+    num_prefix_hit_tokens: int  # prompt tokens served from the prefix cache since start

@@ -1,0 +1,84 @@
+"""EngineWorker: what a prefill and a decode replica share -- an LLMEngine run by an EngineLoop
+thread, a KVTransport for the pairs with the other pool, and the control methods the ingress
+calls on every replica (ready, poll, snapshot, forget_peer, shutdown).
+
+Plain classes: cluster/control/worker_pool.py wraps PrefillWorker and DecodeWorker with
+ray.remote, which exposes these inherited async methods as actor methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine_loop import EngineLoop
+from splitserve.engine.llm_engine import LayerHookFactory, LLMEngine
+from splitserve.kvtransfer.poll_reply import PollReply, TransferTotals
+from splitserve.kvtransfer.rendezvous import resolve_host
+from splitserve.kvtransfer.transport import KVTransport
+
+
+class EngineWorker:
+    def __init__(
+        self,
+        replica_id: str,
+        engine_config: dict,
+        transport_host: str = "127.0.0.1",
+        transfer_timeout_s: float = 20.0,
+        torch_threads: int | None = None,
+    ):
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        self.replica_id = replica_id
+        self.engine = LLMEngine(EngineConfig(**engine_config))
+        self.transport = KVTransport(
+            replica_id, self.engine.device, host=resolve_host(transport_host), timeout_s=transfer_timeout_s
+        )
+        self.transfer_timeout_s = transfer_timeout_s
+        self.num_active = 0  # see PollReply.num_active
+        self.loop: EngineLoop | None = None
+
+    def start_loop(self, layer_hook: LayerHookFactory | None = None, after_step=None) -> None:
+        """Start the engine thread; a subclass calls it once its own state (which the hooks
+        read) exists."""
+        self.loop = EngineLoop(self.engine, layer_hook=layer_hook, after_step=after_step).start()
+
+    # ---- what a subclass reports ---------------------------------------------------------
+    def num_pinned(self) -> int:
+        """Loop thread: requests whose blocks wait for a peer (see PollReply.num_pinned)."""
+        return 0
+
+    def transfer_totals(self) -> TransferTotals:
+        return TransferTotals()
+
+    # ---- actor methods -------------------------------------------------------------------
+    async def ready(self) -> str:
+        return self.replica_id
+
+    async def poll(self) -> bytes:
+        """KV events since the last poll plus load figures, for the router: a PollReply."""
+
+        def collect(engine: LLMEngine):
+            return engine.take_events(), engine.stats(), self.num_pinned()
+
+        events, stats, num_pinned = await asyncio.wrap_future(self.loop.call(collect))
+        return PollReply(
+            events=events,
+            engine=stats,
+            num_pinned=num_pinned,
+            num_active=self.num_active,
+            transfer=self.transfer_totals(),
+        ).to_bytes()
+
+    async def snapshot(self) -> tuple[int, list[int]]:
+        return await asyncio.wrap_future(self.loop.call(lambda engine: engine.snapshot()))
+
+    async def forget_peer(self, peer_id: str) -> None:
+        """The peer replica left, or closed its side of the pair: close ours too."""
+        await asyncio.to_thread(self.transport.close_pair, peer_id)
+
+    async def shutdown(self) -> None:
+        self.loop.stop()
+        self.transport.close()

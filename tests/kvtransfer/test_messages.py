@@ -1,0 +1,124 @@
+"""The typed control messages (msgspec Structs, versioned msgpack): every message round-trips,
+and malformed, foreign or unknown-version input is refused with a clear error, never pickled."""
+
+from __future__ import annotations
+
+import pickle
+
+import msgspec
+import pytest
+
+from splitserve.engine.core.block_pool import BlockPool
+from splitserve.engine.core.kv_events import REMOVED, STORED, KVEvent
+from splitserve.engine.io.engine_stats import EngineStats
+from splitserve.kvtransfer.handoff import (
+    HANDOFF_VERSION,
+    DecodeRequest,
+    Handoff,
+    HandoffError,
+    PrefillResult,
+    StreamChunk,
+)
+from splitserve.kvtransfer.message_codec import MessageError
+from splitserve.kvtransfer.poll_reply import POLL_VERSION, PollReply, TransferTotals
+
+STATS = EngineStats(
+    num_free_blocks=60,
+    num_blocks=64,
+    kv_usage=4 / 64,
+    num_running=1,
+    num_waiting=2,
+    num_waiting_tokens=40,
+    num_preemptions=0,
+    num_computed_prompt_tokens=100,
+    num_prefix_hit_tokens=16,
+)
+
+
+def _messages():
+    return [
+        Handoff("r", [1, 2, 3, 4, 5], {"temperature": 0.0}, 4, "p0", "d0", [1], 7, epoch=2, deadline=1e9),
+        PrefillResult("r", 42, -0.5, 4, 1, 1024, 0.01, 0.002, extra={"entered_at": 1.5}),
+        DecodeRequest("r", [1, 2], {"max_tokens": 3}, layerwise=False),
+        StreamChunk("r", [5, 6], "ab", True, "length", 2, 0, 2, logprobs=[-0.1, -0.2], prefill_replica="p0"),
+        PollReply([KVEvent(1, STORED, (1, 2**64 - 1)), KVEvent(2, REMOVED, (1,))], STATS, 1, 0, TransferTotals()),
+    ]
+
+
+def _envelope(v, kind, body) -> bytes:
+    return msgspec.msgpack.encode({"v": v, "kind": kind, "body": body})
+
+
+@pytest.mark.parametrize("msg", _messages(), ids=lambda m: type(m).__name__)
+def test_round_trip(msg):
+    assert type(msg).from_bytes(msg.to_bytes()) == msg
+
+
+def test_poll_reply_events_are_typed_and_the_wire_is_compact():
+    poll = PollReply.from_bytes(_messages()[-1].to_bytes())
+    assert all(isinstance(e, KVEvent) for e in poll.events)
+    assert poll.events[0].block_hashes == (1, 2**64 - 1)
+    raw = msgspec.msgpack.decode(poll.to_bytes())
+    assert raw["v"] == POLL_VERSION and raw["kind"] == "poll_reply"
+    assert raw["body"]["events"][0] == [1, "stored", [1, 2**64 - 1]]  # an event is an array
+    # Every field is present for both pools.
+    assert set(raw["body"]) == {"events", "engine", "num_pinned", "num_active", "transfer"}
+    assert not poll.is_idle  # running, waiting and pinned
+    idle_stats = msgspec.structs.replace(STATS, num_running=0, num_waiting=0)
+    assert PollReply([], idle_stats, 0, 0, TransferTotals()).is_idle
+    assert not PollReply([], idle_stats, 0, 1, TransferTotals()).is_idle
+
+
+def test_block_pool_events_survive_the_poll_wire():
+    pool = BlockPool(num_blocks=4)
+    blocks = pool.allocate(2)
+    pool.cache_blocks(blocks, [11, 2**64 - 1])
+    pool.free(blocks)
+    pool.allocate(4)  # evicts both
+    events = pool.take_events()
+    poll = PollReply.from_bytes(PollReply(events, STATS, 0, 0, TransferTotals()).to_bytes())
+    assert poll.events == events
+    assert [KVEvent.from_wire(e.to_wire()) for e in events] == events
+
+
+@pytest.mark.parametrize("cls", [Handoff, PrefillResult, DecodeRequest, StreamChunk])
+def test_handoff_messages_refuse_bad_input(cls):
+    good = next(m for m in _messages() if type(m) is cls)
+    kind = msgspec.msgpack.decode(good.to_bytes())["kind"]
+    body = msgspec.msgpack.decode(good.to_bytes())["body"]
+    with pytest.raises(HandoffError, match="version 2"):
+        cls.from_bytes(_envelope(HANDOFF_VERSION + 1, kind, body))
+    with pytest.raises(HandoffError, match=f"expected a {kind} message"):
+        cls.from_bytes(_envelope(HANDOFF_VERSION, "something_else", body))
+    with pytest.raises(HandoffError, match="unknown field"):
+        cls.from_bytes(_envelope(HANDOFF_VERSION, kind, {**body, "surprise": 1}))
+    with pytest.raises(HandoffError, match="malformed"):
+        cls.from_bytes(_envelope(HANDOFF_VERSION, kind, {**body, "request_id": 5}))
+    with pytest.raises(HandoffError, match="not a msgpack"):
+        cls.from_bytes(pickle.dumps(good))
+    with pytest.raises(HandoffError, match="not a msgpack"):
+        cls.from_bytes(b"\xdd\xff\xff\xff\xff")  # an array header claiming 4G items
+    assert issubclass(HandoffError, MessageError) and issubclass(MessageError, ValueError)
+
+
+def test_poll_reply_refuses_bad_input():
+    body = msgspec.msgpack.decode(_messages()[-1].to_bytes())["body"]
+    with pytest.raises(MessageError, match="unsupported poll_reply version 2"):
+        PollReply.from_bytes(_envelope(POLL_VERSION + 1, "poll_reply", body))
+    with pytest.raises(MessageError, match="missing required field `num_active`"):
+        PollReply.from_bytes(
+            _envelope(POLL_VERSION, "poll_reply", {k: v for k, v in body.items() if k != "num_active"})
+        )
+    bad_event = {**body, "events": [[1, "moved", [1]]]}
+    with pytest.raises(MessageError, match="malformed poll_reply body"):
+        PollReply.from_bytes(_envelope(POLL_VERSION, "poll_reply", bad_event))
+    with pytest.raises(MessageError, match="expected a poll_reply message"):
+        PollReply.from_bytes(_messages()[2].to_bytes())  # a DecodeRequest
+
+
+def test_handoff_checks_its_block_indices():
+    handoff = _messages()[0]
+    with pytest.raises(HandoffError, match="outside the prompt"):
+        Handoff.from_bytes(msgspec.structs.replace(handoff, send_block_indices=[2]).to_bytes())
+    with pytest.raises(HandoffError, match="empty prompt"):
+        Handoff.from_bytes(msgspec.structs.replace(handoff, prompt_token_ids=[]).to_bytes())
