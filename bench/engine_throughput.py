@@ -72,7 +72,7 @@ class SplitserveRunner:
         self.engine = LLMEngine(
             EngineConfig(
                 model=model,
-                num_gpu_blocks=max(2 * max_batch * blocks_per_seq, 64),
+                num_kv_blocks=max(2 * max_batch * blocks_per_seq, 64),
                 max_num_seqs=max_batch,
                 max_num_batched_tokens=max(2048, max_batch * prompt_len),
                 max_model_len=tokens_per_seq,

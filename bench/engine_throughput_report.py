@@ -85,7 +85,7 @@ def _header(args, ours, vllm_version, load_before, load_after) -> list[str]:
         f"{platform.python_version()}, torch {ours.torch_version} ({ours.num_threads} thread(s)) for "
         "splitserve" + (f", vLLM {vllm_version} (its own venv, `{args.vllm_python}`)." if vllm_version else "."),
         "",
-        f"splitserve: `EngineConfig(num_gpu_blocks={cfg.num_gpu_blocks}, max_num_seqs={cfg.max_num_seqs}, "
+        f"splitserve: `EngineConfig(num_kv_blocks={cfg.num_kv_blocks}, max_num_seqs={cfg.max_num_seqs}, "
         f"max_num_batched_tokens={cfg.max_num_batched_tokens}, max_model_len={cfg.max_model_len})`, "
         "in this process.",
     ]

@@ -93,7 +93,7 @@ def measure_copies(
         num_blocks = -(-num_tokens // block_size)
         cache = KVCache(
             ModelConfig.from_pretrained(model_dir),
-            EngineConfig(model=model_dir, block_size=block_size, num_gpu_blocks=4 * num_blocks),
+            EngineConfig(model=model_dir, block_size=block_size, num_kv_blocks=4 * num_blocks),
         )
         planes = cache.kv.view(2 * cache.num_layers, cache.num_blocks, -1)
         ids = torch.tensor(random.Random(num_tokens).sample(range(cache.num_blocks), num_blocks))

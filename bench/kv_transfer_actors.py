@@ -78,7 +78,7 @@ def _engine_config(model_dir: str, max_len: int) -> dict:
     return {
         "model": model_dir,
         "block_size": 16,
-        "num_gpu_blocks": NUM_KV_BLOCKS,
+        "num_kv_blocks": NUM_KV_BLOCKS,
         "max_num_seqs": 8,
         "max_num_batched_tokens": max(2048, max_len),
         "device": "cpu",

@@ -73,7 +73,7 @@ def _make_cache(model_dir: str, pool_blocks: int, block_size: int, fill_seed: in
 
     cache = KVCache(
         ModelConfig.from_pretrained(model_dir),
-        EngineConfig(model=model_dir, block_size=block_size, num_gpu_blocks=pool_blocks),
+        EngineConfig(model=model_dir, block_size=block_size, num_kv_blocks=pool_blocks),
     )
     if fill_seed is not None:
         cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(fill_seed)))

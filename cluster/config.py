@@ -1,21 +1,26 @@
 """ServeConfig: the one validated description of a splitserve deployment.
 
-`splitserve serve` builds it from flags / a YAML file, and the Helm chart renders the same
-fields into the RayService's serveConfigV2 `args`; both go through splitserve.cluster.app.build_app.
+`splitserve serve` derives its flags from it (cluster/cli/serve_flags.py) and reads the same
+fields from a YAML file; the Helm chart renders them into the RayService's serveConfigV2
+`args` and validates them with values.schema.json, which is generated from these models.
+Every field's docstring is its description: the `--help` text and the schema's.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from splitserve.cluster.default_model import DEFAULT_MODEL_NAME
+from splitserve.engine.config import DEFAULT_NUM_KV_BLOCKS, Dtype
+
 RouterPolicy = Literal["kv", "round-robin", "least-loaded", "random"]
-ROUTER_POLICIES: tuple[str, ...] = ("kv", "round-robin", "least-loaded", "random")
+ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
 class PoolResources(_Strict):
@@ -23,19 +28,30 @@ class PoolResources(_Strict):
     to the node type that advertises them, so prefill and decode land on different GPUs."""
 
     num_cpus: float = Field(1.0, ge=0)
+    """CPUs per replica."""
     num_gpus: float = Field(0.0, ge=0)
+    """GPUs per replica (device "auto" runs on CUDA when > 0)."""
     resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources per replica, e.g. {"prefill_gpu": 1}."""
 
 
 class AutoscalingConfig(_Strict):
     enabled: bool = False
+    """Scale this pool between min_replicas and max_replicas from its load."""
     min_replicas: int = Field(1, ge=0)
+    """Autoscaling floor."""
     max_replicas: int = Field(1, ge=1)
+    """Autoscaling ceiling."""
     step: int = Field(1, ge=1)
+    """Replicas added or removed per decision."""
     upscale_delay_s: float = Field(5.0, ge=0)
+    """How long the load must stay high before a scale-up."""
     downscale_delay_s: float = Field(30.0, ge=0)
+    """How long the load must stay low before a scale-down."""
     metrics_stale_s: float = Field(10.0, gt=0)
+    """Replica metrics older than this are not acted on."""
     interval_s: float = Field(1.0, gt=0)
+    """Seconds between autoscaling decisions."""
 
     @model_validator(mode="after")
     def _check_bounds(self) -> AutoscalingConfig:
@@ -46,66 +62,110 @@ class AutoscalingConfig(_Strict):
 
 class PrefillAutoscalingConfig(AutoscalingConfig):
     target_queued_tokens_per_replica: int = Field(2048, ge=1)
+    """Queued prompt tokens per prefill replica to aim for."""
     ttft_target_ms: float = Field(2000.0, gt=0)
+    """p90 time to first token above which prefill scales up."""
 
 
 class DecodeAutoscalingConfig(AutoscalingConfig):
     target_kv_usage: float = Field(0.8, gt=0, le=1)
+    """KV-cache usage per decode replica to aim for."""
     target_running_per_replica: int = Field(32, ge=1)
+    """Running sequences per decode replica to aim for."""
     itl_target_ms: float = Field(200.0, gt=0)
+    """p90 inter-token latency above which decode scales up."""
 
 
 class EnginePoolConfig(_Strict):
     replicas: int = Field(1, ge=0)
+    """Replicas at start (prefill 0: decode prefills locally)."""
     resources: PoolResources = Field(default_factory=PoolResources)
-    num_kv_blocks: int = Field(1024, ge=2)
+    """What one replica asks Ray for."""
+    num_kv_blocks: int = Field(DEFAULT_NUM_KV_BLOCKS, ge=2)
+    """KV-cache blocks per replica (block_size tokens each)."""
     max_num_seqs: int = Field(64, ge=1)
+    """Sequences in one running batch."""
     max_num_batched_tokens: int = Field(2048, ge=16)
+    """Token budget of one engine step (chunked prefill)."""
     torch_threads: int | None = Field(None, ge=1)
+    """torch threads per replica; unset: its num_cpus."""
 
 
 class PrefillPoolConfig(EnginePoolConfig):
     autoscaling: PrefillAutoscalingConfig = Field(default_factory=PrefillAutoscalingConfig)
+    """Prefill autoscaling (on queued prompt tokens and TTFT)."""
 
 
 class DecodePoolConfig(EnginePoolConfig):
     autoscaling: DecodeAutoscalingConfig = Field(default_factory=DecodeAutoscalingConfig)
+    """Decode autoscaling (on KV usage, running sequences and ITL)."""
 
 
 class RouterConfig(_Strict):
     policy: RouterPolicy = "kv"
-    prefix_weight: float = Field(1.0, ge=0)  # credit per cached prompt token
-    queue_weight: float = Field(1.0, ge=0)  # cost per queued prefill token
-    running_weight: float = Field(64.0, ge=0)  # cost per running request
-    # Conditional disaggregation: when fewer uncached prompt tokens than this remain on
-    # the chosen decode replica, it prefills them itself and no KV moves.
+    """Routing policy: kv (prefix-cache aware), round-robin, least-loaded or random."""
+    prefix_weight: float = Field(1.0, ge=0)
+    """kv policy: credit per cached prompt token."""
+    queue_weight: float = Field(1.0, ge=0)
+    """kv policy: cost per queued prefill token."""
+    running_weight: float = Field(64.0, ge=0)
+    """kv policy: cost per running request."""
     local_prefill_threshold: int = Field(32, ge=0)
+    """Conditional disaggregation: when fewer uncached prompt tokens than this remain on the
+    chosen decode replica, it prefills them itself and no KV moves."""
 
 
 class ServeConfig(_Strict):
-    model: str | None = None  # None: the cached `small` preset model
+    model: str | None = None
+    """Checkpoint directory; unset: the `small` preset, made once."""
     served_model_name: str | None = None
+    """Model id clients send; unset: the model exactly as given."""
+    max_model_len: int | None = Field(None, ge=1)
+    """Context length to serve, prompt + output; unset: the model's."""
     block_size: int = Field(16, ge=1)
-    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """Tokens per KV block (a power of two)."""
+    dtype: Dtype | None = None
+    """Weights and KV-cache dtype; unset: the checkpoint's."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Engine device: auto = cuda for pools with num_gpus > 0."""
     prefill: PrefillPoolConfig = Field(default_factory=PrefillPoolConfig)
+    """The prefill pool."""
     decode: DecodePoolConfig = Field(default_factory=DecodePoolConfig)
+    """The decode pool."""
     router: RouterConfig = Field(default_factory=RouterConfig)
+    """The router."""
     http_host: str = "127.0.0.1"
+    """OpenAI HTTP address (0.0.0.0: all interfaces)."""
     http_port: int = Field(8000, ge=0, le=65535)
+    """OpenAI HTTP port."""
     grpc_host: str = "127.0.0.1"
+    """gRPC address."""
     grpc_port: int = Field(50051, ge=0, le=65535)
+    """gRPC port."""
     api_key: str | None = None
+    """Require 'Authorization: Bearer KEY' (env SPLITSERVE_API_KEY)."""
     max_queued_requests: int = Field(256, ge=1)
+    """Requests in flight before new ones get 429."""
     max_body_bytes: int = Field(1 << 20, ge=1024)
-    # Only with api_key set: without keys, clients are bounded by max_queued_requests alone.
+    """Largest request body accepted (413 above)."""
     max_requests_per_key: int = Field(128, ge=1)
-    # Address the KV rendezvous stores bind to and publish: "auto" = the node's IP (clusters).
+    """Requests in flight per API key before 429 (only with api_key set; keyless clients share max_queued_requests)."""
     transport_host: str = "127.0.0.1"
-    layerwise_transfer: bool = True  # send each layer's KV as soon as it is computed
+    """Address the KV rendezvous stores bind to and publish (auto: the node's IP)."""
+    layerwise_transfer: bool = True
+    """Send each layer's KV as soon as it is computed."""
     kv_transfer_lease_s: float = Field(20.0, gt=0)
+    """How long prefill pins a request's KV blocks without an ack, and the KV transfer timeout."""
     request_timeout_s: float = Field(600.0, gt=0)
+    """Server-side deadline of a request (clients may ask for less)."""
     max_retries: int = Field(1, ge=0)
+    """Retries on other replicas while no token has reached the client."""
+
+    @property
+    def model_id(self) -> str:
+        """The id clients send as `model`: served_model_name, else the model exactly as given
+        (a path stays a path, as in vLLM), else the default model's name."""
+        return self.served_model_name or self.model or DEFAULT_MODEL_NAME
 
     @model_validator(mode="after")
     def _check_block_size(self) -> ServeConfig:

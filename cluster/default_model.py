@@ -6,11 +6,12 @@ import os
 from pathlib import Path
 
 DEFAULT_PRESET = "small"
+DEFAULT_MODEL_NAME = f"{DEFAULT_PRESET}-llama"  # its directory's name, and its model id
 
 
 def default_model_dir() -> Path:
     root = Path(os.environ.get("SPLITSERVE_CACHE", Path.home() / ".cache" / "splitserve"))
-    return root / "models" / f"{DEFAULT_PRESET}-llama"
+    return root / "models" / DEFAULT_MODEL_NAME
 
 
 def resolve_model(model: str | None) -> str:

@@ -5,14 +5,18 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
 }
-DTYPES = ("float32", "bfloat16", "float16")
+# The one list of supported dtypes (torch.<name>); everything else derives from it.
+Dtype = Literal["float32", "bfloat16", "float16"]
+DTYPES: tuple[str, ...] = get_args(Dtype)
+# KV blocks per engine unless configured: engine, ServeConfig pools and `generate` share it.
+DEFAULT_NUM_KV_BLOCKS = 1024
 
 
 class ConfigError(ValueError):
@@ -77,6 +81,18 @@ class ModelConfig:
         if self.sliding_window:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
+
+    def resolve_max_model_len(self, requested: int | None) -> int:
+        """The context length to serve: `requested`, or the model's own when None. More than
+        the model computes exactly is refused, as vLLM refuses it."""
+        if requested is None:
+            return self.max_context_len
+        if requested > self.max_context_len:
+            raise ConfigError(
+                f"max_model_len {requested} exceeds the model's context of {self.max_context_len} tokens"
+                + (" (its sliding window)" if self.sliding_window else " (max_position_embeddings)")
+            )
+        return requested
 
     @property
     def arch(self) -> str:
@@ -151,7 +167,7 @@ class EngineConfig:
 
     model: str
     block_size: int = 16
-    num_gpu_blocks: int = 512  # KV blocks in the preallocated cache tensor
+    num_kv_blocks: int = DEFAULT_NUM_KV_BLOCKS  # blocks in the preallocated cache tensor (any device)
     max_num_seqs: int = 64  # sequences in one running batch
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill)
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
@@ -163,8 +179,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two >= 1, got {self.block_size}")
-        if self.num_gpu_blocks < 2:
-            raise ConfigError(f"num_gpu_blocks must be >= 2, got {self.num_gpu_blocks}")
+        if self.num_kv_blocks < 2:
+            raise ConfigError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.block_size:

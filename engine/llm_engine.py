@@ -45,7 +45,7 @@ class LLMEngine:
             config.max_model_len or self.model_config.max_context_len, self.model_config.max_context_len
         )
         self.kv_cache = KVCache(self.model_config, config)
-        self.kv = KVCacheManager(config.num_gpu_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         eos = self.tokenizer.eos_token_ids or self.model_config.eos_token_ids
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, eos)
         self.runner = ModelRunner(self.model, self.kv_cache, config.seed, eos)
@@ -82,7 +82,7 @@ class LLMEngine:
             params,
             self.model_config.vocab_size,
             self.max_model_len,
-            self.config.num_gpu_blocks * self.config.block_size,
+            self.config.num_kv_blocks * self.config.block_size,
         )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         return Sequence(rid, prompt_token_ids, params, self.config.block_size, prefill_only=prefill_only)
@@ -255,7 +255,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return EngineStats(
             num_free_blocks=self.kv.num_free_blocks,
-            num_blocks=self.config.num_gpu_blocks,
+            num_blocks=self.config.num_kv_blocks,
             kv_usage=self.kv.usage,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from splitserve.engine.config import DEFAULT_NUM_KV_BLOCKS, DTYPES
+
 
 def add_generate_parser(subparsers) -> None:
     p = subparsers.add_parser(
@@ -26,8 +28,10 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    p.add_argument("--num-blocks", type=int, default=1024, help="KV cache blocks")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="default: the checkpoint's")
+    p.add_argument(
+        "--num-kv-blocks", type=int, default=DEFAULT_NUM_KV_BLOCKS, help="KV-cache blocks (block-size tokens each)"
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument(
         "--json", action="store_true", help="print one JSON object per prompt with token_ids (generated ids) and text"
@@ -60,7 +64,9 @@ def run_generate(args: argparse.Namespace) -> int:
             ignore_eos=args.ignore_eos,
         )
         engine = LLMEngine(
-            EngineConfig(model=args.model, dtype=args.dtype, num_gpu_blocks=args.num_blocks, block_size=args.block_size)
+            EngineConfig(
+                model=args.model, dtype=args.dtype, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size
+            )
         )
         outputs = engine.generate(prompts, params)
     except (ValueError, ConfigError, CheckpointError, InvalidRequestError, OSError) as exc:

@@ -32,16 +32,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(subparsers)
     add_serve_parser(subparsers)
     add_registered_parsers(subparsers)
+    parser.set_defaults(command_parsers=subparsers.choices)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # report it with the usage of the command it was given to, not splitserve's
+        command_parser = args.command_parsers.get(args.command, parser)
+        command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C before a command installed its own handling
+        print(f"splitserve {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,9 +1,14 @@
-"""`splitserve serve`: start (or join) a Ray cluster and serve the app until Ctrl-C."""
+"""`splitserve serve [MODEL]`: check the model, start (or join) a Ray cluster, serve until Ctrl-C.
+
+Exit status: 0 after Ctrl-C / SIGTERM, 2 for a bad flag, config or model (found before Ray
+starts), 1 when the server fails to start (its root cause printed once), 130 on Ctrl-C
+during start-up.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
+import logging
 import os
 import signal
 import sys
@@ -13,110 +18,193 @@ import urllib.request
 
 import yaml
 
-from splitserve.cluster.config import ROUTER_POLICIES, ServeConfig
+from splitserve.cluster.cli.preflight import PreflightError, check_imports, check_model, check_ports
+from splitserve.cluster.cli.serve_flags import SERVE_USAGE, ServeFlagsError, add_serve_flags, config_from_args
+
+PROG = "splitserve serve"
+APP_NAME = "splitserve"
+EPILOG = """\
+Every ServeConfig field is a flag (see above); --config FILE.yaml holds the same fields and
+flags override it. The model id clients send is --served-model-name, else MODEL exactly as
+given. The local Ray cluster runs with Ray's token authentication (RAY_AUTH_MODE=token, token
+in ~/.ray/auth_token); set RAY_AUTH_MODE=disabled to turn it off. SPLITSERVE_LOG_LEVEL=DEBUG
+also logs /metrics and /health requests."""
 
 
 def add_serve_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "serve",
         help="serve a model: prefill and decode pools, router, OpenAI HTTP and gRPC",
-        description="Start a local Ray cluster (or join one with --address) and serve a model with "
-        "separate prefill and decode pools. Every flag can also come from --config FILE.yaml "
-        "(a ServeConfig mapping); flags given on the command line win.",
+        usage=SERVE_USAGE,
+        description="Start a local Ray cluster (or join one with --address) and serve MODEL (a local "
+        "Hugging Face checkpoint directory) with separate prefill and decode pools.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        # The short form --router replaces pydantic-settings' hidden `--router JSON` flag.
+        conflict_handler="resolve",
     )
-    p.add_argument("--config", help="YAML file with ServeConfig fields")
-    p.add_argument("--address", help="join an existing Ray cluster ('auto' or host:port); default: start a local one")
-    p.add_argument("--model", help="checkpoint directory (default: the `small` preset, made once)")
-    p.add_argument("--served-model-name")
-    p.add_argument("--prefill-replicas", type=int)
-    p.add_argument("--decode-replicas", type=int)
-    for pool in ("prefill", "decode"):
-        p.add_argument(f"--{pool}-num-cpus", type=float, help=f"CPUs per {pool} replica")
-        p.add_argument(f"--{pool}-num-gpus", type=float, help=f"GPUs per {pool} replica")
-        p.add_argument(
-            f"--{pool}-resources", help=f"custom Ray resources per {pool} replica, JSON, e.g. '{{\"{pool}_gpu\": 1}}'"
-        )
-        p.add_argument(f"--{pool}-num-kv-blocks", type=int)
-        p.add_argument(f"--{pool}-min-replicas", type=int, help=f"autoscaling floor ({pool})")
-        p.add_argument(f"--{pool}-max-replicas", type=int, help=f"autoscaling ceiling ({pool}); enables autoscaling")
-    p.add_argument("--max-num-seqs", type=int, help="running sequences per replica (both pools)")
-    p.add_argument("--router", choices=ROUTER_POLICIES, help="routing policy (default kv)")
-    p.add_argument(
-        "--local-prefill-threshold", type=int, help="uncached prompt tokens below which decode prefills itself"
-    )
-    p.add_argument("--block-size", type=int)
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--http-host")
-    p.add_argument("--http-port", type=int)
-    p.add_argument("--grpc-host")
-    p.add_argument("--grpc-port", type=int)
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get("SPLITSERVE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' (env SPLITSERVE_API_KEY)",
-    )
-    p.add_argument("--max-queued-requests", type=int)
-    p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray cluster (default: enough for the pools)")
-    p.add_argument("--startup-timeout", type=float, default=600.0)
-    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    add_serve_flags(p)
+    own = p.add_argument_group("splitserve serve itself")
+    own.add_argument("--address", help="join an existing Ray cluster ('auto' or host:port); default: start a local one")
+    own.add_argument("--num-cpus", type=int, help="CPUs of the local Ray cluster (default: enough for the pools)")
+    own.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the server to be ready")
+    own.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.set_defaults(func=run_serve)
 
 
-def _set(d: dict, path: str, value) -> None:
-    keys = path.split(".")
-    for k in keys[:-1]:
-        d = d.setdefault(k, {})
-    d[keys[-1]] = value
+def fail(message: str, status: int) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    return status
 
 
-def config_from_args(args: argparse.Namespace) -> ServeConfig:
-    raw: dict = {}
-    if args.config:
-        with open(args.config) as f:
-            raw = yaml.safe_load(f) or {}
-        if not isinstance(raw, dict):
-            raise ValueError(f"{args.config} must hold a mapping of ServeConfig fields")
-    flat = {
-        "model": "model",
-        "served_model_name": "served_model_name",
-        "prefill_replicas": "prefill.replicas",
-        "decode_replicas": "decode.replicas",
-        "router": "router.policy",
-        "local_prefill_threshold": "router.local_prefill_threshold",
-        "block_size": "block_size",
-        "dtype": "dtype",
-        "device": "device",
-        "http_host": "http_host",
-        "http_port": "http_port",
-        "grpc_host": "grpc_host",
-        "grpc_port": "grpc_port",
-        "api_key": "api_key",
-        "max_queued_requests": "max_queued_requests",
-    }
-    for attr, path in flat.items():
-        value = getattr(args, attr)
-        if value is not None:
-            _set(raw, path, value)
-    for pool in ("prefill", "decode"):
-        for attr, path in (
-            (f"{pool}_num_cpus", "resources.num_cpus"),
-            (f"{pool}_num_gpus", "resources.num_gpus"),
-            (f"{pool}_num_kv_blocks", "num_kv_blocks"),
-            (f"{pool}_min_replicas", "autoscaling.min_replicas"),
-            (f"{pool}_max_replicas", "autoscaling.max_replicas"),
-        ):
-            value = getattr(args, attr)
-            if value is not None:
-                _set(raw, f"{pool}.{path}", value)
-        if getattr(args, f"{pool}_max_replicas") is not None:
-            _set(raw, f"{pool}.autoscaling.enabled", True)
-        res = getattr(args, f"{pool}_resources")
-        if res:
-            _set(raw, f"{pool}.resources.resources", json.loads(res))
-        if args.max_num_seqs is not None:
-            _set(raw, f"{pool}.max_num_seqs", args.max_num_seqs)
-    return ServeConfig.model_validate(raw)
+def run_serve(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args)
+    except ServeFlagsError as exc:
+        return fail(str(exc), 2)
+    if args.print_config:
+        print(yaml.safe_dump(cfg.model_dump(), sort_keys=False), end="")
+        return 0
+    _ray_environment(local=not args.address)  # before anything imports ray: it reads them once
+    try:
+        model_dir = check_model(cfg)
+        check_imports()
+        if not args.address:
+            check_ports(cfg)
+    except PreflightError as exc:
+        return fail(str(exc), 2)
+    # The replicas load the resolved directory; clients keep sending the id as the user gave it.
+    cfg = cfg.model_copy(update={"served_model_name": cfg.model_id, "model": os.path.abspath(model_dir)})
+    return _serve(cfg, args)
+
+
+def _ray_environment(local: bool) -> None:
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray Serve's own logs (controller, proxy, replica start-up tracebacks) go to its files
+    # under /tmp/ray/session_latest/logs/serve; the console gets splitserve's lines.
+    os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
+    if local:
+        # Ray turns token auth on for every new local cluster and warns so on each start;
+        # choosing it explicitly keeps the protection and drops the warning.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+
+def _serve(cfg, args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # "Started Serve", "Application is ready"...
+    try:
+        failure = _start(ray, serve, cfg, args)
+    except KeyboardInterrupt:
+        print("splitserve: interrupted during start-up; shutting down", flush=True)
+        _shutdown(ray, serve)
+        return 130
+    if failure is not None:
+        _shutdown(ray, serve)  # first, so that no forwarded log line follows ours
+        return fail(failure, 1)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"splitserve: model {cfg.model_id} ({cfg.model})", flush=True)
+    print(f"splitserve: OpenAI HTTP on http://{cfg.http_host}:{cfg.http_port}/v1", flush=True)
+    print(f"splitserve: gRPC on {cfg.grpc_host}:{cfg.grpc_port}", flush=True)
+    print("splitserve: ready (Ctrl-C to stop)", flush=True)
+    watch = _AppWatch(serve)
+    while not stop.wait(1.0):
+        watch.check()
+    print("splitserve: shutting down", flush=True)
+    # A second Ctrl-C while the replicas drain must not interrupt the clean-up half-way.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _shutdown(ray, serve)
+    return 0
+
+
+def _start(ray, serve, cfg, args: argparse.Namespace) -> str | None:
+    """Start Ray, Serve and the app, and wait until it is healthy; the failure, if any."""
+    from splitserve.cluster.app import build_app
+
+    try:
+        if args.address:
+            ray.init(address=args.address, logging_level="WARNING")
+        else:
+            need = int(cfg.prefill.replicas * cfg.prefill.resources.num_cpus)
+            need += int(cfg.decode.replicas * cfg.decode.resources.num_cpus) + 2
+            ray.init(
+                address="local",
+                num_cpus=args.num_cpus or max(os.cpu_count() or 2, need),
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+                logging_level="WARNING",
+            )
+        serve.start(
+            http_options={"host": cfg.http_host, "port": cfg.http_port}, logging_config={"log_level": "WARNING"}
+        )
+    except Exception as exc:
+        return f"cannot start Ray Serve: {exc}"
+    try:
+        serve.run(build_app(cfg.model_dump(), fail_fast=True), name=APP_NAME, route_prefix="/", blocking=False)
+    except RuntimeError as exc:
+        return f"the server failed to start: {_deployment_failure(serve) or exc}"
+    try:
+        _wait_healthy(f"http://{_client_host(cfg.http_host)}:{cfg.http_port}/health", args.startup_timeout)
+    except TimeoutError as exc:
+        return str(exc)
+    return None
+
+
+def _deployment_failure(serve) -> str | None:
+    """The root cause from the failed deployment's status: the ingress's StartupError line."""
+    from splitserve.cluster.app import DEPLOYMENT_NAME
+    from splitserve.cluster.startup_error import root_cause, startup_error_in
+
+    try:
+        app = serve.status().applications[APP_NAME]
+    except Exception:
+        return None
+    deployment = app.deployments.get(DEPLOYMENT_NAME)
+    messages = ([deployment.message] if deployment is not None else []) + [app.message]
+    for message in messages:
+        found = startup_error_in(message or "")
+        if found:
+            return found
+    return next((root_cause(RuntimeError(m)) for m in messages if m), None)
+
+
+class _AppWatch:
+    """Says on the console when the application leaves RUNNING (its replica died, ...): Serve's
+    own logs go to files, so nothing else would."""
+
+    def __init__(self, serve, interval_s: float = 5.0):
+        self.serve, self.interval_s = serve, interval_s
+        self.last_status, self.next_check = "RUNNING", time.monotonic() + interval_s
+
+    def check(self) -> None:
+        if time.monotonic() < self.next_check:
+            return
+        self.next_check = time.monotonic() + self.interval_s
+        try:
+            status = getattr(self.serve.status().applications[APP_NAME].status, "value", "UNKNOWN")
+        except Exception:
+            return
+        if status != self.last_status:
+            detail = _deployment_failure(self.serve) if status != "RUNNING" else None
+            print(f"splitserve: the application is {status}" + (f": {detail}" if detail else ""), flush=True)
+            self.last_status = status
+
+
+def _shutdown(ray, serve) -> None:
+    """Delete the app (its replicas stop the pools and the gRPC server), then leave Ray: a
+    local cluster ends with it. serve.shutdown() is not used: it kills the controller while
+    its graceful_shutdown task runs, and the raylet then logs that task as failed."""
+    try:
+        if ray.is_initialized() and APP_NAME in serve.status().applications:
+            serve.delete(APP_NAME)
+    except Exception as exc:
+        print(f"splitserve: could not stop the app cleanly: {exc}", file=sys.stderr, flush=True)
+    finally:
+        ray.shutdown()
 
 
 def _wait_healthy(url: str, timeout_s: float) -> None:
@@ -131,66 +219,6 @@ def _wait_healthy(url: str, timeout_s: float) -> None:
             last = str(exc)
         time.sleep(0.5)
     raise TimeoutError(f"server not healthy at {url} after {timeout_s:.0f} s ({last})")
-
-
-def run_serve(args: argparse.Namespace) -> int:
-    try:
-        cfg = config_from_args(args)
-    except (ValueError, OSError, json.JSONDecodeError) as exc:
-        print(f"splitserve serve: error: {exc}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        print(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
-        return 0
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    import ray
-    from ray import serve
-
-    from splitserve.cluster.app import build_app
-    from splitserve.cluster.default_model import resolve_model
-
-    cfg = cfg.model_copy(update={"model": resolve_model(cfg.model)})
-    if args.address:
-        ray.init(address=args.address, logging_level="WARNING")
-    else:
-        need = (
-            int(
-                cfg.prefill.replicas * cfg.prefill.resources.num_cpus
-                + cfg.decode.replicas * cfg.decode.resources.num_cpus
-            )
-            + 2
-        )
-        ray.init(
-            address="local",
-            num_cpus=args.num_cpus or max(os.cpu_count() or 2, need),
-            include_dashboard=False,
-            _node_ip_address="127.0.0.1",
-            logging_level="WARNING",
-        )
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    try:
-        serve.start(http_options={"host": cfg.http_host, "port": cfg.http_port})
-        serve.run(build_app(cfg.model_dump()), name="splitserve", route_prefix="/", blocking=False)
-        _wait_healthy(f"http://{_client_host(cfg.http_host)}:{cfg.http_port}/health", args.startup_timeout)
-        print(f"splitserve: model {cfg.model}", flush=True)
-        print(f"splitserve: OpenAI HTTP on http://{cfg.http_host}:{cfg.http_port}/v1", flush=True)
-        print(f"splitserve: gRPC on {cfg.grpc_host}:{cfg.grpc_port}", flush=True)
-        print("splitserve: ready (Ctrl-C to stop)", flush=True)
-        while not stop.wait(1.0):
-            pass
-        print("splitserve: shutting down", flush=True)
-        return 0
-    except Exception as exc:
-        print(f"splitserve serve: error: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
 
 
 def _client_host(host: str) -> str:

@@ -29,9 +29,10 @@ def engine_config_for(cfg: ServeConfig, pool: EnginePoolConfig, model_dir: str) 
     return {
         "model": model_dir,
         "block_size": cfg.block_size,
-        "num_gpu_blocks": pool.num_kv_blocks,
+        "num_kv_blocks": pool.num_kv_blocks,
         "max_num_seqs": pool.max_num_seqs,
         "max_num_batched_tokens": pool.max_num_batched_tokens,
+        "max_model_len": cfg.max_model_len,
         "dtype": cfg.dtype,
         "device": device,
     }

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 import ray
 
 from splitserve.cluster.control.worker_pool import Replica, WorkerPool
+from splitserve.cluster.request_error import ErrorKind, RequestError
 from splitserve.cluster.routing.load import LoadReport
 from splitserve.cluster.routing.router import DECODE, PREFILL, NoReplicaError, Router
 from splitserve.decode.decode_worker import PrefillFailedError, ReplicaBusyError
@@ -23,25 +24,14 @@ logger = logging.getLogger(__name__)
 ACTOR_GONE = (ray.exceptions.RayActorError,)
 
 
-DEADLINE_STATUS = 504  # HTTP Gateway Timeout; gRPC DEADLINE_EXCEEDED
 _CLOCK_SLACK_S = 0.1  # timers may fire a little before the wall-clock deadline
 
 
-class RequestFailedError(RuntimeError):
-    """The request could not be served; status is the HTTP status a frontend should use."""
-
-    def __init__(self, message: str, status: int = 500):
-        super().__init__(message)
-        self.status = status
-
-
-class DeadlineExceededError(RequestFailedError):
+def deadline_exceeded(timeout_s: float) -> RequestError:
     """The request ran past its deadline; whatever it held on the replicas is freed."""
-
-    def __init__(self, timeout_s: float):
-        super().__init__(
-            f"the request did not finish before its deadline ({timeout_s:.1f} s after it started)", DEADLINE_STATUS
-        )
+    return RequestError(
+        ErrorKind.DEADLINE, f"the request did not finish before its deadline ({timeout_s:.1f} s after it started)"
+    )
 
 
 class Dispatcher:
@@ -106,8 +96,9 @@ class Dispatcher:
                     logger.warning("%s replica %s died; dropping it from routing", pool_name, replica.replica_id)
                     self.drop_replica(pool_name, replica.replica_id)
                 elif isinstance(snapshot, BaseException):
-                    raise RequestFailedError(
-                        f"cannot rebuild the router: snapshot of {replica.replica_id} failed: {_short(snapshot)}", 503
+                    raise RequestError(
+                        ErrorKind.UNAVAILABLE,
+                        f"cannot rebuild the router: snapshot of {replica.replica_id} failed: {_short(snapshot)}",
                     )
                 elif self.pools[pool_name].get(replica.replica_id) is not None:  # not removed meanwhile
                     router.add_replica(pool_name, replica.replica_id, snapshot)
@@ -212,9 +203,9 @@ class Dispatcher:
         on_route: Callable | None = None,
     ) -> AsyncIterator[StreamChunk]:
         """Stream a request's chunks. Retries (at most max_retries times, on other replicas)
-        only while no chunk has reached the caller; raises RequestFailedError, and
-        DeadlineExceededError once `deadline` (time.time(); default now + request_timeout_s)
-        passes, after which the replicas free whatever the request held."""
+        only while no chunk has reached the caller; raises RequestError (kind DEADLINE once
+        `deadline` (time.time(); default now + request_timeout_s) passes, after which the
+        replicas free whatever the request held)."""
         request_id = request_id or uuid.uuid4().hex
         deadline = deadline or time.time() + self.request_timeout_s
         timeout_s = deadline - time.time()
@@ -223,11 +214,11 @@ class Dispatcher:
         attempt = 0
         while True:
             if time.time() >= deadline:
-                raise DeadlineExceededError(timeout_s)
+                raise deadline_exceeded(timeout_s)
             try:
                 decision = self.router.route(prompt_token_ids, exclude_prefill=exclude_p, exclude_decode=exclude_d)
             except NoReplicaError as exc:
-                raise RequestFailedError(str(exc), status=503) from None
+                raise RequestError(ErrorKind.UNAVAILABLE, str(exc)) from None
             if on_route is not None:
                 on_route(decision)
             decode = self.pools[DECODE].get(decision.decode_replica)
@@ -261,10 +252,10 @@ class Dispatcher:
                         data = await asyncio.wait_for(_next_item(gen), max(deadline - time.time(), 0.001))
                     except TimeoutError as exc:  # ours, or the replica's at the same deadline
                         if time.time() >= deadline - _CLOCK_SLACK_S:
-                            raise DeadlineExceededError(timeout_s) from None
-                        raise RequestFailedError(f"request failed: {_short(exc)}", 503) from None
+                            raise deadline_exceeded(timeout_s) from None
+                        raise RequestError(ErrorKind.UNAVAILABLE, f"request failed: {_short(exc)}") from None
                     if data is None:
-                        raise RequestFailedError("decode stream ended without finishing", 500)
+                        raise RequestError(ErrorKind.INTERNAL, "decode stream ended without finishing")
                     chunk = StreamChunk.from_bytes(data)
                     sent_any = True
                     self.inflight_prefill.pop(request_id, None)
@@ -274,11 +265,12 @@ class Dispatcher:
                         return
             except (PrefillFailedError, ReplicaBusyError, *ACTOR_GONE) as exc:
                 if time.time() >= deadline:
-                    raise DeadlineExceededError(timeout_s) from None
+                    raise deadline_exceeded(timeout_s) from None
                 # Never after a chunk reached the caller: a retry cannot resume it exactly.
                 if sent_any or attempt >= self.max_retries:
-                    status = 503 if isinstance(exc, (ReplicaBusyError, *ACTOR_GONE)) else 500
-                    raise RequestFailedError(f"request failed: {_short(exc)}", status) from None
+                    busy = isinstance(exc, (ReplicaBusyError, *ACTOR_GONE))
+                    kind = ErrorKind.UNAVAILABLE if busy else ErrorKind.INTERNAL
+                    raise RequestError(kind, f"request failed: {_short(exc)}") from None
                 attempt += 1
                 self.num_retries += 1
                 if isinstance(exc, (ReplicaBusyError, *ACTOR_GONE)) or prefill is None:
@@ -287,9 +279,9 @@ class Dispatcher:
                     exclude_p.add(prefill.replica_id)
                 logger.warning("retrying %s (attempt %d) after: %s", request_id, attempt, _short(exc))
             except ValueError as exc:  # InvalidRequestError raised inside the replica
-                raise RequestFailedError(str(exc), 400) from None
+                raise RequestError(ErrorKind.INVALID, str(exc)) from None
             except ray.exceptions.RayError as exc:  # any other replica-side failure: say so
-                raise RequestFailedError(f"request failed: {_short(exc)}", 500) from None
+                raise RequestError(ErrorKind.INTERNAL, f"request failed: {_short(exc)}") from None
             finally:
                 self.inflight.pop(request_id, None)
                 self.inflight_prefill.pop(request_id, None)

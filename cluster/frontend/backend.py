@@ -4,7 +4,6 @@ metrics, and streaming generation through the disaggregated cluster."""
 from __future__ import annotations
 
 import logging
-import os
 import time
 import uuid
 from collections import defaultdict
@@ -12,9 +11,8 @@ from collections.abc import AsyncIterator
 
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.control.disagg_cluster import DisaggCluster
-from splitserve.cluster.control.dispatcher import DEADLINE_STATUS, RequestFailedError
-from splitserve.cluster.frontend.errors import BackendError, invalid
 from splitserve.cluster.frontend.metrics import Metrics
+from splitserve.cluster.request_error import ErrorKind, RequestError, invalid
 from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.cluster.scaling.autoscaler import Autoscaler
 from splitserve.cluster.scaling.latency_window import LatencyWindow
@@ -26,16 +24,18 @@ from splitserve.kvtransfer.handoff import StreamChunk
 from splitserve.kvtransfer.poll_reply import PollReply
 
 logger = logging.getLogger(__name__)
+# splitserve_requests_total{status}: OK, CANCELLED, or the ErrorKind that ended the request.
+OK, CANCELLED = "ok", "cancelled"
 
 
 class ServingBackend:
     def __init__(self, cfg: ServeConfig, model_dir: str, cluster: DisaggCluster | None = None):
         self.cfg = cfg
         self.model_dir = model_dir
-        self.model_name = cfg.served_model_name or os.path.basename(os.path.normpath(model_dir))
+        self.model_name = cfg.model_id
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         self.model_config = ModelConfig.from_pretrained(model_dir)
-        self.max_model_len = self.model_config.max_context_len
+        self.max_model_len = self.model_config.resolve_max_model_len(cfg.max_model_len)
         pools = [cfg.decode] + ([cfg.prefill] if cfg.prefill.replicas or cfg.prefill.autoscaling.enabled else [])
         self.max_cache_tokens = min(p.num_kv_blocks for p in pools) * cfg.block_size
         self.metrics = Metrics(self.model_name)
@@ -111,9 +111,9 @@ class ServingBackend:
         api_key: str | None = None,
         timeout_s: float | None = None,
     ) -> AsyncIterator[StreamChunk]:
-        """Validate, admit, stream. Raises BackendError before the first chunk on refusal.
+        """Validate, admit, stream. Raises RequestError (before the first chunk on refusal).
         timeout_s: the client's own deadline, capped by request_timeout_s; past it the
-        request fails with status 504 and its KV blocks are freed."""
+        request fails with kind DEADLINE and its KV blocks are freed."""
         self.validate(prompt_token_ids, params)
         if timeout_s is not None and not timeout_s > 0:
             raise invalid(f"the request timeout must be a positive number of seconds, got {timeout_s!r}")
@@ -122,18 +122,18 @@ class ServingBackend:
         # keys every client is "keyless" and only the global queue bounds them.
         key = (api_key or "") if self.cfg.api_key else None
         if self.num_inflight >= self.cfg.max_queued_requests:
-            self.metrics.requests.labels("429").inc()
-            raise BackendError("the server is at capacity; retry later", 429, "rate_limit_error")
+            self.metrics.requests.labels(ErrorKind.OVERLOADED.value).inc()
+            raise RequestError(ErrorKind.OVERLOADED, "the server is at capacity; retry later")
         if key is not None and self._inflight_by_key[key] >= self.cfg.max_requests_per_key:
-            self.metrics.requests.labels("429").inc()
-            raise BackendError("too many concurrent requests for this API key", 429, "rate_limit_error")
+            self.metrics.requests.labels(ErrorKind.OVERLOADED.value).inc()
+            raise RequestError(ErrorKind.OVERLOADED, "too many concurrent requests for this API key")
         self.num_inflight += 1
         if key is not None:
             self._inflight_by_key[key] += 1
         self.metrics.frontend_inflight.set(self.num_inflight)
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
         start = last = time.perf_counter()
-        status = "200"
+        status = OK
         first = True
         finished = False
         try:
@@ -160,12 +160,11 @@ class ServingBackend:
                     finished = True
                     self.metrics.observe_finished(chunk.finish_reason, len(prompt_token_ids), chunk.num_output_tokens)
                 yield chunk
-        except RequestFailedError as exc:
-            status = str(exc.status)
-            kind = {400: "invalid_request_error", DEADLINE_STATUS: "timeout_error"}.get(exc.status, "server_error")
-            raise BackendError(str(exc), exc.status, kind) from None
+        except RequestError as exc:
+            status = exc.kind.value
+            raise
         except BaseException:
-            status = "499"  # the client went away (cancelled) or the frontend failed
+            status = CANCELLED  # the client went away or the frontend failed
             raise
         finally:
             self.num_inflight -= 1
@@ -175,9 +174,9 @@ class ServingBackend:
                     del self._inflight_by_key[key]
             self.metrics.frontend_inflight.set(self.num_inflight)
             self.metrics.requests.labels(status).inc()
-            if status == "499" and not finished:
+            if status == CANCELLED and not finished:
                 self.metrics.request_success.labels("abort").inc()
-            if status == "200":
+            if status == OK:
                 self.metrics.e2e.observe(time.perf_counter() - start)
 
     # ---- metrics plumbing ----------------------------------------------------------------

@@ -78,7 +78,9 @@ class Metrics:
         self.request_generation_tokens = histogram(
             "splitserve_request_generation_tokens", "Generated tokens per finished request", TOKEN_BUCKETS
         )
-        self.requests = counter("splitserve_requests", "Finished requests by status", "status")
+        self.requests = counter(
+            "splitserve_requests", "Finished requests by status: ok, cancelled, or the error kind", "status"
+        )
         self.request_success = counter(
             "splitserve_request_success", "Requests that finished generating, by finish reason", "finished_reason"
         )

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from splitserve.engine.config import EngineConfig, ModelConfig
+from splitserve.engine.config import DTYPES, EngineConfig, ModelConfig
 
-DTYPE_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_BY_NAME = {name: getattr(torch, name) for name in DTYPES}
 
 
 class KVCache:
@@ -19,7 +19,7 @@ class KVCache:
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig):
         dtype = DTYPE_BY_NAME[engine_config.dtype or model_config.dtype]
         self.num_layers = model_config.num_hidden_layers
-        self.num_blocks = engine_config.num_gpu_blocks
+        self.num_blocks = engine_config.num_kv_blocks
         self.block_size = engine_config.block_size
         self.num_kv_heads = model_config.num_key_value_heads
         self.head_dim = model_config.head_dim

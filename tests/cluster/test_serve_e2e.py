@@ -1,7 +1,13 @@
-"""`splitserve serve` (1P+1D on CPU) as users reach it: the unmodified openai client, a gRPC
-client built only from server reflection, error bodies, and a clean Ctrl-C."""
+"""`splitserve serve` (1P+1D on CPU) as users run and reach it: installed from a wheel (not
+editable) into a folder of its own, started outside the repository, called with the
+unmodified openai client and a gRPC client built only from server reflection; error bodies,
+the access log, and a clean Ctrl-C."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import time
 
 import grpc
 import httpx
@@ -13,13 +19,20 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
 from tests.helpers.serve_process import ServeProcess
+from tests.helpers.wheel import install_wheel
 
 pytestmark = pytest.mark.ray
 PROMPT = "Once upon a time"
+MAX_MODEL_LEN = 512  # below the tiny model's 1024: --max-model-len must reach the frontend
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
+def wheel(tmp_path_factory):
+    return install_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory, wheel):
     proc = ServeProcess(
         tiny_model,
         tmp_path_factory.mktemp("serve") / "serve.log",
@@ -29,10 +42,17 @@ def server(tiny_model, tmp_path_factory):
         "1",
         "--router",
         "kv",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        python=wheel.python,
+        env=wheel.env(),
     )
     yield proc
     assert proc.stop() == 0, proc.log_path.read_text()[-3000:]
-    assert "shutting down" in proc.log_path.read_text()
+    log = proc.log_path.read_text()
+    assert "shutting down" in log
+    # Ctrl-C ends quietly: no traceback, no "ServeController.graceful_shutdown failed".
+    assert "Traceback" not in log and "graceful_shutdown" not in log, log[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +64,67 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def expected(tiny_model):
-    engine = LLMEngine(EngineConfig(model=tiny_model, num_gpu_blocks=64))
+    engine = LLMEngine(EngineConfig(model=tiny_model, num_kv_blocks=64, max_model_len=MAX_MODEL_LEN))
     return engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
 
 
 def model_name(client) -> str:
     return client.models.list().data[0].id
+
+
+def test_server_runs_from_the_installed_wheel(server, wheel, tmp_path):
+    """Only `splitserve` (and its dist-info, console script) lands in the target folder, the
+    interpreter has no other copy, and every splitserve module the server imports is DIR's."""
+    assert {p.name for p in wheel.site_dir.iterdir()} <= {
+        "splitserve",
+        wheel.wheel.name.split("-py3")[0] + ".dist-info",
+        "bin",
+    }
+    alone = subprocess.run([str(wheel.python), "-c", "import splitserve"], cwd=tmp_path, capture_output=True)
+    assert alone.returncode != 0  # no editable install behind the wheel's back
+    probe = (
+        "import json, sys, splitserve.cluster.app, splitserve.cluster.frontend.backend, "
+        "splitserve.cluster.frontend.http.api, splitserve.cluster.frontend.grpc.server, "
+        "splitserve.prefill.prefill_worker, splitserve.decode.decode_worker, proto; "
+        "print(json.dumps({n: getattr(m, '__file__', None) for n, m in sys.modules.items() "
+        "if n == 'proto' or n.startswith('splitserve')}))"
+    )
+    res = subprocess.run(
+        [str(wheel.python), "-c", probe], cwd=tmp_path, env=wheel.env(), capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 0, res.stderr
+    files = json.loads(res.stdout)
+    ours = {name: path for name, path in files.items() if name.startswith("splitserve") and path}
+    assert len(ours) > 40 and all(path.startswith(str(wheel.site_dir)) for path in ours.values()), ours
+    assert not files["proto"].startswith(str(wheel.site_dir))  # proto-plus keeps its name
+
+
+def test_model_id_is_the_model_as_given(client, tiny_model):
+    (card,) = client.models.list().data
+    assert card.id == tiny_model  # the path string, as vLLM does; --served-model-name overrides
+
+
+def test_max_model_len_reaches_the_frontend(server):
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        card = http.get("/v1/models").json()["data"][0]
+        assert card["max_model_len"] == MAX_MODEL_LEN
+        res = http.post("/v1/completions", json={"model": card["id"], "prompt": PROMPT, "max_tokens": MAX_MODEL_LEN})
+        assert res.status_code == 400 and str(MAX_MODEL_LEN) in res.json()["error"]["message"]
+
+
+def test_access_log_names_the_path_and_skips_scrapes(server):
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        assert http.get("/no/such/path").status_code == 404
+        http.get("/metrics")
+        http.get("/health")
+    deadline = time.monotonic() + 30  # Ray forwards the replica's log lines within a second or so
+    while "GET /no/such/path 404" not in server.log_path.read_text():
+        assert time.monotonic() < deadline, server.log_path.read_text()[-3000:]
+        time.sleep(0.5)
+    log = server.log_path.read_text()
+    assert "GET /metrics" not in log and "GET /health" not in log  # DEBUG, below the default INFO
+    # Ray's start-up chatter stays in its log files: no token-auth warning, no Serve INFO lines.
+    assert "Token authentication" not in log and "Started Serve" not in log
 
 
 def test_openai_completion_equals_generate(client, expected):

@@ -20,12 +20,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 
 
 def engine_for(model_dir, **kw) -> LLMEngine:
-    kw.setdefault("num_gpu_blocks", 128)
+    kw.setdefault("num_kv_blocks", 128)
     return LLMEngine(EngineConfig(model=str(model_dir), **kw))
 
 
 def assert_baseline(engine: LLMEngine) -> None:
-    assert engine.kv.num_free_blocks == engine.config.num_gpu_blocks
+    assert engine.kv.num_free_blocks == engine.config.num_kv_blocks
     assert all(c == 0 for c in engine.kv.pool.ref_counts)
     assert not engine.scheduler.has_unfinished()
 
@@ -94,7 +94,7 @@ def test_preemption_under_tiny_block_budget_gives_same_tokens(tiny_model):
     prompts = [list(range(5 + i, 25 + i)) for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     roomy = engine_for(tiny_model).generate(prompts, params)
-    tight = engine_for(tiny_model, num_gpu_blocks=10, block_size=16)
+    tight = engine_for(tiny_model, num_kv_blocks=10, block_size=16)
     outs = tight.generate(prompts, params)
     assert tight.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]

@@ -18,7 +18,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 def engine_for(model_dir, **kw) -> LLMEngine:
-    kw.setdefault("num_gpu_blocks", 64)
+    kw.setdefault("num_kv_blocks", 64)
     return LLMEngine(EngineConfig(model=str(model_dir), block_size=BS, **kw))
 
 
@@ -109,7 +109,7 @@ def test_first_token_can_finish_the_request(tiny_model):
 
 
 def test_every_release_path_frees_the_blocks(tiny_model):
-    decode = engine_for(tiny_model, num_gpu_blocks=8)
+    decode = engine_for(tiny_model, num_kv_blocks=8)
     ids = prompts()[4]  # 70 tokens: 5 blocks
     for release in ("release_reservation", "abort"):
         seq = decode.make_sequence(None, ids, GREEDY, release)

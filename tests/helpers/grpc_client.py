@@ -7,8 +7,8 @@ import asyncio
 import threading
 
 from splitserve.cluster.config import ServeConfig
-from splitserve.cluster.frontend.errors import BackendError
 from splitserve.cluster.frontend.grpc.server import GrpcFrontend
+from splitserve.cluster.request_error import invalid
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.kvtransfer.handoff import StreamChunk
 
@@ -40,19 +40,17 @@ class FakeBackend:
 
     def encode(self, text: str) -> list[int]:
         if not text:
-            raise BackendError("the prompt is empty", 400, "invalid_request_error")
+            raise invalid("the prompt is empty")
         return self.tokenizer.encode(text)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
-            raise BackendError(
+            raise invalid(
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                f"exceeds the context length {self.max_model_len}",
-                400,
-                "invalid_request_error",
+                f"exceeds the context length {self.max_model_len}"
             )
         if max(prompt_token_ids) >= self.tokenizer.vocab_size:
-            raise BackendError("token id out of range", 400, "invalid_request_error")
+            raise invalid("token id out of range")
 
     def health(self) -> dict:
         if isinstance(self.healthy, Exception):

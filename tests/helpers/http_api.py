@@ -11,8 +11,8 @@ import time
 import uvicorn
 
 from splitserve.cluster.config import ServeConfig
-from splitserve.cluster.frontend.errors import BackendError
 from splitserve.cluster.frontend.metrics import Metrics
+from splitserve.cluster.request_error import ErrorKind, RequestError, invalid
 from splitserve.engine.io.request_validation import validate_prompt
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.io.tokenizer import Tokenizer
@@ -36,9 +36,9 @@ class FakeBackend:
         self.metrics = Metrics(MODEL_NAME)
         self.healthy = True
         self.num_cached_tokens = 0
-        self.refusal: BackendError | None = None  # raised before the first chunk
+        self.refusal: RequestError | None = None  # raised before the first chunk
         self.crash: Exception | None = None  # an unexpected error before the first chunk
-        self.fail_after: int | None = None  # raise BackendError after this many chunks
+        self.fail_after: int | None = None  # raise RequestError after this many chunks
         self.hang_after: int | None = None  # wait "forever" after this many chunks
         self.calls: list[dict] = []
         self.closed_request_ids: list[str] = []  # generators closed before they finished
@@ -47,7 +47,7 @@ class FakeBackend:
 
     def encode(self, text: str) -> list[int]:
         if not text:
-            raise BackendError("the prompt is empty", 400, "invalid_request_error")
+            raise invalid("the prompt is empty")
         return self.tokenizer.encode(text)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -61,7 +61,7 @@ class FakeBackend:
         try:
             validate_prompt(prompt_token_ids, params, self.tokenizer.vocab_size, self.max_model_len, self.max_model_len)
         except InvalidRequestError as exc:
-            raise BackendError(str(exc), 400, "invalid_request_error") from None
+            raise invalid(str(exc)) from None
 
     def health(self) -> dict:
         return {"ok": self.healthy, "decode_replicas": int(self.healthy)}
@@ -90,7 +90,7 @@ class FakeBackend:
                 if self.hang_after is not None and n > self.hang_after:
                     await asyncio.sleep(3600)
                 if self.fail_after is not None and n > self.fail_after:
-                    raise BackendError("the decode replica died", 503, "server_error")
+                    raise RequestError(ErrorKind.UNAVAILABLE, "the decode replica died")
                 await asyncio.sleep(0)
                 token = self.reply_ids[(n - 1) % len(self.reply_ids)]
                 stop = n == len(self.reply_ids) and not params.ignore_eos

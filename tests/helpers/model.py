@@ -66,11 +66,11 @@ def make_kv_cache(model, max_len: int, num_seqs: int = 1, block_size: int = 16) 
     engine_config = EngineConfig(
         model="unused",
         block_size=block_size,
-        num_gpu_blocks=max(2, num_seqs * blocks_per_seq),
+        num_kv_blocks=max(2, num_seqs * blocks_per_seq),
         max_num_batched_tokens=max(block_size, max_len * num_seqs),
         device=str(model.device),
     )
-    engine_config.dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[model.dtype]
+    engine_config.dtype = str(model.dtype).removeprefix("torch.")
     return KVCache(model.config, engine_config), blocks_per_seq
 
 

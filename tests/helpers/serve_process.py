@@ -1,4 +1,8 @@
-"""Run `splitserve serve` as a real subprocess on 127.0.0.1 and stop it by its process group."""
+"""Run `splitserve serve` as a real subprocess on 127.0.0.1 and stop it by its process group.
+
+It starts where users start it: in a folder outside the repository (the log's folder), so a
+module that only imports from the repository root fails here as it would for them.
+"""
 
 from __future__ import annotations
 
@@ -18,18 +22,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
 class ServeProcess:
-    def __init__(self, model: str, log_path: Path, *extra: str, startup_timeout_s: float = 240.0):
+    def __init__(
+        self,
+        model: str,
+        log_path: Path,
+        *extra: str,
+        startup_timeout_s: float = 240.0,
+        python: str | Path = sys.executable,
+        env: dict[str, str] | None = None,
+    ):
+        """`python -m splitserve.cluster.cli serve MODEL *extra` with cwd = log_path's folder;
+        `python`/`env` run another installation (tests/helpers/wheel.py)."""
+        cwd = log_path.parent
+        if cwd.resolve().is_relative_to(REPO_ROOT):
+            raise ValueError(f"start splitserve serve outside the repository, not in {cwd}")
         self.http_port = free_port()
         self.grpc_port = free_port()
         self.base_url = f"http://127.0.0.1:{self.http_port}"
         self.log_path = log_path
         cmd = [
-            sys.executable,
+            str(python),
             "-m",
-            "splitserve.cluster.cli.main",
+            "splitserve.cluster.cli",
             "serve",
-            "--model",
             model,
             "--http-port",
             str(self.http_port),
@@ -39,7 +58,9 @@ class ServeProcess:
             "6",
             *extra,
         ]
-        env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
+        env = dict(
+            env or os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1"
+        )
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(
             cmd,
@@ -47,7 +68,7 @@ class ServeProcess:
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
-            cwd=str(Path(__file__).parents[2]),
+            cwd=str(cwd),
         )
         self._wait_ready(startup_timeout_s)
 

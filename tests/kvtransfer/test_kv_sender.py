@@ -29,7 +29,7 @@ LAYOUTS = {  # (prefill block ids, decode block ids)
 
 
 def _cache(model_dir: str, seed: int | None) -> KVCache:
-    cache = KVCache(ModelConfig.from_pretrained(model_dir), EngineConfig(model=model_dir, num_gpu_blocks=NUM_BLOCKS))
+    cache = KVCache(ModelConfig.from_pretrained(model_dir), EngineConfig(model=model_dir, num_kv_blocks=NUM_BLOCKS))
     if seed is not None:
         cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(seed)))
     return cache

@@ -9,7 +9,7 @@ import time
 import pytest
 import ray
 
-from splitserve.cluster.control.dispatcher import RequestFailedError
+from splitserve.cluster.request_error import RequestError
 from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.io.sampling_params import SamplingParams
@@ -30,7 +30,7 @@ def mixed_prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_model):
-    engine = LLMEngine(EngineConfig(model=tiny_model, num_gpu_blocks=128))
+    engine = LLMEngine(EngineConfig(model=tiny_model, num_kv_blocks=128))
     return {tuple(p): o.token_ids for p, o in zip(mixed_prompts(), engine.generate(mixed_prompts(), GREEDY))}
 
 
@@ -100,7 +100,7 @@ def test_decode_killed_mid_transfer_fails_fast_and_frees_prefill_blocks(ray_clus
             return await asyncio.wait_for(task, 30)
 
         start = time.monotonic()
-        with pytest.raises(RequestFailedError):
+        with pytest.raises(RequestError):
             loop.run(go(), timeout=60)
         assert time.monotonic() - start < 20
         ray.get(prefill.inject_fault.remote(stall_send_s=0.0))

@@ -15,10 +15,10 @@ import httpx
 import pytest
 import ray
 
-from splitserve.cluster.control.dispatcher import DEADLINE_STATUS, DeadlineExceededError, RequestFailedError
 from splitserve.cluster.frontend.backend import ServingBackend
 from splitserve.cluster.frontend.grpc.server import GrpcFrontend
 from splitserve.cluster.frontend.http.api import build_http_app
+from splitserve.cluster.request_error import ErrorKind, RequestError
 from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.proto import load_stubs
@@ -152,9 +152,9 @@ def test_failed_kv_sends_are_retried_within_the_budget_or_fail_clearly(loop, clu
     # Every prefill replica fails its next send: both attempts fail, the budget (1 retry) is spent.
     set_fault(cluster, fail_sends=1)
     start = time.monotonic()
-    with pytest.raises(RequestFailedError, match="request failed: .*injected send failure") as failed:
+    with pytest.raises(RequestError, match="request failed: .*injected send failure") as failed:
         complete(loop, cluster, prompt)
-    assert failed.value.status == 500
+    assert failed.value.kind is ErrorKind.INTERNAL
     assert cluster.dispatcher.num_retries == retries + 1
     wait_for_baseline(loop, cluster, timeout_s=LEASE_S)
     assert time.monotonic() - start < 3 * LEASE_S
@@ -203,6 +203,7 @@ def test_stalled_kv_send_frees_blocks_within_the_lease_and_is_retried(loop, clus
 
 # ---- deadlines ---------------------------------------------------------------------------
 
+GATEWAY_TIMEOUT = 504  # HTTP's status for ErrorKind.DEADLINE
 LONG = {"max_tokens": 900, "ignore_eos": True, "temperature": 0}
 
 
@@ -211,7 +212,7 @@ def test_deadline_over_http_is_504_and_frees_blocks(loop, cluster, backend, serv
     with httpx.Client(base_url=server.url, timeout=30) as http:
         start = time.monotonic()
         resp = http.post("/v1/completions", json=body, headers={"x-request-timeout": "0.5"})
-        assert resp.status_code == DEADLINE_STATUS, resp.text
+        assert resp.status_code == GATEWAY_TIMEOUT, resp.text
         assert time.monotonic() - start < 5
         error = resp.json()["error"]
         assert error["type"] == "timeout_error" and "deadline" in error["message"]
@@ -223,7 +224,7 @@ def test_deadline_over_http_is_504_and_frees_blocks(loop, cluster, backend, serv
         ) as stream:
             assert stream.status_code == 200
             events = sse_events(stream.iter_lines())
-        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == DEADLINE_STATUS
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == GATEWAY_TIMEOUT
         assert any(e != "[DONE]" and "choices" in e for e in events)
         wait_for_baseline(loop, cluster)
 
@@ -231,7 +232,7 @@ def test_deadline_over_http_is_504_and_frees_blocks(loop, cluster, backend, serv
         cfg = backend.cfg
         backend.cfg = cfg.model_copy(update={"request_timeout_s": 0.5})
         try:
-            assert http.post("/v1/completions", json=body).status_code == DEADLINE_STATUS
+            assert http.post("/v1/completions", json=body).status_code == GATEWAY_TIMEOUT
         finally:
             backend.cfg = cfg
         for bad in ("0", "-1", "soon", "nan", "inf"):
@@ -272,9 +273,9 @@ def test_deadline_during_a_stalled_transfer_fails_without_retry(loop, cluster):
             return [chunk async for chunk in stream]
 
         start = time.monotonic()
-        with pytest.raises(DeadlineExceededError) as exc:
+        with pytest.raises(RequestError) as exc:
             loop.run(go(), timeout=30)
-        assert exc.value.status == DEADLINE_STATUS and time.monotonic() - start < 4
+        assert exc.value.kind is ErrorKind.DEADLINE and time.monotonic() - start < 4
         assert cluster.dispatcher.num_retries == retries  # no retry past the deadline
     finally:
         set_fault(cluster, stall_send_s=0.0)

@@ -24,8 +24,8 @@ from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from splitserve.cluster.frontend.errors import BackendError
 from splitserve.cluster.frontend.grpc.health import BackendHealthServicer
+from splitserve.cluster.request_error import ErrorKind, RequestError
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.kvtransfer.handoff import StreamChunk
 from splitserve.proto import load_stubs
@@ -35,23 +35,17 @@ logger = logging.getLogger(__name__)
 pb2, _ = load_stubs()
 SERVICE_NAME: str = pb2.DESCRIPTOR.services_by_name["SplitServe"].full_name  # "splitserve.v1.SplitServe"
 OWNED_BY = "splitserve"
-STATUS_CODE_BY_HTTP_STATUS = {
-    400: grpc.StatusCode.INVALID_ARGUMENT,
-    401: grpc.StatusCode.UNAUTHENTICATED,
-    404: grpc.StatusCode.NOT_FOUND,
-    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    503: grpc.StatusCode.UNAVAILABLE,
-    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+# The one table from a RequestError's kind to a gRPC status code.
+STATUS_CODE_BY_KIND: dict[ErrorKind, grpc.StatusCode] = {
+    ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
 }
-RETRYABLE_STATUSES = (429, 503)
-RETRY_AFTER_S = 1
-RETRY_TRAILERS = (("retry-after", str(RETRY_AFTER_S)), ("grpc-retry-pushback-ms", str(RETRY_AFTER_S * 1000)))
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 # Sampling fields declared `optional` in the .proto: unset means the SamplingParams default.
 _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
-
-
-def status_code_for(http_status: int) -> grpc.StatusCode:
-    return STATUS_CODE_BY_HTTP_STATUS.get(http_status, grpc.StatusCode.INTERNAL)
 
 
 class GrpcFrontendError(RuntimeError):
@@ -86,7 +80,7 @@ def _lenient_parser(message_class):
 
 
 def _rpc(handler):
-    """Turn rejections, BackendErrors and bugs into a gRPC status with readable details."""
+    """Turn rejections, RequestErrors and bugs into a gRPC status with readable details."""
 
     @functools.wraps(handler)
     async def wrapper(self: GrpcFrontend, request, context: grpc.aio.ServicerContext):
@@ -98,11 +92,10 @@ def _rpc(handler):
             return await handler(self, request, context)
         except _Rejection as exc:
             code, details = exc.code, exc.details
-        except BackendError as exc:
-            code, details = status_code_for(exc.status), exc.message
-            if exc.status in RETRYABLE_STATUSES:
-                # HTTP's Retry-After, and gRPC's own pushback for clients with a retry policy.
-                context.set_trailing_metadata(RETRY_TRAILERS)
+        except RequestError as exc:
+            code, details = STATUS_CODE_BY_KIND[exc.kind], exc.message
+            if exc.retryable:  # gRPC's form of Retry-After, read by clients with a retry policy
+                context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(int(exc.retry_after_s * 1000))),))
         except Exception as exc:
             logger.exception("gRPC %s failed", handler.__name__)
             code, details = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"

@@ -23,7 +23,7 @@ from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from splitserve.cluster.frontend.errors import BackendError
+from splitserve.cluster.frontend.http.access_log import AccessLog
 from splitserve.cluster.frontend.http.fanout import close_all, first_chunks, merged
 from splitserve.cluster.frontend.http.guard import RequestGuard, bearer_token
 from splitserve.cluster.frontend.http.head import HeadAsGet
@@ -50,14 +50,22 @@ from splitserve.cluster.frontend.openai.responses import (
     ModelList,
     error_body,
 )
+from splitserve.cluster.request_error import ErrorKind, RequestError
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# The one table from a RequestError's kind to HTTP: (status, OpenAI error type).
+HTTP_STATUS_BY_KIND: dict[ErrorKind, tuple[int, str]] = {
+    ErrorKind.INVALID: (400, "invalid_request_error"),
+    ErrorKind.OVERLOADED: (429, "rate_limit_error"),
+    ErrorKind.UNAVAILABLE: (503, "server_error"),
+    ErrorKind.DEADLINE: (504, "timeout_error"),
+    ErrorKind.INTERNAL: (500, "server_error"),
+}
+RETRY_STATUSES = (429, 503)  # answered with Retry-After, always
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503, 504)}
 TIMEOUT_HEADER = "x-request-timeout"
-RETRYABLE_STATUSES = (429, 503)  # answered with Retry-After
-RETRY_AFTER_S = 1
 GENERATION_RESPONSES = {200: {"content": {"text/event-stream": {}}}, **_ERRORS}
 
 
@@ -83,8 +91,16 @@ def _error_response(
     param: str | None = None,
     code: str | None = None,
     headers: dict[str, str] | None = None,
+    retry_after_s: float = 1.0,
 ) -> JSONResponse:
+    if status in RETRY_STATUSES:
+        headers = {"Retry-After": retry_after(retry_after_s), **(headers or {})}
     return JSONResponse(error_body(message, error_type, param, code), status_code=status, headers=headers)
+
+
+def retry_after(seconds: float) -> str:
+    """A Retry-After value: whole seconds, at least 1 (RFC 9110 allows no fractions)."""
+    return str(max(1, int(-(-seconds // 1))))
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -125,10 +141,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def on_invalid_request(_: Request, exc: InvalidRequestError) -> JSONResponse:
         return _error_response(400, str(exc), "invalid_request_error", getattr(exc, "param", None))
 
-    @app.exception_handler(BackendError)
-    async def on_backend_error(_: Request, exc: BackendError) -> JSONResponse:
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status in RETRYABLE_STATUSES else None
-        return _error_response(exc.status, exc.message, exc.error_type, headers=headers)
+    @app.exception_handler(RequestError)
+    async def on_request_error(_: Request, exc: RequestError) -> JSONResponse:
+        status, error_type = HTTP_STATUS_BY_KIND[exc.kind]
+        return _error_response(status, exc.message, error_type, retry_after_s=exc.retry_after_s)
 
     @app.exception_handler(OpenAIHTTPError)
     async def on_openai_error(_: Request, exc: OpenAIHTTPError) -> JSONResponse:
@@ -160,6 +176,7 @@ def build_http_app(backend) -> FastAPI:
     )
     app.add_middleware(RequestGuard, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes)
     app.add_middleware(HeadAsGet)
+    app.add_middleware(AccessLog)  # outermost: logs the guard's refusals (and HEADs as HEAD) too
     _install_error_handlers(app)
     created = int(time.time())
     # Documents the bearer scheme in /openapi.json; RequestGuard enforces it before parsing.
@@ -184,7 +201,9 @@ def build_http_app(backend) -> FastAPI:
         except Exception:
             logger.exception("health check failed")
             state = {"ok": False, "error": "health check failed"}
-        return JSONResponse(state, status_code=200 if state.get("ok") else 503)
+        if state.get("ok"):
+            return JSONResponse(state)
+        return JSONResponse(state, status_code=503, headers={"Retry-After": retry_after(1.0)})
 
     @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
     async def metrics() -> Response:
@@ -348,8 +367,9 @@ async def _stream_events(renderer: ResponseRenderer, firsts: list, rest):
         async for index, chunk in rest:
             for event in renderer.chunk_events(chunk, index):
                 yield event
-    except BackendError as exc:
-        yield sse_event(error_body(exc.message, exc.error_type, code=exc.status))
+    except RequestError as exc:
+        status, error_type = HTTP_STATUS_BY_KIND[exc.kind]
+        yield sse_event(error_body(exc.message, error_type, code=status))
         yield SSE_DONE
         return
     except Exception:

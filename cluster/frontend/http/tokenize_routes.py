@@ -13,7 +13,6 @@ from importlib.metadata import version as package_version
 
 from fastapi import FastAPI
 
-from splitserve.cluster.frontend.errors import invalid
 from splitserve.cluster.frontend.openai.tokenize_protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -22,6 +21,7 @@ from splitserve.cluster.frontend.openai.tokenize_protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from splitserve.cluster.request_error import invalid
 
 
 def splitserve_version() -> str:

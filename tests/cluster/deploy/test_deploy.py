@@ -153,8 +153,8 @@ def test_ray_up_ships_serve_config_and_model(name):
 
 @pytest.mark.parametrize("name", RAY_UP_CONFIGS)
 def test_ray_up_serve_command_is_accepted_by_the_cli(name):
-    cli = pytest.importorskip("splitserve.cluster.cli.main", reason="splitserve.cluster.cli.main is not importable yet")
-    from splitserve.cluster.cli.serve import config_from_args
+    from splitserve.cluster.cli import main as cli
+    from splitserve.cluster.cli.serve_flags import config_from_args
 
     raw = deploy.load_yaml(deploy.DEPLOY_DIR / name)
     serve_cmd = next(c for c in raw["head_start_ray_commands"] if "splitserve serve" in c)
@@ -162,7 +162,7 @@ def test_ray_up_serve_command_is_accepted_by_the_cli(name):
     argv[argv.index("--config") + 1] = str(SERVE_CONFIG_PATH)  # the file ray up mounts there
     args = cli.build_parser().parse_args(argv[1:])
     assert args.address == "auto"
-    assert config_from_args(args) == _serve_config()
+    assert config_from_args(args, environ={}) == _serve_config()
 
 
 def test_deploy_files_ship_with_the_package():

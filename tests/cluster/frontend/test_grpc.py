@@ -15,8 +15,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from splitserve.cluster.config import ServeConfig
-from splitserve.cluster.frontend.errors import BackendError
-from splitserve.cluster.frontend.grpc.server import SERVICE_NAME, GrpcFrontend, GrpcFrontendError
+from splitserve.cluster.frontend.grpc.server import (
+    RETRY_PUSHBACK_KEY,
+    SERVICE_NAME,
+    STATUS_CODE_BY_KIND,
+    GrpcFrontend,
+    GrpcFrontendError,
+)
+from splitserve.cluster.request_error import ErrorKind, RequestError
 from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.engine.testing.make_model import write_random_checkpoint
 from splitserve.proto import load_stubs
@@ -171,29 +177,32 @@ def test_generate_rejects_bad_requests(stub, backend, request_fields, code, deta
 @pytest.mark.parametrize(
     "error, code",
     [
-        (BackendError("the server is at capacity; retry later", 429, "rate_limit_error"), Code.RESOURCE_EXHAUSTED),
-        (BackendError("no decode replica", 503), Code.UNAVAILABLE),
-        (BackendError("bad key", 401), Code.UNAUTHENTICATED),
-        (BackendError("gone", 404), Code.NOT_FOUND),
-        (BackendError("kv transfer failed", 500), Code.INTERNAL),
+        (RequestError(ErrorKind.INVALID, "bad prompt"), Code.INVALID_ARGUMENT),
+        (RequestError(ErrorKind.OVERLOADED, "the server is at capacity; retry later"), Code.RESOURCE_EXHAUSTED),
+        (RequestError(ErrorKind.UNAVAILABLE, "no decode replica"), Code.UNAVAILABLE),
+        (RequestError(ErrorKind.DEADLINE, "too slow"), Code.DEADLINE_EXCEEDED),
+        (RequestError(ErrorKind.INTERNAL, "kv transfer failed"), Code.INTERNAL),
         (RuntimeError("a bug"), Code.INTERNAL),
     ],
 )
-def test_backend_refusals_map_to_status_codes(stub, backend, error, code):
+def test_error_kinds_map_to_status_codes(stub, backend, error, code):
     backend.refusal = error
-    call = stub.Generate(pb2.GenerateRequest(text="hi"), timeout=TIMEOUT_S)
-    with pytest.raises(grpc.RpcError) as err:
+    call = stub.Generate(pb2.GenerateRequest(text="hi", max_tokens=2), timeout=TIMEOUT_S)
+    with pytest.raises(grpc.RpcError) as failed:
         list(call)
-    assert err.value.code() == code and str(error) in err.value.details()
-    trailers = dict(err.value.trailing_metadata() or ())
-    if code in (Code.RESOURCE_EXHAUSTED, Code.UNAVAILABLE):  # retry later: say when
-        assert trailers["retry-after"] == "1" and trailers["grpc-retry-pushback-ms"] == "1000"
-    else:
-        assert "retry-after" not in trailers
+    assert failed.value.code() == code and str(error) in failed.value.details()
+    # Retryable kinds carry gRPC's Retry-After: the retry pushback in the trailers.
+    pushback = dict(failed.value.trailing_metadata() or ()).get(RETRY_PUSHBACK_KEY)
+    retryable = isinstance(error, RequestError) and error.retryable
+    assert pushback == ("1000" if retryable else None)
+
+
+def test_every_kind_has_a_status_code():
+    assert set(STATUS_CODE_BY_KIND) == set(ErrorKind)
 
 
 def test_failure_after_first_chunk_ends_stream_with_status(stub, backend):
-    backend.mid_stream_failure = BackendError("decode replica died", 503)
+    backend.mid_stream_failure = RequestError(ErrorKind.UNAVAILABLE, "decode replica died")
     call = stub.Generate(pb2.GenerateRequest(text="hello there", max_tokens=5), timeout=TIMEOUT_S)
     assert len(next(call).token_ids) == 1
     assert _status(lambda: list(call)) == (Code.UNAVAILABLE, "decode replica died")

@@ -5,13 +5,14 @@ test_http_api_clients.py."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 from fastapi.testclient import TestClient
 
 from splitserve.cluster.config import ServeConfig
-from splitserve.cluster.frontend.errors import BackendError
-from splitserve.cluster.frontend.http.api import build_http_app
+from splitserve.cluster.frontend.http.api import HTTP_STATUS_BY_KIND, build_http_app
+from splitserve.cluster.request_error import ErrorKind, RequestError
 from tests.helpers.http_api import MODEL_NAME, FakeBackend, parse_sse, tiny_tokenizer
 
 pytestmark = pytest.mark.timeout(60)
@@ -314,13 +315,32 @@ def test_malformed_json_unknown_model_and_route(client):
 
 
 @pytest.mark.parametrize(
-    "status, error_type", [(429, "rate_limit_error"), (503, "server_error"), (400, "invalid_request_error")]
+    "kind, status, error_type",
+    [
+        (ErrorKind.INVALID, 400, "invalid_request_error"),
+        (ErrorKind.OVERLOADED, 429, "rate_limit_error"),
+        (ErrorKind.UNAVAILABLE, 503, "server_error"),
+        (ErrorKind.DEADLINE, 504, "timeout_error"),
+        (ErrorKind.INTERNAL, 500, "server_error"),
+    ],
 )
-def test_backend_refusals_keep_their_status(client, backend, status, error_type):
-    backend.refusal = BackendError(f"refused with {status}", status, error_type)
+def test_error_kinds_map_to_http_statuses(client, backend, kind, status, error_type):
+    backend.refusal = RequestError(kind, f"refused: {kind}", retry_after_s=2.5)
     for stream in (False, True):
         resp = client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "stream": stream})
-        assert assert_error(resp, status, error_type)["message"] == f"refused with {status}"
+        assert assert_error(resp, status, error_type)["message"] == f"refused: {kind}"
+        # Every 429 and 503 tells the client when to come back (whole seconds, rounded up).
+        assert resp.headers.get("retry-after") == ("3" if status in (429, 503) else None)
+
+
+def test_every_kind_has_an_http_status():
+    assert set(HTTP_STATUS_BY_KIND) == set(ErrorKind)
+
+
+def test_unhealthy_503_carries_retry_after(client, backend):
+    backend.healthy = False
+    resp = client.get("/health")
+    assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
 
 
 def test_unexpected_errors_are_500_without_details(client, backend):
@@ -400,3 +420,21 @@ def test_every_refused_parameter_is_refused_and_listed_in_the_readme(client):
         assert ok.status_code == 200, (name, ok.text)  # the neutral value changes nothing and is accepted
         bad = client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x", name: {"set": 1}})
         assert assert_error(bad, 400, param=name)["message"] == f"{name} is not supported: {reason}"
+
+
+def test_access_log_quiets_scrapes_and_names_the_path(client, caplog):
+    """Prometheus scrapes and health probes log at DEBUG; every other request at INFO with
+    the path the client asked for (a 404 too), its status and duration."""
+    caplog.set_level(logging.DEBUG, logger="splitserve.access")
+    client.get("/metrics")
+    client.get("/health")
+    client.get("/v1/no/such/thing")
+    client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2})
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "splitserve.access"]
+    assert [(level, " ".join(msg.split()[:3])) for level, msg in lines] == [
+        (logging.DEBUG, "GET /metrics 200"),
+        (logging.DEBUG, "GET /health 200"),
+        (logging.INFO, "GET /v1/no/such/thing 404"),
+        (logging.INFO, "POST /v1/completions 200"),
+    ]
+    assert all(msg.endswith("ms") for _, msg in lines)

@@ -1,0 +1,85 @@
+"""What `splitserve serve` checks before it starts Ray: a bad model directory, config.json,
+tokenizer, weights or --max-model-len, or a server module that does not import, is reported
+in one line in a second, instead of as a failed Ray Serve deployment a minute later."""
+
+from __future__ import annotations
+
+import importlib
+import socket
+
+from splitserve.cluster.config import ServeConfig
+
+# What the ingress replica imports (splitserve.cluster.app's builder): importing them here
+# first turns a broken install into one line instead of a replica that never starts.
+INGRESS_MODULES = (
+    "splitserve.cluster.app",
+    "splitserve.cluster.frontend.backend",
+    "splitserve.cluster.frontend.http.api",
+    "splitserve.cluster.frontend.grpc.server",
+)
+
+
+class PreflightError(Exception):
+    """A problem found before start-up, phrased as the one line the user sees."""
+
+
+def check_model(cfg: ServeConfig) -> str:
+    """The checkpoint directory to serve (the default one is made if needed), after checking
+    its directory, config.json, weights, tokenizer and cfg.max_model_len against it."""
+    from splitserve.cluster.default_model import resolve_model
+    from splitserve.engine.config import ConfigError, ModelConfig
+    from splitserve.engine.io.tokenizer import Tokenizer, TokenizerError
+    from splitserve.engine.model.checkpoint import CheckpointError, require_model_dir, weight_files
+
+    model_dir = resolve_model(cfg.model)
+    try:
+        require_model_dir(model_dir)
+        model_config = ModelConfig.from_pretrained(model_dir)
+        model_config.resolve_max_model_len(cfg.max_model_len)
+        _check_weight_headers(weight_files(model_dir))
+        Tokenizer.from_pretrained(model_dir)
+    except (CheckpointError, ConfigError, TokenizerError) as exc:
+        hint = "" if cfg.model else " (the default model; delete it to have it made again)"
+        raise PreflightError(f"model {model_dir}{hint}: {exc}") from None
+    return model_dir
+
+
+def _check_weight_headers(paths) -> None:
+    """Open every safetensors file (reads its header only): a truncated or foreign file fails
+    here, not in every worker."""
+    from safetensors import safe_open
+
+    from splitserve.engine.model.checkpoint import CheckpointError
+
+    for path in paths:
+        try:
+            with safe_open(str(path), framework="numpy"):
+                pass
+        except Exception as exc:
+            raise CheckpointError(f"cannot read {path}: {exc}") from None
+
+
+def check_imports() -> None:
+    for name in INGRESS_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            raise PreflightError(f"cannot import {name}: {type(exc).__name__}: {exc}") from None
+
+
+def check_ports(cfg: ServeConfig) -> None:
+    """The HTTP and gRPC ports are free on this machine (for a local cluster, where they are
+    bound): taken ports would otherwise fail inside Ray Serve, far from the cause."""
+    for what, host, port in (("HTTP", cfg.http_host, cfg.http_port), ("gRPC", cfg.grpc_host, cfg.grpc_port)):
+        if port == 0:
+            continue
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError as exc:
+                flag = "--port" if what == "HTTP" else "--grpc-port"
+                raise PreflightError(
+                    f"cannot listen for {what} on {host}:{port}: {exc.strerror}; choose another with {flag}"
+                ) from None

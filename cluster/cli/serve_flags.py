@@ -1,0 +1,238 @@
+"""The flags of `splitserve serve`, derived from ServeConfig, and the config they resolve to.
+
+Every ServeConfig leaf field is a flag named after its path in kebab case (`--http-port`,
+`--max-model-len`, `--prefill.num-kv-blocks`, `--decode.autoscaling.max-replicas`) with
+the field's docstring as its help, so a new field needs no edit here. On top of those:
+
+- `MODEL`, positional as in `vllm serve MODEL` (the same as --model);
+- the short forms users know (SHORT_FORMS): `--host`/`--port` (vLLM's names for the HTTP
+  address), `--prefill-replicas`, `--router`, `--decode-max-replicas` (which also turns
+  autoscaling on), `--max-num-seqs` (both pools) ...;
+- `--config FILE.yaml` (ServeConfig fields; flags override it) and env SPLITSERVE_API_KEY
+  (below --api-key, above the file).
+
+Library: pydantic-settings' CliSettingsSource, attached to the existing `serve` argparse
+subparser (root_parser=...). jsonargparse, tried too, brings its own ArgumentParser class
+(no home under the argparse subcommands of `splitserve`, where `bench` registers itself),
+snake_case flags only (`--http_port`, where vLLM users type `--max-model-len`), `{true,false}`
+booleans, and a `--router CONFIG` group flag that takes the `--router kv` short form.
+pydantic-settings gives kebab-case flags, `--flag/--no-flag` booleans, and only the values
+given on the command line, which is what overriding the YAML file needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+from pydantic_settings import CliSettingsSource
+
+from splitserve.cluster.config import ServeConfig
+
+API_KEY_ENV = "SPLITSERVE_API_KEY"
+SERVE_USAGE = "splitserve serve [MODEL] [options]"
+
+
+@dataclass(frozen=True)
+class ShortForm:
+    """A flag that sets one value at one or more ServeConfig paths (and maybe fixed others)."""
+
+    paths: tuple[str, ...]
+    implies: dict[str, Any] = field(default_factory=dict)
+
+
+def _pool_short_forms(pool: str) -> dict[str, ShortForm]:
+    return {
+        f"--{pool}-replicas": ShortForm((f"{pool}.replicas",)),
+        f"--{pool}-num-cpus": ShortForm((f"{pool}.resources.num_cpus",)),
+        f"--{pool}-num-gpus": ShortForm((f"{pool}.resources.num_gpus",)),
+        f"--{pool}-resources": ShortForm((f"{pool}.resources.resources",)),
+        f"--{pool}-num-kv-blocks": ShortForm((f"{pool}.num_kv_blocks",)),
+        f"--{pool}-min-replicas": ShortForm((f"{pool}.autoscaling.min_replicas",)),
+        f"--{pool}-max-replicas": ShortForm(
+            (f"{pool}.autoscaling.max_replicas",), {f"{pool}.autoscaling.enabled": True}
+        ),
+    }
+
+
+SHORT_FORMS: dict[str, ShortForm] = {
+    "--host": ShortForm(("http_host",)),
+    "--port": ShortForm(("http_port",)),
+    "--router": ShortForm(("router.policy",)),
+    "--local-prefill-threshold": ShortForm(("router.local_prefill_threshold",)),
+    "--max-num-seqs": ShortForm(("prefill.max_num_seqs", "decode.max_num_seqs")),
+    **_pool_short_forms("prefill"),
+    **_pool_short_forms("decode"),
+}
+_SHORT_DEST = "short_form:"  # namespace keys of the short forms: "short_form:--host"
+
+
+class ServeFlagsError(ValueError):
+    """Flags, a config file or an env var that do not make a valid ServeConfig."""
+
+
+def leaf_fields(model: type[BaseModel] = ServeConfig, prefix: str = "") -> dict[str, Any]:
+    """{dotted path: FieldInfo} of every leaf field (nested models descended into)."""
+    leaves = {}
+    for name, info in model.model_fields.items():
+        annotation = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            leaves.update(leaf_fields(annotation, f"{prefix}{name}."))
+        else:
+            leaves[f"{prefix}{name}"] = info
+    return leaves
+
+
+def flag_for(path: str) -> str:
+    """The flag of a ServeConfig field path: "prefill.num_kv_blocks" -> "--prefill.num-kv-blocks"."""
+    return "--" + path.replace("_", "-")
+
+
+def add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    """Add MODEL, one flag per ServeConfig leaf field and the short forms to `parser`."""
+    parser.add_argument(
+        "model_tag", nargs="?", metavar="MODEL", help="checkpoint directory, the same as --model (as in `vllm serve`)"
+    )
+    parser.add_argument("--config", metavar="FILE.yaml", help="YAML file of ServeConfig fields; flags override it")
+    source = CliSettingsSource(
+        ServeConfig,
+        root_parser=parser,
+        cli_kebab_case=True,
+        cli_implicit_flags=True,  # --layerwise-transfer / --no-layerwise-transfer
+        cli_avoid_json=True,  # no `--router JSON` group flags: `--router kv` is a short form
+        cli_hide_none_type=True,
+    )
+    fields = leaf_fields()
+    shadowed = set(SHORT_FORMS) & {flag_for(path) for path in fields}
+    if shadowed:  # the parser resolves conflicts by replacing: never let that hide a field
+        raise ServeFlagsError(f"short forms {sorted(shadowed)} would hide ServeConfig fields")
+    group = parser.add_argument_group("short forms")
+    for flag, short in SHORT_FORMS.items():
+        info = fields[short.paths[0]]
+        targets = " and ".join(flag_for(p) for p in short.paths)
+        implied = "".join(f"; sets {flag_for(p)}={json.dumps(v)}" for p, v in short.implies.items())
+        group.add_argument(
+            flag,
+            dest=_SHORT_DEST + flag,
+            default=argparse.SUPPRESS,
+            choices=_choices(info.annotation),
+            metavar=None if _choices(info.annotation) else flag.rsplit("-", 1)[-1].upper(),
+            help=f"= {targets}{implied}",
+        )
+    parser.set_defaults(serve_flags=source)
+
+
+def _choices(annotation) -> tuple[str, ...] | None:
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is typing.Literal:
+        return tuple(args)
+    return None
+
+
+def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ServeConfig:
+    """ServeConfig from (lowest first) --config FILE, env SPLITSERVE_API_KEY, then the flags.
+    Raises ServeFlagsError naming the problem."""
+    environ = os.environ if environ is None else environ
+    raw = _load_yaml(args.config) if getattr(args, "config", None) else {}
+    if environ.get(API_KEY_ENV):
+        raw["api_key"] = environ[API_KEY_ENV]
+    given = _given_values(args)
+    for path, value in given.items():
+        _set(raw, path, value)
+    try:
+        return ServeConfig.model_validate(raw)
+    except ValueError as exc:
+        raise ServeFlagsError(_validation_message(exc)) from None
+
+
+def _given_values(args: argparse.Namespace) -> dict[str, Any]:
+    """{ServeConfig path: value} of everything given on the command line."""
+    values = vars(args)
+    source: CliSettingsSource = values["serve_flags"]
+    own = {k: v for k, v in values.items() if k.split(".")[0] in ServeConfig.model_fields}
+    given = _flatten(source(parsed_args=own)())  # only what was given: the defaults are left unset
+    claimed: dict[str, str] = {path: flag_for(path) for path in given}
+
+    def put(path: str, value: Any, flag: str) -> None:
+        if path in given and given[path] != value and claimed[path] != flag:
+            raise ServeFlagsError(f"{flag} and {claimed[path]} disagree: {value!r} vs {given[path]!r}")
+        given[path], claimed[path] = value, flag
+
+    fields = leaf_fields()
+    for key, text in values.items():
+        if not key.startswith(_SHORT_DEST):
+            continue
+        flag = key[len(_SHORT_DEST) :]
+        short = SHORT_FORMS[flag]
+        for path in short.paths:
+            put(path, _parse_json_if_mapping(fields[path].annotation, text, flag), flag)
+        for path, value in short.implies.items():
+            put(path, value, flag)
+    if values.get("model_tag") is not None:
+        put("model", values["model_tag"], "MODEL")
+    return given
+
+
+def _parse_json_if_mapping(annotation, text: str, flag: str) -> Any:
+    if typing.get_origin(annotation) is dict:
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ServeFlagsError(f"{flag} must be a JSON object, e.g. '{{\"decode_gpu\": 1}}': {exc}") from None
+    return text
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    leaves = leaf_fields()
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and path not in leaves:
+            flat.update(_flatten(value, f"{path}."))
+        else:
+            flat[path] = value
+    return flat
+
+
+def _set(tree: dict, path: str, value: Any) -> None:
+    *parents, leaf = path.split(".")
+    for key in parents:
+        child = tree.get(key)
+        if not isinstance(child, dict):
+            child = tree[key] = {}
+        tree = child
+    tree[leaf] = value
+
+
+def _load_yaml(path: str) -> dict:
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+    except OSError as exc:
+        raise ServeFlagsError(f"cannot read --config {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ServeFlagsError(f"--config {path} is not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ServeFlagsError(f"--config {path} must hold a mapping of ServeConfig fields")
+    return raw
+
+
+def _validation_message(exc: ValueError) -> str:
+    """One line per problem, named by its flag: "--prefill.replicas: Input should be ..."."""
+    errors = getattr(exc, "errors", None)
+    if errors is None:
+        return str(exc)
+    leaves = leaf_fields()
+    lines = []
+    for err in errors():
+        path = ".".join(str(p) for p in err["loc"])
+        message = err["msg"].removeprefix("Value error, ")
+        got = f" (got {err['input']!r})" if path in leaves and "input" in err else ""
+        lines.append(f"{flag_for(path) if path else 'config'}: {message}{got}")
+    return "; ".join(lines)

@@ -1,0 +1,43 @@
+"""RequestError: why a request could not be served, as a protocol-neutral kind.
+
+The control plane (dispatcher) and the shared frontend code (backend) raise it; each
+frontend keeps one table from kind to its own codes (HTTP status + OpenAI error type in
+frontend/http/api.py, grpc.StatusCode in frontend/grpc/server.py), as Dynamo's KV router
+does: errors carry a kind, never an HTTP status. Imports nothing heavy (no torch, no ray).
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorKind(enum.StrEnum):
+    """What went wrong, from the client's point of view (what it should do next)."""
+
+    INVALID = "invalid"  # the request itself is bad: resending it unchanged fails again
+    OVERLOADED = "overloaded"  # admission refused it (queue or per-key cap full): retry later
+    UNAVAILABLE = "unavailable"  # no replica can serve it right now (none ready, one died): retry
+    DEADLINE = "deadline"  # it ran past its deadline; whatever it held on the replicas is freed
+    INTERNAL = "internal"  # a bug or an unexpected replica failure
+
+
+class RequestError(Exception):
+    """A request-level failure. `kind` decides the status each frontend answers with;
+    `retry_after_s` is the back-off a client is told for OVERLOADED / UNAVAILABLE."""
+
+    def __init__(self, kind: ErrorKind, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.kind = ErrorKind(kind)
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+    def __repr__(self) -> str:
+        return f"RequestError({self.kind.value!r}, {self.message!r})"
+
+    @property
+    def retryable(self) -> bool:
+        return self.kind in (ErrorKind.OVERLOADED, ErrorKind.UNAVAILABLE)
+
+
+def invalid(message: str) -> RequestError:
+    return RequestError(ErrorKind.INVALID, message)

@@ -1,0 +1,310 @@
+"""`splitserve serve`'s command line: every ServeConfig field is a flag (derived, round-trips),
+the short forms, MODEL, --config / env / flag precedence, and the one-line errors found
+before Ray starts (no Ray here, except the one start-up failure at the end)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import typing
+
+import pytest
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from splitserve.cluster.cli.main import build_parser, main
+from splitserve.cluster.cli.serve_flags import SHORT_FORMS, config_from_args, flag_for, leaf_fields
+from splitserve.cluster.config import ServeConfig
+
+
+def parse(*argv: str, environ: dict | None = None) -> ServeConfig:
+    return config_from_args(build_parser().parse_args(["serve", *argv]), environ=environ or {})
+
+
+def get(cfg: BaseModel, path: str):
+    for key in path.split("."):
+        cfg = getattr(cfg, key)
+    return cfg
+
+
+def _candidates(annotation, default) -> list:
+    """Values of a field's type other than its default, most likely valid first."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is typing.Literal:
+        return list(args)
+    if args and typing.get_origin(annotation) is not dict:  # Optional[X]
+        return _candidates(args[0], default)
+    if annotation is bool:
+        return [not default]
+    if annotation is int:
+        return [(default or 1) * 2, 7, 0, 1, 2]
+    if annotation is float:
+        return [(default or 1.0) * 2, (default or 1.0) / 2, 0.5, 0.0]
+    if annotation is str:
+        return ["some-value"]
+    if typing.get_origin(annotation) is dict:
+        return [{"accelerator_x": 2.0}]
+    raise AssertionError(f"no test value for {annotation}")
+
+
+def non_default_values() -> dict[str, object]:
+    """{path: a valid value != its default} for every ServeConfig leaf field."""
+    values = {}
+    for path, info in leaf_fields().items():
+        default = info.get_default(call_default_factory=True)
+        for value in _candidates(info.annotation, default):
+            raw: dict = {}
+            node = raw
+            *parents, leaf = path.split(".")
+            for key in parents:
+                node = node.setdefault(key, {})
+            node[leaf] = value
+            if value == default:
+                continue
+            try:
+                ServeConfig.model_validate(raw)
+            except ValidationError:
+                continue
+            values[path] = value
+            break
+        assert path in values, f"no valid non-default value found for {path}"
+    return values
+
+
+def flag_args(path: str, value) -> list[str]:
+    if isinstance(value, bool):
+        return [flag_for(path) if value else "--no-" + flag_for(path)[2:]]
+    return [flag_for(path), json.dumps(value) if isinstance(value, dict) else str(value)]
+
+
+def test_every_leaf_field_is_a_flag_that_round_trips():
+    values = non_default_values()
+    assert len(values) == len(leaf_fields()) > 50
+    for path, value in values.items():
+        cfg = parse(*flag_args(path, value))
+        assert get(cfg, path) == value, path
+        # Nothing else moved: the flag set exactly its own field.
+        assert cfg.model_dump() == _with(ServeConfig().model_dump(), path, value), path
+    # All at once, and back through --print-config's YAML as a --config file.
+    argv = [arg for path, value in values.items() for arg in flag_args(path, value)]
+    everything = parse(*argv)
+    for path, value in values.items():
+        assert get(everything, path) == value, path
+
+
+def _with(tree: dict, path: str, value) -> dict:
+    *parents, leaf = path.split(".")
+    node = tree
+    for key in parents:
+        node = node[key]
+    node[leaf] = value
+    return tree
+
+
+def test_help_lists_every_field_with_its_description(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for path, info in leaf_fields().items():
+        assert info.description, f"{path} has no docstring: it is the flag's help"
+        assert f"{flag_for(path)} " in text or f"{flag_for(path)}," in text, path
+        assert " ".join(info.description.split()) in text, path
+
+
+def test_print_config_round_trips_through_config_file(tmp_path, capsys):
+    argv = [arg for path, value in non_default_values().items() for arg in flag_args(path, value)]
+    assert main(["serve", *argv, "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    path = tmp_path / "serve.yaml"
+    path.write_text(printed)
+    assert parse("--config", str(path)) == parse(*argv)
+
+
+def test_short_forms_and_model_positional():
+    cfg = parse(
+        "some/model",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "9000",
+        "--router",
+        "random",
+        "--max-num-seqs",
+        "8",
+        "--prefill-replicas",
+        "2",
+        "--decode-max-replicas",
+        "3",
+        "--decode-resources",
+        '{"decode_gpu": 1}',
+        "--local-prefill-threshold",
+        "5",
+    )
+    assert cfg.model == "some/model" and cfg.model_id == "some/model"
+    assert (cfg.http_host, cfg.http_port, cfg.router.policy) == ("0.0.0.0", 9000, "random")
+    assert cfg.prefill.max_num_seqs == cfg.decode.max_num_seqs == 8 and cfg.prefill.replicas == 2
+    assert cfg.decode.autoscaling.max_replicas == 3 and cfg.decode.autoscaling.enabled
+    assert cfg.decode.resources.resources == {"decode_gpu": 1} and cfg.router.local_prefill_threshold == 5
+    assert parse("m", "--served-model-name", "alias").model_id == "alias"
+    for flag, short in SHORT_FORMS.items():  # each names real fields
+        assert all(path in leaf_fields() for path in (*short.paths, *short.implies)), flag
+
+
+def test_precedence_config_file_then_env_then_flags(tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump({"http_port": 7000, "api_key": "from-file", "prefill": {"replicas": 3}}))
+    cfg = parse("--config", str(path))
+    assert (cfg.http_port, cfg.api_key, cfg.prefill.replicas) == (7000, "from-file", 3)
+    cfg = parse("--config", str(path), environ={"SPLITSERVE_API_KEY": "from-env"})
+    assert cfg.api_key == "from-env"
+    cfg = parse("--config", str(path), "--api-key", "from-flag", "--port", "7001", environ={"SPLITSERVE_API_KEY": "e"})
+    assert (cfg.api_key, cfg.http_port, cfg.prefill.replicas) == ("from-flag", 7001, 3)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["a", "--model", "b"], "MODEL and --model disagree"),
+        (["--port", "1", "--http-port", "2"], "--port and --http-port disagree"),
+        (["--prefill-replicas", "-1"], "--prefill.replicas: Input should be greater than or equal to 0"),
+        (["--decode-resources", "{x"], "--decode-resources must be a JSON object"),
+        (["--prefill.autoscaling.min-replicas", "5"], "min_replicas must be <= max_replicas"),
+        (["--block-size", "12"], "power of two"),
+        (["--config", "/no/such.yaml"], "cannot read --config /no/such.yaml"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(argv, message, capsys):
+    assert main(["serve", *argv, "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("splitserve serve: error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_unknown_flag_prints_the_serve_usage():
+    res = subprocess.run(
+        [sys.executable, "-m", "splitserve.cluster.cli", "serve", "--no-such-flag"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 2
+    assert (
+        res.stderr.startswith("usage: splitserve serve [MODEL]")
+        and "unrecognized arguments: --no-such-flag" in res.stderr
+    )
+
+
+@pytest.fixture
+def scratch_env(monkeypatch):
+    """run_serve sets Ray's env vars before it checks the model; keep them out of this process."""
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+
+
+def _broken_copy(tiny_model: str, tmp_path, breakage: str):
+    model = tmp_path / breakage
+    shutil.copytree(tiny_model, model)
+    if breakage == "no-config":
+        (model / "config.json").unlink()
+    elif breakage == "bad-tokenizer":
+        (model / "tokenizer.json").write_text("{not json")
+    elif breakage == "truncated-weights":
+        with open(model / "model.safetensors", "r+b") as f:
+            f.truncate(100)
+    elif breakage == "no-weights":
+        (model / "model.safetensors").unlink()
+    return str(model)
+
+
+@pytest.mark.parametrize(
+    "breakage, message",
+    [
+        ("missing", "does not exist"),
+        ("no-config", "no config.json"),
+        ("bad-tokenizer", "tokenizer.json"),
+        ("truncated-weights", "cannot read"),
+        ("no-weights", "model.safetensors"),
+    ],
+)
+def test_model_problems_are_found_before_ray_starts(tiny_model, tmp_path, breakage, message, capsys, scratch_env):
+    model = str(tmp_path / "nowhere") if breakage == "missing" else _broken_copy(tiny_model, tmp_path, breakage)
+    start = time.monotonic()
+    assert main(["serve", model]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"splitserve serve: error: model {model}") and message in err and err.count("\n") == 1
+    assert time.monotonic() - start < 30  # no Ray
+
+
+def test_max_model_len_and_taken_port_are_found_before_ray_starts(tiny_model, capsys, scratch_env):
+    assert main(["serve", tiny_model, "--max-model-len", "99999"]) == 2
+    assert "max_model_len 99999 exceeds the model's context of 1024 tokens" in capsys.readouterr().err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", tiny_model, "--grpc-port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen for gRPC on 127.0.0.1:{port}" in err and "--grpc-port" in err
+
+
+@pytest.mark.ray
+def test_failed_start_prints_the_root_cause_once(tiny_model, tmp_path):
+    """Weights that do not fit config.json pass every check before Ray and fail in the workers:
+    the command exits 1 after one attempt and names the cause once, as its last line."""
+    model = tmp_path / "mismatch"
+    shutil.copytree(tiny_model, model)
+    config = json.loads((model / "config.json").read_text())
+    config["intermediate_size"] *= 2
+    (model / "config.json").write_text(json.dumps(config))
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(str(s.getsockname()[1]))
+    start = time.monotonic()
+    res = subprocess.run(
+        [sys.executable, "-m", "splitserve.cluster.cli", "serve", str(model), "--port", ports[0]]
+        + ["--grpc-port", ports[1], "--num-cpus", "4"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    elapsed = time.monotonic() - start
+    ours = [line for line in res.stderr.splitlines() if line.startswith("splitserve serve: error:")]
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert ours == [res.stderr.strip().splitlines()[-1]]
+    assert "the server failed to start: CheckpointError: weight" in ours[0] and "implies" in ours[0], ours
+    # Ray Serve's own tracebacks stay in its log files; one attempt, not Serve's three.
+    assert "ServeController" not in res.stderr and "Deploying application" not in res.stderr
+    assert elapsed < 200
+
+
+def test_root_cause_is_the_innermost_exception_line():
+    from splitserve.cluster.startup_error import StartupError, root_cause, startup_error_in
+
+    # What Ray makes of an actor whose constructor raised: the original is the last line.
+    ray_text = (
+        "The actor died because of an error raised in its creation task, \x1b[36mray::PrefillWorker.__init__()\x1b[39m\n"
+        '  File "llama.py", line 101, in load_weights\n'
+        "splitserve.engine.model.checkpoint.CheckpointError: weight w has shape (64, 128), config.json implies (64, 192)"
+    )
+    assert (
+        root_cause(RuntimeError(ray_text))
+        == "CheckpointError: weight w has shape (64, 128), config.json implies (64, 192)"
+    )
+    try:
+        try:
+            raise OSError("port taken")
+        except OSError as inner:
+            raise RuntimeError("wrapper") from inner
+    except RuntimeError as outer:
+        assert root_cause(outer) == "OSError: port taken"
+    assert root_cause(ValueError("")) == "ValueError"
+    status_message = f"Traceback ...\n  raise StartupError(x)\nsplitserve.cluster.startup_error.{StartupError.__name__}: CheckpointError: bad\n"
+    assert startup_error_in(status_message) == "CheckpointError: bad"
+    assert startup_error_in("RuntimeError: ASGI lifespan startup failed") is None
