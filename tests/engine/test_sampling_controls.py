@@ -21,11 +21,11 @@ PROMPT = [5, 6, 7, 8, 9, 10, 11]
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    return LLMEngine(EngineConfig(model=tiny_model, num_gpu_blocks=128))
+    return LLMEngine(EngineConfig(model=tiny_model, num_kv_blocks=128))
 
 
 def assert_baseline(engine: LLMEngine) -> None:
-    assert engine.kv.num_free_blocks == engine.config.num_gpu_blocks
+    assert engine.kv.num_free_blocks == engine.config.num_kv_blocks
     assert not engine.scheduler.has_unfinished()
 
 

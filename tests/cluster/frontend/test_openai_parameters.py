@@ -60,7 +60,7 @@ def http(server):
 
 @pytest.fixture(scope="module")
 def offline(tiny_model):
-    engine = LLMEngine(EngineConfig(model=tiny_model, num_gpu_blocks=128))
+    engine = LLMEngine(EngineConfig(model=tiny_model, num_kv_blocks=128))
 
     def run(prompt: str | list[int], **params):
         ids = engine.tokenize(prompt) if isinstance(prompt, str) else prompt
