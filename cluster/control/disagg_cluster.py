@@ -12,7 +12,7 @@ from splitserve.cluster.config import EnginePoolConfig, ServeConfig
 from splitserve.cluster.control.dispatcher import ACTOR_GONE, Dispatcher
 from splitserve.cluster.control.worker_pool import Replica, WorkerPool
 from splitserve.cluster.routing.router import DECODE, PREFILL, Router
-from splitserve.cluster.scaling.policy import initial_replicas
+from splitserve.cluster.scaling.policy import initial_replicas, replica_floor
 from splitserve.decode.decode_worker import DecodeWorker
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.kvtransfer.handoff import StreamChunk
@@ -43,7 +43,7 @@ def _threads(pool: EnginePoolConfig) -> int:
 
 
 class DisaggCluster:
-    def __init__(self, cfg: ServeConfig, model_dir: str, poll_interval_s: float = 0.1, on_poll=None):
+    def __init__(self, cfg: ServeConfig, model_dir: str, poll_interval_s: float = 0.1, on_poll=None, on_drop=None):
         self.cfg = cfg
         self.model_dir = model_dir
         router = Router(cfg.router, block_size=cfg.block_size)
@@ -81,7 +81,15 @@ class DisaggCluster:
             request_timeout_s=cfg.request_timeout_s,
             poll_interval_s=poll_interval_s,
             on_poll=on_poll,
+            on_drop=on_drop,
         )
+        # Replicas each pool should have: what it started with, moved by add_replicas and
+        # drain_replica (scaling), but not by a replica that died -- that is lost capacity.
+        self.expected_replicas = {PREFILL: 0, DECODE: 0}
+        self.min_replicas = {
+            PREFILL: replica_floor(cfg.prefill.replicas, cfg.prefill.autoscaling),
+            DECODE: replica_floor(cfg.decode.replicas, cfg.decode.autoscaling),
+        }
 
     @property
     def router(self) -> Router:
@@ -112,6 +120,7 @@ class DisaggCluster:
             raise
         for r in replicas:
             await self.dispatcher.add_replica(r)
+        self.expected_replicas[pool] += len(replicas)
         return replicas
 
     async def drain_replica(self, pool: str, replica_id: str, timeout_s: float = 120.0) -> bool:
@@ -120,6 +129,8 @@ class DisaggCluster:
         (it is removed anyway)."""
         self.router.set_draining(pool, replica_id, True)
         replica = self.pools[pool].get(replica_id)
+        if replica is not None:
+            self.expected_replicas[pool] -= 1
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         drained = replica is None
@@ -163,6 +174,10 @@ class DisaggCluster:
             "num_cached_tokens": last.num_cached_tokens,
             "prefill_replica": last.prefill_replica,
         }
+
+    def live_replicas(self, pool: str) -> int:
+        """Replicas of the pool that take new requests (routed, not draining)."""
+        return len(self.router.replica_ids(pool, include_draining=False))
 
     async def poll_replica(self, pool: str, replica_id: str) -> PollReply:
         return PollReply.from_bytes(await self.pools[pool].get(replica_id).handle.poll.remote())

@@ -15,13 +15,16 @@ from splitserve.cluster.control.worker_pool import Replica, WorkerPool
 from splitserve.cluster.request_error import ErrorKind, RequestError
 from splitserve.cluster.routing.load import LoadReport
 from splitserve.cluster.routing.router import DECODE, PREFILL, NoReplicaError, Router
-from splitserve.decode.decode_worker import PrefillFailedError, ReplicaBusyError
+from splitserve.decode.decode_worker import PrefillFailedError, PrefillReplicaDeadError, ReplicaBusyError
+from splitserve.engine.engine_errors import EngineLoopStopped
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.kvtransfer.handoff import DecodeRequest, StreamChunk
 from splitserve.kvtransfer.poll_reply import PollReply
 
 logger = logging.getLogger(__name__)
 ACTOR_GONE = (ray.exceptions.RayActorError,)
+# The replica called is dead: its actor died, or its engine loop stopped for good.
+REPLICA_GONE = (EngineLoopStopped, *ACTOR_GONE)
 
 
 _CLOCK_SLACK_S = 0.1  # timers may fire a little before the wall-clock deadline
@@ -47,6 +50,7 @@ class Dispatcher:
         poll_interval_s: float = 0.1,
         on_poll: Callable[[str, str, PollReply], None] | None = None,
         idle_pair_s: float = 300.0,
+        on_drop: Callable[[str, str], None] | None = None,
     ):
         self.router = router
         self.pools = {PREFILL: prefill_pool, DECODE: decode_pool}
@@ -56,6 +60,7 @@ class Dispatcher:
         self.request_timeout_s = request_timeout_s
         self.poll_interval_s = poll_interval_s
         self.on_poll = on_poll
+        self.on_drop = on_drop  # (pool, replica id) once a replica left routing, for any reason
         self.idle_pair_s = idle_pair_s
         self.inflight: dict[str, str] = {}  # request id -> decode replica id
         self.inflight_prefill: dict[str, str] = {}  # request id -> prefill replica id, until its first token
@@ -64,6 +69,7 @@ class Dispatcher:
         # rebuilt router never misses the events taken between a snapshot and the swap.
         self._membership = asyncio.Lock()
         self.num_retries = 0
+        self._kills: set[asyncio.Task] = set()  # dead replicas being shut down off the event loop
 
     # ---- replica membership --------------------------------------------------------------
     async def add_replica(self, replica: Replica) -> None:
@@ -92,9 +98,9 @@ class Dispatcher:
                 *(asyncio.wait_for(r.handle.snapshot.remote(), 30) for _, r in live), return_exceptions=True
             )
             for (pool_name, replica), snapshot in zip(live, snapshots):
-                if isinstance(snapshot, ACTOR_GONE):
-                    logger.warning("%s replica %s died; dropping it from routing", pool_name, replica.replica_id)
-                    self.drop_replica(pool_name, replica.replica_id)
+                if isinstance(snapshot, REPLICA_GONE):  # its actor or its engine loop is dead
+                    logger.warning("%s replica %s is dead; dropping it from routing", pool_name, replica.replica_id)
+                    self.drop_replica(pool_name, replica.replica_id, kill=not isinstance(snapshot, ACTOR_GONE))
                 elif isinstance(snapshot, BaseException):
                     raise RequestError(
                         ErrorKind.UNAVAILABLE,
@@ -111,14 +117,23 @@ class Dispatcher:
             return router
 
     def drop_replica(self, pool: str, replica_id: str, kill: bool = False) -> None:
+        """Take a replica out of routing and its pool; kill: also shut its actor down (in a
+        thread: it blocks), as for one whose engine loop stopped."""
         self.router.remove_replica(pool, replica_id)
         worker_pool = self.pools.get(pool)
+        replica = worker_pool.get(replica_id) if worker_pool is not None else None
         if worker_pool is not None:
-            worker_pool.remove(replica_id, kill=kill)
+            worker_pool.remove(replica_id, kill=False)
+        if kill and replica is not None:
+            task = asyncio.get_running_loop().create_task(asyncio.to_thread(WorkerPool.kill, replica))
+            self._kills.add(task)
+            task.add_done_callback(self._kills.discard)
         # Its peers drop their process groups with it (either side may be the one leaving).
         peer_pool = self.pools[DECODE if pool == PREFILL else PREFILL]
         for r in peer_pool.live_replicas() if peer_pool is not None else ():
             r.handle.forget_peer.remote(replica_id)
+        if self.on_drop is not None:
+            self.on_drop(pool, replica_id)
 
     def num_inflight(self, pool: str, replica_id: str) -> int:
         """Requests sent to a replica that still need it: on decode until they finish, on
@@ -150,6 +165,12 @@ class Dispatcher:
             return
         except (TimeoutError, ray.exceptions.RayError) as exc:
             logger.warning("polling %s failed: %r", rid, exc)
+            return
+        if rid not in self.router.replica_ids(pool):  # drained and dropped while we waited
+            return
+        if not poll.is_serving:  # it reported itself dead: out of routing now, once
+            logger.error("%s replica %s stopped serving (%s); dropping it from routing", pool, rid, poll.error)
+            self.drop_replica(pool, rid, kill=True)
             return
         if not self.router.apply_events(pool, rid, poll.events):
             if rid in self.router.replicas_needing_resync(pool):
@@ -212,6 +233,7 @@ class Dispatcher:
         exclude_p: set[str] = set()
         exclude_d: set[str] = set()
         attempt = 0
+        num_budgeted = 0  # retries that count against max_retries
         while True:
             if time.time() >= deadline:
                 raise deadline_exceeded(timeout_s)
@@ -263,17 +285,21 @@ class Dispatcher:
                     yield chunk
                     if done:
                         return
-            except (PrefillFailedError, ReplicaBusyError, *ACTOR_GONE) as exc:
+            except (PrefillFailedError, ReplicaBusyError, *REPLICA_GONE) as exc:
                 if time.time() >= deadline:
                     raise deadline_exceeded(timeout_s) from None
+                # A dead replica is no fault of the request: excluded, it costs no retry (the
+                # pools are finite, so this ends).
+                replica_dead = isinstance(exc, (PrefillReplicaDeadError, *REPLICA_GONE))
                 # Never after a chunk reached the caller: a retry cannot resume it exactly.
-                if sent_any or attempt >= self.max_retries:
-                    busy = isinstance(exc, (ReplicaBusyError, *ACTOR_GONE))
+                if sent_any or (num_budgeted >= self.max_retries and not replica_dead):
+                    busy = isinstance(exc, (ReplicaBusyError, *REPLICA_GONE))
                     kind = ErrorKind.UNAVAILABLE if busy else ErrorKind.INTERNAL
                     raise RequestError(kind, f"request failed: {_short(exc)}") from None
                 attempt += 1
+                num_budgeted += not replica_dead
                 self.num_retries += 1
-                if isinstance(exc, (ReplicaBusyError, *ACTOR_GONE)) or prefill is None:
+                if isinstance(exc, (ReplicaBusyError, *REPLICA_GONE)) or prefill is None:
                     exclude_d.add(decode.replica_id)  # the decode replica is gone or full
                 else:
                     exclude_p.add(prefill.replica_id)

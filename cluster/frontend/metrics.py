@@ -50,6 +50,9 @@ class _ModelLabeled:
     def remove(self, *values: str) -> None:
         self.metric.remove(self.model_name, *values)
 
+    def describe(self):
+        return self.metric.describe()
+
 
 class Metrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
@@ -104,6 +107,8 @@ class Metrics:
         self.router_decisions = counter("splitserve_router_decisions", "Router decisions by reason", "reason")
         self.replicas = gauge("splitserve_replicas", "Live replicas per pool", "pool")
         self.scaling_decisions = counter("splitserve_scaling_decisions", "Autoscaler decisions", "pool", "decision")
+        # Every family labelled by replica: forget_replica removes a replica's series from each.
+        self.per_replica = (self.kv_usage,)
         self._last_transfer: dict[str, tuple[float, float]] = {}
         self._last_preemptions: dict[tuple[str, str], float] = {}
 
@@ -135,10 +140,12 @@ class Metrics:
         self.running.labels(pool).set(num_running)
 
     def forget_replica(self, pool: str, replica_id: str) -> None:
-        try:
-            self.kv_usage.remove(pool, replica_id)
-        except KeyError:
-            pass
+        """A replica left: stop exporting its series (they would show it forever, frozen)."""
+        for family in self.per_replica:
+            try:
+                family.remove(pool, replica_id)
+            except KeyError:
+                pass
         self._last_transfer.pop(replica_id, None)
         self._last_preemptions.pop((pool, replica_id), None)
 

@@ -35,6 +35,7 @@ class FakeBackend:
         self.reply_ids = tokenizer.encode(REPLY, add_special_tokens=False)
         self.metrics = Metrics(MODEL_NAME)
         self.healthy = True
+        self.serving: bool | None = None  # None: health() omits it (an older backend)
         self.num_cached_tokens = 0
         self.refusal: RequestError | None = None  # raised before the first chunk
         self.crash: Exception | None = None  # an unexpected error before the first chunk
@@ -64,7 +65,10 @@ class FakeBackend:
             raise invalid(str(exc)) from None
 
     def health(self) -> dict:
-        return {"ok": self.healthy, "decode_replicas": int(self.healthy)}
+        state = {"ok": self.healthy, "decode_replicas": int(self.healthy)}
+        if self.serving is not None:
+            state["serving"] = self.serving
+        return state
 
     def render_metrics(self) -> bytes:
         return self.metrics.render()
