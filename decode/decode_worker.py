@@ -67,7 +67,7 @@ class DecodeWorker(EngineWorker):
         prefill locally."""
         req = DecodeRequest.from_bytes(request_bytes)
         params = SamplingParams.from_dict(req.sampling)
-        seq = self.engine.make_sequence(None, req.prompt_token_ids, params, req.request_id)
+        seq = await self.loop.make_sequence(req.prompt_token_ids, params, req.request_id, deadline=req.deadline)
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
 

@@ -109,8 +109,25 @@ class Metrics:
         self.scaling_decisions = counter("splitserve_scaling_decisions", "Autoscaler decisions", "pool", "decision")
         # Every family labelled by replica: forget_replica removes a replica's series from each.
         self.per_replica = (self.kv_usage,)
+        self.structured_requests = counter(
+            "splitserve_structured_requests", "Requests with a structured-output constraint", "kind"
+        )
+        self.grammar_compile = histogram(
+            "splitserve_grammar_compile_seconds",
+            "Frontend grammar compile time per structured request (cache hits included)",
+            buckets=(0.0001, 0.0005, 0.001, 0.005, *LATENCY_BUCKETS[1:]),
+        )
+        self.replica_grammar = {
+            key: counter(f"splitserve_{key}", help_text, "pool")
+            for key, help_text in (
+                ("grammar_compile_seconds_replica", "Seconds replicas spent compiling grammars"),
+                ("grammar_mask_seconds", "Seconds decode steps spent waiting for and applying grammar masks"),
+                ("grammar_mask_steps", "Engine steps that applied grammar masks"),
+            )
+        }
         self._last_transfer: dict[str, tuple[float, float]] = {}
         self._last_preemptions: dict[tuple[str, str], float] = {}
+        self._last_grammar: dict[tuple[str, str], float] = {}
 
     def _bind(self, metric, labels: tuple[str, ...]):
         return _ModelLabeled(metric, self.model_name) if labels else metric.labels(self.model_name)
@@ -121,6 +138,12 @@ class Metrics:
         prev = self._last_preemptions.get((pool, replica_id), 0)
         self.preemptions.labels(pool).inc(max(poll.engine.num_preemptions - prev, 0))
         self._last_preemptions[(pool, replica_id)] = poll.engine.num_preemptions
+        for key, counter in self.replica_grammar.items():
+            stat = key.removesuffix("_replica")
+            value = getattr(poll.engine, stat)
+            previous = self._last_grammar.get((replica_id, stat), 0.0)
+            counter.labels(pool).inc(max(value - previous, 0))
+            self._last_grammar[(replica_id, stat)] = value
         if pool == "decode":
             transfer = poll.transfer
             prev_bytes, prev_secs = self._last_transfer.get(replica_id, (0.0, 0.0))
@@ -148,6 +171,8 @@ class Metrics:
                 pass
         self._last_transfer.pop(replica_id, None)
         self._last_preemptions.pop((pool, replica_id), None)
+        for key in [k for k in self._last_grammar if k[0] == replica_id]:
+            del self._last_grammar[key]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

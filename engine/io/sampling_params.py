@@ -36,8 +36,14 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     min_tokens: int = 0  # EOS and stop tokens are masked (stop strings ignored) until this many
+    # A GrammarSpec (engine/sample/grammar_spec.py) the output must match; a dict on the wire.
+    structured_output: Any = None
 
     def __post_init__(self) -> None:
+        if self.structured_output is not None:
+            from splitserve.engine.sample.grammar_spec import GrammarSpec  # it imports this module
+
+            self.structured_output = GrammarSpec.from_dict(self.structured_output)
         self._check_basic()
         self._check_logits_processing()
 

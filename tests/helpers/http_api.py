@@ -54,8 +54,14 @@ class FakeBackend:
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt=True, add_special_tokens=False) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    def render_chat(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt=True,
+        add_special_tokens=False,
+    ) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

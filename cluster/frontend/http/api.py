@@ -264,9 +264,10 @@ def build_http_app(backend) -> FastAPI:
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
         body.check_supported()
-        prompt_ids = backend.render_chat(body.template_messages())
+        prompt_ids = backend.render_chat(body.template_messages(), tools=body.template_tools())
         params = build_sampling_params(body, len(prompt_ids), backend.max_model_len)
         backend.validate(prompt_ids, params)
+        plan = body.tool_call_plan()
         renderer = ChatRenderer(
             f"chatcmpl-{uuid.uuid4().hex}",
             body.model,
@@ -276,6 +277,7 @@ def build_http_app(backend) -> FastAPI:
             body.include_usage,
             prompt_lengths=[len(prompt_ids)],
             n=body.n,
+            tool_plan=plan,
         )
         return await generate(request, [prompt_ids], params, body.n, renderer, body.stream)
 

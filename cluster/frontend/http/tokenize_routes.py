@@ -38,7 +38,9 @@ def add_tokenize_routes(app: FastAPI, backend, auth: list, check_model: Callable
             check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
             messages = [m.to_template_dict() for m in body.messages]
-            ids = backend.render_chat(messages, body.add_generation_prompt, body.add_special_tokens)
+            ids = backend.render_chat(
+                messages, add_generation_prompt=body.add_generation_prompt, add_special_tokens=body.add_special_tokens
+            )
         else:
             ids = backend.tokenize(body.prompt, body.add_special_tokens)
         strs = backend.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None

@@ -4,7 +4,8 @@ SamplingParams they ask for (responses: splitserve.cluster.frontend.openai.respo
 Requests ignore fields they know nothing about (OpenAI clients send some) but reject wrong
 types (strict mode: no "0.5" for a float, no true for an int). Every parameter that is
 accepted acts: what splitserve cannot honour (unsupported.py: beam search, min_p, prompt
-logprobs, tools, ...) is refused with a 400 that names the parameter and says why.
+logprobs, ...) is refused with a 400 that names the parameter and says why. Structured
+output and tool calling: openai/structured_output.py and openai/tools.py.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from splitserve.cluster.frontend.openai.structured_output import ResponseFormat, StructuredOutputs, grammar_spec_for
+from splitserve.cluster.frontend.openai.tools import ToolChoice, ToolParam, plan_tool_calls
 from splitserve.cluster.frontend.openai.unsupported import refused_parameter
 from splitserve.engine.io.sampling_params import (
     MAX_LOGIT_BIAS_ENTRIES,
@@ -101,6 +104,15 @@ class _SamplingRequest(_Request):
     )
     include_stop_str_in_output: bool = Field(False, description="vLLM extension: keep the stop string in the text")
     user: str | None = None
+    # Structured output (openai/structured_output.py): OpenAI's field and vLLM's.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM extension: one of json, regex, choice, grammar, json_object"
+    )
+    guided_json: dict | str | None = Field(None, description="vLLM extension: a JSON schema")
+    guided_regex: str | None = Field(None, description="vLLM extension")
+    guided_choice: list[str] | None = Field(None, description="vLLM extension")
+    guided_grammar: str | None = Field(None, description="vLLM extension: Lark or GBNF")
 
     @property
     def include_usage(self) -> bool:
@@ -181,6 +193,8 @@ class ChatMessageParam(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant turn's calls, for the chat template
+    tool_call_id: str | None = None  # a tool turn's answer to that call
 
     def to_template_dict(self) -> dict:
         """The message as the chat template sees it: content flattened to one string."""
@@ -192,8 +206,9 @@ class ChatMessageParam(_Request):
         else:
             text = "\n".join(part.text for part in content)
         message = {"role": self.role, "content": text}
-        if self.name is not None:
-            message["name"] = self.name
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
         return message
 
 
@@ -205,20 +220,24 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), BeforeValidator(_integral_float_to_int)] | None = (
         Field(None, description="with logprobs: this many most likely alternatives per token")
     )
-    tools: list[dict] | None = Field(None, description="not supported", json_schema_extra={"maxItems": 0})
-    response_format: dict | None = _only(None, {"type": "text"}, None, description='only {"type": "text"} is supported')
+    tools: list[ToolParam] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.top_logprobs and not self.logprobs:
             raise RequestParamError("top_logprobs needs logprobs set to true", "top_logprobs")
-        if self.tools:
-            raise RequestParamError("tools are not supported: tool calling is not implemented", "tools")
-        if self.response_format not in (None, {"type": "text"}):
-            raise RequestParamError('only response_format {"type": "text"} is supported', "response_format")
 
     def template_messages(self) -> list[dict]:
         return [m.to_template_dict() for m in self.messages]
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as chat templates expect them (OpenAI's shape)."""
+        return None if not self.tools else [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def tool_call_plan(self):
+        return plan_tool_calls(self.tools, self.tool_choice, self.parallel_tool_calls)
 
 
 def build_sampling_params(
@@ -238,6 +257,7 @@ def build_sampling_params(
     else:
         max_tokens = 16 if request.max_tokens is None else request.max_tokens
         logprobs, top_logprobs = request.logprobs is not None, request.logprobs or 0
+    plan = request.tool_call_plan() if isinstance(request, ChatCompletionRequest) else None
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if request.temperature is None else request.temperature,
@@ -255,6 +275,7 @@ def build_sampling_params(
         repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
         logit_bias=request.logit_bias or {},
         min_tokens=request.min_tokens or 0,
+        structured_output=grammar_spec_for(request, None if plan is None else plan.grammar),
     )
 
 

@@ -25,8 +25,10 @@ from splitserve.cluster.frontend.openai.responses import (
     PromptTokensDetails,
     Usage,
 )
+from splitserve.cluster.frontend.openai.tool_call_output import ToolCallOutput
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # kvtransfer's package import is heavy; only the type is needed here
+    from splitserve.cluster.frontend.openai.tools import ToolCallPlan
     from splitserve.kvtransfer.handoff import StreamChunk
 
 __all__ = ["MIN_LOGPROB", "SSE_DONE", "ChatRenderer", "CompletionRenderer", "ResponseRenderer", "finite_logprob"]
@@ -203,6 +205,29 @@ class CompletionRenderer(ResponseRenderer):
 
 
 class ChatRenderer(ResponseRenderer):
+    def __init__(self, *args, tool_plan: ToolCallPlan | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        # A tool-calling request: each choice's output is read back as tool_calls.
+        self.tool_outputs = {} if tool_plan is None else {c.index: ToolCallOutput(tool_plan) for c in self.choices}
+
+    def chunk_events(self, chunk: StreamChunk, index: int = 0) -> list[str]:
+        tool_output = self.tool_outputs.get(index)
+        if tool_output is None:
+            return super().chunk_events(chunk, index)
+        choice = self.choices[index]
+        choice.observe(chunk)
+        deltas = tool_output.stream_deltas(chunk.text, choice.text)
+        finish = None
+        if chunk.finished:
+            final, finish = tool_output.final_deltas(choice.text, choice.finish_reason)
+            deltas += final
+            choice.finish_reason = finish
+        events = [sse_event(self._chunk([ChatChunkChoice(index=index, delta=d)])) for d in deltas]
+        if chunk.finished:
+            done = ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=finish)
+            events.append(sse_event(self._chunk([done])))
+        return events
+
     def _entry(self, token_id: int, logprob: float) -> ChatTopLogprob:
         token = self.token_string(token_id)
         return ChatTopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
@@ -244,16 +269,21 @@ class ChatRenderer(ResponseRenderer):
         return self._chunk([], usage=self.usage())
 
     def render_response(self) -> dict:
-        choices = [
-            ChatChoice(
-                index=c.index,
-                message=ChatMessage(content=c.text),
-                logprobs=self._logprobs(c, 0),
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
+        choices = []
+        for c in self.choices:
+            content, tool_calls, finish_reason = c.text, None, c.finish_reason
+            tool_output = self.tool_outputs.get(c.index)
+            if tool_output is not None:
+                content, tool_calls, finish_reason = tool_output.message(c.text, c.finish_reason)
+            choices.append(
+                ChatChoice(
+                    index=c.index,
+                    message=ChatMessage(content=content, tool_calls=tool_calls),
+                    logprobs=self._logprobs(c, 0),
+                    finish_reason=finish_reason,
+                    stop_reason=c.stop_reason,
+                )
             )
-            for c in self.choices
-        ]
         return ChatCompletionResponse(
             id=self.request_id, created=self.created, model=self.model, choices=choices, usage=self.usage()
         ).model_dump(mode="json")
