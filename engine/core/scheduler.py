@@ -186,9 +186,10 @@ class Scheduler:
         last = seq.token_ids[-1]
         if seq.num_output_tokens > seq.params.min_tokens:
             if last in seq.params.stop_token_ids:
-                seq.stop_reason = last
+                seq.stop_reason, seq.stopped_by_token = last, True
                 return "stop"
             if not seq.params.ignore_eos and last in self.eos_token_ids:
+                seq.stopped_by_token = True
                 return "stop"
         if seq.grammar is not None and seq.grammar.is_terminated:  # the output is complete
             return seq.grammar.finish_reason

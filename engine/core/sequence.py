@@ -46,6 +46,7 @@ class Sequence:
         # What stopped it (vLLM's stop_reason): the stop token id, the stop string, or None
         # (EOS, length, abort). A stop token's text is left out unless include_stop_str_in_output.
         self.stop_reason: int | str | None = None
+        self.stopped_by_token = False  # it sampled EOS or one of its stop_token_ids (not a grammar's end)
         self.queue_seconds: float | None = None  # arrival -> first scheduled (vLLM's queue time)
         self.num_preemptions = 0
         self.first_admitted = False
@@ -75,11 +76,6 @@ class Sequence:
     def update_block_hashes(self) -> list[int]:
         """Hash any blocks that became full; returns the new hashes."""
         return extend_hashes(self.block_hashes, self.token_ids, self.block_size)
-
-    @property
-    def stopped_by_token(self) -> bool:
-        """Finished because it sampled EOS or one of its stop_token_ids."""
-        return self.finish_reason == "stop" and not isinstance(self.stop_reason, str)
 
     def append_token(
         self, token_id: int, logprob: float | None = None, top_logprobs: list[tuple[int, float]] | None = None

@@ -289,7 +289,7 @@ def test_completion_bad_requests_are_400(client, backend, payload, param, words)
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
-        ({"messages": [{"role": "user", "content": "x"}], "guided_json": {"type": "object"}}, "guided_json"),
+        ({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, "functions"),
         ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
         ({"messages": "hello"}, "messages"),
