@@ -45,7 +45,11 @@ def apply_penalties(
     out_keys, out_counts = torch.unique(flat_keys(output_ids, vocab_size, logits.device), return_counts=True)
     seen = torch.unique(torch.cat([flat_keys(prompt_ids, vocab_size, logits.device), out_keys]))
     if seen.numel():
-        values, scale = flat[seen], repetition[seen // vocab_size]
+        # Clamped into the dtype's normal range: a penalty that underflows to 0 (5e-324 in
+        # float32) would turn a masked -inf logit into NaN, which argmax would then pick.
+        finfo = torch.finfo(logits.dtype)
+        scale = repetition.clamp(finfo.tiny, finfo.max)[seen // vocab_size]
+        values = flat[seen]
         flat[seen] = torch.where(values > 0, values / scale, values * scale)
     if out_keys.numel():
         rows = out_keys // vocab_size

@@ -194,3 +194,15 @@ def test_all_greedy_fast_path_skips_processing(monkeypatch):
     seqs[2].params = SamplingParams(temperature=0, presence_penalty=1.0)
     sampler.sample(torch.randn(4, 30), seqs)
     assert calls == [1]
+
+
+def test_extreme_penalties_never_unmask_a_banned_token():
+    """A masked (-inf) logit stays -inf and nothing becomes NaN, whatever the penalty: 5e-324
+    underflows to 0 in float32, and -inf * 0 would be a NaN that argmax picks."""
+    for repetition in (5e-324, 1e-300, 1e300):
+        seq = Sequence("r", [0, 1, 2], SamplingParams(repetition_penalty=repetition, frequency_penalty=2.0), 16)
+        seq.append_token(1)
+        logits = torch.tensor([[float("-inf"), 3.0, -2.0, 1.0]])
+        got = LogitsProcessing().apply(logits, [seq])
+        assert not torch.isnan(got).any() and got[0, 0] == float("-inf"), (repetition, got)
+        assert Sampler().sample(got.clone(), [seq])[0][0] != 0
