@@ -1,0 +1,104 @@
+"""Speculator: the engine's side of speculative decoding, around each step.
+
+1. lookahead(running): the policy picks k for each decoding sequence that has not opted out,
+   the proposer drafts up to k tokens, and the draft lengths go to the scheduler, which
+   reserves KV slots for them from what is left after everything else (Scheduler.schedule).
+2. fill(batch): each scheduled sequence's draft, cut to the slots it got and, for a
+   constrained request, to the prefix its grammar allows, goes into the batch; the model
+   runner then scores all of it in one forward pass next to the plain decodes.
+3. record(batch, sampled, seconds): acceptance and step cost go to the policy, and the
+   counts to the engine's stats (proposed, accepted, emitted tokens; drafts; chosen k).
+
+Torch-free; the proposer is n-gram prompt lookup.
+"""
+
+from __future__ import annotations
+
+from splitserve.engine.core.scheduler import ScheduledBatch
+from splitserve.engine.core.sequence import Sequence, SequenceStatus
+from splitserve.engine.spec.ngram_proposer import NgramProposer
+from splitserve.engine.spec.speculation_policy import SpeculationPolicy
+from splitserve.engine.spec.speculative_config import SpeculativeConfig
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig):
+        if config.method != "ngram":
+            raise ValueError(f"speculative method {config.method!r} is not supported by this engine")
+        self.config = config
+        self.method = config.method
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.policy = SpeculationPolicy(config)
+        self._drafts: dict[str, list[int]] = {}
+        self.num_proposed_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_emitted_tokens = 0  # by steps that verified a draft, the bonus token included
+        self.num_drafts = 0
+        # k_histogram[k]: decoding sequence-steps for which the policy chose k (0: no speculation).
+        self.k_histogram = [0] * (config.num_speculative_tokens + 1)
+
+    @staticmethod
+    def is_decoding(seq: Sequence) -> bool:
+        return (
+            seq.status is SequenceStatus.RUNNING
+            and not seq.prefill_only
+            and seq.num_tokens - seq.num_computed_tokens == 1
+            and seq.params.speculative_decoding
+        )
+
+    def lookahead(self, running: list[Sequence]) -> dict[str, int]:
+        """Request id -> draft length, for the running sequences worth speculating on."""
+        self._drafts.clear()
+        decoding = [seq for seq in running if self.is_decoding(seq)]
+        if not decoding:
+            return {}
+        chosen = self.policy.choose([seq.request_id for seq in decoding])
+        for seq in decoding:
+            k = chosen[seq.request_id]
+            self.k_histogram[k] += 1
+            if k:
+                draft = self.proposer.propose(seq.token_ids, k)
+                if draft:
+                    self._drafts[seq.request_id] = draft
+        return {rid: len(draft) for rid, draft in self._drafts.items()}
+
+    def fill(self, batch: ScheduledBatch) -> None:
+        """Put the drafts into the batch, each cut to its reserved slots and its grammar."""
+        for index, seq in enumerate(batch.seqs):
+            num_slots = batch.num_draft_tokens[index]
+            if not num_slots:
+                continue
+            draft = self._drafts.get(seq.request_id, [])[:num_slots]
+            if seq.grammar is not None and draft:
+                draft = draft[: seq.grammar.num_valid_tokens(draft)]
+            batch.set_draft(index, draft)
+        self._drafts.clear()
+
+    def record(self, batch: ScheduledBatch, sampled: dict, seconds: float) -> None:
+        """After the step: each verified draft's acceptance, and the step's cost when it was
+        all decodes (a prompt chunk would make it no measure of the verify cost)."""
+        for request_id, draft in batch.draft_token_ids.items():
+            emitted = sampled.get(request_id)
+            if not isinstance(emitted, list):
+                continue
+            num_accepted = len(emitted) - 1
+            self.policy.record_draft(request_id, len(draft), num_accepted)
+            self.num_drafts += 1
+            self.num_proposed_tokens += len(draft)
+            self.num_accepted_tokens += num_accepted
+            self.num_emitted_tokens += len(emitted)
+        if all(n - d == 1 for n, d in zip(batch.num_new_tokens, batch.num_draft_tokens)):
+            self.policy.record_step(batch.num_tokens, seconds)
+
+    def forget(self, request_id: str) -> None:
+        self.policy.forget(request_id)
+
+    def stats(self) -> dict:
+        return {
+            "spec_method": self.method,
+            "spec_num_drafts": self.num_drafts,
+            "spec_proposed_tokens": self.num_proposed_tokens,
+            "spec_accepted_tokens": self.num_accepted_tokens,
+            "spec_emitted_tokens": self.num_emitted_tokens,
+            "spec_k_histogram": list(self.k_histogram),
+        }

@@ -1,0 +1,77 @@
+"""The adaptive speculation policy and its step cost model, fed known measurements."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.engine.spec.speculation_policy import MARGIN, PROBE_INTERVAL, SpeculationPolicy
+from splitserve.engine.spec.speculative_config import SpeculativeConfig
+from splitserve.engine.spec.step_cost_model import StepCostModel
+
+
+def policy(**kw) -> SpeculationPolicy:
+    return SpeculationPolicy(SpeculativeConfig(method="ngram", **kw))
+
+
+def feed_costs(p: SpeculationPolicy, fixed: float, per_token: float, sizes=(1, 3, 5, 9)) -> None:
+    for _ in range(50):
+        for n in sizes:
+            p.record_step(n, fixed + per_token * n)
+
+
+def test_cost_model_recovers_a_linear_cost_and_falls_back_to_its_prior():
+    model = StepCostModel()
+    for _ in range(30):
+        for n in (4, 8, 12):
+            model.observe(n, 0.010 + 0.002 * n)
+    a, b = model.fit()
+    assert a == pytest.approx(0.010, rel=1e-6) and b == pytest.approx(0.002, rel=1e-6)
+    flat = StepCostModel()
+    for _ in range(10):
+        flat.observe(8, 0.016)  # one size only: b cannot be fitted, half the mean cost per token
+    assert flat.fit()[1] == pytest.approx(0.001)
+
+
+def test_fixed_policy_always_asks_for_the_maximum():
+    p = policy(policy="fixed", num_speculative_tokens=5)
+    assert p.choose(["a", "b"]) == {"a": 5, "b": 5}
+
+
+def test_good_drafts_on_a_cheap_step_get_the_maximum_k():
+    p = policy(num_speculative_tokens=6)
+    feed_costs(p, fixed=0.010, per_token=0.0002)  # memory-bound: draft tokens nearly free
+    for _ in range(20):
+        p.record_draft("a", 6, 6)
+    assert p.price(1) < 0.05
+    assert p.choose(["a"]) == {"a": 6}
+
+
+def test_k_follows_acceptance_and_price():
+    p = policy(num_speculative_tokens=8)
+    feed_costs(p, fixed=0.010, per_token=0.001)
+    assert p.price(4) == pytest.approx(0.004 / 0.014, rel=1e-6)  # b * B / T(B)
+    bar = p.price(4) * MARGIN
+    for _ in range(200):
+        p.record_draft("a", 4, 3)  # 3 of 4 tried tokens accepted -> alpha ~ 0.75
+    alpha = p.acceptance("a")
+    k = p.choose(["a", "b", "c", "d"])["a"]
+    # The largest k whose last draft token still pays: alpha^k > price >= alpha^(k+1).
+    assert alpha**k > bar >= alpha ** (k + 1) and 1 <= k < 8
+
+
+def test_large_batch_or_poor_drafts_turn_it_off_and_probes_stay_rare():
+    p = policy(num_speculative_tokens=8)
+    feed_costs(p, fixed=0.0, per_token=0.001, sizes=(32, 36, 40))  # compute-bound: price 1
+    for _ in range(50):
+        p.record_draft("a", 4, 4)
+    assert p.price(32) == pytest.approx(1.0)
+    assert all(p.choose(["a"] + [f"x{i}" for i in range(31)])["a"] == 0 for _ in range(3 * PROBE_INTERVAL))
+
+    q = policy(num_speculative_tokens=8)
+    feed_costs(q, fixed=0.010, per_token=0.001)  # price 0.09 at batch 1: probing is allowed
+    for _ in range(100):
+        q.record_draft("other", 4, 0)  # the pool's drafts all fail
+    assert q.choose(["new"]) == {"new": 1}  # a new request still tries once ...
+    q.record_draft("new", 1, 0)
+    ks = [q.choose(["new"])["new"] for _ in range(4 * PROBE_INTERVAL)]
+    assert sum(ks) == 3 and set(ks) == {0, 1}  # ... then once after each PROBE_INTERVAL steps without
