@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from splitserve.cluster.frontend.spec_decode_metrics import SpecDecodeMetrics
 from splitserve.kvtransfer.poll_reply import PollReply
 
 LATENCY_BUCKETS = (
@@ -125,6 +126,7 @@ class Metrics:
                 ("grammar_mask_steps", "Engine steps that applied grammar masks"),
             )
         }
+        self.spec_decode = SpecDecodeMetrics(counter, gauge)
         self._last_transfer: dict[str, tuple[float, float]] = {}
         self._last_preemptions: dict[tuple[str, str], float] = {}
         self._last_grammar: dict[tuple[str, str], float] = {}
@@ -144,6 +146,7 @@ class Metrics:
             previous = self._last_grammar.get((replica_id, stat), 0.0)
             counter.labels(pool).inc(max(value - previous, 0))
             self._last_grammar[(replica_id, stat)] = value
+        self.spec_decode.observe(pool, replica_id, poll.engine)
         if pool == "decode":
             transfer = poll.transfer
             prev_bytes, prev_secs = self._last_transfer.get(replica_id, (0.0, 0.0))
@@ -173,6 +176,7 @@ class Metrics:
         self._last_preemptions.pop((pool, replica_id), None)
         for key in [k for k in self._last_grammar if k[0] == replica_id]:
             del self._last_grammar[key]
+        self.spec_decode.forget_replica(replica_id)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
