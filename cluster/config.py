@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from splitserve.cluster.default_model import DEFAULT_MODEL_NAME
 from splitserve.engine.config import DEFAULT_NUM_KV_BLOCKS, Dtype
+from splitserve.engine.spec.speculative_config import SpeculativeConfig
 
 RouterPolicy = Literal["kv", "round-robin", "least-loaded", "random"]
 ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)
@@ -134,6 +135,8 @@ class ServeConfig(_Strict):
     """The decode pool."""
     router: RouterConfig = Field(default_factory=RouterConfig)
     """The router."""
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    """Speculative decoding in the decode pool (and in decode replicas that prefill locally)."""
     http_host: str = "127.0.0.1"
     """OpenAI HTTP address (0.0.0.0: all interfaces)."""
     http_port: int = Field(8000, ge=0, le=65535)

@@ -25,7 +25,7 @@ class SpeculativeConfig(BaseModel):
     num_speculative_tokens: int = Field(8, ge=1, le=32)
     """Most tokens proposed per sequence per step (the policy picks k up to this)."""
     draft_model: str | None = None
-    """method=draft: checkpoint directory of the draft model (same tokenizer as the served model)."""
+    """method=draft: checkpoint directory of the draft model (same tokenizer as the served model); ignored otherwise."""
     prompt_lookup_min: int = Field(2, ge=1)
     """method=ngram: shortest suffix (in tokens) matched against the prompt and output so far."""
     prompt_lookup_max: int = Field(4, ge=1)
@@ -42,8 +42,6 @@ class SpeculativeConfig(BaseModel):
             )
         if self.method == "draft" and not self.draft_model:
             raise ValueError("speculative method 'draft' needs draft_model (a checkpoint directory)")
-        if self.method != "draft" and self.draft_model:
-            raise ValueError(f"draft_model is only used with method 'draft', not {self.method!r}")
         return self
 
     @property

@@ -280,3 +280,33 @@ def test_adaptive_policy_speculates_on_good_drafts_and_turns_off_on_bad_ones(tin
     assert stats.spec_k_histogram[0] > 0.9 * sum(stats.spec_k_histogram), stats.spec_k_histogram
     assert stats.spec_accepted_tokens < 0.3 * max(stats.spec_proposed_tokens, 1)
     assert_baseline(bad)
+
+
+def test_generate_cli_takes_serves_speculative_flags(tiny_model):
+    import json
+    import subprocess
+    import sys
+
+    from splitserve.cluster.cli.serve_flags import flag_for, leaf_fields
+
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "splitserve.cluster.cli.main", "generate", "--model", tiny_model, *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    help_text = run("--help").stdout
+    serve_flags = [flag_for(path) for path in leaf_fields() if path.startswith("speculative.")]
+    assert len(serve_flags) == 6 and all(flag in help_text for flag in serve_flags)
+    prompt = ",".join(str(t) for t in PROMPTS[0])
+    common = ("--prompt-token-ids", prompt, "--max-tokens", "40", "--temperature", "0", "--ignore-eos", "--json")
+    spec = run(*common, "--speculative.method", "ngram", "--speculative.num-speculative-tokens", "3")
+    assert spec.returncode == 0, spec.stderr
+    expected = engine_for(tiny_model).generate(
+        [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    )
+    assert json.loads(spec.stdout.strip().splitlines()[-1])["token_ids"] == expected[0].token_ids
+    bad = run(*common, "--speculative.method", "ngram", "--speculative.num-speculative-tokens", "0")
+    assert bad.returncode == 2 and "num_speculative_tokens" in bad.stderr and "Traceback" not in bad.stderr

@@ -286,6 +286,8 @@ BAD_VALUES = {
     "zero replicas per pod": {"workerGroups": {"decode": {"replicasPerPod": 0}}},
     "unknown upscaling mode": {"rayAutoscaler": {"upscalingMode": "Fast"}},
     "string port": {"serve": {"http_port": "8000"}},
+    "unknown speculative method": {"serve": {"speculative": {"method": "medusa"}}},
+    "zero speculative tokens": {"serve": {"speculative": {"num_speculative_tokens": 0}}},
 }
 
 
