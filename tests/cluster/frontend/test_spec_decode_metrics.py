@@ -3,7 +3,6 @@ the chosen-k histogram, the acceptance-rate and mean-accepted-length gauges."""
 
 from __future__ import annotations
 
-
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
