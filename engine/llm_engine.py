@@ -56,7 +56,14 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, config.seed, eos)
         self.outputs = OutputProcessor(self.tokenizer)
         # Speculative decoding (engine/spec): drafts verified inside the continuous batch.
-        self.speculator = Speculator(config.speculative) if config.speculative.enabled else None
+        self.speculator = None
+        if config.speculative.enabled:
+            draft = None
+            if config.speculative.method == "draft":
+                from splitserve.engine.spec.draft_model_proposer import DraftModelProposer
+
+                draft = DraftModelProposer(config.speculative.draft_model, config, self.model_config.vocab_size)
+            self.speculator = Speculator(config.speculative, draft)
         self._ids = itertools.count()
         self._reserved: dict[str, Sequence] = {}  # request id -> sequence holding reserved blocks
         self.num_steps = 0
@@ -222,10 +229,10 @@ class LLMEngine:
         if batch.is_empty:
             return []
         try:
+            start = time.perf_counter()  # the step's cost includes drafting (a draft model's passes)
             if speculator is not None:
                 speculator.fill(batch)
             on_layer_done = layer_hook(batch) if layer_hook is not None else None
-            start = time.perf_counter()
             sampled = self.runner.execute(batch, on_layer_done)
             seconds = time.perf_counter() - start
             advanced = self.scheduler.update(batch, sampled)

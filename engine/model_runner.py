@@ -115,7 +115,9 @@ class ModelRunner:
             selected = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
         logits = self.grammar_mask.apply(self.model.compute_logits(selected))
         if drafts:
-            emitted = self.verifier.verify(logits, [(s, d, None) for s, d in zip(seqs, seq_drafts)])
+            probs = batch.draft_probs
+            groups = [(s, d, probs.get(s.request_id)) for s, d in zip(seqs, seq_drafts)]
+            emitted = self.verifier.verify(logits, groups)
             return {s.request_id: tokens for s, tokens in zip(seqs, emitted)}
         # Prefill-only sequences (disaggregated prefill) take this same path: the first token
         # gets the request's grammar mask, penalties, logit_bias and min_tokens like every later one.

@@ -13,6 +13,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from splitserve.engine.core.kv_cache_manager import KVCacheManager
 from splitserve.engine.core.sequence import Sequence, SequenceStatus
@@ -31,6 +32,9 @@ class ScheduledBatch:
     # lookahead it was given; the speculator then fills in the drafts it found (maybe fewer).
     num_draft_tokens: list[int] = field(default_factory=list)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # A draft model's distributions its draft tokens were sampled from (request id -> a
+    # [k, vocab] tensor; opaque here), for rejection sampling. Absent: a point mass (n-gram).
+    draft_probs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -40,15 +44,19 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
-    def set_draft(self, index: int, token_ids: list[int]) -> None:
-        """Sequence index's draft for this step (at most the lookahead scheduled for it)."""
+    def set_draft(self, index: int, token_ids: list[int], probs: Any = None) -> None:
+        """Sequence index's draft for this step (at most the lookahead scheduled for it), and
+        the distributions it was sampled from when a draft model sampled it."""
         if len(token_ids) > self.num_draft_tokens[index]:
             raise ValueError(f"draft of {len(token_ids)} tokens, {self.num_draft_tokens[index]} slots reserved")
         self.num_new_tokens[index] -= self.num_draft_tokens[index] - len(token_ids)
         self.num_draft_tokens[index] = len(token_ids)
         seq = self.seqs[index]
+        self.draft_probs.pop(seq.request_id, None)
         if token_ids:
             self.draft_token_ids[seq.request_id] = list(token_ids)
+            if probs is not None:
+                self.draft_probs[seq.request_id] = probs[: len(token_ids)]
         else:
             self.draft_token_ids.pop(seq.request_id, None)
 

@@ -9,10 +9,14 @@
 3. record(batch, sampled, seconds): acceptance and step cost go to the policy, and the
    counts to the engine's stats (proposed, accepted, emitted tokens; drafts; chosen k).
 
-Torch-free; the proposer is n-gram prompt lookup.
+Proposers: n-gram prompt lookup (torch-free; drafts before scheduling, so only drafts that
+exist reserve slots) or a draft model (spec/draft_model_proposer.py; drafts after scheduling,
+for the sequences that got slots). This module imports no torch itself.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from splitserve.engine.core.scheduler import ScheduledBatch
 from splitserve.engine.core.sequence import Sequence, SequenceStatus
@@ -22,14 +26,18 @@ from splitserve.engine.spec.speculative_config import SpeculativeConfig
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig):
-        if config.method != "ngram":
-            raise ValueError(f"speculative method {config.method!r} is not supported by this engine")
+    def __init__(self, config: SpeculativeConfig, draft_proposer: Any = None):
+        """draft_proposer: a DraftModelProposer for method "draft" (the engine builds it: it
+        loads a model)."""
+        if config.method == "draft" and draft_proposer is None:
+            raise ValueError("speculative method 'draft' needs a draft model proposer")
         self.config = config
         self.method = config.method
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.draft_proposer = draft_proposer if config.method == "draft" else None
         self.policy = SpeculationPolicy(config)
         self._drafts: dict[str, list[int]] = {}
+        self._lookahead: dict[str, int] = {}
         self.num_proposed_tokens = 0
         self.num_accepted_tokens = 0
         self.num_emitted_tokens = 0  # by steps that verified a draft, the bonus token included
@@ -49,6 +57,7 @@ class Speculator:
     def lookahead(self, running: list[Sequence]) -> dict[str, int]:
         """Request id -> draft length, for the running sequences worth speculating on."""
         self._drafts.clear()
+        self._lookahead.clear()
         decoding = [seq for seq in running if self.is_decoding(seq)]
         if not decoding:
             return {}
@@ -56,23 +65,32 @@ class Speculator:
         for seq in decoding:
             k = chosen[seq.request_id]
             self.k_histogram[k] += 1
-            if k:
+            if k and self.draft_proposer is not None:
+                self._drafts[seq.request_id] = []  # the draft model drafts k once slots are reserved
+                self._lookahead[seq.request_id] = k
+            elif k:
                 draft = self.proposer.propose(seq.token_ids, k)
                 if draft:
                     self._drafts[seq.request_id] = draft
-        return {rid: len(draft) for rid, draft in self._drafts.items()}
+                    self._lookahead[seq.request_id] = len(draft)
+        return dict(self._lookahead)
 
     def fill(self, batch: ScheduledBatch) -> None:
         """Put the drafts into the batch, each cut to its reserved slots and its grammar."""
-        for index, seq in enumerate(batch.seqs):
-            num_slots = batch.num_draft_tokens[index]
-            if not num_slots:
-                continue
-            draft = self._drafts.get(seq.request_id, [])[:num_slots]
+        slotted = [(i, seq) for i, seq in enumerate(batch.seqs) if batch.num_draft_tokens[i]]
+        probs: list = [None] * len(slotted)
+        if self.draft_proposer is not None and slotted:
+            drafts, probs = self.draft_proposer.propose(
+                [seq for _, seq in slotted], [batch.num_draft_tokens[i] for i, _ in slotted]
+            )
+        else:
+            drafts = [self._drafts.get(seq.request_id, [])[: batch.num_draft_tokens[i]] for i, seq in slotted]
+        for (index, seq), draft, q in zip(slotted, drafts, probs):
             if seq.grammar is not None and draft:
                 draft = draft[: seq.grammar.num_valid_tokens(draft)]
-            batch.set_draft(index, draft)
+            batch.set_draft(index, draft, q)
         self._drafts.clear()
+        self._lookahead.clear()
 
     def record(self, batch: ScheduledBatch, sampled: dict, seconds: float) -> None:
         """After the step: each verified draft's acceptance, and the step's cost when it was
@@ -83,6 +101,8 @@ class Speculator:
                 continue
             num_accepted = len(emitted) - 1
             self.policy.record_draft(request_id, len(draft), num_accepted)
+            if self.draft_proposer is not None:
+                self.draft_proposer.record(request_id, num_accepted)
             self.num_drafts += 1
             self.num_proposed_tokens += len(draft)
             self.num_accepted_tokens += num_accepted
@@ -92,6 +112,8 @@ class Speculator:
 
     def forget(self, request_id: str) -> None:
         self.policy.forget(request_id)
+        if self.draft_proposer is not None:
+            self.draft_proposer.forget(request_id)
 
     def stats(self) -> dict:
         return {
