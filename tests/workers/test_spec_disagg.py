@@ -26,9 +26,16 @@ PROMPTS = [
 ]
 
 
+@pytest.fixture(scope="module", params=["ngram", "draft"])
+def method(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def backend(ray_cluster, tiny_model, loop):
-    cfg = cluster_config(tiny_model, num_blocks=64, speculative=SPECULATIVE)
+def backend(ray_cluster, tiny_model, loop, method):
+    # The draft proposer with draft = target: every draft token is accepted.
+    extra = {"method": "draft", "draft_model": tiny_model} if method == "draft" else {}
+    cfg = cluster_config(tiny_model, num_blocks=64, speculative={**SPECULATIVE, **extra})
     serving = ServingBackend(cfg, tiny_model)
     loop.run(serving.start(), timeout=240)
     yield serving
@@ -55,7 +62,7 @@ def decode_stats(loop, backend):
     return next(s.engine for rid, s in pool_states(loop, backend.cluster).items() if rid.startswith("decode"))
 
 
-def test_greedy_output_is_identical_to_plain_decoding(loop, client, backend, offline):
+def test_greedy_output_is_identical_to_plain_decoding(loop, client, backend, offline, method):
     for prompt in PROMPTS:
         expected = offline.generate(
             [offline.tokenize(prompt)], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
@@ -65,7 +72,9 @@ def test_greedy_output_is_identical_to_plain_decoding(loop, client, backend, off
         )
         assert got.choices[0].text == expected[0].text
     stats = decode_stats(loop, backend)
-    assert stats.spec_method == "ngram" and stats.spec_accepted_tokens > 0
+    assert stats.spec_method == method and stats.spec_accepted_tokens > 0
+    if method == "draft":
+        assert stats.spec_accepted_tokens == stats.spec_proposed_tokens
     # A stop string inside the output: the stream ends at it, exactly as without speculation.
     base = offline.generate(
         [offline.tokenize(PROMPTS[1])], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
@@ -89,7 +98,7 @@ def test_greedy_output_is_identical_to_plain_decoding(loop, client, backend, off
     wait_for_baseline(loop, backend.cluster)
 
 
-def test_opt_out_is_never_drafted_for_and_metrics_show_speculation(loop, client, backend, server):
+def test_opt_out_is_never_drafted_for_and_metrics_show_speculation(loop, client, backend, server, method):
     before = decode_stats(loop, backend)
     client.completions.create(
         model=backend.model_name,
@@ -117,12 +126,12 @@ def test_opt_out_is_never_drafted_for_and_metrics_show_speculation(loop, client,
         }
 
     samples = wait_until(
-        lambda: (s := scraped()).get(("splitserve_spec_decode_num_drafts_total", "decode", "ngram")) and s,
+        lambda: (s := scraped()).get(("splitserve_spec_decode_num_drafts_total", "decode", method)) and s,
         10,
         "no spec_decode series for the decode pool",
     )
-    assert samples[("splitserve_spec_decode_num_accepted_tokens_total", "decode", "ngram")] > 0
-    assert 0 < samples[("splitserve_spec_decode_acceptance_rate", "decode", "ngram")] <= 1
+    assert samples[("splitserve_spec_decode_num_accepted_tokens_total", "decode", method)] > 0
+    assert 0 < samples[("splitserve_spec_decode_acceptance_rate", "decode", method)] <= 1
 
 
 def test_client_leaving_mid_speculation_frees_every_block(loop, server, backend):
