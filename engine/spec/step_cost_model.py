@@ -5,10 +5,12 @@ all-decode steps (plain decodes and verifies, no prompt chunks: those are what t
 choice of k changes). b is the marginal price of one more draft token in the batch. Until the
 steps have varied enough in size to fit b (speculation is what varies them), b is assumed to
 be half the average cost per token -- between a memory-bound step (b ~ 0) and a fully
-compute-bound one (b = seconds / tokens). Torch-free.
+compute-bound one (b = seconds / tokens); a fitted b is kept at or above 5% of that. Torch-free.
 """
 
 from __future__ import annotations
+
+MIN_FRACTION = 0.05  # b is at least this fraction of the mean cost per token
 
 
 class StepCostModel:
@@ -42,7 +44,10 @@ class StepCostModel:
             b = self.prior_fraction * per_token
         else:
             b = (self._xy / self._w - mean_x * mean_y) / var_x
-            b = min(max(b, 0.0), per_token)  # between free and fully compute-bound
+            # Between a floor and fully compute-bound. The floor: a draft token is never free,
+            # and noisy timings (a shared machine) must not fit b ~ 0, which would make every
+            # draft look worth verifying whatever its acceptance.
+            b = min(max(b, MIN_FRACTION * per_token), per_token)
         return max(mean_y - b * mean_x, 0.0), b
 
     def step_seconds(self, num_tokens: int) -> float:

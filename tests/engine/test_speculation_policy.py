@@ -30,6 +30,11 @@ def test_cost_model_recovers_a_linear_cost_and_falls_back_to_its_prior():
     for _ in range(10):
         flat.observe(8, 0.016)  # one size only: b cannot be fitted, half the mean cost per token
     assert flat.fit()[1] == pytest.approx(0.001)
+    noisy = StepCostModel()
+    for _ in range(10):
+        noisy.observe(1, 0.012)  # a busy machine: the bigger steps happened to run faster
+        noisy.observe(9, 0.010)
+    assert noisy.fit()[1] == pytest.approx(0.05 * 0.011 / 5, rel=0.01)  # never free: 5% of the mean per-token cost
 
 
 def test_fixed_policy_always_asks_for_the_maximum():
