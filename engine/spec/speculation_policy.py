@@ -5,14 +5,19 @@ seconds, the batch emits B / T tokens per second; one more draft token makes the
 seconds longer (StepCostModel), which costs price = b * B / T tokens of everyone's output.
 The j-th draft token of a sequence is emitted with probability alpha^j (alpha: its measured
 per-token acceptance), so it pays iff alpha^j > price, and the sequence gets the largest k
-(up to num_speculative_tokens) for which that holds (with a 10% margin, MARGIN). Large batches make price large, poor
-drafts make alpha small: either turns speculation off, per sequence, with no threshold to tune.
+(up to num_speculative_tokens) for which that holds, with a 10% margin (MARGIN). Large
+batches make price large, poor drafts make alpha small: either turns speculation off, per
+sequence, with no threshold to tune.
 
 alpha per request is its own accepted / tried draft tokens, shrunk towards the pool's rate
-(PRIOR_WEIGHT pseudo-tries), so a new request starts from what the pool has seen. A request
-whose alpha says no tries k = 1 at its first step and every PROBE_INTERVAL of its steps while
-price <= 1/2 (an expected cost below 1% of its tokens), so a request that starts repeating
-itself is found.
+(PRIOR_WEIGHT pseudo-tries), so a new request starts from what the pool has seen.
+
+Measuring needs speculating, so while price <= 1/2 the policy probes where it declined:
+- every request tries k = 1 at its first step (acceptance of its first draft token);
+- once every PROBE_INTERVAL steps, one declined request (the one that tried least recently)
+  gets the full num_speculative_tokens: that measures deep acceptance, and the larger step
+  is what lets the cost model fit b at all. Its expected cost is below k * b / (64 * T) of
+  the throughput: about 1% at batch 1, less at larger batches (T grows, one probe a step).
 The fixed policy always asks for num_speculative_tokens. Torch-free.
 """
 
@@ -26,7 +31,7 @@ from splitserve.engine.spec.step_cost_model import StepCostModel
 PRIOR_WEIGHT = 4.0  # pseudo-tries of the pool's rate in a request's acceptance estimate
 INITIAL_POOL_ACCEPTANCE = 0.5  # before anything was measured
 POOL_DECAY = 0.995  # per recorded draft: the pool's rate follows the last few hundred drafts
-PROBE_INTERVAL = 64
+PROBE_INTERVAL = 64  # steps between deep probes (pool-wide)
 PROBE_MAX_PRICE = 0.5
 # A draft token must be expected to pay this much more than it costs: the cost and acceptance
 # estimates are noisy, and near break-even speculation gains nothing worth the risk.
@@ -34,12 +39,12 @@ MARGIN = 1.1
 
 
 class _RequestAcceptance:
-    __slots__ = ("num_tried", "num_accepted", "steps_since_try")
+    __slots__ = ("num_tried", "num_accepted", "last_try_step")
 
     def __init__(self):
         self.num_tried = 0
         self.num_accepted = 0
-        self.steps_since_try = PROBE_INTERVAL  # a new request tries once at its first step
+        self.last_try_step: int | None = None  # None: never tried (it probes at its first step)
 
 
 class SpeculationPolicy:
@@ -50,14 +55,23 @@ class SpeculationPolicy:
         self._requests: dict[str, _RequestAcceptance] = {}
         self._pool_tried = 0.0
         self._pool_accepted = 0.0
+        self._num_steps = 0
+        self._last_deep_probe = 0
 
     # ---- decisions -----------------------------------------------------------------------
     def choose(self, request_ids: list[str]) -> dict[str, int]:
         """k for each of the decoding requests (all of the batch's decoding sequences)."""
         if not self.adaptive:
             return dict.fromkeys(request_ids, self.max_k)
+        self._num_steps += 1
         price = self.price(len(request_ids))
-        return {rid: self._k_for(rid, price) for rid in request_ids}
+        chosen = {rid: self._k_for(rid, price) for rid in request_ids}
+        if price <= PROBE_MAX_PRICE:
+            self._probe(chosen)
+        for rid, k in chosen.items():
+            if k:
+                self._requests[rid].last_try_step = self._num_steps
+        return chosen
 
     def price(self, batch_size: int) -> float:
         """Tokens of output lost per draft token added to a step of batch_size decodes."""
@@ -70,20 +84,29 @@ class SpeculationPolicy:
         return b * batch_size / seconds if seconds > 0 else math.inf
 
     def _k_for(self, request_id: str, price: float) -> int:
-        state = self._requests.setdefault(request_id, _RequestAcceptance())
+        self._requests.setdefault(request_id, _RequestAcceptance())
         alpha = self.acceptance(request_id)
         bar = price * MARGIN  # what a draft token's acceptance must beat
-        k = 0
-        if 0 < bar < 1 and alpha > bar:
-            # alpha^j > bar  <=>  j < log(bar) / log(alpha)
-            k = self.max_k if alpha >= 1 else math.ceil(math.log(bar) / math.log(alpha)) - 1
-            k = max(0, min(k, self.max_k))
-        elif bar <= 0:
-            k = self.max_k if alpha > 0 else 0
-        if k == 0 and price <= PROBE_MAX_PRICE and state.steps_since_try >= PROBE_INTERVAL:
-            k = 1
-        state.steps_since_try = 0 if k else state.steps_since_try + 1
-        return k
+        if bar <= 0:
+            return self.max_k if alpha > 0 else 0
+        if bar >= 1 or alpha <= bar:
+            return 0
+        if alpha >= 1:
+            return self.max_k
+        # alpha^j > bar  <=>  j < log(bar) / log(alpha)
+        return max(0, min(math.ceil(math.log(bar) / math.log(alpha)) - 1, self.max_k))
+
+    def _probe(self, chosen: dict[str, int]) -> None:
+        declined = [rid for rid, k in chosen.items() if k == 0]
+        if not declined:
+            return
+        for rid in declined:
+            if self._requests[rid].last_try_step is None:
+                chosen[rid] = 1  # a new request's first step
+        if self._num_steps - self._last_deep_probe >= PROBE_INTERVAL:
+            stalest = min(declined, key=lambda rid: self._requests[rid].last_try_step or 0)
+            chosen[stalest] = self.max_k
+            self._last_deep_probe = self._num_steps
 
     def acceptance(self, request_id: str) -> float:
         """Estimated probability that a draft token of request_id is accepted."""

@@ -14,7 +14,7 @@ MIN_FRACTION = 0.05  # b is at least this fraction of the mean cost per token
 
 
 class StepCostModel:
-    def __init__(self, decay: float = 0.99, prior_fraction: float = 0.5):
+    def __init__(self, decay: float = 0.995, prior_fraction: float = 0.5):
         if not 0 < decay < 1:
             raise ValueError(f"decay must be in (0, 1), got {decay}")
         self.decay = decay

@@ -78,5 +78,11 @@ def test_large_batch_or_poor_drafts_turn_it_off_and_probes_stay_rare():
         q.record_draft("other", 4, 0)  # the pool's drafts all fail
     assert q.choose(["new"]) == {"new": 1}  # a new request still tries once ...
     q.record_draft("new", 1, 0)
-    ks = [q.choose(["new"])["new"] for _ in range(4 * PROBE_INTERVAL)]
-    assert sum(ks) == 3 and set(ks) == {0, 1}  # ... then once after each PROBE_INTERVAL steps without
+    ks = [q.choose(["new", "old"]) for _ in range(4 * PROBE_INTERVAL)]
+    # ... then one declined request gets a full-length probe every PROBE_INTERVAL steps, the
+    # one that tried least recently: the two take turns.
+    probes = [(i, rid) for i, chosen in enumerate(ks) for rid, k in chosen.items() if k]
+    assert [k for chosen in ks for k in chosen.values() if k] == [1] + [8] * 4  # "old"'s first step, probes
+    deep = [(i, rid) for i, rid in probes if ks[i][rid] == 8]
+    assert [i for i, _ in deep] == [PROBE_INTERVAL - 2 + PROBE_INTERVAL * n for n in range(4)]
+    assert [rid for _, rid in deep] == ["new", "old", "new", "old"]
