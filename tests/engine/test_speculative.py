@@ -310,3 +310,18 @@ def test_generate_cli_takes_serves_speculative_flags(tiny_model):
     assert json.loads(spec.stdout.strip().splitlines()[-1])["token_ids"] == expected[0].token_ids
     bad = run(*common, "--speculative.method", "ngram", "--speculative.num-speculative-tokens", "0")
     assert bad.returncode == 2 and "num_speculative_tokens" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_context_end_and_top_logprobs_inside_accepted_runs(tiny_model):
+    prompts = [list(range(5, 45)), [7, 8, 9]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=True, top_logprobs=3)
+    plain = engine_for(tiny_model, max_model_len=64).generate(prompts, params)
+    assert plain[0].finish_reason == "length" and len(plain[0].token_ids) == 64 - 40  # up to the context end
+    spec = with_oracle(engine_for(tiny_model, FIXED_NGRAM, max_model_len=64), prompts, plain)
+    outs = spec.generate(prompts, params)
+    for out, ref in zip(outs, plain):
+        assert out.token_ids == ref.token_ids and out.finish_reason == ref.finish_reason
+        assert out.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+        assert [[t for t, _ in top] for top in out.top_logprobs] == [[t for t, _ in top] for top in ref.top_logprobs]
+    assert spec.stats().spec_accepted_tokens > 0
+    assert_baseline(spec)
