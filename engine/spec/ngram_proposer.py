@@ -29,12 +29,16 @@ class NgramProposer:
     def find_match(self, tokens: Sequence[int]) -> int | None:
         """Where the continuation of the best match starts (an index into tokens), or None."""
         num = len(tokens)
-        last = tokens[-1] if num else None
+        if num < self.min_n + 1:
+            return None
+        last = tokens[-1]
+        # Every match ends with the last token: find its earlier occurrences once (one C-speed
+        # pass), newest first; each must leave at least one token after it.
+        ends = [i for i, t in enumerate(tokens[: num - 1]) if t == last]
+        ends.reverse()
         for n in range(min(self.max_n, num - 1), self.min_n - 1, -1):
             suffix = list(tokens[num - n :])
-            # Newest first; an occurrence must end before the suffix itself starts to end, i.e.
-            # leave at least one token after it. Compare the last token first: it is cheap.
-            for end in range(num - 2, n - 2, -1):
-                if tokens[end] == last and list(tokens[end - n + 1 : end + 1]) == suffix:
+            for end in ends:
+                if end >= n - 1 and list(tokens[end - n + 1 : end + 1]) == suffix:
                     return end + 1
         return None
