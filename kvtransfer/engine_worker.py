@@ -1,6 +1,6 @@
 """EngineWorker: what a prefill and a decode replica share -- an LLMEngine run by an EngineLoop
 thread, a KVTransport for the pairs with the other pool, and the control methods the ingress
-calls on every replica (ready, poll, snapshot, forget_peer, shutdown).
+calls on every replica (ready, channel_address, poll, probe, snapshot, forget_peer, shutdown).
 
 Plain classes: cluster/control/worker_pool.py wraps PrefillWorker and DecodeWorker with
 ray.remote, which exposes these inherited async methods as actor methods.
@@ -57,11 +57,22 @@ class EngineWorker:
     async def ready(self) -> str:
         return self.replica_id
 
+    async def channel_address(self) -> tuple[str, int] | None:
+        """Where ingresses reach this replica's request channel (decode); None: no channel."""
+        return None
+
     async def poll(self) -> bytes:
         """KV events since the last poll plus load figures, for the router: a PollReply."""
+        return await self._poll_reply(take_events=True)
 
+    async def probe(self) -> bytes:
+        """Load and health without KV events, for the controller: a PollReply whose events
+        are empty (the events are the ingresses' routers', not the controller's to take)."""
+        return await self._poll_reply(take_events=False)
+
+    async def _poll_reply(self, take_events: bool) -> bytes:
         def collect(engine: LLMEngine):
-            return engine.take_events(), engine.stats(), self.num_pinned()
+            return engine.take_events() if take_events else [], engine.stats(), self.num_pinned()
 
         events, stats, num_pinned = await asyncio.wrap_future(self.loop.call(collect))
         return PollReply(

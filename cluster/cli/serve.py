@@ -131,6 +131,8 @@ def _start(ray, serve, cfg, args: argparse.Namespace) -> str | None:
         else:
             need = int(cfg.prefill.replicas * cfg.prefill.resources.num_cpus)
             need += int(cfg.decode.replicas * cfg.decode.resources.num_cpus) + 2
+            ingress = cfg.ingress
+            need += int(ingress.num_cpus * max(ingress.replicas, ingress.autoscaling.max_replicas))
             ray.init(
                 address="local",
                 num_cpus=args.num_cpus or max(os.cpu_count() or 2, need),
@@ -155,16 +157,17 @@ def _start(ray, serve, cfg, args: argparse.Namespace) -> str | None:
 
 
 def _deployment_failure(serve) -> str | None:
-    """The root cause from the failed deployment's status: the ingress's StartupError line."""
-    from splitserve.cluster.app import DEPLOYMENT_NAME
+    """The root cause from the failed deployments' status: the controller's or the
+    ingress's StartupError line."""
+    from splitserve.cluster.app import CONTROLLER_DEPLOYMENT_NAME, DEPLOYMENT_NAME
     from splitserve.cluster.startup_error import root_cause, startup_error_in
 
     try:
         app = serve.status().applications[APP_NAME]
     except Exception:
         return None
-    deployment = app.deployments.get(DEPLOYMENT_NAME)
-    messages = ([deployment.message] if deployment is not None else []) + [app.message]
+    deployments = [app.deployments.get(name) for name in (CONTROLLER_DEPLOYMENT_NAME, DEPLOYMENT_NAME)]
+    messages = [d.message for d in deployments if d is not None and d.message] + [app.message]
     for message in messages:
         found = startup_error_in(message or "")
         if found:
@@ -195,15 +198,26 @@ class _AppWatch:
 
 
 def _shutdown(ray, serve) -> None:
-    """Delete the app (its replicas stop the pools and the gRPC server), then leave Ray: a
-    local cluster ends with it. serve.shutdown() is not used: it kills the controller while
-    its graceful_shutdown task runs, and the raylet then logs that task as failed."""
+    """Delete the app (the controller kills the pools, the ingresses stop the gRPC server),
+    reap any pool actor still named in the app's namespace (one whose controller was killed
+    and could not), then leave Ray: a local cluster ends with it. serve.shutdown() is not
+    used: it kills Serve's controller while its graceful_shutdown task runs, and the raylet
+    then logs that task as failed."""
+    from splitserve.cluster.control.worker_pool import app_namespace, reap_namespace
+
     try:
         if ray.is_initialized() and APP_NAME in serve.status().applications:
             serve.delete(APP_NAME)
     except Exception as exc:
         print(f"splitserve: could not stop the app cleanly: {exc}", file=sys.stderr, flush=True)
     finally:
+        try:
+            if ray.is_initialized():  # after the delete: no controller left to restart them
+                reaped = reap_namespace(app_namespace(APP_NAME))
+                if reaped:
+                    print(f"splitserve: removed {len(reaped)} pool actor(s) left running", flush=True)
+        except Exception as exc:
+            print(f"splitserve: could not remove the pool actors: {exc}", file=sys.stderr, flush=True)
         ray.shutdown()
 
 

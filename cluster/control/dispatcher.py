@@ -1,5 +1,7 @@
 """Routes requests to a (prefill, decode) pair, streams the result back, retries safely, and
-keeps the router's view of every replica current by polling KV events and load."""
+keeps the router's view of every replica current by polling KV events and load. Which
+replicas exist is the controller's to say: a MembershipFollower applies its views here
+(add_replica, drop_replica, set_draining); a replica found dead leaves routing at once."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from collections.abc import AsyncIterator, Callable
 
 import ray
 
-from splitserve.cluster.control.worker_pool import Replica, WorkerPool
+from splitserve.cluster.control.membership import ReplicaInfo
+from splitserve.cluster.control.worker_pool import Replica
 from splitserve.cluster.request_error import ErrorKind, RequestError
 from splitserve.cluster.routing.load import LoadReport
 from splitserve.cluster.routing.router import DECODE, PREFILL, NoReplicaError, Router
@@ -38,42 +41,84 @@ class Dispatcher:
     def __init__(
         self,
         router: Router,
-        prefill_pool: WorkerPool | None,
-        decode_pool: WorkerPool,
         max_retries: int = 1,
         layerwise: bool = True,
         lease_s: float = 20.0,
         request_timeout_s: float = 600.0,
         poll_interval_s: float = 0.1,
         on_poll: Callable[[str, str, PollReply], None] | None = None,
-        idle_pair_s: float = 300.0,
     ):
         self.router = router
-        self.pools = {PREFILL: prefill_pool, DECODE: decode_pool}
+        # pool -> replica id -> Replica (its actor handle): what this ingress routes to, as the
+        # MembershipFollower applies the controller's views (add_replica, drop_replica,
+        # set_draining).
+        self.replicas: dict[str, dict[str, Replica]] = {PREFILL: {}, DECODE: {}}
         self.max_retries = max_retries
         self.layerwise = layerwise
         self.lease_s = lease_s
         self.request_timeout_s = request_timeout_s
         self.poll_interval_s = poll_interval_s
         self.on_poll = on_poll
-        self.idle_pair_s = idle_pair_s
         self.inflight: dict[str, str] = {}  # request id -> decode replica id
         self.inflight_prefill: dict[str, str] = {}  # request id -> prefill replica id, until its first token
         self._poller: asyncio.Task | None = None
         # Held while the router's view is read from the replicas (poll, add, rebuild), so a
         # rebuilt router never misses the events taken between a snapshot and the swap.
         self._membership = asyncio.Lock()
+        # Actors found dead here before the controller's view dropped them: not re-added.
+        self._dead_actors: set[str] = set()
         self.num_retries = 0
 
-    # ---- replica membership --------------------------------------------------------------
-    async def add_replica(self, replica: Replica) -> None:
-        """Index a ready replica from its snapshot before it gets any traffic."""
+    # ---- replica membership (driven by the MembershipFollower) ------------------------------
+    async def add_replica(self, info: ReplicaInfo, handle=None) -> bool:
+        """Index a replica from its snapshot, then route to it. handle: its actor (None: looked
+        up by name in info.namespace). False: its actor is gone (the controller's next view
+        drops it)."""
+        if info.actor_id and info.actor_id in self._dead_actors:
+            return False
+        if handle is None:
+            try:
+                handle = await asyncio.to_thread(ray.get_actor, info.replica_id, namespace=info.namespace)
+            except ValueError:  # no such actor: it died
+                return False
+        replica = Replica(
+            info.replica_id, info.pool, handle, draining=info.draining, ready=True, actor_id=info.actor_id
+        )
+        replica.channel_address = info.channel_address
         async with self._membership:
-            seq, hashes = await asyncio.wait_for(replica.handle.snapshot.remote(), 30)
-            if replica.replica_id in self.router.replica_ids(replica.pool):  # a rebuild got it first
-                self.router.resync(replica.pool, replica.replica_id, (seq, hashes))
+            try:
+                seq, hashes = await asyncio.wait_for(handle.snapshot.remote(), 30)
+            except ACTOR_GONE:
+                return False
+            if info.replica_id in self.router.replica_ids(info.pool):  # a rebuild or an older add got it
+                self.router.resync(info.pool, info.replica_id, (seq, hashes))
             else:
-                self.router.add_replica(replica.pool, replica.replica_id, (seq, hashes))
+                self.router.add_replica(info.pool, info.replica_id, (seq, hashes))
+            self.router.set_draining(info.pool, info.replica_id, info.draining)
+            self.replicas[info.pool][info.replica_id] = replica
+        return True
+
+    def drop_replica(self, pool: str, replica_id: str) -> None:
+        """Stop routing to a replica and forget its index entries (unknown ids are ignored)."""
+        self.router.remove_replica(pool, replica_id)
+        self.replicas[pool].pop(replica_id, None)
+
+    def set_draining(self, pool: str, replica_id: str, draining: bool) -> None:
+        """A draining replica gets no new requests; its in-flight ones finish."""
+        replica = self.replicas[pool].get(replica_id)
+        if replica is not None:
+            replica.draining = draining
+            self.router.set_draining(pool, replica_id, draining)
+
+    def replica_infos(self) -> dict[tuple[str, str], Replica]:
+        return {(pool, rid): r for pool, replicas in self.replicas.items() for rid, r in replicas.items()}
+
+    def _drop_dead(self, pool: str, replica: Replica, why: str) -> None:
+        """A replica found dead here leaves routing at once, before the controller notices."""
+        logger.warning("%s replica %s %s; dropping it from routing", pool, replica.replica_id, why)
+        if replica.actor_id:
+            self._dead_actors.add(replica.actor_id)
+        self.drop_replica(pool, replica.replica_id)
 
     async def rebuild_router(self, make_router: Callable[[], Router]) -> Router:
         """Swap in a fresh router indexed from every live replica's snapshot (a router
@@ -82,43 +127,24 @@ class Dispatcher:
         A replica that died meanwhile is dropped; draining flags carry over."""
         async with self._membership:
             router = make_router()
-            live = [
-                (pool_name, r)
-                for pool_name, pool in self.pools.items()
-                if pool is not None
-                for r in pool.live_replicas()
-            ]
+            live = [(pool_name, r) for pool_name, replicas in self.replicas.items() for r in list(replicas.values())]
             snapshots = await asyncio.gather(
                 *(asyncio.wait_for(r.handle.snapshot.remote(), 30) for _, r in live), return_exceptions=True
             )
             for (pool_name, replica), snapshot in zip(live, snapshots):
                 if isinstance(snapshot, ACTOR_GONE):
-                    logger.warning("%s replica %s died; dropping it from routing", pool_name, replica.replica_id)
-                    self.drop_replica(pool_name, replica.replica_id)
+                    self._drop_dead(pool_name, replica, "died")
                 elif isinstance(snapshot, BaseException):
                     raise RequestError(
                         ErrorKind.UNAVAILABLE,
                         f"cannot rebuild the router: snapshot of {replica.replica_id} failed: {_short(snapshot)}",
                     )
-                elif self.pools[pool_name].get(replica.replica_id) is not None:  # not removed meanwhile
+                elif self.replicas[pool_name].get(replica.replica_id) is replica:  # not removed meanwhile
                     router.add_replica(pool_name, replica.replica_id, snapshot)
-                    if replica.replica_id in self.router.replica_ids(pool_name):
-                        router.set_draining(
-                            pool_name, replica.replica_id, self.router.load(pool_name, replica.replica_id).draining
-                        )
+                    router.set_draining(pool_name, replica.replica_id, replica.draining)
             self.router = router  # no await since the checks above: atomic on the event loop
             logger.info("router rebuilt from %d replica snapshots", len(live))
             return router
-
-    def drop_replica(self, pool: str, replica_id: str, kill: bool = False) -> None:
-        self.router.remove_replica(pool, replica_id)
-        worker_pool = self.pools.get(pool)
-        if worker_pool is not None:
-            worker_pool.remove(replica_id, kill=kill)
-        # Its peers drop their process groups with it (either side may be the one leaving).
-        peer_pool = self.pools[DECODE if pool == PREFILL else PREFILL]
-        for r in peer_pool.live_replicas() if peer_pool is not None else ():
-            r.handle.forget_peer.remote(replica_id)
 
     def num_inflight(self, pool: str, replica_id: str) -> int:
         """Requests sent to a replica that still need it: on decode until they finish, on
@@ -127,16 +153,23 @@ class Dispatcher:
         table = self.inflight if pool == DECODE else self.inflight_prefill
         return sum(1 for rid in list(table.values()) if rid == replica_id)
 
+    def inflight_counts(self) -> dict[str, int]:
+        """replica id -> num_inflight, for every replica with requests (both pools)."""
+        counts: dict[str, int] = {}
+        for table in (self.inflight, self.inflight_prefill):
+            for replica_id in list(table.values()):
+                counts[replica_id] = counts.get(replica_id, 0) + 1
+        return counts
+
     # ---- polling -------------------------------------------------------------------------
     async def poll_once(self) -> None:
         async with self._membership:
-            tasks = []
-            for pool_name, pool in self.pools.items():
-                if pool is None:
-                    continue
-                for replica in list(pool.live_replicas()):
-                    if replica.replica_id in self.router.replica_ids(pool_name):
-                        tasks.append(self._poll_replica(pool_name, replica))
+            tasks = [
+                self._poll_replica(pool_name, replica)
+                for pool_name, replicas in self.replicas.items()
+                for replica in list(replicas.values())
+                if replica.replica_id in self.router.replica_ids(pool_name)
+            ]
             if tasks:
                 await asyncio.gather(*tasks)
 
@@ -145,8 +178,7 @@ class Dispatcher:
         try:
             poll = PollReply.from_bytes(await asyncio.wait_for(replica.handle.poll.remote(), 10))
         except ACTOR_GONE:
-            logger.warning("%s replica %s died; dropping it from routing", pool, rid)
-            self.drop_replica(pool, rid)
+            self._drop_dead(pool, replica, "died")
             return
         except (TimeoutError, ray.exceptions.RayError) as exc:
             logger.warning("polling %s failed: %r", rid, exc)
@@ -159,26 +191,10 @@ class Dispatcher:
         if self.on_poll is not None:
             self.on_poll(pool, rid, poll)
 
-    async def close_idle_pairs(self, max_idle_s: float) -> None:
-        """Decode replicas drop process groups idle for max_idle_s; their prefill peers follow."""
-        for decode in list(self.pools[DECODE].live_replicas()):
-            try:
-                closed = await asyncio.wait_for(decode.handle.close_idle_pairs.remote(max_idle_s), 30)
-            except (TimeoutError, ray.exceptions.RayError):
-                continue
-            for prefill_id in closed:
-                prefill = self.pools[PREFILL].get(prefill_id) if self.pools[PREFILL] else None
-                if prefill is not None:
-                    prefill.handle.forget_peer.remote(decode.replica_id)
-
     async def _poll_forever(self) -> None:
-        last_idle_sweep = time.monotonic()
         while True:
             try:
                 await self.poll_once()
-                if time.monotonic() - last_idle_sweep > self.idle_pair_s / 4:
-                    last_idle_sweep = time.monotonic()
-                    await self.close_idle_pairs(self.idle_pair_s)
             except Exception:
                 logger.exception("replica poll failed")
             await asyncio.sleep(self.poll_interval_s)
@@ -221,8 +237,8 @@ class Dispatcher:
                 raise RequestError(ErrorKind.UNAVAILABLE, str(exc)) from None
             if on_route is not None:
                 on_route(decision)
-            decode = self.pools[DECODE].get(decision.decode_replica)
-            prefill = None if decision.prefill_replica is None else self.pools[PREFILL].get(decision.prefill_replica)
+            decode = self.replicas[DECODE].get(decision.decode_replica)
+            prefill = None if decision.prefill_replica is None else self.replicas[PREFILL].get(decision.prefill_replica)
             if decode is None:  # removed since the router last heard of it
                 exclude_d.add(decision.decode_replica)
                 continue

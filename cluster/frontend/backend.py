@@ -10,18 +10,18 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 
 from splitserve.cluster.config import ServeConfig
+from splitserve.cluster.control.controller_client import ControllerClient
 from splitserve.cluster.control.disagg_cluster import DisaggCluster
+from splitserve.cluster.control.ingress_report import encode_families, families_of
+from splitserve.cluster.control.ingress_reporter import IngressReporter
 from splitserve.cluster.frontend.metrics import Metrics
 from splitserve.cluster.request_error import ErrorKind, RequestError, invalid
 from splitserve.cluster.routing.router import DECODE, PREFILL
-from splitserve.cluster.scaling.autoscaler import Autoscaler
-from splitserve.cluster.scaling.latency_window import LatencyWindow
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.io.request_validation import validate_prompt
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.kvtransfer.handoff import StreamChunk
-from splitserve.kvtransfer.poll_reply import PollReply
 
 logger = logging.getLogger(__name__)
 # splitserve_requests_total{status}: OK, CANCELLED, or the ErrorKind that ended the request.
@@ -29,7 +29,15 @@ OK, CANCELLED = "ok", "cancelled"
 
 
 class ServingBackend:
-    def __init__(self, cfg: ServeConfig, model_dir: str, cluster: DisaggCluster | None = None):
+    def __init__(
+        self,
+        cfg: ServeConfig,
+        model_dir: str,
+        cluster: DisaggCluster | None = None,
+        controller: ControllerClient | None = None,
+    ):
+        """controller: the controller deployment's client (an ingress replica); None: run
+        the controller in-process (tests, tools). cluster: a ready-made DisaggCluster."""
         self.cfg = cfg
         self.model_dir = model_dir
         self.model_name = cfg.model_id
@@ -39,30 +47,18 @@ class ServingBackend:
         pools = [cfg.decode] + ([cfg.prefill] if cfg.prefill.replicas or cfg.prefill.autoscaling.enabled else [])
         self.max_cache_tokens = min(p.num_kv_blocks for p in pools) * cfg.block_size
         self.metrics = Metrics()
-        self.cluster = cluster or DisaggCluster(cfg, model_dir, on_poll=self._on_poll)
+        # What the controller hears from this ingress: latencies (the autoscaler's TTFT / ITL
+        # signals), in-flight requests (drains), and the samples it merges into /metrics.
+        self.reporter = IngressReporter(self.metrics.registry)
+        self.cluster = cluster or DisaggCluster(cfg, model_dir, controller=controller, make_report=self.reporter.report)
         self.num_inflight = 0
         self._inflight_by_key: dict[str, int] = defaultdict(int)
-        # Recent latencies for the autoscaler: TTFT is prefill's signal, ITL decode's.
-        self.ttft_window = LatencyWindow()
-        self.itl_window = LatencyWindow()
-        self.autoscaler = None
-        if cfg.prefill.autoscaling.enabled or cfg.decode.autoscaling.enabled:
-            self.autoscaler = Autoscaler(self.cluster, cfg, self.metrics, latency_source=self.recent_latency_ms)
 
     async def start(self) -> None:
         await self.cluster.start()
-        self._refresh_pool_gauges()
-        if self.autoscaler is not None:
-            self.autoscaler.start()
 
     async def shutdown(self) -> None:
-        if self.autoscaler is not None:
-            await self.autoscaler.stop()
         await self.cluster.shutdown()
-
-    def recent_latency_ms(self, pool: str, since: float | None = None) -> float | None:
-        """p90 over the recent window: TTFT for prefill, ITL for decode (the autoscaler's input)."""
-        return (self.ttft_window if pool == PREFILL else self.itl_window).percentile_ms(90, since)
 
     # ---- model facts ---------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -90,9 +86,32 @@ class ServingBackend:
             raise invalid(str(exc)) from None
 
     def health(self) -> dict:
-        num_prefill = len(self.cluster.router.replica_ids(PREFILL, include_draining=False))
-        num_decode = len(self.cluster.router.replica_ids(DECODE, include_draining=False))
-        return {"ok": num_decode > 0, "prefill_replicas": num_prefill, "decode_replicas": num_decode}
+        """Each pool's live (routable) and expected replica counts and its floor (`min`: its
+        configured replicas, or min_replicas when it autoscales). Not ok while a pool is below
+        its floor or no decode replica serves; `degraded` and `reason` then name the pools."""
+        cluster = self.cluster
+        pools = {}
+        for pool in (PREFILL, DECODE):
+            live, floor = cluster.live_replicas(pool), cluster.min_replicas[pool]
+            expected = max(cluster.expected_replicas.get(pool, 0), floor)
+            pools[pool] = {"ok": live >= floor, "live": live, "expected": expected, "min": floor}
+        degraded = [pool for pool, state in pools.items() if not state["ok"]]
+        if not pools[DECODE]["live"] and DECODE not in degraded:
+            degraded.append(DECODE)
+        state = {
+            "ok": not degraded,
+            "prefill_replicas": pools[PREFILL]["live"],
+            "decode_replicas": pools[DECODE]["live"],
+            "pools": pools,
+        }
+        if degraded:
+            state["degraded"] = degraded
+            state["reason"] = "; ".join(
+                f"the {pool} pool has {pools[pool]['live']} live replica(s) of {pools[pool]['expected']} expected "
+                f"(min {pools[pool]['min']})"
+                for pool in degraded
+            )
+        return state
 
     # ---- generation ----------------------------------------------------------------------
     async def generate(
@@ -131,14 +150,14 @@ class ServingBackend:
                 now = time.perf_counter()
                 if first:
                     self.metrics.ttft.observe(now - start)
-                    self.ttft_window.observe(now - start)
+                    self.reporter.observe_ttft(now - start)
                     self.metrics.prefix_hit_tokens.inc(chunk.num_cached_tokens)
                     first = False
                 elif chunk.token_ids:
                     gap = (now - last) / len(chunk.token_ids)
                     for _ in chunk.token_ids:
                         self.metrics.itl.observe(gap)
-                    self.itl_window.observe(gap)
+                    self.reporter.observe_itl(gap)
                 last = now
                 self.metrics.generation_tokens.inc(len(chunk.token_ids))
                 yield chunk
@@ -162,21 +181,15 @@ class ServingBackend:
     def _on_route(self, decision) -> None:
         self.metrics.router_decisions.labels(decision.reason).inc()
 
-    def _on_poll(self, pool: str, replica_id: str, poll: PollReply) -> None:
-        self.metrics.observe_poll(pool, replica_id, poll)
-        self._refresh_pool_gauges()
-
-    def _refresh_pool_gauges(self) -> None:
-        router = self.cluster.router
-        for pool in (PREFILL, DECODE):
-            ids = router.replica_ids(pool)
-            loads = [router.load(pool, rid) for rid in ids]
-            self.metrics.set_pool_totals(
-                pool, len(ids), sum(l.report.num_waiting for l in loads), sum(l.report.num_running for l in loads)
-            )
-
-    def render_metrics(self) -> bytes:
-        return self.metrics.render()
+    async def render_metrics(self) -> bytes:
+        """The deployment's /metrics: every ingress's samples merged with the controller's
+        pool series. If the controller cannot answer (it is restarting), this ingress's own."""
+        families = encode_families(families_of(self.metrics.registry))
+        try:
+            return await self.cluster.render_metrics(families)
+        except Exception as exc:
+            logger.warning("merged metrics unavailable (%r); serving this ingress's own", exc)
+            return self.metrics.render()
 
 
 def _check_unicode(text: str) -> None:

@@ -1,10 +1,11 @@
-"""Prometheus metrics of a splitserve deployment (one registry per frontend process)."""
+"""Prometheus metrics of one ingress replica: its requests, latencies and tokens (one
+registry per ingress process). Pool series (replicas, KV usage, transfers, scaling) are the
+controller's (cluster/control/pool_metrics.py); /metrics renders both, merged over every
+ingress (cluster/control/metrics_aggregator.py)."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-
-from splitserve.kvtransfer.poll_reply import PollReply
 
 LATENCY_BUCKETS = (
     0.005,
@@ -46,55 +47,20 @@ class Metrics:
             ["status"],
             registry=r,
         )
-        self.queue_depth = Gauge("splitserve_queue_depth", "Waiting requests per pool", ["pool"], registry=r)
-        self.running = Gauge("splitserve_running_requests", "Running requests per pool", ["pool"], registry=r)
         self.frontend_inflight = Gauge(
             "splitserve_frontend_inflight_requests",
             "Requests admitted by the frontend and not yet finished",
             registry=r,
-        )
-        self.kv_usage = Gauge(
-            "splitserve_kv_block_usage", "Fraction of KV blocks in use", ["pool", "replica"], registry=r
         )
         self.prefix_hit_tokens = Counter(
             "splitserve_prefix_cache_hit_tokens", "Prompt tokens served from a prefix cache", registry=r
         )
         self.prompt_tokens = Counter("splitserve_prompt_tokens", "Prompt tokens received", registry=r)
         self.generation_tokens = Counter("splitserve_generation_tokens", "Tokens generated", registry=r)
-        self.transfer_bytes = Counter("splitserve_kv_transfer_bytes", "KV bytes moved prefill->decode", registry=r)
-        self.transfer_seconds = Counter(
-            "splitserve_kv_transfer_seconds", "Seconds spent moving KV prefill->decode", registry=r
-        )
         self.router_decisions = Counter(
             "splitserve_router_decisions", "Router decisions by reason", ["reason"], registry=r
         )
-        self.replicas = Gauge("splitserve_replicas", "Live replicas per pool", ["pool"], registry=r)
-        self.scaling_decisions = Counter(
-            "splitserve_scaling_decisions", "Autoscaler decisions", ["pool", "decision"], registry=r
-        )
-        self._last_transfer: dict[str, tuple[float, float]] = {}
-
-    def observe_poll(self, pool: str, replica_id: str, poll: PollReply) -> None:
-        """Fold one replica poll into the gauges and the transfer counters."""
-        self.kv_usage.labels(pool, replica_id).set(poll.engine.kv_usage)
-        if pool == "decode":
-            transfer = poll.transfer
-            prev_bytes, prev_secs = self._last_transfer.get(replica_id, (0.0, 0.0))
-            self.transfer_bytes.inc(max(transfer.num_bytes - prev_bytes, 0))
-            self.transfer_seconds.inc(max(transfer.seconds - prev_secs, 0))
-            self._last_transfer[replica_id] = (transfer.num_bytes, transfer.seconds)
-
-    def set_pool_totals(self, pool: str, num_replicas: int, num_waiting: int, num_running: int) -> None:
-        self.replicas.labels(pool).set(num_replicas)
-        self.queue_depth.labels(pool).set(num_waiting)
-        self.running.labels(pool).set(num_running)
-
-    def forget_replica(self, pool: str, replica_id: str) -> None:
-        try:
-            self.kv_usage.remove(pool, replica_id)
-        except KeyError:
-            pass
-        self._last_transfer.pop(replica_id, None)
 
     def render(self) -> bytes:
+        """This process's samples only (the merged view: MetricsAggregator)."""
         return generate_latest(self.registry)

@@ -83,7 +83,7 @@ def test_model_id_rule():
 
 
 def test_max_model_len_reaches_the_engines_and_is_bounded_by_the_model():
-    from splitserve.cluster.control.disagg_cluster import engine_config_for
+    from splitserve.cluster.control.worker_pool import engine_config_for
 
     cfg = ServeConfig(max_model_len=300, prefill={"num_kv_blocks": 99})
     engine = EngineConfig(**engine_config_for(cfg, cfg.prefill, "m"))

@@ -63,7 +63,7 @@ class FakeBackend:
     def health(self) -> dict:
         return {"ok": self.healthy, "decode_replicas": int(self.healthy)}
 
-    def render_metrics(self) -> bytes:
+    async def render_metrics(self) -> bytes:
         return self.metrics.render()
 
     async def generate(self, prompt_token_ids, params, request_id=None, api_key=None, timeout_s=None):

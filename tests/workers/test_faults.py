@@ -310,7 +310,11 @@ def test_decode_killed_mid_stream_ends_the_sse_stream_with_an_error(loop, cluste
             10,
             "the dead decode replica is still routed",
         )
-        assert cluster.decode_pool.get(victim.replica_id) is None
+        wait_until(
+            lambda: cluster.decode_pool.get(victim.replica_id) is None,
+            10,
+            "the controller still lists the dead replica",
+        )
         ok = http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 5})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 5
     wait_for_baseline(loop, cluster)

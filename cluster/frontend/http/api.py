@@ -196,7 +196,7 @@ def build_http_app(backend) -> FastAPI:
 
     @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
     async def metrics() -> Response:
-        return Response(backend.render_metrics(), media_type=CONTENT_TYPE_LATEST)
+        return Response(await backend.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", response_model=ModelList, dependencies=auth, responses=_ERRORS)
     async def list_models() -> ModelList:

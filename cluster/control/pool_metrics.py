@@ -1,0 +1,56 @@
+"""PoolMetrics: the Prometheus series the controller owns -- one per pool or per replica,
+measured once (by the controller's probes), not once per ingress: replica counts, queue
+depth, running requests, KV usage per replica, KV moved prefill -> decode, and the
+autoscaler's decisions. A replica that leaves has its series removed."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from splitserve.kvtransfer.poll_reply import PollReply
+
+
+class PoolMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.replicas = Gauge("splitserve_replicas", "Live replicas per pool", ["pool"], registry=r)
+        self.queue_depth = Gauge("splitserve_queue_depth", "Waiting requests per pool", ["pool"], registry=r)
+        self.running = Gauge("splitserve_running_requests", "Running requests per pool", ["pool"], registry=r)
+        self.kv_usage = Gauge(
+            "splitserve_kv_block_usage", "Fraction of KV blocks in use", ["pool", "replica"], registry=r
+        )
+        self.transfer_bytes = Counter("splitserve_kv_transfer_bytes", "KV bytes moved prefill->decode", registry=r)
+        self.transfer_seconds = Counter(
+            "splitserve_kv_transfer_seconds", "Seconds spent moving KV prefill->decode", registry=r
+        )
+        self.scaling_decisions = Counter(
+            "splitserve_scaling_decisions", "Autoscaler decisions", ["pool", "decision"], registry=r
+        )
+        # Every family labelled by replica: forget_replica removes a replica's series from each.
+        self.per_replica = (self.kv_usage,)
+        self._last_transfer: dict[str, tuple[float, float]] = {}
+
+    def observe_poll(self, pool: str, replica_id: str, poll: PollReply) -> None:
+        """Fold one replica probe into the gauges and the transfer counters."""
+        self.kv_usage.labels(pool, replica_id).set(poll.engine.kv_usage)
+        if pool == "decode":
+            transfer = poll.transfer
+            prev_bytes, prev_secs = self._last_transfer.get(replica_id, (0.0, 0.0))
+            self.transfer_bytes.inc(max(transfer.num_bytes - prev_bytes, 0))
+            self.transfer_seconds.inc(max(transfer.seconds - prev_secs, 0))
+            self._last_transfer[replica_id] = (transfer.num_bytes, transfer.seconds)
+
+    def set_pool_totals(self, pool: str, num_replicas: int, num_waiting: int, num_running: int) -> None:
+        self.replicas.labels(pool).set(num_replicas)
+        self.queue_depth.labels(pool).set(num_waiting)
+        self.running.labels(pool).set(num_running)
+
+    def forget_replica(self, pool: str, replica_id: str) -> None:
+        """A replica left: stop exporting its series (they would show it forever, frozen)."""
+        for family in self.per_replica:
+            try:
+                family.remove(pool, replica_id)
+            except KeyError:
+                pass
+        self._last_transfer.pop(replica_id, None)
