@@ -103,16 +103,16 @@ def run_actor_path(
     import ray
 
     engine_config = _engine_config(model_dir, max(lengths))
-    prefix = f"kvbench-{uuid.uuid4().hex[:6]}"
+    namespace = f"kvbench-{uuid.uuid4().hex[:6]}"
     pools = [
         WorkerPool(
             name,
             cls,
             engine_config,
             PoolResources(num_cpus=1),
+            namespace,
             torch_threads=1,
             transfer_timeout_s=LEASE_S,
-            name_prefix=prefix,
         )
         for name, cls in ((PREFILL, TimedPrefillWorker), (DECODE, TimedDecodeWorker))
     ]

@@ -149,7 +149,7 @@ class IngressConfig(_Strict):
     """CPUs each ingress replica asks Ray for."""
     resources: dict[str, float] = Field(default_factory=dict)
     """Custom Ray resources per ingress replica, e.g. {"node:__internal_head__": 0.001} keeps them on
-    the head node, where a Kubernetes Service or a port-forward points; empty: any node."""
+    the head node, where a Kubernetes Service or port forwarding points; empty: any node."""
 
 
 class ControllerConfig(_Strict):

@@ -131,6 +131,20 @@ class WorkerPool:
         self.replicas[replica_id] = replica
         return replica
 
+    def start(self, num_replicas: int, timeout_s: float | None = None) -> list[Replica]:
+        """Start replicas and wait until they loaded (blocking: tools and benchmarks; the
+        controller waits without blocking)."""
+        replicas = [self.start_replica() for _ in range(num_replicas)]
+        try:
+            ray.get([r.handle.ready.remote() for r in replicas], timeout=timeout_s or self.start_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(
+                f"{self.pool} replicas not ready after {timeout_s or self.start_timeout_s:.0f} s"
+            ) from None
+        for r in replicas:
+            self.mark_ready(r)
+        return replicas
+
     def adopt(self) -> list[Replica]:
         """Find this pool's live actors in the namespace (left by a previous controller) and
         take them over, not yet ready: the caller checks them as it would new ones. New

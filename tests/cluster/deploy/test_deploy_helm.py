@@ -258,11 +258,13 @@ def test_monitoring_objects_target_the_service():
 
 
 def test_dashboard_metrics_exist_in_the_app():
-    metrics = pytest.importorskip(
-        "splitserve.cluster.frontend.metrics", reason="splitserve.cluster.frontend.metrics is not importable yet"
-    )
+    from splitserve.cluster.control.pool_metrics import PoolMetrics
+    from splitserve.cluster.frontend.metrics import Metrics
+
     exposed = set()
-    for family in metrics.Metrics().registry.collect():
+    # /metrics renders both: every ingress's series and the controller's pool series.
+    families = [*Metrics().registry.collect(), *PoolMetrics().registry.collect()]
+    for family in families:
         exposed.add(family.name)
         exposed.update(sample.name for sample in family.samples)
         if family.type == "counter":
