@@ -10,11 +10,15 @@ import itertools
 import logging
 import time
 
+import ray
+
 from splitserve.engine.core.sequence import Sequence
+from splitserve.engine.engine_errors import EngineLoopStopped
 from splitserve.engine.io.block_reservation import BlockReservation
 from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.kvtransfer.engine_worker import EngineWorker
+from splitserve.kvtransfer.errors import TransferAbortedError
 from splitserve.kvtransfer.handoff import DecodeRequest, Handoff, PrefillResult, StreamChunk
 from splitserve.kvtransfer.kv_receiver import PostedReceive
 from splitserve.kvtransfer.poll_reply import TransferTotals
@@ -25,6 +29,11 @@ logger = logging.getLogger(__name__)
 class PrefillFailedError(RuntimeError):
     """The remote prefill or the KV transfer failed; no token reached the client, so the
     frontend may retry on another prefill replica."""
+
+
+class PrefillReplicaDeadError(PrefillFailedError):
+    """The prefill replica is gone: its actor died or its engine loop stopped. Not the
+    request's fault, so a retry elsewhere does not count against its budget."""
 
 
 class ReplicaBusyError(RuntimeError):
@@ -58,11 +67,11 @@ class DecodeWorker(EngineWorker):
         prefill locally."""
         req = DecodeRequest.from_bytes(request_bytes)
         params = SamplingParams.from_dict(req.sampling)
-        seq = self.engine.make_sequence(None, req.prompt_token_ids, params, req.request_id)
+        seq = await self.loop.make_sequence(req.prompt_token_ids, params, req.request_id, deadline=req.deadline)
         loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        outputs: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
 
-        def sink(out: RequestOutput) -> None:  # engine loop thread
+        def sink(out: RequestOutput | Exception) -> None:  # engine loop thread
             loop.call_soon_threadsafe(outputs.put_nowait, out)
 
         finished = False
@@ -80,6 +89,8 @@ class DecodeWorker(EngineWorker):
             while not finished:
                 timeout = None if req.deadline is None else max(req.deadline - time.time(), 0.01)
                 out = await asyncio.wait_for(outputs.get(), timeout=timeout)
+                if isinstance(out, Exception):  # its step failed (EngineStepError) or the loop stopped
+                    raise out
                 finished = out.finished
                 yield StreamChunk(
                     request_id=out.request_id,
@@ -129,12 +140,16 @@ class DecodeWorker(EngineWorker):
                 result_bytes = await prefill.prefill.remote(handoff.to_bytes())
                 num_bytes, _ = await asyncio.to_thread(posted.complete, self.transfer_timeout_s)
             except BaseException as exc:
-                # Closing the pair fails the posted receives; wait for them to settle before
-                # their blocks are freed.
-                self._drop_pair(prefill_id)
-                await asyncio.to_thread(posted.abandon, 5.0)
+                # An aborted transfer was completed with filler: the pair is still in step, and
+                # other requests' transfers on it go on. Otherwise closing the pair fails the
+                # posted receives; wait for them to settle before their blocks are freed.
+                if not (isinstance(exc, TransferAbortedError) and await self._receive_filler(posted)):
+                    self._drop_pair(prefill_id)
+                    await asyncio.to_thread(posted.abandon, 5.0)
                 self._ack(prefill, seq.request_id)
-                raise PrefillFailedError(f"prefill on {prefill_id} failed: {exc}") from exc
+                dead = isinstance(exc, (EngineLoopStopped, ray.exceptions.RayActorError))
+                error = PrefillReplicaDeadError if dead else PrefillFailedError
+                raise error(f"prefill on {prefill_id} failed: {exc}") from exc
         except BaseException:
             await asyncio.wrap_future(self.loop.call(lambda e: e.release_reservation(seq.request_id)))
             raise
@@ -145,6 +160,14 @@ class DecodeWorker(EngineWorker):
         # The sender's busy time; the receive side's clock would also count the prefill.
         self.transfer_seconds += result.transfer_seconds
         return result
+
+    async def _receive_filler(self, posted: PostedReceive) -> bool:
+        """Wait for an aborted transfer's filler (already sent); False if it does not come."""
+        try:
+            await asyncio.to_thread(posted.complete, self.transfer_timeout_s)
+        except Exception:
+            return False
+        return True
 
     @staticmethod
     def _ack(prefill, request_id: str | None = None) -> None:

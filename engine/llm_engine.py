@@ -20,6 +20,7 @@ from splitserve.engine.core.kv_cache_manager import KVCacheManager
 from splitserve.engine.core.kv_events import KVEvent
 from splitserve.engine.core.scheduler import ScheduledBatch, Scheduler
 from splitserve.engine.core.sequence import Sequence, SequenceStatus
+from splitserve.engine.engine_errors import EngineStepError
 from splitserve.engine.io.block_reservation import BlockReservation
 from splitserve.engine.io.engine_stats import EngineStats
 from splitserve.engine.io.output_processor import OutputProcessor
@@ -30,6 +31,7 @@ from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.engine.model.loader import load_model
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.ops.kv_cache import KVCache
+from splitserve.engine.sample.grammar_compiler import GrammarCompiler
 
 # Given the batch about to run, returns a per-layer callback (or None) for that step. The
 # prefill worker uses it to send each layer's KV while the next layer computes.
@@ -47,6 +49,7 @@ class LLMEngine:
         self.kv_cache = KVCache(self.model_config, config)
         self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         eos = self.tokenizer.eos_token_ids or self.model_config.eos_token_ids
+        self.grammar = GrammarCompiler(self.tokenizer.to_json(), self.model_config.vocab_size, eos)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, eos)
         self.runner = ModelRunner(self.model, self.kv_cache, config.seed)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -85,7 +88,11 @@ class LLMEngine:
             self.config.num_kv_blocks * self.config.block_size,
         )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        return Sequence(rid, prompt_token_ids, params, self.config.block_size, prefill_only=prefill_only)
+        seq = Sequence(rid, prompt_token_ids, params, self.config.block_size, prefill_only=prefill_only)
+        if params.structured_output is not None:
+            # Compiles on a cache miss: callers on an event loop run this in a worker thread.
+            seq.grammar = self.grammar.new_matcher(params.structured_output)
+        return seq
 
     def add_sequence(self, seq: Sequence) -> None:
         """Queue a sequence from make_sequence. A prefill_only one stops after its first token
@@ -110,6 +117,14 @@ class LLMEngine:
         self.scheduler.abort(request_id)
         self.runner.forget(request_id)
         self.outputs.forget(request_id)
+
+    def abort_all(self) -> list[str]:
+        """Abort every request and reservation (the engine is being given up): every block
+        goes back to the pool. Returns the ids aborted."""
+        request_ids = list(dict.fromkeys([*self.scheduler.requests, *self._reserved]))
+        for request_id in request_ids:
+            self.abort(request_id)
+        return request_ids
 
     def release_prefilled(self, request_id: str) -> None:
         """After the KV handoff: a prefilled request's blocks are unpinned (they stay in the
@@ -156,6 +171,15 @@ class LLMEngine:
         replica), check the stop conditions, join the running batch, and return the first
         output, post-processed exactly like a step's."""
         seq = self._reserved[request_id]
+        # A constrained request's grammar state crosses as the tokens the prefill replica
+        # accepted (the first token): replay it into this replica's matcher.
+        if seq.grammar is not None and not seq.grammar.accept_token(first_token):
+            error = seq.grammar.error.strip()
+            self.release_reservation(request_id)
+            raise RuntimeError(
+                f"the prefill replica's first token {first_token} breaks the request's grammar ({error}); "
+                "is it running an older splitserve?"
+            )
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.num_cached_tokens = num_cached_tokens
         seq.append_token(first_token, first_logprob if seq.params.logprobs else None)
@@ -171,14 +195,37 @@ class LLMEngine:
 
     # ---- stepping ------------------------------------------------------------------------
     def step(self, layer_hook: LayerHookFactory | None = None) -> list[RequestOutput]:
+        """Schedule a batch, run it, post-process it. If anything in between raises, every
+        request of the batch is failed (see _fail_batch) and EngineStepError is raised; the
+        engine stays consistent and the next step serves the others."""
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        on_layer_done = layer_hook(batch) if layer_hook is not None else None
-        sampled = self.runner.execute(batch, on_layer_done)
-        advanced = self.scheduler.update(batch, sampled)
+        try:
+            on_layer_done = layer_hook(batch) if layer_hook is not None else None
+            sampled = self.runner.execute(batch, on_layer_done)
+            advanced = self.scheduler.update(batch, sampled)
+            outputs = [self._prefilled_output(seq) if seq.prefill_only else self._emit_output(seq) for seq in advanced]
+        except Exception as exc:
+            failed = self._fail_batch(batch)
+            raise EngineStepError(f"engine step failed: {exc!r}", failed) from exc
         self.num_steps += 1
-        return [self._prefilled_output(seq) if seq.prefill_only else self._emit_output(seq) for seq in advanced]
+        return outputs
+
+    def _fail_batch(self, batch: ScheduledBatch) -> list[str]:
+        """Undo a step that raised anywhere between scheduling and its outputs. schedule() had
+        moved the batch's requests to running and allocated their new slots; the forward may
+        have written part of their KV; update() may have advanced some (computed counts,
+        blocks entered into the prefix cache, a token appended, even finished or prefilled).
+        Aborting each of them frees all of that: the blocks it wrote are new, never-hashed
+        ones (a cached block is only read, and a block is hashed only after its KV is
+        complete), so no half-written KV stays findable. Requests preempted while scheduling
+        are back in the waiting queue, whole, and run later. Their outputs are lost, so they
+        all fail, finished ones included."""
+        failed = [seq.request_id for seq in batch.seqs]
+        for request_id in failed:
+            self.abort(request_id)
+        return failed
 
     def _emit_output(self, seq: Sequence) -> RequestOutput:
         """seq's new tokens as an output: detokenized, cut at a stop string, and the request
@@ -251,6 +298,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_computed_prompt_tokens=self.scheduler.num_computed_prompt_tokens,
             num_prefix_hit_tokens=self.kv.num_hit_tokens,
+            **self.grammar.stats(),
+            **self.runner.grammar_mask.stats(),
         )
 
     @property

@@ -6,6 +6,10 @@ the prompt's blocks it lacks, and sends a Handoff to the prefill replica; the pr
 computes the prompt, streams the listed blocks over torch.distributed, and answers with a
 PrefillResult carrying the first token. The ingress opens a decode with a DecodeRequest and
 receives StreamChunks.
+
+A constrained request (sampling["structured_output"]) is compiled on both sides; prefill
+samples the first token under the grammar, and its grammar state crosses as the tokens it
+accepted, i.e. that first token, which decode replays into its own matcher.
 """
 
 from __future__ import annotations

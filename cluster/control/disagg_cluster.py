@@ -40,10 +40,13 @@ class DisaggCluster:
         ingress_id: str | None = None,
         autoscale: bool = False,
         membership_wait_s: float = 0.25,
+        on_drop: Callable[[str, str], None] | None = None,
     ):
         """controller: the controller deployment's client (an ingress replica); None: run a
         Controller here (autoscale: with its autoscaler). make_report(inflight) -> the
-        IngressReport bytes sent with each membership call (default: in-flight counts only)."""
+        IngressReport bytes sent with each membership call (default: in-flight counts only).
+        on_poll(pool, replica id, PollReply) / on_drop(pool, replica id): this ingress polled a
+        replica / stopped routing to one."""
         self.cfg = cfg
         self.model_dir = model_dir
         self.dispatcher = Dispatcher(
@@ -54,6 +57,7 @@ class DisaggCluster:
             request_timeout_s=cfg.request_timeout_s,
             poll_interval_s=poll_interval_s,
             on_poll=on_poll,
+            on_drop=on_drop,
         )
         self.client = controller
         self.controller: Controller | None = None

@@ -18,13 +18,16 @@ from splitserve.cluster.control.worker_pool import Replica
 from splitserve.cluster.request_error import ErrorKind, RequestError
 from splitserve.cluster.routing.load import LoadReport
 from splitserve.cluster.routing.router import DECODE, PREFILL, NoReplicaError, Router
-from splitserve.decode.decode_worker import PrefillFailedError, ReplicaBusyError
+from splitserve.decode.decode_worker import PrefillFailedError, PrefillReplicaDeadError, ReplicaBusyError
+from splitserve.engine.engine_errors import EngineLoopStopped
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.kvtransfer.handoff import DecodeRequest, StreamChunk
 from splitserve.kvtransfer.poll_reply import PollReply
 
 logger = logging.getLogger(__name__)
 ACTOR_GONE = (ray.exceptions.RayActorError,)
+# The replica called is dead: its actor died, or its engine loop stopped for good.
+REPLICA_GONE = (EngineLoopStopped, *ACTOR_GONE)
 
 
 _CLOCK_SLACK_S = 0.1  # timers may fire a little before the wall-clock deadline
@@ -47,6 +50,7 @@ class Dispatcher:
         request_timeout_s: float = 600.0,
         poll_interval_s: float = 0.1,
         on_poll: Callable[[str, str, PollReply], None] | None = None,
+        on_drop: Callable[[str, str], None] | None = None,
     ):
         self.router = router
         # pool -> replica id -> Replica (its actor handle): what this ingress routes to, as the
@@ -59,6 +63,7 @@ class Dispatcher:
         self.request_timeout_s = request_timeout_s
         self.poll_interval_s = poll_interval_s
         self.on_poll = on_poll
+        self.on_drop = on_drop  # (pool, replica id) once a replica left routing, for any reason
         self.inflight: dict[str, str] = {}  # request id -> decode replica id
         self.inflight_prefill: dict[str, str] = {}  # request id -> prefill replica id, until its first token
         self._poller: asyncio.Task | None = None
@@ -99,9 +104,11 @@ class Dispatcher:
         return True
 
     def drop_replica(self, pool: str, replica_id: str) -> None:
-        """Stop routing to a replica and forget its index entries (unknown ids are ignored)."""
+        """Stop routing to a replica and forget its index entries (unknown ids are ignored).
+        Routing only: the controller kills replicas and tells their peers."""
         self.router.remove_replica(pool, replica_id)
-        self.replicas[pool].pop(replica_id, None)
+        if self.replicas[pool].pop(replica_id, None) is not None and self.on_drop is not None:
+            self.on_drop(pool, replica_id)
 
     def set_draining(self, pool: str, replica_id: str, draining: bool) -> None:
         """A draining replica gets no new requests; its in-flight ones finish."""
@@ -132,8 +139,8 @@ class Dispatcher:
                 *(asyncio.wait_for(r.handle.snapshot.remote(), 30) for _, r in live), return_exceptions=True
             )
             for (pool_name, replica), snapshot in zip(live, snapshots):
-                if isinstance(snapshot, ACTOR_GONE):
-                    self._drop_dead(pool_name, replica, "died")
+                if isinstance(snapshot, REPLICA_GONE):  # its actor or its engine loop is dead
+                    self._drop_dead(pool_name, replica, "is dead")
                 elif isinstance(snapshot, BaseException):
                     raise RequestError(
                         ErrorKind.UNAVAILABLE,
@@ -183,6 +190,11 @@ class Dispatcher:
         except (TimeoutError, ray.exceptions.RayError) as exc:
             logger.warning("polling %s failed: %r", rid, exc)
             return
+        if rid not in self.router.replica_ids(pool):  # drained and dropped while we waited
+            return
+        if not poll.is_serving:  # it reported itself dead: out of routing now (the controller replaces it)
+            self._drop_dead(pool, replica, f"stopped serving ({poll.error})")
+            return
         if not self.router.apply_events(pool, rid, poll.events):
             if rid in self.router.replicas_needing_resync(pool):
                 seq, hashes = await asyncio.wait_for(replica.handle.snapshot.remote(), 10)
@@ -228,6 +240,7 @@ class Dispatcher:
         exclude_p: set[str] = set()
         exclude_d: set[str] = set()
         attempt = 0
+        num_budgeted = 0  # retries that count against max_retries
         while True:
             if time.time() >= deadline:
                 raise deadline_exceeded(timeout_s)
@@ -279,17 +292,21 @@ class Dispatcher:
                     yield chunk
                     if done:
                         return
-            except (PrefillFailedError, ReplicaBusyError, *ACTOR_GONE) as exc:
+            except (PrefillFailedError, ReplicaBusyError, *REPLICA_GONE) as exc:
                 if time.time() >= deadline:
                     raise deadline_exceeded(timeout_s) from None
+                # A dead replica is no fault of the request: excluded, it costs no retry (the
+                # pools are finite, so this ends).
+                replica_dead = isinstance(exc, (PrefillReplicaDeadError, *REPLICA_GONE))
                 # Never after a chunk reached the caller: a retry cannot resume it exactly.
-                if sent_any or attempt >= self.max_retries:
-                    busy = isinstance(exc, (ReplicaBusyError, *ACTOR_GONE))
+                if sent_any or (num_budgeted >= self.max_retries and not replica_dead):
+                    busy = isinstance(exc, (ReplicaBusyError, *REPLICA_GONE))
                     kind = ErrorKind.UNAVAILABLE if busy else ErrorKind.INTERNAL
                     raise RequestError(kind, f"request failed: {_short(exc)}") from None
                 attempt += 1
+                num_budgeted += not replica_dead
                 self.num_retries += 1
-                if isinstance(exc, (ReplicaBusyError, *ACTOR_GONE)) or prefill is None:
+                if isinstance(exc, (ReplicaBusyError, *REPLICA_GONE)) or prefill is None:
                     exclude_d.add(decode.replica_id)  # the decode replica is gone or full
                 else:
                     exclude_p.add(prefill.replica_id)

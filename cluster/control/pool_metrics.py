@@ -1,7 +1,7 @@
 """PoolMetrics: the Prometheus series the controller owns -- one per pool or per replica,
 measured once (by the controller's probes), not once per ingress: replica counts, queue
-depth, running requests, KV usage per replica, KV moved prefill -> decode, and the
-autoscaler's decisions. A replica that leaves has its series removed."""
+depth, running requests, KV usage per replica, KV moved prefill -> decode, the replicas'
+grammar work, and the autoscaler's decisions. A replica that leaves has its series removed."""
 
 from __future__ import annotations
 
@@ -27,13 +27,28 @@ class PoolMetrics:
         self.scaling_decisions = Counter(
             "splitserve_scaling_decisions", "Autoscaler decisions", ["pool", "decision"], registry=r
         )
+        self.replica_grammar = {
+            key: Counter(f"splitserve_{key}", help_text, ["pool"], registry=r)
+            for key, help_text in (
+                ("grammar_compile_seconds_replica", "Seconds replicas spent compiling grammars"),
+                ("grammar_mask_seconds", "Seconds decode steps spent waiting for and applying grammar masks"),
+                ("grammar_mask_steps", "Engine steps that applied grammar masks"),
+            )
+        }
         # Every family labelled by replica: forget_replica removes a replica's series from each.
         self.per_replica = (self.kv_usage,)
         self._last_transfer: dict[str, tuple[float, float]] = {}
+        self._last_grammar: dict[tuple[str, str], float] = {}
 
     def observe_poll(self, pool: str, replica_id: str, poll: PollReply) -> None:
         """Fold one replica probe into the gauges and the transfer counters."""
         self.kv_usage.labels(pool, replica_id).set(poll.engine.kv_usage)
+        for key, counter in self.replica_grammar.items():
+            stat = key.removesuffix("_replica")
+            value = getattr(poll.engine, stat)
+            previous = self._last_grammar.get((replica_id, stat), 0.0)
+            counter.labels(pool).inc(max(value - previous, 0))
+            self._last_grammar[(replica_id, stat)] = value
         if pool == "decode":
             transfer = poll.transfer
             prev_bytes, prev_secs = self._last_transfer.get(replica_id, (0.0, 0.0))
@@ -54,3 +69,5 @@ class PoolMetrics:
             except KeyError:
                 pass
         self._last_transfer.pop(replica_id, None)
+        for key in [k for k in self._last_grammar if k[0] == replica_id]:
+            del self._last_grammar[key]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import ray
 
 from splitserve.cluster.control.worker_pool import Replica
-from splitserve.engine.engine_loop import EngineLoopStopped
+from splitserve.engine.engine_errors import EngineLoopStopped
 from splitserve.kvtransfer.poll_reply import PollReply
 
 PROBE_TIMEOUT_S = 10.0  # a busy step may hold the probe a while; a hung replica is not dead
@@ -38,8 +38,8 @@ async def probe(replica: Replica, timeout_s: float = PROBE_TIMEOUT_S) -> ProbeRe
         return ProbeResult(dead=True, kill=True, reason=f"engine loop stopped: {_short(exc)}")
     except (TimeoutError, ray.exceptions.RayError) as exc:
         return ProbeResult(reason=f"no answer: {_short(exc)}")
-    if not getattr(reply, "is_serving", True):  # the replica reports its engine loop stopped
-        return ProbeResult(reply, dead=True, kill=True, reason=f"engine loop stopped: {getattr(reply, 'error', '')}")
+    if not reply.is_serving:  # the replica reports its engine loop stopped for good
+        return ProbeResult(reply, dead=True, kill=True, reason=f"engine loop stopped: {reply.error}")
     return ProbeResult(reply)
 
 

@@ -60,6 +60,15 @@ class Metrics:
         self.router_decisions = Counter(
             "splitserve_router_decisions", "Router decisions by reason", ["reason"], registry=r
         )
+        self.structured_requests = Counter(
+            "splitserve_structured_requests", "Requests with a structured-output constraint", ["kind"], registry=r
+        )
+        self.grammar_compile = Histogram(
+            "splitserve_grammar_compile_seconds",
+            "Frontend grammar compile time per structured request (cache hits included)",
+            registry=r,
+            buckets=(0.0001, 0.0005, 0.001, 0.005, *LATENCY_BUCKETS[1:]),
+        )
 
     def render(self) -> bytes:
         """This process's samples only (the merged view: MetricsAggregator)."""

@@ -35,6 +35,7 @@ class FakeBackend:
         self.reply_ids = tokenizer.encode(REPLY, add_special_tokens=False)
         self.metrics = Metrics()
         self.healthy = True
+        self.serving: bool | None = None  # None: health() omits it (an older backend)
         self.num_cached_tokens = 0
         self.refusal: RequestError | None = None  # raised before the first chunk
         self.crash: Exception | None = None  # an unexpected error before the first chunk
@@ -50,8 +51,8 @@ class FakeBackend:
             raise invalid("the prompt is empty")
         return self.tokenizer.encode(text)
 
-    def render_chat(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -61,7 +62,10 @@ class FakeBackend:
             raise invalid(str(exc)) from None
 
     def health(self) -> dict:
-        return {"ok": self.healthy, "decode_replicas": int(self.healthy)}
+        state = {"ok": self.healthy, "decode_replicas": int(self.healthy)}
+        if self.serving is not None:
+            state["serving"] = self.serving
+        return state
 
     async def render_metrics(self) -> bytes:
         return self.metrics.render()

@@ -1,10 +1,12 @@
-"""KVSender -> PostedReceive over a real gloo pair (two endpoints in this process): every block
-layout (in-place runs, scattered, reversed) and both send modes move exactly the right data."""
+"""KVSender -> PostedReceive over a real pair (two endpoints in this process): every block layout
+(in-place runs, scattered, reversed) and both send modes move exactly the right data, on gloo and
+on the same-device channels (ipc: into the receiver's cache in shared memory; host)."""
 
 from __future__ import annotations
 
 import itertools
 import threading
+import time
 
 import pytest
 import torch
@@ -28,26 +30,32 @@ LAYOUTS = {  # (prefill block ids, decode block ids)
 }
 
 
-def _cache(model_dir: str, seed: int | None) -> KVCache:
+def _cache(model_dir: str, seed: int | None, shared: bool = False) -> KVCache:
     cache = KVCache(ModelConfig.from_pretrained(model_dir), EngineConfig(model=model_dir, num_kv_blocks=NUM_BLOCKS))
     if seed is not None:
         cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(seed)))
+    if shared:  # the ipc channel writes into CPU receive buffers in shared memory (harmless elsewhere)
+        cache.kv.share_memory_()
     return cache
 
 
-@pytest.fixture(scope="module")
-def pair(tiny_model):
-    prefill = KVTransport("test-prefill", "cpu", timeout_s=TIMEOUT_S)
+@pytest.fixture(scope="module", params=["auto", "ipc", "host"], ids=["gloo", "ipc", "host"])
+def pair(request, tiny_model):
+    previous = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    prefill = KVTransport("test-prefill", "cpu", timeout_s=TIMEOUT_S, same_device=request.param)
     decode = KVTransport("test-decode", "cpu", timeout_s=TIMEOUT_S)
     joined = threading.Thread(target=prefill.open_pair, args=("test-decode", None, "sender", 0))
     joined.start()
-    decode.open_pair("test-prefill", prefill.address, "receiver", 0)
+    channel = decode.open_pair("test-prefill", prefill.address, "receiver", 0).channel
     joined.join(TIMEOUT_S)
+    assert channel == {"auto": "gloo"}.get(request.param, request.param)
     sender = KVSender(prefill, _cache(tiny_model, seed=1))
     yield sender, decode, tiny_model
     sender.close()
     decode.close()
     prefill.close()
+    torch.multiprocessing.set_sharing_strategy(previous)
 
 
 _transfer_ids = itertools.count(1)
@@ -55,7 +63,7 @@ _transfer_ids = itertools.count(1)
 
 def _transfer(pair, src_ids, dst_ids, layerwise, send_per_layer=False):
     sender, decode, model_dir = pair
-    target = _cache(model_dir, seed=None)
+    target = _cache(model_dir, seed=None, shared=True)
     transfer_id = next(_transfer_ids)
     posted = PostedReceive(decode, target, "test-prefill", transfer_id, dst_ids, layerwise)
     job = SendJob(f"req-{transfer_id}", "test-decode", transfer_id, src_ids, layerwise)
@@ -90,7 +98,7 @@ def test_layer_by_layer_feed_matches_send_all(pair):
 
 def test_concurrent_transfers_on_one_pair_do_not_mix(pair):
     sender, decode, model_dir = pair
-    target = _cache(model_dir, seed=None)
+    target = _cache(model_dir, seed=None, shared=True)
     cases = [([0, 1], [4, 5], True), ([9, 2], [7, 3], False), ([5, 6, 7], [10, 12, 11], True)]
     posted, jobs = [], []
     for src_ids, dst_ids, layerwise in cases:
@@ -133,3 +141,41 @@ def test_plane_messages_are_contiguous_views_of_the_cache():
     messages = plane_messages(planes, 2, 4)
     assert [tuple(m.shape) for m in messages] == [(4, 3), (4, 3)]
     assert all(m.is_contiguous() and m.data_ptr() == planes[p, 2].data_ptr() for p, m in enumerate(messages))
+
+
+@pytest.mark.parametrize(
+    "layerwise, num_sent", [(False, 0), (True, 0), (True, 1)], ids=["packed", "layerwise", "layerwise-one-sent"]
+)
+def test_an_aborted_job_completes_with_filler_and_the_pair_stays_in_step(pair, layerwise, num_sent):
+    """A prefill that fails mid-transfer: what was not sent yet goes out as zeros, every posted
+    receive completes, and the next transfer on the same pair arrives intact."""
+    sender, decode, model_dir = pair
+    target = _cache(model_dir, seed=None)
+    src_ids, dst_ids = LAYOUTS["scattered-to-scattered"]
+    transfer_id = next(_transfer_ids)
+    posted = PostedReceive(decode, target, "test-prefill", transfer_id, dst_ids, layerwise)
+    job = SendJob(f"req-{transfer_id}", "test-decode", transfer_id, src_ids, layerwise, num_blocks=len(src_ids))
+    for layer in range(num_sent):
+        sender.send_layer(job, layer)
+    deadline = time.monotonic() + TIMEOUT_S
+    while job.num_layers_sent < num_sent:  # queued layers still pending when it aborts are filler too
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert sender.abort(job).result(TIMEOUT_S) is True
+    posted.complete(TIMEOUT_S)  # every layer arrived: the real ones, then filler
+    assert job.num_layers_sent == sender.num_layers and not job.pending
+    assert torch.equal(target.kv[:num_sent, :, dst_ids], sender.kv_cache.kv[:num_sent, :, src_ids])
+    assert not target.kv[num_sent:].any()
+    sender.send_layer(job, 0)  # an aborted job sends nothing more
+    _, target, _, _, _ = _transfer(pair, [1, 2], [3, 4], layerwise)
+    assert torch.equal(target.kv[:, :, [3, 4]], sender.kv_cache.kv[:, :, [1, 2]])
+
+
+def test_an_aborted_job_whose_pair_broke_is_not_flushed(pair):
+    sender, _, _ = pair
+    sender.num_sends_to_fail = 1
+    job = SendJob("req-broken", "test-decode", next(_transfer_ids), [1, 2], layerwise=False, num_blocks=2)
+    sender.send_all(job)
+    with pytest.raises(TransferError):
+        job.done.result(TIMEOUT_S)
+    assert sender.abort(job).result(TIMEOUT_S) is False

@@ -108,22 +108,6 @@ def test_totals_stay_monotonic_when_an_ingress_goes_and_when_it_comes_back():
     assert samples(agg.render(extra=[("a", families_of(a.registry))]))[OK] == 12
 
 
-def test_a_removed_replica_exports_no_series():
-    pool = pool_metrics()
-    before = {
-        dict(k[1])["replica"] for k in samples(MetricsAggregator().render(pool.registry)) if "replica" in dict(k[1])
-    }
-    assert before == {"prefill-0", "decode-0", "decode-1"}
-    assert {m.name for family in pool.per_replica for m in family.describe()} == {"splitserve_kv_block_usage"}
-    pool.forget_replica("decode", "decode-1")
-    pool.forget_replica("decode", "decode-1")  # twice, or a replica never seen: harmless
-    pool.forget_replica("prefill", "prefill-9")
-    after = {
-        dict(k[1])["replica"] for k in samples(MetricsAggregator().render(pool.registry)) if "replica" in dict(k[1])
-    }
-    assert after == {"prefill-0", "decode-0"}
-
-
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (apt-get install prometheus)")
 def test_merged_exposition_passes_promtool():
     agg = MetricsAggregator()
