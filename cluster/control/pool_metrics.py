@@ -5,7 +5,7 @@ grammar work, and the autoscaler's decisions. A replica that leaves has its seri
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from splitserve.kvtransfer.poll_reply import PollReply
 
@@ -71,3 +71,7 @@ class PoolMetrics:
         self._last_transfer.pop(replica_id, None)
         for key in [k for k in self._last_grammar if k[0] == replica_id]:
             del self._last_grammar[key]
+
+    def render(self) -> bytes:
+        """These series only (the merged view: MetricsAggregator)."""
+        return generate_latest(self.registry)
