@@ -245,6 +245,12 @@ class Controller:
         self.events.append(PoolEvent(self.clock(), pool, replica_id, "drained", "" if drained else "timeout"))
         return drained
 
+    def refilling(self, pool: str) -> bool:
+        """The pool is below its target or has replicas starting: replacements are under way
+        (the autoscaler holds meanwhile, or it would count a dead replica's loss as load)."""
+        replicas = self.pools[pool].replicas
+        return len(replicas) < self.targets[pool] or any(not r.ready for r in replicas.values())
+
     async def wait_applied(self, version: int, timeout_s: float) -> bool:
         """Wait until every live ingress routes by `version` or later; False at the timeout."""
         deadline = self.clock() + timeout_s

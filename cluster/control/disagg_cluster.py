@@ -100,6 +100,10 @@ class DisaggCluster:
         view = self.follower.view
         return dict(view.expected) if view is not None else {PREFILL: 0, DECODE: 0}
 
+    def refilling(self, pool: str) -> bool:
+        """The in-process controller is replacing replicas of the pool (see Controller.refilling)."""
+        return self.controller is not None and self.controller.refilling(pool)
+
     def live_replicas(self, pool: str) -> int:
         """Replicas of the pool that take new requests (routed, not draining)."""
         return len(self.router.replica_ids(pool, include_draining=False))

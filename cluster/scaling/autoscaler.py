@@ -62,7 +62,7 @@ class ScalingEvent:
 class Autoscaler:
     def __init__(
         self,
-        cluster,  # Controller or DisaggCluster: .loads, add_replicas, drain_replica
+        cluster,  # Controller or DisaggCluster: .loads, refilling, add_replicas, drain_replica
         cfg: ServeConfig,
         metrics: PoolMetrics | None = None,
         latency_source: LatencySource | None = None,
@@ -142,9 +142,10 @@ class Autoscaler:
         )
 
     def step(self, pool: str) -> ScalingDecision | None:
-        """Decide once for `pool` and start the action; None while an action is in flight."""
+        """Decide once for `pool` and start the action; None while an action is in flight or
+        the controller is replacing lost replicas (their absence is not load)."""
         self._set_replica_gauge(pool)
-        if self.scaling_in_progress(pool):
+        if self.scaling_in_progress(pool) or self.cluster.refilling(pool):
             return None
         now = self.clock()
         snap = self.snapshot(pool, now)

@@ -146,6 +146,7 @@ def test_failing_starts_are_retried_with_growing_delays(loop, cluster, tmp_path)
             return found if len(found) >= 4 else None
 
         wait_until(failures, 180, "the pool did not retry four times")
+        assert controller.refilling(DECODE) and not controller.refilling(PREFILL)  # an autoscaler holds
     finally:
         pool.engine_config["model"] = good_model
     events = [e for e in controller.events[num_events:] if e.pool == DECODE]
