@@ -102,7 +102,7 @@ class Controller:
                 await self.roster.kill_all()
                 raise failed
         self.roster.refresh_gauges()
-        self._reconciler = asyncio.get_running_loop().create_task(self._reconcile_forever(), name="controller")
+        self.resume()
         if self.autoscaler is not None:
             self.autoscaler.start()
 
@@ -111,11 +111,21 @@ class Controller:
         previous controller was still starting has no entry here)."""
         if self.autoscaler is not None:
             await self.autoscaler.stop()
+        await self.pause()
+        await self.roster.cancel_tasks()
+        await self.roster.kill_all()
+
+    async def pause(self) -> None:
+        """Stop probing and replacing (the view stays as it is), as if this controller were gone."""
         if self._reconciler is not None:
             self._reconciler.cancel()
             await asyncio.gather(self._reconciler, return_exceptions=True)
-        await self.roster.cancel_tasks()
-        await self.roster.kill_all()
+            self._reconciler = None
+
+    def resume(self) -> None:
+        """Probe and replace again, every probe_interval_s."""
+        if self._reconciler is None:
+            self._reconciler = asyncio.get_running_loop().create_task(self._reconcile_forever(), name="controller")
 
     async def _adopt(self) -> int:
         found = [r for pool in self.pools.values() for r in await asyncio.to_thread(pool.adopt)]

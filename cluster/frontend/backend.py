@@ -56,7 +56,10 @@ class ServingBackend:
         # What the controller hears from this ingress: latencies (the autoscaler's TTFT / ITL
         # signals), in-flight requests (drains), and the samples it merges into /metrics.
         self.reporter = IngressReporter(self.metrics.registry)
-        self.cluster = cluster or DisaggCluster(cfg, model_dir, controller=controller, make_report=self.reporter.report)
+        # In-process (no controller deployment): that controller autoscales, as the service's does.
+        self.cluster = cluster or DisaggCluster(
+            cfg, model_dir, controller=controller, make_report=self.reporter.report, autoscale=controller is None
+        )
         self.num_inflight = 0
         self._inflight_by_key: dict[str, int] = defaultdict(int)
 

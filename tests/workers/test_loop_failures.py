@@ -44,7 +44,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-RESTART_BACKOFF_S = 10.0
+RESTART_BACKOFF_S = 6.0
 
 
 def prompt(n: int, salt: int) -> list[int]:
@@ -259,7 +259,10 @@ def test_a_dead_decode_loop_leaves_routing_and_its_requests_are_retried(loop, cl
     url, grpc_port = frontends
     assert httpx.get(f"{url}/health").json()["pools"][DECODE] == {"ok": True, "live": 2, "expected": 2, "min": 2}
     victim = cluster.decode_pool.get("decode-1")
-    loop.run(cluster.dispatcher.stop_polling())  # so it stays routed while we send requests to it
+    # It stays routed while we send requests to it: this ingress does not poll, the controller
+    # does not probe (it would drop it from the view first).
+    loop.run(cluster.dispatcher.stop_polling())
+    loop.run(cluster.controller.pause())
     cluster.dispatcher.max_retries = 0  # a dead replica must not need the budget
     try:
         holding = Stream(loop, victim.handle, "holding", prompt(40, 50), LONG)  # holds blocks when it dies
@@ -286,6 +289,7 @@ def test_a_dead_decode_loop_leaves_routing_and_its_requests_are_retried(loop, cl
     finally:
         cluster.dispatcher.max_retries = 1
         resume_polling(loop, cluster)
+        resume_controller(loop, cluster)
     wait_until(lambda: cluster.decode_pool.get(victim.replica_id) is None, 5, "the controller still lists it")
     _check_lost_capacity(url, grpc_port, DECODE, victim.replica_id, degraded=[DECODE])
     _twenty_requests(url, backend)
@@ -299,6 +303,7 @@ def test_a_dead_prefill_loop_leaves_routing_and_its_requests_are_retried(loop, c
     url, grpc_port = frontends
     victim = cluster.prefill_pool.get("prefill-1")
     loop.run(cluster.dispatcher.stop_polling())
+    loop.run(cluster.controller.pause())
     cluster.dispatcher.max_retries = 0
     try:
         ray.get(victim.handle.inject_fault.remote(stop_loop=True))
@@ -315,6 +320,7 @@ def test_a_dead_prefill_loop_leaves_routing_and_its_requests_are_retried(loop, c
     finally:
         cluster.dispatcher.max_retries = 1
         resume_polling(loop, cluster)
+        resume_controller(loop, cluster)
     wait_until(lambda: cluster.prefill_pool.get(victim.replica_id) is None, 5, "the controller still lists it")
     _check_lost_capacity(url, grpc_port, PREFILL, victim.replica_id, degraded=[PREFILL])
     _twenty_requests(url, backend)
@@ -333,6 +339,13 @@ def complete_all(loop, cluster, prompts: list[list[int]]) -> list[dict]:
         return await asyncio.gather(*(cluster.complete(p, GREEDY) for p in prompts))
 
     return loop.run(go(), timeout=120)
+
+
+def resume_controller(loop, cluster) -> None:
+    async def resume() -> None:  # it needs the cluster's running loop
+        cluster.controller.resume()
+
+    loop.run(resume(), timeout=10)
 
 
 def resume_polling(loop, cluster) -> None:

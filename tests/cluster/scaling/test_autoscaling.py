@@ -389,3 +389,8 @@ def test_controller_wires_the_autoscaler_to_the_ingresses_latencies(tiny_model):
     plain = Controller(ServeConfig(model=tiny_model), tiny_model, "unit")
     assert plain.autoscaler is None
     assert Controller(scaled_config(tiny_model), tiny_model, "unit", autoscale=False).autoscaler is None
+    # The frontends' in-process form runs its controller with the autoscaler, as the service does.
+    from splitserve.cluster.frontend.backend import ServingBackend
+
+    backend = ServingBackend(scaled_config(tiny_model), tiny_model)
+    assert isinstance(backend.cluster.controller.autoscaler, Autoscaler)
