@@ -75,6 +75,7 @@ class DecodeWorker(EngineWorker):
             loop.call_soon_threadsafe(outputs.put_nowait, out)
 
         finished = False
+        first_chunk = True
         self.num_active += 1
         try:
             if prefill is None:
@@ -83,7 +84,13 @@ class DecodeWorker(EngineWorker):
                 first = await self._remote_prefill(seq, req, prefill, prefill_id)
                 await asyncio.wrap_future(
                     self.loop.admit_prefilled(
-                        seq.request_id, first.first_token, first.first_logprob, first.num_cached_tokens, sink
+                        seq.request_id,
+                        first.first_token,
+                        first.first_logprob,
+                        first.num_cached_tokens,
+                        sink,
+                        first.first_top_logprobs,
+                        first.queue_seconds,
                     )
                 )
             while not finished:
@@ -103,11 +110,17 @@ class DecodeWorker(EngineWorker):
                     num_output_tokens=len(out.token_ids),
                     logprobs=out.new_logprobs,
                     prefill_replica=prefill_id,
+                    top_logprobs=out.new_top_logprobs,
+                    stop_reason=out.stop_reason if out.finished else None,
+                    queue_seconds=out.queue_seconds if first_chunk else None,
                 ).to_bytes()
+                first_chunk = False
         finally:
             self.num_active -= 1
             if not finished:  # cancelled, timed out or failed: free everything it held
-                await asyncio.wrap_future(self.loop.abort(seq.request_id))
+                # Queued now and shielded: a second cancellation must not cancel the abort
+                # before it runs (it also frees blocks still reserved for a transfer).
+                await asyncio.shield(asyncio.wrap_future(self.loop.abort(seq.request_id)))
 
     async def _remote_prefill(self, seq: Sequence, req: DecodeRequest, prefill, prefill_id: str) -> PrefillResult:
         missing, dst_blocks = await self._reserve(seq)

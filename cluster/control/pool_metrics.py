@@ -1,34 +1,32 @@
 """PoolMetrics: the Prometheus series the controller owns -- one per pool or per replica,
 measured once (by the controller's probes), not once per ingress: replica counts, queue
-depth, running requests, KV usage per replica, KV moved prefill -> decode, the replicas'
-grammar work, and the autoscaler's decisions. A replica that leaves has its series removed."""
+depth, running requests, KV usage per replica, preemptions, KV moved prefill -> decode, the
+replicas' grammar work, and the autoscaler's decisions. Labelled `model_name` like the
+ingresses' series. A replica that leaves has its series removed."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 
+from splitserve.cluster.frontend.metrics import ModelFamilies
 from splitserve.kvtransfer.poll_reply import PollReply
 
 
 class PoolMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None):
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+        self.model_name = model_name
         self.registry = registry or CollectorRegistry()
-        r = self.registry
-        self.replicas = Gauge("splitserve_replicas", "Live replicas per pool", ["pool"], registry=r)
-        self.queue_depth = Gauge("splitserve_queue_depth", "Waiting requests per pool", ["pool"], registry=r)
-        self.running = Gauge("splitserve_running_requests", "Running requests per pool", ["pool"], registry=r)
-        self.kv_usage = Gauge(
-            "splitserve_kv_block_usage", "Fraction of KV blocks in use", ["pool", "replica"], registry=r
-        )
-        self.transfer_bytes = Counter("splitserve_kv_transfer_bytes", "KV bytes moved prefill->decode", registry=r)
-        self.transfer_seconds = Counter(
-            "splitserve_kv_transfer_seconds", "Seconds spent moving KV prefill->decode", registry=r
-        )
-        self.scaling_decisions = Counter(
-            "splitserve_scaling_decisions", "Autoscaler decisions", ["pool", "decision"], registry=r
-        )
+        f = ModelFamilies(self.registry, model_name)
+        self.replicas = f.gauge("splitserve_replicas", "Live replicas per pool", "pool")
+        self.queue_depth = f.gauge("splitserve_queue_depth", "Waiting requests per pool", "pool")
+        self.running = f.gauge("splitserve_running_requests", "Running requests per pool", "pool")
+        self.kv_usage = f.gauge("splitserve_kv_block_usage", "Fraction of KV blocks in use", "pool", "replica")
+        self.preemptions = f.counter("splitserve_num_preemptions", "Requests preempted by an engine", "pool")
+        self.transfer_bytes = f.counter("splitserve_kv_transfer_bytes", "KV bytes moved prefill->decode")
+        self.transfer_seconds = f.counter("splitserve_kv_transfer_seconds", "Seconds spent moving KV prefill->decode")
+        self.scaling_decisions = f.counter("splitserve_scaling_decisions", "Autoscaler decisions", "pool", "decision")
         self.replica_grammar = {
-            key: Counter(f"splitserve_{key}", help_text, ["pool"], registry=r)
+            key: f.counter(f"splitserve_{key}", help_text, "pool")
             for key, help_text in (
                 ("grammar_compile_seconds_replica", "Seconds replicas spent compiling grammars"),
                 ("grammar_mask_seconds", "Seconds decode steps spent waiting for and applying grammar masks"),
@@ -38,11 +36,15 @@ class PoolMetrics:
         # Every family labelled by replica: forget_replica removes a replica's series from each.
         self.per_replica = (self.kv_usage,)
         self._last_transfer: dict[str, tuple[float, float]] = {}
+        self._last_preemptions: dict[tuple[str, str], float] = {}
         self._last_grammar: dict[tuple[str, str], float] = {}
 
     def observe_poll(self, pool: str, replica_id: str, poll: PollReply) -> None:
-        """Fold one replica probe into the gauges and the transfer counters."""
+        """Fold one replica probe into the gauges and the cumulative counters."""
         self.kv_usage.labels(pool, replica_id).set(poll.engine.kv_usage)
+        prev = self._last_preemptions.get((pool, replica_id), 0)
+        self.preemptions.labels(pool).inc(max(poll.engine.num_preemptions - prev, 0))
+        self._last_preemptions[(pool, replica_id)] = poll.engine.num_preemptions
         for key, counter in self.replica_grammar.items():
             stat = key.removesuffix("_replica")
             value = getattr(poll.engine, stat)
@@ -69,6 +71,7 @@ class PoolMetrics:
             except KeyError:
                 pass
         self._last_transfer.pop(replica_id, None)
+        self._last_preemptions.pop((pool, replica_id), None)
         for key in [k for k in self._last_grammar if k[0] == replica_id]:
             del self._last_grammar[key]
 

@@ -1,7 +1,11 @@
 """Prometheus metrics of one ingress replica: its requests, latencies and tokens (one
-registry per ingress process). Pool series (replicas, KV usage, transfers, scaling) are the
-controller's (cluster/control/pool_metrics.py); /metrics renders both, merged over every
-ingress (cluster/control/metrics_aggregator.py)."""
+registry per ingress process). Pool series (replicas, queues, KV usage, preemptions,
+transfers, grammar work, scaling) are the controller's (cluster/control/pool_metrics.py);
+/metrics renders both, merged over every ingress (cluster/control/metrics_aggregator.py).
+
+Every family carries a `model_name` label, as vLLM's do, so one Prometheus can tell several
+deployments apart and dashboards written against vLLM's labels filter the same way.
+docs/METRICS.md maps each vLLM metric to its splitserve counterpart."""
 
 from __future__ import annotations
 
@@ -30,45 +34,95 @@ LATENCY_BUCKETS = (
     40.0,
     80.0,
 )
+# Tokens per request (vLLM's request_prompt_tokens / request_generation_tokens buckets: 1-2-5).
+TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5))
+
+
+class ModelLabeled:
+    """A labelled metric whose model_name label is bound once: .labels(*rest) fills the others."""
+
+    def __init__(self, metric, model_name: str):
+        self.metric = metric
+        self.model_name = model_name
+
+    def labels(self, *values: str):
+        return self.metric.labels(self.model_name, *values)
+
+    def remove(self, *values: str) -> None:
+        self.metric.remove(self.model_name, *values)
+
+    def describe(self):
+        return self.metric.describe()
+
+
+class ModelFamilies:
+    """Makes families in one registry, each labelled model_name first (bound once)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str):
+        self.registry, self.model_name = registry, model_name
+
+    def counter(self, name: str, doc: str, *labels: str):
+        return self._bind(Counter(name, doc, ["model_name", *labels], registry=self.registry), labels)
+
+    def gauge(self, name: str, doc: str, *labels: str):
+        return self._bind(Gauge(name, doc, ["model_name", *labels], registry=self.registry), labels)
+
+    def histogram(self, name: str, doc: str, buckets=LATENCY_BUCKETS):
+        return Histogram(name, doc, ["model_name"], registry=self.registry, buckets=buckets).labels(self.model_name)
+
+    def _bind(self, metric, labels: tuple[str, ...]):
+        return ModelLabeled(metric, self.model_name) if labels else metric.labels(self.model_name)
 
 
 class Metrics:
-    def __init__(self, registry: CollectorRegistry | None = None):
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+        self.model_name = model_name
         self.registry = registry or CollectorRegistry()
-        r = self.registry
-        self.ttft = Histogram("splitserve_ttft_seconds", "Time to first token", registry=r, buckets=LATENCY_BUCKETS)
-        self.itl = Histogram("splitserve_itl_seconds", "Inter-token latency", registry=r, buckets=LATENCY_BUCKETS)
-        self.e2e = Histogram(
-            "splitserve_e2e_seconds", "End-to-end request latency", registry=r, buckets=LATENCY_BUCKETS
+        f = ModelFamilies(self.registry, model_name)
+        self.ttft = f.histogram("splitserve_ttft_seconds", "Time to first token")
+        self.itl = f.histogram("splitserve_itl_seconds", "Inter-token latency")
+        self.e2e = f.histogram("splitserve_e2e_seconds", "End-to-end request latency")
+        self.queue_time = f.histogram(
+            "splitserve_request_queue_time_seconds", "Time a request's prompt waited in an engine queue"
         )
-        self.requests = Counter(
-            "splitserve_requests",
-            "Finished requests by status: ok, cancelled, or the error kind",
-            ["status"],
-            registry=r,
+        self.request_prompt_tokens = f.histogram(
+            "splitserve_request_prompt_tokens", "Prompt tokens per finished request", TOKEN_BUCKETS
         )
-        self.frontend_inflight = Gauge(
-            "splitserve_frontend_inflight_requests",
-            "Requests admitted by the frontend and not yet finished",
-            registry=r,
+        self.request_generation_tokens = f.histogram(
+            "splitserve_request_generation_tokens", "Generated tokens per finished request", TOKEN_BUCKETS
         )
-        self.prefix_hit_tokens = Counter(
-            "splitserve_prefix_cache_hit_tokens", "Prompt tokens served from a prefix cache", registry=r
+        self.requests = f.counter(
+            "splitserve_requests", "Finished requests by status: ok, cancelled, or the error kind", "status"
         )
-        self.prompt_tokens = Counter("splitserve_prompt_tokens", "Prompt tokens received", registry=r)
-        self.generation_tokens = Counter("splitserve_generation_tokens", "Tokens generated", registry=r)
-        self.router_decisions = Counter(
-            "splitserve_router_decisions", "Router decisions by reason", ["reason"], registry=r
+        self.request_success = f.counter(
+            "splitserve_request_success", "Requests that finished generating, by finish reason", "finished_reason"
         )
-        self.structured_requests = Counter(
-            "splitserve_structured_requests", "Requests with a structured-output constraint", ["kind"], registry=r
+        self.frontend_inflight = f.gauge(
+            "splitserve_frontend_inflight_requests", "Requests admitted by the frontend and not yet finished"
         )
-        self.grammar_compile = Histogram(
+        self.prefix_query_tokens = f.counter(
+            "splitserve_prefix_cache_query_tokens", "Prompt tokens looked up in a prefix cache"
+        )
+        self.prefix_hit_tokens = f.counter(
+            "splitserve_prefix_cache_hit_tokens", "Prompt tokens served from a prefix cache"
+        )
+        self.prompt_tokens = f.counter("splitserve_prompt_tokens", "Prompt tokens received")
+        self.generation_tokens = f.counter("splitserve_generation_tokens", "Tokens generated")
+        self.router_decisions = f.counter("splitserve_router_decisions", "Router decisions by reason", "reason")
+        self.structured_requests = f.counter(
+            "splitserve_structured_requests", "Requests with a structured-output constraint", "kind"
+        )
+        self.grammar_compile = f.histogram(
             "splitserve_grammar_compile_seconds",
             "Frontend grammar compile time per structured request (cache hits included)",
-            registry=r,
             buckets=(0.0001, 0.0005, 0.001, 0.005, *LATENCY_BUCKETS[1:]),
         )
+
+    def observe_finished(self, finish_reason: str | None, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        """A request's last chunk arrived: count it by finish reason, record its sizes."""
+        self.request_success.labels(finish_reason or "stop").inc()
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.request_generation_tokens.observe(num_output_tokens)
 
     def render(self) -> bytes:
         """This process's samples only (the merged view: MetricsAggregator)."""

@@ -11,6 +11,7 @@ import pytest
 from splitserve.engine.core.block_pool import BlockPool
 from splitserve.engine.core.kv_events import REMOVED, STORED, KVEvent
 from splitserve.engine.io.engine_stats import EngineStats
+from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.kvtransfer.handoff import (
     HANDOFF_VERSION,
     DecodeRequest,
@@ -41,6 +42,13 @@ def _messages():
         PrefillResult("r", 42, -0.5, 4, 1, 1024, 0.01, 0.002, extra={"entered_at": 1.5}),
         DecodeRequest("r", [1, 2], {"max_tokens": 3}, layerwise=False),
         StreamChunk("r", [5, 6], "ab", True, "length", 2, 0, 2, logprobs=[-0.1, -0.2], prefill_replica="p0"),
+        # what top logprobs, a stop token / stop string, queue time and penalties look like on the wire
+        PrefillResult(
+            "r", 42, -0.5, 4, 1, 1024, 0.01, 0.002, first_top_logprobs=[(42, -0.5), (7, -1.5)], queue_seconds=0.2
+        ),
+        StreamChunk("r", [5], "a", True, "stop", 2, 0, 1, top_logprobs=[[(5, -0.1), (9, -2.0)]], stop_reason=5),
+        StreamChunk("r", [5], "a", True, "stop", 2, 0, 1, stop_reason="END", queue_seconds=0.01),
+        DecodeRequest("r", [1, 2], SamplingParams(logit_bias={3: -100}, presence_penalty=1.0, min_tokens=2).to_dict()),
         PollReply([KVEvent(1, STORED, (1, 2**64 - 1)), KVEvent(2, REMOVED, (1,))], STATS, 1, 0, TransferTotals()),
     ]
 
@@ -134,3 +142,9 @@ def test_handoff_checks_its_block_indices():
         Handoff.from_bytes(msgspec.structs.replace(handoff, send_block_indices=[2]).to_bytes())
     with pytest.raises(HandoffError, match="empty prompt"):
         Handoff.from_bytes(msgspec.structs.replace(handoff, prompt_token_ids=[]).to_bytes())
+
+
+def test_sampling_params_survive_the_decode_request():
+    params = SamplingParams(logit_bias={3: -100, 7: 2.5}, repetition_penalty=1.3, min_tokens=2, top_logprobs=4)
+    request = DecodeRequest("r", [1, 2], params.to_dict())
+    assert SamplingParams.from_dict(DecodeRequest.from_bytes(request.to_bytes()).sampling) == params

@@ -98,7 +98,8 @@ def test_killed_idle_decode_is_replaced_and_the_next_20_requests_succeed(loop, c
     assert all(len(result["token_ids"]) == GREEDY.max_tokens for result, _ in results)
     assert next(iter(new)) in {decode for _, decode in results}, "the replacement never served"
     metrics = scraped(loop, cluster)
-    assert metrics[("splitserve_replicas", (("pool", DECODE),))] == 2
+    model_name = cluster.cfg.model_id
+    assert metrics[("splitserve_replicas", (("model_name", model_name), ("pool", DECODE)))] == 2
     kv_series = {dict(labels)["replica"] for name, labels in metrics if name == "splitserve_kv_block_usage"}
     assert victim not in kv_series and next(iter(new)) in kv_series
     assert cluster.expected_replicas[DECODE] == 2 and cluster.live_replicas(DECODE) == 2

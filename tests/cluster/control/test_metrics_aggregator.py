@@ -42,7 +42,7 @@ def samples(text: bytes) -> dict:
 
 
 def ingress(ok: int, failed: int, ttfts: list[float], inflight: int) -> Metrics:
-    m = Metrics()
+    m = Metrics("tiny")
     m.requests.labels("ok").inc(ok)
     m.requests.labels("overloaded").inc(failed)
     for t in ttfts:
@@ -53,7 +53,7 @@ def ingress(ok: int, failed: int, ttfts: list[float], inflight: int) -> Metrics:
 
 
 def pool_metrics() -> PoolMetrics:
-    pool = PoolMetrics()
+    pool = PoolMetrics("tiny")
     poll = PollReply([], STATS, 0, 1, TransferTotals(num_blocks=2, num_bytes=4096, seconds=0.01))
     for p, rid in (("prefill", "prefill-0"), ("decode", "decode-0"), ("decode", "decode-1")):
         pool.observe_poll(p, rid, poll)
@@ -62,10 +62,15 @@ def pool_metrics() -> PoolMetrics:
     return pool
 
 
-OK = ("splitserve_requests_total", (("status", "ok"),))
-TTFT_COUNT = ("splitserve_ttft_seconds_count", ())
-TTFT_LE_01 = ("splitserve_ttft_seconds_bucket", (("le", "0.1"),))
-INFLIGHT = ("splitserve_frontend_inflight_requests", ())
+def key(name: str, **labels: str) -> tuple:
+    """A sample's key as samples() builds it; every family is labelled model_name."""
+    return (name, tuple(sorted({"model_name": "tiny", **labels}.items())))
+
+
+OK = key("splitserve_requests_total", status="ok")
+TTFT_COUNT = key("splitserve_ttft_seconds_count")
+TTFT_LE_01 = key("splitserve_ttft_seconds_bucket", le="0.1")
+INFLIGHT = key("splitserve_frontend_inflight_requests")
 
 
 def test_counters_histograms_and_gauges_add_up_over_ingresses():
@@ -74,15 +79,15 @@ def test_counters_histograms_and_gauges_add_up_over_ingresses():
     agg.update("a", families_of(a.registry))
     agg.update("b", decode_families(encode_families(families_of(b.registry))))  # as shipped
     merged = samples(agg.render(pool_metrics().registry))
-    assert merged[OK] == 8 and merged[("splitserve_requests_total", (("status", "overloaded"),))] == 1
+    assert merged[OK] == 8 and merged[key("splitserve_requests_total", status="overloaded")] == 1
     assert merged[TTFT_COUNT] == 3 and merged[TTFT_LE_01] == 2
-    assert merged[("splitserve_ttft_seconds_sum", ())] == pytest.approx(0.26)
+    assert merged[key("splitserve_ttft_seconds_sum")] == pytest.approx(0.26)
     assert merged[INFLIGHT] == 3
-    assert merged[("splitserve_generation_tokens_total", ())] == 80
+    assert merged[key("splitserve_generation_tokens_total")] == 80
     # The controller's own series, once (not once per ingress):
-    assert merged[("splitserve_replicas", (("pool", "decode"),))] == 2
-    assert merged[("splitserve_kv_transfer_bytes_total", ())] == 2 * 4096  # two decode replicas
-    assert merged[("splitserve_scaling_decisions_total", (("decision", "hold"), ("pool", "decode")))] == 3
+    assert merged[key("splitserve_replicas", pool="decode")] == 2
+    assert merged[key("splitserve_kv_transfer_bytes_total")] == 2 * 4096  # two decode replicas
+    assert merged[key("splitserve_scaling_decisions_total", decision="hold", pool="decode")] == 3
     assert not [k for k in merged if k[0].endswith("_created")]
 
 
@@ -130,7 +135,7 @@ def test_membership_and_report_messages_round_trip_and_refuse_foreign_bytes():
     )
     again = MembershipView.from_bytes(view.to_bytes())
     assert again == view and again.serving("prefill") == [] and again.replicas[0].channel_address == ("10.0.0.2", 4123)
-    report = IngressReport(inflight={"decode-0": 2}, ttft=[(0.1, 0.02)], metrics=families_of(Metrics().registry))
+    report = IngressReport(inflight={"decode-0": 2}, ttft=[(0.1, 0.02)], metrics=families_of(Metrics("tiny").registry))
     assert IngressReport.from_bytes(report.to_bytes()) == report
     with pytest.raises(MessageError, match="expected a membership_view"):
         MembershipView.from_bytes(report.to_bytes())

@@ -266,7 +266,7 @@ def test_dashboard_metrics_exist_in_the_app():
 
     exposed = set()
     # /metrics renders both: every ingress's series and the controller's pool series.
-    families = [*Metrics().registry.collect(), *PoolMetrics().registry.collect()]
+    families = [*Metrics("dashboard-test").registry.collect(), *PoolMetrics("dashboard-test").registry.collect()]
     for family in families:
         exposed.add(family.name)
         exposed.update(sample.name for sample in family.samples)
