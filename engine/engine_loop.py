@@ -2,6 +2,9 @@
 
 Only the loop thread touches the engine (scheduler, block pool, cache). Other threads hand it
 work with call() and receive outputs through per-request sinks, called on the loop thread.
+A worker that buffers what its sinks get passes `flush_outputs`: it is called once after every
+step (and every batch of commands) that delivered something, so the worker hands a whole
+step's outputs to its event loop in one go instead of one hand-over per token.
 """
 
 from __future__ import annotations
@@ -32,11 +35,14 @@ class EngineLoop:
         layer_hook: LayerHookFactory | None = None,
         after_step: Callable[[LLMEngine], None] | None = None,
         idle_wait_s: float = 0.05,
+        flush_outputs: Callable[[], None] | None = None,
     ):
         self.engine = engine
         self.layer_hook = layer_hook
         self.after_step = after_step
         self.idle_wait_s = idle_wait_s
+        self.flush_outputs = flush_outputs
+        self._delivered = False  # a sink got something since the last flush_outputs
         self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future]] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._wake = threading.Event()
@@ -81,6 +87,7 @@ class EngineLoop:
             out = engine.admit_prefilled(request_id, first_token, first_logprob, num_cached_tokens)
             if not out.finished:
                 self._sinks[request_id] = sink
+            self._delivered = True
             sink(out)
 
         return self.call(admit)
@@ -116,6 +123,7 @@ class EngineLoop:
         try:
             while not self._stopping:
                 self._drain_commands()
+                self._flush()
                 if not self.engine.has_unfinished():
                     if self.after_step is not None:
                         self.after_step(self.engine)
@@ -127,10 +135,12 @@ class EngineLoop:
                     if out.finished:
                         self._sinks.pop(out.request_id, None)
                     if sink is not None:
+                        self._delivered = True
                         try:
                             sink(out)
                         except Exception:
                             logger.exception("output sink for %s failed", out.request_id)
+                self._flush()
                 if self.after_step is not None:
                     self.after_step(self.engine)
         except BaseException as exc:
@@ -139,6 +149,14 @@ class EngineLoop:
         finally:
             self._stopping = True
             self._fail_pending()
+
+    def _flush(self) -> None:
+        if self._delivered and self.flush_outputs is not None:
+            self._delivered = False
+            try:
+                self.flush_outputs()
+            except Exception:
+                logger.exception("flushing the step's outputs failed")
 
     def _fail_pending(self) -> None:
         err = EngineLoopStopped(f"engine loop stopped: {self._error!r}")

@@ -9,10 +9,13 @@ ray.remote, which exposes these inherited async methods as actor methods.
 from __future__ import annotations
 
 import asyncio
+import itertools
+from collections import deque
 
 import torch
 
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.core.kv_events import KVEvent
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import LayerHookFactory, LLMEngine
 from splitserve.kvtransfer.poll_reply import PollReply, TransferTotals
@@ -28,22 +31,29 @@ class EngineWorker:
         transport_host: str = "127.0.0.1",
         transfer_timeout_s: float = 20.0,
         torch_threads: int | None = None,
+        event_log_size: int = 4096,
+        namespace: str | None = None,
     ):
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.replica_id = replica_id
+        self.namespace = namespace  # the app's Ray namespace: where the peer replicas are named
+        self.host = resolve_host(transport_host)
         self.engine = LLMEngine(EngineConfig(**engine_config))
-        self.transport = KVTransport(
-            replica_id, self.engine.device, host=resolve_host(transport_host), timeout_s=transfer_timeout_s
-        )
+        self.transport = KVTransport(replica_id, self.engine.device, host=self.host, timeout_s=transfer_timeout_s)
         self.transfer_timeout_s = transfer_timeout_s
         self.num_active = 0  # see PollReply.num_active
         self.loop: EngineLoop | None = None
+        # Recent KV events for the ingresses that follow this replica, each from its own
+        # position (poll's since_seq); one that fell behind the log resyncs from snapshot().
+        self.events: deque[KVEvent] = deque(maxlen=event_log_size)
 
-    def start_loop(self, layer_hook: LayerHookFactory | None = None, after_step=None) -> None:
+    def start_loop(self, layer_hook: LayerHookFactory | None = None, after_step=None, flush_outputs=None) -> None:
         """Start the engine thread; a subclass calls it once its own state (which the hooks
         read) exists."""
-        self.loop = EngineLoop(self.engine, layer_hook=layer_hook, after_step=after_step).start()
+        self.loop = EngineLoop(
+            self.engine, layer_hook=layer_hook, after_step=after_step, flush_outputs=flush_outputs
+        ).start()
 
     # ---- what a subclass reports ---------------------------------------------------------
     def num_pinned(self) -> int:
@@ -57,20 +67,29 @@ class EngineWorker:
     async def ready(self) -> str:
         return self.replica_id
 
-    async def poll(self) -> bytes:
-        """KV events since the last poll plus load figures, for the router: a PollReply."""
+    async def poll(self, since_seq: int | None = None) -> bytes:
+        """Load figures and, for a follower at since_seq, the KV events after it: a PollReply.
+        since_seq None (the controller's poll) asks for no events. Events older than the log
+        are gone: the follower sees a sequence gap and resyncs from snapshot()."""
 
         def collect(engine: LLMEngine):
-            return engine.take_events(), engine.stats(), self.num_pinned()
+            self.events.extend(engine.take_events())  # the one reader of the engine's events
+            return engine.stats(), self.num_pinned()
 
-        events, stats, num_pinned = await asyncio.wrap_future(self.loop.call(collect))
+        stats, num_pinned = await asyncio.wrap_future(self.loop.call(collect))
         return PollReply(
-            events=events,
+            events=self.events_after(since_seq),
             engine=stats,
             num_pinned=num_pinned,
             num_active=self.num_active,
             transfer=self.transfer_totals(),
         ).to_bytes()
+
+    def events_after(self, since_seq: int | None) -> list[KVEvent]:
+        if since_seq is None or not self.events or self.events[-1].seq <= since_seq:
+            return []
+        first = self.events[0].seq  # consecutive in the log: index by offset
+        return list(itertools.islice(self.events, max(since_seq + 1 - first, 0), None))
 
     async def snapshot(self) -> tuple[int, list[int]]:
         return await asyncio.wrap_future(self.loop.call(lambda engine: engine.snapshot()))

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 from splitserve.cluster.config import EnginePoolConfig, ServeConfig
 from splitserve.cluster.control.dispatcher import ACTOR_GONE, Dispatcher
+from splitserve.cluster.control.membership import ReplicaInfo
 from splitserve.cluster.control.worker_pool import Replica, WorkerPool
 from splitserve.cluster.routing.router import DECODE, PREFILL, Router
 from splitserve.cluster.scaling.policy import initial_replicas
@@ -43,13 +44,21 @@ def _threads(pool: EnginePoolConfig) -> int:
 
 
 class DisaggCluster:
-    def __init__(self, cfg: ServeConfig, model_dir: str, poll_interval_s: float = 0.1, on_poll=None):
+    def __init__(
+        self,
+        cfg: ServeConfig,
+        model_dir: str,
+        poll_interval_s: float = 0.1,
+        on_poll=None,
+        ingress_id: str | None = None,
+    ):
         self.cfg = cfg
         self.model_dir = model_dir
         router = Router(cfg.router, block_size=cfg.block_size)
-        # Actor names carry a per-deployment id so two deployments can share a Ray cluster.
+        # Each deployment's actors live in a namespace of their own, named by replica id, so
+        # two deployments can share a Ray cluster.
         self.cluster_id = uuid.uuid4().hex[:8]
-        prefix = f"splitserve-{self.cluster_id}"
+        self.namespace = f"splitserve-{self.cluster_id}"
         self.prefill_pool = WorkerPool(
             PREFILL,
             PrefillWorker,
@@ -58,7 +67,7 @@ class DisaggCluster:
             transport_host=cfg.transport_host,
             transfer_timeout_s=cfg.kv_transfer_lease_s,
             torch_threads=_threads(cfg.prefill),
-            name_prefix=prefix,
+            namespace=self.namespace,
         )
         self.decode_pool = WorkerPool(
             DECODE,
@@ -68,19 +77,19 @@ class DisaggCluster:
             transport_host=cfg.transport_host,
             transfer_timeout_s=cfg.kv_transfer_lease_s,
             torch_threads=_threads(cfg.decode),
-            name_prefix=prefix,
+            namespace=self.namespace,
         )
         self.pools = {PREFILL: self.prefill_pool, DECODE: self.decode_pool}
         self.dispatcher = Dispatcher(
             router,
-            self.prefill_pool,
-            self.decode_pool,
+            ingress_id=ingress_id,
             max_retries=cfg.max_retries,
             lease_s=cfg.kv_transfer_lease_s,
             layerwise=cfg.layerwise_transfer,
             request_timeout_s=cfg.request_timeout_s,
             poll_interval_s=poll_interval_s,
             on_poll=on_poll,
+            on_drop=self._forget_replica,
         )
 
     @property
@@ -111,14 +120,26 @@ class DisaggCluster:
                 worker_pool.remove(r.replica_id)
             raise
         for r in replicas:
-            await self.dispatcher.add_replica(r)
+            address = None
+            if pool == DECODE:
+                address = tuple(await asyncio.wait_for(r.handle.channel_address.remote(), 30))
+            info = ReplicaInfo(pool, r.replica_id, self.namespace, channel_address=address)
+            await self.dispatcher.add_replica(info, r.handle)
         return replicas
+
+    def _forget_replica(self, pool: str, replica_id: str) -> None:
+        """A replica left routing (drained, or found dead): out of its pool, and its peers
+        drop their process groups with it (either side may be the one leaving)."""
+        self.pools[pool].remove(replica_id, kill=False)
+        peer_pool = self.pools[DECODE if pool == PREFILL else PREFILL]
+        for r in peer_pool.live_replicas():
+            r.handle.forget_peer.remote(replica_id)
 
     async def drain_replica(self, pool: str, replica_id: str, timeout_s: float = 120.0) -> bool:
         """Stop routing to a replica, wait for its in-flight requests, then drop its index
         entries and remove it. Returns False if requests were still in flight at the timeout
         (it is removed anyway)."""
-        self.router.set_draining(pool, replica_id, True)
+        self.dispatcher.set_draining(pool, replica_id, True)
         replica = self.pools[pool].get(replica_id)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -128,30 +149,29 @@ class DisaggCluster:
             drained = self.dispatcher.num_inflight(pool, replica_id) == 0 and await _is_idle(replica)
             if not drained:
                 await asyncio.sleep(0.1)
-        self.dispatcher.drop_replica(pool, replica_id, kill=False)
+        self.dispatcher.drop_replica(pool, replica_id)
+        self._forget_replica(pool, replica_id)
         if replica is not None:
             await asyncio.to_thread(WorkerPool.kill, replica)  # blocking; keep streams flowing
         return drained
 
-    async def generate(
+    def generate(
         self,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        request_id: str | None = None,
+        label: str | None = None,
         deadline: float | None = None,
         on_route=None,
     ) -> AsyncIterator[StreamChunk]:
-        async for chunk in self.dispatcher.generate(prompt_token_ids, params, request_id, deadline, on_route):
-            yield chunk
+        """The dispatcher's stream of the request's chunks (see Dispatcher.generate)."""
+        return self.dispatcher.generate(prompt_token_ids, params, label, deadline, on_route)
 
-    async def complete(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
-    ) -> dict:
+    async def complete(self, prompt_token_ids: list[int], params: SamplingParams, label: str | None = None) -> dict:
         """Run one request to the end and collect it."""
         token_ids: list[int] = []
         text = []
         last = None
-        async for chunk in self.generate(prompt_token_ids, params, request_id):
+        async for chunk in self.generate(prompt_token_ids, params, label):
             token_ids.extend(chunk.token_ids)
             text.append(chunk.text)
             last = chunk
@@ -162,13 +182,14 @@ class DisaggCluster:
             "num_prompt_tokens": last.num_prompt_tokens,
             "num_cached_tokens": last.num_cached_tokens,
             "prefill_replica": last.prefill_replica,
+            "request_id": last.request_id,
         }
 
     async def poll_replica(self, pool: str, replica_id: str) -> PollReply:
         return PollReply.from_bytes(await self.pools[pool].get(replica_id).handle.poll.remote())
 
     async def shutdown(self) -> None:
-        await self.dispatcher.stop_polling()
+        await self.dispatcher.close()
         for pool in self.pools.values():
             await asyncio.to_thread(pool.stop)
 

@@ -39,7 +39,7 @@ class WorkerPool:
         transport_host: str = "127.0.0.1",
         transfer_timeout_s: float = 20.0,
         torch_threads: int | None = None,
-        name_prefix: str = "splitserve",
+        namespace: str | None = None,
         start_timeout_s: float = 300.0,
     ):
         self.pool = pool
@@ -49,7 +49,7 @@ class WorkerPool:
         self.transport_host = transport_host
         self.transfer_timeout_s = transfer_timeout_s
         self.torch_threads = torch_threads
-        self.name_prefix = name_prefix
+        self.namespace = namespace
         self.start_timeout_s = start_timeout_s
         self.replicas: dict[str, Replica] = {}
         self._ids = itertools.count()
@@ -60,8 +60,10 @@ class WorkerPool:
             "num_gpus": self.resources.num_gpus,
             "max_concurrency": 1000,
             "max_restarts": 0,
-            "name": f"{self.name_prefix}-{replica_id}",
+            "name": replica_id,  # replica id == actor name, in the app's namespace
         }
+        if self.namespace is not None:
+            opts["namespace"] = self.namespace
         if self.resources.resources:
             opts["resources"] = dict(self.resources.resources)
         if self.resources.num_gpus > 0:
@@ -78,6 +80,7 @@ class WorkerPool:
             transport_host=self.transport_host,
             transfer_timeout_s=self.transfer_timeout_s,
             torch_threads=self.torch_threads,
+            namespace=self.namespace,
         )
         replica = Replica(replica_id, self.pool, handle)
         self.replicas[replica_id] = replica

@@ -13,7 +13,6 @@ from splitserve.engine.core.kv_events import REMOVED, STORED, KVEvent
 from splitserve.engine.io.engine_stats import EngineStats
 from splitserve.kvtransfer.handoff import (
     HANDOFF_VERSION,
-    DecodeRequest,
     Handoff,
     HandoffError,
     PrefillResult,
@@ -39,7 +38,6 @@ def _messages():
     return [
         Handoff("r", [1, 2, 3, 4, 5], {"temperature": 0.0}, 4, "p0", "d0", [1], 7, epoch=2, deadline=1e9),
         PrefillResult("r", 42, -0.5, 4, 1, 1024, 0.01, 0.002, extra={"entered_at": 1.5}),
-        DecodeRequest("r", [1, 2], {"max_tokens": 3}, layerwise=False),
         StreamChunk("r", [5, 6], "ab", True, "length", 2, 0, 2, logprobs=[-0.1, -0.2], prefill_replica="p0"),
         PollReply([KVEvent(1, STORED, (1, 2**64 - 1)), KVEvent(2, REMOVED, (1,))], STATS, 1, 0, TransferTotals()),
     ]
@@ -81,7 +79,7 @@ def test_block_pool_events_survive_the_poll_wire():
     assert [KVEvent.from_wire(e.to_wire()) for e in events] == events
 
 
-@pytest.mark.parametrize("cls", [Handoff, PrefillResult, DecodeRequest, StreamChunk])
+@pytest.mark.parametrize("cls", [Handoff, PrefillResult, StreamChunk])
 def test_handoff_messages_refuse_bad_input(cls):
     good = next(m for m in _messages() if type(m) is cls)
     kind = msgspec.msgpack.decode(good.to_bytes())["kind"]
@@ -113,7 +111,7 @@ def test_poll_reply_refuses_bad_input():
     with pytest.raises(MessageError, match="malformed poll_reply body"):
         PollReply.from_bytes(_envelope(POLL_VERSION, "poll_reply", bad_event))
     with pytest.raises(MessageError, match="expected a poll_reply message"):
-        PollReply.from_bytes(_messages()[2].to_bytes())  # a DecodeRequest
+        PollReply.from_bytes(_messages()[2].to_bytes())  # a StreamChunk
 
 
 def test_handoff_checks_its_block_indices():

@@ -293,8 +293,9 @@ def test_decode_killed_mid_stream_ends_the_sse_stream_with_an_error(loop, cluste
         with http.stream("POST", "/v1/completions", json=body) as stream:
             assert stream.status_code == 200
             events = iter_sse(stream.iter_lines())
-            first = next(events)  # a token reached the client
-            victim = cluster.decode_pool.get(cluster.dispatcher.inflight[first["id"]])
+            next(events)  # a token reached the client
+            (victim_id,) = cluster.dispatcher.inflight.values()  # the one request in flight
+            victim = cluster.decode_pool.get(victim_id)
             killed_at = time.monotonic()
             ray.kill(victim.handle)
             rest = list(events)

@@ -9,6 +9,7 @@ OpenAI's {"error": {"message", "type", "param", "code"}}; no traceback ever reac
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -21,7 +22,7 @@ from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from splitserve.cluster.frontend.http.access_log import AccessLog
+from splitserve.cluster.frontend.http.access_log import AccessLog, client_request_id
 from splitserve.cluster.frontend.http.guard import RequestGuard, bearer_token
 from splitserve.cluster.frontend.http.sse import ClientDisconnected, SSEResponse, run_until_disconnected
 from splitserve.cluster.frontend.openai.protocol import ChatCompletionRequest, CompletionRequest, build_sampling_params
@@ -165,7 +166,7 @@ def build_http_app(backend) -> FastAPI:
         strict_content_type=False,
     )
     app.add_middleware(RequestGuard, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes)
-    app.add_middleware(AccessLog)  # outermost: logs the guard's refusals too
+    app.add_middleware(AccessLog, ingress_id=getattr(backend, "ingress_id", None))  # outermost: logs refusals too
     _install_error_handlers(app)
     created = int(time.time())
     # Documents the bearer scheme in /openapi.json; RequestGuard enforces it before parsing.
@@ -211,7 +212,8 @@ def build_http_app(backend) -> FastAPI:
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         prompt = body.single_prompt()
-        prompt_ids = backend.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        # Off the event loop: it also serves every other stream of this replica.
+        prompt_ids = await asyncio.to_thread(backend.encode, prompt) if isinstance(prompt, str) else list(prompt)
         params = build_sampling_params(body, len(prompt_ids), backend.max_model_len)
         renderer = CompletionRenderer(
             f"cmpl-{uuid.uuid4().hex}",
@@ -228,7 +230,7 @@ def build_http_app(backend) -> FastAPI:
     )
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        prompt_ids = backend.render_chat(body.template_messages())
+        prompt_ids = await asyncio.to_thread(backend.render_chat, body.template_messages())
         params = build_sampling_params(body, len(prompt_ids), backend.max_model_len)
         renderer = ChatRenderer(
             f"chatcmpl-{uuid.uuid4().hex}",
@@ -247,7 +249,7 @@ def build_http_app(backend) -> FastAPI:
         source = backend.generate(
             prompt_ids,
             params,
-            request_id=renderer.request_id,
+            label=client_request_id(request.scope.get("headers", [])),
             api_key=bearer_token(request.scope.get("headers", [])),
             timeout_s=_request_timeout(request),
         )
