@@ -40,9 +40,11 @@ _LOG_FORMAT = "%(levelname)s %(asctime)s %(name)s -- %(message)s"
 class AccessLog:
     """ASGI middleware; put it outermost so refusals by inner middleware are logged too."""
 
-    def __init__(self, app: ASGIApp, ingress_id: str | None = None):
+    def __init__(self, app: ASGIApp, ingress_id: str | None = None, echo_request_id: bool = True):
+        """echo_request_id: False where the server in front (Ray Serve) echoes it already."""
         self.app = app
         self.ingress_id = ingress_id
+        self.echo_request_id = echo_request_id
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -54,7 +56,7 @@ class AccessLog:
         extra = []
         if self.ingress_id:
             extra.append((INGRESS_HEADER.encode(), self.ingress_id.encode()))
-        if label is not None:
+        if label is not None and self.echo_request_id:
             extra.append((REQUEST_ID_HEADER.encode(), label.encode("latin-1")))
 
         async def send_and_record(message: Message) -> None:

@@ -156,8 +156,10 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error_response(500, "internal server error", "server_error")
 
 
-def build_http_app(backend) -> FastAPI:
-    """The OpenAI-compatible FastAPI app in front of `backend` (see the module docstring)."""
+def build_http_app(backend, echo_request_id: bool = True) -> FastAPI:
+    """The OpenAI-compatible FastAPI app in front of `backend` (see the module docstring).
+    echo_request_id: answer a client's x-request-id with the same header (Ray Serve does it
+    itself, so the Serve app passes False)."""
     cfg = backend.cfg
     app = FastAPI(
         title="splitserve",
@@ -166,7 +168,8 @@ def build_http_app(backend) -> FastAPI:
         strict_content_type=False,
     )
     app.add_middleware(RequestGuard, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes)
-    app.add_middleware(AccessLog, ingress_id=getattr(backend, "ingress_id", None))  # outermost: logs refusals too
+    # Outermost: logs the guard's refusals too.
+    app.add_middleware(AccessLog, ingress_id=getattr(backend, "ingress_id", None), echo_request_id=echo_request_id)
     _install_error_handlers(app)
     created = int(time.time())
     # Documents the bearer scheme in /openapi.json; RequestGuard enforces it before parsing.
