@@ -6,7 +6,11 @@ STAMP := $(VENV)/.installed
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: install lint test test-fast serve proto clean
+GPU_PY ?= python3
+GPU_CHECK_OUT ?= bench/results/gpu_check
+GPU_CHECK_CPU_OUT ?= $(or $(TMPDIR),/tmp)/splitserve-gpu-check
+
+.PHONY: install lint test test-fast serve proto clean gpu-check gpu-check-cpu
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,6 +37,15 @@ test-fast: install
 
 serve: install
 	$(BIN)/splitserve serve
+
+# The GPU path in one run on a CUDA machine, no venv and no network: torch, triton, transformers,
+# safetensors and tokenizers must be importable by $(GPU_PY). See bench/README.md.
+gpu-check:
+	$(GPU_PY) bench/gpu_check.py $(GPU_CHECK_OUT)
+
+# The same checks at tiny sizes on CPU, Triton interpreted (CI runs this in tests/bench).
+gpu-check-cpu: install
+	$(BIN)/python bench/gpu_check.py $(GPU_CHECK_CPU_OUT) --device cpu --tiny
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,7 +1,8 @@
 """splitserve KV transfer: paged KV blocks from prefill to decode workers over torch.distributed.
 
-Each (prefill, decode) pair gets its own 2-rank process group (NCCL on GPU, gloo on CPU),
-opened lazily through the sender's TCPStore and torn down when idle.
+Each (prefill, decode) pair gets its own 2-rank process group (NCCL between GPUs, gloo on CPU,
+CUDA IPC or host memory when both ends share one GPU; see channel.py), opened lazily through
+the sender's TCPStore and torn down when idle.
 
 The names below load on first use, so torch-free callers (the router, the frontends) can import
 splitserve.kvtransfer.handoff and splitserve.kvtransfer.poll_reply without importing torch.

@@ -1,9 +1,11 @@
 """One (sender, receiver) connection: a standalone 2-rank process group, never the default group.
 
-Rank 0 is the sender (prefill), rank 1 the receiver (decode). Ops are posted under the pair's
-lock, so the tensors of one call go out (and are matched) in order; waiting happens outside
-it, so transfers with distinct tags overlap. Any failure closes the pair: a half-done transfer
-leaves the stream out of sync, so the caller reopens with a new epoch.
+The group runs on the channel both ends agree on when they open it (process_groups.py): NCCL
+across GPUs, gloo on CPU, and for two ends on one GPU CUDA IPC or host memory. Rank 0 is the
+sender (prefill), rank 1 the receiver (decode). Ops are posted under the pair's lock, so the
+tensors of one call go out (and are matched) in order; waiting happens outside it, so transfers
+with distinct tags overlap. Any failure closes the pair: a half-done transfer leaves the stream
+out of sync, so the caller reopens with a new epoch.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from splitserve.kvtransfer.channel import SAME_DEVICE_MODES
 from splitserve.kvtransfer.errors import TransferError
+from splitserve.kvtransfer.process_groups import OpenedGroup, open_group
 from splitserve.kvtransfer.transfer_op import TransferOp
 from splitserve.kvtransfer.transfer_stats import TransferStats
 
@@ -31,28 +35,8 @@ MAX_USER_TAG = INTERRUPT_TAG - 1
 
 
 def backend_for(device: torch.device) -> str:
+    """The channel of a pair across two devices; same-device pairs use ipc or host (channel.py)."""
     return "nccl" if device.type == "cuda" else "gloo"
-
-
-def _create_process_group(
-    store: dist.Store, rank: int, device: torch.device, host: str, join_timeout_s: float, op_timeout_s: float
-):
-    """Gloo blocks until both ranks have joined, for at most join_timeout_s; NCCL joins lazily,
-    at the first op, and its group timeout is the age at which its watchdog acts on an op."""
-    if backend_for(device) == "nccl":
-        if not hasattr(dist, "ProcessGroupNCCL"):
-            raise TransferError("this torch build has no NCCL; cannot transfer CUDA tensors")
-        options = dist.ProcessGroupNCCL.Options()
-        options.is_high_priority_stream = False
-        options._timeout = timedelta(seconds=op_timeout_s)
-        return dist.ProcessGroupNCCL(store, rank, 2, options)
-    options = dist.ProcessGroupGloo._Options()
-    # An explicit device pins gloo to this host's address (loopback in tests, the node IP in a
-    # cluster) instead of whatever the hostname resolves to.
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-    # Gloo waits this long for the peer's rendezvous keys; every op passes its own timeout.
-    options._timeout = timedelta(seconds=join_timeout_s)
-    return dist.ProcessGroupGloo(store, rank, 2, options)
 
 
 class Pair:
@@ -65,7 +49,7 @@ class Pair:
         epoch: int,
         key: str,
         device: torch.device,
-        process_group,
+        opened: OpenedGroup,
         store: dist.Store,
         default_timeout_s: float,
         on_stats: Callable[[TransferStats], None] | None = None,
@@ -77,7 +61,9 @@ class Pair:
         self.epoch = epoch
         self.key = key
         self.device = device
-        self.backend = backend_for(device)
+        self.channel = opened.channel  # nccl | gloo | ipc | host
+        self.fallback_reason = opened.fallback_reason
+        process_group = opened.group
         self.rank = 0 if role == "sender" else 1
         self.peer_rank = 1 - self.rank
         self.default_timeout_s = default_timeout_s
@@ -103,19 +89,23 @@ class Pair:
         op_timeout_s: float,
         default_timeout_s: float,
         on_stats: Callable[[TransferStats], None] | None = None,
+        same_device: str = "auto",
     ) -> Pair:
-        """Join the group (both sides call this concurrently), then exchange a handshake."""
+        """Join the group (both sides call this concurrently), then exchange a handshake.
+
+        same_device: how a pair whose ends share one device moves tensors (channel.py)."""
+        if same_device not in SAME_DEVICE_MODES:
+            raise ValueError(f"same_device must be one of {SAME_DEVICE_MODES}, got {same_device!r}")
         started = time.monotonic()
         store.set_timeout(timedelta(seconds=timeout_s))
         try:
-            process_group = _create_process_group(
-                store, 0 if role == "sender" else 1, device, host, timeout_s, op_timeout_s
-            )
-        except TransferError:
-            raise
+            rank = 0 if role == "sender" else 1
+            opened = open_group(store, rank, device, host, same_device, timeout_s, op_timeout_s, HANDSHAKE_TAG)
+        except TransferError as exc:
+            raise TransferError(f"pair {key}: {exc}") from exc
         except (RuntimeError, OSError) as exc:  # DistStoreError on timeout, gloo connect errors
             raise TransferError(f"pair {key}: peer {peer_id!r} did not join within {timeout_s:.1f}s: {exc}") from exc
-        pair = cls(peer_id, role, epoch, key, device, process_group, store, default_timeout_s, on_stats)
+        pair = cls(peer_id, role, epoch, key, device, opened, store, default_timeout_s, on_stats)
         # Also creates NCCL's communicator, which is lazy; on gloo it proves the link works.
         token = torch.tensor([epoch], dtype=torch.int64, device=device)
         remaining_s = max(timeout_s - (time.monotonic() - started), 0.001)
@@ -210,11 +200,11 @@ class Pair:
 
     def _teardown(self, process_group, has_pending: bool) -> None:
         try:
-            if self.backend == "nccl":
+            if self.channel == "nccl":
                 process_group.abort()  # fails pending works, frees the communicator
             else:
-                if has_pending:
-                    self._interrupt_gloo(process_group)
+                if has_pending:  # ipc and host pairs wait on their gloo control group
+                    self._interrupt_gloo(getattr(process_group, "control", process_group))
                 process_group.shutdown()
         except RuntimeError as exc:  # already broken; the sockets close with the object anyway
             logger.debug("pair %s: teardown raised %s", self.key, exc)

@@ -9,8 +9,11 @@
     prefill.send("decode-3", [packed], tag=7)                      # blocks until received
     op.wait(timeout_s)                                             # ... complete later
 
-Backend: NCCL for CUDA devices, gloo for CPU. A failed or timed-out op closes its pair (and
-fails the other ops pending on it) and raises TransferError; reopen with a new epoch.
+Channel, agreed per pair when it opens (channel.py): NCCL between two GPUs, gloo for CPU, and
+for two ends on one GPU (NCCL refuses that) CUDA IPC, or host memory if IPC fails
+(`same_device`); the Pair that open_pair returns names it in `channel`. A failed or timed-out op
+closes its pair (and fails the other ops pending on it) and raises TransferError; reopen with a
+new epoch.
 Thread-safe: ops on one pair are posted in call order, different tags and pairs overlap.
 """
 
@@ -22,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
+from splitserve.kvtransfer.channel import SAME_DEVICE_MODES
 from splitserve.kvtransfer.errors import TransferError, TransportUsageError
 from splitserve.kvtransfer.pair import MAX_USER_TAG, ROLES, Pair, backend_for
 from splitserve.kvtransfer.rendezvous import Address, Rendezvous, pair_key, resolve_host
@@ -51,13 +55,25 @@ def _check_endpoint_id(name: str, value: str) -> None:
 
 
 class KVTransport:
-    def __init__(self, endpoint_id: str, device: torch.device | str, host: str = "127.0.0.1", timeout_s: float = 20.0):
+    def __init__(
+        self,
+        endpoint_id: str,
+        device: torch.device | str,
+        host: str = "127.0.0.1",
+        timeout_s: float = 20.0,
+        same_device: str = "auto",
+    ):
+        """same_device: "auto" | "ipc" | "host", how pairs whose two ends share one device move
+        tensors (see splitserve.kvtransfer.channel); the sender's setting decides for a pair."""
         _check_endpoint_id("endpoint_id", endpoint_id)
         if timeout_s <= 0:
             raise TransportUsageError(f"timeout_s must be > 0, got {timeout_s}")
+        if same_device not in SAME_DEVICE_MODES:
+            raise TransportUsageError(f"same_device must be one of {SAME_DEVICE_MODES}, got {same_device!r}")
         self.endpoint_id = endpoint_id
         self.device = _normalize_device(device)
-        self.backend = backend_for(self.device)
+        self.backend = backend_for(self.device)  # the channel between two different devices
+        self.same_device = same_device
         self.host = host
         self.timeout_s = timeout_s
         self._rendezvous = Rendezvous(host, timeout_s)
@@ -120,6 +136,7 @@ class KVTransport:
                 op_timeout_s=self.max_timeout_s + _WATCHDOG_MARGIN_S,
                 default_timeout_s=self.timeout_s,
                 on_stats=self._add_stats,
+                same_device=self.same_device,
             )
             with self._lock:
                 closed = self._closed

@@ -89,27 +89,64 @@ def _serve() -> None:
     from splitserve.kvtransfer import KVTransport, TransferError
 
     transport: KVTransport | None = None
+    posted: dict[str, tuple] = {}
+
+    def _recv_buffers(command: dict) -> tuple[list, list]:
+        """The tensors the peer sends (rebuilt from specs) and empty buffers to receive them;
+        in shared memory when asked (the ipc channel receives CPU tensors there)."""
+        expected = [make_tensor(*spec) for spec in command["specs"]]
+        buffers = [torch.zeros_like(t) for t in expected]
+        if command.get("shared"):
+            buffers = [b.share_memory_() for b in buffers]
+        return expected, buffers
 
     def handle(command: dict) -> dict:
         nonlocal transport
         op = command["op"]
-        if op == "init":
-            transport = KVTransport(command["endpoint_id"], "cpu", timeout_s=command["timeout_s"])
+        if op == "ping":  # answered once the child has imported torch and the transport
+            return {}
+        if op == "init":  # again: the previous transport closes, a new one takes its place
+            if transport is not None:
+                transport.close()
+            if command.get("sharing_strategy"):
+                torch.multiprocessing.set_sharing_strategy(command["sharing_strategy"])
+            transport = KVTransport(
+                command["endpoint_id"],
+                "cpu",
+                timeout_s=command["timeout_s"],
+                same_device=command.get("same_device", "auto"),
+            )
             return {}
         if op == "address":
             return {"address": list(transport.address)}
         if op == "open":
             address = tuple(command["address"]) if command.get("address") else None
-            transport.open_pair(command["peer_id"], address, command["role"], command["epoch"])
-            return {}
+            pair = transport.open_pair(command["peer_id"], address, command["role"], command["epoch"])
+            return {"channel": pair.channel, "fallback_reason": pair.fallback_reason}
         if op == "send":
             tensors = [make_tensor(*spec) for spec in command["specs"]]
             return {"bytes": transport.send(command["peer_id"], tensors, command["tag"], command.get("timeout_s"))}
         if op == "recv":
-            expected = [make_tensor(*spec) for spec in command["specs"]]
-            buffers = [torch.empty_like(t) for t in expected]
+            expected, buffers = _recv_buffers(command)
             num_bytes = transport.recv(command["peer_id"], buffers, command["tag"], command.get("timeout_s"))
             return {"bytes": num_bytes, "match": all(torch.equal(a, b) for a, b in zip(buffers, expected))}
+        if op in ("isend", "irecv"):  # post now, wait later with "wait" and the same name
+            if op == "isend":
+                expected, buffers = None, [make_tensor(*spec) for spec in command["specs"]]
+                posted[command["name"]] = (transport.isend(command["peer_id"], buffers, command["tag"]), None, None)
+            else:
+                expected, buffers = _recv_buffers(command)
+                posted[command["name"]] = (
+                    transport.irecv(command["peer_id"], buffers, command["tag"]),
+                    expected,
+                    buffers,
+                )
+            return {}
+        if op == "wait":
+            transfer, expected, buffers = posted.pop(command["name"])
+            num_bytes = transfer.wait(command.get("timeout_s"))
+            match = expected is None or all(torch.equal(a, b) for a, b in zip(buffers, expected))
+            return {"bytes": num_bytes, "match": match}
         if op == "stats":
             stats = transport.stats()
             return {

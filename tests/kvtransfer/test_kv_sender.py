@@ -1,5 +1,6 @@
-"""KVSender -> PostedReceive over a real gloo pair (two endpoints in this process): every block
-layout (in-place runs, scattered, reversed) and both send modes move exactly the right data."""
+"""KVSender -> PostedReceive over a real pair (two endpoints in this process): every block layout
+(in-place runs, scattered, reversed) and both send modes move exactly the right data, on gloo and
+on the same-device channels (ipc: into the receiver's cache in shared memory; host)."""
 
 from __future__ import annotations
 
@@ -28,26 +29,32 @@ LAYOUTS = {  # (prefill block ids, decode block ids)
 }
 
 
-def _cache(model_dir: str, seed: int | None) -> KVCache:
+def _cache(model_dir: str, seed: int | None, shared: bool = False) -> KVCache:
     cache = KVCache(ModelConfig.from_pretrained(model_dir), EngineConfig(model=model_dir, num_kv_blocks=NUM_BLOCKS))
     if seed is not None:
         cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(seed)))
+    if shared:  # the ipc channel writes into CPU receive buffers in shared memory (harmless elsewhere)
+        cache.kv.share_memory_()
     return cache
 
 
-@pytest.fixture(scope="module")
-def pair(tiny_model):
-    prefill = KVTransport("test-prefill", "cpu", timeout_s=TIMEOUT_S)
+@pytest.fixture(scope="module", params=["auto", "ipc", "host"], ids=["gloo", "ipc", "host"])
+def pair(request, tiny_model):
+    previous = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    prefill = KVTransport("test-prefill", "cpu", timeout_s=TIMEOUT_S, same_device=request.param)
     decode = KVTransport("test-decode", "cpu", timeout_s=TIMEOUT_S)
     joined = threading.Thread(target=prefill.open_pair, args=("test-decode", None, "sender", 0))
     joined.start()
-    decode.open_pair("test-prefill", prefill.address, "receiver", 0)
+    channel = decode.open_pair("test-prefill", prefill.address, "receiver", 0).channel
     joined.join(TIMEOUT_S)
+    assert channel == {"auto": "gloo"}.get(request.param, request.param)
     sender = KVSender(prefill, _cache(tiny_model, seed=1))
     yield sender, decode, tiny_model
     sender.close()
     decode.close()
     prefill.close()
+    torch.multiprocessing.set_sharing_strategy(previous)
 
 
 _transfer_ids = itertools.count(1)
@@ -55,7 +62,7 @@ _transfer_ids = itertools.count(1)
 
 def _transfer(pair, src_ids, dst_ids, layerwise, send_per_layer=False):
     sender, decode, model_dir = pair
-    target = _cache(model_dir, seed=None)
+    target = _cache(model_dir, seed=None, shared=True)
     transfer_id = next(_transfer_ids)
     posted = PostedReceive(decode, target, "test-prefill", transfer_id, dst_ids, layerwise)
     job = SendJob(f"req-{transfer_id}", "test-decode", transfer_id, src_ids, layerwise)
@@ -90,7 +97,7 @@ def test_layer_by_layer_feed_matches_send_all(pair):
 
 def test_concurrent_transfers_on_one_pair_do_not_mix(pair):
     sender, decode, model_dir = pair
-    target = _cache(model_dir, seed=None)
+    target = _cache(model_dir, seed=None, shared=True)
     cases = [([0, 1], [4, 5], True), ([9, 2], [7, 3], False), ([5, 6, 7], [10, 12, 11], True)]
     posted, jobs = [], []
     for src_ids, dst_ids, layerwise in cases:

@@ -1,0 +1,90 @@
+"""bench/gpu_check.py: the CPU dry run of the GPU checks (tiny sizes, Triton interpreted) passes,
+so the script a lent GPU runs cannot rot; and it runs without an installed splitserve."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "gpu_check.py"
+CHECKS = ["parity", "kernels", "bandwidth", "throughput", "transfer"]
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check")
+    completed = subprocess.run(
+        [sys.executable, str(SCRIPT), str(out), "--device", "cpu", "--tiny"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    return completed, out
+
+
+def test_cpu_dry_run_passes_every_check(dry_run):
+    completed, out = dry_run
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert list(report["checks"]) == CHECKS
+    for name, check in report["checks"].items():
+        assert check["items"], name
+        statuses = {entry["status"] for entry in check["items"]}
+        assert statuses <= {"pass", "info"}, (name, check["items"])  # no failure, no target applies on CPU
+    assert report["environment"]["TRITON_INTERPRET"] == "1"
+    items = {(name, entry["name"]): entry for name, check in report["checks"].items() for entry in check["items"]}
+    # Every architecture in every dtype, through the real loader and LLMEngine.
+    for arch in ("llama", "mistral", "qwen2"):
+        assert items[("parity", f"{arch} fp32 logits")]["numbers"]["decode_max_abs"] <= 1e-4
+        for dtype in ("bfloat16", "float16"):
+            assert items[("parity", f"{arch} {dtype} greedy prompt 1")]["status"] == "pass"
+    assert "interpreted" in items[("kernels", "triton mode")]["note"]
+    # The same-device transport: each mode got its channel and moved both layouts bit-exactly.
+    for mode, channel in (("auto", "gloo"), ("ipc", "ipc"), ("host", "host")):
+        assert items[("transfer", f"{mode} channel")]["status"] == "pass"
+        for layout in ("in-place", "packed"):
+            assert items[("transfer", f"{channel} {layout}")]["status"] == "pass"
+    assert items[("throughput", "decode batch 8")]["numbers"]["tokens_per_s"] > 0
+
+
+def test_report_is_markdown_with_every_check(dry_run):
+    _, out = dry_run
+    text = (out / "gpu_check.md").read_text()
+    assert text.startswith("# GPU check: cpu")
+    for title in ("Engine parity", "Triton kernels", "Bandwidth", "decode throughput", "KV transfer"):
+        assert f"{title}" in text
+    assert "| llama fp32 logits | pass |" in text
+
+
+def test_bad_arguments_are_refused_before_any_work(tmp_path):
+    for args, message in (
+        (["--device", "cpu"], "on cpu add --tiny"),
+        (["--device", "cpu", "--tiny", "--only", "parity,speed"], "unknown check(s) speed"),
+    ):
+        completed = subprocess.run(
+            [sys.executable, str(SCRIPT), str(tmp_path), *args], capture_output=True, text=True, timeout=60
+        )
+        assert completed.returncode == 2 and message in completed.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_imports_splitserve_from_the_repository_without_an_install(tmp_path):
+    """-S drops site-packages (and the editable install): the script maps the folders itself."""
+    code = (
+        f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import gpu_check; "
+        "import splitserve.engine.config as c, splitserve.kvtransfer.channel as k, splitserve.bench.gpu_check as g; "
+        "print(gpu_check.SPLITSERVE_SOURCE, c.__file__, k.__file__, g.__file__)"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert completed.returncode == 0, completed.stderr
+    source, *files = completed.stdout.split()
+    assert source == "repository"
+    assert files == [str(ROOT / "engine" / "config.py"), str(ROOT / "kvtransfer" / "channel.py"), str(SCRIPT)]
