@@ -90,6 +90,7 @@ class DecodeWorker(EngineWorker):
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._channel: ChannelServer | None = None
         self._channel_lock = asyncio.Lock()
+        self.admission_delay_s = 0.0  # chaos testing: see delay_admission
         self.num_blocks_received = 0
         self.num_bytes_received = 0
         self.transfer_seconds = 0.0
@@ -187,6 +188,8 @@ class DecodeWorker(EngineWorker):
                 await asyncio.wrap_future(self.loop.add_sequence(seq, sink))
             else:
                 first = await self._remote_prefill(seq, submit)
+                if self.admission_delay_s:
+                    await asyncio.sleep(self.admission_delay_s)
                 await asyncio.wrap_future(
                     self.loop.admit_prefilled(
                         rid, first.first_token, first.first_logprob, first.num_cached_tokens, sink
@@ -393,6 +396,11 @@ class DecodeWorker(EngineWorker):
             logger.exception("closing the pair with %s failed", prefill_id)
 
     # ---- control and state ---------------------------------------------------------------
+    async def delay_admission(self, seconds: float) -> None:
+        """Chaos testing: wait this long between a remote prefill's transfer and the request's
+        admission -- the window in which a cancel must still free the reservation."""
+        self.admission_delay_s = max(float(seconds), 0.0)
+
     def transfer_totals(self) -> TransferTotals:
         return TransferTotals(self.num_blocks_received, self.num_bytes_received, self.transfer_seconds)
 

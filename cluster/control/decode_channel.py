@@ -49,6 +49,8 @@ class DecodeChannel:
         self._connecting = asyncio.Lock()
         self._closed = False
         self.num_connects = 0
+        self.num_frames = 0  # TokenBatch frames received: one per engine step with output for us
+        self.num_chunks = 0
 
     @property
     def num_open(self) -> int:
@@ -122,6 +124,8 @@ class DecodeChannel:
             while (body := await read_frame(reader)) is not None:
                 message = decode_to_ingress(body)
                 if isinstance(message, TokenBatch):
+                    self.num_frames += 1
+                    self.num_chunks += len(message.chunks)
                     for chunk in message.chunks:
                         queue = streams.get(chunk.request_id)
                         if queue is not None:  # else: aborted here, its Abort is on the way
