@@ -65,10 +65,14 @@ class MetricsScraper:
             self.samples.setdefault(replica, []).append((now, value))
 
     def _loop(self) -> None:
+        # At least one sample at the start and one at the stop, however short the run: a run
+        # that ends before the thread is first scheduled still records the replicas' load.
         with httpx.Client(base_url=self.base_url, timeout=self.timeout_s, headers=self.headers) as http:
-            while not self._stop.is_set():
+            while True:
                 self.scrape_once(http)
-                self._stop.wait(self.interval_s)
+                if self._stop.wait(self.interval_s):
+                    self.scrape_once(http)
+                    return
 
     def start(self) -> MetricsScraper:
         self._start = time.perf_counter()

@@ -28,7 +28,7 @@ import ray
 from splitserve.decode.channel_server import ChannelServer, IngressConnection
 from splitserve.decode.prefill_timeout import PrefillTimeout
 from splitserve.engine.core.sequence import Sequence
-from splitserve.engine.engine_loop import EngineLoopStopped
+from splitserve.engine.engine_errors import EngineLoopStopped, EngineStepError
 from splitserve.engine.io.block_reservation import BlockReservation
 from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.io.sampling_params import SamplingParams
@@ -165,8 +165,8 @@ class DecodeWorker(EngineWorker):
             return FailureKind.BUSY, True, str(exc)
         if isinstance(exc, EngineLoopStopped):
             return FailureKind.REPLICA_DEAD, req.num_tokens_sent == 0, f"decode replica {self.replica_id} stopped"
-        if type(exc).__name__ == "EngineStepError":
-            return FailureKind.STEP_FAILED, False, f"engine step failed on {self.replica_id}"
+        if isinstance(exc, EngineStepError):
+            return FailureKind.STEP_FAILED, False, _short(exc)
         if isinstance(exc, ValueError):  # InvalidRequestError: the request itself is bad
             return FailureKind.INVALID, False, _short(exc)
         rid, label = req.submit.request_id, req.submit.label
@@ -433,7 +433,10 @@ def _fire(method, *args) -> None:
 
 
 def _short(exc: BaseException) -> str:
-    """One line for a client: the last line of the message (a Ray error's first lines are a
-    traceback with paths and pids)."""
+    """One line for a client: the original error's message (a Ray error's own text is a
+    traceback with paths and pids), its last line if it has several."""
+    cause = getattr(exc, "cause", None)  # a RayTaskError's original exception
+    if isinstance(cause, BaseException):
+        exc = cause
     text = str(exc).strip().splitlines()
     return text[-1].strip() if text else type(exc).__name__

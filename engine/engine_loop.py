@@ -5,6 +5,13 @@ work with call() and receive outputs through per-request sinks, called on the lo
 A worker that buffers what its sinks get passes `flush_outputs`: it is called once after every
 step (and every batch of commands) that delivered something, so the worker hands a whole
 step's outputs to its event loop in one go instead of one hand-over per token.
+
+Failures: a step that raises fails only its batch (LLMEngine.step undoes it exactly); each of
+those requests' sinks gets the EngineStepError, and the loop serves on. If the loop cannot
+carry on -- `max_consecutive_step_failures` steps failed in a row, or anything raised outside
+a step -- it stops for good: it aborts every request (all blocks go back to the pool), hands
+each sink and each queued call an EngineLoopStopped, refuses new calls at once, and says why
+in `stop_reason`. The worker then reports itself dead in its poll reply.
 """
 
 from __future__ import annotations
@@ -17,15 +24,18 @@ from concurrent.futures import Future
 from typing import Any
 
 from splitserve.engine.core.sequence import Sequence
+from splitserve.engine.engine_errors import EngineLoopStopped, EngineStepError
+from splitserve.engine.fault_injector import FaultInjector
+from splitserve.engine.io.engine_stats import EngineStats
 from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.llm_engine import LayerHookFactory, LLMEngine
 
+__all__ = ["EngineLoop", "EngineLoopStopped", "EngineStepError", "Sink"]
+
 logger = logging.getLogger(__name__)
-Sink = Callable[[RequestOutput], None]
-
-
-class EngineLoopStopped(RuntimeError):
-    """The engine loop is not running (stopped or crashed)."""
+# Gets each output of its request, or once the exception that failed it (EngineStepError,
+# EngineLoopStopped); called on the loop thread, so it must only hand the item over.
+Sink = Callable[[RequestOutput | Exception], None]
 
 
 class EngineLoop:
@@ -35,20 +45,35 @@ class EngineLoop:
         layer_hook: LayerHookFactory | None = None,
         after_step: Callable[[LLMEngine], None] | None = None,
         idle_wait_s: float = 0.05,
+        max_consecutive_step_failures: int = 3,
+        name: str = "engine",
         flush_outputs: Callable[[], None] | None = None,
     ):
+        if max_consecutive_step_failures < 1:
+            raise ValueError(f"max_consecutive_step_failures must be >= 1, got {max_consecutive_step_failures}")
         self.engine = engine
         self.layer_hook = layer_hook
         self.after_step = after_step
         self.idle_wait_s = idle_wait_s
         self.flush_outputs = flush_outputs
         self._delivered = False  # a sink got something since the last flush_outputs
+        self.max_consecutive_step_failures = max_consecutive_step_failures
+        self.name = name
+        self.faults = FaultInjector()
         self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future]] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._wake = threading.Event()
         self._stopping = False
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        # Guards _accepting against call(): a command is either queued before the loop stops
+        # accepting (and then failed by it) or refused at once -- never left unanswered.
+        self._lock = threading.Lock()
+        self._accepting = True
+        self._stopped = threading.Event()  # set once the stopped loop released everything
+        self.error: BaseException | None = None  # why it stopped, if it failed
+        self._final_stats: EngineStats | None = None  # the engine's stats after the release
+        self.num_failed_steps = 0
+        self._num_consecutive_failures = 0
+        self._thread = threading.Thread(target=self._run, name=f"engine-loop-{name}", daemon=True)
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -56,16 +81,44 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
+        return self._accepting and self._thread.is_alive()
+
+    @property
+    def stop_reason(self) -> str:
+        """Why the loop is not running ("" while it is)."""
+        return "" if self.alive else str(self._stopped_error())
+
+    def wait_stopped(self, timeout_s: float) -> bool:
+        """Wait until a stopping loop has released everything; True if it has."""
+        return self._stopped.wait(timeout_s)
+
+    def final_stats(self, timeout_s: float = 5.0) -> EngineStats:
+        """A stopped loop's engine stats, once it released everything (blocking: wait_stopped).
+        If the release failed or is not done, every block counts as held: nobody can tell."""
+        if self.wait_stopped(timeout_s) and self._final_stats is not None:
+            return self._final_stats
+        num_blocks = self.engine.config.num_kv_blocks
+        return EngineStats(
+            num_free_blocks=0,
+            num_blocks=num_blocks,
+            kv_usage=1.0,
+            num_running=0,
+            num_waiting=0,
+            num_waiting_tokens=0,
+            num_preemptions=0,
+            num_computed_prompt_tokens=0,
+            num_prefix_hit_tokens=0,
+        )
 
     def call(self, fn: Callable[[LLMEngine], Any]) -> Future:
         """Run fn(engine) on the loop thread between steps; the future holds its result."""
         fut: Future = Future()
-        if not self.alive:
-            fut.set_exception(EngineLoopStopped(f"engine loop is not running: {self._error!r}"))
-            return fut
-        self._commands.put((fn, fut))
-        self._wake.set()
+        with self._lock:
+            if self._accepting:
+                self._commands.put((fn, fut))
+                self._wake.set()
+                return fut
+        fut.set_exception(self._stopped_error())
         return fut
 
     def add_sequence(self, seq: Sequence, sink: Sink) -> Future:
@@ -93,14 +146,28 @@ class EngineLoop:
         return self.call(admit)
 
     def abort(self, request_id: str) -> Future:
+        """Abort a request. On a stopped loop it is a no-op: everything was released already."""
+
         def do_abort(engine: LLMEngine) -> None:
             self._sinks.pop(request_id, None)
             engine.abort(request_id)
 
-        return self.call(do_abort)
+        fut = self.call(do_abort)
+        if fut.done() and isinstance(fut.exception(), EngineLoopStopped):
+            fut = Future()
+            fut.set_result(None)
+        return fut
+
+    def inject_faults(
+        self, fail_steps: int = 0, hang_s: float = 0.0, hang_steps: int = 1, stop_loop: bool = False
+    ) -> None:
+        """Chaos testing (FaultInjector): fail or hang the next steps, or stop the loop for good."""
+        self.faults.arm(fail_steps=fail_steps, hang_s=hang_s, hang_steps=hang_steps, stop_loop=stop_loop)
+        self._wake.set()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stopping = True
+        self.faults.interrupt()
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
@@ -122,6 +189,7 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while not self._stopping:
+                self.faults.check_loop()
                 self._drain_commands()
                 self._flush()
                 if not self.engine.has_unfinished():
@@ -130,25 +198,50 @@ class EngineLoop:
                     self._wake.wait(self.idle_wait_s)
                     self._wake.clear()
                     continue
-                for out in self.engine.step(self.layer_hook):
-                    sink = self._sinks.get(out.request_id)
-                    if out.finished:
-                        self._sinks.pop(out.request_id, None)
-                    if sink is not None:
-                        self._delivered = True
-                        try:
-                            sink(out)
-                        except Exception:
-                            logger.exception("output sink for %s failed", out.request_id)
+                self._step()
                 self._flush()
                 if self.after_step is not None:
                     self.after_step(self.engine)
         except BaseException as exc:
-            self._error = exc
-            logger.exception("engine loop crashed")
+            self.error = exc
+            logger.exception("engine loop of %s stopped for good; failing its requests", self.name)
         finally:
-            self._stopping = True
-            self._fail_pending()
+            self._release_everything()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step(self.faults.wrap(self.layer_hook))
+        except EngineStepError as exc:
+            self.num_failed_steps += 1
+            self._num_consecutive_failures += 1
+            logger.error(
+                "%s: engine step failed; failing its %d request(s): %s",
+                self.name,
+                len(exc.request_ids),
+                ", ".join(exc.request_ids),
+                exc_info=exc.__cause__,
+            )
+            error = EngineStepError(f"{self.name}: {exc}", exc.request_ids)
+            for request_id in exc.request_ids:
+                self._deliver(self._sinks.pop(request_id, None), error, request_id)
+            if self._num_consecutive_failures >= self.max_consecutive_step_failures:
+                raise EngineLoopStopped(
+                    f"{self._num_consecutive_failures} engine steps failed in a row; the last: {exc.__cause__!r}"
+                ) from exc
+            return
+        self._num_consecutive_failures = 0
+        for out in outputs:
+            sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
+            self._deliver(sink, out, out.request_id)
+
+    def _deliver(self, sink: Sink | None, item: RequestOutput | Exception, request_id: str) -> None:
+        if sink is None:
+            return
+        self._delivered = True
+        try:
+            sink(item)
+        except Exception:
+            logger.exception("output sink for %s failed", request_id)
 
     def _flush(self) -> None:
         if self._delivered and self.flush_outputs is not None:
@@ -156,14 +249,32 @@ class EngineLoop:
             try:
                 self.flush_outputs()
             except Exception:
-                logger.exception("flushing the step's outputs failed")
+                logger.exception("%s: handing the step's outputs over failed", self.name)
 
-    def _fail_pending(self) -> None:
-        err = EngineLoopStopped(f"engine loop stopped: {self._error!r}")
+    def _release_everything(self) -> None:
+        """The loop is ending: stop accepting, abort every request so each block goes back
+        to the pool, then fail every sink and queued call with EngineLoopStopped."""
+        with self._lock:
+            self._accepting = False
+        try:
+            self.engine.abort_all()
+            self._final_stats = self.engine.stats()
+        except BaseException:
+            logger.exception("%s: releasing the requests of the stopped engine failed", self.name)
+        error = self._stopped_error()
+        sinks, self._sinks = self._sinks, {}
+        for request_id, sink in sinks.items():
+            self._deliver(sink, error, request_id)
+        self._flush()
         while True:
             try:
                 _, fut = self._commands.get_nowait()
             except queue.Empty:
                 break
             if fut.set_running_or_notify_cancel():
-                fut.set_exception(err)
+                fut.set_exception(error)
+        self._stopped.set()
+
+    def _stopped_error(self) -> EngineLoopStopped:
+        reason = f"engine loop of {self.name} stopped: {self.error!r}" if self.error else f"{self.name} is shut down"
+        return EngineLoopStopped(reason)

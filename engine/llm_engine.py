@@ -20,6 +20,7 @@ from splitserve.engine.core.kv_cache_manager import KVCacheManager
 from splitserve.engine.core.kv_events import KVEvent
 from splitserve.engine.core.scheduler import ScheduledBatch, Scheduler
 from splitserve.engine.core.sequence import Sequence, SequenceStatus
+from splitserve.engine.engine_errors import EngineStepError
 from splitserve.engine.io.block_reservation import BlockReservation
 from splitserve.engine.io.engine_stats import EngineStats
 from splitserve.engine.io.output_processor import OutputProcessor
@@ -111,6 +112,14 @@ class LLMEngine:
         self.runner.forget(request_id)
         self.outputs.forget(request_id)
 
+    def abort_all(self) -> list[str]:
+        """Abort every request and reservation (the engine is being given up): every block
+        goes back to the pool. Returns the ids aborted."""
+        request_ids = list(dict.fromkeys([*self.scheduler.requests, *self._reserved]))
+        for request_id in request_ids:
+            self.abort(request_id)
+        return request_ids
+
     def release_prefilled(self, request_id: str) -> None:
         """After the KV handoff: a prefilled request's blocks are unpinned (they stay in the
         prefix cache, evictable); a request that has not finished prefilling is aborted."""
@@ -171,14 +180,37 @@ class LLMEngine:
 
     # ---- stepping ------------------------------------------------------------------------
     def step(self, layer_hook: LayerHookFactory | None = None) -> list[RequestOutput]:
+        """Schedule a batch, run it, post-process it. If anything in between raises, every
+        request of the batch is failed (see _fail_batch) and EngineStepError is raised; the
+        engine stays consistent and the next step serves the others."""
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        on_layer_done = layer_hook(batch) if layer_hook is not None else None
-        sampled = self.runner.execute(batch, on_layer_done)
-        advanced = self.scheduler.update(batch, sampled)
+        try:
+            on_layer_done = layer_hook(batch) if layer_hook is not None else None
+            sampled = self.runner.execute(batch, on_layer_done)
+            advanced = self.scheduler.update(batch, sampled)
+            outputs = [self._prefilled_output(seq) if seq.prefill_only else self._emit_output(seq) for seq in advanced]
+        except Exception as exc:
+            failed = self._fail_batch(batch)
+            raise EngineStepError(f"engine step failed: {exc!r}", failed) from exc
         self.num_steps += 1
-        return [self._prefilled_output(seq) if seq.prefill_only else self._emit_output(seq) for seq in advanced]
+        return outputs
+
+    def _fail_batch(self, batch: ScheduledBatch) -> list[str]:
+        """Undo a step that raised anywhere between scheduling and its outputs. schedule() had
+        moved the batch's requests to running and allocated their new slots; the forward may
+        have written part of their KV; update() may have advanced some (computed counts,
+        blocks entered into the prefix cache, a token appended, even finished or prefilled).
+        Aborting each of them frees all of that: the blocks it wrote are new, never-hashed
+        ones (a cached block is only read, and a block is hashed only after its KV is
+        complete), so no half-written KV stays findable. Requests preempted while scheduling
+        are back in the waiting queue, whole, and run later. Their outputs are lost, so they
+        all fail, finished ones included."""
+        failed = [seq.request_id for seq in batch.seqs]
+        for request_id in failed:
+            self.abort(request_id)
+        return failed
 
     def _emit_output(self, seq: Sequence) -> RequestOutput:
         """seq's new tokens as an output: detokenized, cut at a stop string, and the request

@@ -1,6 +1,10 @@
 """EngineWorker: what a prefill and a decode replica share -- an LLMEngine run by an EngineLoop
 thread, a KVTransport for the pairs with the other pool, and the control methods the ingress
-calls on every replica (ready, poll, snapshot, forget_peer, shutdown).
+calls on every replica (ready, poll, snapshot, forget_peer, shutdown, inject_fault).
+
+A replica whose engine loop stopped for good has released every block and fails every call
+with EngineLoopStopped; its poll() then answers a PollReply with status LOOP_STOPPED (and
+why), so the ingress drops it from routing at once.
 
 Plain classes: cluster/control/worker_pool.py wraps PrefillWorker and DecodeWorker with
 ray.remote, which exposes these inherited async methods as actor methods.
@@ -16,9 +20,10 @@ import torch
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.core.kv_events import KVEvent
+from splitserve.engine.engine_errors import EngineLoopStopped
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import LayerHookFactory, LLMEngine
-from splitserve.kvtransfer.poll_reply import PollReply, TransferTotals
+from splitserve.kvtransfer.poll_reply import PollReply, ReplicaStatus, TransferTotals
 from splitserve.kvtransfer.rendezvous import resolve_host
 from splitserve.kvtransfer.transport import KVTransport
 
@@ -52,7 +57,7 @@ class EngineWorker:
         """Start the engine thread; a subclass calls it once its own state (which the hooks
         read) exists."""
         self.loop = EngineLoop(
-            self.engine, layer_hook=layer_hook, after_step=after_step, flush_outputs=flush_outputs
+            self.engine, layer_hook=layer_hook, after_step=after_step, name=self.replica_id, flush_outputs=flush_outputs
         ).start()
 
     # ---- what a subclass reports ---------------------------------------------------------
@@ -68,15 +73,19 @@ class EngineWorker:
         return self.replica_id
 
     async def poll(self, since_seq: int | None = None) -> bytes:
-        """Load figures and, for a follower at since_seq, the KV events after it: a PollReply.
-        since_seq None (the controller's poll) asks for no events. Events older than the log
-        are gone: the follower sees a sequence gap and resyncs from snapshot()."""
+        """Load figures and, for a follower at since_seq, the KV events after it: a PollReply
+        (with status LOOP_STOPPED once the engine loop stopped for good). since_seq None (the
+        controller's poll) asks for no events. Events older than the log are gone: the
+        follower sees a sequence gap and resyncs from snapshot()."""
 
         def collect(engine: LLMEngine):
             self.events.extend(engine.take_events())  # the one reader of the engine's events
             return engine.stats(), self.num_pinned()
 
-        stats, num_pinned = await asyncio.wrap_future(self.loop.call(collect))
+        try:
+            stats, num_pinned = await asyncio.wrap_future(self.loop.call(collect))
+        except EngineLoopStopped:
+            return (await self._stopped_reply()).to_bytes()
         return PollReply(
             events=self.events_after(since_seq),
             engine=stats,
@@ -91,12 +100,33 @@ class EngineWorker:
         first = self.events[0].seq  # consecutive in the log: index by offset
         return list(itertools.islice(self.events, max(since_seq + 1 - first, 0), None))
 
+    async def _stopped_reply(self) -> PollReply:
+        """A dead replica's poll reply: its engine's stats after the loop released everything."""
+        return PollReply(
+            events=[],
+            engine=await asyncio.to_thread(self.loop.final_stats),
+            num_pinned=0,  # released with everything else
+            num_active=self.num_active,
+            transfer=self.transfer_totals(),
+            status=ReplicaStatus.LOOP_STOPPED,
+            error=self.loop.stop_reason,
+        )
+
     async def snapshot(self) -> tuple[int, list[int]]:
         return await asyncio.wrap_future(self.loop.call(lambda engine: engine.snapshot()))
 
     async def forget_peer(self, peer_id: str) -> None:
         """The peer replica left, or closed its side of the pair: close ours too."""
         await asyncio.to_thread(self.transport.close_pair, peer_id)
+
+    async def inject_fault(
+        self, fail_steps: int = 0, hang_s: float = 0.0, hang_steps: int = 1, stop_loop: bool = False
+    ) -> None:
+        """Chaos testing, in the engine loop's real code paths (engine/fault_injector.py): the
+        next fail_steps steps raise mid-forward; the next hang_steps steps hang hang_s seconds
+        mid-forward; stop_loop stops the loop for good. Each call sets every fault (what it
+        does not name is switched off)."""
+        self.loop.inject_faults(fail_steps=fail_steps, hang_s=hang_s, hang_steps=hang_steps, stop_loop=stop_loop)
 
     async def shutdown(self) -> None:
         self.loop.stop()

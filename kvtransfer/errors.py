@@ -13,3 +13,9 @@ class TransferError(RuntimeError):
 
 class TransportUsageError(ValueError):
     """The transport was called with bad arguments (wrong device, layout, role, tag)."""
+
+
+class TransferAbortedError(RuntimeError):
+    """The sender gave up on a transfer (its prefill failed) but still completed the wire
+    protocol with filler: the receiver's posted receives complete, the pair stays in step and
+    usable by the other transfers on it. The receiver discards what it got."""

@@ -5,6 +5,11 @@ loop only enqueues (gathering happens here), so transfer overlaps the next layer
 Sends are posted without waiting (packing the next layer overlaps the wire); a job waits for
 all of them once, after its last layer. Messages follow splitserve.kvtransfer.wire_layout: blocks that
 form one ascending run go out straight from the cache, others are packed first.
+
+A job whose prefill failed (abort) has lost its blocks, but the receiver has posted a receive
+for every layer: the layers it had not sent yet go out as zero filler of the same shape, so
+those receives complete and the pair -- shared with the other transfers in flight -- stays in
+step instead of being torn down.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+
+import torch
 
 from splitserve.engine.ops.block_copy import gather_blocks
 from splitserve.engine.ops.kv_cache import KVCache
@@ -39,8 +46,15 @@ class SendJob:
     num_bytes: int = 0
     seconds: float = 0.0  # sender-thread time on this job: pack, post, final wait
     failed: bool = False
+    num_blocks: int = 0  # blocks the receiver expects (len(block_ids) once they are bound)
+    aborted: bool = False  # its prefill failed: the rest goes out as filler
+    # True once an aborted job's every layer is out (the pair is in step), False if it broke.
+    flushed: Future = field(default_factory=Future)
     # Posted sends, each holding its tensors until it completes.
     pending: list = field(default_factory=list, repr=False)
+
+
+_FLUSH = -1  # queue item: send an aborted job's remaining layers as filler
 
 
 class KVSender:
@@ -69,6 +83,14 @@ class KVSender:
         else:
             self._queue.put((job, None))
 
+    def abort(self, job: SendJob) -> Future:
+        """The job's prefill failed and its blocks are gone: send nothing more of them, but
+        complete the wire protocol with filler (in queue order, after what was queued).
+        Returns job.flushed."""
+        job.aborted = True
+        self._queue.put((job, _FLUSH))
+        return job.flushed
+
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=5)
@@ -79,7 +101,10 @@ class KVSender:
             if item is None:
                 return
             job, layer = item
-            if job.failed or job.done.done():
+            if layer == _FLUSH:
+                self._flush(job)
+                continue
+            if job.failed or job.aborted or job.done.done():
                 continue
             try:
                 self._send(job, layer)
@@ -89,10 +114,36 @@ class KVSender:
                 if job.done.set_running_or_notify_cancel():
                     job.done.set_exception(exc)
 
+    def _flush(self, job: SendJob) -> None:
+        if job.flushed.done():
+            return
+        if job.failed or (job.done.done() and job.done.exception() is not None):
+            job.flushed.set_result(False)  # its pair broke: nothing keeps it in step now
+            return
+        try:
+            if not job.done.done() and job.num_blocks:
+                num_layers = self.num_layers
+                planes = self.kv_cache.layer_planes(0)
+                shape = (planes.shape[0], job.num_blocks, planes.shape[2])
+                messages = list(torch.zeros(shape, dtype=planes.dtype, device=planes.device).unbind(0))
+                for layer in range(job.num_layers_sent, num_layers):
+                    tag = layer_tag(job.transfer_id, layer if job.layerwise else num_layers, num_layers)
+                    job.pending.append(self.transport.isend(job.peer_id, messages, tag))
+                for op in job.pending:
+                    op.wait()
+                job.pending.clear()
+                job.num_layers_sent = num_layers
+        except Exception as exc:
+            job.failed = True
+            logger.warning("KV filler for aborted %s to %s failed: %s", job.request_id, job.peer_id, exc)
+            job.flushed.set_result(False)
+            return
+        job.flushed.set_result(True)
+
     def _send(self, job: SendJob, layer: int | None) -> None:
         if self.stall_s:
             time.sleep(self.stall_s)
-            if job.failed or job.done.done():  # its lease ran out meanwhile: the blocks may be reused
+            if job.failed or job.aborted or job.done.done():  # its lease ran out meanwhile: the blocks may be reused
                 return
         if self.num_sends_to_fail:
             self.num_sends_to_fail -= 1

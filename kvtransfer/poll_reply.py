@@ -1,5 +1,6 @@
 """PollReply: what a prefill or decode replica answers to the ingress's poll() -- its KV events
-since the last poll and its load. One message for both pools: every field is always present.
+since the last poll and its load, and whether it still serves. One message for both pools:
+every field is always present.
 
 Versioned msgpack (splitserve.kvtransfer.message_codec); torch-free, so the router side can
 read it.
@@ -7,13 +8,15 @@ read it.
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
 from splitserve.engine.core.kv_events import KVEvent
 from splitserve.engine.io.engine_stats import EngineStats
 from splitserve.kvtransfer.message_codec import MessageCodec
 
-POLL_VERSION = 1
+POLL_VERSION = 2  # 2: status and error
 _codec = MessageCodec(POLL_VERSION)
 
 
@@ -25,6 +28,13 @@ class TransferTotals(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seconds: float = 0.0  # time the sender spent on them
 
 
+class ReplicaStatus(enum.Enum):
+    SERVING = "serving"
+    # The engine loop stopped for good: the replica released every block and fails every
+    # call; the ingress drops it from routing at once.
+    LOOP_STOPPED = "loop_stopped"
+
+
 class PollReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     events: list[KVEvent]  # KV events since the last poll, in order
     engine: EngineStats
@@ -34,6 +44,12 @@ class PollReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # whose requests are all in the engine's running and waiting counts).
     num_active: int
     transfer: TransferTotals
+    status: ReplicaStatus = ReplicaStatus.SERVING
+    error: str = ""  # why the replica stopped serving ("" while it serves)
+
+    @property
+    def is_serving(self) -> bool:
+        return self.status is ReplicaStatus.SERVING
 
     @property
     def is_idle(self) -> bool:

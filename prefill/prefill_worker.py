@@ -12,10 +12,12 @@ import logging
 import time
 
 from splitserve.engine.core.scheduler import ScheduledBatch
+from splitserve.engine.engine_errors import EngineStepError
 from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.kvtransfer.engine_worker import EngineWorker
+from splitserve.kvtransfer.errors import TransferAbortedError
 from splitserve.kvtransfer.handoff import Handoff, PrefillResult
 from splitserve.kvtransfer.kv_sender import KVSender, SendJob
 from splitserve.kvtransfer.poll_reply import TransferTotals
@@ -99,15 +101,28 @@ class PrefillWorker(EngineWorker):
         rid = handoff.request_id
         if rid in self._jobs:  # ids are the ingress's and unique: never let one clobber another
             raise ValueError(f"request id {rid!r} is already being prefilled on {self.replica_id}")
-        if self._cancelled.pop(rid, None) is not None:  # decode gave up before this call ran
-            raise RuntimeError(f"{rid} was cancelled before its prefill started")
         params = SamplingParams.from_dict(handoff.sampling)
         seq = self.engine.make_sequence(None, handoff.prompt_token_ids, params, rid, prefill_only=True)
-        job = SendJob(rid, handoff.destination, handoff.transfer_id, [], handoff.layerwise)
+        job = SendJob(
+            rid,
+            handoff.destination,
+            handoff.transfer_id,
+            [],
+            handoff.layerwise,
+            num_blocks=len(handoff.send_block_indices),
+        )
+        if self._cancelled.pop(rid, None) is not None:  # decode gave up before this call ran
+            # Its receives are posted: filler for every layer keeps the pair in step.
+            await asyncio.wrap_future(self.sender.abort(job))
+            raise TransferAbortedError(f"{rid} was cancelled before its prefill started")
         loop = asyncio.get_running_loop()
         first: asyncio.Future[RequestOutput] = loop.create_future()
 
-        def sink(out: RequestOutput) -> None:  # loop thread, right after the prefill step
+        def sink(out: RequestOutput | Exception) -> None:  # loop thread, right after the prefill step
+            if isinstance(out, Exception):  # its step failed or the loop stopped: blocks already freed
+                self.sender.abort(job)  # before the next step may reuse them
+                loop.call_soon_threadsafe(lambda: first.done() or first.set_exception(out))
+                return
             self._pinned[rid] = time.monotonic() + handoff.lease_s
             if not job.layerwise:
                 self._bind_blocks(job)
@@ -125,6 +140,19 @@ class PrefillWorker(EngineWorker):
             out = await asyncio.wait_for(first, timeout=wait_s)
             prefill_s = time.perf_counter() - start
             await asyncio.wait_for(asyncio.wrap_future(job.done), timeout=handoff.lease_s)
+        except EngineStepError as exc:  # only this request's batch failed; the pair is shared
+            self.num_failed_transfers += 1
+            flushed = await asyncio.wait_for(asyncio.wrap_future(job.flushed), timeout=handoff.lease_s)
+            if flushed:  # decode's receives all complete: it keeps the pair for the others
+                raise TransferAbortedError(str(exc)) from exc
+            raise
+        except asyncio.CancelledError:  # decode gave the request up (cancel)
+            self.num_failed_transfers += 1
+            # What was not sent yet goes out as filler, so the pair stays in step for the
+            # other transfers on it; then the blocks go.
+            self.sender.abort(job)
+            await asyncio.shield(asyncio.wrap_future(self.loop.call(lambda e: self._release(e, rid))))
+            raise
         except BaseException:
             self.num_failed_transfers += 1
             job.failed = True
@@ -162,12 +190,16 @@ class PrefillWorker(EngineWorker):
 
     async def ack(self, request_id: str) -> None:
         """Decode has the blocks (or gave up): unpin them now instead of at lease expiry."""
-        await asyncio.wrap_future(self.loop.call(lambda e: self._release(e, request_id)))
+        if self.loop.alive:  # a stopped loop released every block already
+            await asyncio.wrap_future(self.loop.call(lambda e: self._release(e, request_id)))
 
-    async def inject_fault(self, stall_send_s: float = 0.0, fail_sends: int = 0) -> None:
-        """Chaos testing: stall every KV send by stall_send_s, or fail the next fail_sends."""
+    async def inject_fault(self, stall_send_s: float = 0.0, fail_sends: int = 0, **engine_faults) -> None:
+        """Chaos testing: stall every KV send by stall_send_s, or fail the next fail_sends;
+        engine_faults as EngineWorker.inject_fault (hang_s makes a hung prefill). Each call
+        sets every fault (what it does not name is switched off)."""
         self.sender.stall_s = stall_send_s
         self.sender.num_sends_to_fail = fail_sends
+        await super().inject_fault(**engine_faults)
 
     async def shutdown(self) -> None:
         self.loop.stop()

@@ -13,7 +13,7 @@ from splitserve.cluster.control.dispatcher import ACTOR_GONE, Dispatcher
 from splitserve.cluster.control.membership import ReplicaInfo
 from splitserve.cluster.control.worker_pool import Replica, WorkerPool
 from splitserve.cluster.routing.router import DECODE, PREFILL, Router
-from splitserve.cluster.scaling.policy import initial_replicas
+from splitserve.cluster.scaling.policy import initial_replicas, replica_floor
 from splitserve.decode.decode_worker import DecodeWorker
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.kvtransfer.handoff import StreamChunk
@@ -50,6 +50,7 @@ class DisaggCluster:
         model_dir: str,
         poll_interval_s: float = 0.1,
         on_poll=None,
+        on_drop=None,
         ingress_id: str | None = None,
     ):
         self.cfg = cfg
@@ -89,8 +90,17 @@ class DisaggCluster:
             request_timeout_s=cfg.request_timeout_s,
             poll_interval_s=poll_interval_s,
             on_poll=on_poll,
-            on_drop=self._forget_replica,
+            on_drop=on_drop,
+            on_dead=self._replica_dead,
         )
+        # Replicas each pool should have: what it started with, moved by add_replicas and
+        # drain_replica (scaling), but not by a replica that died -- that is lost capacity.
+        self.expected_replicas = {PREFILL: 0, DECODE: 0}
+        self._kills: set[asyncio.Task] = set()  # dead replicas being shut down off the event loop
+        self.min_replicas = {
+            PREFILL: replica_floor(cfg.prefill.replicas, cfg.prefill.autoscaling),
+            DECODE: replica_floor(cfg.decode.replicas, cfg.decode.autoscaling),
+        }
 
     @property
     def router(self) -> Router:
@@ -125,7 +135,18 @@ class DisaggCluster:
                 address = tuple(await asyncio.wait_for(r.handle.channel_address.remote(), 30))
             info = ReplicaInfo(pool, r.replica_id, self.namespace, channel_address=address)
             await self.dispatcher.add_replica(info, r.handle)
+        self.expected_replicas[pool] += len(replicas)
         return replicas
+
+    def _replica_dead(self, pool: str, replica_id: str, kill: bool) -> None:
+        """The dispatcher found a replica dead (its actor, or its engine loop: kill shuts the
+        actor down, in a thread since it blocks) and dropped it from routing."""
+        replica = self.pools[pool].get(replica_id)
+        self._forget_replica(pool, replica_id)
+        if kill and replica is not None:
+            task = asyncio.get_running_loop().create_task(asyncio.to_thread(WorkerPool.kill, replica))
+            self._kills.add(task)
+            task.add_done_callback(self._kills.discard)
 
     def _forget_replica(self, pool: str, replica_id: str) -> None:
         """A replica left routing (drained, or found dead): out of its pool, and its peers
@@ -141,6 +162,8 @@ class DisaggCluster:
         (it is removed anyway)."""
         self.dispatcher.set_draining(pool, replica_id, True)
         replica = self.pools[pool].get(replica_id)
+        if replica is not None:
+            self.expected_replicas[pool] -= 1
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         drained = replica is None
@@ -184,6 +207,10 @@ class DisaggCluster:
             "prefill_replica": last.prefill_replica,
             "request_id": last.request_id,
         }
+
+    def live_replicas(self, pool: str) -> int:
+        """Replicas of the pool that take new requests (routed, not draining)."""
+        return len(self.router.replica_ids(pool, include_draining=False))
 
     async def poll_replica(self, pool: str, replica_id: str) -> PollReply:
         return PollReply.from_bytes(await self.pools[pool].get(replica_id).handle.poll.remote())

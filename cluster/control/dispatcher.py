@@ -29,6 +29,7 @@ from splitserve.cluster.control.membership import ReplicaInfo
 from splitserve.cluster.request_error import ErrorKind, RequestError
 from splitserve.cluster.routing.load import LoadReport
 from splitserve.cluster.routing.router import DECODE, PREFILL, NoReplicaError, Router
+from splitserve.engine.engine_errors import EngineLoopStopped
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.kvtransfer.handoff import StreamChunk
 from splitserve.kvtransfer.poll_reply import PollReply
@@ -36,6 +37,8 @@ from splitserve.kvtransfer.request_channel import Failed, FailureKind, Submit
 
 logger = logging.getLogger(__name__)
 ACTOR_GONE = (ray.exceptions.RayActorError,)
+# The replica called is dead: its actor died, or its engine loop stopped for good.
+REPLICA_GONE = (EngineLoopStopped, *ACTOR_GONE)
 _DEADLINE = object()  # queued by a request's deadline timer
 # What a failure before the first token means: which replica a retry avoids, whether it uses
 # up retry budget (a dead replica is not the request's fault), and the kind when giving up.
@@ -79,6 +82,7 @@ class Dispatcher:
         poll_interval_s: float = 0.1,
         on_poll: Callable[[str, str, PollReply], None] | None = None,
         on_drop: Callable[[str, str], None] | None = None,
+        on_dead: Callable[[str, str, bool], None] | None = None,
         idle_pair_s: float = 300.0,
     ):
         self.router = router
@@ -89,7 +93,10 @@ class Dispatcher:
         self.request_timeout_s = request_timeout_s
         self.poll_interval_s = poll_interval_s
         self.on_poll = on_poll
-        self.on_drop = on_drop  # (pool, replica id) of a replica found dead and dropped here
+        self.on_drop = on_drop  # (pool, replica id) once a replica left routing, for any reason
+        # (pool, replica id, kill) of a replica found dead here (kill: its actor lives on with a
+        # stopped engine loop), for whoever owns the pools.
+        self.on_dead = on_dead
         self.idle_pair_s = idle_pair_s
         self.members: dict[str, dict[str, Member]] = {PREFILL: {}, DECODE: {}}
         self.inflight: dict[str, str] = {}  # request id -> decode replica id
@@ -132,6 +139,8 @@ class Dispatcher:
         member = self.members[pool].pop(replica_id, None)
         if member is not None and member.channel is not None:
             self._close_channel(member.channel)
+        if member is not None and self.on_drop is not None:
+            self.on_drop(pool, replica_id)
 
     def set_draining(self, pool: str, replica_id: str, draining: bool) -> None:
         member = self.members[pool].get(replica_id)
@@ -147,11 +156,11 @@ class Dispatcher:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
-    def _drop_dead(self, pool: str, replica_id: str, why: str) -> None:
+    def _drop_dead(self, pool: str, replica_id: str, why: str, kill: bool = False) -> None:
         logger.warning("%s replica %s %s; dropping it from routing", pool, replica_id, why)
         self.drop_replica(pool, replica_id)
-        if self.on_drop is not None:
-            self.on_drop(pool, replica_id)
+        if self.on_dead is not None:
+            self.on_dead(pool, replica_id, kill)
 
     async def rebuild_router(self, make_router: Callable[[], Router]) -> Router:
         """Swap in a fresh router indexed from every live replica's snapshot (a router
@@ -166,8 +175,8 @@ class Dispatcher:
             )
             for (pool, member), snapshot in zip(live, snapshots):
                 rid = member.info.replica_id
-                if isinstance(snapshot, ACTOR_GONE):
-                    self._drop_dead(pool, rid, "died")
+                if isinstance(snapshot, REPLICA_GONE):  # its actor or its engine loop is dead
+                    self._drop_dead(pool, rid, "is dead", kill=not isinstance(snapshot, ACTOR_GONE))
                 elif isinstance(snapshot, BaseException):
                     raise RequestError(
                         ErrorKind.UNAVAILABLE,
@@ -211,6 +220,9 @@ class Dispatcher:
             logger.warning("polling %s failed: %r", rid, exc)
             return
         if rid not in self.members[pool]:  # dropped while we waited
+            return
+        if not poll.is_serving:  # it reported itself dead: out of routing now, once
+            self._drop_dead(pool, rid, f"stopped serving ({poll.error})", kill=True)
             return
         if not self.router.apply_events(pool, rid, poll.events):
             if rid in self.router.replicas_needing_resync(pool):  # fell behind its event log

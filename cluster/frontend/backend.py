@@ -44,7 +44,9 @@ class ServingBackend:
         pools = [cfg.decode] + ([cfg.prefill] if cfg.prefill.replicas or cfg.prefill.autoscaling.enabled else [])
         self.max_cache_tokens = min(p.num_kv_blocks for p in pools) * cfg.block_size
         self.metrics = Metrics()
-        self.cluster = cluster or DisaggCluster(cfg, model_dir, on_poll=self._on_poll, ingress_id=self.ingress_id)
+        self.cluster = cluster or DisaggCluster(
+            cfg, model_dir, on_poll=self._on_poll, on_drop=self._on_drop, ingress_id=self.ingress_id
+        )
         self.num_inflight = 0
         self._inflight_by_key: dict[str, int] = defaultdict(int)
         # Recent latencies for the autoscaler: TTFT is prefill's signal, ITL decode's.
@@ -95,9 +97,35 @@ class ServingBackend:
             raise invalid(str(exc)) from None
 
     def health(self) -> dict:
-        num_prefill = len(self.cluster.router.replica_ids(PREFILL, include_draining=False))
-        num_decode = len(self.cluster.router.replica_ids(DECODE, include_draining=False))
-        return {"ok": num_decode > 0, "prefill_replicas": num_prefill, "decode_replicas": num_decode}
+        """Each pool's live (routable) and expected replica counts and its floor (`min`: its
+        configured replicas, or min_replicas when it autoscales). Not ok while a pool is below
+        its floor or no decode replica serves; `degraded` and `reason` then name the pools.
+        `serving`: requests can be served at all (a decode replica is live; without prefill
+        replicas decode prefills itself) -- what a probe deciding on restarts should read."""
+        cluster = self.cluster
+        pools = {}
+        for pool in (PREFILL, DECODE):
+            live, floor = cluster.live_replicas(pool), cluster.min_replicas[pool]
+            expected = max(cluster.expected_replicas[pool], floor)
+            pools[pool] = {"ok": live >= floor, "live": live, "expected": expected, "min": floor}
+        degraded = [pool for pool, state in pools.items() if not state["ok"]]
+        if not pools[DECODE]["live"] and DECODE not in degraded:
+            degraded.append(DECODE)
+        state = {
+            "ok": not degraded,
+            "serving": pools[DECODE]["live"] > 0,
+            "prefill_replicas": pools[PREFILL]["live"],
+            "decode_replicas": pools[DECODE]["live"],
+            "pools": pools,
+        }
+        if degraded:
+            state["degraded"] = degraded
+            state["reason"] = "; ".join(
+                f"the {pool} pool has {pools[pool]['live']} live replica(s) of {pools[pool]['expected']} expected "
+                f"(min {pools[pool]['min']})"
+                for pool in degraded
+            )
+        return state
 
     # ---- generation ----------------------------------------------------------------------
     async def generate(
@@ -171,6 +199,12 @@ class ServingBackend:
 
     def _on_poll(self, pool: str, replica_id: str, poll: PollReply) -> None:
         self.metrics.observe_poll(pool, replica_id, poll)
+        self._refresh_pool_gauges()
+
+    def _on_drop(self, pool: str, replica_id: str) -> None:
+        """A replica left (drained, died, or its engine loop stopped): its series go, and the
+        pool's replica count shows the change at once."""
+        self.metrics.forget_replica(pool, replica_id)
         self._refresh_pool_gauges()
 
     def _refresh_pool_gauges(self) -> None:

@@ -69,6 +69,8 @@ class Metrics:
             "splitserve_router_decisions", "Router decisions by reason", ["reason"], registry=r
         )
         self.replicas = Gauge("splitserve_replicas", "Live replicas per pool", ["pool"], registry=r)
+        # Every family labelled by replica: forget_replica removes a replica's series from each.
+        self.per_replica = (self.kv_usage,)
         self.scaling_decisions = Counter(
             "splitserve_scaling_decisions", "Autoscaler decisions", ["pool", "decision"], registry=r
         )
@@ -90,10 +92,12 @@ class Metrics:
         self.running.labels(pool).set(num_running)
 
     def forget_replica(self, pool: str, replica_id: str) -> None:
-        try:
-            self.kv_usage.remove(pool, replica_id)
-        except KeyError:
-            pass
+        """A replica left: stop exporting its series (they would show it forever, frozen)."""
+        for family in self.per_replica:
+            try:
+                family.remove(pool, replica_id)
+            except KeyError:
+                pass
         self._last_transfer.pop(replica_id, None)
 
     def render(self) -> bytes:

@@ -199,8 +199,6 @@ class Autoscaler:
                     )
                 else:
                     logger.info("autoscaler %s: drained and removed %s", pool, rid)
-                if self.metrics is not None:
-                    self.metrics.forget_replica(pool, rid)
             ok = all(result is True for result in results)
         finally:
             self._finish_action(pool, ok)

@@ -201,6 +201,12 @@ class DecodeScalingPolicy(PoolScalingPolicy):
         ]
 
 
+def replica_floor(replicas: int, cfg: AutoscalingConfig) -> int:
+    """The fewest replicas a pool serves healthily with: `replicas`, or min_replicas when it
+    autoscales. Below it the deployment reports itself degraded."""
+    return cfg.min_replicas if cfg.enabled else replicas
+
+
 def initial_replicas(replicas: int, cfg: AutoscalingConfig) -> int:
     """Replicas a pool starts with: `replicas`, moved into [min, max] when it autoscales."""
     if not cfg.enabled:

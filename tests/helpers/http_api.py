@@ -36,6 +36,7 @@ class FakeBackend:
         self.reply_ids = tokenizer.encode(REPLY, add_special_tokens=False)
         self.metrics = Metrics()
         self.healthy = True
+        self.serving: bool | None = None  # None: health() omits it (an older backend)
         self.num_cached_tokens = 0
         self.refusal: RequestError | None = None  # raised before the first chunk
         self.crash: Exception | None = None  # an unexpected error before the first chunk
@@ -62,7 +63,10 @@ class FakeBackend:
             raise invalid(str(exc)) from None
 
     def health(self) -> dict:
-        return {"ok": self.healthy, "decode_replicas": int(self.healthy)}
+        state = {"ok": self.healthy, "decode_replicas": int(self.healthy)}
+        if self.serving is not None:
+            state["serving"] = self.serving
+        return state
 
     def render_metrics(self) -> bytes:
         return self.metrics.render()

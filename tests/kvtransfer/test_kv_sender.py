@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 
 import pytest
 import torch
@@ -140,3 +141,41 @@ def test_plane_messages_are_contiguous_views_of_the_cache():
     messages = plane_messages(planes, 2, 4)
     assert [tuple(m.shape) for m in messages] == [(4, 3), (4, 3)]
     assert all(m.is_contiguous() and m.data_ptr() == planes[p, 2].data_ptr() for p, m in enumerate(messages))
+
+
+@pytest.mark.parametrize(
+    "layerwise, num_sent", [(False, 0), (True, 0), (True, 1)], ids=["packed", "layerwise", "layerwise-one-sent"]
+)
+def test_an_aborted_job_completes_with_filler_and_the_pair_stays_in_step(pair, layerwise, num_sent):
+    """A prefill that fails mid-transfer: what was not sent yet goes out as zeros, every posted
+    receive completes, and the next transfer on the same pair arrives intact."""
+    sender, decode, model_dir = pair
+    target = _cache(model_dir, seed=None)
+    src_ids, dst_ids = LAYOUTS["scattered-to-scattered"]
+    transfer_id = next(_transfer_ids)
+    posted = PostedReceive(decode, target, "test-prefill", transfer_id, dst_ids, layerwise)
+    job = SendJob(f"req-{transfer_id}", "test-decode", transfer_id, src_ids, layerwise, num_blocks=len(src_ids))
+    for layer in range(num_sent):
+        sender.send_layer(job, layer)
+    deadline = time.monotonic() + TIMEOUT_S
+    while job.num_layers_sent < num_sent:  # queued layers still pending when it aborts are filler too
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert sender.abort(job).result(TIMEOUT_S) is True
+    posted.complete(TIMEOUT_S)  # every layer arrived: the real ones, then filler
+    assert job.num_layers_sent == sender.num_layers and not job.pending
+    assert torch.equal(target.kv[:num_sent, :, dst_ids], sender.kv_cache.kv[:num_sent, :, src_ids])
+    assert not target.kv[num_sent:].any()
+    sender.send_layer(job, 0)  # an aborted job sends nothing more
+    _, target, _, _, _ = _transfer(pair, [1, 2], [3, 4], layerwise)
+    assert torch.equal(target.kv[:, :, [3, 4]], sender.kv_cache.kv[:, :, [1, 2]])
+
+
+def test_an_aborted_job_whose_pair_broke_is_not_flushed(pair):
+    sender, _, _ = pair
+    sender.num_sends_to_fail = 1
+    job = SendJob("req-broken", "test-decode", next(_transfer_ids), [1, 2], layerwise=False, num_blocks=2)
+    sender.send_all(job)
+    with pytest.raises(TransferError):
+        job.done.result(TIMEOUT_S)
+    assert sender.abort(job).result(TIMEOUT_S) is False

@@ -19,7 +19,7 @@ from splitserve.kvtransfer.handoff import (
     StreamChunk,
 )
 from splitserve.kvtransfer.message_codec import MessageError
-from splitserve.kvtransfer.poll_reply import POLL_VERSION, PollReply, TransferTotals
+from splitserve.kvtransfer.poll_reply import POLL_VERSION, PollReply, ReplicaStatus, TransferTotals
 
 STATS = EngineStats(
     num_free_blocks=60,
@@ -60,11 +60,23 @@ def test_poll_reply_events_are_typed_and_the_wire_is_compact():
     assert raw["v"] == POLL_VERSION and raw["kind"] == "poll_reply"
     assert raw["body"]["events"][0] == [1, "stored", [1, 2**64 - 1]]  # an event is an array
     # Every field is present for both pools.
-    assert set(raw["body"]) == {"events", "engine", "num_pinned", "num_active", "transfer"}
+    assert set(raw["body"]) == {"events", "engine", "num_pinned", "num_active", "transfer", "status", "error"}
+    assert raw["body"]["status"] == "serving" and poll.is_serving
     assert not poll.is_idle  # running, waiting and pinned
     idle_stats = msgspec.structs.replace(STATS, num_running=0, num_waiting=0)
     assert PollReply([], idle_stats, 0, 0, TransferTotals()).is_idle
     assert not PollReply([], idle_stats, 0, 1, TransferTotals()).is_idle
+
+
+def test_a_stopped_replica_says_so_in_its_poll_reply():
+    stopped = PollReply([], STATS, 0, 0, TransferTotals(), ReplicaStatus.LOOP_STOPPED, "engine loop of d0 stopped")
+    raw = msgspec.msgpack.decode(stopped.to_bytes())
+    assert raw["body"]["status"] == "loop_stopped" and raw["body"]["error"] == "engine loop of d0 stopped"
+    poll = PollReply.from_bytes(stopped.to_bytes())
+    assert poll == stopped and poll.status is ReplicaStatus.LOOP_STOPPED and not poll.is_serving
+    body = {**raw["body"], "status": "resting"}
+    with pytest.raises(MessageError, match="malformed poll_reply body"):
+        PollReply.from_bytes(_envelope(POLL_VERSION, "poll_reply", body))
 
 
 def test_block_pool_events_survive_the_poll_wire():
@@ -101,7 +113,7 @@ def test_handoff_messages_refuse_bad_input(cls):
 
 def test_poll_reply_refuses_bad_input():
     body = msgspec.msgpack.decode(_messages()[-1].to_bytes())["body"]
-    with pytest.raises(MessageError, match="unsupported poll_reply version 2"):
+    with pytest.raises(MessageError, match=f"unsupported poll_reply version {POLL_VERSION + 1}"):
         PollReply.from_bytes(_envelope(POLL_VERSION + 1, "poll_reply", body))
     with pytest.raises(MessageError, match="missing required field `num_active`"):
         PollReply.from_bytes(

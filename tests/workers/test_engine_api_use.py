@@ -30,10 +30,22 @@ LLM_ENGINE_API = {
     "kv_cache",  # what the transport reads and writes
     "device",
 }
-ENGINE_LOOP_API = {"call", "add_sequence", "admit_prefilled", "abort", "stop"}
+ENGINE_LOOP_API = {
+    "call",
+    "add_sequence",
+    "admit_prefilled",
+    "abort",
+    "stop",
+    # a dead loop: whether it runs, why it stopped, what it left; and the chaos-test faults
+    "alive",
+    "stop_reason",
+    "final_stats",
+    "inject_faults",
+}
 ENGINE_IMPORTS = {
     "splitserve.engine.config": {"EngineConfig"},
     "splitserve.engine.engine_loop": {"EngineLoop"},
+    "splitserve.engine.engine_errors": {"EngineLoopStopped", "EngineStepError"},
     "splitserve.engine.llm_engine": {"LLMEngine", "LayerHookFactory"},
     "splitserve.engine.core.scheduler": {"ScheduledBatch"},  # what a layer hook is given
     "splitserve.engine.core.sequence": {"Sequence"},  # what make_sequence returns

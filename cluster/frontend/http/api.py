@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP frontend: build_http_app(backend) -> FastAPI.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE with `stream: true`),
-GET /v1/models, GET /health, GET /metrics, and FastAPI's /openapi.json. A generation request
+GET /v1/models, GET /health, GET /ready, GET /metrics, and FastAPI's /openapi.json. A generation request
 may carry `x-request-timeout: SECONDS` (capped by request_timeout_s; past it: 504). Every error is
 OpenAI's {"error": {"message", "type", "param", "code"}}; no traceback ever reaches a client.
 `backend` is a splitserve.cluster.frontend.backend.ServingBackend or anything with the same interface.
@@ -187,16 +187,29 @@ def build_http_app(backend, echo_request_id: bool = True) -> FastAPI:
     def model_card() -> ModelCard:
         return ModelCard(id=backend.model_name, created=created, max_model_len=backend.max_model_len)
 
-    @app.get("/health", responses={503: {"description": "no decode replica is ready"}})
-    async def health() -> JSONResponse:
+    def health_state() -> dict:
         try:
-            state = dict(backend.health())
+            return dict(backend.health())
         except Exception:
             logger.exception("health check failed")
-            state = {"ok": False, "error": "health check failed"}
-        if state.get("ok"):
+            return {"ok": False, "serving": False, "error": "health check failed"}
+
+    def health_response(state: dict, ok: bool) -> JSONResponse:
+        if ok:
             return JSONResponse(state)
         return JSONResponse(state, status_code=503, headers={"Retry-After": retry_after(1.0)})
+
+    @app.get("/health", responses={503: {"description": "a pool is below its floor, or no decode replica is live"}})
+    async def health() -> JSONResponse:
+        """Every pool at or above its floor; the body gives each pool's live/expected/min."""
+        state = health_state()
+        return health_response(state, bool(state.get("ok")))
+
+    @app.get("/ready", responses={503: {"description": "no decode replica is live: nothing can be served"}})
+    async def ready() -> JSONResponse:
+        """Requests can be served at all, degraded or not (the readiness probe's endpoint)."""
+        state = health_state()
+        return health_response(state, bool(state.get("serving", state.get("ok"))))
 
     @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
     async def metrics() -> Response:

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from splitserve.cluster.config import ROUTER_POLICIES, ServeConfig  # noqa: E402
+from splitserve.cluster.frontend.grpc.health import READY_SERVICE  # noqa: E402
 from tests.helpers import deploy  # noqa: E402
 from tests.helpers.deploy import all_objects_of, crd_validator, merged_values_of, objects_of, ray_service_of, values_for  # noqa: E402
 
@@ -229,9 +230,10 @@ def test_service_exposes_the_head_frontends(name):
         assert container_ports[port["targetPort"]] == port["port"]
     assert container_ports["serve"] == serve["http_port"]  # KubeRay's serve Service uses it
     if values["head"]["probes"]["enabled"]:
-        assert head["readinessProbe"]["httpGet"] == {"path": "/health", "port": "serve"}
-        assert head["livenessProbe"]["grpc"]["port"] == serve["grpc_port"]
-        assert head["startupProbe"]["grpc"]["port"] == serve["grpc_port"]
+        # A degraded pool fails /health but must not restart the head or unroute it.
+        assert head["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "serve"}
+        for probe in ("livenessProbe", "startupProbe"):
+            assert head[probe]["grpc"] == {"port": serve["grpc_port"], "service": READY_SERVICE}
 
 
 def test_monitoring_objects_target_the_service():

@@ -347,6 +347,17 @@ def test_unhealthy_503_carries_retry_after(client, backend):
     assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
 
 
+def test_ready_is_serving_at_all_while_health_is_every_pool_at_its_floor(client, backend):
+    assert client.get("/ready").status_code == 200  # no "serving" in the state: follows "ok"
+    backend.healthy, backend.serving = False, True  # degraded: a pool lost a replica
+    assert client.get("/health").status_code == 503
+    ready = client.get("/ready")
+    assert ready.status_code == 200 and ready.json()["serving"] is True
+    backend.serving = False  # nothing can be served
+    ready = client.get("/ready")
+    assert ready.status_code == 503 and ready.headers["retry-after"] == "1"
+
+
 def test_unexpected_errors_are_500_without_details(client, backend):
     backend.crash = RuntimeError("secret internal detail")
     resp = client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x"})

@@ -1,0 +1,89 @@
+"""FaultInjector: chaos-test faults that fire inside the engine loop's real code paths.
+
+Armed from any thread (a worker's inject_fault actor method), fired on the loop thread:
+- fail the next N steps: the step raises from its first layer callback, mid-forward, so the
+  recovery sees a batch half computed (KV half written, a prefill's first layer already
+  queued to the KV sender) -- the same state a real kernel or transfer failure leaves;
+- hang the next N steps for S seconds each, also mid-forward (a hung prefill or kernel);
+  a loop stop() interrupts the hang;
+- stop the loop for good: the loop thread raises between steps, outside any step, which is
+  the "cannot carry on" path.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from splitserve.engine.llm_engine import LayerHookFactory
+
+
+class InjectedFault(RuntimeError):
+    """Raised by an armed fault: never by a healthy engine."""
+
+
+class FaultInjector:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._num_failing_steps = 0
+        self._hang_s = 0.0
+        self._num_hanging_steps = 0
+        self._stop_reason: str | None = None
+        self._interrupt = threading.Event()
+        self.num_fired = 0
+
+    def arm(self, fail_steps: int = 0, hang_s: float = 0.0, hang_steps: int = 1, stop_loop: bool = False) -> None:
+        """Set every fault at once (what is not given is switched off)."""
+        if fail_steps < 0 or hang_s < 0 or hang_steps < 0:
+            raise ValueError(f"fault counts and durations must be >= 0: {fail_steps=}, {hang_s=}, {hang_steps=}")
+        with self._lock:
+            self._num_failing_steps = fail_steps
+            self._hang_s = hang_s
+            self._num_hanging_steps = hang_steps if hang_s > 0 else 0
+            self._stop_reason = "injected loop stop" if stop_loop else None
+
+    @property
+    def armed(self) -> bool:
+        return bool(self._num_failing_steps or self._num_hanging_steps or self._stop_reason)
+
+    def interrupt(self) -> None:
+        """End a hang now and never hang again (the loop is stopping)."""
+        self._interrupt.set()
+
+    # ---- loop thread ---------------------------------------------------------------------
+    def check_loop(self) -> None:
+        """Between steps: raise if the loop was told to stop for good."""
+        if self._stop_reason is not None:
+            self.num_fired += 1
+            raise InjectedFault(self._stop_reason)
+
+    def wrap(self, layer_hook: LayerHookFactory | None) -> LayerHookFactory | None:
+        """layer_hook itself while nothing is armed; otherwise a hook factory that claims this
+        step's faults and fires them after the step's first layer."""
+        if not (self._num_failing_steps or self._num_hanging_steps):
+            return layer_hook
+
+        def factory(batch):
+            inner = layer_hook(batch) if layer_hook is not None else None
+            with self._lock:
+                fail = self._num_failing_steps > 0
+                self._num_failing_steps -= fail
+                hang_s = self._hang_s if self._num_hanging_steps > 0 else 0.0
+                self._num_hanging_steps -= hang_s > 0
+            if not fail and not hang_s:
+                return inner
+
+            def on_layer_done(layer: int) -> None:
+                if inner is not None:
+                    inner(layer)
+                if layer != 0:
+                    return
+                if hang_s:
+                    self.num_fired += 1
+                    self._interrupt.wait(hang_s)
+                if fail:
+                    self.num_fired += 1
+                    raise InjectedFault(f"injected step failure ({len(batch.seqs)} requests in the batch)")
+
+            return on_layer_done
+
+        return factory

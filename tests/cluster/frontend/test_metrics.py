@@ -1,0 +1,54 @@
+"""Per-replica series: a replica that left (drained, died, its engine loop stopped) is no
+longer exported, whatever family carries it."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from splitserve.cluster.frontend.metrics import Metrics
+from splitserve.engine.io.engine_stats import EngineStats
+from splitserve.kvtransfer.poll_reply import PollReply, TransferTotals
+
+STATS = EngineStats(
+    num_free_blocks=48,
+    num_blocks=64,
+    kv_usage=0.25,
+    num_running=1,
+    num_waiting=0,
+    num_waiting_tokens=0,
+    num_preemptions=0,
+    num_computed_prompt_tokens=10,
+    num_prefix_hit_tokens=0,
+)
+REPLICAS = [("prefill", "prefill-0"), ("decode", "decode-0"), ("decode", "decode-1")]
+
+
+def exported_replicas(metrics: Metrics) -> dict[str, set[str]]:
+    """family name -> the replicas it exports a series for."""
+    out: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for sample in family.samples:
+            if "replica" in sample.labels:
+                out.setdefault(family.name, set()).add(sample.labels["replica"])
+    return out
+
+
+def test_a_removed_replica_exports_no_series():
+    metrics = Metrics()
+    poll = PollReply([], STATS, 0, 1, TransferTotals(num_blocks=2, num_bytes=4096, seconds=0.01))
+    for pool, replica_id in REPLICAS:
+        metrics.observe_poll(pool, replica_id, poll)
+    before = exported_replicas(metrics)
+    assert before and all(ids == {r for _, r in REPLICAS} for ids in before.values())
+    # Every family labelled by replica is one forget_replica reaches.
+    assert set(before) <= {m.name for family in metrics.per_replica for m in family.describe()}
+
+    metrics.forget_replica("decode", "decode-1")
+    after = exported_replicas(metrics)
+    assert set(after) == set(before)
+    assert all(ids == {"prefill-0", "decode-0"} for ids in after.values())
+    metrics.forget_replica("decode", "decode-1")  # twice, or a replica never seen: harmless
+    metrics.forget_replica("prefill", "prefill-9")
+    metrics.forget_replica("prefill", "prefill-0")
+    metrics.forget_replica("decode", "decode-0")
+    assert exported_replicas(metrics) == {}

@@ -1,0 +1,230 @@
+"""A failing engine step, and an engine loop that cannot carry on, without Ray: a step that
+raises fails exactly its batch and leaves the engine as if those requests had been aborted
+(no block held, no half-written block findable in the prefix cache), the loop serves the
+others on; repeated failures or an injected stop end the loop, which then releases every
+block and answers every waiting caller with EngineLoopStopped."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine_errors import EngineLoopStopped, EngineStepError
+from splitserve.engine.engine_loop import EngineLoop
+from splitserve.engine.fault_injector import InjectedFault
+from splitserve.engine.io.request_output import RequestOutput
+from splitserve.engine.io.sampling_params import SamplingParams
+from splitserve.engine.llm_engine import LLMEngine
+
+BS = 16
+
+
+def engine_for(model_dir, **kw) -> LLMEngine:
+    kw.setdefault("num_kv_blocks", 32)
+    return LLMEngine(EngineConfig(model=str(model_dir), block_size=BS, **kw))
+
+
+def prompt(n: int, salt: int) -> list[int]:
+    return [(11 * i + 5 * salt) % 400 + 20 for i in range(n)]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def assert_baseline(stats) -> None:
+    assert stats.num_free_blocks == stats.num_blocks, stats
+    assert stats.num_running == stats.num_waiting == 0, stats
+
+
+def failing_hook(num_failures: list[int]):
+    """A layer hook factory (the engine's own extension point) whose steps raise after layer 0
+    while num_failures[0] > 0: the forward is half done, like a kernel that fails."""
+
+    def factory(batch):
+        if num_failures[0] <= 0:
+            return None
+        num_failures[0] -= 1
+
+        def on_layer_done(layer: int) -> None:
+            if layer == 0:
+                raise RuntimeError("kernel failed")
+
+        return on_layer_done
+
+    return factory
+
+
+def test_a_failed_step_fails_its_batch_and_undoes_it_exactly(tiny_model):
+    reference = engine_for(tiny_model).generate([prompt(40, s) for s in range(4)], greedy(6))
+    engine = engine_for(tiny_model, max_num_seqs=2)
+    for s in range(4):
+        engine.add_request(prompt_token_ids=prompt(40, s), params=greedy(6), request_id=f"r{s}")
+    fail_next = [1]
+    with pytest.raises(EngineStepError, match="kernel failed") as failed:
+        engine.step(failing_hook(fail_next))  # r0 and r1 prefill: the forward dies after layer 0
+    assert failed.value.request_ids == ["r0", "r1"]
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_blocks and stats.num_waiting == 2 and stats.num_running == 0
+    assert engine.snapshot()[1] == []  # nothing half-written was entered into the prefix cache
+    assert set(engine.scheduler.requests) == {"r2", "r3"}
+
+    # The others run as if nothing happened; the failed prompts, sent again, give the reference.
+    outputs: dict[str, RequestOutput] = {}
+    engine.add_request(prompt_token_ids=prompt(40, 0), params=greedy(6), request_id="r0-again")
+    while engine.has_unfinished():
+        outputs.update((o.request_id, o) for o in engine.step(failing_hook(fail_next)) if o.finished)
+    assert [outputs[r].token_ids for r in ("r0-again", "r2", "r3")] == [reference[i].token_ids for i in (0, 2, 3)]
+    assert_baseline(engine.stats())
+
+    # Mid-decode: the prompts' full blocks are cached; a failed decode step caches nothing
+    # new, frees every block it had, and the cached prefix is still right.
+    for s in (0, 1):
+        engine.add_request(prompt_token_ids=prompt(40, s), params=greedy(6), request_id=f"d{s}")
+    engine.step()  # both prefill: 2 full blocks each are cached
+    engine.step()
+    cached = sorted(engine.snapshot()[1])
+    fail_next[0] = 1
+    with pytest.raises(EngineStepError) as failed:
+        engine.step(failing_hook(fail_next))
+    assert sorted(failed.value.request_ids) == ["d0", "d1"]
+    assert sorted(engine.snapshot()[1]) == cached
+    assert_baseline(engine.stats())
+    again = engine.generate([prompt(40, 1)], greedy(6))[0]
+    assert again.token_ids == reference[1].token_ids and again.num_cached_tokens == 32
+
+
+class Collector:
+    """Sinks that record what the loop hands each request: outputs, then the end or an error."""
+
+    def __init__(self):
+        self.outputs: dict[str, list[RequestOutput]] = {}
+        self.errors: dict[str, Exception] = {}
+        self.ended: dict[str, threading.Event] = {}
+        self.ended_at: dict[str, float] = {}
+
+    def sink(self, request_id: str):
+        self.outputs[request_id] = []
+        self.ended[request_id] = threading.Event()
+
+        def receive(item) -> None:
+            if isinstance(item, Exception):
+                self.errors[request_id] = item
+            else:
+                self.outputs[request_id].append(item)
+                if not item.finished:
+                    return
+            self.ended_at[request_id] = time.monotonic()
+            self.ended[request_id].set()
+
+        return receive
+
+    def wait(self, *request_ids: str, timeout_s: float = 30.0) -> None:
+        for rid in request_ids:
+            assert self.ended[rid].wait(timeout_s), f"{rid} never ended"
+
+    def tokens(self, request_id: str) -> list[int]:
+        return [t for o in self.outputs[request_id] for t in o.new_token_ids]
+
+
+def add(loop: EngineLoop, collector: Collector, request_id: str, ids: list[int], max_tokens: int, wait: bool = True):
+    seq = loop.engine.make_sequence(None, ids, greedy(max_tokens), request_id)
+    added = loop.add_sequence(seq, collector.sink(request_id))
+    return added.result(10) if wait else added
+
+
+def stats_of(loop: EngineLoop):
+    return loop.call(lambda e: e.stats()).result(10)
+
+
+def test_the_loop_fails_only_the_batch_and_serves_on(tiny_model):
+    reference = engine_for(tiny_model).generate([prompt(20, s) for s in range(5)], greedy(8))
+    loop = EngineLoop(engine_for(tiny_model, max_num_seqs=2), name="t").start()
+    got = Collector()
+    try:
+        for s in (0, 1):
+            add(loop, got, f"r{s}", prompt(20, s), 400)  # long: running until the fault
+        wait_until_output(got, "r0", "r1")
+        for s in (2, 3):
+            add(loop, got, f"r{s}", prompt(20, s), 8)  # waiting: max_num_seqs is 2
+        armed = time.monotonic()
+        loop.inject_faults(fail_steps=1)
+        got.wait("r0", "r1")
+        took = max(got.ended_at["r0"], got.ended_at["r1"]) - armed
+        print(f"step failure: its 2 requests failed {took * 1000:.0f} ms after the fault was armed")
+        assert took < 1.0
+        for rid in ("r0", "r1"):
+            assert isinstance(got.errors[rid], EngineStepError)
+            assert "t: engine step failed" in str(got.errors[rid]) and "injected step failure" in str(got.errors[rid])
+        got.wait("r2", "r3")
+        assert [got.tokens(r) for r in ("r2", "r3")] == [reference[i].token_ids for i in (2, 3)]
+        add(loop, got, "r4", prompt(20, 4), 8)  # and after: still serving
+        got.wait("r4")
+        assert got.tokens("r4") == reference[4].token_ids and not ({"r2", "r3", "r4"} & set(got.errors))
+        assert loop.alive and loop.num_failed_steps == 1 and loop.faults.num_fired == 1
+        assert_baseline(stats_of(loop))
+    finally:
+        loop.stop()
+
+
+def wait_until_output(got: Collector, *request_ids: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(got.outputs[r] for r in request_ids):
+        assert time.monotonic() < deadline, "no output yet"
+        time.sleep(0.01)
+
+
+def test_repeated_step_failures_stop_the_loop_and_release_everything(tiny_model):
+    loop = EngineLoop(engine_for(tiny_model, max_num_seqs=1), max_consecutive_step_failures=2, name="t").start()
+    got = Collector()
+    # The first failing step also hangs a little, so everything below is queued before the
+    # second failing step: r0 fails, r1 fails, the loop stops with r2 still waiting.
+    loop.inject_faults(fail_steps=5, hang_s=0.3)
+    added = [add(loop, got, f"r{s}", prompt(20, s), 8, wait=False) for s in range(3)]
+    held = loop.engine.make_sequence(None, prompt(40, 3), greedy(8), "held")
+    reserved = loop.call(lambda e: e.reserve_prompt_blocks(held))  # a decode replica's reservation
+    assert [f.result(10) for f in added] == [None] * 3 and reserved.result(10) is not None
+    got.wait("r0", "r1", "r2")
+    assert isinstance(got.errors["r0"], EngineStepError) and isinstance(got.errors["r1"], EngineStepError)
+    assert isinstance(got.errors["r2"], EngineLoopStopped)
+    assert loop.wait_stopped(5) and not loop.alive
+    assert "2 engine steps failed in a row" in loop.stop_reason and "injected step failure" in loop.stop_reason
+    assert_baseline(loop.final_stats())  # the reservation and every request were released
+    with pytest.raises(EngineLoopStopped, match="engine loop of t stopped"):
+        loop.call(lambda e: e.stats()).result(1)  # refused at once, never left hanging
+    assert loop.abort("r2").result(1) is None  # nothing left to abort
+
+
+def test_an_injected_loop_stop_fails_every_request_fast(tiny_model):
+    loop = EngineLoop(engine_for(tiny_model), name="t").start()
+    got = Collector()
+    add(loop, got, "long", prompt(40, 0), 400)
+    wait_until_output(got, "long")
+    stopped_at = time.monotonic()
+    loop.inject_faults(stop_loop=True)
+    got.wait("long")
+    took = got.ended_at["long"] - stopped_at
+    print(f"loop stop: its running request failed {took * 1000:.0f} ms after the stop")
+    assert took < 1.0 and isinstance(got.errors["long"], EngineLoopStopped)
+    assert isinstance(loop.error, InjectedFault) and "injected loop stop" in loop.stop_reason
+    assert loop.wait_stopped(5)
+    assert_baseline(loop.final_stats())
+    loop.stop()  # stopping a stopped loop is harmless
+
+
+def test_stop_interrupts_a_hung_step(tiny_model):
+    loop = EngineLoop(engine_for(tiny_model), name="t").start()
+    got = Collector()
+    loop.inject_faults(hang_s=60)
+    add(loop, got, "hung", prompt(20, 0), 8)
+    time.sleep(0.3)
+    assert not got.outputs["hung"]  # its step hangs
+    start = time.monotonic()
+    loop.stop(timeout_s=10)
+    assert time.monotonic() - start < 5
+    got.wait("hung", timeout_s=5)
+    assert isinstance(got.errors["hung"], EngineLoopStopped) and "shut down" in str(got.errors["hung"])
+    assert_baseline(loop.final_stats())
