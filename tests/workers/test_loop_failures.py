@@ -94,8 +94,10 @@ class Stream:
         address = ray.get(handle.channel_address.remote(), timeout=30)
         submit = Submit(request_id, ids, params.to_dict(), None if prefill is None else prefill.replica_id)
 
+        # Held here: a channel's reader and the tasks waiting on it only reference each other.
+        self.channel = channel = DecodeChannel(replica_id, address, f"test-{request_id}")
+
         async def consume() -> None:
-            channel = DecodeChannel(replica_id, address, f"test-{request_id}")
             try:
                 queue = await channel.submit(submit)
                 while True:

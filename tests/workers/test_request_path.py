@@ -304,3 +304,41 @@ def test_a_second_ingress_follows_the_same_kv_events(loop, cluster):
         loop.run(follower.close(), timeout=30)
     assert pool_states(loop, cluster)  # the replicas serve on
     wait_for_baseline(loop, cluster)
+
+
+# ---- #13 defect 4: a hung prefill replica ---------------------------------------------------------
+
+
+def test_a_hung_prefill_is_given_up_at_its_timeout_and_retried_on_another_replica(loop, cluster):
+    for i in range(4):  # decode measures the prefill pool's speed on these
+        loop.run(cluster.complete(SHARED + [400 + i, 7], GREEDY), timeout=60)
+    wait_for_baseline(loop, cluster)
+    hung, other = cluster.prefill_pool.get("prefill-0"), "prefill-1"
+    hang_s = 8.0
+    retries = cluster.dispatcher.num_retries
+    ray.get(hung.handle.inject_fault.remote(hang_s=hang_s, hang_steps=1), timeout=10)
+    cluster.router.set_draining(PREFILL, other, True)  # the first attempt goes to the hung replica
+
+    async def go():
+        task = asyncio.ensure_future(cluster.complete(SHARED + list(range(420, 460)), GREEDY))
+        while not cluster.dispatcher.inflight_prefill:  # routed: let the retry have the other one
+            await asyncio.sleep(0.005)
+        cluster.router.set_draining(PREFILL, other, False)
+        return await task
+
+    started = time.monotonic()
+    try:
+        result = loop.run(go(), timeout=60)
+    finally:
+        cluster.router.set_draining(PREFILL, other, False)
+    took = time.monotonic() - started
+    assert result["prefill_replica"] == other and len(result["token_ids"]) == GREEDY.max_tokens
+    assert cluster.dispatcher.num_retries == retries + 1
+    # Decode gave the hung replica up at its timeout and freed the reservation then.
+    states = pool_states(loop, cluster)
+    (decode_id,) = cluster.dispatcher.members[DECODE]
+    decode = states[decode_id].engine
+    assert decode.num_free_blocks == decode.num_blocks and not decode.num_running
+    print(f"hung prefill ({hang_s:.0f} s): answered by {other} after a retry, {took:.2f} s after it was sent")
+    assert took < hang_s
+    wait_for_baseline(loop, cluster, timeout_s=hang_s + 10)  # the hung replica frees its side when it wakes
