@@ -2,8 +2,8 @@
 
 HTTP reaches each ingress replica's own uvicorn straight from HAProxy (a C process on every
 node) instead of crossing Serve's Python proxy actor per token: RAY_SERVE_ENABLE_HA_PROXY=1,
-with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 so the handlers run on the replica's main loop (no
-thread hop per chunk; the frontends move tokenization to a thread). Ray reads these once, at
+with what RAY_SERVE_THROUGHPUT_OPTIMIZED=1 implies, so the handlers run on the replica's main
+loop (no thread hop per chunk; the frontends move tokenization to a thread). Ray reads these once, at
 import, in the controller, proxies and replicas, so they are set before Ray starts: in this
 process's environment for a local cluster, or in the Serve controller's runtime_env when
 joining one (`--address`), which the proxies and replicas it creates inherit.
@@ -24,7 +24,20 @@ import tempfile
 # The replicas' listeners close this long after a replica starts draining (Ray's default
 # is 30 s, which a local Ctrl-C would wait out); a Kubernetes load balancer needs longer.
 LOCAL_DRAINING_PERIOD_S = "2"
-FLAGS = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+# RAY_SERVE_THROUGHPUT_OPTIMIZED=1 spelled out: exactly the settings it implies (Ray 2.60,
+# ray/serve/_private/constants.py), without the Serve controller's multi-line INFO banner,
+# which reaches the console on every start before Serve's logging config applies. The Helm
+# chart, whose logs go to files, sets the flag itself.
+THROUGHPUT_OPTIMIZED = {
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+    "RAY_SERVE_FREEZE_GC_ON_STARTUP": "1",
+    "RAY_SERVE_LOG_TO_STDERR": "0",
+    "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
+}
+FLAGS = {"RAY_SERVE_ENABLE_HA_PROXY": "1", **THROUGHPUT_OPTIMIZED}
 
 
 def _free_port() -> int:
@@ -39,7 +52,7 @@ class FrontDoor:
         self.state_dir: str | None = None
 
     def environment(self) -> dict[str, str]:
-        """The variables to set (a user's own values win: they are left out)."""
+        """The variables to set; a user's own value of one (in this environment) wins."""
         env = dict(FLAGS)
         if self.local:
             # Short: HAProxy limits socket paths to 97 bytes and Ray adds the node id (56).
@@ -60,7 +73,7 @@ class FrontDoor:
                     "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(d, "metrics.sock"),
                 }
             )
-        return {key: value for key, value in env.items() if key not in os.environ}
+        return {key: os.environ.get(key, value) for key, value in env.items()}
 
     def controller_options(self, env: dict[str, str]) -> dict | None:
         """serve.start's controller_options carrying env when joining a running cluster."""

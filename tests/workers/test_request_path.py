@@ -279,6 +279,8 @@ def test_a_second_ingress_follows_the_same_kv_events(loop, cluster):
                 await follower.add_replica(member.info, member.handle)
         await follower.poll_once()
 
+    prefixes = [[(17 * i + 5 * k) % 300 + 60 for i in range(32)] for k in range(4)]  # 2 blocks, one each
+
     def index_matches() -> bool:
         loop.run(follower.poll_once())
         for pool in (PREFILL, DECODE):
@@ -293,13 +295,14 @@ def test_a_second_ingress_follows_the_same_kv_events(loop, cluster):
 
     loop.run(follow(), timeout=60)
     try:
-        for i in range(4):  # new blocks stored while both follow
-            loop.run(cluster.complete(SHARED + list(range(300 + 20 * i, 320 + 20 * i)), GREEDY), timeout=60)
+        for prefix in prefixes:  # new blocks stored while both follow, each prefix on one replica
+            loop.run(cluster.complete(prefix + [9, 9], GREEDY), timeout=60)
         wait_until(index_matches, 15, "the two ingresses' indexes differ from the replicas")
-        # Both make the same prefix decision.
-        probe = SHARED + list(range(300, 320)) + [9]
-        a, b = cluster.router.route(probe), follower.router.route(probe)
-        assert (a.prefill_replica, a.prefill_cached_tokens) == (b.prefill_replica, b.prefill_cached_tokens)
+        # Both make the same prefix decision: to the prefill replica that holds the prefix.
+        for prefix in prefixes:
+            a, b = cluster.router.route(prefix + [8]), follower.router.route(prefix + [8])
+            assert a.prefill_cached_tokens == 32 and a.prefill_replica == b.prefill_replica
+            assert b.prefill_cached_tokens == 32
     finally:
         loop.run(follower.close(), timeout=30)
     assert pool_states(loop, cluster)  # the replicas serve on
@@ -314,7 +317,7 @@ def test_a_hung_prefill_is_given_up_at_its_timeout_and_retried_on_another_replic
         loop.run(cluster.complete(SHARED + [400 + i, 7], GREEDY), timeout=60)
     wait_for_baseline(loop, cluster)
     hung, other = cluster.prefill_pool.get("prefill-0"), "prefill-1"
-    hang_s = 8.0
+    hang_s = 20.0
     retries = cluster.dispatcher.num_retries
     ray.get(hung.handle.inject_fault.remote(hang_s=hang_s, hang_steps=1), timeout=10)
     cluster.router.set_draining(PREFILL, other, True)  # the first attempt goes to the hung replica
