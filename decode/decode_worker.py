@@ -337,7 +337,10 @@ class DecodeWorker(EngineWorker):
             except BaseException:
                 pass
         if not in_step:
+            epoch = self._epochs.get(prefill_id, 0)
             self._drop_pair(prefill_id)
+            # Its sender must not wait on the dead pair until the transfer timeout.
+            _fire(prefill.forget_peer, self.replica_id, epoch)
             if received is not None:
                 with contextlib.suppress(BaseException):
                     await asyncio.wait_for(asyncio.shield(received), 5.0)
@@ -413,8 +416,11 @@ class DecodeWorker(EngineWorker):
             self._epochs[prefill_id] = self._epochs.get(prefill_id, 0) + 1
         return closed
 
-    async def forget_peer(self, prefill_id: str) -> None:
-        """A prefill replica left: drop its process group (the next pair with it is a new epoch)."""
+    async def forget_peer(self, prefill_id: str, epoch: int | None = None) -> None:
+        """A prefill replica left: drop its process group (the next pair with it is a new
+        epoch). epoch: only if the pair is not newer."""
+        if epoch is not None and self._epochs.get(prefill_id, 0) > epoch:
+            return
         self._drop_pair(prefill_id)
         self._prefill_handles.pop(prefill_id, None)
 

@@ -115,9 +115,10 @@ class EngineWorker:
     async def snapshot(self) -> tuple[int, list[int]]:
         return await asyncio.wrap_future(self.loop.call(lambda engine: engine.snapshot()))
 
-    async def forget_peer(self, peer_id: str) -> None:
-        """The peer replica left, or closed its side of the pair: close ours too."""
-        await asyncio.to_thread(self.transport.close_pair, peer_id)
+    async def forget_peer(self, peer_id: str, epoch: int | None = None) -> None:
+        """The peer replica left, or closed its side of the pair (epoch: the one it closed; a
+        newer pair is kept): close ours too, so nothing waits on it until the timeout."""
+        await asyncio.to_thread(self.transport.close_pair, peer_id, epoch)
 
     async def inject_fault(
         self, fail_steps: int = 0, hang_s: float = 0.0, hang_steps: int = 1, stop_loop: bool = False

@@ -24,6 +24,7 @@ from splitserve.cluster.routing.router import DECODE, PREFILL, Router
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.kvtransfer.poll_reply import PollReply
 from splitserve.proto import load_stubs
 from tests.helpers.cluster import LoopHttpServer, cluster_config, pool_states, wait_for_baseline, wait_until
 
@@ -147,6 +148,21 @@ def _sleep(seconds: float):
     return when
 
 
+def _transfer_done(cluster):
+    """Until the decode replica has received a new transfer (the request now waits to be admitted)."""
+    (decode,) = cluster.dispatcher.members[DECODE].values()
+
+    async def received() -> int:
+        return PollReply.from_bytes(await decode.handle.poll.remote()).transfer.num_blocks
+
+    async def when(_first):
+        before = await received()
+        while await received() == before:
+            await asyncio.sleep(0.01)
+
+    return when
+
+
 async def _first_chunk(first: asyncio.Event) -> None:
     await asyncio.wait_for(first.wait(), 30)
 
@@ -171,10 +187,10 @@ def test_a_disconnect_at_any_point_frees_every_block_within_a_second(loop, clust
     finally:
         _set_prefill_fault(cluster, stall_send_s=0.0)
     time.sleep(2.0)  # the stalled sender thread wakes up and skips the abandoned job
-    _set_admission_delay(cluster, 3.0)
+    _set_admission_delay(cluster, 5.0)
     try:
         figures["between transfer and admission"] = _disconnect(
-            loop, cluster, SHARED + list(range(90, 130)), LONG, _sleep(1.0)
+            loop, cluster, SHARED + list(range(90, 130)), LONG, _transfer_done(cluster)
         )
     finally:
         _set_admission_delay(cluster, 0.0)
@@ -251,22 +267,35 @@ def test_errors_from_the_replicas_reach_clients_without_internals(loop, cluster,
 
 
 def test_tokens_travel_in_one_frame_per_engine_step(loop, cluster, reference):
+    """Once six requests run together, each engine step's tokens of all six arrive in one frame."""
     (decode,) = cluster.dispatcher.members[DECODE].values()
-    frames, chunks = decode.channel.num_frames, decode.channel.num_chunks
+    channel = decode.channel
     prompts = [SHARED + [200 + i] for i in range(6)]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    seen = [0] * len(prompts)
+    counters: dict[str, tuple[int, int]] = {}
+
+    async def one(i: int) -> list[int]:
+        tokens = []
+        async for chunk in cluster.generate(prompts[i], params):
+            tokens += chunk.token_ids
+            seen[i] = len(tokens)
+            if "start" not in counters and min(seen) >= 2:  # all six are in the running batch
+                counters["start"] = (channel.num_frames, channel.num_chunks)
+            if "end" not in counters and min(seen) >= 30:
+                counters["end"] = (channel.num_frames, channel.num_chunks)
+        return tokens
 
     async def go():
-        return await asyncio.gather(*(cluster.complete(p, params) for p in prompts))
+        return await asyncio.gather(*(one(i) for i in range(len(prompts))))
 
-    results = loop.run(go(), timeout=120)
-    for prompt, result in zip(prompts, results):
-        assert result["token_ids"] == reference(prompt, 24)
-    num_frames = decode.channel.num_frames - frames
-    num_chunks = decode.channel.num_chunks - chunks
-    print(f"6 streams x 24 tokens: {num_chunks} chunks in {num_frames} frames")
-    assert num_chunks == 6 * 24  # one chunk per token here (no stop strings)
-    assert num_frames <= num_chunks / 2  # a step's tokens of every request share one frame
+    for prompt, tokens in zip(prompts, loop.run(go(), timeout=120)):
+        assert tokens == reference(prompt, 40)
+    num_frames = counters["end"][0] - counters["start"][0]
+    num_chunks = counters["end"][1] - counters["start"][1]
+    print(f"6 running streams: {num_chunks} chunks in {num_frames} frames")
+    assert num_chunks >= 6 * 20
+    assert num_frames * 4 <= num_chunks  # ~6 chunks per frame: a step's tokens share one frame
     wait_for_baseline(loop, cluster)
 
 
@@ -298,11 +327,11 @@ def test_a_second_ingress_follows_the_same_kv_events(loop, cluster):
         for prefix in prefixes:  # new blocks stored while both follow, each prefix on one replica
             loop.run(cluster.complete(prefix + [9, 9], GREEDY), timeout=60)
         wait_until(index_matches, 15, "the two ingresses' indexes differ from the replicas")
-        # Both make the same prefix decision: to the prefill replica that holds the prefix.
+        # Both make the same prefix decision.
         for prefix in prefixes:
             a, b = cluster.router.route(prefix + [8]), follower.router.route(prefix + [8])
-            assert a.prefill_cached_tokens == 32 and a.prefill_replica == b.prefill_replica
-            assert b.prefill_cached_tokens == 32
+            assert (a.prefill_replica, a.prefill_cached_tokens) == (b.prefill_replica, b.prefill_cached_tokens)
+            assert (a.decode_replica, a.decode_cached_tokens) == (b.decode_replica, b.decode_cached_tokens)
     finally:
         loop.run(follower.close(), timeout=30)
     assert pool_states(loop, cluster)  # the replicas serve on
