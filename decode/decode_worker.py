@@ -182,7 +182,8 @@ class DecodeWorker(EngineWorker):
         admitted = False
         try:
             params = SamplingParams.from_dict(submit.sampling)
-            seq = self.engine.make_sequence(None, submit.prompt_token_ids, params, rid)
+            # A constrained request's grammar is compiled off the engine loop, within the deadline.
+            seq = await self.loop.make_sequence(submit.prompt_token_ids, params, rid, deadline=submit.deadline)
             sink = self._sink(rid)
             if submit.prefill_replica_id is None:
                 await asyncio.wrap_future(self.loop.add_sequence(seq, sink))

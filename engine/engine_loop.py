@@ -16,9 +16,11 @@ in `stop_reason`. The worker then reports itself dead in its poll reply.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -28,6 +30,7 @@ from splitserve.engine.engine_errors import EngineLoopStopped, EngineStepError
 from splitserve.engine.fault_injector import FaultInjector
 from splitserve.engine.io.engine_stats import EngineStats
 from splitserve.engine.io.request_output import RequestOutput
+from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LayerHookFactory, LLMEngine
 
 __all__ = ["EngineLoop", "EngineLoopStopped", "EngineStepError", "Sink"]
@@ -120,6 +123,27 @@ class EngineLoop:
                 return fut
         fut.set_exception(self._stopped_error())
         return fut
+
+    async def make_sequence(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        prefill_only: bool = False,
+        deadline: float | None = None,
+    ) -> Sequence:
+        """LLMEngine.make_sequence for an asyncio actor. A constrained request's grammar may take
+        long to compile: that runs on a worker thread, never on the loop thread or the event
+        loop, so other requests keep streaming, and within the request's deadline (time.time()),
+        so compile time counts toward it (TimeoutError past it). InvalidRequestError for bad
+        input, an invalid grammar included."""
+        if params.structured_output is None:
+            return self.engine.make_sequence(None, prompt_token_ids, params, request_id, prefill_only=prefill_only)
+        build = asyncio.to_thread(
+            self.engine.make_sequence, None, prompt_token_ids, params, request_id, prefill_only=prefill_only
+        )
+        timeout = None if deadline is None else max(deadline - time.time(), 0.001)
+        return await asyncio.wait_for(build, timeout)
 
     def add_sequence(self, seq: Sequence, sink: Sink) -> Future:
         """Queue seq (from LLMEngine.make_sequence); its outputs go to sink."""

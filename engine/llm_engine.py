@@ -31,6 +31,7 @@ from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.engine.model.loader import load_model
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.ops.kv_cache import KVCache
+from splitserve.engine.sample.grammar_compiler import GrammarCompiler
 
 # Given the batch about to run, returns a per-layer callback (or None) for that step. The
 # prefill worker uses it to send each layer's KV while the next layer computes.
@@ -48,6 +49,7 @@ class LLMEngine:
         self.kv_cache = KVCache(self.model_config, config)
         self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         eos = self.tokenizer.eos_token_ids or self.model_config.eos_token_ids
+        self.grammar = GrammarCompiler(self.tokenizer.to_json(), self.model_config.vocab_size, eos)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, eos)
         self.runner = ModelRunner(self.model, self.kv_cache, config.seed)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -86,7 +88,11 @@ class LLMEngine:
             self.config.num_kv_blocks * self.config.block_size,
         )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        return Sequence(rid, prompt_token_ids, params, self.config.block_size, prefill_only=prefill_only)
+        seq = Sequence(rid, prompt_token_ids, params, self.config.block_size, prefill_only=prefill_only)
+        if params.structured_output is not None:
+            # Compiles on a cache miss: callers on an event loop run this in a worker thread.
+            seq.grammar = self.grammar.new_matcher(params.structured_output)
+        return seq
 
     def add_sequence(self, seq: Sequence) -> None:
         """Queue a sequence from make_sequence. A prefill_only one stops after its first token
@@ -165,6 +171,15 @@ class LLMEngine:
         replica), check the stop conditions, join the running batch, and return the first
         output, post-processed exactly like a step's."""
         seq = self._reserved[request_id]
+        # A constrained request's grammar state crosses as the tokens the prefill replica
+        # accepted (the first token): replay it into this replica's matcher.
+        if seq.grammar is not None and not seq.grammar.accept_token(first_token):
+            error = seq.grammar.error.strip()
+            self.release_reservation(request_id)
+            raise RuntimeError(
+                f"the prefill replica's first token {first_token} breaks the request's grammar ({error}); "
+                "is it running an older splitserve?"
+            )
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.num_cached_tokens = num_cached_tokens
         seq.append_token(first_token, first_logprob if seq.params.logprobs else None)
@@ -283,6 +298,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_computed_prompt_tokens=self.scheduler.num_computed_prompt_tokens,
             num_prefix_hit_tokens=self.kv.num_hit_tokens,
+            **self.grammar.stats(),
+            **self.runner.grammar_mask.stats(),
         )
 
     @property

@@ -11,6 +11,7 @@ from splitserve.engine.core.scheduler import ScheduledBatch
 from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.ops.attention_metadata import AttentionMetadata
 from splitserve.engine.ops.kv_cache import KVCache
+from splitserve.engine.sample.grammar_mask import GrammarMask
 from splitserve.engine.sample.sampler import Sampler
 
 
@@ -21,6 +22,7 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.device = kv_cache.device
         self.sampler = Sampler(seed)
+        self.grammar_mask = GrammarMask(model.config.vocab_size)
 
     def build_metadata(
         self, seqs: list[Sequence], num_new_tokens: list[int]
@@ -81,20 +83,22 @@ class ModelRunner:
         if batch.is_empty:
             return {}
         input_ids, positions, meta, last_index = self.build_metadata(batch.seqs, batch.num_new_tokens)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, on_layer_done=on_layer_done)
         rows, seqs = [], []
         for seq, n, idx in zip(batch.seqs, batch.num_new_tokens, last_index):
             if seq.num_computed_tokens + n == seq.num_tokens:
                 rows.append(idx)
                 seqs.append(seq)
+        self.grammar_mask.start(seqs)  # constrained rows' masks are computed during the forward
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, on_layer_done=on_layer_done)
         if not rows:
             return {}
         if len(rows) == hidden.shape[0]:
             selected = hidden
         else:
             selected = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
-        logits = self.model.compute_logits(selected)
+        logits = self.grammar_mask.apply(self.model.compute_logits(selected))
         results = self.sampler.sample(logits, [s.request_id for s in seqs], [s.params for s in seqs])
+        self.grammar_mask.accept(seqs, [token for token, _ in results])
         return {s.request_id: r for s, r in zip(seqs, results)}
 
     def forget(self, request_id: str) -> None:

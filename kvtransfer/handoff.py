@@ -6,6 +6,10 @@ the prompt's blocks it lacks, and sends a Handoff to the prefill replica; the pr
 computes the prompt, streams the listed blocks over torch.distributed, and answers with a
 PrefillResult carrying the first token. The decode replica streams StreamChunks to the ingress
 (in TokenBatch frames of the request channel, kvtransfer/request_channel.py).
+
+A constrained request (sampling["structured_output"]) is compiled on both sides; prefill
+samples the first token under the grammar, and its grammar state crosses as the tokens it
+accepted, i.e. that first token, which decode replays into its own matcher.
 """
 
 from __future__ import annotations

@@ -102,7 +102,11 @@ class PrefillWorker(EngineWorker):
         if rid in self._jobs:  # ids are the ingress's and unique: never let one clobber another
             raise ValueError(f"request id {rid!r} is already being prefilled on {self.replica_id}")
         params = SamplingParams.from_dict(handoff.sampling)
-        seq = self.engine.make_sequence(None, handoff.prompt_token_ids, params, rid, prefill_only=True)
+        # A constrained request's grammar is compiled off the engine loop; its mask then
+        # applies to the first token, sampled here.
+        seq = await self.loop.make_sequence(
+            handoff.prompt_token_ids, params, rid, prefill_only=True, deadline=handoff.deadline
+        )
         job = SendJob(
             rid,
             handoff.destination,

@@ -3,6 +3,7 @@ metrics, and streaming generation through the disaggregated cluster."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -20,6 +21,8 @@ from splitserve.engine.config import ModelConfig
 from splitserve.engine.io.request_validation import validate_prompt
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.io.tokenizer import Tokenizer
+from splitserve.engine.sample.grammar_compiler import GrammarCompiler
+from splitserve.engine.sample.grammar_spec import GrammarSpec
 from splitserve.kvtransfer.handoff import StreamChunk
 from splitserve.kvtransfer.poll_reply import PollReply
 
@@ -43,6 +46,9 @@ class ServingBackend:
         self.max_model_len = self.model_config.resolve_max_model_len(cfg.max_model_len)
         pools = [cfg.decode] + ([cfg.prefill] if cfg.prefill.replicas or cfg.prefill.autoscaling.enabled else [])
         self.max_cache_tokens = min(p.num_kv_blocks for p in pools) * cfg.block_size
+        eos = self.tokenizer.eos_token_ids or self.model_config.eos_token_ids
+        # Checks constrained requests before any compute (replicas compile their own copies).
+        self.grammar = GrammarCompiler(self.tokenizer.to_json(), self.model_config.vocab_size, eos)
         self.metrics = Metrics()
         self.cluster = cluster or DisaggCluster(
             cfg, model_dir, on_poll=self._on_poll, on_drop=self._on_drop, ingress_id=self.ingress_id
@@ -78,11 +84,12 @@ class ServingBackend:
         _check_unicode(text)
         return self.tokenizer.encode(text)
 
-    def render_chat(self, messages: list[dict]) -> list[int]:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         if not messages:
             raise invalid("messages must not be empty")
+        extra = {} if tools is None else {"tools": tools}  # templates that know tools show them
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
         except (ValueError, TypeError, KeyError) as exc:
             raise invalid(f"could not apply the chat template: {exc}") from None
         _check_unicode(text)
@@ -145,6 +152,8 @@ class ServingBackend:
         if timeout_s is not None and not timeout_s > 0:
             raise invalid(f"the request timeout must be a positive number of seconds, got {timeout_s!r}")
         deadline = time.time() + min(timeout_s or self.cfg.request_timeout_s, self.cfg.request_timeout_s)
+        if params.structured_output is not None:
+            await self.check_grammar(params.structured_output, deadline)
         key = api_key or ""
         if self.num_inflight >= self.cfg.max_queued_requests:
             self.metrics.requests.labels(ErrorKind.OVERLOADED.value).inc()
@@ -192,6 +201,21 @@ class ServingBackend:
             self.metrics.requests.labels(status).inc()
             if status == OK:
                 self.metrics.e2e.observe(time.perf_counter() - start)
+
+    async def check_grammar(self, spec: GrammarSpec, deadline: float) -> None:
+        """Compile a request's grammar (cached) on a worker thread: an invalid schema, regex or
+        grammar is an invalid-request error with the grammar engine's message; the time counts toward the deadline."""
+        self.metrics.structured_requests.labels(spec.kind).inc()
+        start = time.perf_counter()
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.grammar.compile, spec), max(deadline - time.time(), 0.001))
+        except InvalidRequestError as exc:
+            raise invalid(str(exc)) from None
+        except TimeoutError:
+            raise RequestError(
+                ErrorKind.DEADLINE, "compiling the request's grammar did not finish before its deadline"
+            ) from None
+        self.metrics.grammar_compile.observe(time.perf_counter() - start)
 
     # ---- metrics plumbing ----------------------------------------------------------------
     def _on_route(self, decision) -> None:

@@ -74,11 +74,35 @@ class Metrics:
         self.scaling_decisions = Counter(
             "splitserve_scaling_decisions", "Autoscaler decisions", ["pool", "decision"], registry=r
         )
+        self.structured_requests = Counter(
+            "splitserve_structured_requests", "Requests with a structured-output constraint", ["kind"], registry=r
+        )
+        self.grammar_compile = Histogram(
+            "splitserve_grammar_compile_seconds",
+            "Frontend grammar compile time per structured request (cache hits included)",
+            registry=r,
+            buckets=(0.0001, 0.0005, 0.001, 0.005, *LATENCY_BUCKETS[1:]),
+        )
+        self.replica_grammar = {
+            key: Counter(f"splitserve_{key}", help_text, ["pool"], registry=r)
+            for key, help_text in (
+                ("grammar_compile_seconds_replica", "Seconds replicas spent compiling grammars"),
+                ("grammar_mask_seconds", "Seconds decode steps spent waiting for and applying grammar masks"),
+                ("grammar_mask_steps", "Engine steps that applied grammar masks"),
+            )
+        }
         self._last_transfer: dict[str, tuple[float, float]] = {}
+        self._last_grammar: dict[tuple[str, str], float] = {}
 
     def observe_poll(self, pool: str, replica_id: str, poll: PollReply) -> None:
         """Fold one replica poll into the gauges and the transfer counters."""
         self.kv_usage.labels(pool, replica_id).set(poll.engine.kv_usage)
+        for key, counter in self.replica_grammar.items():
+            stat = key.removesuffix("_replica")
+            value = getattr(poll.engine, stat)
+            previous = self._last_grammar.get((replica_id, stat), 0.0)
+            counter.labels(pool).inc(max(value - previous, 0))
+            self._last_grammar[(replica_id, stat)] = value
         if pool == "decode":
             transfer = poll.transfer
             prev_bytes, prev_secs = self._last_transfer.get(replica_id, (0.0, 0.0))
@@ -99,6 +123,8 @@ class Metrics:
             except KeyError:
                 pass
         self._last_transfer.pop(replica_id, None)
+        for key in [k for k in self._last_grammar if k[0] == replica_id]:
+            del self._last_grammar[key]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -184,6 +184,8 @@ class Scheduler:
             return "stop"
         if last in seq.params.stop_token_ids:
             return "stop"
+        if seq.grammar is not None and seq.grammar.is_terminated:  # the output is complete
+            return seq.grammar.finish_reason
         if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None

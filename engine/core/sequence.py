@@ -43,6 +43,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         self.first_admitted = False
+        # A GrammarMatcher (engine/sample) when the output is constrained; opaque here.
+        self.grammar = None
 
     @property
     def num_tokens(self) -> int:

@@ -18,3 +18,13 @@ class EngineStats(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_preemptions: int  # since start
     num_computed_prompt_tokens: int  # prompt tokens computed since start (prefix-cache hits excluded)
     num_prefix_hit_tokens: int  # prompt tokens served from the prefix cache since start
+    # Structured output, since start (engine/sample): grammars compiled and cache hits, compile
+    # seconds, steps that masked logits, rows masked, seconds those steps waited for and
+    # applied masks, seconds computing masks (overlapped with the forward pass).
+    grammar_compiles: int = 0
+    grammar_cache_hits: int = 0
+    grammar_compile_seconds: float = 0.0
+    grammar_mask_steps: int = 0
+    grammar_masked_rows: int = 0
+    grammar_mask_seconds: float = 0.0
+    grammar_fill_seconds: float = 0.0

@@ -26,8 +26,14 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False  # return the log-probability of each chosen token
     include_stop_str_in_output: bool = False
+    # A GrammarSpec (engine/sample/grammar_spec.py) the output must match; a dict on the wire.
+    structured_output: Any = None
 
     def __post_init__(self) -> None:
+        if self.structured_output is not None:
+            from splitserve.engine.sample.grammar_spec import GrammarSpec  # it imports this module
+
+            self.structured_output = GrammarSpec.from_dict(self.structured_output)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

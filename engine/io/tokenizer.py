@@ -95,6 +95,10 @@ class Tokenizer:
         """Number of ids, added tokens included (like len() of an HF tokenizer)."""
         return self._backend.get_vocab_size(with_added_tokens=True)
 
+    def to_json(self) -> str:
+        """The tokenizer.json text (what grammar engines build their token tables from)."""
+        return self._backend.to_str()
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
 

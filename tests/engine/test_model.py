@@ -6,17 +6,16 @@ import json
 
 import pytest
 import torch
+import transformers  # a test dependency: a broken install must fail, not skip
 from safetensors.torch import load_file, save_file
 
-transformers = pytest.importorskip("transformers")
-
-from splitserve.engine.config import ConfigError  # noqa: E402
-from splitserve.engine.model.checkpoint import CheckpointError  # noqa: E402
-from splitserve.engine.model.loader import load_model  # noqa: E402
-from splitserve.engine.ops.attention import paged_decode_attention_torch, write_kv  # noqa: E402
-from splitserve.engine.testing.make_model import MakeModelError, write_random_checkpoint  # noqa: E402
-from splitserve.engine.testing.make_model import main as make_model_main  # noqa: E402
-from tests.helpers.model import contiguous_metadata, greedy_generate, make_checkpoint, make_kv_cache  # noqa: E402
+from splitserve.engine.config import ConfigError
+from splitserve.engine.model.checkpoint import CheckpointError
+from splitserve.engine.model.loader import load_model
+from splitserve.engine.ops.attention import paged_decode_attention_torch, write_kv
+from splitserve.engine.testing.make_model import MakeModelError, write_random_checkpoint
+from splitserve.engine.testing.make_model import main as make_model_main
+from tests.helpers.model import contiguous_metadata, greedy_generate, make_checkpoint, make_kv_cache
 
 ARCH_CASES = {
     "llama": dict(arch="llama", seed=1),

@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import transformers  # a test dependency: a broken install must fail, not skip
 
-transformers = pytest.importorskip("transformers")
-
-from splitserve.engine.io.detokenizer import IncrementalDetokenizer  # noqa: E402
-from splitserve.engine.io.tokenizer import Tokenizer, TokenizerError  # noqa: E402
-from splitserve.engine.model.checkpoint import CheckpointError  # noqa: E402
-from tests.helpers.model import make_checkpoint  # noqa: E402
+from splitserve.engine.io.detokenizer import IncrementalDetokenizer
+from splitserve.engine.io.tokenizer import Tokenizer, TokenizerError
+from splitserve.engine.model.checkpoint import CheckpointError
+from tests.helpers.model import make_checkpoint
 
 TEXTS = [
     "Hello world",

@@ -52,8 +52,8 @@ class FakeBackend:
             raise invalid("the prompt is empty")
         return self.tokenizer.encode(text)
 
-    def render_chat(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

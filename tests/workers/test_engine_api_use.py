@@ -30,8 +30,10 @@ LLM_ENGINE_API = {
     "kv_cache",  # what the transport reads and writes
     "device",
 }
+# make_sequence: LLMEngine.make_sequence with a constrained request's grammar compiled off the loop.
 ENGINE_LOOP_API = {
     "call",
+    "make_sequence",
     "add_sequence",
     "admit_prefilled",
     "abort",

@@ -28,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from splitserve.cluster.frontend.grpc.health import BackendHealthServicer
 from splitserve.cluster.request_error import ErrorKind, RequestError
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
+from splitserve.engine.sample.grammar_spec import GrammarSpec
 from splitserve.kvtransfer.handoff import StreamChunk
 from splitserve.proto import load_stubs
 
@@ -151,6 +152,7 @@ def sampling_params_from(request: pb2.GenerateRequest) -> SamplingParams:
     """SamplingParams from a GenerateRequest; raises InvalidRequestError on bad values."""
     explicit = {name: getattr(request, name) for name in _OPTIONAL_SAMPLING_FIELDS if request.HasField(name)}
     return SamplingParams(
+        structured_output=structured_output_from(request),
         **explicit,
         stop=list(request.stop),
         stop_token_ids=list(request.stop_token_ids),
@@ -158,6 +160,19 @@ def sampling_params_from(request: pb2.GenerateRequest) -> SamplingParams:
         logprobs=request.logprobs,
         include_stop_str_in_output=request.include_stop_str_in_output,
     )
+
+
+def structured_output_from(request: pb2.GenerateRequest) -> GrammarSpec | None:
+    kind = request.WhichOneof("structured_output")
+    if kind is None:
+        return None
+    if kind == "json_schema":
+        return GrammarSpec.json_schema(request.json_schema)
+    if kind == "json_object":
+        return GrammarSpec("json_object") if request.json_object else None
+    if kind == "choice":
+        return GrammarSpec.choice(list(request.choice.choices))
+    return GrammarSpec(kind, getattr(request, kind))
 
 
 class GrpcFrontend:

@@ -41,6 +41,7 @@ from splitserve.cluster.frontend.openai.responses import (
     ModelList,
     error_body,
 )
+from splitserve.cluster.frontend.openai.tool_call_output import ToolCallOutput
 from splitserve.cluster.request_error import ErrorKind, RequestError
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 
@@ -246,8 +247,9 @@ def build_http_app(backend, echo_request_id: bool = True) -> FastAPI:
     )
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        prompt_ids = await asyncio.to_thread(backend.render_chat, body.template_messages())
+        prompt_ids = await asyncio.to_thread(backend.render_chat, body.template_messages(), tools=body.template_tools())
         params = build_sampling_params(body, len(prompt_ids), backend.max_model_len)
+        plan = body.tool_call_plan()
         renderer = ChatRenderer(
             f"chatcmpl-{uuid.uuid4().hex}",
             body.model,
@@ -255,6 +257,7 @@ def build_http_app(backend, echo_request_id: bool = True) -> FastAPI:
             backend.tokenizer,
             params.logprobs,
             body.include_usage,
+            tool_output=None if plan is None else ToolCallOutput(plan),
         )
         return await generate(request, prompt_ids, params, renderer, body.stream)
 

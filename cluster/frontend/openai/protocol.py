@@ -3,8 +3,9 @@ SamplingParams they ask for (responses: splitserve.cluster.frontend.openai.respo
 
 Requests ignore fields they do not know (OpenAI clients send some) but reject wrong types
 (strict mode: no "0.5" for a float, no true for an int). Parameters splitserve cannot honour
-(n > 1, echo, penalties, top alternatives in logprobs, tools) are refused with a 400 that
-names the parameter rather than silently ignored.
+(n > 1, echo, penalties, top alternatives in logprobs) are refused with a 400 that
+names the parameter rather than silently ignored. Structured output and tool calling:
+openai/structured_output.py and openai/tools.py.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from splitserve.cluster.frontend.openai.structured_output import ResponseFormat, StructuredOutputs, grammar_spec_for
+from splitserve.cluster.frontend.openai.tools import ToolChoice, ToolParam, plan_tool_calls
 from splitserve.engine.io.sampling_params import (
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
@@ -80,6 +83,15 @@ class _SamplingRequest(_Request):
         None, description="only an empty map is supported", json_schema_extra={"maxProperties": 0}
     )
     user: str | None = None
+    # Structured output (openai/structured_output.py): OpenAI's field and vLLM's.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM extension: one of json, regex, choice, grammar, json_object"
+    )
+    guided_json: dict | str | None = Field(None, description="vLLM extension: a JSON schema")
+    guided_regex: str | None = Field(None, description="vLLM extension")
+    guided_choice: list[str] | None = Field(None, description="vLLM extension")
+    guided_grammar: str | None = Field(None, description="vLLM extension: Lark or GBNF")
 
     @property
     def include_usage(self) -> bool:
@@ -168,6 +180,8 @@ class ChatMessageParam(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant turn's calls, for the chat template
+    tool_call_id: str | None = None  # a tool turn's answer to that call
 
     def to_template_dict(self) -> dict:
         """The message as the chat template sees it: content flattened to one string."""
@@ -179,8 +193,9 @@ class ChatMessageParam(_Request):
         else:
             text = "\n".join(part.text for part in content)
         message = {"role": self.role, "content": text}
-        if self.name is not None:
-            message["name"] = self.name
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
         return message
 
 
@@ -190,8 +205,9 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: PositiveInt | None = Field(None, description="takes precedence over max_tokens")
     logprobs: bool = False
     top_logprobs: JsonInt | None = _only(None, 0, None, description="only 0 is supported")
-    tools: list[dict] | None = Field(None, description="not supported", json_schema_extra={"maxItems": 0})
-    response_format: dict | None = _only(None, {"type": "text"}, None, description='only {"type": "text"} is supported')
+    tools: list[ToolParam] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -200,13 +216,16 @@ class ChatCompletionRequest(_SamplingRequest):
                 "only top_logprobs=0 is supported: the chosen token's log-probability, without top alternatives",
                 "top_logprobs",
             )
-        if self.tools:
-            raise RequestParamError("tools are not supported", "tools")
-        if self.response_format not in (None, {"type": "text"}):
-            raise RequestParamError('only response_format {"type": "text"} is supported', "response_format")
 
     def template_messages(self) -> list[dict]:
         return [m.to_template_dict() for m in self.messages]
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as chat templates expect them (OpenAI's shape)."""
+        return None if not self.tools else [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def tool_call_plan(self):
+        return plan_tool_calls(self.tools, self.tool_choice, self.parallel_tool_calls)
 
 
 def build_sampling_params(
@@ -227,6 +246,7 @@ def build_sampling_params(
     else:
         max_tokens = 16 if request.max_tokens is None else request.max_tokens
         logprobs = request.logprobs is not None
+    plan = request.tool_call_plan() if isinstance(request, ChatCompletionRequest) else None
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if request.temperature is None else request.temperature,
@@ -237,4 +257,5 @@ def build_sampling_params(
         stop_token_ids=request.stop_token_ids or [],
         ignore_eos=request.ignore_eos,
         logprobs=logprobs,
+        structured_output=grammar_spec_for(request, None if plan is None else plan.grammar),
     )

@@ -25,6 +25,7 @@ from splitserve.cluster.frontend.openai.responses import (
 )
 
 if TYPE_CHECKING:  # kvtransfer's package import is heavy; only the type is needed here
+    from splitserve.cluster.frontend.openai.tool_call_output import ToolCallOutput
     from splitserve.kvtransfer.handoff import StreamChunk
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -168,6 +169,25 @@ class CompletionRenderer(ResponseRenderer):
 
 
 class ChatRenderer(ResponseRenderer):
+    def __init__(self, *args, tool_output: ToolCallOutput | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tool_output = tool_output  # a tool-calling request: output read as tool_calls
+
+    def chunk_events(self, chunk: StreamChunk) -> list[str]:
+        if self.tool_output is None:
+            return super().chunk_events(chunk)
+        self.observe(chunk)
+        deltas = self.tool_output.stream_deltas(chunk.text, self.text)
+        finish = None
+        if chunk.finished:
+            final, finish = self.tool_output.final_deltas(self.text, self.finish_reason)
+            deltas += final
+            self.finish_reason = finish
+        events = [sse_event(self._chunk([ChatChunkChoice(delta=d)])) for d in deltas]
+        if chunk.finished:
+            events.append(sse_event(self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=finish)])))
+        return events
+
     def _logprobs(self, token_ids: list[int], logprobs: list[float]) -> ChatChoiceLogprobs | None:
         if not self.include_logprobs:
             return None
@@ -196,10 +216,13 @@ class ChatRenderer(ResponseRenderer):
         return self._chunk([], usage=self.usage())
 
     def render_response(self) -> dict:
+        content, tool_calls, finish_reason = self.text, None, self.finish_reason
+        if self.tool_output is not None:
+            content, tool_calls, finish_reason = self.tool_output.message(self.text, self.finish_reason)
         choice = ChatChoice(
-            message=ChatMessage(content=self.text),
+            message=ChatMessage(content=content, tool_calls=tool_calls),
             logprobs=self._logprobs(self.token_ids, self.logprobs),
-            finish_reason=self.finish_reason,
+            finish_reason=finish_reason,
         )
         return ChatCompletionResponse(
             id=self.request_id, created=self.created, model=self.model, choices=[choice], usage=self.usage()

@@ -59,9 +59,33 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionCallDelta(BaseModel):
+    name: str | None = Field(None, exclude_if=_omit_if_none)
+    arguments: str | None = Field(None, exclude_if=_omit_if_none)
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = Field(None, exclude_if=_omit_if_none)
+    type: Literal["function"] | None = Field(None, exclude_if=_omit_if_none)
+    function: FunctionCallDelta
+
+
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=_omit_if_none)
 
 
 class ChatChoice(BaseModel):
@@ -83,6 +107,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = Field(None, exclude_if=_omit_if_none)
     content: str | None = Field(None, exclude_if=_omit_if_none)
+    tool_calls: list[ToolCallDelta] | None = Field(None, exclude_if=_omit_if_none)
 
 
 class ChatChunkChoice(BaseModel):

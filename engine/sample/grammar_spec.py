@@ -1,0 +1,83 @@
+"""What a constrained request asks its output to match: a JSON schema, any JSON object, a
+regex, one of a list of choices, or a Lark / GBNF grammar. A small value object that travels
+inside SamplingParams (msgpack-friendly: plain strings and lists), checked on construction.
+Compiling it is the grammar compiler's job (engine/sample/grammar_compiler.py)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from splitserve.engine.io.sampling_params import InvalidRequestError
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_SPEC_CHARS = 1 << 20  # a grammar larger than the HTTP body limit is an error anyway
+MAX_CHOICES = 4096
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    kind: str
+    # json_schema: the schema as JSON text; regex: the pattern; grammar: Lark or GBNF text;
+    # choice: a JSON list of the choice strings; json_object: unused.
+    value: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise InvalidRequestError(f"unknown structured output kind {self.kind!r}; use one of {', '.join(KINDS)}")
+        if not isinstance(self.value, str):
+            raise InvalidRequestError(f"the {self.kind} constraint must be a string")
+        if len(self.value) > MAX_SPEC_CHARS:
+            raise InvalidRequestError(f"the {self.kind} constraint is longer than {MAX_SPEC_CHARS} characters")
+        if self.kind in ("regex", "grammar") and not self.value:
+            raise InvalidRequestError(f"the {self.kind} constraint is empty")
+        if self.kind == "json_schema":
+            schema = _loads(self.value, "the JSON schema")
+            if not isinstance(schema, (dict, bool)):
+                raise InvalidRequestError("a JSON schema must be an object (or true / false)")
+        if self.kind == "choice":
+            self.choices()  # checks the list
+
+    # ---- constructors --------------------------------------------------------------------
+    @classmethod
+    def json_schema(cls, schema: Any) -> GrammarSpec:
+        if isinstance(schema, str):
+            schema = _loads(schema, "the JSON schema")
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidRequestError("a JSON schema must be an object (or true / false)")
+        # Key order kept: properties are generated in the order the schema lists them.
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")))
+
+    @classmethod
+    def choice(cls, choices: list[str]) -> GrammarSpec:
+        if not isinstance(choices, (list, tuple)):
+            raise InvalidRequestError("choice must be a list of strings")
+        return cls("choice", json.dumps(list(choices), separators=(",", ":")))
+
+    # ---- accessors -----------------------------------------------------------------------
+    def choices(self) -> list[str]:
+        values = _loads(self.value, "the choice list")
+        if not isinstance(values, list) or not values or len(values) > MAX_CHOICES:
+            raise InvalidRequestError(f"choice must be a list of 1 to {MAX_CHOICES} strings")
+        if not all(isinstance(v, str) and v for v in values):
+            raise InvalidRequestError("every choice must be a non-empty string")
+        return values
+
+    def to_dict(self) -> dict[str, str]:
+        return {"kind": self.kind, "value": self.value}
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> GrammarSpec:
+        if isinstance(raw, GrammarSpec):
+            return raw
+        if not isinstance(raw, dict) or set(raw) - {"kind", "value"} or "kind" not in raw:
+            raise InvalidRequestError("structured_output must be {'kind': ..., 'value': ...}")
+        return cls(raw["kind"], raw.get("value", ""))
+
+
+def _loads(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"{what} is not valid JSON: {exc}") from None
