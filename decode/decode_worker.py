@@ -210,10 +210,8 @@ class DecodeWorker(EngineWorker):
                 self._forget(req)
 
     def _sink(self, request_id: str):
-        outputs = self  # loop thread: only append; _flush_outputs hands the list over
-
-        def sink(item: RequestOutput | Exception) -> None:
-            outputs._outputs.append((request_id, item))
+        def sink(item: RequestOutput | Exception) -> None:  # loop thread: only collect; see _flush_outputs
+            self._outputs.append((request_id, item))
 
         return sink
 
