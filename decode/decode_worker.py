@@ -167,8 +167,8 @@ class DecodeWorker(EngineWorker):
             return FailureKind.REPLICA_DEAD, req.num_tokens_sent == 0, f"decode replica {self.replica_id} stopped"
         if isinstance(exc, EngineStepError):
             return FailureKind.STEP_FAILED, False, _short(exc)
-        if isinstance(exc, ValueError):  # InvalidRequestError: the request itself is bad
-            return FailureKind.INVALID, False, _short(exc)
+        if isinstance(exc, ValueError):  # InvalidRequestError: the request itself is bad; its own words
+            return FailureKind.INVALID, False, str(exc).strip()[:2000]
         rid, label = req.submit.request_id, req.submit.label
         logger.error("request %s (client id %r) failed on %s", rid, label, self.replica_id, exc_info=exc)
         return FailureKind.INTERNAL, False, f"internal error on {self.replica_id} (request {rid})"
