@@ -72,6 +72,10 @@ class EngineWorker:
     async def ready(self) -> str:
         return self.replica_id
 
+    async def channel_address(self) -> tuple[str, int] | None:
+        """Where ingresses send requests (a decode replica's request channel); None here."""
+        return None
+
     async def poll(self, since_seq: int | None = None) -> bytes:
         """Load figures and, for a follower at since_seq, the KV events after it: a PollReply
         (with status LOOP_STOPPED once the engine loop stopped for good). since_seq None (the
