@@ -28,6 +28,9 @@ from splitserve.kvtransfer.request_channel import (
 
 logger = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT_S = 10.0
+# An ingress that stops reading (hung, not dead) must not grow this replica's memory without
+# bound: past this much unsent output its connection is closed and its requests aborted.
+MAX_UNSENT_BYTES = 64 << 20
 
 
 class IngressConnection:
@@ -41,8 +44,13 @@ class IngressConnection:
 
     def send(self, data: bytes) -> None:
         """Queue bytes for the ingress (one write per engine step); dropped once closed."""
-        if not self.closed:
-            self.writer.write(data)
+        if self.closed:
+            return
+        self.writer.write(data)
+        if self.writer.transport.get_write_buffer_size() > MAX_UNSENT_BYTES:
+            logger.warning("ingress %s stopped reading its tokens; closing its connection", self.ingress_id)
+            self.writer.transport.abort()  # the reader sees the close and aborts its requests
+            self.closed = True
 
     def close(self) -> None:
         if not self.closed:

@@ -29,7 +29,9 @@ Every ServeConfig field is a flag (see above); --config FILE.yaml holds the same
 flags override it. The model id clients send is --served-model-name, else MODEL exactly as
 given. The local Ray cluster runs with Ray's token authentication (RAY_AUTH_MODE=token, token
 in ~/.ray/auth_token); set RAY_AUTH_MODE=disabled to turn it off. SPLITSERVE_LOG_LEVEL=DEBUG
-also logs /metrics and /health requests."""
+also logs /metrics and /health requests. HTTP goes through Ray's HAProxy ingress
+(RAY_SERVE_ENABLE_HA_PROXY=1 and the throughput-optimized Serve settings are set before Ray
+starts; your own values of those variables win)."""
 
 
 def add_serve_parser(subparsers) -> None:
