@@ -149,7 +149,7 @@ class ServeConfig(_Strict):
     max_body_bytes: int = Field(1 << 20, ge=1024)
     """Largest request body accepted (413 above)."""
     max_requests_per_key: int = Field(128, ge=1)
-    """Requests in flight per API key before 429."""
+    """Requests in flight per API key before 429 (only with api_key set; keyless clients share max_queued_requests)."""
     transport_host: str = "127.0.0.1"
     """Address the KV rendezvous stores bind to and publish (auto: the node's IP)."""
     layerwise_transfer: bool = True

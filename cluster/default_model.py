@@ -1,32 +1,60 @@
-"""The model `splitserve serve` uses when none is given: the `small` preset, made once."""
+"""The model `splitserve serve` uses when none is given: the `small` preset, briefly trained, made once.
+
+Training it (DEFAULT_SPEC.train_steps AdamW steps on the built-in corpus, see
+bench/results/trained_model.md for the cost) makes the demo answer in corpus-like text instead
+of random tokens. It lives in the content-addressed model cache (engine/testing/model_cache.py),
+so `make serve`, make-model and the benches pay for it once per machine.
+"""
 
 from __future__ import annotations
 
-import os
+import importlib.util
+import sys
 from pathlib import Path
 
-DEFAULT_PRESET = "small"
-DEFAULT_MODEL_NAME = f"{DEFAULT_PRESET}-llama"  # its directory's name, and its model id
+from splitserve.engine.testing.model_spec import ModelSpec
+
+DEFAULT_TRAIN_STEPS = 300
+DEFAULT_SPEC = ModelSpec(preset="small", arch="llama", seed=0, train_steps=DEFAULT_TRAIN_STEPS)
+# Without transformers (the `train` extra) the default cannot be trained; serve random weights.
+UNTRAINED_FALLBACK_SPEC = ModelSpec(preset="small", arch="llama", seed=0)
+
+
+def default_model_spec() -> ModelSpec:
+    if importlib.util.find_spec("transformers") is None:
+        return UNTRAINED_FALLBACK_SPEC
+    return DEFAULT_SPEC
+
+
+# Its directory's name, and the model id clients send when serve is given no model.
+DEFAULT_MODEL_NAME = default_model_spec().name
 
 
 def default_model_dir() -> Path:
-    root = Path(os.environ.get("SPLITSERVE_CACHE", Path.home() / ".cache" / "splitserve"))
-    return root / "models" / DEFAULT_MODEL_NAME
+    from splitserve.engine.testing.model_cache import cache_entry_path
+
+    return cache_entry_path(default_model_spec())
 
 
 def resolve_model(model: str | None) -> str:
     """Return a checkpoint directory: the given one, or the cached default (made if missing)."""
     if model:
         return model
-    path = default_model_dir()
-    if not (path / "config.json").is_file():
-        from splitserve.engine.testing.make_model import write_random_checkpoint
+    from splitserve.engine.testing.make_model import progress_printer
+    from splitserve.engine.testing.model_cache import cached_checkpoint
 
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-        write_random_checkpoint(tmp, preset=DEFAULT_PRESET, arch="llama", seed=0)
-        try:
-            tmp.rename(path)
-        except OSError:  # another process made it first
-            pass
-    return str(path)
+    spec = default_model_spec()
+    if spec is UNTRAINED_FALLBACK_SPEC:
+        print(
+            "splitserve: transformers is not installed (pip install 'splitserve[train]'), "
+            "so the default model has random weights",
+            file=sys.stderr,
+        )
+    elif not (default_model_dir() / "config.json").is_file():
+        print(
+            f"splitserve: training the default model ({spec.name}, {spec.train_steps} steps on CPU), "
+            "once per machine; it is cached for later runs",
+            file=sys.stderr,
+            flush=True,
+        )
+    return str(cached_checkpoint(spec, on_step=progress_printer(spec.train_steps)).path)

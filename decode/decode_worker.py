@@ -62,6 +62,7 @@ class _Request:
     task: asyncio.Task | None = None
     aborted: bool = False
     num_tokens_sent: int = 0
+    num_chunks_sent: int = 0
 
 
 class DecodeWorker(EngineWorker):
@@ -193,7 +194,13 @@ class DecodeWorker(EngineWorker):
                     await asyncio.sleep(self.admission_delay_s)
                 await asyncio.wrap_future(
                     self.loop.admit_prefilled(
-                        rid, first.first_token, first.first_logprob, first.num_cached_tokens, sink
+                        rid,
+                        first.first_token,
+                        first.first_logprob,
+                        first.num_cached_tokens,
+                        sink,
+                        first.first_top_logprobs,
+                        first.queue_seconds,
                     )
                 )
             admitted = not req.aborted
@@ -246,8 +253,12 @@ class DecodeWorker(EngineWorker):
                     num_output_tokens=len(item.token_ids),
                     logprobs=item.new_logprobs,
                     prefill_replica=req.submit.prefill_replica_id,
+                    top_logprobs=item.new_top_logprobs,
+                    stop_reason=item.stop_reason if item.finished else None,
+                    queue_seconds=item.queue_seconds if not req.num_chunks_sent else None,
                 )
             )
+            req.num_chunks_sent += 1
             req.num_tokens_sent += len(item.new_token_ids)
             if item.finished:
                 self._forget(req)

@@ -155,13 +155,22 @@ class EngineLoop:
         return self.call(add)
 
     def admit_prefilled(
-        self, request_id: str, first_token: int, first_logprob: float | None, num_cached_tokens: int, sink: Sink
+        self,
+        request_id: str,
+        first_token: int,
+        first_logprob: float | None,
+        num_cached_tokens: int,
+        sink: Sink,
+        first_top_logprobs: list[tuple[int, float]] | None = None,
+        queue_seconds: float | None = None,
     ) -> Future:
         """LLMEngine.admit_prefilled on the loop thread: its first output and every later one
         go to sink."""
 
         def admit(engine: LLMEngine) -> None:
-            out = engine.admit_prefilled(request_id, first_token, first_logprob, num_cached_tokens)
+            out = engine.admit_prefilled(
+                request_id, first_token, first_logprob, num_cached_tokens, first_top_logprobs, queue_seconds
+            )
             if not out.finished:
                 self._sinks[request_id] = sink
             self._delivered = True

@@ -51,7 +51,7 @@ class LLMEngine:
         eos = self.tokenizer.eos_token_ids or self.model_config.eos_token_ids
         self.grammar = GrammarCompiler(self.tokenizer.to_json(), self.model_config.vocab_size, eos)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, eos)
-        self.runner = ModelRunner(self.model, self.kv_cache, config.seed)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.seed, eos)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._reserved: dict[str, Sequence] = {}  # request id -> sequence holding reserved blocks
@@ -165,11 +165,18 @@ class LLMEngine:
             self.kv.free(seq)
 
     def admit_prefilled(
-        self, request_id: str, first_token: int, first_logprob: float | None, num_cached_tokens: int
+        self,
+        request_id: str,
+        first_token: int,
+        first_logprob: float | None,
+        num_cached_tokens: int,
+        first_top_logprobs: list[tuple[int, float]] | None = None,
+        queue_seconds: float | None = None,
     ) -> RequestOutput:
         """The reserved prompt's KV is in place: append the first token (sampled by the prefill
-        replica), check the stop conditions, join the running batch, and return the first
-        output, post-processed exactly like a step's."""
+        replica, with its top alternatives when asked for), check the stop conditions, join the
+        running batch, and return the first output, post-processed exactly like a step's.
+        queue_seconds: how long the prompt waited in the prefill replica's queue."""
         seq = self._reserved[request_id]
         # A constrained request's grammar state crosses as the tokens the prefill replica
         # accepted (the first token): replay it into this replica's matcher.
@@ -182,7 +189,9 @@ class LLMEngine:
             )
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.num_cached_tokens = num_cached_tokens
-        seq.append_token(first_token, first_logprob if seq.params.logprobs else None)
+        seq.queue_seconds = queue_seconds
+        top = [(int(t), float(lp)) for t, lp in first_top_logprobs or ()] if seq.params.top_logprobs else None
+        seq.append_token(first_token, first_logprob if seq.params.logprobs else None, top)
         reason = self.scheduler.check_stop(seq)
         self.scheduler.add_prefilled(seq)  # also enters its received full blocks into the cache
         del self._reserved[request_id]  # only now: until here, abort() still frees its blocks
@@ -252,6 +261,9 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             new_logprobs=list(seq.output_logprobs),
             logprobs=list(seq.output_logprobs),
+            new_top_logprobs=list(seq.output_top_logprobs),
+            top_logprobs=list(seq.output_top_logprobs),
+            queue_seconds=seq.queue_seconds,
         )
 
     def generate(

@@ -12,16 +12,18 @@ from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.ops.attention_metadata import AttentionMetadata
 from splitserve.engine.ops.kv_cache import KVCache
 from splitserve.engine.sample.grammar_mask import GrammarMask
-from splitserve.engine.sample.sampler import Sampler
+from splitserve.engine.sample.sampler import SampledToken, Sampler
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, seed: int = 0):
+    def __init__(
+        self, model: torch.nn.Module, kv_cache: KVCache, seed: int = 0, eos_token_ids: list[int] | tuple[int, ...] = ()
+    ):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = kv_cache.device
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, eos_token_ids)
         self.grammar_mask = GrammarMask(model.config.vocab_size)
 
     def build_metadata(
@@ -78,7 +80,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, batch: ScheduledBatch, on_layer_done: Callable[[int], None] | None = None
-    ) -> dict[str, tuple[int, float | None]]:
+    ) -> dict[str, SampledToken]:
         """Run one step; returns the sampled token for each sequence that reached its end."""
         if batch.is_empty:
             return {}
@@ -97,8 +99,10 @@ class ModelRunner:
         else:
             selected = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
         logits = self.grammar_mask.apply(self.model.compute_logits(selected))
-        results = self.sampler.sample(logits, [s.request_id for s in seqs], [s.params for s in seqs])
-        self.grammar_mask.accept(seqs, [token for token, _ in results])
+        # Prefill-only sequences (disaggregated prefill) take this same path: the first token
+        # gets the request's grammar mask, penalties, logit_bias and min_tokens like every later one.
+        results = self.sampler.sample(logits, seqs)
+        self.grammar_mask.accept(seqs, [token for token, _, _ in results])
         return {s.request_id: r for s, r in zip(seqs, results)}
 
     def forget(self, request_id: str) -> None:

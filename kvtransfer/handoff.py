@@ -68,6 +68,9 @@ class PrefillResult(msgspec.Struct, forbid_unknown_fields=True):
     prefill_seconds: float
     transfer_seconds: float
     extra: dict[str, Any] = msgspec.field(default_factory=dict)
+    # With top_logprobs: the first token's most likely (token id, logprob) pairs.
+    first_top_logprobs: list[tuple[int, float]] = msgspec.field(default_factory=list)
+    queue_seconds: float = 0.0  # how long the prompt waited in the prefill replica's queue
 
     def to_bytes(self) -> bytes:
         return _codec.encode("prefill_result", self)
@@ -95,6 +98,10 @@ class StreamChunk(msgspec.Struct, forbid_unknown_fields=True):
     num_output_tokens: int
     logprobs: list[float] = msgspec.field(default_factory=list)
     prefill_replica: str | None = None
+    # Per token (with top_logprobs): [(token id, logprob), ...], most likely first.
+    top_logprobs: list[list[tuple[int, float]]] = msgspec.field(default_factory=list)
+    stop_reason: int | str | None = None  # the stop token id or stop string, on the last chunk
+    queue_seconds: float | None = None  # on the first chunk: time the prompt waited to be scheduled
 
     def to_bytes(self) -> bytes:
         return _codec.encode("stream_chunk", self)

@@ -49,7 +49,7 @@ class ServingBackend:
         eos = self.tokenizer.eos_token_ids or self.model_config.eos_token_ids
         # Checks constrained requests before any compute (replicas compile their own copies).
         self.grammar = GrammarCompiler(self.tokenizer.to_json(), self.model_config.vocab_size, eos)
-        self.metrics = Metrics()
+        self.metrics = Metrics(self.model_name)
         self.cluster = cluster or DisaggCluster(
             cfg, model_dir, on_poll=self._on_poll, on_drop=self._on_drop, ingress_id=self.ingress_id
         )
@@ -84,16 +84,28 @@ class ServingBackend:
         _check_unicode(text)
         return self.tokenizer.encode(text)
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """/tokenize: like encode, but an empty text is fine."""
+        _check_unicode(text)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def render_chat(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
         if not messages:
             raise invalid("messages must not be empty")
         extra = {} if tools is None else {"tools": tools}  # templates that know tools show them
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
         except (ValueError, TypeError, KeyError) as exc:
             raise invalid(f"could not apply the chat template: {exc}") from None
         _check_unicode(text)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        # The template writes the special tokens itself; encoding must not add them again.
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         try:
@@ -154,20 +166,24 @@ class ServingBackend:
         deadline = time.time() + min(timeout_s or self.cfg.request_timeout_s, self.cfg.request_timeout_s)
         if params.structured_output is not None:
             await self.check_grammar(params.structured_output, deadline)
-        key = api_key or ""
+        # Per-key fairness is for clients told apart by their API keys; without configured
+        # keys every client is "keyless" and only the global queue bounds them.
+        key = (api_key or "") if self.cfg.api_key else None
         if self.num_inflight >= self.cfg.max_queued_requests:
             self.metrics.requests.labels(ErrorKind.OVERLOADED.value).inc()
             raise RequestError(ErrorKind.OVERLOADED, "the server is at capacity; retry later")
-        if self._inflight_by_key[key] >= self.cfg.max_requests_per_key:
+        if key is not None and self._inflight_by_key[key] >= self.cfg.max_requests_per_key:
             self.metrics.requests.labels(ErrorKind.OVERLOADED.value).inc()
             raise RequestError(ErrorKind.OVERLOADED, "too many concurrent requests for this API key")
         self.num_inflight += 1
-        self._inflight_by_key[key] += 1
+        if key is not None:
+            self._inflight_by_key[key] += 1
         self.metrics.frontend_inflight.set(self.num_inflight)
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
         start = last = time.perf_counter()
         status = OK
         first = True
+        finished = False
         try:
             async for chunk in self.cluster.generate(
                 prompt_token_ids, params, label, deadline=deadline, on_route=self._on_route
@@ -176,7 +192,10 @@ class ServingBackend:
                 if first:
                     self.metrics.ttft.observe(now - start)
                     self.ttft_window.observe(now - start)
+                    self.metrics.prefix_query_tokens.inc(len(prompt_token_ids))
                     self.metrics.prefix_hit_tokens.inc(chunk.num_cached_tokens)
+                    if chunk.queue_seconds is not None:
+                        self.metrics.queue_time.observe(chunk.queue_seconds)
                     first = False
                 elif chunk.token_ids:
                     gap = (now - last) / len(chunk.token_ids)
@@ -185,6 +204,9 @@ class ServingBackend:
                     self.itl_window.observe(gap)
                 last = now
                 self.metrics.generation_tokens.inc(len(chunk.token_ids))
+                if chunk.finished:
+                    finished = True
+                    self.metrics.observe_finished(chunk.finish_reason, len(prompt_token_ids), chunk.num_output_tokens)
                 yield chunk
         except RequestError as exc:
             status = exc.kind.value
@@ -194,11 +216,14 @@ class ServingBackend:
             raise
         finally:
             self.num_inflight -= 1
-            self._inflight_by_key[key] -= 1
-            if not self._inflight_by_key[key]:
-                del self._inflight_by_key[key]
+            if key is not None:
+                self._inflight_by_key[key] -= 1
+                if not self._inflight_by_key[key]:
+                    del self._inflight_by_key[key]
             self.metrics.frontend_inflight.set(self.num_inflight)
             self.metrics.requests.labels(status).inc()
+            if status == CANCELLED and not finished:
+                self.metrics.request_success.labels("abort").inc()
             if status == OK:
                 self.metrics.e2e.observe(time.perf_counter() - start)
 

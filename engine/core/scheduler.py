@@ -9,6 +9,7 @@ hits the prefix cache) and it goes back to the head of the waiting queue.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -137,6 +138,8 @@ class Scheduler:
             if not self.kv.allocate_prompt(seq, cached, num_new):
                 break
             self.waiting.popleft()
+            if seq.queue_seconds is None:
+                seq.queue_seconds = time.monotonic() - seq.arrival_time
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
@@ -152,7 +155,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def update(self, batch: ScheduledBatch, sampled: dict[str, tuple[int, float | None]]) -> list[Sequence]:
+    def update(self, batch: ScheduledBatch, sampled: dict[str, tuple]) -> list[Sequence]:
         """Advance computed counts, cache full blocks, append sampled tokens, stop finished
         sequences. Returns the sequences that received a token this step."""
         advanced = []
@@ -178,12 +181,16 @@ class Scheduler:
         return advanced
 
     def check_stop(self, seq: Sequence) -> str | None:
-        """Token-level stop conditions; stop strings are checked by the output processor."""
+        """Token-level stop conditions; stop strings are checked by the output processor.
+        Before min_tokens outputs neither EOS nor a stop token ends it (the sampler masks them)."""
         last = seq.token_ids[-1]
-        if not seq.params.ignore_eos and last in self.eos_token_ids:
-            return "stop"
-        if last in seq.params.stop_token_ids:
-            return "stop"
+        if seq.num_output_tokens > seq.params.min_tokens:
+            if last in seq.params.stop_token_ids:
+                seq.stop_reason, seq.stopped_by_token = last, True
+                return "stop"
+            if not seq.params.ignore_eos and last in self.eos_token_ids:
+                seq.stopped_by_token = True
+                return "stop"
         if seq.grammar is not None and seq.grammar.is_terminated:  # the output is complete
             return seq.grammar.finish_reason
         if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:

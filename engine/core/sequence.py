@@ -40,7 +40,14 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of every full block of token_ids
         self.output_logprobs: list[float] = []
+        # Per output token, when params.top_logprobs: the most likely (token id, logprob) pairs.
+        self.output_top_logprobs: list[list[tuple[int, float]]] = []
         self.finish_reason: str | None = None
+        # What stopped it (vLLM's stop_reason): the stop token id, the stop string, or None
+        # (EOS, length, abort). A stop token's text is left out unless include_stop_str_in_output.
+        self.stop_reason: int | str | None = None
+        self.stopped_by_token = False  # it sampled EOS or one of its stop_token_ids (not a grammar's end)
+        self.queue_seconds: float | None = None  # arrival -> first scheduled (vLLM's queue time)
         self.num_preemptions = 0
         self.first_admitted = False
         # A GrammarMatcher (engine/sample) when the output is constrained; opaque here.
@@ -70,10 +77,14 @@ class Sequence:
         """Hash any blocks that became full; returns the new hashes."""
         return extend_hashes(self.block_hashes, self.token_ids, self.block_size)
 
-    def append_token(self, token_id: int, logprob: float | None = None) -> None:
+    def append_token(
+        self, token_id: int, logprob: float | None = None, top_logprobs: list[tuple[int, float]] | None = None
+    ) -> None:
         self.token_ids.append(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
+        if top_logprobs is not None:
+            self.output_top_logprobs.append(top_logprobs)
 
     def __repr__(self) -> str:
         return (

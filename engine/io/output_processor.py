@@ -23,6 +23,16 @@ def _held_back(text: str, stops: list[str]) -> int:
     return best
 
 
+def _find_stop(text: str, num_chars_before: int, stops: list[str]) -> tuple[int, str] | None:
+    """The earliest stop string ending after text[:num_chars_before]: (position, stop)."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        pos = text.find(stop, max(0, num_chars_before - len(stop) + 1))
+        if pos >= 0 and (best is None or pos < best[0]):
+            best = (pos, stop)
+    return best
+
+
 class _RequestState:
     __slots__ = ("detok", "num_tokens_seen", "num_chars_sent", "num_logprobs_seen", "stopped_text")
 
@@ -44,24 +54,28 @@ class OutputProcessor:
         state = self._states.get(seq.request_id)
         if state is None:
             state = self._states[seq.request_id] = _RequestState(IncrementalDetokenizer(self.tokenizer))
+        params = seq.params
         outputs = seq.output_token_ids
         new_ids = outputs[state.num_tokens_seen :]
+        # Like vLLM, the text of the EOS / stop token that ended the request is left out.
+        skip_last = seq.is_finished and seq.stopped_by_token and not params.include_stop_str_in_output
         hit_stop = False
-        stops = seq.params.stop
-        for tok in new_ids:
-            if state.stopped_text is not None:
+        stops = params.stop
+        for i, tok in enumerate(new_ids):
+            if state.stopped_text is not None or (skip_last and i == len(new_ids) - 1):
                 break
+            num_chars_before = len(state.detok.text)
             state.detok.add_token(tok)
-            if stops:
-                text = state.detok.text
-                window_start = max(0, len(text) - max(len(s) for s in stops) - 8)
-                for stop in stops:
-                    pos = text.find(stop, window_start)
-                    if pos >= 0:
-                        end = pos + len(stop) if seq.params.include_stop_str_in_output else pos
-                        state.stopped_text = text[:end]
-                        hit_stop = True
-                        break
+            # Stop strings count only once min_tokens are out (vLLM), and only where they end
+            # in the text this token added, so an earlier, ignored match never fires later.
+            if stops and state.num_tokens_seen + i + 1 > params.min_tokens:
+                stop = _find_stop(state.detok.text, num_chars_before, stops)
+                if stop is not None:
+                    pos, stop_str = stop
+                    end = pos + len(stop_str) if params.include_stop_str_in_output else pos
+                    state.stopped_text = state.detok.text[:end]
+                    seq.stop_reason = stop_str
+                    hit_stop = True
         state.num_tokens_seen = len(outputs)
         finished = seq.is_finished or hit_stop
         if finished and state.stopped_text is None:
@@ -74,6 +88,7 @@ class OutputProcessor:
         new_text = full_text[state.num_chars_sent : visible]
         state.num_chars_sent = visible
         new_logprobs = seq.output_logprobs[state.num_logprobs_seen :]
+        new_top_logprobs = seq.output_top_logprobs[state.num_logprobs_seen :]
         state.num_logprobs_seen = len(seq.output_logprobs)
         out = RequestOutput(
             request_id=seq.request_id,
@@ -87,6 +102,10 @@ class OutputProcessor:
             num_cached_tokens=seq.num_cached_tokens,
             new_logprobs=list(new_logprobs),
             logprobs=list(seq.output_logprobs),
+            new_top_logprobs=list(new_top_logprobs),
+            top_logprobs=list(seq.output_top_logprobs),
+            stop_reason=seq.stop_reason,
+            queue_seconds=seq.queue_seconds,
         )
         if finished:
             self._states.pop(seq.request_id, None)

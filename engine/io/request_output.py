@@ -18,3 +18,8 @@ class RequestOutput:
     num_cached_tokens: int
     new_logprobs: list[float] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # Per token, with SamplingParams.top_logprobs: [(token id, logprob), ...], most likely first.
+    new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    queue_seconds: float | None = None  # arrival -> first scheduled

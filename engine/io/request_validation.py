@@ -17,6 +17,9 @@ def validate_prompt(
     for tok in params.stop_token_ids:
         if not 0 <= tok < vocab_size:
             raise InvalidRequestError(f"stop token id {tok!r} is outside the vocabulary [0, {vocab_size})")
+    for tok in params.logit_bias:
+        if not 0 <= tok < vocab_size:
+            raise InvalidRequestError(f"logit_bias token id {tok!r} is outside the vocabulary [0, {vocab_size})")
     if params.top_k > vocab_size:
         raise InvalidRequestError(
             f"top_k must be at most the vocabulary size {vocab_size} (0 or -1 disables it), got {params.top_k}"

@@ -8,6 +8,9 @@ from typing import Any
 GREEDY_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
+MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_LOGIT_BIAS_ENTRIES = 1024
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range: -100 bans a token, +100 makes it (nearly) certain
 
 
 class InvalidRequestError(ValueError):
@@ -25,7 +28,14 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False  # return the log-probability of each chosen token
-    include_stop_str_in_output: bool = False
+    top_logprobs: int = 0  # with logprobs: also the most likely alternatives, up to MAX_TOP_LOGPROBS
+    include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) in the text
+    # vLLM's penalties: presence/frequency count output tokens, repetition prompt + output tokens.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    min_tokens: int = 0  # EOS and stop tokens are masked (stop strings ignored) until this many
     # A GrammarSpec (engine/sample/grammar_spec.py) the output must match; a dict on the wire.
     structured_output: Any = None
 
@@ -34,6 +44,10 @@ class SamplingParams:
             from splitserve.engine.sample.grammar_spec import GrammarSpec  # it imports this module
 
             self.structured_output = GrammarSpec.from_dict(self.structured_output)
+        self._check_basic()
+        self._check_logits_processing()
+
+    def _check_basic(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -64,7 +78,37 @@ class SamplingParams:
                 f"each stop string must be a non-empty string of at most {MAX_STOP_STRING_CHARS} characters",
             )
         for t in self.stop_token_ids:
-            _check(isinstance(t, int) and t >= 0, f"stop_token_ids must be non-negative integers, got {t!r}")
+            _check(_is_int(t) and t >= 0, f"stop_token_ids must be non-negative integers, got {t!r}")
+        _check(isinstance(self.logprobs, bool), f"logprobs must be a boolean, got {self.logprobs!r}")
+        _check(
+            _is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+            f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}",
+        )
+        if self.top_logprobs:
+            self.logprobs = True  # alternatives come with the chosen token's own log-probability
+
+    def _check_logits_processing(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, f"{name} must be a number in [-2, 2], got {value!r}")
+        _check(
+            _is_number(self.repetition_penalty) and 0 < self.repetition_penalty < float("inf"),
+            f"repetition_penalty must be a finite number > 0 (1 disables it), got {self.repetition_penalty!r}",
+        )
+        _check(
+            _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
+        )
+        self.logit_bias = _normalize_logit_bias(self.logit_bias)
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the sampler must change this request's logits before choosing a token."""
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def is_greedy(self) -> bool:
@@ -72,7 +116,10 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        raw = asdict(self)
+        # msgpack maps need string keys: logit_bias travels as [token id, bias] pairs.
+        raw["logit_bias"] = [[token, bias] for token, bias in self.logit_bias.items()]
+        return raw
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> SamplingParams:
@@ -84,6 +131,35 @@ class SamplingParams:
             return cls(**raw)
         except TypeError as exc:
             raise InvalidRequestError(str(exc)) from None
+
+
+def _normalize_logit_bias(raw: Any) -> dict[int, float]:
+    """{token id: bias} from a dict (int or decimal-string keys) or [token id, bias] pairs;
+    biases are clamped to [-100, 100] as OpenAI and vLLM do."""
+    if raw is None:
+        return {}
+    if isinstance(raw, dict):
+        items = list(raw.items())
+    elif isinstance(raw, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in raw):
+        items = [tuple(p) for p in raw]
+    else:
+        raise InvalidRequestError("logit_bias must map token ids to numbers")
+    _check(len(items) <= MAX_LOGIT_BIAS_ENTRIES, f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+    bias: dict[int, float] = {}
+    for token, value in items:
+        if isinstance(token, str) and token.strip().isdigit():
+            token = int(token)
+        _check(_is_int(token) and token >= 0, f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+        _check(
+            _is_number(value) and abs(value) != float("inf"),
+            f"logit_bias values must be finite numbers, got {value!r} for token {token}",
+        )
+        bias[token] = float(min(max(value, -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT))
+    return bias
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_number(x: Any) -> bool:

@@ -1,46 +1,92 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeded generators."""
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeded generators, the
+chosen token's log-probability and the top alternatives.
+
+Order per step, as vLLM's sampler: log-probabilities of the raw logits (what is reported),
+then min_tokens / logit_bias / penalties (logits_processing.py, batched), then the choice.
+"""
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
+from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.io.sampling_params import SamplingParams
+from splitserve.engine.sample.logits_processing import LogitsProcessing
+
+# (token id, its log-probability or None, the top (token id, log-probability) pairs or None)
+SampledToken = tuple[int, float | None, list[tuple[int, float]] | None]
+
+
+def step_seed(seed: int, position: int) -> int:
+    """A 64-bit seed for output token `position` of a request seeded with `seed`."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, eos_token_ids: list[int] | tuple[int, ...] = ()):
         self._default_generator = torch.Generator().manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
+        self.logits_processing = LogitsProcessing(eos_token_ids)
 
-    def generator_for(self, request_id: str, params: SamplingParams) -> torch.Generator:
+    def generator_for(self, seq: Sequence) -> torch.Generator:
+        """A seeded request's generator is reseeded from (seed, output position) at every
+        step, so its tokens depend on nothing else: not on the batch, not on preemption, and
+        not on which replica samples which token (disaggregated prefill samples the first)."""
+        params = seq.params
         if params.seed is None:
             return self._default_generator
-        gen = self._generators.get(request_id)
+        gen = self._generators.get(seq.request_id)
         if gen is None:
-            gen = self._generators[request_id] = torch.Generator().manual_seed(params.seed)
-        return gen
+            gen = self._generators[seq.request_id] = torch.Generator()
+        return gen.manual_seed(step_seed(params.seed, seq.num_output_tokens))
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def sample(
-        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
-    ) -> list[tuple[int, float | None]]:
-        """logits [N, vocab] float32 -> (token id, logprob of that token or None) per row."""
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+        """logits [N, vocab] -> one SampledToken per row (row i belongs to seqs[i])."""
         logits = logits.float()
+        params = [s.params for s in seqs]
+        want_logprobs = any(p.logprobs for p in params)
+        # Reported log-probabilities are the model's own (vLLM's default "raw_logprobs").
+        logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        if any(p.processes_logits for p in params):
+            logits = self.logits_processing.apply(logits, seqs)
         # max(dim).indices is argmax (the first maximum on ties, NaN counts as the maximum),
         # about 1.5x faster on CPU.
         greedy = logits.max(dim=-1).indices.tolist()
-        want_logprobs = any(p.logprobs for p in params)
-        if not want_logprobs and all(p.is_greedy for p in params):
-            return [(token, None) for token in greedy]  # the common all-greedy batch
-        logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        results: list[tuple[int, float | None]] = []
-        for row, (rid, p) in enumerate(zip(request_ids, params)):
-            token = greedy[row] if p.is_greedy else self._sample_row(logits[row], p, self.generator_for(rid, p))
-            lp = float(logprobs[row, token]) if (logprobs is not None and p.logprobs) else None
-            results.append((token, lp))
-        return results
+        if logprobs is None and all(p.is_greedy for p in params):
+            return [(token, None, None) for token in greedy]  # the common all-greedy batch
+        tokens = [
+            greedy[row] if p.is_greedy else self._sample_row(logits[row], p, self.generator_for(s))
+            for row, (s, p) in enumerate(zip(seqs, params))
+        ]
+        if logprobs is None:
+            return [(token, None, None) for token in tokens]
+        chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).unsqueeze(1)).squeeze(1).tolist()
+        tops = self._top_logprobs(logprobs, params)
+        return [
+            (token, lp if p.logprobs else None, tops.get(row))
+            for row, (token, lp, p) in enumerate(zip(tokens, chosen, params))
+        ]
+
+    @staticmethod
+    def _top_logprobs(logprobs: torch.Tensor, params: list[SamplingParams]) -> dict[int, list[tuple[int, float]]]:
+        """Row -> its top_logprobs most likely (token, logprob) pairs, most likely first."""
+        rows = [row for row, p in enumerate(params) if p.top_logprobs]
+        if not rows:
+            return {}
+        k = max(params[row].top_logprobs for row in rows)
+        selected = logprobs.index_select(0, torch.tensor(rows, device=logprobs.device))
+        values, indices = torch.topk(selected, min(k, selected.shape[1]), dim=-1)
+        values, indices = values.tolist(), indices.tolist()
+        return {
+            row: list(zip(indices[i][: params[row].top_logprobs], values[i][: params[row].top_logprobs]))
+            for i, row in enumerate(rows)
+        }
 
     @staticmethod
     def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:

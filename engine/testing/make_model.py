@@ -1,38 +1,53 @@
-"""Write a random-weight Hugging Face checkpoint (config, safetensors, tokenizer) for tests and benches.
+"""Write a Hugging Face checkpoint (config, safetensors, tokenizer) for tests, benches and demos.
 
-`splitserve make-model DIR --preset tiny|small|bench --arch llama|mistral|qwen2` produces a
-directory that transformers' AutoModelForCausalLM / AutoTokenizer and splitserve.engine.model.loader both load.
-The same arguments always produce byte-identical files.
+`splitserve make-model DIR --preset tiny|small|bench|draft --arch llama|mistral|qwen2` writes
+random weights; `--train-steps N` first trains them N AdamW steps on the built-in corpus
+(engine/testing/corpus_training.py) so the model continues and repeats corpus text. Both load
+in transformers' AutoModelForCausalLM / AutoTokenizer and in splitserve.engine.model.loader.
+Random checkpoints are byte-identical for the same arguments; trained ones are made once per
+content key and copied from the cache (engine/testing/model_cache.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
-from dataclasses import dataclass
+import shutil
+import sys
 from pathlib import Path
 
-from splitserve.engine.config import DTYPES
-from splitserve.engine.testing.corpus import TEXT as CORPUS_TEXT
-
-ARCHITECTURE_BY_ARCH = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "mistral": ("MistralForCausalLM", "mistral"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-}
-BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<s>", "</s>", "<pad>"
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-SPECIAL_TOKENS = [BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, IM_START, IM_END]  # ids 0..4
-# ChatML turns; bos first like Llama 3, so a rendered chat prompt is encoded with
-# add_special_tokens=False (what HF's apply_chat_template(tokenize=True) does).
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+from splitserve.engine.testing.corpus_tokenizer import (
+    BOS_TOKEN,
+    EOS_TOKEN,
+    IM_END,
+    PAD_TOKEN,
+    train_tokenizer,
+    write_json,
+    write_tokenizer,
 )
+from splitserve.engine.testing.model_spec import (
+    ARCHITECTURE_BY_ARCH,
+    DTYPES,
+    PRESETS,
+    MakeModelError,
+    ModelPreset,
+    ModelSpec,
+)
+from splitserve.engine.testing.random_weights import random_weights
+
+__all__ = [
+    "ARCHITECTURE_BY_ARCH",
+    "DTYPES",
+    "PRESETS",
+    "MakeModelError",
+    "ModelPreset",
+    "ModelSpec",
+    "train_tokenizer",
+    "write_checkpoint",
+    "write_random_checkpoint",
+]
+TRAINING_FILE = "training.json"  # the loss curve and cost of a trained checkpoint
+
 LLAMA3_ROPE_SCALING = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -42,67 +57,6 @@ LLAMA3_ROPE_SCALING = {
     # (kept, smoothed, divided) is exercised.
     "original_max_position_embeddings": 256,
 }
-
-
-class MakeModelError(ValueError):
-    """Bad arguments to make-model."""
-
-
-@dataclass(frozen=True)
-class ModelPreset:
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    max_position_embeddings: int
-
-
-PRESETS = {
-    "tiny": ModelPreset(64, 2, 4, 2, 16, 128, 512, 1024),
-    "small": ModelPreset(256, 4, 4, 2, 64, 768, 2048, 4096),
-    # The shape the vLLM-CPU baseline runs; keep exactly in sync with bench/.
-    "bench": ModelPreset(256, 2, 4, 4, 64, 1024, 2048, 4096),
-}
-
-
-def train_tokenizer(vocab_size: int):
-    """A byte-level BPE tokenizer (GPT-2/Llama-3 style) trained on the built-in corpus."""
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_str(_trained_tokenizer_json(vocab_size))
-
-
-@functools.cache
-def _trained_tokenizer_json(vocab_size: int) -> str:
-    # Training is deterministic but takes a second; tests write many checkpoints.
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=1,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(CORPUS_TEXT.split("\n\n"), trainer=trainer)
-    bos_id = tokenizer.token_to_id(BOS_TOKEN)
-    tokenizer.post_processor = processors.Sequence(
-        [
-            processors.ByteLevel(trim_offsets=False),
-            processors.TemplateProcessing(
-                single=f"{BOS_TOKEN} $A",
-                pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
-                special_tokens=[(BOS_TOKEN, bos_id)],
-            ),
-        ]
-    )
-    return tokenizer.to_str()
 
 
 def _config_dict(
@@ -142,56 +96,6 @@ def _config_dict(
     return config
 
 
-def _random_weights(config: dict, seed: int, dtype: str) -> dict:
-    """HF-named weights. Scaled so logits have a wide spread: greedy top-1/top-2 gaps stay
-    far above fp32 rounding noise, which keeps token-for-token parity tests stable."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    head_dim, vocab = config["head_dim"], config["vocab_size"]
-    q_dim = config["num_attention_heads"] * head_dim
-    kv_dim = config["num_key_value_heads"] * head_dim
-    qkv_bias = config["model_type"] == "qwen2"
-
-    def normal(*shape: int, std: float) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * std
-
-    def linear(out_features: int, in_features: int, gain: float = 1.0) -> torch.Tensor:
-        return normal(out_features, in_features, std=gain / in_features**0.5)
-
-    def norm_weight(mean: float = 1.0) -> torch.Tensor:
-        return mean * (1.0 + normal(hidden, std=0.1))
-
-    tied = config["tie_word_embeddings"]
-    # Small embeddings: the residual stream is dominated by what the layers compute, so a
-    # tied output projection does not just echo the last input token.
-    embed_std = 0.1
-    weights = {"model.embed_tokens.weight": normal(vocab, hidden, std=embed_std)}
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        weights[p + "input_layernorm.weight"] = norm_weight()
-        weights[p + "self_attn.q_proj.weight"] = linear(q_dim, hidden, gain=1.5)
-        weights[p + "self_attn.k_proj.weight"] = linear(kv_dim, hidden, gain=1.5)
-        weights[p + "self_attn.v_proj.weight"] = linear(kv_dim, hidden)
-        if qkv_bias:
-            weights[p + "self_attn.q_proj.bias"] = normal(q_dim, std=0.1)
-            weights[p + "self_attn.k_proj.bias"] = normal(kv_dim, std=0.1)
-            weights[p + "self_attn.v_proj.bias"] = normal(kv_dim, std=0.1)
-        weights[p + "self_attn.o_proj.weight"] = linear(hidden, q_dim)
-        weights[p + "post_attention_layernorm.weight"] = norm_weight()
-        weights[p + "mlp.gate_proj.weight"] = linear(inter, hidden)
-        weights[p + "mlp.up_proj.weight"] = linear(inter, hidden)
-        weights[p + "mlp.down_proj.weight"] = linear(hidden, inter)
-    # Logits with std ~4 whether the output projection is lm_head or the embedding.
-    logit_std = 4.0
-    weights["model.norm.weight"] = norm_weight(logit_std / (embed_std * hidden**0.5) if tied else 1.0)
-    if not tied:
-        weights["lm_head.weight"] = linear(vocab, hidden, gain=logit_std)
-    torch_dtype = getattr(torch, dtype)
-    return {name: t.to(torch_dtype).contiguous() for name, t in weights.items()}
-
-
 def _write_safetensors(weights: dict, out_dir: Path, num_shards: int) -> None:
     from safetensors.torch import save_file
 
@@ -208,51 +112,47 @@ def _write_safetensors(weights: dict, out_dir: Path, num_shards: int) -> None:
         weight_map.update({n: shard_name for n in chunk})
     total = sum(t.numel() * t.element_size() for t in weights.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    _write_json(out_dir / "model.safetensors.index.json", index)
+    write_json(out_dir / "model.safetensors.index.json", index)
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+def write_checkpoint(spec: ModelSpec, out_dir: str | Path, num_threads: int = 1, on_step=None):
+    """Write the checkpoint `spec` describes into out_dir (created if missing), training it
+    first when spec.train_steps > 0. Returns the TrainingResult, or None for random weights."""
+    from splitserve.engine.testing.corpus_training import train_on_corpus
 
-
-def _write_tokenizer(tokenizer, out_dir: Path, max_len: int) -> dict[str, int]:
-    tokenizer.save(str(out_dir / "tokenizer.json"))
-    ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
-    added = {
-        str(ids[tok]): {
-            "content": tok,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-        for tok in SPECIAL_TOKENS
-    }
-    _write_json(
-        out_dir / "tokenizer_config.json",
+    shape = spec.shape
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(shape.vocab_size)
+    token_ids = write_tokenizer(tokenizer, out, shape.max_position_embeddings)
+    # The model's vocabulary is exactly the tokenizer's, so every sampled id decodes.
+    vocab_size = tokenizer.get_vocab_size()
+    config = _config_dict(shape, spec.arch, vocab_size, spec.dtype, spec.rope_scaling, token_ids)
+    write_json(out / "config.json", config)
+    write_json(
+        out / "generation_config.json",
         {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": BOS_TOKEN,
-            "eos_token": EOS_TOKEN,
-            "pad_token": PAD_TOKEN,
-            "additional_special_tokens": [IM_START, IM_END],
-            "added_tokens_decoder": added,
-            "clean_up_tokenization_spaces": False,
-            "model_max_length": max_len,
-            "chat_template": CHAT_TEMPLATE,
+            "bos_token_id": config["bos_token_id"],
+            "eos_token_id": config["eos_token_id"],
+            "pad_token_id": config["pad_token_id"],
         },
     )
-    _write_json(
-        out_dir / "special_tokens_map.json",
-        {
-            "bos_token": BOS_TOKEN,
-            "eos_token": EOS_TOKEN,
-            "pad_token": PAD_TOKEN,
-            "additional_special_tokens": [IM_START, IM_END],
-        },
-    )
-    return ids
+    # Random weights are drawn in float32 and cast, so a trained run starts from exactly the
+    # float32 weights the random checkpoint of the same seed holds.
+    weights = random_weights(config, spec.seed, "float32")
+    if spec.num_shards > len(weights):
+        raise MakeModelError(f"num_shards {spec.num_shards} exceeds the {len(weights)} weight tensors")
+    result = None
+    if spec.train_steps:
+        weights, result = train_on_corpus(
+            out, weights, tokenizer, spec.train_steps, spec.seed, num_threads=num_threads, on_step=on_step
+        )
+        write_json(out / TRAINING_FILE, _training_record(spec, result))
+    import torch
+
+    torch_dtype = getattr(torch, spec.dtype)
+    _write_safetensors({name: t.to(torch_dtype).contiguous() for name, t in weights.items()}, out, spec.num_shards)
+    return result
 
 
 def write_random_checkpoint(
@@ -265,69 +165,109 @@ def write_random_checkpoint(
     rope_scaling: bool = False,
 ) -> Path:
     """Write a complete random-weight checkpoint into out_dir (created if missing)."""
-    if preset not in PRESETS:
-        raise MakeModelError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
-    if arch not in ARCHITECTURE_BY_ARCH:
-        raise MakeModelError(f"unknown arch {arch!r}; choose from {', '.join(ARCHITECTURE_BY_ARCH)}")
-    if dtype not in DTYPES:
-        raise MakeModelError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    if num_shards < 1:
-        raise MakeModelError(f"num_shards must be >= 1, got {num_shards}")
-    shape = PRESETS[preset]
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    spec = ModelSpec(preset, arch, seed, dtype, num_shards, rope_scaling)
+    write_checkpoint(spec, out_dir)
+    return Path(out_dir)
 
-    tokenizer = train_tokenizer(shape.vocab_size)
-    token_ids = _write_tokenizer(tokenizer, out, shape.max_position_embeddings)
-    # The model's vocabulary is exactly the tokenizer's, so every sampled id decodes.
-    vocab_size = tokenizer.get_vocab_size()
-    config = _config_dict(shape, arch, vocab_size, dtype, rope_scaling, token_ids)
-    _write_json(out / "config.json", config)
-    _write_json(
-        out / "generation_config.json",
-        {
-            "bos_token_id": config["bos_token_id"],
-            "eos_token_id": config["eos_token_id"],
-            "pad_token_id": config["pad_token_id"],
-        },
-    )
-    weights = _random_weights(config, seed, dtype)
-    if num_shards > len(weights):
-        raise MakeModelError(f"num_shards {num_shards} exceeds the {len(weights)} weight tensors")
-    _write_safetensors(weights, out, num_shards)
-    return out
+
+def _training_record(spec: ModelSpec, result) -> dict:
+    from dataclasses import asdict
+
+    return {
+        "spec": asdict(spec),
+        "cache_key": spec.cache_key(),
+        "recipe": asdict(result.recipe),
+        "steps": result.steps,
+        "tokens_seen": result.tokens_seen,
+        "num_threads": result.num_threads,
+        "wall_s": round(result.wall_s, 3),
+        "cpu_s": round(result.cpu_s, 3),
+        "losses": [round(loss, 5) for loss in result.losses],
+    }
 
 
 def add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out_dir", help="directory to write the checkpoint into")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument(
+        "--preset", choices=sorted(PRESETS), default="tiny", help="shape; `draft` is a 1-layer draft for small/bench"
+    )
     parser.add_argument("--arch", choices=sorted(ARCHITECTURE_BY_ARCH), default="llama")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="random init (and training data order)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--num-shards", type=int, default=1)
     parser.add_argument("--rope-scaling", action="store_true", help="add Llama-3 rope_scaling to the config")
+    parser.add_argument(
+        "--train-steps",
+        type=int,
+        default=0,
+        help="train this many AdamW steps on the built-in corpus (CPU; 0 = random weights). "
+        "The result is cached under $SPLITSERVE_CACHE (default ~/.cache/splitserve)",
+    )
+    parser.add_argument("--train-threads", type=int, default=1, help="torch intra-op threads while training")
+    parser.add_argument("--no-cache", action="store_true", help="train into DIR without reading or filling the cache")
 
 
 def add_make_model_parser(subparsers) -> argparse.ArgumentParser:
     """Register `make-model` on an argparse subparsers object (cluster/cli/main.py wires it)."""
-    parser = subparsers.add_parser("make-model", help="write a random-weight HF checkpoint")
+    parser = subparsers.add_parser("make-model", help="write a random-weight or briefly trained HF checkpoint")
     add_make_model_arguments(parser)
     parser.set_defaults(func=run_make_model)
     return parser
 
 
 def run_make_model(args: argparse.Namespace) -> int:
-    out = write_random_checkpoint(
-        args.out_dir,
-        preset=args.preset,
-        arch=args.arch,
-        seed=args.seed,
-        dtype=args.dtype,
-        num_shards=args.num_shards,
-        rope_scaling=args.rope_scaling,
+    from splitserve.engine.testing.model_cache import cached_checkpoint
+
+    try:
+        spec = ModelSpec(
+            preset=args.preset,
+            arch=args.arch,
+            seed=args.seed,
+            dtype=args.dtype,
+            num_shards=args.num_shards,
+            rope_scaling=args.rope_scaling,
+            train_steps=args.train_steps,
+        )
+        if args.train_threads < 1:
+            raise MakeModelError(f"--train-threads must be >= 1, got {args.train_threads}")
+        out = Path(args.out_dir)
+        if out.exists() and not out.is_dir():
+            raise MakeModelError(f"{out} exists and is not a directory")
+    except MakeModelError as exc:
+        print(f"splitserve make-model: error: {exc}", file=sys.stderr)
+        return 2
+    if not spec.train_steps:
+        write_checkpoint(spec, out)
+        print(f"wrote {spec.preset} {spec.arch} checkpoint to {out}")
+        return 0
+    progress = progress_printer(spec.train_steps)
+    if args.no_cache:
+        write_checkpoint(spec, out, num_threads=args.train_threads, on_step=progress)
+        source = "trained (not cached)"
+    else:
+        cached = cached_checkpoint(spec, num_threads=args.train_threads, on_step=progress)
+        out.mkdir(parents=True, exist_ok=True)
+        for path in sorted(cached.path.iterdir()):
+            shutil.copy2(path, out / path.name)
+        source = f"{'cache hit' if cached.hit else 'trained and cached'}: {cached.path}"
+    record = json.loads((out / TRAINING_FILE).read_text())
+    print(
+        f"wrote {spec.preset} {spec.arch} checkpoint trained {spec.train_steps} steps to {out} ({source}); "
+        f"loss {record['losses'][0]:.3f} -> {record['losses'][-1]:.3f}, "
+        f"training took {record['wall_s']:.1f} s wall, {record['cpu_s']:.1f} s CPU"
     )
-    print(f"wrote {args.preset} {args.arch} checkpoint to {out}")
     return 0
+
+
+def progress_printer(steps: int):
+    """An on_step callback that prints the loss to stderr about ten times over a run."""
+    every = max(1, steps // 10)
+
+    def on_step(step: int, loss: float) -> None:
+        if step % every == 0 or step == steps - 1:
+            print(f"  step {step + 1}/{steps} loss {loss:.3f}", file=sys.stderr, flush=True)
+
+    return on_step
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,7 +77,7 @@ def test_each_setting_has_one_definition():
 
 
 def test_model_id_rule():
-    assert ServeConfig().model_id == "small-llama"  # the default model's name
+    assert ServeConfig().model_id == "small-llama-trained300"  # the default model's name
     assert ServeConfig(model="./models/my-llama").model_id == "./models/my-llama"  # as given, like vLLM
     assert ServeConfig(model="./models/my-llama", served_model_name="llama").model_id == "llama"
 

@@ -103,15 +103,18 @@ def test_sampler_survives_degenerate_parameters():
 
     from splitserve.engine.sample.sampler import Sampler
 
+    def seqs(rids, params):
+        return [Sequence(rid, [1, 2], p, 16) for rid, p in zip(rids, params)]
+
     logits = torch.randn(3, 50)
     params = [
         SamplingParams(temperature=5e-324, top_p=5e-324),  # effectively greedy
         SamplingParams(temperature=100.0, top_p=5e-324, seed=1),  # keeps one token
         SamplingParams(temperature=1.0, top_k=3, seed=2),
     ]
-    out = Sampler().sample(logits, ["a", "b", "c"], params)
+    out = Sampler().sample(logits, seqs(["a", "b", "c"], params))
     assert out[0][0] == int(torch.argmax(logits[0]))
     assert out[1][0] == int(torch.argmax(logits[1]))
     assert out[2][0] in torch.topk(logits[2], 3).indices.tolist()
     inf_row = torch.full((1, 50), float("inf"))
-    assert 0 <= Sampler().sample(inf_row, ["d"], [SamplingParams(temperature=1.0)])[0][0] < 50
+    assert 0 <= Sampler().sample(inf_row, seqs(["d"], [SamplingParams(temperature=1.0)]))[0][0] < 50

@@ -67,7 +67,14 @@ def raw_completion_cases(model: str) -> list[tuple[str, bytes, int, str]]:
         ("top_k beyond int64", head + b'"prompt": "x", "top_k": ' + b"9" * 30 + b"}", 400, "top_k"),
         ("token id out of the vocabulary", head + b'"prompt": [1, 2, 99999999]}', 400, "vocabulary"),
         ("prompt longer than the cache", head + b'"prompt": ' + json.dumps([5] * 500).encode() + b"}", 400, "tokens"),
-        ("a batch of prompts", head + b'"prompt": ["a", "b"]}', 400, "one prompt"),
+        ("a batch of prompts", head + b'"prompt": ["a", "b"], "max_tokens": 2}', 200, ""),
+        (
+            "a batch with a token id out of the vocabulary",
+            head + b'"prompt": [[1], [2, 99999999]], "echo": true}',
+            400,
+            "vocabulary",
+        ),
+        ("too many choices", head + b'"prompt": ["a", "b"], "n": 100}', 400, "prompts x n"),
         ("array instead of object", b'["model", "prompt"]', 400, "JSON object"),
     ]
 

@@ -34,7 +34,7 @@ class FakeBackend:
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self.reply_ids = tokenizer.encode(REPLY, add_special_tokens=False)
-        self.metrics = Metrics()
+        self.metrics = Metrics(MODEL_NAME)
         self.healthy = True
         self.serving: bool | None = None  # None: health() omits it (an older backend)
         self.num_cached_tokens = 0
@@ -52,9 +52,18 @@ class FakeBackend:
             raise invalid("the prompt is empty")
         return self.tokenizer.encode(text)
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def render_chat(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt=True,
+        add_special_tokens=False,
+    ) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         try:

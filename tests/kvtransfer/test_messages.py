@@ -11,6 +11,7 @@ import pytest
 from splitserve.engine.core.block_pool import BlockPool
 from splitserve.engine.core.kv_events import REMOVED, STORED, KVEvent
 from splitserve.engine.io.engine_stats import EngineStats
+from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.kvtransfer.handoff import (
     HANDOFF_VERSION,
     Handoff,
@@ -20,6 +21,7 @@ from splitserve.kvtransfer.handoff import (
 )
 from splitserve.kvtransfer.message_codec import MessageError
 from splitserve.kvtransfer.poll_reply import POLL_VERSION, PollReply, ReplicaStatus, TransferTotals
+from splitserve.kvtransfer.request_channel import Submit, decode_to_decode, encode_frame
 
 STATS = EngineStats(
     num_free_blocks=60,
@@ -39,6 +41,12 @@ def _messages():
         Handoff("r", [1, 2, 3, 4, 5], {"temperature": 0.0}, 4, "p0", "d0", [1], 7, epoch=2, deadline=1e9),
         PrefillResult("r", 42, -0.5, 4, 1, 1024, 0.01, 0.002, extra={"entered_at": 1.5}),
         StreamChunk("r", [5, 6], "ab", True, "length", 2, 0, 2, logprobs=[-0.1, -0.2], prefill_replica="p0"),
+        # what top logprobs, a stop token / stop string, queue time and penalties look like on the wire
+        PrefillResult(
+            "r", 42, -0.5, 4, 1, 1024, 0.01, 0.002, first_top_logprobs=[(42, -0.5), (7, -1.5)], queue_seconds=0.2
+        ),
+        StreamChunk("r", [5], "a", True, "stop", 2, 0, 1, top_logprobs=[[(5, -0.1), (9, -2.0)]], stop_reason=5),
+        StreamChunk("r", [5], "a", True, "stop", 2, 0, 1, stop_reason="END", queue_seconds=0.01),
         PollReply([KVEvent(1, STORED, (1, 2**64 - 1)), KVEvent(2, REMOVED, (1,))], STATS, 1, 0, TransferTotals()),
     ]
 
@@ -132,3 +140,9 @@ def test_handoff_checks_its_block_indices():
         Handoff.from_bytes(msgspec.structs.replace(handoff, send_block_indices=[2]).to_bytes())
     with pytest.raises(HandoffError, match="empty prompt"):
         Handoff.from_bytes(msgspec.structs.replace(handoff, prompt_token_ids=[]).to_bytes())
+
+
+def test_sampling_params_survive_the_request_channel():
+    params = SamplingParams(logit_bias={3: -100, 7: 2.5}, repetition_penalty=1.3, min_tokens=2, top_logprobs=4)
+    submit = decode_to_decode(encode_frame(Submit("r", [1, 2], params.to_dict()))[4:])
+    assert SamplingParams.from_dict(submit.sampling) == params

@@ -240,7 +240,7 @@ def _check_lost_capacity(server_url: str, grpc_port: int, pool: str, replica_id:
         ready = http.get("/ready")  # degraded, but serving: what the probes read
         assert ready.status_code == 200 and ready.json()["serving"] is True
         metrics = http.get("/metrics").text
-    assert re.search(rf'^splitserve_replicas\{{pool="{pool}"\}} 1\.0$', metrics, re.M), metrics
+    assert re.search(rf'^splitserve_replicas\{{model_name="[^"]*",pool="{pool}"\}} 1\.0$', metrics, re.M), metrics
     assert f'replica="{replica_id}"' not in metrics  # its series are gone
     with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
         health = health_pb2_grpc.HealthStub(channel)

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP frontend: build_http_app(backend) -> FastAPI.
 
-Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE with `stream: true`),
-GET /v1/models, GET /health, GET /ready, GET /metrics, and FastAPI's /openapi.json. A generation request
+Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE with `stream: true`;
+several prompts and n > 1 fan out into one generation per choice), GET /v1/models,
+POST /tokenize, POST /detokenize, GET /version (vLLM's shapes), GET /health, GET /ready,
+GET /metrics, and FastAPI's /openapi.json; HEAD works wherever GET does. A generation request
 may carry `x-request-timeout: SECONDS` (capped by request_timeout_s; past it: 504). Every error is
 OpenAI's {"error": {"message", "type", "param", "code"}}; no traceback ever reaches a client.
 `backend` is a splitserve.cluster.frontend.backend.ServingBackend or anything with the same interface.
@@ -23,9 +25,17 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from splitserve.cluster.frontend.http.access_log import AccessLog, client_request_id
+from splitserve.cluster.frontend.http.fanout import close_all, first_chunks, merged
 from splitserve.cluster.frontend.http.guard import RequestGuard, bearer_token
+from splitserve.cluster.frontend.http.head import HeadAsGet
 from splitserve.cluster.frontend.http.sse import ClientDisconnected, SSEResponse, run_until_disconnected
-from splitserve.cluster.frontend.openai.protocol import ChatCompletionRequest, CompletionRequest, build_sampling_params
+from splitserve.cluster.frontend.http.tokenize_routes import add_tokenize_routes, splitserve_version
+from splitserve.cluster.frontend.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    build_sampling_params,
+    choice_params,
+)
 from splitserve.cluster.frontend.openai.render import (
     SSE_DONE,
     ChatRenderer,
@@ -41,7 +51,6 @@ from splitserve.cluster.frontend.openai.responses import (
     ModelList,
     error_body,
 )
-from splitserve.cluster.frontend.openai.tool_call_output import ToolCallOutput
 from splitserve.cluster.request_error import ErrorKind, RequestError
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 
@@ -165,11 +174,12 @@ def build_http_app(backend, echo_request_id: bool = True) -> FastAPI:
     app = FastAPI(
         title="splitserve",
         description="OpenAI-compatible disaggregated LLM serving",
-        version="0.1.0",
+        version=splitserve_version(),
         strict_content_type=False,
     )
     app.add_middleware(RequestGuard, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes)
-    # Outermost: logs the guard's refusals too.
+    app.add_middleware(HeadAsGet)
+    # Outermost: logs the guard's refusals (and HEADs as HEAD) too; names the ingress replica.
     app.add_middleware(AccessLog, ingress_id=getattr(backend, "ingress_id", None), echo_request_id=echo_request_id)
     _install_error_handlers(app)
     created = int(time.time())
@@ -225,13 +235,22 @@ def build_http_app(backend, echo_request_id: bool = True) -> FastAPI:
         check_model(model_id)
         return model_card()
 
+    add_tokenize_routes(app, backend, auth, check_model, _ERRORS)
+
     @app.post("/v1/completions", response_model=CompletionResponse, dependencies=auth, responses=GENERATION_RESPONSES)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        prompt = body.single_prompt()
+        body.check_supported()  # before any prompt is tokenized
         # Off the event loop: it also serves every other stream of this replica.
-        prompt_ids = await asyncio.to_thread(backend.encode, prompt) if isinstance(prompt, str) else list(prompt)
-        params = build_sampling_params(body, len(prompt_ids), backend.max_model_len)
+        prompts = [
+            await asyncio.to_thread(backend.encode, p) if isinstance(p, str) else list(p) for p in body.prompts()
+        ]
+        params = build_sampling_params(body, max(map(len, prompts)), backend.max_model_len)
+        for prompt in prompts:  # every prompt is checked before anything is decoded or started
+            backend.validate(prompt, params)
+        echoes = (
+            [p if isinstance(p, str) else backend.tokenizer.decode(p) for p in body.prompts()] if body.echo else None
+        )
         renderer = CompletionRenderer(
             f"cmpl-{uuid.uuid4().hex}",
             body.model,
@@ -239,16 +258,22 @@ def build_http_app(backend, echo_request_id: bool = True) -> FastAPI:
             backend.tokenizer,
             params.logprobs,
             body.include_usage,
+            prompt_lengths=[len(p) for p in prompts],
+            n=body.n,
+            echoes=echoes,
+            num_top_logprobs=params.top_logprobs,
         )
-        return await generate(request, prompt_ids, params, renderer, body.stream)
+        return await generate(request, prompts, params, body.n, renderer, body.stream)
 
     @app.post(
         "/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=auth, responses=GENERATION_RESPONSES
     )
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
+        body.check_supported()
         prompt_ids = await asyncio.to_thread(backend.render_chat, body.template_messages(), tools=body.template_tools())
         params = build_sampling_params(body, len(prompt_ids), backend.max_model_len)
+        backend.validate(prompt_ids, params)
         plan = body.tool_call_plan()
         renderer = ChatRenderer(
             f"chatcmpl-{uuid.uuid4().hex}",
@@ -257,43 +282,63 @@ def build_http_app(backend, echo_request_id: bool = True) -> FastAPI:
             backend.tokenizer,
             params.logprobs,
             body.include_usage,
-            tool_output=None if plan is None else ToolCallOutput(plan),
+            prompt_lengths=[len(prompt_ids)],
+            n=body.n,
+            tool_plan=plan,
         )
-        return await generate(request, prompt_ids, params, renderer, body.stream)
+        return await generate(request, [prompt_ids], params, body.n, renderer, body.stream)
 
     async def generate(
-        request: Request, prompt_ids: list[int], params: SamplingParams, renderer: ResponseRenderer, stream: bool
+        request: Request,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        n: int,
+        renderer: ResponseRenderer,
+        stream: bool,
     ) -> Response:
-        # Refusals (400/429/503) come before the first chunk, so they still get a status code.
-        source = backend.generate(
-            prompt_ids,
-            params,
-            label=client_request_id(request.scope.get("headers", [])),
-            api_key=bearer_token(request.scope.get("headers", [])),
-            timeout_s=_request_timeout(request),
-        )
-        renderer.num_prompt_tokens = len(prompt_ids)  # chunks repeat it; this covers an empty stream
+        """One backend generation per choice (prompt x n), streamed or collected."""
+        choices = [(prompt, choice_params(params, i)) for prompt in prompts for i in range(n)]
+        api_key = bearer_token(request.scope.get("headers", []))
+        label = client_request_id(request.scope.get("headers", []))  # the client's own id: a label
+        timeout_s = _request_timeout(request)
+        sources = [
+            backend.generate(
+                prompt,
+                choice,
+                label=label,
+                api_key=api_key,
+                timeout_s=timeout_s,
+            )
+            for prompt, choice in choices
+        ]
         handed_off = False
         try:
-            first = await run_until_disconnected(request.receive, anext(source, None))
+            # Refusals (400/429/503) come before the first chunk, so they still get a status code.
+            firsts = await run_until_disconnected(request.receive, first_chunks(sources))
+            rest = merged(sources)
             if stream:
                 handed_off = True
-                return SSEResponse(_stream_events(renderer, first, source), source=source)
-            if first is not None:
-                renderer.observe(first)
+                return SSEResponse(_stream_events(renderer, firsts, rest), source=rest)
+            for index, first in enumerate(firsts):
+                if first is not None:
+                    renderer.observe(first, index)
 
             async def collect() -> None:
-                async for chunk in source:
-                    renderer.observe(chunk)
+                async for index, chunk in rest:
+                    renderer.observe(chunk, index)
 
-            if first is not None:  # drain to the end, so the backend counts a normal finish
+            # Drain to the end, so the backend counts a normal finish.
+            try:
                 await run_until_disconnected(request.receive, collect())
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await rest.aclose()
             renderer.mark_unfinished()
             return JSONResponse(renderer.render_response())
         finally:
             if not handed_off:
                 with anyio.CancelScope(shield=True):
-                    await source.aclose()
+                    await close_all(sources)
 
     _pin_model_in_openapi(app, backend.model_name)
     return app
@@ -332,17 +377,18 @@ def _pin_model_in_openapi(app: FastAPI, model_name: str) -> None:
     app.openapi = openapi
 
 
-async def _stream_events(renderer: ResponseRenderer, first, source):
+async def _stream_events(renderer: ResponseRenderer, firsts: list, rest):
     """SSE events of one request; a failure after the first chunk becomes an error event."""
     for event in renderer.opening_events():
         yield event
     try:
-        if first is not None:
-            for event in renderer.chunk_events(first):
-                yield event
-            async for chunk in source:
-                for event in renderer.chunk_events(chunk):
+        for index, first in enumerate(firsts):
+            if first is not None:
+                for event in renderer.chunk_events(first, index):
                     yield event
+        async for index, chunk in rest:
+            for event in renderer.chunk_events(chunk, index):
+                yield event
     except RequestError as exc:
         status, error_type = HTTP_STATUS_BY_KIND[exc.kind]
         yield sse_event(error_body(exc.message, error_type, code=status))

@@ -43,16 +43,22 @@ def bearer_token(headers: list[tuple[bytes, bytes]]) -> str | None:
 class RequestGuard:
     """Wraps the app: 401 without the API key on protected paths, 413 for oversized bodies."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, protected_prefix: str = "/v1/"):
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str | None,
+        max_body_bytes: int,
+        protected_prefixes: tuple[str, ...] = ("/v1/", "/tokenize", "/detokenize"),
+    ):
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
         self.app = app
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
-        self.protected_prefix = protected_prefix
+        self.protected_prefixes = protected_prefixes
 
     def _authorized(self, scope: Scope) -> bool:
-        if not self.api_key or not scope["path"].startswith(self.protected_prefix):
+        if not self.api_key or not scope["path"].startswith(self.protected_prefixes):
             return True
         token = bearer_token(scope.get("headers", []))
         return token is not None and hmac.compare_digest(token.encode(), self.api_key.encode())

@@ -1,29 +1,35 @@
 """OpenAI-compatible request shapes for /v1/completions and /v1/chat/completions, and the
 SamplingParams they ask for (responses: splitserve.cluster.frontend.openai.responses).
 
-Requests ignore fields they do not know (OpenAI clients send some) but reject wrong types
-(strict mode: no "0.5" for a float, no true for an int). Parameters splitserve cannot honour
-(n > 1, echo, penalties, top alternatives in logprobs) are refused with a 400 that
-names the parameter rather than silently ignored. Structured output and tool calling:
-openai/structured_output.py and openai/tools.py.
+Requests ignore fields they know nothing about (OpenAI clients send some) but reject wrong
+types (strict mode: no "0.5" for a float, no true for an int). Every parameter that is
+accepted acts: what splitserve cannot honour (unsupported.py: beam search, min_p, prompt
+logprobs, ...) is refused with a 400 that names the parameter and says why. Structured
+output and tool calling: openai/structured_output.py and openai/tools.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from splitserve.cluster.frontend.openai.structured_output import ResponseFormat, StructuredOutputs, grammar_spec_for
 from splitserve.cluster.frontend.openai.tools import ToolChoice, ToolParam, plan_tool_calls
+from splitserve.cluster.frontend.openai.unsupported import refused_parameter
 from splitserve.engine.io.sampling_params import (
+    MAX_LOGIT_BIAS_ENTRIES,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
     InvalidRequestError,
     SamplingParams,
 )
 
 SEED_RANGE = 2**63  # SamplingParams' seeds are in [0, 2**63)
+MAX_N = 128  # OpenAI's limit on n
+MAX_CHOICES = 128  # prompts x n in one completions request
 
 
 class RequestParamError(InvalidRequestError):
@@ -66,22 +72,37 @@ class StreamOptions(_Request):
 class _SamplingRequest(_Request):
     """Fields shared by completions and chat completions."""
 
+    # Unknown fields are kept (not validated) so check_supported() can refuse the ones
+    # splitserve knows it does not implement.
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
     model: str
     temperature: float | None = Field(None, ge=0, le=100)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: TopK | None = Field(None, description="splitserve extension: 0 or -1 disables top-k")
-    seed: JsonInt | None = Field(None, description="any integer; reduced modulo 2**63")
+    top_k: TopK | None = Field(None, description="vLLM extension: 0 or -1 disables top-k")
+    seed: JsonInt | None = Field(None, description="any integer; reduced modulo 2**63; choice i uses seed + i")
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    stop_token_ids: list[TokenId] | None = Field(None, description="splitserve extension")
-    n: JsonInt = _only(1, 1, description="only 1 is supported")
+    stop_token_ids: list[TokenId] | None = Field(
+        None, description="vLLM extension: the text of the stop token is left out of the output"
+    )
+    n: Annotated[int, Field(ge=1, le=MAX_N), BeforeValidator(_integral_float_to_int)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = Field(False, description="splitserve extension: keep generating past EOS")
-    presence_penalty: float | None = _only(None, 0, None, description="only 0 is supported")
-    frequency_penalty: float | None = _only(None, 0, None, description="only 0 is supported")
-    logit_bias: dict[str, float] | None = Field(
-        None, description="only an empty map is supported", json_schema_extra={"maxProperties": 0}
+    ignore_eos: bool = Field(False, description="vLLM extension: keep generating past EOS")
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(
+        None, gt=0, description="vLLM extension: > 1 discourages tokens of the prompt and the output"
     )
+    logit_bias: dict[str, float] | None = Field(
+        None,
+        description="token id (as a string) -> bias in [-100, 100] added to its logit; -100 bans it",
+        json_schema_extra={"maxProperties": MAX_LOGIT_BIAS_ENTRIES},
+    )
+    min_tokens: Annotated[int, Field(ge=0), BeforeValidator(_integral_float_to_int)] | None = Field(
+        None, description="vLLM extension: EOS and stop tokens are held off until this many tokens"
+    )
+    include_stop_str_in_output: bool = Field(False, description="vLLM extension: keep the stop string in the text")
     user: str | None = None
     # Structured output (openai/structured_output.py): OpenAI's field and vLLM's.
     response_format: ResponseFormat | None = None
@@ -98,61 +119,53 @@ class _SamplingRequest(_Request):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise RequestParamError("only n=1 is supported", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0):
-                raise RequestParamError(f"{name} is not supported; send 0 or omit it", name)
-        if self.logit_bias:
-            raise RequestParamError("logit_bias is not supported", "logit_bias")
+        refused = refused_parameter(self.model_extra or {})
+        if refused is not None:
+            name, message = refused
+            raise RequestParamError(message, name)
 
 
 class CompletionRequest(_SamplingRequest):
     prompt: (
         Annotated[str, Field(min_length=1)]
         | TokenIds
-        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)]
-        | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
-    ) = Field(description="one prompt: text, token ids, or a list holding one of those")
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICES)]
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_CHOICES)]
+    ) = Field(description="text, token ids, or a list of prompts (one choice per prompt and n)")
     max_tokens: PositiveInt | None = 16
-    logprobs: JsonInt | None = _only(
-        None, 0, None, description="0: the chosen token's log-probability, without alternatives"
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), BeforeValidator(_integral_float_to_int)] | None = Field(
+        None, description="the chosen token's log-probability and this many most likely alternatives"
     )
-    echo: bool = _only(False, False, description="only false is supported")
-    best_of: JsonInt | None = _only(None, 1, None, description="only 1 is supported")
-    suffix: str | None = Field(None, description="not supported", json_schema_extra={"maxLength": 0})
+    echo: bool = Field(False, description="prepend the prompt to the completion text")
+    best_of: JsonInt | None = Field(None, description="only 1 (or n) is supported: every choice is returned")
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value):
-        # Checked before the union so a batch of prompts gets this message, not four others.
+    def _one_kind_of_prompt(cls, value):
+        # Checked before the union so a mixed list gets this message, not four others.
         if isinstance(value, list) and len(value) > 1:
             kinds = {_prompt_item_kind(v) for v in value}
-            if kinds <= {"text", "token ids"}:
-                raise ValueError("only one prompt per request is supported")
-            if len(kinds) > 1:
-                raise ValueError("prompt must be a string, a list of token ids, or a list holding one prompt")
+            if len(kinds) > 1 and not kinds <= {"token id"}:
+                raise ValueError("prompt must be a string, a list of token ids, or a list of such prompts")
         return value
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise RequestParamError("echo is not supported", "echo")
-        if self.best_of not in (None, 1):
-            raise RequestParamError("only best_of=1 is supported", "best_of")
-        if self.suffix:
-            raise RequestParamError("suffix is not supported", "suffix")
-        if self.logprobs not in (None, 0):
+        if self.best_of not in (None, 1, self.n):
+            raise RequestParamError("best_of must be 1 or equal to n: every generated choice is returned", "best_of")
+        if self.echo and self.logprobs is not None:
             raise RequestParamError(
-                "only logprobs=0 is supported: the chosen token's log-probability, without top alternatives", "logprobs"
+                "echo with logprobs is not supported: prompt log-probabilities are not computed", "echo"
             )
+        if len(self.prompts()) * self.n > MAX_CHOICES:
+            raise RequestParamError(f"prompts x n must be at most {MAX_CHOICES}", "n")
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request: text or token ids (validation allows only one)."""
+    def prompts(self) -> list[str | list[int]]:
+        """Every prompt of this request: text or token ids."""
         prompt = self.prompt
         if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
-            return prompt[0]
-        return prompt
+            return list(prompt)
+        return [prompt]
 
 
 def _prompt_item_kind(value) -> str:
@@ -204,18 +217,17 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = Field(None, description="takes precedence over max_tokens")
     logprobs: bool = False
-    top_logprobs: JsonInt | None = _only(None, 0, None, description="only 0 is supported")
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), BeforeValidator(_integral_float_to_int)] | None = (
+        Field(None, description="with logprobs: this many most likely alternatives per token")
+    )
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.top_logprobs:
-            raise RequestParamError(
-                "only top_logprobs=0 is supported: the chosen token's log-probability, without top alternatives",
-                "top_logprobs",
-            )
+        if self.top_logprobs and not self.logprobs:
+            raise RequestParamError("top_logprobs needs logprobs set to true", "top_logprobs")
 
     def template_messages(self) -> list[dict]:
         return [m.to_template_dict() for m in self.messages]
@@ -231,10 +243,9 @@ class ChatCompletionRequest(_SamplingRequest):
 def build_sampling_params(
     request: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int, max_model_len: int
 ) -> SamplingParams:
-    """SamplingParams for a request; raises InvalidRequestError (-> 400) for bad values.
-
-    Chat requests without a token limit may use the rest of the context, as OpenAI's do.
-    """
+    """SamplingParams for a request's first choice; raises InvalidRequestError (-> 400) for
+    bad values. Chat requests without a token limit may use the rest of the context, as
+    OpenAI's do."""
     request.check_supported()
     if isinstance(request, ChatCompletionRequest):
         max_tokens = request.max_completion_tokens
@@ -242,10 +253,10 @@ def build_sampling_params(
             max_tokens = request.max_tokens
         if max_tokens is None:
             max_tokens = max(max_model_len - num_prompt_tokens, 1)
-        logprobs = request.logprobs
+        logprobs, top_logprobs = request.logprobs, (request.top_logprobs or 0) if request.logprobs else 0
     else:
         max_tokens = 16 if request.max_tokens is None else request.max_tokens
-        logprobs = request.logprobs is not None
+        logprobs, top_logprobs = request.logprobs is not None, request.logprobs or 0
     plan = request.tool_call_plan() if isinstance(request, ChatCompletionRequest) else None
     return SamplingParams(
         max_tokens=max_tokens,
@@ -257,5 +268,20 @@ def build_sampling_params(
         stop_token_ids=request.stop_token_ids or [],
         ignore_eos=request.ignore_eos,
         logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        logit_bias=request.logit_bias or {},
+        min_tokens=request.min_tokens or 0,
         structured_output=grammar_spec_for(request, None if plan is None else plan.grammar),
     )
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The parameters of choice `index` (of n): seed + index, as vLLM's parallel sampling
+    does, so every choice is reproducible on its own and seeded choices differ."""
+    if params.seed is None or index == 0:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + index) % SEED_RANGE)

@@ -1,13 +1,14 @@
 """Turn the backend's StreamChunks into OpenAI responses: SSE chunks while streaming, one
-JSON body otherwise. CompletionRenderer and ChatRenderer differ only in the choice shapes."""
+JSON body otherwise. A request has one choice per (prompt, n); CompletionRenderer and
+ChatRenderer differ only in the choice shapes."""
 
 from __future__ import annotations
 
 import json
-import math
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
+from splitserve.cluster.frontend.openai.choice import MIN_LOGPROB, ChoiceState, finite_logprob
 from splitserve.cluster.frontend.openai.responses import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -17,24 +18,21 @@ from splitserve.cluster.frontend.openai.responses import (
     ChatDelta,
     ChatMessage,
     ChatTokenLogprob,
+    ChatTopLogprob,
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
     PromptTokensDetails,
     Usage,
 )
+from splitserve.cluster.frontend.openai.tool_call_output import ToolCallOutput
 
 if TYPE_CHECKING:  # kvtransfer's package import is heavy; only the type is needed here
-    from splitserve.cluster.frontend.openai.tool_call_output import ToolCallOutput
+    from splitserve.cluster.frontend.openai.tools import ToolCallPlan
     from splitserve.kvtransfer.handoff import StreamChunk
 
+__all__ = ["MIN_LOGPROB", "SSE_DONE", "ChatRenderer", "CompletionRenderer", "ResponseRenderer", "finite_logprob"]
 SSE_DONE = "data: [DONE]\n\n"
-# JSON has no -inf/NaN; like vLLM, report an impossible token's log-probability as -9999.
-MIN_LOGPROB = -9999.0
-
-
-def finite_logprob(value: float) -> float:
-    return value if math.isfinite(value) else MIN_LOGPROB
 
 
 def sse_event(payload: dict | str) -> str:
@@ -43,10 +41,22 @@ def sse_event(payload: dict | str) -> str:
 
 
 class ResponseRenderer(ABC):
-    """Accumulates one request's chunks (text, logprobs, usage) and renders them."""
+    """Accumulates every choice's chunks (text, logprobs, usage) and renders them.
+
+    prompt_lengths: the token count of each prompt; choice i belongs to prompt i // n.
+    echoes: per prompt, the text to prepend to its choices (completions `echo`)."""
 
     def __init__(
-        self, request_id: str, model: str, created: int, tokenizer, include_logprobs: bool, include_usage: bool
+        self,
+        request_id: str,
+        model: str,
+        created: int,
+        tokenizer,
+        include_logprobs: bool,
+        include_usage: bool,
+        prompt_lengths: list[int] | None = None,
+        n: int = 1,
+        echoes: list[str] | None = None,
     ):
         self.request_id = request_id
         self.model = model
@@ -54,65 +64,64 @@ class ResponseRenderer(ABC):
         self.tokenizer = tokenizer
         self.include_logprobs = include_logprobs
         self.include_usage = include_usage
-        self.text_parts: list[str] = []
-        self.token_ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.finish_reason: str | None = None
-        self.num_prompt_tokens = 0
-        self.num_cached_tokens = 0
-        self.num_output_tokens = 0
+        self.prompt_lengths = list(prompt_lengths or [0])
+        echoes = echoes or [""] * len(self.prompt_lengths)
+        self.choices = [ChoiceState(p * n + i, p, echoes[p]) for p in range(len(self.prompt_lengths)) for i in range(n)]
 
     # ---- accumulation --------------------------------------------------------------------
-    def observe(self, chunk: StreamChunk) -> None:
-        self.text_parts.append(chunk.text)
-        self.token_ids.extend(chunk.token_ids)
-        self.logprobs.extend(finite_logprob(lp) for lp in chunk.logprobs)
-        self.num_prompt_tokens = max(self.num_prompt_tokens, chunk.num_prompt_tokens)
-        self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
-        self.num_output_tokens = max(self.num_output_tokens, chunk.num_output_tokens, len(self.token_ids))
-        if chunk.finished:
-            self.finish_reason = chunk.finish_reason or "stop"
+    def observe(self, chunk: StreamChunk, index: int = 0) -> None:
+        self.choices[index].observe(chunk)
 
     def mark_unfinished(self) -> None:
-        """The stream ended without a final chunk: report it as aborted."""
-        if self.finish_reason is None:
-            self.finish_reason = "abort"
-
-    @property
-    def text(self) -> str:
-        return "".join(self.text_parts)
+        for choice in self.choices:
+            choice.mark_unfinished()
 
     def usage(self) -> Usage:
+        # Each prompt counts once, however many choices it has (as vLLM counts n > 1).
+        num_prompt = sum(
+            max([self.prompt_lengths[p]] + [c.num_prompt_tokens for c in self.choices if c.prompt_index == p])
+            for p in range(len(self.prompt_lengths))
+        )
+        num_cached = sum(
+            max([0] + [c.num_cached_tokens for c in self.choices if c.prompt_index == p])
+            for p in range(len(self.prompt_lengths))
+        )
+        num_output = sum(c.num_output_tokens for c in self.choices)
         return Usage(
-            prompt_tokens=self.num_prompt_tokens,
-            completion_tokens=self.num_output_tokens,
-            total_tokens=self.num_prompt_tokens + self.num_output_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.num_cached_tokens),
+            prompt_tokens=num_prompt,
+            completion_tokens=num_output,
+            total_tokens=num_prompt + num_output,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached),
         )
 
-    def token_strings(self, token_ids: list[int]) -> list[str]:
-        return [self.tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
+    def token_string(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     # ---- streaming -----------------------------------------------------------------------
     def opening_events(self) -> list[str]:
         return []
 
-    def chunk_events(self, chunk: StreamChunk) -> list[str]:
-        """Observe a chunk and render it as zero or one SSE event."""
-        num_logprobs_before = len(self.logprobs)
-        self.observe(chunk)
+    def chunk_events(self, chunk: StreamChunk, index: int = 0) -> list[str]:
+        """Observe a chunk of choice `index` and render it as zero or one SSE event."""
+        choice = self.choices[index]
+        num_before = len(choice.token_ids)
+        choice.observe(chunk)
         if not (chunk.text or chunk.token_ids or chunk.finished):
             return []
-        new_logprobs = self.logprobs[num_logprobs_before:]
-        finish = self.finish_reason if chunk.finished else None
-        return [sse_event(self.render_chunk(chunk.text, chunk.token_ids, new_logprobs, finish))]
+        finish = choice.finish_reason if chunk.finished else None
+        return [sse_event(self.render_chunk(choice, choice.take_echo() + chunk.text, num_before, finish))]
 
     def closing_events(self) -> list[str]:
-        """After the last chunk: a finish chunk if none came, the usage chunk, [DONE]."""
+        """After the last chunk: a finish chunk for each choice that got none, the usage
+        chunk, [DONE]."""
         events = []
-        if self.finish_reason is None:
-            self.mark_unfinished()
-            events.append(sse_event(self.render_chunk("", [], [], self.finish_reason)))
+        for choice in self.choices:
+            if choice.finish_reason is None:
+                choice.mark_unfinished()
+                num_tokens = len(choice.token_ids)
+                events.append(
+                    sse_event(self.render_chunk(choice, choice.take_echo(), num_tokens, choice.finish_reason))
+                )
         if self.include_usage:
             events.append(sse_event(self.render_usage_chunk()))
         events.append(SSE_DONE)
@@ -120,8 +129,8 @@ class ResponseRenderer(ABC):
 
     # ---- shapes (subclasses) -------------------------------------------------------------
     @abstractmethod
-    def render_chunk(self, text: str, token_ids: list[int], logprobs: list[float], finish_reason: str | None) -> dict:
-        """One streamed chunk in the endpoint's shape."""
+    def render_chunk(self, choice: ChoiceState, text: str, first_token: int, finish_reason: str | None) -> dict:
+        """One streamed chunk of `choice`: `text`, and its tokens from index first_token on."""
 
     @abstractmethod
     def render_usage_chunk(self) -> dict:
@@ -133,24 +142,44 @@ class ResponseRenderer(ABC):
 
 
 class CompletionRenderer(ResponseRenderer):
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, num_top_logprobs: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
-        self._text_offset = 0
+        self.num_top_logprobs = num_top_logprobs
+        self._text_offsets = {c.index: len(c.echo) for c in self.choices}
 
-    def _logprobs(self, token_ids: list[int], logprobs: list[float]) -> CompletionLogprobs | None:
+    def _logprobs(self, choice: ChoiceState, start: int) -> CompletionLogprobs | None:
         if not self.include_logprobs:
             return None
-        tokens = self.token_strings(token_ids)
+        token_ids = choice.token_ids[start:]
+        tokens = [self.token_string(t) for t in token_ids]
         offsets = []
         for token in tokens:
-            offsets.append(self._text_offset)
-            self._text_offset += len(token)
-        return CompletionLogprobs(tokens=tokens, token_logprobs=list(logprobs), text_offset=offsets)
+            offsets.append(self._text_offsets[choice.index])
+            self._text_offsets[choice.index] += len(token)
+        top = None
+        if self.num_top_logprobs:
+            top = []
+            for token_id, logprob, alternatives in zip(token_ids, choice.logprobs[start:], choice.top_logprobs[start:]):
+                entry: dict[str, float] = {}
+                for t, lp in alternatives:  # most likely first; tokens decoding alike keep the first
+                    entry.setdefault(self.token_string(t), lp)
+                # As OpenAI and vLLM: the chosen token is always listed (up to logprobs + 1).
+                entry.setdefault(self.token_string(token_id), logprob)
+                top.append(entry)
+        return CompletionLogprobs(
+            tokens=tokens, token_logprobs=list(choice.logprobs[start:]), top_logprobs=top, text_offset=offsets
+        )
 
-    def render_chunk(self, text, token_ids, logprobs, finish_reason) -> dict:
-        choice = CompletionChoice(text=text, logprobs=self._logprobs(token_ids, logprobs), finish_reason=finish_reason)
+    def render_chunk(self, choice, text, first_token, finish_reason) -> dict:
+        rendered = CompletionChoice(
+            index=choice.index,
+            text=text,
+            logprobs=self._logprobs(choice, first_token),
+            finish_reason=finish_reason,
+            stop_reason=choice.stop_reason if finish_reason else None,
+        )
         return CompletionResponse(
-            id=self.request_id, created=self.created, model=self.model, choices=[choice]
+            id=self.request_id, created=self.created, model=self.model, choices=[rendered]
         ).model_dump(mode="json")
 
     def render_usage_chunk(self) -> dict:
@@ -159,41 +188,57 @@ class CompletionRenderer(ResponseRenderer):
         ).model_dump(mode="json")
 
     def render_response(self) -> dict:
-        self._text_offset = 0
-        choice = CompletionChoice(
-            text=self.text, logprobs=self._logprobs(self.token_ids, self.logprobs), finish_reason=self.finish_reason
-        )
+        self._text_offsets = {c.index: len(c.echo) for c in self.choices}
+        choices = [
+            CompletionChoice(
+                index=c.index,
+                text=c.text,
+                logprobs=self._logprobs(c, 0),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in self.choices
+        ]
         return CompletionResponse(
-            id=self.request_id, created=self.created, model=self.model, choices=[choice], usage=self.usage()
+            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=self.usage()
         ).model_dump(mode="json")
 
 
 class ChatRenderer(ResponseRenderer):
-    def __init__(self, *args, tool_output: ToolCallOutput | None = None, **kwargs):
+    def __init__(self, *args, tool_plan: ToolCallPlan | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.tool_output = tool_output  # a tool-calling request: output read as tool_calls
+        # A tool-calling request: each choice's output is read back as tool_calls.
+        self.tool_outputs = {} if tool_plan is None else {c.index: ToolCallOutput(tool_plan) for c in self.choices}
 
-    def chunk_events(self, chunk: StreamChunk) -> list[str]:
-        if self.tool_output is None:
-            return super().chunk_events(chunk)
-        self.observe(chunk)
-        deltas = self.tool_output.stream_deltas(chunk.text, self.text)
+    def chunk_events(self, chunk: StreamChunk, index: int = 0) -> list[str]:
+        tool_output = self.tool_outputs.get(index)
+        if tool_output is None:
+            return super().chunk_events(chunk, index)
+        choice = self.choices[index]
+        choice.observe(chunk)
+        deltas = tool_output.stream_deltas(chunk.text, choice.text)
         finish = None
         if chunk.finished:
-            final, finish = self.tool_output.final_deltas(self.text, self.finish_reason)
+            final, finish = tool_output.final_deltas(choice.text, choice.finish_reason)
             deltas += final
-            self.finish_reason = finish
-        events = [sse_event(self._chunk([ChatChunkChoice(delta=d)])) for d in deltas]
+            choice.finish_reason = finish
+        events = [sse_event(self._chunk([ChatChunkChoice(index=index, delta=d)])) for d in deltas]
         if chunk.finished:
-            events.append(sse_event(self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=finish)])))
+            done = ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=finish)
+            events.append(sse_event(self._chunk([done])))
         return events
 
-    def _logprobs(self, token_ids: list[int], logprobs: list[float]) -> ChatChoiceLogprobs | None:
+    def _entry(self, token_id: int, logprob: float) -> ChatTopLogprob:
+        token = self.token_string(token_id)
+        return ChatTopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
+
+    def _logprobs(self, choice: ChoiceState, start: int) -> ChatChoiceLogprobs | None:
         if not self.include_logprobs:
             return None
+        tops = choice.top_logprobs[start:] or [[]] * len(choice.token_ids[start:])
         content = [
-            ChatTokenLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
-            for token, logprob in zip(self.token_strings(token_ids), logprobs)
+            ChatTokenLogprob(**self._entry(token_id, logprob).model_dump(), top_logprobs=[self._entry(*p) for p in top])
+            for token_id, logprob, top in zip(choice.token_ids[start:], choice.logprobs[start:], tops)
         ]
         return ChatChoiceLogprobs(content=content)
 
@@ -203,27 +248,42 @@ class ChatRenderer(ResponseRenderer):
         ).model_dump(mode="json")
 
     def opening_events(self) -> list[str]:
-        # OpenAI opens every chat stream with the assistant role and empty content.
-        return [sse_event(self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))]))]
+        # OpenAI opens every chat stream with the assistant role and empty content, per choice.
+        return [
+            sse_event(self._chunk([ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant", content=""))]))
+            for c in self.choices
+        ]
 
-    def render_chunk(self, text, token_ids, logprobs, finish_reason) -> dict:
+    def render_chunk(self, choice, text, first_token, finish_reason) -> dict:
         delta = ChatDelta(content=text if text or finish_reason is None else None)
-        return self._chunk(
-            [ChatChunkChoice(delta=delta, logprobs=self._logprobs(token_ids, logprobs), finish_reason=finish_reason)]
+        rendered = ChatChunkChoice(
+            index=choice.index,
+            delta=delta,
+            logprobs=self._logprobs(choice, first_token),
+            finish_reason=finish_reason,
+            stop_reason=choice.stop_reason if finish_reason else None,
         )
+        return self._chunk([rendered])
 
     def render_usage_chunk(self) -> dict:
         return self._chunk([], usage=self.usage())
 
     def render_response(self) -> dict:
-        content, tool_calls, finish_reason = self.text, None, self.finish_reason
-        if self.tool_output is not None:
-            content, tool_calls, finish_reason = self.tool_output.message(self.text, self.finish_reason)
-        choice = ChatChoice(
-            message=ChatMessage(content=content, tool_calls=tool_calls),
-            logprobs=self._logprobs(self.token_ids, self.logprobs),
-            finish_reason=finish_reason,
-        )
+        choices = []
+        for c in self.choices:
+            content, tool_calls, finish_reason = c.text, None, c.finish_reason
+            tool_output = self.tool_outputs.get(c.index)
+            if tool_output is not None:
+                content, tool_calls, finish_reason = tool_output.message(c.text, c.finish_reason)
+            choices.append(
+                ChatChoice(
+                    index=c.index,
+                    message=ChatMessage(content=content, tool_calls=tool_calls),
+                    logprobs=self._logprobs(c, 0),
+                    finish_reason=finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
         return ChatCompletionResponse(
-            id=self.request_id, created=self.created, model=self.model, choices=[choice], usage=self.usage()
+            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=self.usage()
         ).model_dump(mode="json")

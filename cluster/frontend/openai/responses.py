@@ -35,6 +35,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = Field(None, description="vLLM: the stop token id or stop string that ended it")
 
 
 class CompletionResponse(BaseModel):
@@ -48,11 +49,17 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = Field(None, exclude_if=_omit_if_none)
 
 
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
 class ChatTokenLogprob(BaseModel):
     token: str
     logprob: float
     bytes: list[int] | None = None
-    top_logprobs: list[dict] = Field(default_factory=list)
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
 
 
 class ChatChoiceLogprobs(BaseModel):
@@ -93,6 +100,7 @@ class ChatChoice(BaseModel):
     message: ChatMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = Field(None, description="vLLM: the stop token id or stop string that ended it")
 
 
 class ChatCompletionResponse(BaseModel):
@@ -115,6 +123,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -284,7 +284,7 @@ def test_dashboard_metrics_exist_in_the_app():
     from splitserve.cluster.frontend import metrics
 
     exposed = set()
-    for family in metrics.Metrics().registry.collect():
+    for family in metrics.Metrics("dashboard-test").registry.collect():
         exposed.add(family.name)
         exposed.update(sample.name for sample in family.samples)
         if family.type == "counter":

@@ -121,7 +121,9 @@ def test_generated_requests_never_get_a_5xx(loop, backend, server, http):
         assert resp.status_code < 500, f"{where} -> {resp.status_code} {resp.text[:300]}"
         content_type = resp.headers.get("content-type") or [""]  # schemathesis: name -> values
         if content_type[0].startswith("text/event-stream"):
-            assert resp.text.rstrip().endswith("data: [DONE]"), where
+            # schemathesis stops reading a stream after 20 events (prompts x n choices make more)
+            if not resp.stream_cut_short:
+                assert resp.text.rstrip().endswith("data: [DONE]"), where
             assert '"server_error"' not in resp.text, f"{where} -> {resp.text[-300:]}"
 
     for result in schema.get_all_operations():

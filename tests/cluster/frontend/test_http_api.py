@@ -241,7 +241,7 @@ def test_models_health_metrics_openapi(client, backend):
     client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2})
     metrics = client.get("/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")
-    assert "splitserve_generation_tokens_total 2.0" in metrics.text
+    assert f'splitserve_generation_tokens_total{{model_name="{MODEL_NAME}"}} 2.0' in metrics.text
     schema = client.get("/openapi.json").json()
     assert {"CompletionRequest", "ChatCompletionRequest", "ErrorResponse"} <= set(schema["components"]["schemas"])
     assert "/v1/chat/completions" in schema["paths"]
@@ -265,13 +265,24 @@ def test_models_health_metrics_openapi(client, backend):
         ({"prompt": [1, "a"]}, "prompt", "list of token ids"),
         ({"prompt": "x", "stream_options": {"include_usage": "yes"}}, "stream_options", "valid boolean"),
         ({}, "prompt", "required"),
-        ({"prompt": "x", "n": 2}, "n", "only n=1"),
-        ({"prompt": "x", "echo": True}, "echo", "echo"),
-        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
-        ({"prompt": "x", "frequency_penalty": -1.0}, "frequency_penalty", "not supported"),
-        ({"prompt": "x", "logprobs": 2}, "logprobs", "logprobs=0"),
-        ({"prompt": ["a", "b"]}, "prompt", "only one prompt"),
-        ({"prompt": [[1], [2]]}, "prompt", "only one prompt"),
+        ({"prompt": "x", "n": 0}, "n", "greater than or equal to 1"),
+        ({"prompt": "x", "n": 129}, "n", "less than or equal to 128"),
+        ({"prompt": ["a"] * 65, "n": 2}, "n", "prompts x n"),
+        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo", "prompt log-probabilities"),
+        ({"prompt": "x", "best_of": 3}, "best_of", "equal to n"),
+        ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+        ({"prompt": "x", "frequency_penalty": -2.5}, "frequency_penalty", "greater than or equal to -2"),
+        ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs", "less than or equal to 20"),
+        ({"prompt": "x", "logit_bias": {"abc": 1}}, None, "token ids"),
+        ({"prompt": "x", "logit_bias": {"999999": -100}}, None, "outside the vocabulary"),
+        ({"prompt": "x", "logit_bias": {"5": "high"}}, "logit_bias", "valid number"),
+        ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, None, "min_tokens"),
+        ({"prompt": "x", "min_p": 0.1}, "min_p", "min_p is not supported"),
+        ({"prompt": "x", "use_beam_search": True}, "use_beam_search", "beam search"),
+        ({"prompt": "x", "skip_special_tokens": False}, "skip_special_tokens", "not supported"),
+        ({"prompt": "x", "suffix": "tail"}, "suffix", "not supported"),
+        ({"prompt": ["a", [1]]}, "prompt", "list of such prompts"),
         ({"prompt": []}, "prompt", "at least 1"),
         ({"prompt": ""}, "prompt", "at least 1"),
         ({"prompt": "x", "stop": ""}, "stop", "at least 1"),
@@ -294,7 +305,10 @@ def test_completion_bad_requests_are_400(client, backend, payload, param, words)
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
-        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3, "logprobs": True}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, "functions"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
         ({"messages": "hello"}, "messages"),
     ],
@@ -419,6 +433,22 @@ def test_non_finite_logprobs_stay_valid_json(tokenizer):
         events = renderer.chunk_events(chunk) + renderer.closing_events()
         body = json.dumps(renderer.render_response(), allow_nan=False)
         assert str(MIN_LOGPROB) in body and all("Infinity" not in e and "NaN" not in e for e in events)
+
+
+def test_every_refused_parameter_is_refused_and_listed_in_the_readme(client):
+    from pathlib import Path
+
+    from splitserve.cluster.frontend.openai.unsupported import UNSUPPORTED_PARAMETERS
+
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    for name, (neutral, reason) in UNSUPPORTED_PARAMETERS.items():
+        assert f"`{name}`" in readme, f"README does not list the unsupported parameter {name}"
+        ok = client.post(
+            "/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 1, name: neutral[0]}
+        )
+        assert ok.status_code == 200, (name, ok.text)  # the neutral value changes nothing and is accepted
+        bad = client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x", name: {"set": 1}})
+        assert assert_error(bad, 400, param=name)["message"] == f"{name} is not supported: {reason}"
 
 
 def test_access_log_quiets_scrapes_and_names_the_path(client, caplog):

@@ -114,8 +114,8 @@ def test_openai_client(tokenizer):
         assert text == backend.expected_text(5)
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="nope", prompt="hello")
-        with pytest.raises(openai.BadRequestError, match="only n=1"):
-            client.completions.create(model=MODEL_NAME, prompt="hello", n=2)
+        with pytest.raises(openai.BadRequestError, match="beam search"):
+            client.completions.create(model=MODEL_NAME, prompt="hello", extra_body={"use_beam_search": True})
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=server.url + "/v1", api_key="bad", max_retries=0).models.list()
         backend.fail_after = 1

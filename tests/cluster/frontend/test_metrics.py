@@ -34,7 +34,7 @@ def exported_replicas(metrics: Metrics) -> dict[str, set[str]]:
 
 
 def test_a_removed_replica_exports_no_series():
-    metrics = Metrics()
+    metrics = Metrics("tiny")
     poll = PollReply([], STATS, 0, 1, TransferTotals(num_blocks=2, num_bytes=4096, seconds=0.01))
     for pool, replica_id in REPLICAS:
         metrics.observe_poll(pool, replica_id, poll)

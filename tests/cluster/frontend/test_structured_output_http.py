@@ -265,7 +265,7 @@ def test_invalid_constraints_are_400_and_the_server_keeps_serving(client, backen
     )
     assert ok.status_code == 200
     metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
-    assert 'splitserve_structured_requests_total{kind="json_schema"}' in metrics
+    assert re.search(r'^splitserve_structured_requests_total\{kind="json_schema",model_name="[^"]*"\}', metrics, re.M)
     assert "splitserve_grammar_compile_seconds_count" in metrics
 
 
@@ -287,7 +287,9 @@ def test_client_disconnect_mid_constrained_stream_frees_blocks(backend, server, 
                 break  # leave mid-stream
     wait_for_baseline(loop, backend.cluster)
     metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
-    assert re.search(r'splitserve_grammar_mask_steps_total\{pool="decode"\} [1-9]', metrics), metrics[-2000:]
+    assert re.search(r'splitserve_grammar_mask_steps_total\{model_name="[^"]*",pool="decode"\} [1-9]', metrics), (
+        metrics[-2000:]
+    )
 
 
 def test_grpc_generate_with_structured_output(backend, loop):

@@ -311,7 +311,7 @@ def test_rising_then_falling_load_scales_each_pool_up_and_back_down(loop, scaled
         max_concurrency=12,
         latency_window_s=1.0,
     )
-    metrics = Metrics()
+    metrics = Metrics("tiny")
     autoscaler = Autoscaler(cluster, cfg, metrics, latency_source=load.latency_ms, drain_timeout_s=30)
     samples: list[tuple[int, int, int, int]] = []  # serving and total (incl. draining) per pool
 
@@ -361,9 +361,11 @@ def test_rising_then_falling_load_scales_each_pool_up_and_back_down(loop, scaled
     }
     for pool in (PREFILL, DECODE):
         for action in ("up", "down"):
-            assert scraped[("splitserve_scaling_decisions_total", (("decision", action), ("pool", pool)))] == 1
-        assert scraped[("splitserve_scaling_decisions_total", (("decision", "hold"), ("pool", pool)))] > 1
-        assert scraped[("splitserve_replicas", (("pool", pool),))] == 1
+            key = (("decision", action), ("model_name", "tiny"), ("pool", pool))
+            assert scraped[("splitserve_scaling_decisions_total", key)] == 1
+        key = (("decision", "hold"), ("model_name", "tiny"), ("pool", pool))
+        assert scraped[("splitserve_scaling_decisions_total", key)] > 1
+        assert scraped[("splitserve_replicas", (("model_name", "tiny"), ("pool", pool)))] == 1
     wait_for_baseline(loop, cluster)
 
 

@@ -1,0 +1,64 @@
+"""One choice of an OpenAI response as its chunks arrive: text, tokens, log-probabilities
+(with the top alternatives), finish and stop reason."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # kvtransfer's package import is heavy; only the type is needed here
+    from splitserve.kvtransfer.handoff import StreamChunk
+
+# JSON has no -inf/NaN; like vLLM, report an impossible token's log-probability as -9999.
+MIN_LOGPROB = -9999.0
+
+
+def finite_logprob(value: float) -> float:
+    return value if math.isfinite(value) else MIN_LOGPROB
+
+
+class ChoiceState:
+    """Accumulates the chunks of choice `index`, generated for prompt `prompt_index`."""
+
+    def __init__(self, index: int, prompt_index: int, echo: str = ""):
+        self.index = index
+        self.prompt_index = prompt_index
+        self.echo = echo  # the prompt's text, sent before the completion (completions `echo`)
+        self.echo_sent = False
+        self.text_parts: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_output_tokens = 0
+
+    def observe(self, chunk: StreamChunk) -> None:
+        self.text_parts.append(chunk.text)
+        self.token_ids.extend(chunk.token_ids)
+        self.logprobs.extend(finite_logprob(lp) for lp in chunk.logprobs)
+        self.top_logprobs.extend([(int(t), finite_logprob(lp)) for t, lp in top] for top in chunk.top_logprobs)
+        self.num_prompt_tokens = max(self.num_prompt_tokens, chunk.num_prompt_tokens)
+        self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
+        self.num_output_tokens = max(self.num_output_tokens, chunk.num_output_tokens, len(self.token_ids))
+        if chunk.finished:
+            self.finish_reason = chunk.finish_reason or "stop"
+            self.stop_reason = chunk.stop_reason
+
+    def mark_unfinished(self) -> None:
+        """The stream ended without a final chunk: report it as aborted."""
+        if self.finish_reason is None:
+            self.finish_reason = "abort"
+
+    @property
+    def text(self) -> str:
+        return self.echo + "".join(self.text_parts)
+
+    def take_echo(self) -> str:
+        """The echoed prompt, once: streaming sends it ahead of the first generated text."""
+        if self.echo_sent:
+            return ""
+        self.echo_sent = True
+        return self.echo

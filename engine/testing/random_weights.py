@@ -1,0 +1,53 @@
+"""Random HF-named weights for make-model checkpoints (the starting point of trained ones too)."""
+
+from __future__ import annotations
+
+
+def random_weights(config: dict, seed: int, dtype: str) -> dict:
+    """HF-named weights. Scaled so logits have a wide spread: greedy top-1/top-2 gaps stay
+    far above fp32 rounding noise, which keeps token-for-token parity tests stable."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim, vocab = config["head_dim"], config["vocab_size"]
+    q_dim = config["num_attention_heads"] * head_dim
+    kv_dim = config["num_key_value_heads"] * head_dim
+    qkv_bias = config["model_type"] == "qwen2"
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    def linear(out_features: int, in_features: int, gain: float = 1.0) -> torch.Tensor:
+        return normal(out_features, in_features, std=gain / in_features**0.5)
+
+    def norm_weight(mean: float = 1.0) -> torch.Tensor:
+        return mean * (1.0 + normal(hidden, std=0.1))
+
+    tied = config["tie_word_embeddings"]
+    # Small embeddings: the residual stream is dominated by what the layers compute, so a
+    # tied output projection does not just echo the last input token.
+    embed_std = 0.1
+    weights = {"model.embed_tokens.weight": normal(vocab, hidden, std=embed_std)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        weights[p + "input_layernorm.weight"] = norm_weight()
+        weights[p + "self_attn.q_proj.weight"] = linear(q_dim, hidden, gain=1.5)
+        weights[p + "self_attn.k_proj.weight"] = linear(kv_dim, hidden, gain=1.5)
+        weights[p + "self_attn.v_proj.weight"] = linear(kv_dim, hidden)
+        if qkv_bias:
+            weights[p + "self_attn.q_proj.bias"] = normal(q_dim, std=0.1)
+            weights[p + "self_attn.k_proj.bias"] = normal(kv_dim, std=0.1)
+            weights[p + "self_attn.v_proj.bias"] = normal(kv_dim, std=0.1)
+        weights[p + "self_attn.o_proj.weight"] = linear(hidden, q_dim)
+        weights[p + "post_attention_layernorm.weight"] = norm_weight()
+        weights[p + "mlp.gate_proj.weight"] = linear(inter, hidden)
+        weights[p + "mlp.up_proj.weight"] = linear(inter, hidden)
+        weights[p + "mlp.down_proj.weight"] = linear(hidden, inter)
+    # Logits with std ~4 whether the output projection is lm_head or the embedding.
+    logit_std = 4.0
+    weights["model.norm.weight"] = norm_weight(logit_std / (embed_std * hidden**0.5) if tied else 1.0)
+    if not tied:
+        weights["lm_head.weight"] = linear(vocab, hidden, gain=logit_std)
+    torch_dtype = getattr(torch, dtype)
+    return {name: t.to(torch_dtype).contiguous() for name, t in weights.items()}
