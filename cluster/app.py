@@ -83,7 +83,7 @@ class SplitServeIngress:
             model_dir = resolve_model(cfg.model)
             backend = ServingBackend(cfg, model_dir, controller=ControllerClient(controller_handle))
             await backend.start()
-            grpc = GrpcFrontend(backend)
+            grpc = GrpcFrontend(backend, share_port=True)  # every ingress replica on a node serves the port
             await grpc.start(cfg.grpc_host, cfg.grpc_port)
         except Exception as exc:
             with contextlib.suppress(Exception):  # free what did start; the cause is what matters
@@ -97,7 +97,7 @@ class SplitServeIngress:
     def __serve_build_asgi_app__(self):
         from splitserve.cluster.frontend.http.api import build_http_app
 
-        http_app = build_http_app(self.backend)
+        http_app = build_http_app(self.backend, echo_request_id=False)  # Serve echoes x-request-id itself
 
         @contextlib.asynccontextmanager
         async def lifespan(_app):

@@ -18,6 +18,7 @@ import urllib.request
 
 import yaml
 
+from splitserve.cluster.cli.front_door import FrontDoor
 from splitserve.cluster.cli.preflight import PreflightError, check_imports, check_model, check_ports
 from splitserve.cluster.cli.serve_flags import SERVE_USAGE, ServeFlagsError, add_serve_flags, config_from_args
 
@@ -28,7 +29,9 @@ Every ServeConfig field is a flag (see above); --config FILE.yaml holds the same
 flags override it. The model id clients send is --served-model-name, else MODEL exactly as
 given. The local Ray cluster runs with Ray's token authentication (RAY_AUTH_MODE=token, token
 in ~/.ray/auth_token); set RAY_AUTH_MODE=disabled to turn it off. SPLITSERVE_LOG_LEVEL=DEBUG
-also logs /metrics and /health requests."""
+also logs /metrics and /health requests. HTTP goes through Ray's HAProxy ingress
+(RAY_SERVE_ENABLE_HA_PROXY=1 and the throughput-optimized Serve settings are set before Ray
+starts; your own values of those variables win)."""
 
 
 def add_serve_parser(subparsers) -> None:
@@ -65,20 +68,28 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.print_config:
         print(yaml.safe_dump(cfg.model_dump(), sort_keys=False), end="")
         return 0
-    _ray_environment(local=not args.address)  # before anything imports ray: it reads them once
+    front_door = FrontDoor(local=not args.address)
+    # Before anything imports ray: Ray and Serve read them once.
+    front_door_env = _ray_environment(front_door)
     try:
-        model_dir = check_model(cfg)
-        check_imports()
-        if not args.address:
-            check_ports(cfg)
-    except PreflightError as exc:
-        return fail(str(exc), 2)
-    # The replicas load the resolved directory; clients keep sending the id as the user gave it.
-    cfg = cfg.model_copy(update={"served_model_name": cfg.model_id, "model": os.path.abspath(model_dir)})
-    return _serve(cfg, args)
+        try:
+            model_dir = check_model(cfg)
+            check_imports()
+            if not args.address:
+                check_ports(cfg)
+        except PreflightError as exc:
+            return fail(str(exc), 2)
+        # The replicas load the resolved directory; clients keep sending the id as the user gave it.
+        cfg = cfg.model_copy(update={"served_model_name": cfg.model_id, "model": os.path.abspath(model_dir)})
+        return _serve(cfg, args, front_door.controller_options(front_door_env))
+    finally:
+        front_door.cleanup()
 
 
-def _ray_environment(local: bool) -> None:
+def _ray_environment(front_door: FrontDoor) -> dict[str, str]:
+    """Set the process environment Ray starts with; returns the front door's variables (a
+    local cluster gets them here, a joined one through Serve's controller options)."""
+    local = front_door.local
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Ray Serve's own logs (controller, proxy, replica start-up tracebacks) go to its files
@@ -88,15 +99,19 @@ def _ray_environment(local: bool) -> None:
         # Ray turns token auth on for every new local cluster and warns so on each start;
         # choosing it explicitly keeps the protection and drops the warning.
         os.environ.setdefault("RAY_AUTH_MODE", "token")
+    env = front_door.environment()
+    if local:
+        os.environ.update(env)
+    return env
 
 
-def _serve(cfg, args: argparse.Namespace) -> int:
+def _serve(cfg, args: argparse.Namespace, controller_options: dict | None) -> int:
     import ray
     from ray import serve
 
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # "Started Serve", "Application is ready"...
     try:
-        failure = _start(ray, serve, cfg, args)
+        failure = _start(ray, serve, cfg, args, controller_options)
     except KeyboardInterrupt:
         print("splitserve: interrupted during start-up; shutting down", flush=True)
         _shutdown(ray, serve)
@@ -121,7 +136,7 @@ def _serve(cfg, args: argparse.Namespace) -> int:
     return 0
 
 
-def _start(ray, serve, cfg, args: argparse.Namespace) -> str | None:
+def _start(ray, serve, cfg, args: argparse.Namespace, controller_options: dict | None) -> str | None:
     """Start Ray, Serve and the app, and wait until it is healthy; the failure, if any."""
     from splitserve.cluster.app import build_app
 
@@ -141,7 +156,9 @@ def _start(ray, serve, cfg, args: argparse.Namespace) -> str | None:
                 logging_level="WARNING",
             )
         serve.start(
-            http_options={"host": cfg.http_host, "port": cfg.http_port}, logging_config={"log_level": "WARNING"}
+            http_options={"host": cfg.http_host, "port": cfg.http_port},
+            logging_config={"log_level": "WARNING"},
+            controller_options=controller_options,
         )
     except Exception as exc:
         return f"cannot start Ray Serve: {exc}"

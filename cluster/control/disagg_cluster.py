@@ -49,8 +49,11 @@ class DisaggCluster:
         replica / stopped routing to one."""
         self.cfg = cfg
         self.model_dir = model_dir
+        # Names this ingress to the controller and prefixes its request ids (unique per ingress).
+        ingress_id = ingress_id or uuid.uuid4().hex[:8]
         self.dispatcher = Dispatcher(
             Router(cfg.router, block_size=cfg.block_size),
+            ingress_id=ingress_id,
             max_retries=cfg.max_retries,
             lease_s=cfg.kv_transfer_lease_s,
             layerwise=cfg.layerwise_transfer,
@@ -137,7 +140,7 @@ class DisaggCluster:
 
     async def shutdown(self) -> None:
         await self.follower.stop()
-        await self.dispatcher.stop_polling()
+        await self.dispatcher.close()
         if self.controller is not None:
             await self.controller.shutdown()
 
@@ -169,25 +172,24 @@ class DisaggCluster:
             await self.follower.sync()
 
     # ---- requests ------------------------------------------------------------------------
-    async def generate(
+    def generate(
         self,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        request_id: str | None = None,
+        label: str | None = None,
         deadline: float | None = None,
         on_route=None,
     ) -> AsyncIterator[StreamChunk]:
-        async for chunk in self.dispatcher.generate(prompt_token_ids, params, request_id, deadline, on_route):
-            yield chunk
+        """The dispatcher's stream of the request's chunks (see Dispatcher.generate); label:
+        the client's own id, only logged."""
+        return self.dispatcher.generate(prompt_token_ids, params, label, deadline, on_route)
 
-    async def complete(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
-    ) -> dict:
+    async def complete(self, prompt_token_ids: list[int], params: SamplingParams, label: str | None = None) -> dict:
         """Run one request to the end and collect it."""
         token_ids: list[int] = []
         text = []
         last = None
-        async for chunk in self.generate(prompt_token_ids, params, request_id):
+        async for chunk in self.generate(prompt_token_ids, params, label):
             token_ids.extend(chunk.token_ids)
             text.append(chunk.text)
             last = chunk
@@ -198,10 +200,11 @@ class DisaggCluster:
             "num_prompt_tokens": last.num_prompt_tokens,
             "num_cached_tokens": last.num_cached_tokens,
             "prefill_replica": last.prefill_replica,
+            "request_id": last.request_id,
         }
 
     async def poll_replica(self, pool: str, replica_id: str) -> PollReply:
-        return PollReply.from_bytes(await self.dispatcher.replicas[pool][replica_id].handle.probe.remote())
+        return PollReply.from_bytes(await self.dispatcher.members[pool][replica_id].handle.probe.remote())
 
     async def render_metrics(self, families: bytes) -> bytes:
         """The deployment's merged /metrics: every ingress's samples (this one's current

@@ -106,7 +106,7 @@ class WorkerPool:
             "num_gpus": self.resources.num_gpus,
             "max_concurrency": 1000,
             "max_restarts": 0,
-            "name": replica_id,
+            "name": replica_id,  # replica id == actor name, in the app's namespace
             "namespace": self.namespace,
             "lifetime": "detached",  # outlives the controller; killed by its shutdown
         }
@@ -126,6 +126,7 @@ class WorkerPool:
             transport_host=self.transport_host,
             transfer_timeout_s=self.transfer_timeout_s,
             torch_threads=self.torch_threads,
+            namespace=self.namespace,
         )
         replica = Replica(replica_id, self.pool, handle, actor_id=handle._actor_id.hex())
         self.replicas[replica_id] = replica

@@ -38,10 +38,14 @@ class ServingBackend:
         model_dir: str,
         cluster: DisaggCluster | None = None,
         controller: ControllerClient | None = None,
+        ingress_id: str | None = None,
     ):
         """controller: the controller deployment's client (an ingress replica); None: run
         the controller in-process (tests, tools). cluster: a ready-made DisaggCluster."""
         self.cfg = cfg
+        # Names this ingress replica: the prefix of its request ids, and the response header
+        # / gRPC metadata that says which replica carried a request.
+        self.ingress_id = ingress_id or default_ingress_id()
         self.model_dir = model_dir
         self.model_name = cfg.model_id
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
@@ -58,7 +62,12 @@ class ServingBackend:
         self.reporter = IngressReporter(self.metrics.registry)
         # In-process (no controller deployment): that controller autoscales, as the service's does.
         self.cluster = cluster or DisaggCluster(
-            cfg, model_dir, controller=controller, make_report=self.reporter.report, autoscale=controller is None
+            cfg,
+            model_dir,
+            controller=controller,
+            make_report=self.reporter.report,
+            autoscale=controller is None,
+            ingress_id=self.ingress_id,
         )
         self.num_inflight = 0
         self._inflight_by_key: dict[str, int] = defaultdict(int)
@@ -143,13 +152,15 @@ class ServingBackend:
         self,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        request_id: str | None = None,
+        label: str | None = None,
         api_key: str | None = None,
         timeout_s: float | None = None,
     ) -> AsyncIterator[StreamChunk]:
         """Validate, admit, stream. Raises RequestError (before the first chunk on refusal).
         timeout_s: the client's own deadline, capped by request_timeout_s; past it the
-        request fails with kind DEADLINE and its KV blocks are freed."""
+        request fails with kind DEADLINE and its KV blocks are freed. label: the client's own
+        id for the request (gRPC request_id, HTTP x-request-id), only logged: the chunks carry
+        the server's request id, which is unique."""
         self.validate(prompt_token_ids, params)
         if timeout_s is not None and not timeout_s > 0:
             raise invalid(f"the request timeout must be a positive number of seconds, got {timeout_s!r}")
@@ -176,7 +187,7 @@ class ServingBackend:
         finished = False
         try:
             async for chunk in self.cluster.generate(
-                prompt_token_ids, params, request_id or uuid.uuid4().hex, deadline=deadline, on_route=self._on_route
+                prompt_token_ids, params, label, deadline=deadline, on_route=self._on_route
             ):
                 now = time.perf_counter()
                 if first:
@@ -245,6 +256,16 @@ class ServingBackend:
         except Exception as exc:
             logger.warning("merged metrics unavailable (%r); serving this ingress's own", exc)
             return self.metrics.render()
+
+
+def default_ingress_id() -> str:
+    """The Serve replica's unique id inside a Serve replica; else a fresh local one."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # not in a Serve replica (tests, the driver API)
+        return f"local{uuid.uuid4().hex[:8]}"
 
 
 def _check_unicode(text: str) -> None:

@@ -25,6 +25,7 @@ import pytest
 import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from splitserve.cluster.control.decode_channel import DecodeChannel
 from splitserve.cluster.frontend.backend import ServingBackend
 from splitserve.cluster.frontend.grpc.health import READY_SERVICE, pool_service_name
 from splitserve.cluster.frontend.grpc.server import GrpcFrontend
@@ -35,8 +36,9 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine_errors import EngineLoopStopped, EngineStepError
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
-from splitserve.kvtransfer.handoff import DecodeRequest, StreamChunk
+from splitserve.kvtransfer.handoff import StreamChunk
 from splitserve.kvtransfer.poll_reply import PollReply, ReplicaStatus
+from splitserve.kvtransfer.request_channel import Failed, FailureKind, Submit
 from tests.helpers.cluster import LoopHttpServer, cluster_config, wait_for_baseline, wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -85,29 +87,38 @@ def reference(tiny_model):
 
 
 class Stream:
-    """One DecodeWorker.generate call made straight on the actor, consumed on the cluster's
-    loop: its chunks, when it ended, and how."""
+    """One request sent straight to a decode replica over its request channel (as an ingress
+    does), consumed on the cluster's loop: its chunks, when it ended, and how (a Failed frame
+    becomes the error the replica reported)."""
 
     def __init__(self, loop, handle, request_id: str, ids: list[int], params: SamplingParams, prefill=None):
         self.chunks: list[StreamChunk] = []
         self.error: BaseException | None = None
         self.ended_at: float | None = None
         self.done = threading.Event()
-        req = DecodeRequest(request_id=request_id, prompt_token_ids=ids, sampling=params.to_dict())
-        prefill_handle, prefill_id = (None, None) if prefill is None else (prefill.handle, prefill.replica_id)
+        replica_id = ray.get(handle.ready.remote(), timeout=30)
+        address = ray.get(handle.channel_address.remote(), timeout=30)
+        submit = Submit(request_id, ids, params.to_dict(), None if prefill is None else prefill.replica_id)
+
+        # Held here: a channel's reader and the tasks waiting on it only reference each other.
+        self.channel = channel = DecodeChannel(replica_id, address, f"test-{request_id}")
 
         async def consume() -> None:
             try:
-                gen = handle.generate.options(num_returns="streaming").remote(
-                    req.to_bytes(), prefill_handle, prefill_id
-                )
-                async for ref in gen:
-                    self.chunks.append(StreamChunk.from_bytes(await ref))
+                queue = await channel.submit(submit)
+                while True:
+                    item = await queue.get()
+                    if not isinstance(item, StreamChunk):
+                        raise _as_error(item)
+                    self.chunks.append(item)
+                    if item.finished:
+                        break
             except BaseException as exc:
                 self.error = exc
             finally:
                 self.ended_at = time.monotonic()
                 self.done.set()
+                await channel.close()
 
         asyncio.run_coroutine_threadsafe(consume(), loop.loop)
 
@@ -118,6 +129,18 @@ class Stream:
     @property
     def token_ids(self) -> list[int]:
         return [t for c in self.chunks for t in c.token_ids]
+
+
+def _as_error(item) -> BaseException:
+    if not isinstance(item, Failed):
+        return item  # ChannelClosed
+    if item.kind is FailureKind.STEP_FAILED:
+        return EngineStepError(item.message)
+    if item.kind is FailureKind.REPLICA_DEAD:
+        return EngineLoopStopped(item.message)
+    if item.kind.value.startswith("prefill"):
+        return PrefillFailedError(item.message, item.kind)
+    return RuntimeError(f"{item.kind}: {item.message}")
 
 
 def poll(handle) -> PollReply:
