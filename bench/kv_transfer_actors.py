@@ -26,7 +26,8 @@ from splitserve.cluster.control.worker_pool import WorkerPool
 from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.decode.decode_worker import DecodeWorker
 from splitserve.engine.io.sampling_params import SamplingParams
-from splitserve.kvtransfer.handoff import DecodeRequest, PrefillResult
+from splitserve.kvtransfer.handoff import PrefillResult
+from splitserve.kvtransfer.request_channel import Submit
 from splitserve.kvtransfer.wire_layout import ascending_run_start
 from splitserve.prefill.prefill_worker import PrefillWorker
 
@@ -55,14 +56,12 @@ class TimedPrefillWorker(PrefillWorker):
 class TimedDecodeWorker(DecodeWorker):
     """DecodeWorker with one extra method: a timed remote prefill of one prompt."""
 
-    async def timed_prefill(
-        self, request_id: str, prompt: list[int], layerwise: bool, prefill, prefill_id: str
-    ) -> dict:
+    async def timed_prefill(self, request_id: str, prompt: list[int], layerwise: bool, prefill_id: str) -> dict:
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-        request = DecodeRequest(request_id, prompt, params.to_dict(), layerwise=layerwise, lease_s=LEASE_S)
+        submit = Submit(request_id, prompt, params.to_dict(), prefill_id, layerwise=layerwise, lease_s=LEASE_S)
         seq = self.engine.make_sequence(None, prompt, params, request_id)
         started = time.perf_counter()
-        result = await self._remote_prefill(seq, request, prefill, prefill_id)
+        result = await self._remote_prefill(seq, submit)
         transfer_done = time.perf_counter()
         dst_blocks = list(seq.block_table)
         await asyncio.wrap_future(self.loop.call(lambda engine: engine.release_reservation(request_id)))
@@ -103,16 +102,16 @@ def run_actor_path(
     import ray
 
     engine_config = _engine_config(model_dir, max(lengths))
-    prefix = f"kvbench-{uuid.uuid4().hex[:6]}"
+    namespace = f"kvbench-{uuid.uuid4().hex[:6]}"
     pools = [
         WorkerPool(
             name,
             cls,
             engine_config,
             PoolResources(num_cpus=1),
+            namespace,
             torch_threads=1,
             transfer_timeout_s=LEASE_S,
-            name_prefix=prefix,
         )
         for name, cls in ((PREFILL, TimedPrefillWorker), (DECODE, TimedDecodeWorker))
     ]
@@ -124,9 +123,7 @@ def run_actor_path(
             # Random ids from a range that skips the special tokens: every block hash is new.
             prompt = [rng.randrange(8, vocab_size) for _ in range(num_tokens)]
             out = ray.get(
-                decode.handle.timed_prefill.remote(
-                    f"kvbench-{index}", prompt, layerwise, prefill.handle, prefill.replica_id
-                ),
+                decode.handle.timed_prefill.remote(f"kvbench-{index}", prompt, layerwise, prefill.replica_id),
                 timeout=timeout_s,
             )
             result = out["result"]

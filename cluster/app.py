@@ -1,13 +1,20 @@
-"""The splitserve Ray Serve application: one ingress deployment that owns the prefill and
-decode pools, the router, the OpenAI HTTP API and the gRPC server.
+"""The splitserve Ray Serve application: a one-replica controller deployment that owns the
+prefill and decode pools, and the `splitserve` ingress deployment (N stateless replicas:
+OpenAI HTTP, gRPC, tokenizer, router, dispatcher) that follows the controller's membership.
 
 `splitserve serve` and the Helm chart's RayService both start it through build_app, from
 the same ServeConfig fields: one source of truth.
 
-The ingress starts the pools and the gRPC server in its (async) constructor, not in the ASGI
-lifespan: a failure there reaches Ray Serve's deployment status as a StartupError naming the
-root cause, which `splitserve serve` prints, where a lifespan failure would only say "ASGI
-lifespan startup failed".
+What dies with what: the pools are named, detached actors in the app's namespace, so they
+outlive both deployments' replicas. The controller dying changes nothing for serving (each
+ingress keeps its last view, KV events flow replica -> ingress directly); Serve restarts it
+and it re-adopts the pools. An ingress replica dying loses only the streams it carried.
+Deleting the app (Ctrl-C, `serve shutdown`, a RayService delete) runs the controller's
+__del__, which kills the pools.
+
+Both start in their (async) constructors, not in the ASGI lifespan: a failure there reaches
+Ray Serve's deployment status as a StartupError naming the root cause, which `splitserve
+serve` prints, where a lifespan failure would only say "ASGI lifespan startup failed".
 """
 
 from __future__ import annotations
@@ -22,13 +29,47 @@ from splitserve.cluster.config import ServeConfig
 
 APP_IMPORT_PATH = "splitserve.cluster.app:build_app"
 DEPLOYMENT_NAME = "splitserve"
+CONTROLLER_DEPLOYMENT_NAME = "splitserve-controller"
 logger = logging.getLogger(__name__)
 
 
-class SplitServeIngress:
-    """The ingress replica. Serve calls __serve_build_asgi_app__ after the constructor."""
+class ControllerDeployment:
+    """The controller replica: cluster/control/controller.py's Controller behind a Serve handle."""
 
     async def __init__(self, cfg_dict: dict):
+        from splitserve.cluster.control.controller import Controller
+        from splitserve.cluster.default_model import resolve_model
+        from splitserve.cluster.frontend.http.access_log import configure_replica_logging
+        from splitserve.cluster.startup_error import StartupError, root_cause
+
+        configure_replica_logging()
+        cfg = ServeConfig.model_validate(cfg_dict)
+        self.controller = None
+        try:
+            controller = Controller(cfg, resolve_model(cfg.model), serve.get_replica_context().app_name)
+            await controller.start()  # a fresh start that fails leaves nothing running
+        except Exception as exc:
+            raise StartupError(root_cause(exc)) from None
+        self.controller = controller
+
+    async def membership(self, seen_version: int, ingress_id: str, report: bytes | None = None, wait_s: float = 0.0):
+        return await self.controller.membership(seen_version, ingress_id, report, wait_s)
+
+    async def render_metrics(self, ingress_id: str, families: bytes) -> bytes:
+        return self.controller.render_metrics(ingress_id, families)
+
+    async def __del__(self):
+        """The app is deleted (or this replica is stopped by Serve): the pools go with it. A
+        controller that is killed instead never gets here, so its pools keep serving."""
+        if self.controller is not None:
+            await self.controller.shutdown()
+
+
+class SplitServeIngress:
+    """An ingress replica. Serve calls __serve_build_asgi_app__ after the constructor."""
+
+    async def __init__(self, cfg_dict: dict, controller_handle):
+        from splitserve.cluster.control.controller_client import ControllerClient
         from splitserve.cluster.default_model import resolve_model
         from splitserve.cluster.frontend.backend import ServingBackend
         from splitserve.cluster.frontend.grpc.server import GrpcFrontend
@@ -39,9 +80,10 @@ class SplitServeIngress:
         cfg = ServeConfig.model_validate(cfg_dict)
         backend = grpc = None
         try:
-            backend = ServingBackend(cfg, resolve_model(cfg.model))
+            model_dir = resolve_model(cfg.model)
+            backend = ServingBackend(cfg, model_dir, controller=ControllerClient(controller_handle))
             await backend.start()
-            grpc = GrpcFrontend(backend)
+            grpc = GrpcFrontend(backend, share_port=True)  # every ingress replica on a node serves the port
             await grpc.start(cfg.grpc_host, cfg.grpc_port)
         except Exception as exc:
             with contextlib.suppress(Exception):  # free what did start; the cause is what matters
@@ -55,7 +97,7 @@ class SplitServeIngress:
     def __serve_build_asgi_app__(self):
         from splitserve.cluster.frontend.http.api import build_http_app
 
-        http_app = build_http_app(self.backend)
+        http_app = build_http_app(self.backend, echo_request_id=False)  # Serve echoes x-request-id itself
 
         @contextlib.asynccontextmanager
         async def lifespan(_app):
@@ -70,6 +112,24 @@ class SplitServeIngress:
         return http_app
 
 
+def ingress_options(cfg: ServeConfig) -> dict:
+    """The ingress deployment's replica count or Serve autoscaling, from cfg.ingress."""
+    ingress = cfg.ingress
+    if not ingress.autoscaling.enabled:
+        return {"num_replicas": ingress.replicas}
+    a = ingress.autoscaling
+    return {
+        "autoscaling_config": {
+            "min_replicas": a.min_replicas,
+            "max_replicas": a.max_replicas,
+            "initial_replicas": min(max(ingress.replicas, a.min_replicas), a.max_replicas),
+            "target_ongoing_requests": a.target_ongoing_requests,
+            "upscale_delay_s": a.upscale_delay_s,
+            "downscale_delay_s": a.downscale_delay_s,
+        }
+    }
+
+
 def build_app(args: dict, fail_fast: bool = False) -> serve.Application:
     """Serve application builder (import path splitserve.cluster.app:build_app); args = ServeConfig.
     fail_fast: give up after the first failed start instead of Serve's 3 attempts (the CLI
@@ -78,16 +138,30 @@ def build_app(args: dict, fail_fast: bool = False) -> serve.Application:
     if not args.get("api_key") and os.environ.get("SPLITSERVE_API_KEY"):
         args["api_key"] = os.environ["SPLITSERVE_API_KEY"]  # e.g. from a Kubernetes Secret
     cfg = ServeConfig.model_validate(args)
-    deployment = serve.deployment(
+    retries = {"max_constructor_retry_count": 1} if fail_fast else {}
+    controller = serve.deployment(
+        ControllerDeployment,
+        name=CONTROLLER_DEPLOYMENT_NAME,
+        num_replicas=1,
+        # Every ingress long-polls it; drains and scale-ups wait on it too.
+        max_ongoing_requests=1000,
+        ray_actor_options={"num_cpus": 0},
+        # Loading the pools can take minutes; the ingresses wait for its first view.
+        health_check_period_s=5,
+        graceful_shutdown_timeout_s=60,
+        logging_config={"enable_access_log": False},
+        **retries,
+    )
+    ingress = serve.deployment(
         serve.ingress()(SplitServeIngress),
         name=DEPLOYMENT_NAME,
-        num_replicas=1,
         max_ongoing_requests=cfg.max_queued_requests + 64,  # admission control is ours (429)
-        # On the head node: the Service / port-forward for HTTP and gRPC point there.
-        ray_actor_options={"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}},
+        ray_actor_options={"num_cpus": cfg.ingress.num_cpus, "resources": dict(cfg.ingress.resources)},
         health_check_period_s=5,
         # The HTTP app logs requests itself (scrapes at DEBUG, the path asked for on a 404).
         logging_config={"enable_access_log": False},
-        **({"max_constructor_retry_count": 1} if fail_fast else {}),
+        **ingress_options(cfg),
+        **retries,
     )
-    return deployment.bind(cfg.model_dump())
+    cfg_dict = cfg.model_dump()
+    return ingress.bind(cfg_dict, controller.bind(cfg_dict))

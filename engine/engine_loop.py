@@ -2,6 +2,9 @@
 
 Only the loop thread touches the engine (scheduler, block pool, cache). Other threads hand it
 work with call() and receive outputs through per-request sinks, called on the loop thread.
+A worker that buffers what its sinks get passes `flush_outputs`: it is called once after every
+step (and every batch of commands) that delivered something, so the worker hands a whole
+step's outputs to its event loop in one go instead of one hand-over per token.
 
 Failures: a step that raises fails only its batch (LLMEngine.step undoes it exactly); each of
 those requests' sinks gets the EngineStepError, and the loop serves on. If the loop cannot
@@ -47,6 +50,7 @@ class EngineLoop:
         idle_wait_s: float = 0.05,
         max_consecutive_step_failures: int = 3,
         name: str = "engine",
+        flush_outputs: Callable[[], None] | None = None,
     ):
         if max_consecutive_step_failures < 1:
             raise ValueError(f"max_consecutive_step_failures must be >= 1, got {max_consecutive_step_failures}")
@@ -54,6 +58,8 @@ class EngineLoop:
         self.layer_hook = layer_hook
         self.after_step = after_step
         self.idle_wait_s = idle_wait_s
+        self.flush_outputs = flush_outputs
+        self._delivered = False  # a sink got something since the last flush_outputs
         self.max_consecutive_step_failures = max_consecutive_step_failures
         self.name = name
         self.faults = FaultInjector()
@@ -167,6 +173,7 @@ class EngineLoop:
             )
             if not out.finished:
                 self._sinks[request_id] = sink
+            self._delivered = True
             sink(out)
 
         return self.call(admit)
@@ -217,6 +224,7 @@ class EngineLoop:
             while not self._stopping:
                 self.faults.check_loop()
                 self._drain_commands()
+                self._flush()
                 if not self.engine.has_unfinished():
                     if self.after_step is not None:
                         self.after_step(self.engine)
@@ -224,6 +232,7 @@ class EngineLoop:
                     self._wake.clear()
                     continue
                 self._step()
+                self._flush()
                 if self.after_step is not None:
                     self.after_step(self.engine)
         except BaseException as exc:
@@ -258,14 +267,22 @@ class EngineLoop:
             sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
             self._deliver(sink, out, out.request_id)
 
-    @staticmethod
-    def _deliver(sink: Sink | None, item: RequestOutput | Exception, request_id: str) -> None:
+    def _deliver(self, sink: Sink | None, item: RequestOutput | Exception, request_id: str) -> None:
         if sink is None:
             return
+        self._delivered = True
         try:
             sink(item)
         except Exception:
             logger.exception("output sink for %s failed", request_id)
+
+    def _flush(self) -> None:
+        if self._delivered and self.flush_outputs is not None:
+            self._delivered = False
+            try:
+                self.flush_outputs()
+            except Exception:
+                logger.exception("%s: handing the step's outputs over failed", self.name)
 
     def _release_everything(self) -> None:
         """The loop is ending: stop accepting, abort every request so each block goes back
@@ -281,6 +298,7 @@ class EngineLoop:
         sinks, self._sinks = self._sinks, {}
         for request_id, sink in sinks.items():
             self._deliver(sink, error, request_id)
+        self._flush()
         while True:
             try:
                 _, fut = self._commands.get_nowait()

@@ -1,10 +1,12 @@
 """EngineWorker: what a prefill and a decode replica share -- an LLMEngine run by an EngineLoop
 thread, a KVTransport for the pairs with the other pool, and the control methods the ingress
-calls on every replica (ready, poll, snapshot, forget_peer, shutdown, inject_fault).
+calls on every replica (ready, channel_address, poll, snapshot, forget_peer, shutdown,
+inject_fault) and the controller's probe.
 
 A replica whose engine loop stopped for good has released every block and fails every call
-with EngineLoopStopped; its poll() then answers a PollReply with status LOOP_STOPPED (and
-why), so the ingress drops it from routing at once.
+with EngineLoopStopped; its poll() and probe() then answer a PollReply with status
+LOOP_STOPPED (and why), so the ingress drops it from routing at once and the controller
+replaces it.
 
 Plain classes: cluster/control/worker_pool.py wraps PrefillWorker and DecodeWorker with
 ray.remote, which exposes these inherited async methods as actor methods.
@@ -13,10 +15,13 @@ ray.remote, which exposes these inherited async methods as actor methods.
 from __future__ import annotations
 
 import asyncio
+import itertools
+from collections import deque
 
 import torch
 
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.core.kv_events import KVEvent
 from splitserve.engine.engine_errors import EngineLoopStopped
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import LayerHookFactory, LLMEngine
@@ -33,22 +38,29 @@ class EngineWorker:
         transport_host: str = "127.0.0.1",
         transfer_timeout_s: float = 20.0,
         torch_threads: int | None = None,
+        event_log_size: int = 4096,
+        namespace: str | None = None,
     ):
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.replica_id = replica_id
+        self.namespace = namespace  # the app's Ray namespace: where the peer replicas are named
+        self.host = resolve_host(transport_host)
         self.engine = LLMEngine(EngineConfig(**engine_config))
-        self.transport = KVTransport(
-            replica_id, self.engine.device, host=resolve_host(transport_host), timeout_s=transfer_timeout_s
-        )
+        self.transport = KVTransport(replica_id, self.engine.device, host=self.host, timeout_s=transfer_timeout_s)
         self.transfer_timeout_s = transfer_timeout_s
         self.num_active = 0  # see PollReply.num_active
         self.loop: EngineLoop | None = None
+        # Recent KV events for the ingresses that follow this replica, each from its own
+        # position (poll's since_seq); one that fell behind the log resyncs from snapshot().
+        self.events: deque[KVEvent] = deque(maxlen=event_log_size)
 
-    def start_loop(self, layer_hook: LayerHookFactory | None = None, after_step=None) -> None:
+    def start_loop(self, layer_hook: LayerHookFactory | None = None, after_step=None, flush_outputs=None) -> None:
         """Start the engine thread; a subclass calls it once its own state (which the hooks
         read) exists."""
-        self.loop = EngineLoop(self.engine, layer_hook=layer_hook, after_step=after_step, name=self.replica_id).start()
+        self.loop = EngineLoop(
+            self.engine, layer_hook=layer_hook, after_step=after_step, name=self.replica_id, flush_outputs=flush_outputs
+        ).start()
 
     # ---- what a subclass reports ---------------------------------------------------------
     def num_pinned(self) -> int:
@@ -62,24 +74,42 @@ class EngineWorker:
     async def ready(self) -> str:
         return self.replica_id
 
-    async def poll(self) -> bytes:
-        """KV events since the last poll plus load figures, for the router: a PollReply (with
-        status LOOP_STOPPED once the engine loop stopped for good)."""
+    async def channel_address(self) -> tuple[str, int] | None:
+        """Where ingresses send requests (a decode replica's request channel); None here."""
+        return None
+
+    async def probe(self) -> bytes:
+        """Load and health without KV events, for the controller (the events are the
+        ingresses' routers', each following the log at its own sequence number)."""
+        return await self.poll(None)
+
+    async def poll(self, since_seq: int | None = None) -> bytes:
+        """Load figures and, for a follower at since_seq, the KV events after it: a PollReply
+        (with status LOOP_STOPPED once the engine loop stopped for good). since_seq None (the
+        controller's probe) asks for no events. Events older than the log are gone: the
+        follower sees a sequence gap and resyncs from snapshot()."""
 
         def collect(engine: LLMEngine):
-            return engine.take_events(), engine.stats(), self.num_pinned()
+            self.events.extend(engine.take_events())  # the one reader of the engine's events
+            return engine.stats(), self.num_pinned()
 
         try:
-            events, stats, num_pinned = await asyncio.wrap_future(self.loop.call(collect))
+            stats, num_pinned = await asyncio.wrap_future(self.loop.call(collect))
         except EngineLoopStopped:
             return (await self._stopped_reply()).to_bytes()
         return PollReply(
-            events=events,
+            events=self.events_after(since_seq),
             engine=stats,
             num_pinned=num_pinned,
             num_active=self.num_active,
             transfer=self.transfer_totals(),
         ).to_bytes()
+
+    def events_after(self, since_seq: int | None) -> list[KVEvent]:
+        if since_seq is None or not self.events or self.events[-1].seq <= since_seq:
+            return []
+        first = self.events[0].seq  # consecutive in the log: index by offset
+        return list(itertools.islice(self.events, max(since_seq + 1 - first, 0), None))
 
     async def _stopped_reply(self) -> PollReply:
         """A dead replica's poll reply: its engine's stats after the loop released everything."""
@@ -96,9 +126,10 @@ class EngineWorker:
     async def snapshot(self) -> tuple[int, list[int]]:
         return await asyncio.wrap_future(self.loop.call(lambda engine: engine.snapshot()))
 
-    async def forget_peer(self, peer_id: str) -> None:
-        """The peer replica left, or closed its side of the pair: close ours too."""
-        await asyncio.to_thread(self.transport.close_pair, peer_id)
+    async def forget_peer(self, peer_id: str, epoch: int | None = None) -> None:
+        """The peer replica left, or closed its side of the pair (epoch: the one it closed; a
+        newer pair is kept): close ours too, so nothing waits on it until the timeout."""
+        await asyncio.to_thread(self.transport.close_pair, peer_id, epoch)
 
     async def inject_fault(
         self, fail_steps: int = 0, hang_s: float = 0.0, hang_steps: int = 1, stop_loop: bool = False

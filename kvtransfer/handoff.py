@@ -4,8 +4,8 @@
 Flow (decode-driven): the decode replica reserves blocks for the prompt, works out which of
 the prompt's blocks it lacks, and sends a Handoff to the prefill replica; the prefill replica
 computes the prompt, streams the listed blocks over torch.distributed, and answers with a
-PrefillResult carrying the first token. The ingress opens a decode with a DecodeRequest and
-receives StreamChunks.
+PrefillResult carrying the first token. The decode replica streams StreamChunks to the ingress
+(in TokenBatch frames of the request channel, kvtransfer/request_channel.py).
 
 A constrained request (sampling["structured_output"]) is compiled on both sides; prefill
 samples the first token under the grammar, and its grammar state crosses as the tokens it
@@ -83,24 +83,6 @@ class PrefillResult(msgspec.Struct, forbid_unknown_fields=True):
 def layer_tag(transfer_id: int, layer: int, num_layers: int) -> int:
     """Distinct tag for every (transfer, layer) on a pair, so concurrent transfers never mix."""
     return (transfer_id * (num_layers + 1) + layer) % (2**31 - 1)
-
-
-class DecodeRequest(msgspec.Struct, forbid_unknown_fields=True):
-    """Frontend -> decode replica: what to generate (tokenized once, at the frontend)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: dict[str, Any]
-    layerwise: bool = True
-    lease_s: float = 20.0
-    deadline: float | None = None  # time.time() after which the request is abandoned
-
-    def to_bytes(self) -> bytes:
-        return _codec.encode("decode_request", self)
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> DecodeRequest:
-        return _codec.decode("decode_request", cls, data)
 
 
 class StreamChunk(msgspec.Struct, forbid_unknown_fields=True):

@@ -102,7 +102,12 @@ class KVSender:
                 return
             job, layer = item
             if layer == _FLUSH:
-                self._flush(job)
+                try:
+                    self._flush(job)
+                except Exception:  # never let one job end the thread every transfer goes through
+                    logger.exception("KV filler for %s failed", job.request_id)
+                    if not job.flushed.done():
+                        job.flushed.set_result(False)
                 continue
             if job.failed or job.aborted or job.done.done():
                 continue
@@ -117,11 +122,13 @@ class KVSender:
     def _flush(self, job: SendJob) -> None:
         if job.flushed.done():
             return
-        if job.failed or (job.done.done() and job.done.exception() is not None):
+        # done is cancelled when its prefill call stopped waiting (lease, cancel): not a failure.
+        done_failed = job.done.done() and not job.done.cancelled() and job.done.exception() is not None
+        if job.failed or done_failed:
             job.flushed.set_result(False)  # its pair broke: nothing keeps it in step now
             return
         try:
-            if not job.done.done() and job.num_blocks:
+            if job.num_blocks and job.num_layers_sent < self.num_layers:
                 num_layers = self.num_layers
                 planes = self.kv_cache.layer_planes(0)
                 shape = (planes.shape[0], job.num_blocks, planes.shape[2])

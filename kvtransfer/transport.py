@@ -175,12 +175,14 @@ class KVTransport:
             candidates = list(self._pairs)
         return sorted(peer for peer in candidates if self._live_pair(peer) is not None)
 
-    def close_pair(self, peer_id: str) -> bool:
-        """Tear down the pair with peer_id; its pending ops fail. False if none was open."""
+    def close_pair(self, peer_id: str, max_epoch: int | None = None) -> bool:
+        """Tear down the pair with peer_id; its pending ops fail. False if none was open.
+        max_epoch: only a pair of that epoch or older (a newer one was opened meanwhile)."""
         with self._lock:
-            pair = self._pairs.pop(peer_id, None)
-        if pair is None:
-            return False
+            pair = self._pairs.get(peer_id)
+            if pair is None or (max_epoch is not None and pair.epoch > max_epoch):
+                return False
+            del self._pairs[peer_id]
         was_open = pair.is_open
         pair.close()
         return was_open

@@ -33,12 +33,17 @@ class PrefillWorker(EngineWorker):
         transport_host: str = "127.0.0.1",
         transfer_timeout_s: float = 20.0,
         torch_threads: int | None = None,
+        namespace: str | None = None,
     ):
-        super().__init__(replica_id, engine_config, transport_host, transfer_timeout_s, torch_threads)
+        super().__init__(
+            replica_id, engine_config, transport_host, transfer_timeout_s, torch_threads, namespace=namespace
+        )
         self.sender = KVSender(self.transport, self.engine.kv_cache)
         self._jobs: dict[str, SendJob] = {}
         self._send_indices: dict[str, list[int]] = {}
         self._pinned: dict[str, float] = {}  # request id -> lease deadline (loop thread)
+        self._tasks: dict[str, asyncio.Task] = {}  # request id -> its prefill() call, for cancel()
+        self._cancelled: dict[str, float] = {}  # request ids cancelled before their prefill() ran -> when
         self.num_requests = 0
         self.num_failed_transfers = 0
         self.num_blocks_sent = 0
@@ -94,6 +99,8 @@ class PrefillWorker(EngineWorker):
     async def prefill(self, handoff_bytes: bytes) -> bytes:
         handoff = Handoff.from_bytes(handoff_bytes)
         rid = handoff.request_id
+        if rid in self._jobs:  # ids are the ingress's and unique: never let one clobber another
+            raise ValueError(f"request id {rid!r} is already being prefilled on {self.replica_id}")
         params = SamplingParams.from_dict(handoff.sampling)
         # A constrained request's grammar is compiled off the engine loop; its mask then
         # applies to the first token, sampled here.
@@ -108,6 +115,10 @@ class PrefillWorker(EngineWorker):
             handoff.layerwise,
             num_blocks=len(handoff.send_block_indices),
         )
+        if self._cancelled.pop(rid, None) is not None:  # decode gave up before this call ran
+            # Its receives are posted: filler for every layer keeps the pair in step.
+            await asyncio.wrap_future(self.sender.abort(job))
+            raise TransferAbortedError(f"{rid} was cancelled before its prefill started")
         loop = asyncio.get_running_loop()
         first: asyncio.Future[RequestOutput] = loop.create_future()
 
@@ -124,6 +135,7 @@ class PrefillWorker(EngineWorker):
 
         self._jobs[rid] = job
         self._send_indices[rid] = list(handoff.send_block_indices)
+        self._tasks[rid] = asyncio.current_task()
         self.num_requests += 1
         start = time.perf_counter()
         try:
@@ -138,6 +150,13 @@ class PrefillWorker(EngineWorker):
             if flushed:  # decode's receives all complete: it keeps the pair for the others
                 raise TransferAbortedError(str(exc)) from exc
             raise
+        except asyncio.CancelledError:  # decode gave the request up (cancel)
+            self.num_failed_transfers += 1
+            # What was not sent yet goes out as filler, so the pair stays in step for the
+            # other transfers on it; then the blocks go.
+            self.sender.abort(job)
+            await asyncio.shield(asyncio.wrap_future(self.loop.call(lambda e: self._release(e, rid))))
+            raise
         except BaseException:
             self.num_failed_transfers += 1
             job.failed = True
@@ -146,6 +165,7 @@ class PrefillWorker(EngineWorker):
         finally:
             self._jobs.pop(rid, None)
             self._send_indices.pop(rid, None)
+            self._tasks.pop(rid, None)
         self.num_blocks_sent += len(job.block_ids)
         return PrefillResult(
             request_id=rid,
@@ -159,6 +179,20 @@ class PrefillWorker(EngineWorker):
             prefill_seconds=prefill_s,
             transfer_seconds=job.seconds,
         ).to_bytes()
+
+    async def cancel(self, request_id: str) -> None:
+        """Decode gave the request up (its client left, or it timed out): stop its prefill and
+        free its blocks now. A cancel that overtook its prefill() call is remembered, for a
+        while, so that call stops at once."""
+        task = self._tasks.get(request_id)
+        if task is not None:
+            task.cancel()
+            return
+        now = time.monotonic()
+        self._cancelled = {rid: t for rid, t in self._cancelled.items() if now - t < 60.0}
+        if request_id not in self._pinned:
+            self._cancelled[request_id] = now
+        await self.ack(request_id)
 
     async def ack(self, request_id: str) -> None:
         """Decode has the blocks (or gave up): unpin them now instead of at lease expiry."""

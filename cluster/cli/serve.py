@@ -18,6 +18,7 @@ import urllib.request
 
 import yaml
 
+from splitserve.cluster.cli.front_door import FrontDoor
 from splitserve.cluster.cli.preflight import PreflightError, check_imports, check_model, check_ports
 from splitserve.cluster.cli.serve_flags import SERVE_USAGE, ServeFlagsError, add_serve_flags, config_from_args
 
@@ -28,7 +29,9 @@ Every ServeConfig field is a flag (see above); --config FILE.yaml holds the same
 flags override it. The model id clients send is --served-model-name, else MODEL exactly as
 given. The local Ray cluster runs with Ray's token authentication (RAY_AUTH_MODE=token, token
 in ~/.ray/auth_token); set RAY_AUTH_MODE=disabled to turn it off. SPLITSERVE_LOG_LEVEL=DEBUG
-also logs /metrics and /health requests."""
+also logs /metrics and /health requests. HTTP goes through Ray's HAProxy ingress
+(RAY_SERVE_ENABLE_HA_PROXY=1 and the throughput-optimized Serve settings are set before Ray
+starts; your own values of those variables win)."""
 
 
 def add_serve_parser(subparsers) -> None:
@@ -65,20 +68,28 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.print_config:
         print(yaml.safe_dump(cfg.model_dump(), sort_keys=False), end="")
         return 0
-    _ray_environment(local=not args.address)  # before anything imports ray: it reads them once
+    front_door = FrontDoor(local=not args.address)
+    # Before anything imports ray: Ray and Serve read them once.
+    front_door_env = _ray_environment(front_door)
     try:
-        model_dir = check_model(cfg)
-        check_imports()
-        if not args.address:
-            check_ports(cfg)
-    except PreflightError as exc:
-        return fail(str(exc), 2)
-    # The replicas load the resolved directory; clients keep sending the id as the user gave it.
-    cfg = cfg.model_copy(update={"served_model_name": cfg.model_id, "model": os.path.abspath(model_dir)})
-    return _serve(cfg, args)
+        try:
+            model_dir = check_model(cfg)
+            check_imports()
+            if not args.address:
+                check_ports(cfg)
+        except PreflightError as exc:
+            return fail(str(exc), 2)
+        # The replicas load the resolved directory; clients keep sending the id as the user gave it.
+        cfg = cfg.model_copy(update={"served_model_name": cfg.model_id, "model": os.path.abspath(model_dir)})
+        return _serve(cfg, args, front_door.controller_options(front_door_env))
+    finally:
+        front_door.cleanup()
 
 
-def _ray_environment(local: bool) -> None:
+def _ray_environment(front_door: FrontDoor) -> dict[str, str]:
+    """Set the process environment Ray starts with; returns the front door's variables (a
+    local cluster gets them here, a joined one through Serve's controller options)."""
+    local = front_door.local
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Ray Serve's own logs (controller, proxy, replica start-up tracebacks) go to its files
@@ -88,15 +99,19 @@ def _ray_environment(local: bool) -> None:
         # Ray turns token auth on for every new local cluster and warns so on each start;
         # choosing it explicitly keeps the protection and drops the warning.
         os.environ.setdefault("RAY_AUTH_MODE", "token")
+    env = front_door.environment()
+    if local:
+        os.environ.update(env)
+    return env
 
 
-def _serve(cfg, args: argparse.Namespace) -> int:
+def _serve(cfg, args: argparse.Namespace, controller_options: dict | None) -> int:
     import ray
     from ray import serve
 
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # "Started Serve", "Application is ready"...
     try:
-        failure = _start(ray, serve, cfg, args)
+        failure = _start(ray, serve, cfg, args, controller_options)
     except KeyboardInterrupt:
         print("splitserve: interrupted during start-up; shutting down", flush=True)
         _shutdown(ray, serve)
@@ -121,7 +136,7 @@ def _serve(cfg, args: argparse.Namespace) -> int:
     return 0
 
 
-def _start(ray, serve, cfg, args: argparse.Namespace) -> str | None:
+def _start(ray, serve, cfg, args: argparse.Namespace, controller_options: dict | None) -> str | None:
     """Start Ray, Serve and the app, and wait until it is healthy; the failure, if any."""
     from splitserve.cluster.app import build_app
 
@@ -131,6 +146,8 @@ def _start(ray, serve, cfg, args: argparse.Namespace) -> str | None:
         else:
             need = int(cfg.prefill.replicas * cfg.prefill.resources.num_cpus)
             need += int(cfg.decode.replicas * cfg.decode.resources.num_cpus) + 2
+            ingress = cfg.ingress
+            need += int(ingress.num_cpus * max(ingress.replicas, ingress.autoscaling.max_replicas))
             ray.init(
                 address="local",
                 num_cpus=args.num_cpus or max(os.cpu_count() or 2, need),
@@ -139,7 +156,9 @@ def _start(ray, serve, cfg, args: argparse.Namespace) -> str | None:
                 logging_level="WARNING",
             )
         serve.start(
-            http_options={"host": cfg.http_host, "port": cfg.http_port}, logging_config={"log_level": "WARNING"}
+            http_options={"host": cfg.http_host, "port": cfg.http_port},
+            logging_config={"log_level": "WARNING"},
+            controller_options=controller_options,
         )
     except Exception as exc:
         return f"cannot start Ray Serve: {exc}"
@@ -155,16 +174,17 @@ def _start(ray, serve, cfg, args: argparse.Namespace) -> str | None:
 
 
 def _deployment_failure(serve) -> str | None:
-    """The root cause from the failed deployment's status: the ingress's StartupError line."""
-    from splitserve.cluster.app import DEPLOYMENT_NAME
+    """The root cause from the failed deployments' status: the controller's or the
+    ingress's StartupError line."""
+    from splitserve.cluster.app import CONTROLLER_DEPLOYMENT_NAME, DEPLOYMENT_NAME
     from splitserve.cluster.startup_error import root_cause, startup_error_in
 
     try:
         app = serve.status().applications[APP_NAME]
     except Exception:
         return None
-    deployment = app.deployments.get(DEPLOYMENT_NAME)
-    messages = ([deployment.message] if deployment is not None else []) + [app.message]
+    deployments = [app.deployments.get(name) for name in (CONTROLLER_DEPLOYMENT_NAME, DEPLOYMENT_NAME)]
+    messages = [d.message for d in deployments if d is not None and d.message] + [app.message]
     for message in messages:
         found = startup_error_in(message or "")
         if found:
@@ -195,15 +215,26 @@ class _AppWatch:
 
 
 def _shutdown(ray, serve) -> None:
-    """Delete the app (its replicas stop the pools and the gRPC server), then leave Ray: a
-    local cluster ends with it. serve.shutdown() is not used: it kills the controller while
-    its graceful_shutdown task runs, and the raylet then logs that task as failed."""
+    """Delete the app (the controller kills the pools, the ingresses stop the gRPC server),
+    reap any pool actor still named in the app's namespace (one whose controller was killed
+    and could not), then leave Ray: a local cluster ends with it. serve.shutdown() is not
+    used: it kills Serve's controller while its graceful_shutdown task runs, and the raylet
+    then logs that task as failed."""
+    from splitserve.cluster.control.worker_pool import app_namespace, reap_namespace
+
     try:
         if ray.is_initialized() and APP_NAME in serve.status().applications:
             serve.delete(APP_NAME)
     except Exception as exc:
         print(f"splitserve: could not stop the app cleanly: {exc}", file=sys.stderr, flush=True)
     finally:
+        try:
+            if ray.is_initialized():  # after the delete: no controller left to restart them
+                reaped = reap_namespace(app_namespace(APP_NAME))
+                if reaped:
+                    print(f"splitserve: removed {len(reaped)} pool actor(s) left running", flush=True)
+        except Exception as exc:
+            print(f"splitserve: could not remove the pool actors: {exc}", file=sys.stderr, flush=True)
         ray.shutdown()
 
 

@@ -1,82 +1,59 @@
-"""Driver-side API: start prefill and decode pools on a local or existing Ray cluster, keep
-the router current, and submit requests. The frontends and the autoscaler build on it."""
+"""DisaggCluster: one ingress's view of the pools -- a Dispatcher (router, request path, KV
+event polling) fed by a MembershipFollower from the controller -- and, with no controller
+given, the driver API that runs the Controller in-process (tests, the bench, tools).
+
+An ingress replica passes a ControllerClient (the controller deployment's Serve handle);
+everything else uses the in-process form, which goes through the very same membership
+interface, so the actor-level tests exercise what the service runs.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import logging
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
-from splitserve.cluster.config import EnginePoolConfig, ServeConfig
-from splitserve.cluster.control.dispatcher import ACTOR_GONE, Dispatcher
+from splitserve.cluster.config import ServeConfig
+from splitserve.cluster.control.controller import Controller
+from splitserve.cluster.control.controller_client import METRICS_TIMEOUT_S, ControllerClient
+from splitserve.cluster.control.dispatcher import Dispatcher
+from splitserve.cluster.control.ingress_report import IngressReport
+from splitserve.cluster.control.membership_follower import MembershipFollower
 from splitserve.cluster.control.worker_pool import Replica, WorkerPool
 from splitserve.cluster.routing.router import DECODE, PREFILL, Router
-from splitserve.cluster.scaling.policy import initial_replicas, replica_floor
-from splitserve.decode.decode_worker import DecodeWorker
+from splitserve.cluster.scaling.policy import replica_floor
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.kvtransfer.handoff import StreamChunk
 from splitserve.kvtransfer.poll_reply import PollReply
-from splitserve.prefill.prefill_worker import PrefillWorker
-
-logger = logging.getLogger(__name__)
-
-
-def engine_config_for(cfg: ServeConfig, pool: EnginePoolConfig, model_dir: str) -> dict:
-    device = cfg.device
-    if device == "auto":
-        device = "cuda" if pool.resources.num_gpus > 0 else "cpu"
-    return {
-        "model": model_dir,
-        "block_size": cfg.block_size,
-        "num_kv_blocks": pool.num_kv_blocks,
-        "max_num_seqs": pool.max_num_seqs,
-        "max_num_batched_tokens": pool.max_num_batched_tokens,
-        "max_model_len": cfg.max_model_len,
-        "dtype": cfg.dtype,
-        "device": device,
-        # Only decode speculates; prefill replicas sample one token per request.
-        "speculative": cfg.speculative.model_dump() if pool is cfg.decode else None,
-    }
-
-
-def _threads(pool: EnginePoolConfig) -> int:
-    return pool.torch_threads or max(1, int(pool.resources.num_cpus))
 
 
 class DisaggCluster:
-    def __init__(self, cfg: ServeConfig, model_dir: str, poll_interval_s: float = 0.1, on_poll=None, on_drop=None):
+    def __init__(
+        self,
+        cfg: ServeConfig,
+        model_dir: str,
+        poll_interval_s: float = 0.1,
+        on_poll=None,
+        controller: ControllerClient | None = None,
+        make_report: Callable[[dict[str, int]], bytes] | None = None,
+        ingress_id: str | None = None,
+        autoscale: bool = False,
+        membership_wait_s: float = 0.25,
+        on_drop: Callable[[str, str], None] | None = None,
+    ):
+        """controller: the controller deployment's client (an ingress replica); None: run a
+        Controller here (autoscale: with its autoscaler). make_report(inflight) -> the
+        IngressReport bytes sent with each membership call (default: in-flight counts only).
+        on_poll(pool, replica id, PollReply) / on_drop(pool, replica id): this ingress polled a
+        replica / stopped routing to one."""
         self.cfg = cfg
         self.model_dir = model_dir
-        router = Router(cfg.router, block_size=cfg.block_size)
-        # Actor names carry a per-deployment id so two deployments can share a Ray cluster.
-        self.cluster_id = uuid.uuid4().hex[:8]
-        prefix = f"splitserve-{self.cluster_id}"
-        self.prefill_pool = WorkerPool(
-            PREFILL,
-            PrefillWorker,
-            engine_config_for(cfg, cfg.prefill, model_dir),
-            cfg.prefill.resources,
-            transport_host=cfg.transport_host,
-            transfer_timeout_s=cfg.kv_transfer_lease_s,
-            torch_threads=_threads(cfg.prefill),
-            name_prefix=prefix,
-        )
-        self.decode_pool = WorkerPool(
-            DECODE,
-            DecodeWorker,
-            engine_config_for(cfg, cfg.decode, model_dir),
-            cfg.decode.resources,
-            transport_host=cfg.transport_host,
-            transfer_timeout_s=cfg.kv_transfer_lease_s,
-            torch_threads=_threads(cfg.decode),
-            name_prefix=prefix,
-        )
-        self.pools = {PREFILL: self.prefill_pool, DECODE: self.decode_pool}
+        # Names this ingress to the controller and prefixes its request ids (unique per ingress).
+        ingress_id = ingress_id or uuid.uuid4().hex[:8]
         self.dispatcher = Dispatcher(
-            router,
-            self.prefill_pool,
-            self.decode_pool,
+            Router(cfg.router, block_size=cfg.block_size),
+            ingress_id=ingress_id,
             max_retries=cfg.max_retries,
             lease_s=cfg.kv_transfer_lease_s,
             layerwise=cfg.layerwise_transfer,
@@ -85,86 +62,134 @@ class DisaggCluster:
             on_poll=on_poll,
             on_drop=on_drop,
         )
-        # Replicas each pool should have: what it started with, moved by add_replicas and
-        # drain_replica (scaling), but not by a replica that died -- that is lost capacity.
-        self.expected_replicas = {PREFILL: 0, DECODE: 0}
+        self.client = controller
+        self.controller: Controller | None = None
+        if controller is None:
+            # The actors' namespace carries a per-cluster id, so two can share a Ray cluster.
+            self.cluster_id = uuid.uuid4().hex[:8]
+            self.controller = Controller(cfg, model_dir, f"driver-{self.cluster_id}", autoscale=autoscale)
+        self._make_report = make_report or (lambda inflight: IngressReport(inflight=inflight).to_bytes())
+        fetch = self.controller.membership if self.controller is not None else controller.membership
+        self.follower = MembershipFollower(
+            fetch,
+            self.dispatcher,
+            ingress_id,
+            make_report=lambda: self._make_report(self.dispatcher.inflight_counts()),
+            wait_s=membership_wait_s,
+        )
         self.min_replicas = {
             PREFILL: replica_floor(cfg.prefill.replicas, cfg.prefill.autoscaling),
             DECODE: replica_floor(cfg.decode.replicas, cfg.decode.autoscaling),
         }
 
+    # ---- what this ingress routes by -------------------------------------------------------
     @property
     def router(self) -> Router:
         """The dispatcher's router: the one object routing reads, replaced by restart_router."""
         return self.dispatcher.router
+
+    @property
+    def loads(self) -> Router:
+        """This ingress's load view (replica_ids, load): what an Autoscaler driven from here reads."""
+        return self.dispatcher.router
+
+    @property
+    def ingress_id(self) -> str:
+        return self.follower.ingress_id
+
+    @property
+    def expected_replicas(self) -> dict[str, int]:
+        """Each pool's target replica count, as the controller last said."""
+        view = self.follower.view
+        return dict(view.expected) if view is not None else {PREFILL: 0, DECODE: 0}
+
+    def refilling(self, pool: str) -> bool:
+        """The in-process controller is replacing replicas of the pool (see Controller.refilling)."""
+        return self.controller is not None and self.controller.refilling(pool)
+
+    def live_replicas(self, pool: str) -> int:
+        """Replicas of the pool that take new requests (routed, not draining)."""
+        return len(self.router.replica_ids(pool, include_draining=False))
+
+    # ---- the in-process controller's pools (driver API) ----------------------------------
+    @property
+    def pools(self) -> dict[str, WorkerPool]:
+        return self._own_controller().pools
+
+    @property
+    def prefill_pool(self) -> WorkerPool:
+        return self.pools[PREFILL]
+
+    @property
+    def decode_pool(self) -> WorkerPool:
+        return self.pools[DECODE]
+
+    def _own_controller(self) -> Controller:
+        if self.controller is None:
+            raise RuntimeError("the pools belong to the controller deployment, not to this ingress")
+        return self.controller
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    async def start(self, membership_timeout_s: float = 600.0) -> None:
+        """Start the in-process controller (if any), apply its first view, then follow it."""
+        if self.controller is not None:
+            await self.controller.start()
+        await self.follower.wait_for_view(membership_timeout_s)
+        self.follower.start()
+        self.dispatcher.start_polling()
+
+    async def shutdown(self) -> None:
+        await self.follower.stop()
+        await self.dispatcher.close()
+        if self.controller is not None:
+            await self.controller.shutdown()
 
     async def restart_router(self) -> Router:
         """Replace the router with a fresh one (same config) indexed from every live replica's
         snapshot, as after a router crash; requests keep flowing during the swap."""
         return await self.dispatcher.rebuild_router(lambda: Router(self.cfg.router, block_size=self.cfg.block_size))
 
-    async def start(self) -> None:
-        for name, pool_cfg in ((PREFILL, self.cfg.prefill), (DECODE, self.cfg.decode)):
-            num = initial_replicas(pool_cfg.replicas, pool_cfg.autoscaling)
-            if num:
-                await self.add_replicas(name, num)
-        self.dispatcher.start_polling()
-
     async def add_replicas(self, pool: str, num: int = 1) -> list[Replica]:
         """Start replicas, wait until they load, index their snapshot, then route to them."""
-        worker_pool = self.pools[pool]
-        replicas = [worker_pool.start_replica() for _ in range(num)]
-        try:
-            await asyncio.to_thread(worker_pool.wait_ready, replicas)
-        except BaseException:
-            for r in replicas:
-                worker_pool.remove(r.replica_id)
-            raise
-        for r in replicas:
-            await self.dispatcher.add_replica(r)
-        self.expected_replicas[pool] += len(replicas)
+        replicas = await self._own_controller().add_replicas(pool, num)
+        await self._until_applied()
         return replicas
 
     async def drain_replica(self, pool: str, replica_id: str, timeout_s: float = 120.0) -> bool:
-        """Stop routing to a replica, wait for its in-flight requests, then drop its index
-        entries and remove it. Returns False if requests were still in flight at the timeout
-        (it is removed anyway)."""
-        self.router.set_draining(pool, replica_id, True)
-        replica = self.pools[pool].get(replica_id)
-        if replica is not None:
-            self.expected_replicas[pool] -= 1
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        drained = replica is None
-        while not drained and loop.time() < deadline:
-            # The dispatcher's count covers requests routed here whose call has not arrived.
-            drained = self.dispatcher.num_inflight(pool, replica_id) == 0 and await _is_idle(replica)
-            if not drained:
-                await asyncio.sleep(0.1)
-        self.dispatcher.drop_replica(pool, replica_id, kill=False)
-        if replica is not None:
-            await asyncio.to_thread(WorkerPool.kill, replica)  # blocking; keep streams flowing
+        """Stop routing to a replica, wait for its in-flight requests, then drop it and remove
+        its actor. Returns False if requests were still in flight at the timeout (it is
+        removed anyway)."""
+        controller = self._own_controller()
+        self.dispatcher.set_draining(pool, replica_id, True)  # here at once; the view follows
+        drained = await controller.drain_replica(pool, replica_id, timeout_s)
+        await self._until_applied()
         return drained
 
-    async def generate(
+    async def _until_applied(self, timeout_s: float = 30.0) -> None:
+        """This ingress routes by the in-process controller's current view."""
+        deadline = time.monotonic() + timeout_s
+        while self.follower.applied_version < self.controller.version and time.monotonic() < deadline:
+            await self.follower.sync()
+
+    # ---- requests ------------------------------------------------------------------------
+    def generate(
         self,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        request_id: str | None = None,
+        label: str | None = None,
         deadline: float | None = None,
         on_route=None,
     ) -> AsyncIterator[StreamChunk]:
-        async for chunk in self.dispatcher.generate(prompt_token_ids, params, request_id, deadline, on_route):
-            yield chunk
+        """The dispatcher's stream of the request's chunks (see Dispatcher.generate); label:
+        the client's own id, only logged."""
+        return self.dispatcher.generate(prompt_token_ids, params, label, deadline, on_route)
 
-    async def complete(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
-    ) -> dict:
+    async def complete(self, prompt_token_ids: list[int], params: SamplingParams, label: str | None = None) -> dict:
         """Run one request to the end and collect it."""
         token_ids: list[int] = []
         text = []
         last = None
-        async for chunk in self.generate(prompt_token_ids, params, request_id):
+        async for chunk in self.generate(prompt_token_ids, params, label):
             token_ids.extend(chunk.token_ids)
             text.append(chunk.text)
             last = chunk
@@ -175,28 +200,15 @@ class DisaggCluster:
             "num_prompt_tokens": last.num_prompt_tokens,
             "num_cached_tokens": last.num_cached_tokens,
             "prefill_replica": last.prefill_replica,
+            "request_id": last.request_id,
         }
 
-    def live_replicas(self, pool: str) -> int:
-        """Replicas of the pool that take new requests (routed, not draining)."""
-        return len(self.router.replica_ids(pool, include_draining=False))
-
     async def poll_replica(self, pool: str, replica_id: str) -> PollReply:
-        return PollReply.from_bytes(await self.pools[pool].get(replica_id).handle.poll.remote())
+        return PollReply.from_bytes(await self.dispatcher.members[pool][replica_id].handle.probe.remote())
 
-    async def shutdown(self) -> None:
-        await self.dispatcher.stop_polling()
-        for pool in self.pools.values():
-            await asyncio.to_thread(pool.stop)
-
-
-async def _is_idle(replica: Replica) -> bool:
-    """The replica runs, queues, streams and pins nothing (a dead one is idle: nothing is left
-    to wait for)."""
-    try:
-        data = await asyncio.wait_for(replica.handle.poll.remote(), 10)
-    except ACTOR_GONE:
-        return True
-    except TimeoutError:
-        return False
-    return PollReply.from_bytes(data).is_idle
+    async def render_metrics(self, families: bytes) -> bytes:
+        """The deployment's merged /metrics: every ingress's samples (this one's current
+        `families`) and the controller's pool series."""
+        if self.controller is not None:
+            return self.controller.render_metrics(self.ingress_id, families)
+        return await asyncio.wait_for(self.client.render_metrics(self.ingress_id, families), METRICS_TIMEOUT_S)

@@ -1,22 +1,54 @@
 """A pool of prefill or decode Ray actors with a per-replica resource request.
 
-Replicas are plain Ray actors: a request for `num_gpus` or a custom resource that no node
-has yet stays pending, which is exactly what Ray's autoscaler (ray up / KubeRay) scales on.
+Replicas are NAMED, DETACHED actors in the app's Ray namespace (`splitserve-<app>`), named
+by their replica id (`prefill-3`, `decode-0`): they outlive the controller that started
+them, and a restarted controller finds them again by name (adopt) -- same actors, no model
+reload. Detached is not leaked: the controller's shutdown kills every one, and the CLI reaps
+whatever named actor is left in the namespace (reap_namespace).
+
+A request for `num_gpus` or a custom resource that no node has yet stays pending, which is
+exactly what Ray's autoscaler (ray up / KubeRay) scales on.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
-from splitserve.cluster.config import PoolResources
+from splitserve.cluster.config import EnginePoolConfig, PoolResources, ServeConfig
+from splitserve.cluster.control.membership import ReplicaInfo
+from splitserve.cluster.routing.router import DECODE, PREFILL
 
 logger = logging.getLogger(__name__)
+
+
+def app_namespace(app_name: str) -> str:
+    """The Ray namespace holding an app's pool actors."""
+    return f"splitserve-{app_name}"
+
+
+def named_actors(namespace: str) -> list[str]:
+    """Names of the live named actors in a namespace (public, GCS-only API)."""
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace)
+
+
+def reap_namespace(namespace: str) -> list[str]:
+    """Kill every named actor left in the namespace (a controller that was force-killed
+    cannot); returns their names."""
+    killed = []
+    for name in named_actors(namespace):
+        try:
+            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+            killed.append(name)
+        except ValueError:  # gone meanwhile
+            pass
+    return killed
 
 
 @dataclass
@@ -27,6 +59,19 @@ class Replica:
     started_at: float = field(default_factory=time.monotonic)
     draining: bool = False
     ready: bool = False
+    ready_at: float | None = None  # monotonic: when it became routable
+    actor_id: str = ""
+    channel_address: tuple[str, int] | None = None
+
+    def info(self, namespace: str) -> ReplicaInfo:
+        return ReplicaInfo(
+            pool=self.pool,
+            replica_id=self.replica_id,
+            namespace=namespace,
+            channel_address=self.channel_address,
+            draining=self.draining,
+            actor_id=self.actor_id,
+        )
 
 
 class WorkerPool:
@@ -36,23 +81,24 @@ class WorkerPool:
         worker_cls: type,
         engine_config: dict,
         resources: PoolResources,
+        namespace: str,
         transport_host: str = "127.0.0.1",
         transfer_timeout_s: float = 20.0,
         torch_threads: int | None = None,
-        name_prefix: str = "splitserve",
         start_timeout_s: float = 300.0,
     ):
         self.pool = pool
         self.remote_cls = ray.remote(worker_cls)
         self.engine_config = dict(engine_config)
         self.resources = resources
+        self.namespace = namespace
         self.transport_host = transport_host
         self.transfer_timeout_s = transfer_timeout_s
         self.torch_threads = torch_threads
-        self.name_prefix = name_prefix
         self.start_timeout_s = start_timeout_s
         self.replicas: dict[str, Replica] = {}
         self._ids = itertools.count()
+        self._name = re.compile(rf"^{re.escape(pool)}-(\d+)$")
 
     def _options(self, replica_id: str) -> dict:
         opts = {
@@ -60,7 +106,9 @@ class WorkerPool:
             "num_gpus": self.resources.num_gpus,
             "max_concurrency": 1000,
             "max_restarts": 0,
-            "name": f"{self.name_prefix}-{replica_id}",
+            "name": replica_id,  # replica id == actor name, in the app's namespace
+            "namespace": self.namespace,
+            "lifetime": "detached",  # outlives the controller; killed by its shutdown
         }
         if self.resources.resources:
             opts["resources"] = dict(self.resources.resources)
@@ -70,7 +118,7 @@ class WorkerPool:
         return opts
 
     def start_replica(self) -> Replica:
-        """Create one actor (non-blocking); call wait_ready before routing to it."""
+        """Create one actor (non-blocking); wait for ready() before routing to it."""
         replica_id = f"{self.pool}-{next(self._ids)}"
         handle = self.remote_cls.options(**self._options(replica_id)).remote(
             replica_id,
@@ -78,28 +126,50 @@ class WorkerPool:
             transport_host=self.transport_host,
             transfer_timeout_s=self.transfer_timeout_s,
             torch_threads=self.torch_threads,
+            namespace=self.namespace,
         )
-        replica = Replica(replica_id, self.pool, handle)
+        replica = Replica(replica_id, self.pool, handle, actor_id=handle._actor_id.hex())
         self.replicas[replica_id] = replica
         return replica
 
-    def wait_ready(self, replicas: list[Replica], timeout_s: float | None = None) -> None:
-        refs = [r.handle.ready.remote() for r in replicas]
+    def start(self, num_replicas: int, timeout_s: float | None = None) -> list[Replica]:
+        """Start replicas and wait until they loaded (blocking: tools and benchmarks; the
+        controller waits without blocking)."""
+        replicas = [self.start_replica() for _ in range(num_replicas)]
         try:
-            ray.get(refs, timeout=timeout_s or self.start_timeout_s)
+            ray.get([r.handle.ready.remote() for r in replicas], timeout=timeout_s or self.start_timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(
-                f"{self.pool} replicas not ready after {timeout_s or self.start_timeout_s:.0f} s "
-                f"(is there a node with the requested resources?)"
+                f"{self.pool} replicas not ready after {timeout_s or self.start_timeout_s:.0f} s"
             ) from None
         for r in replicas:
-            r.ready = True
-
-    def start(self, num_replicas: int) -> list[Replica]:
-        replicas = [self.start_replica() for _ in range(num_replicas)]
-        if replicas:
-            self.wait_ready(replicas)
+            self.mark_ready(r)
         return replicas
+
+    def adopt(self) -> list[Replica]:
+        """Find this pool's live actors in the namespace (left by a previous controller) and
+        take them over, not yet ready: the caller checks them as it would new ones. New
+        replica ids continue after the highest adopted one."""
+        adopted = []
+        for name in named_actors(self.namespace):
+            match = self._name.match(name)
+            if match is None or name in self.replicas:
+                continue
+            try:
+                handle = ray.get_actor(name, namespace=self.namespace)
+            except ValueError:  # died since the listing
+                continue
+            replica = Replica(name, self.pool, handle, actor_id=handle._actor_id.hex())
+            self.replicas[name] = replica
+            adopted.append(replica)
+        numbers = [int(self._name.match(rid).group(1)) for rid in self.replicas]
+        if numbers:
+            self._ids = itertools.count(max(numbers) + 1)
+        return adopted
+
+    def mark_ready(self, replica: Replica, channel_address: tuple[str, int] | None = None) -> None:
+        replica.ready, replica.ready_at = True, time.monotonic()
+        replica.channel_address = channel_address
 
     def live_replicas(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.ready]
@@ -113,18 +183,57 @@ class WorkerPool:
             self.kill(replica)
 
     @staticmethod
-    def kill(replica: Replica) -> None:
-        """Shut a replica's actor down (blocking: call it off the event loop when serving)."""
-        replica_id = replica.replica_id
+    def kill(replica: Replica, graceful: bool = True) -> None:
+        """End a replica's actor (blocking: call it off the event loop when serving).
+        graceful: let it stop its engine loop and close its transport first."""
+        if graceful:
+            try:
+                ray.get(replica.handle.shutdown.remote(), timeout=10)
+            except Exception:
+                logger.info("replica %s did not shut down cleanly", replica.replica_id)
         try:
-            ray.get(replica.handle.shutdown.remote(), timeout=10)
-        except Exception:
-            logger.info("replica %s did not shut down cleanly", replica_id)
-        try:
-            ray.kill(replica.handle)
+            ray.kill(replica.handle, no_restart=True)
         except Exception:
             pass
 
     def stop(self) -> None:
         for replica_id in list(self.replicas):
             self.remove(replica_id)
+
+
+def engine_config_for(cfg: ServeConfig, pool: EnginePoolConfig, model_dir: str) -> dict:
+    device = cfg.device
+    if device == "auto":
+        device = "cuda" if pool.resources.num_gpus > 0 else "cpu"
+    return {
+        "model": model_dir,
+        "block_size": cfg.block_size,
+        "num_kv_blocks": pool.num_kv_blocks,
+        "max_num_seqs": pool.max_num_seqs,
+        "max_num_batched_tokens": pool.max_num_batched_tokens,
+        "max_model_len": cfg.max_model_len,
+        "dtype": cfg.dtype,
+        "device": device,
+        # Only decode speculates; prefill replicas sample one token per request.
+        "speculative": cfg.speculative.model_dump() if pool is cfg.decode else None,
+    }
+
+
+def pools_for(cfg: ServeConfig, model_dir: str, namespace: str) -> dict[str, WorkerPool]:
+    """The prefill and decode pools a ServeConfig describes, in the app's namespace."""
+    from splitserve.decode.decode_worker import DecodeWorker
+    from splitserve.prefill.prefill_worker import PrefillWorker
+
+    pools = {}
+    for name, worker_cls, pool_cfg in ((PREFILL, PrefillWorker, cfg.prefill), (DECODE, DecodeWorker, cfg.decode)):
+        pools[name] = WorkerPool(
+            name,
+            worker_cls,
+            engine_config_for(cfg, pool_cfg, model_dir),
+            pool_cfg.resources,
+            namespace,
+            transport_host=cfg.transport_host,
+            transfer_timeout_s=cfg.kv_transfer_lease_s,
+            torch_threads=pool_cfg.torch_threads or max(1, int(pool_cfg.resources.num_cpus)),
+        )
+    return pools

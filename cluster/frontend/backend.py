@@ -11,12 +11,13 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 
 from splitserve.cluster.config import ServeConfig
+from splitserve.cluster.control.controller_client import ControllerClient
 from splitserve.cluster.control.disagg_cluster import DisaggCluster
+from splitserve.cluster.control.ingress_report import encode_families, families_of
+from splitserve.cluster.control.ingress_reporter import IngressReporter
 from splitserve.cluster.frontend.metrics import Metrics
 from splitserve.cluster.request_error import ErrorKind, RequestError, invalid
 from splitserve.cluster.routing.router import DECODE, PREFILL
-from splitserve.cluster.scaling.autoscaler import Autoscaler
-from splitserve.cluster.scaling.latency_window import LatencyWindow
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.io.request_validation import validate_prompt
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
@@ -24,7 +25,6 @@ from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.engine.sample.grammar_compiler import GrammarCompiler
 from splitserve.engine.sample.grammar_spec import GrammarSpec
 from splitserve.kvtransfer.handoff import StreamChunk
-from splitserve.kvtransfer.poll_reply import PollReply
 
 logger = logging.getLogger(__name__)
 # splitserve_requests_total{status}: OK, CANCELLED, or the ErrorKind that ended the request.
@@ -32,8 +32,20 @@ OK, CANCELLED = "ok", "cancelled"
 
 
 class ServingBackend:
-    def __init__(self, cfg: ServeConfig, model_dir: str, cluster: DisaggCluster | None = None):
+    def __init__(
+        self,
+        cfg: ServeConfig,
+        model_dir: str,
+        cluster: DisaggCluster | None = None,
+        controller: ControllerClient | None = None,
+        ingress_id: str | None = None,
+    ):
+        """controller: the controller deployment's client (an ingress replica); None: run
+        the controller in-process (tests, tools). cluster: a ready-made DisaggCluster."""
         self.cfg = cfg
+        # Names this ingress replica: the prefix of its request ids, and the response header
+        # / gRPC metadata that says which replica carried a request.
+        self.ingress_id = ingress_id or default_ingress_id()
         self.model_dir = model_dir
         self.model_name = cfg.model_id
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
@@ -45,30 +57,26 @@ class ServingBackend:
         # Checks constrained requests before any compute (replicas compile their own copies).
         self.grammar = GrammarCompiler(self.tokenizer.to_json(), self.model_config.vocab_size, eos)
         self.metrics = Metrics(self.model_name)
-        self.cluster = cluster or DisaggCluster(cfg, model_dir, on_poll=self._on_poll, on_drop=self._on_drop)
+        # What the controller hears from this ingress: latencies (the autoscaler's TTFT / ITL
+        # signals), in-flight requests (drains), and the samples it merges into /metrics.
+        self.reporter = IngressReporter(self.metrics.registry)
+        # In-process (no controller deployment): that controller autoscales, as the service's does.
+        self.cluster = cluster or DisaggCluster(
+            cfg,
+            model_dir,
+            controller=controller,
+            make_report=self.reporter.report,
+            autoscale=controller is None,
+            ingress_id=self.ingress_id,
+        )
         self.num_inflight = 0
         self._inflight_by_key: dict[str, int] = defaultdict(int)
-        # Recent latencies for the autoscaler: TTFT is prefill's signal, ITL decode's.
-        self.ttft_window = LatencyWindow()
-        self.itl_window = LatencyWindow()
-        self.autoscaler = None
-        if cfg.prefill.autoscaling.enabled or cfg.decode.autoscaling.enabled:
-            self.autoscaler = Autoscaler(self.cluster, cfg, self.metrics, latency_source=self.recent_latency_ms)
 
     async def start(self) -> None:
         await self.cluster.start()
-        self._refresh_pool_gauges()
-        if self.autoscaler is not None:
-            self.autoscaler.start()
 
     async def shutdown(self) -> None:
-        if self.autoscaler is not None:
-            await self.autoscaler.stop()
         await self.cluster.shutdown()
-
-    def recent_latency_ms(self, pool: str, since: float | None = None) -> float | None:
-        """p90 over the recent window: TTFT for prefill, ITL for decode (the autoscaler's input)."""
-        return (self.ttft_window if pool == PREFILL else self.itl_window).percentile_ms(90, since)
 
     # ---- model facts ---------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -118,7 +126,7 @@ class ServingBackend:
         pools = {}
         for pool in (PREFILL, DECODE):
             live, floor = cluster.live_replicas(pool), cluster.min_replicas[pool]
-            expected = max(cluster.expected_replicas[pool], floor)
+            expected = max(cluster.expected_replicas.get(pool, 0), floor)
             pools[pool] = {"ok": live >= floor, "live": live, "expected": expected, "min": floor}
         degraded = [pool for pool, state in pools.items() if not state["ok"]]
         if not pools[DECODE]["live"] and DECODE not in degraded:
@@ -144,13 +152,15 @@ class ServingBackend:
         self,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        request_id: str | None = None,
+        label: str | None = None,
         api_key: str | None = None,
         timeout_s: float | None = None,
     ) -> AsyncIterator[StreamChunk]:
         """Validate, admit, stream. Raises RequestError (before the first chunk on refusal).
         timeout_s: the client's own deadline, capped by request_timeout_s; past it the
-        request fails with kind DEADLINE and its KV blocks are freed."""
+        request fails with kind DEADLINE and its KV blocks are freed. label: the client's own
+        id for the request (gRPC request_id, HTTP x-request-id), only logged: the chunks carry
+        the server's request id, which is unique."""
         self.validate(prompt_token_ids, params)
         if timeout_s is not None and not timeout_s > 0:
             raise invalid(f"the request timeout must be a positive number of seconds, got {timeout_s!r}")
@@ -177,12 +187,12 @@ class ServingBackend:
         finished = False
         try:
             async for chunk in self.cluster.generate(
-                prompt_token_ids, params, request_id or uuid.uuid4().hex, deadline=deadline, on_route=self._on_route
+                prompt_token_ids, params, label, deadline=deadline, on_route=self._on_route
             ):
                 now = time.perf_counter()
                 if first:
                     self.metrics.ttft.observe(now - start)
-                    self.ttft_window.observe(now - start)
+                    self.reporter.observe_ttft(now - start)
                     self.metrics.prefix_query_tokens.inc(len(prompt_token_ids))
                     self.metrics.prefix_hit_tokens.inc(chunk.num_cached_tokens)
                     if chunk.queue_seconds is not None:
@@ -192,7 +202,7 @@ class ServingBackend:
                     gap = (now - last) / len(chunk.token_ids)
                     for _ in chunk.token_ids:
                         self.metrics.itl.observe(gap)
-                    self.itl_window.observe(gap)
+                    self.reporter.observe_itl(gap)
                 last = now
                 self.metrics.generation_tokens.inc(len(chunk.token_ids))
                 if chunk.finished:
@@ -237,27 +247,25 @@ class ServingBackend:
     def _on_route(self, decision) -> None:
         self.metrics.router_decisions.labels(decision.reason).inc()
 
-    def _on_poll(self, pool: str, replica_id: str, poll: PollReply) -> None:
-        self.metrics.observe_poll(pool, replica_id, poll)
-        self._refresh_pool_gauges()
+    async def render_metrics(self) -> bytes:
+        """The deployment's /metrics: every ingress's samples merged with the controller's
+        pool series. If the controller cannot answer (it is restarting), this ingress's own."""
+        families = encode_families(families_of(self.metrics.registry))
+        try:
+            return await self.cluster.render_metrics(families)
+        except Exception as exc:
+            logger.warning("merged metrics unavailable (%r); serving this ingress's own", exc)
+            return self.metrics.render()
 
-    def _on_drop(self, pool: str, replica_id: str) -> None:
-        """A replica left (drained, died, or its engine loop stopped): its series go, and the
-        pool's replica count shows the change at once."""
-        self.metrics.forget_replica(pool, replica_id)
-        self._refresh_pool_gauges()
 
-    def _refresh_pool_gauges(self) -> None:
-        router = self.cluster.router
-        for pool in (PREFILL, DECODE):
-            ids = router.replica_ids(pool)
-            loads = [router.load(pool, rid) for rid in ids]
-            self.metrics.set_pool_totals(
-                pool, len(ids), sum(l.report.num_waiting for l in loads), sum(l.report.num_running for l in loads)
-            )
+def default_ingress_id() -> str:
+    """The Serve replica's unique id inside a Serve replica; else a fresh local one."""
+    try:
+        from ray import serve
 
-    def render_metrics(self) -> bytes:
-        return self.metrics.render()
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # not in a Serve replica (tests, the driver API)
+        return f"local{uuid.uuid4().hex[:8]}"
 
 
 def _check_unicode(text: str) -> None:

@@ -1,15 +1,17 @@
-"""Autoscaler: one control loop per autoscaled pool, in the process that owns the pools.
+"""Autoscaler: one control loop per autoscaled pool, in the controller (the process that
+owns the pools).
 
-Every interval_s it builds a MetricsSnapshot of the pool from the router's load view (which
-the dispatcher's poller keeps current) and recent latencies (TTFT for prefill, ITL for
-decode), asks the pool's policy, and executes the decision:
+Every interval_s it builds a MetricsSnapshot of the pool from a load view (`cluster.loads`:
+the controller's probes of every replica, or a router's view in the driver API) and recent
+latencies (TTFT for prefill, ITL for decode, as the ingresses measured them), asks the
+pool's policy, and executes the decision:
 
-  up    DisaggCluster.add_replicas: the new actors ask Ray for the pool's resources (a
-        pending num_gpus / custom-resource request is what Ray's autoscaler adds nodes for),
-        load, and are indexed in the router from their snapshot before they get traffic.
-  down  DisaggCluster.drain_replica on the least-loaded replicas: no new requests, in-flight
-        ones finish, index entries dropped, actor removed; its Ray resources are freed, so
-        Ray's autoscaler can later remove the idle node.
+  up    cluster.add_replicas: the new actors ask Ray for the pool's resources (a pending
+        num_gpus / custom-resource request is what Ray's autoscaler adds nodes for), load,
+        and become routable (each ingress indexes their snapshot first).
+  down  cluster.drain_replica on the least-loaded replicas: no new requests, in-flight
+        ones finish, the replica leaves every ingress's routing, actor removed; its Ray
+        resources are freed, so Ray's autoscaler can later remove the idle node.
 
 At most one action per pool is in flight; the pool's loop only observes until it finishes.
 """
@@ -34,8 +36,7 @@ from splitserve.cluster.scaling.policy import (
 )
 
 if TYPE_CHECKING:
-    from splitserve.cluster.control.disagg_cluster import DisaggCluster
-    from splitserve.cluster.frontend.metrics import Metrics
+    from splitserve.cluster.control.pool_metrics import PoolMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +62,9 @@ class ScalingEvent:
 class Autoscaler:
     def __init__(
         self,
-        cluster: DisaggCluster,
+        cluster,  # Controller or DisaggCluster: .loads, refilling, add_replicas, drain_replica
         cfg: ServeConfig,
-        metrics: Metrics | None = None,
+        metrics: PoolMetrics | None = None,
         latency_source: LatencySource | None = None,
         drain_timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -128,8 +129,8 @@ class Autoscaler:
 
     def snapshot(self, pool: str, now: float | None = None) -> MetricsSnapshot:
         now = self.clock() if now is None else now
-        router = self.cluster.router
-        loads = [router.load(pool, rid) for rid in router.replica_ids(pool, include_draining=False)]
+        view = self.cluster.loads
+        loads = [view.load(pool, rid) for rid in view.replica_ids(pool, include_draining=False)]
         since = self._last_scaled_at.get(pool)
         latency = self.latency_source(pool, since) if self.latency_source is not None else None
         return MetricsSnapshot(
@@ -141,9 +142,10 @@ class Autoscaler:
         )
 
     def step(self, pool: str) -> ScalingDecision | None:
-        """Decide once for `pool` and start the action; None while an action is in flight."""
+        """Decide once for `pool` and start the action; None while an action is in flight or
+        the controller is replacing lost replicas (their absence is not load)."""
         self._set_replica_gauge(pool)
-        if self.scaling_in_progress(pool):
+        if self.scaling_in_progress(pool) or self.cluster.refilling(pool):
             return None
         now = self.clock()
         snap = self.snapshot(pool, now)
@@ -206,14 +208,14 @@ class Autoscaler:
     def _least_loaded(self, pool: str, num: int, min_replicas: int) -> list[str]:
         """Up to num serving replicas that are quickest to drain, never leaving fewer than
         min_replicas serving."""
-        router = self.cluster.router
-        ids = router.replica_ids(pool, include_draining=False)
+        view = self.cluster.loads
+        ids = view.replica_ids(pool, include_draining=False)
         num = min(num, len(ids) - min_replicas)
         if num <= 0:
             return []
 
         def drain_cost(rid) -> tuple:
-            load = router.load(pool, rid)
+            load = view.load(pool, rid)
             return (
                 load.report.num_running + load.report.num_waiting + load.pending_requests,
                 load.effective_queued_tokens,
@@ -233,4 +235,4 @@ class Autoscaler:
 
     def _set_replica_gauge(self, pool: str) -> None:
         if self.metrics is not None:
-            self.metrics.replicas.labels(pool).set(len(self.cluster.router.replica_ids(pool)))
+            self.metrics.replicas.labels(pool).set(len(self.cluster.loads.replica_ids(pool)))

@@ -83,7 +83,7 @@ def test_model_id_rule():
 
 
 def test_max_model_len_reaches_the_engines_and_is_bounded_by_the_model():
-    from splitserve.cluster.control.disagg_cluster import engine_config_for
+    from splitserve.cluster.control.worker_pool import engine_config_for
 
     cfg = ServeConfig(max_model_len=300, prefill={"num_kv_blocks": 99})
     engine = EngineConfig(**engine_config_for(cfg, cfg.prefill, "m"))
@@ -94,3 +94,33 @@ def test_max_model_len_reaches_the_engines_and_is_bounded_by_the_model():
         model.resolve_max_model_len(2048)
     with pytest.raises(ValueError):
         ServeConfig(max_model_len=0)
+
+
+def test_the_serve_app_is_a_controller_and_ingress_replicas():
+    """build_app: a one-replica controller deployment bound into the ingress deployment, whose
+    replica count (or Serve autoscaling) comes from `ingress`, placed anywhere unless
+    ingress.resources says otherwise."""
+    from splitserve.cluster.app import CONTROLLER_DEPLOYMENT_NAME, DEPLOYMENT_NAME, build_app
+
+    ingress = build_app({"ingress": {"replicas": 3}})._bound_deployment
+    assert (ingress.name, ingress.num_replicas) == (DEPLOYMENT_NAME, 3)
+    assert ingress._deployment_config.autoscaling_config is None
+    assert ingress.ray_actor_options == {"num_cpus": 0.0, "resources": {}}  # not pinned to the head
+    controller = ingress.init_args[1]._bound_deployment
+    assert (controller.name, controller.num_replicas) == (CONTROLLER_DEPLOYMENT_NAME, 1)
+    assert controller.max_ongoing_requests >= 100  # every ingress long-polls it
+
+    scaled = build_app(
+        {
+            "ingress": {
+                "resources": {"node:__internal_head__": 0.001},
+                "autoscaling": {"enabled": True, "min_replicas": 2, "max_replicas": 5, "target_ongoing_requests": 8},
+            }
+        }
+    )._bound_deployment
+    autoscaling = scaled._deployment_config.autoscaling_config
+    assert (autoscaling.min_replicas, autoscaling.initial_replicas, autoscaling.max_replicas) == (2, 2, 5)
+    assert autoscaling.target_ongoing_requests == 8
+    assert scaled.ray_actor_options["resources"] == {"node:__internal_head__": 0.001}
+    with pytest.raises(ValueError, match="min_replicas must be <= max_replicas"):
+        ServeConfig.model_validate({"ingress": {"autoscaling": {"min_replicas": 5, "max_replicas": 2}}})

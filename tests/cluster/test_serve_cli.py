@@ -144,12 +144,18 @@ def test_short_forms_and_model_positional():
         '{"decode_gpu": 1}',
         "--local-prefill-threshold",
         "5",
+        "--ingress-replicas",
+        "3",
     )
     assert cfg.model == "some/model" and cfg.model_id == "some/model"
     assert (cfg.http_host, cfg.http_port, cfg.router.policy) == ("0.0.0.0", 9000, "random")
     assert cfg.prefill.max_num_seqs == cfg.decode.max_num_seqs == 8 and cfg.prefill.replicas == 2
     assert cfg.decode.autoscaling.max_replicas == 3 and cfg.decode.autoscaling.enabled
     assert cfg.decode.resources.resources == {"decode_gpu": 1} and cfg.router.local_prefill_threshold == 5
+    assert cfg.ingress.replicas == 3 and not cfg.ingress.autoscaling.enabled
+    scaled = parse("m", "--ingress-max-replicas", "4", "--ingress.autoscaling.target-ongoing-requests", "8")
+    assert scaled.ingress.autoscaling.enabled and scaled.ingress.autoscaling.max_replicas == 4
+    assert scaled.ingress.autoscaling.target_ongoing_requests == 8
     assert parse("m", "--served-model-name", "alias").model_id == "alias"
     for flag, short in SHORT_FORMS.items():  # each names real fields
         assert all(path in leaf_fields() for path in (*short.paths, *short.implies)), flag

@@ -26,6 +26,7 @@ class FakeBackend:
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.model_name = FAKE_MODEL_NAME
+        self.ingress_id = "fake-ingress"
         self.max_model_len = FAKE_MAX_MODEL_LEN
         self.reset()
 
@@ -57,12 +58,12 @@ class FakeBackend:
             raise self.healthy
         return {"ok": self.healthy, "decode_replicas": int(self.healthy)}
 
-    async def generate(self, prompt_token_ids, params, request_id=None, api_key=None, timeout_s=None):
+    async def generate(self, prompt_token_ids, params, label=None, api_key=None, timeout_s=None):
         self.validate(prompt_token_ids, params)
         if self.refusal is not None:
             raise self.refusal
-        self.calls.append((list(prompt_token_ids), params, request_id, api_key))
-        request_id = request_id or f"fake-{len(self.calls)}"
+        self.calls.append((list(prompt_token_ids), params, label, api_key))
+        request_id = f"fake-{len(self.calls)}"  # the server's own id; label is the client's
         try:
             for i in range(params.max_tokens):
                 if i and self.chunk_delay_s:

@@ -30,6 +30,7 @@ class FakeBackend:
     def __init__(self, tokenizer, cfg: ServeConfig | None = None, max_model_len: int = 1024):
         self.cfg = cfg or ServeConfig()
         self.model_name = MODEL_NAME
+        self.ingress_id = "fake-ingress"
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self.reply_ids = tokenizer.encode(REPLY, add_special_tokens=False)
@@ -76,16 +77,18 @@ class FakeBackend:
             state["serving"] = self.serving
         return state
 
-    def render_metrics(self) -> bytes:
+    async def render_metrics(self) -> bytes:
         return self.metrics.render()
 
-    async def generate(self, prompt_token_ids, params, request_id=None, api_key=None, timeout_s=None):
+    async def generate(self, prompt_token_ids, params, label=None, api_key=None, timeout_s=None):
         self.validate(prompt_token_ids, params)
+        request_id = f"fake-{len(self.calls) + 1}"  # the server's own id; label is the client's
         self.calls.append(
             {
                 "prompt_token_ids": list(prompt_token_ids),
                 "params": params,
                 "request_id": request_id,
+                "label": label,
                 "api_key": api_key,
                 "timeout_s": timeout_s,
             }

@@ -179,3 +179,20 @@ def test_an_aborted_job_whose_pair_broke_is_not_flushed(pair):
     with pytest.raises(TransferError):
         job.done.result(TIMEOUT_S)
     assert sender.abort(job).result(TIMEOUT_S) is False
+
+
+def test_a_job_its_prefill_stopped_waiting_for_is_still_flushed(pair):
+    """A prefill call cancelled while it waited for its transfer cancels the job's `done`
+    future; aborting the job must still send the filler -- and never end the sender thread
+    (it once did, and that replica never sent again)."""
+    sender, decode, model_dir = pair
+    target = _cache(model_dir, seed=None)
+    transfer_id = next(_transfer_ids)
+    posted = PostedReceive(decode, target, "test-prefill", transfer_id, [5, 6], True)
+    job = SendJob(f"req-{transfer_id}", "test-decode", transfer_id, [1, 2], True, num_blocks=2)
+    assert job.done.cancel()  # what asyncio.wait_for(wrap_future(job.done)) does when cancelled
+    assert sender.abort(job).result(TIMEOUT_S) is True
+    posted.complete(TIMEOUT_S)
+    assert not target.kv[:, :, [5, 6]].any()  # filler only
+    _, target, _, _, _ = _transfer(pair, [1, 2], [3, 4], True)  # the sender still works
+    assert torch.equal(target.kv[:, :, [3, 4]], sender.kv_cache.kv[:, :, [1, 2]])

@@ -14,7 +14,6 @@ from splitserve.engine.io.engine_stats import EngineStats
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.kvtransfer.handoff import (
     HANDOFF_VERSION,
-    DecodeRequest,
     Handoff,
     HandoffError,
     PrefillResult,
@@ -22,6 +21,7 @@ from splitserve.kvtransfer.handoff import (
 )
 from splitserve.kvtransfer.message_codec import MessageError
 from splitserve.kvtransfer.poll_reply import POLL_VERSION, PollReply, ReplicaStatus, TransferTotals
+from splitserve.kvtransfer.request_channel import Submit, decode_to_decode, encode_frame
 
 STATS = EngineStats(
     num_free_blocks=60,
@@ -40,7 +40,6 @@ def _messages():
     return [
         Handoff("r", [1, 2, 3, 4, 5], {"temperature": 0.0}, 4, "p0", "d0", [1], 7, epoch=2, deadline=1e9),
         PrefillResult("r", 42, -0.5, 4, 1, 1024, 0.01, 0.002, extra={"entered_at": 1.5}),
-        DecodeRequest("r", [1, 2], {"max_tokens": 3}, layerwise=False),
         StreamChunk("r", [5, 6], "ab", True, "length", 2, 0, 2, logprobs=[-0.1, -0.2], prefill_replica="p0"),
         # what top logprobs, a stop token / stop string, queue time and penalties look like on the wire
         PrefillResult(
@@ -48,7 +47,6 @@ def _messages():
         ),
         StreamChunk("r", [5], "a", True, "stop", 2, 0, 1, top_logprobs=[[(5, -0.1), (9, -2.0)]], stop_reason=5),
         StreamChunk("r", [5], "a", True, "stop", 2, 0, 1, stop_reason="END", queue_seconds=0.01),
-        DecodeRequest("r", [1, 2], SamplingParams(logit_bias={3: -100}, presence_penalty=1.0, min_tokens=2).to_dict()),
         PollReply([KVEvent(1, STORED, (1, 2**64 - 1)), KVEvent(2, REMOVED, (1,))], STATS, 1, 0, TransferTotals()),
     ]
 
@@ -101,7 +99,7 @@ def test_block_pool_events_survive_the_poll_wire():
     assert [KVEvent.from_wire(e.to_wire()) for e in events] == events
 
 
-@pytest.mark.parametrize("cls", [Handoff, PrefillResult, DecodeRequest, StreamChunk])
+@pytest.mark.parametrize("cls", [Handoff, PrefillResult, StreamChunk])
 def test_handoff_messages_refuse_bad_input(cls):
     good = next(m for m in _messages() if type(m) is cls)
     kind = msgspec.msgpack.decode(good.to_bytes())["kind"]
@@ -133,7 +131,7 @@ def test_poll_reply_refuses_bad_input():
     with pytest.raises(MessageError, match="malformed poll_reply body"):
         PollReply.from_bytes(_envelope(POLL_VERSION, "poll_reply", bad_event))
     with pytest.raises(MessageError, match="expected a poll_reply message"):
-        PollReply.from_bytes(_messages()[2].to_bytes())  # a DecodeRequest
+        PollReply.from_bytes(_messages()[2].to_bytes())  # a StreamChunk
 
 
 def test_handoff_checks_its_block_indices():
@@ -144,7 +142,7 @@ def test_handoff_checks_its_block_indices():
         Handoff.from_bytes(msgspec.structs.replace(handoff, prompt_token_ids=[]).to_bytes())
 
 
-def test_sampling_params_survive_the_decode_request():
+def test_sampling_params_survive_the_request_channel():
     params = SamplingParams(logit_bias={3: -100, 7: 2.5}, repetition_penalty=1.3, min_tokens=2, top_logprobs=4)
-    request = DecodeRequest("r", [1, 2], params.to_dict())
-    assert SamplingParams.from_dict(DecodeRequest.from_bytes(request.to_bytes()).sampling) == params
+    submit = decode_to_decode(encode_frame(Submit("r", [1, 2], params.to_dict()))[4:])
+    assert SamplingParams.from_dict(submit.sampling) == params

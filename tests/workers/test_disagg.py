@@ -157,7 +157,7 @@ def test_idle_pairs_are_torn_down_and_reopened(loop, cluster_1p1d, reference):
     prompt = mixed_prompts()[1]
     run_all(loop, cluster_1p1d, [prompt])
     decode = cluster_1p1d.decode_pool.get("decode-0").handle
-    loop.run(cluster_1p1d.dispatcher.close_idle_pairs(0.0), timeout=30)
+    loop.run(cluster_1p1d.controller.close_idle_pairs(0.0), timeout=30)
     assert ray.get(decode.close_idle_pairs.remote(0.0)) == []  # already closed
     result = run_all(loop, cluster_1p1d, [prompt])[0]  # a fresh pair, next epoch
     assert result["token_ids"] == reference[tuple(prompt)] and result["prefill_replica"] == "prefill-0"

@@ -51,6 +51,7 @@ ENGINE_IMPORTS = {
     "splitserve.engine.llm_engine": {"LLMEngine", "LayerHookFactory"},
     "splitserve.engine.core.scheduler": {"ScheduledBatch"},  # what a layer hook is given
     "splitserve.engine.core.sequence": {"Sequence"},  # what make_sequence returns
+    "splitserve.engine.core.kv_events": {"KVEvent"},  # what take_events returns (kept in the event log)
     "splitserve.engine.io.block_reservation": {"BlockReservation"},
     "splitserve.engine.io.request_output": {"RequestOutput"},
     "splitserve.engine.io.sampling_params": {"SamplingParams"},

@@ -188,13 +188,14 @@ def test_stalled_kv_send_frees_blocks_within_the_lease_and_is_retried(loop, clus
         for rid in others:
             cluster.router.set_draining(PREFILL, rid, False)
         ray.get(cluster.prefill_pool.get(stalled).handle.inject_fault.remote(stall_send_s=0.0))
-    # The attempt stalled until its lease ran out; the retry (no other prefill replica left to
-    # try) prefilled on the decode replica.
+    # The attempt stalled until decode gave the prefill up (its timeout follows the measured
+    # prefill speed, at most the lease); the retry (no other prefill replica left to try)
+    # prefilled on the decode replica.
     assert result["prefill_replica"] is None and len(result["token_ids"]) == GREEDY.max_tokens
     assert cluster.dispatcher.num_retries == retries + 1
     print(f"stalled send: lease {LEASE_S:.0f} s, request answered after retry in {took:.2f} s")
-    assert LEASE_S <= took < LEASE_S + 6
-    # The stalled attempt's blocks were freed on both sides when its lease ran out.
+    assert took < LEASE_S + 6
+    # The stalled attempt's blocks were freed on both sides.
     wait_for_baseline(loop, cluster, timeout_s=LEASE_S)
     time.sleep(max(start + stall_s + 0.5 - time.monotonic(), 0))  # the sender thread wakes up
     assert complete(loop, cluster, PREFIXES[0] + list(range(230, 260)))["prefill_replica"] is not None
@@ -293,8 +294,9 @@ def test_decode_killed_mid_stream_ends_the_sse_stream_with_an_error(loop, cluste
         with http.stream("POST", "/v1/completions", json=body) as stream:
             assert stream.status_code == 200
             events = iter_sse(stream.iter_lines())
-            first = next(events)  # a token reached the client
-            victim = cluster.decode_pool.get(cluster.dispatcher.inflight[first["id"]])
+            next(events)  # a token reached the client
+            (victim_id,) = cluster.dispatcher.inflight.values()  # the one request in flight
+            victim = cluster.decode_pool.get(victim_id)
             killed_at = time.monotonic()
             ray.kill(victim.handle)
             rest = list(events)
@@ -310,7 +312,11 @@ def test_decode_killed_mid_stream_ends_the_sse_stream_with_an_error(loop, cluste
             10,
             "the dead decode replica is still routed",
         )
-        assert cluster.decode_pool.get(victim.replica_id) is None
+        wait_until(
+            lambda: cluster.decode_pool.get(victim.replica_id) is None,
+            10,
+            "the controller still lists the dead replica",
+        )
         ok = http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 5})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 5
     wait_for_baseline(loop, cluster)

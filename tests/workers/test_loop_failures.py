@@ -6,9 +6,9 @@ ServingBackend, the OpenAI HTTP app (uvicorn, the `openai` client) and the gRPC 
 - A loop that cannot carry on: the replica reports itself dead and releases its blocks; its
   requests fail fast; requests routed to it before it leaves are retried without spending
   the retry budget; it leaves routing at the next poll; the next 20 requests succeed; /health
-  and gRPC health show the lost capacity, /metrics drops its series and counts one replica less.
-
-Runs in order: the last two tests each leave their pool one replica short."""
+  and gRPC health show the lost capacity, /metrics drops its series and counts one replica
+  less -- until the controller's replacement (held back here by its restart backoff: the
+  replica died young) is routable, and health is whole again."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import pytest
 import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from splitserve.cluster.control.decode_channel import DecodeChannel
 from splitserve.cluster.frontend.backend import ServingBackend
 from splitserve.cluster.frontend.grpc.health import READY_SERVICE, pool_service_name
 from splitserve.cluster.frontend.grpc.server import GrpcFrontend
@@ -35,8 +36,9 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine_errors import EngineLoopStopped, EngineStepError
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
-from splitserve.kvtransfer.handoff import DecodeRequest, StreamChunk
+from splitserve.kvtransfer.handoff import StreamChunk
 from splitserve.kvtransfer.poll_reply import PollReply, ReplicaStatus
+from splitserve.kvtransfer.request_channel import Failed, FailureKind, Submit
 from tests.helpers.cluster import LoopHttpServer, cluster_config, wait_for_baseline, wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -44,6 +46,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+RESTART_BACKOFF_S = 6.0
 
 
 def prompt(n: int, salt: int) -> list[int]:
@@ -52,7 +55,12 @@ def prompt(n: int, salt: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def backend(ray_cluster, tiny_model, loop):
-    cfg = cluster_config(tiny_model, num_prefill=2, num_decode=2, policy="round-robin", lease_s=3.0)
+    # A replica dying this young is a failed start to the controller: its replacement waits
+    # restart_backoff_s, long enough to see the lost capacity first.
+    controller = {"restart_backoff_s": RESTART_BACKOFF_S, "healthy_after_s": 600.0}
+    cfg = cluster_config(
+        tiny_model, num_prefill=2, num_decode=2, policy="round-robin", lease_s=3.0, controller=controller
+    )
     # One prompt per prefill step and two running sequences per decode step, so a failing step
     # has requests outside its batch to spare.
     cfg = cfg.model_copy(
@@ -79,29 +87,38 @@ def reference(tiny_model):
 
 
 class Stream:
-    """One DecodeWorker.generate call made straight on the actor, consumed on the cluster's
-    loop: its chunks, when it ended, and how."""
+    """One request sent straight to a decode replica over its request channel (as an ingress
+    does), consumed on the cluster's loop: its chunks, when it ended, and how (a Failed frame
+    becomes the error the replica reported)."""
 
     def __init__(self, loop, handle, request_id: str, ids: list[int], params: SamplingParams, prefill=None):
         self.chunks: list[StreamChunk] = []
         self.error: BaseException | None = None
         self.ended_at: float | None = None
         self.done = threading.Event()
-        req = DecodeRequest(request_id=request_id, prompt_token_ids=ids, sampling=params.to_dict())
-        prefill_handle, prefill_id = (None, None) if prefill is None else (prefill.handle, prefill.replica_id)
+        replica_id = ray.get(handle.ready.remote(), timeout=30)
+        address = ray.get(handle.channel_address.remote(), timeout=30)
+        submit = Submit(request_id, ids, params.to_dict(), None if prefill is None else prefill.replica_id)
+
+        # Held here: a channel's reader and the tasks waiting on it only reference each other.
+        self.channel = channel = DecodeChannel(replica_id, address, f"test-{request_id}")
 
         async def consume() -> None:
             try:
-                gen = handle.generate.options(num_returns="streaming").remote(
-                    req.to_bytes(), prefill_handle, prefill_id
-                )
-                async for ref in gen:
-                    self.chunks.append(StreamChunk.from_bytes(await ref))
+                queue = await channel.submit(submit)
+                while True:
+                    item = await queue.get()
+                    if not isinstance(item, StreamChunk):
+                        raise _as_error(item)
+                    self.chunks.append(item)
+                    if item.finished:
+                        break
             except BaseException as exc:
                 self.error = exc
             finally:
                 self.ended_at = time.monotonic()
                 self.done.set()
+                await channel.close()
 
         asyncio.run_coroutine_threadsafe(consume(), loop.loop)
 
@@ -112,6 +129,18 @@ class Stream:
     @property
     def token_ids(self) -> list[int]:
         return [t for c in self.chunks for t in c.token_ids]
+
+
+def _as_error(item) -> BaseException:
+    if not isinstance(item, Failed):
+        return item  # ChannelClosed
+    if item.kind is FailureKind.STEP_FAILED:
+        return EngineStepError(item.message)
+    if item.kind is FailureKind.REPLICA_DEAD:
+        return EngineLoopStopped(item.message)
+    if item.kind.value.startswith("prefill"):
+        return PrefillFailedError(item.message, item.kind)
+    return RuntimeError(f"{item.kind}: {item.message}")
 
 
 def poll(handle) -> PollReply:
@@ -253,7 +282,10 @@ def test_a_dead_decode_loop_leaves_routing_and_its_requests_are_retried(loop, cl
     url, grpc_port = frontends
     assert httpx.get(f"{url}/health").json()["pools"][DECODE] == {"ok": True, "live": 2, "expected": 2, "min": 2}
     victim = cluster.decode_pool.get("decode-1")
-    loop.run(cluster.dispatcher.stop_polling())  # so it stays routed while we send requests to it
+    # It stays routed while we send requests to it: this ingress does not poll, the controller
+    # does not probe (it would drop it from the view first).
+    loop.run(cluster.dispatcher.stop_polling())
+    loop.run(cluster.controller.pause())
     cluster.dispatcher.max_retries = 0  # a dead replica must not need the budget
     try:
         holding = Stream(loop, victim.handle, "holding", prompt(40, 50), LONG)  # holds blocks when it dies
@@ -280,10 +312,12 @@ def test_a_dead_decode_loop_leaves_routing_and_its_requests_are_retried(loop, cl
     finally:
         cluster.dispatcher.max_retries = 1
         resume_polling(loop, cluster)
-    assert cluster.decode_pool.get(victim.replica_id) is None
+        resume_controller(loop, cluster)
+    wait_until(lambda: cluster.decode_pool.get(victim.replica_id) is None, 5, "the controller still lists it")
     _check_lost_capacity(url, grpc_port, DECODE, victim.replica_id, degraded=[DECODE])
     _twenty_requests(url, backend)
     wait_until(lambda: _actor_gone(victim.handle), 20, "the dead replica's actor was not shut down")
+    _replaced(loop, cluster, url, DECODE)
     wait_for_baseline(loop, cluster)
 
 
@@ -292,6 +326,7 @@ def test_a_dead_prefill_loop_leaves_routing_and_its_requests_are_retried(loop, c
     url, grpc_port = frontends
     victim = cluster.prefill_pool.get("prefill-1")
     loop.run(cluster.dispatcher.stop_polling())
+    loop.run(cluster.controller.pause())
     cluster.dispatcher.max_retries = 0
     try:
         ray.get(victim.handle.inject_fault.remote(stop_loop=True))
@@ -308,9 +343,18 @@ def test_a_dead_prefill_loop_leaves_routing_and_its_requests_are_retried(loop, c
     finally:
         cluster.dispatcher.max_retries = 1
         resume_polling(loop, cluster)
-    _check_lost_capacity(url, grpc_port, PREFILL, victim.replica_id, degraded=[PREFILL, DECODE])
+        resume_controller(loop, cluster)
+    wait_until(lambda: cluster.prefill_pool.get(victim.replica_id) is None, 5, "the controller still lists it")
+    _check_lost_capacity(url, grpc_port, PREFILL, victim.replica_id, degraded=[PREFILL])
     _twenty_requests(url, backend)
+    _replaced(loop, cluster, url, PREFILL)
     wait_for_baseline(loop, cluster)
+
+
+def _replaced(loop, cluster, server_url: str, pool: str) -> None:
+    """The controller's replacement becomes routable and health is whole again."""
+    wait_until(lambda: cluster.live_replicas(pool) == 2, 120, f"the {pool} pool was not replenished", 0.2)
+    assert httpx.get(f"{server_url}/health", timeout=10).json()["ok"] is True
 
 
 def complete_all(loop, cluster, prompts: list[list[int]]) -> list[dict]:
@@ -318,6 +362,13 @@ def complete_all(loop, cluster, prompts: list[list[int]]) -> list[dict]:
         return await asyncio.gather(*(cluster.complete(p, GREEDY) for p in prompts))
 
     return loop.run(go(), timeout=120)
+
+
+def resume_controller(loop, cluster) -> None:
+    async def resume() -> None:  # it needs the cluster's running loop
+        cluster.controller.resume()
+
+    loop.run(resume(), timeout=10)
 
 
 def resume_polling(loop, cluster) -> None:

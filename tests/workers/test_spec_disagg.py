@@ -141,8 +141,11 @@ def test_client_leaving_mid_speculation_frees_every_block(loop, server, backend)
         with http.stream("POST", "/v1/completions", json={**body, "ignore_eos": True}) as resp:
             assert resp.status_code == 200
             data = (line for line in resp.iter_lines() if line.startswith("data: "))
-            for _ in range(4):
-                next(data)  # a few chunks in, speculating; then the client leaves
-    wait_until(lambda: backend.num_inflight == 0, 20, "request still running after the client left")
+            # Read until the decode replica has verified drafts of this request, then leave.
+            for _ in range(200):
+                next(data)
+                if decode_stats(loop, backend).spec_num_drafts > drafts_before:
+                    break
     assert decode_stats(loop, backend).spec_num_drafts > drafts_before
+    wait_until(lambda: backend.num_inflight == 0, 20, "request still running after the client left")
     wait_for_baseline(loop, backend.cluster)

@@ -12,6 +12,7 @@ answered INVALID_ARGUMENT with the parser's reason instead of grpc's generic INT
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import hmac
@@ -45,6 +46,7 @@ STATUS_CODE_BY_KIND: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+INGRESS_KEY = "x-splitserve-ingress"  # initial and trailing metadata: the ingress replica that answered
 # Sampling fields declared `optional` in the .proto: unset means the SamplingParams default.
 _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
 
@@ -85,6 +87,8 @@ def _rpc(handler):
 
     @functools.wraps(handler)
     async def wrapper(self: GrpcFrontend, request, context: grpc.aio.ServicerContext):
+        trailing = [(INGRESS_KEY, self.ingress_id)]
+        context.set_trailing_metadata(trailing)
         try:
             if isinstance(request, _MalformedRequest):
                 raise _Rejection(
@@ -96,10 +100,13 @@ def _rpc(handler):
         except RequestError as exc:
             code, details = STATUS_CODE_BY_KIND[exc.kind], exc.message
             if exc.retryable:  # gRPC's form of Retry-After, read by clients with a retry policy
-                context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(int(exc.retry_after_s * 1000))),))
-        except Exception as exc:
-            logger.exception("gRPC %s failed", handler.__name__)
-            code, details = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+                trailing.append((RETRY_PUSHBACK_KEY, str(int(exc.retry_after_s * 1000))))
+                context.set_trailing_metadata(trailing)
+        except Exception:
+            # The traceback (paths, actor ids, pids) goes to the server log, never to the client.
+            label = getattr(request, "request_id", "") or ""
+            logger.exception("gRPC %s failed (client request id %r)", handler.__name__, label)
+            code, details = grpc.StatusCode.INTERNAL, "internal error; the server log has the details"
         await context.abort(code, details)
 
     return wrapper
@@ -124,9 +131,10 @@ def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
-def generate_response(chunk: StreamChunk) -> pb2.GenerateResponse:
+def generate_response(chunk: StreamChunk, label: str | None = None) -> pb2.GenerateResponse:
+    """label: the client's request_id, echoed back; else the server's own id."""
     response = pb2.GenerateResponse(
-        request_id=chunk.request_id,
+        request_id=label or chunk.request_id,
         token_ids=chunk.token_ids,
         text=chunk.text,
         logprobs=chunk.logprobs,
@@ -168,8 +176,12 @@ def structured_output_from(request: pb2.GenerateRequest) -> GrammarSpec | None:
 
 
 class GrpcFrontend:
-    def __init__(self, backend, health_poll_interval_s: float = 2.0):
+    def __init__(self, backend, health_poll_interval_s: float = 2.0, share_port: bool = False):
+        """share_port: SO_REUSEPORT, so every ingress replica on a node serves the one port
+        (the kernel spreads connections); otherwise a busy port fails start()."""
         self.backend = backend
+        self.ingress_id: str = getattr(backend, "ingress_id", "") or ""
+        self._share_port = share_port
         self._api_key: str | None = backend.cfg.api_key or None
         self._max_message_bytes: int = backend.cfg.max_body_bytes
         self._health_poll_interval_s = health_poll_interval_s
@@ -185,7 +197,7 @@ class GrpcFrontend:
         server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", self._max_message_bytes),
-                ("grpc.so_reuseport", 0),  # a busy port must fail, not be silently shared
+                ("grpc.so_reuseport", 1 if self._share_port else 0),
             ]
         )
         server.add_generic_rpc_handlers((self._service_handler(),))
@@ -246,24 +258,27 @@ class GrpcFrontend:
     async def generate(self, request, context: grpc.aio.ServicerContext) -> None:
         api_key = self._authorize(context)
         self._check_model(request.model)
-        prompt_token_ids = self._prompt_token_ids(request)
+        prompt_token_ids = await self._prompt_token_ids(request)
         try:
             params = sampling_params_from(request)
         except InvalidRequestError as exc:
             raise _Rejection(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        # The client's gRPC deadline becomes the request's (capped by request_timeout_s).
+        # The client's gRPC deadline becomes the request's (capped by request_timeout_s). Its
+        # request_id is a label: echoed back and logged, never a key (the server's id is).
+        label = request.request_id or None
         chunks = self.backend.generate(
             prompt_token_ids,
             params,
-            request_id=request.request_id or None,
+            label=label,
             api_key=api_key,
             timeout_s=_time_remaining(context),
         )
+        await context.send_initial_metadata(((INGRESS_KEY, self.ingress_id),))
         # aclosing: when the client cancels, the CancelledError raised in context.write closes
         # the backend generator, whose cleanup aborts the request and frees its KV blocks.
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
-                await context.write(generate_response(chunk))
+                await context.write(generate_response(chunk, label))
 
     @_rpc
     async def tokenize(self, request, context: grpc.aio.ServicerContext) -> pb2.TokenizeResponse:
@@ -271,7 +286,7 @@ class GrpcFrontend:
         self._check_model(request.model)
         if not request.text:
             raise _Rejection(grpc.StatusCode.INVALID_ARGUMENT, "text is empty")
-        token_ids = self.backend.encode(request.text)
+        token_ids = await asyncio.to_thread(self.backend.encode, request.text)
         return pb2.TokenizeResponse(token_ids=token_ids, count=len(token_ids), max_model_len=self.backend.max_model_len)
 
     @_rpc
@@ -301,12 +316,12 @@ class GrpcFrontend:
                 f"model {model!r} is not served here; this server serves {self.backend.model_name!r}",
             )
 
-    def _prompt_token_ids(self, request) -> list[int]:
+    async def _prompt_token_ids(self, request) -> list[int]:
         kind = request.WhichOneof("prompt")
         if kind == "text":
             if not request.text:
                 raise _Rejection(grpc.StatusCode.INVALID_ARGUMENT, "prompt text is empty")
-            return self.backend.encode(request.text)
+            return await asyncio.to_thread(self.backend.encode, request.text)  # off the event loop
         if kind == "token_ids":
             if not request.token_ids.ids:
                 raise _Rejection(grpc.StatusCode.INVALID_ARGUMENT, "prompt token_ids is empty")

@@ -1,4 +1,6 @@
-"""AccessLog: one log line per HTTP request, "GET /v1/models 200 1.2ms".
+"""AccessLog: one log line per HTTP request, "GET /v1/models 200 1.2ms", and the response
+headers that say which ingress replica answered (x-splitserve-ingress) and echo the client's
+own request id (x-request-id, also logged: "... 200 1.2ms id=abc").
 
 It replaces Ray Serve's access log, which names the matched route ("/" for every unknown
 path) and logs Prometheus scrapes and health probes at INFO. Here the path is the one the
@@ -17,6 +19,20 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger("splitserve.access")
 QUIET_PATHS = frozenset({"/metrics", "/health"})  # scraped every few seconds
+INGRESS_HEADER = "x-splitserve-ingress"
+REQUEST_ID_HEADER = "x-request-id"
+MAX_LABEL_CHARS = 128
+
+
+def client_request_id(headers) -> str | None:
+    """The client's x-request-id from ASGI headers (a label: never a key), printable and capped."""
+    for key, value in headers:
+        if key == REQUEST_ID_HEADER.encode():
+            label = value.decode("latin-1")[:MAX_LABEL_CHARS]
+            return label if label.isprintable() and label else None
+    return None
+
+
 LOG_LEVEL_ENV = "SPLITSERVE_LOG_LEVEL"
 _LOG_FORMAT = "%(levelname)s %(asctime)s %(name)s -- %(message)s"
 
@@ -24,8 +40,11 @@ _LOG_FORMAT = "%(levelname)s %(asctime)s %(name)s -- %(message)s"
 class AccessLog:
     """ASGI middleware; put it outermost so refusals by inner middleware are logged too."""
 
-    def __init__(self, app: ASGIApp):
+    def __init__(self, app: ASGIApp, ingress_id: str | None = None, echo_request_id: bool = True):
+        """echo_request_id: False where the server in front (Ray Serve) echoes it already."""
         self.app = app
+        self.ingress_id = ingress_id
+        self.echo_request_id = echo_request_id
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -33,11 +52,19 @@ class AccessLog:
             return
         start = time.perf_counter()
         status = 499  # nginx's "client closed request": no response was started
+        label = client_request_id(scope.get("headers", ()))
+        extra = []
+        if self.ingress_id:
+            extra.append((INGRESS_HEADER.encode(), self.ingress_id.encode()))
+        if label is not None and self.echo_request_id:
+            extra.append((REQUEST_ID_HEADER.encode(), label.encode("latin-1")))
 
         async def send_and_record(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                if extra:
+                    message = {**message, "headers": [*message.get("headers", ()), *extra]}
             await send(message)
 
         try:
@@ -49,7 +76,13 @@ class AccessLog:
             path = scope.get("path", "")
             level = logging.DEBUG if path in QUIET_PATHS else logging.WARNING if status >= 500 else logging.INFO
             logger.log(
-                level, "%s %s %d %.1fms", scope.get("method", ""), path, status, 1e3 * (time.perf_counter() - start)
+                level,
+                "%s %s %d %.1fms%s",
+                scope.get("method", ""),
+                path,
+                status,
+                1e3 * (time.perf_counter() - start),
+                "" if label is None else f" id={label}",
             )
 
 

@@ -11,6 +11,7 @@ OpenAI's {"error": {"message", "type", "param", "code"}}; no traceback ever reac
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -23,7 +24,7 @@ from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from splitserve.cluster.frontend.http.access_log import AccessLog
+from splitserve.cluster.frontend.http.access_log import AccessLog, client_request_id
 from splitserve.cluster.frontend.http.fanout import close_all, first_chunks, merged
 from splitserve.cluster.frontend.http.guard import RequestGuard, bearer_token
 from splitserve.cluster.frontend.http.head import HeadAsGet
@@ -165,8 +166,10 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error_response(500, "internal server error", "server_error")
 
 
-def build_http_app(backend) -> FastAPI:
-    """The OpenAI-compatible FastAPI app in front of `backend` (see the module docstring)."""
+def build_http_app(backend, echo_request_id: bool = True) -> FastAPI:
+    """The OpenAI-compatible FastAPI app in front of `backend` (see the module docstring).
+    echo_request_id: answer a client's x-request-id with the same header (Ray Serve does it
+    itself, so the Serve app passes False)."""
     cfg = backend.cfg
     app = FastAPI(
         title="splitserve",
@@ -176,7 +179,8 @@ def build_http_app(backend) -> FastAPI:
     )
     app.add_middleware(RequestGuard, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes)
     app.add_middleware(HeadAsGet)
-    app.add_middleware(AccessLog)  # outermost: logs the guard's refusals (and HEADs as HEAD) too
+    # Outermost: logs the guard's refusals (and HEADs as HEAD) too; names the ingress replica.
+    app.add_middleware(AccessLog, ingress_id=getattr(backend, "ingress_id", None), echo_request_id=echo_request_id)
     _install_error_handlers(app)
     created = int(time.time())
     # Documents the bearer scheme in /openapi.json; RequestGuard enforces it before parsing.
@@ -220,7 +224,7 @@ def build_http_app(backend) -> FastAPI:
 
     @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
     async def metrics() -> Response:
-        return Response(backend.render_metrics(), media_type=CONTENT_TYPE_LATEST)
+        return Response(await backend.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", response_model=ModelList, dependencies=auth, responses=_ERRORS)
     async def list_models() -> ModelList:
@@ -237,7 +241,10 @@ def build_http_app(backend) -> FastAPI:
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         body.check_supported()  # before any prompt is tokenized
-        prompts = [backend.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
+        # Off the event loop: it also serves every other stream of this replica.
+        prompts = [
+            await asyncio.to_thread(backend.encode, p) if isinstance(p, str) else list(p) for p in body.prompts()
+        ]
         params = build_sampling_params(body, max(map(len, prompts)), backend.max_model_len)
         for prompt in prompts:  # every prompt is checked before anything is decoded or started
             backend.validate(prompt, params)
@@ -264,7 +271,7 @@ def build_http_app(backend) -> FastAPI:
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
         body.check_supported()
-        prompt_ids = backend.render_chat(body.template_messages(), tools=body.template_tools())
+        prompt_ids = await asyncio.to_thread(backend.render_chat, body.template_messages(), tools=body.template_tools())
         params = build_sampling_params(body, len(prompt_ids), backend.max_model_len)
         backend.validate(prompt_ids, params)
         plan = body.tool_call_plan()
@@ -292,17 +299,17 @@ def build_http_app(backend) -> FastAPI:
         """One backend generation per choice (prompt x n), streamed or collected."""
         choices = [(prompt, choice_params(params, i)) for prompt in prompts for i in range(n)]
         api_key = bearer_token(request.scope.get("headers", []))
+        label = client_request_id(request.scope.get("headers", []))  # the client's own id: a label
         timeout_s = _request_timeout(request)
-        multiple = len(choices) > 1
         sources = [
             backend.generate(
                 prompt,
                 choice,
-                request_id=f"{renderer.request_id}-{i}" if multiple else renderer.request_id,
+                label=label,
                 api_key=api_key,
                 timeout_s=timeout_s,
             )
-            for i, (prompt, choice) in enumerate(choices)
+            for prompt, choice in choices
         ]
         handed_off = False
         try:

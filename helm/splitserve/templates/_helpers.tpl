@@ -127,10 +127,11 @@ Worker group spec fields of one pool. Call with (dict "root" $ "pool" "prefill")
         - name: ray-worker
           image: {{ include "splitserve.image" $root }}
           imagePullPolicy: {{ $root.Values.image.pullPolicy }}
-          {{- with $group.extraEnv }}
           env:
+            {{- include "splitserve.frontDoorEnv" $root | nindent 12 }}
+            {{- with $group.extraEnv }}
             {{- toYaml . | nindent 12 }}
-          {{- end }}
+            {{- end }}
           resources:
             {{- $resources := deepCopy ($group.resources | default dict) }}
             {{- if gt $numGpus 0 }}
@@ -255,5 +256,25 @@ initContainers:
 {{- end }}
 {{- if eq .Values.serve.http_port .Values.serve.grpc_port }}
 {{- fail "serve.http_port and serve.grpc_port must differ" }}
+{{- end }}
+{{- end }}
+
+{{/*
+The front door's environment (values.frontDoor), the same on the head and every worker group.
+*/}}
+{{- define "splitserve.frontDoorEnv" -}}
+{{- $fd := .Values.frontDoor | default dict }}
+{{- if $fd.haproxy }}
+- name: RAY_SERVE_ENABLE_HA_PROXY
+  value: "1"
+- name: RAY_SERVE_THROUGHPUT_OPTIMIZED
+  value: "1"
+- name: RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
+  value: {{ $fd.drainingPeriodS | default 30 | toString | quote }}
+- name: RAY_SERVE_HAPROXY_NBTHREAD
+  value: {{ $fd.haproxyThreads | default 4 | toString | quote }}
+{{- else }}
+- name: RAY_SERVE_ENABLE_HA_PROXY
+  value: "0"
 {{- end }}
 {{- end }}

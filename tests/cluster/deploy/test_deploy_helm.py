@@ -145,6 +145,26 @@ def test_serve_config_v2_imports_the_app(name):
 
 
 @pytest.mark.parametrize("name", VALUE_SETS)
+def test_head_and_every_worker_group_get_the_front_door_env(name):
+    """HAProxy ingress + throughput-optimized Serve: every node that can host an ingress
+    replica reads the same flags at start-up (values.frontDoor)."""
+    front_door = merged_values_of(name)["frontDoor"]
+    cluster = ray_service_of(name)["spec"]["rayClusterConfig"]
+    templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+    assert len(templates) == 1 + len(POOLS)
+    for template in templates:
+        (container,) = template["spec"]["containers"]
+        env = {e["name"]: e["value"] for e in container["env"]}
+        assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+        assert env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == str(front_door["drainingPeriodS"])
+        assert env["RAY_SERVE_HAPROXY_NBTHREAD"] == str(front_door["haproxyThreads"])
+    off = deploy.render_chart({"frontDoor": {"haproxy": False}, "head": {"extraEnv": [{"name": "X", "value": "1"}]}})
+    head = next(o for o in deploy.rendered_objects(off) if o["kind"] == "RayService")
+    head = head["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert head["env"] == [{"name": "RAY_SERVE_ENABLE_HA_PROXY", "value": "0"}, {"name": "X", "value": "1"}]
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
 def test_worker_groups_host_their_pools(name):
     values = merged_values_of(name)
     cluster = ray_service_of(name)["spec"]["rayClusterConfig"]
@@ -261,10 +281,13 @@ def test_monitoring_objects_target_the_service():
 
 
 def test_dashboard_metrics_exist_in_the_app():
-    from splitserve.cluster.frontend import metrics
+    from splitserve.cluster.control.pool_metrics import PoolMetrics
+    from splitserve.cluster.frontend.metrics import Metrics
 
     exposed = set()
-    for family in metrics.Metrics("dashboard-test").registry.collect():
+    # /metrics renders both: every ingress's series and the controller's pool series.
+    families = [*Metrics("dashboard-test").registry.collect(), *PoolMetrics("dashboard-test").registry.collect()]
+    for family in families:
         exposed.add(family.name)
         exposed.update(sample.name for sample in family.samples)
         if family.type == "counter":
@@ -286,6 +309,8 @@ BAD_VALUES = {
     "zero replicas per pod": {"workerGroups": {"decode": {"replicasPerPod": 0}}},
     "unknown upscaling mode": {"rayAutoscaler": {"upscalingMode": "Fast"}},
     "string port": {"serve": {"http_port": "8000"}},
+    "unknown front door field": {"frontDoor": {"proxy": "nginx"}},
+    "zero haproxy threads": {"frontDoor": {"haproxyThreads": 0}},
     "unknown speculative method": {"serve": {"speculative": {"method": "medusa"}}},
     "zero speculative tokens": {"serve": {"speculative": {"num_speculative_tokens": 0}}},
 }

@@ -31,7 +31,7 @@ from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.frontend.backend import ServingBackend
 from splitserve.cluster.frontend.grpc.server import GrpcFrontend
 from splitserve.cluster.frontend.http.api import build_http_app
-from splitserve.kvtransfer.handoff import DecodeRequest, HandoffError
+from splitserve.kvtransfer.request_channel import ChannelError, Submit, decode_to_decode, encode_frame
 from splitserve.proto import load_stubs
 from tests.helpers.cluster import LoopHttpServer, cluster_config, wait_for_baseline, wait_until
 from tests.helpers.hostile_cases import MALFORMED_GRPC, raw_completion_cases
@@ -317,12 +317,12 @@ def test_secure_defaults_and_no_pickle_from_clients():
     cfg = ServeConfig()
     assert (cfg.http_host, cfg.grpc_host, cfg.transport_host) == ("127.0.0.1",) * 3
     assert cfg.max_body_bytes <= 1 << 20 and cfg.max_requests_per_key >= 1 and cfg.api_key is None
-    # What a replica accepts from the frontend is versioned msgpack; a pickle is refused unread.
-    request = DecodeRequest(request_id="r", prompt_token_ids=[1, 2], sampling={})
-    assert DecodeRequest.from_bytes(request.to_bytes()) == request
-    with pytest.raises(HandoffError):
-        DecodeRequest.from_bytes(pickle.dumps(request))
+    # What a replica accepts from the frontend is typed msgpack; a pickle is refused unread.
+    request = Submit(request_id="r", prompt_token_ids=[1, 2], sampling={})
+    assert decode_to_decode(encode_frame(request)[4:]) == request
+    with pytest.raises(ChannelError):
+        decode_to_decode(pickle.dumps(request))
     started = time.monotonic()
-    with pytest.raises(HandoffError):
-        DecodeRequest.from_bytes(b"\xdd\xff\xff\xff\xff")  # msgpack array header claiming 4G items
+    with pytest.raises(ChannelError):
+        decode_to_decode(b"\xdd\xff\xff\xff\xff")  # msgpack array header claiming 4G items
     assert time.monotonic() - started < 1

@@ -66,8 +66,26 @@ def test_completion_text_prompt(client, backend, tokenizer):
         "prompt_tokens_details": {"cached_tokens": 3},
     }
     call = backend.calls[0]
-    assert call["prompt_token_ids"] == tokenizer.encode("hello world") and call["request_id"] == body["id"]
+    assert call["prompt_token_ids"] == tokenizer.encode("hello world") and call["label"] is None
     assert call["params"].max_tokens == 5 and call["api_key"] is None
+
+
+def test_client_request_id_is_a_label_echoed_back_with_the_ingress(client, backend, caplog):
+    body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2}
+    with caplog.at_level(logging.INFO, logger="splitserve.access"):
+        for stream in (False, True):
+            resp = client.post("/v1/completions", json={**body, "stream": stream}, headers={"x-request-id": "mine-1"})
+            assert resp.status_code == 200
+            assert resp.headers["x-request-id"] == "mine-1" and resp.headers["x-splitserve-ingress"] == "fake-ingress"
+    # Duplicates are harmless: the server's own ids differ, the label is only passed along and logged.
+    assert [c["label"] for c in backend.calls] == ["mine-1", "mine-1"]
+    assert len({c["request_id"] for c in backend.calls}) == 2
+    assert "id=mine-1" in caplog.text
+    plain = client.post("/v1/completions", json=body)
+    assert "x-request-id" not in plain.headers and plain.headers["x-splitserve-ingress"] == "fake-ingress"
+    assert backend.calls[-1]["label"] is None
+    refused = client.post("/v1/completions", json={**body, "model": "nope"}, headers={"x-request-id": "mine-2"})
+    assert refused.status_code == 404 and refused.headers["x-request-id"] == "mine-2"
 
 
 def test_completion_token_prompt_and_sampling_params(client, backend):

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.bench.autoscale_load import ClosedLoopLoad
 from splitserve.cluster.config import DecodeAutoscalingConfig, PrefillAutoscalingConfig, ServeConfig
-from splitserve.cluster.frontend.metrics import Metrics
+from splitserve.cluster.control.pool_metrics import PoolMetrics
 from splitserve.cluster.routing.load import LoadReport
 from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.cluster.scaling.autoscaler import Autoscaler
@@ -311,7 +311,7 @@ def test_rising_then_falling_load_scales_each_pool_up_and_back_down(loop, scaled
         max_concurrency=12,
         latency_window_s=1.0,
     )
-    metrics = Metrics("tiny")
+    metrics = PoolMetrics("tiny")
     autoscaler = Autoscaler(cluster, cfg, metrics, latency_source=load.latency_ms, drain_timeout_s=30)
     samples: list[tuple[int, int, int, int]] = []  # serving and total (incl. draining) per pool
 
@@ -369,17 +369,30 @@ def test_rising_then_falling_load_scales_each_pool_up_and_back_down(loop, scaled
     wait_for_baseline(loop, cluster)
 
 
-def test_serving_backend_wires_the_autoscaler_and_its_latency_windows(tiny_model):
+def test_controller_wires_the_autoscaler_to_the_ingresses_latencies(tiny_model):
+    """The autoscaler runs in the controller; its TTFT / ITL come from the ingresses' reports
+    (ages, not timestamps: no clock is shared), pooled over every ingress."""
+    from splitserve.cluster.control.controller import Controller
+    from splitserve.cluster.control.ingress_report import IngressReport
+
+    controller = Controller(scaled_config(tiny_model), tiny_model, "unit")
+    assert isinstance(controller.autoscaler, Autoscaler) and set(controller.autoscaler.policies) == {PREFILL, DECODE}
+    assert controller.autoscaler.cluster is controller
+
+    async def report(ingress_id: str, **samples):
+        return await controller.membership(-1, ingress_id, IngressReport(**samples).to_bytes())
+
+    asyncio.run(report("a", ttft=[(0.5, 0.25)], itl=[(0.1, 0.02), (0.2, 0.02)]))
+    asyncio.run(report("b", ttft=[(0.1, 0.10)], itl=[(0.3, 0.01)]))
+    assert controller.recent_latency_ms(PREFILL) == pytest.approx(250)
+    assert controller.recent_latency_ms(DECODE) == pytest.approx(20)
+    now = time.monotonic()
+    assert controller.recent_latency_ms(PREFILL, since=now - 0.3) == pytest.approx(100)  # only "b"'s sample
+    plain = Controller(ServeConfig(model=tiny_model), tiny_model, "unit")
+    assert plain.autoscaler is None
+    assert Controller(scaled_config(tiny_model), tiny_model, "unit", autoscale=False).autoscaler is None
+    # The frontends' in-process form runs its controller with the autoscaler, as the service does.
     from splitserve.cluster.frontend.backend import ServingBackend
 
-    class _NoCluster:  # the backend only keeps a reference until start()
-        router = None
-
-    backend = ServingBackend(scaled_config(tiny_model), tiny_model, cluster=_NoCluster())
-    assert isinstance(backend.autoscaler, Autoscaler) and set(backend.autoscaler.policies) == {PREFILL, DECODE}
-    backend.ttft_window.observe(0.25)
-    backend.itl_window.observe(0.02)
-    assert backend.recent_latency_ms(PREFILL) == pytest.approx(250)
-    assert backend.recent_latency_ms(DECODE) == pytest.approx(20)
-    plain = ServingBackend(ServeConfig(model=tiny_model), tiny_model, cluster=_NoCluster())
-    assert plain.autoscaler is None
+    backend = ServingBackend(scaled_config(tiny_model), tiny_model)
+    assert isinstance(backend.cluster.controller.autoscaler, Autoscaler)

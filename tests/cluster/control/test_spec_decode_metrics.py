@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.cluster.frontend.metrics import Metrics
+from splitserve.cluster.control.pool_metrics import PoolMetrics
 from splitserve.engine.io.engine_stats import EngineStats
 from splitserve.kvtransfer.poll_reply import PollReply, TransferTotals
 
@@ -36,7 +36,7 @@ def poll(drafts: int, proposed: int, accepted: int, hist: list[int], method: str
     return PollReply([], stats, 0, 1, TransferTotals(num_blocks=0, num_bytes=0, seconds=0.0))
 
 
-def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
+def samples(metrics: PoolMetrics) -> dict[tuple[str, tuple], float]:
     out = {}
     for family in text_string_to_metric_families(metrics.render().decode()):
         if family.name.startswith("splitserve_spec_decode"):
@@ -50,7 +50,7 @@ def test_spec_decode_families_sum_replica_increments():
     # The stats cross Ray in the poll reply: the new fields survive msgpack.
     reply = poll(2, 8, 6, [1, 0, 0, 0, 2])
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(reply), type=PollReply) == reply
-    metrics = Metrics("tiny")
+    metrics = PoolMetrics("tiny")
     metrics.observe_poll("decode", "d0", poll(2, 8, 6, [1, 0, 0, 0, 2]))
     metrics.observe_poll("decode", "d1", poll(1, 4, 0, [3, 0, 0, 0, 1]))
     metrics.observe_poll("decode", "d0", poll(4, 16, 10, [1, 0, 0, 0, 4]))  # cumulative: +2 drafts
@@ -69,6 +69,6 @@ def test_spec_decode_families_sum_replica_increments():
     metrics.observe_poll("decode", "d1", poll(1, 4, 4, [0, 0, 0, 0, 1]))
     assert samples(metrics)[("splitserve_spec_decode_num_drafts_total", pool)] == 6
     # Engines that do not speculate add no series.
-    quiet = Metrics("tiny")
+    quiet = PoolMetrics("tiny")
     quiet.observe_poll("prefill", "p0", msgspec.structs.replace(poll(0, 0, 0, []), engine=EngineStats(**BASE)))
     assert samples(quiet) == {}

@@ -1,11 +1,12 @@
-"""Per-replica series: a replica that left (drained, died, its engine loop stopped) is no
-longer exported, whatever family carries it."""
+"""The controller's per-replica series: a replica that left (drained, died, its engine loop
+stopped) is no longer exported, whatever family carries it."""
 
 from __future__ import annotations
 
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.cluster.frontend.metrics import Metrics
+from splitserve.cluster.control.pool_metrics import PoolMetrics
 from splitserve.engine.io.engine_stats import EngineStats
 from splitserve.kvtransfer.poll_reply import PollReply, TransferTotals
 
@@ -23,10 +24,10 @@ STATS = EngineStats(
 REPLICAS = [("prefill", "prefill-0"), ("decode", "decode-0"), ("decode", "decode-1")]
 
 
-def exported_replicas(metrics: Metrics) -> dict[str, set[str]]:
+def exported_replicas(metrics: PoolMetrics) -> dict[str, set[str]]:
     """family name -> the replicas it exports a series for."""
     out: dict[str, set[str]] = {}
-    for family in text_string_to_metric_families(metrics.render().decode()):
+    for family in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
         for sample in family.samples:
             if "replica" in sample.labels:
                 out.setdefault(family.name, set()).add(sample.labels["replica"])
@@ -34,7 +35,7 @@ def exported_replicas(metrics: Metrics) -> dict[str, set[str]]:
 
 
 def test_a_removed_replica_exports_no_series():
-    metrics = Metrics("tiny")
+    metrics = PoolMetrics("tiny")
     poll = PollReply([], STATS, 0, 1, TransferTotals(num_blocks=2, num_bytes=4096, seconds=0.01))
     for pool, replica_id in REPLICAS:
         metrics.observe_poll(pool, replica_id, poll)

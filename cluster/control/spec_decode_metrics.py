@@ -1,4 +1,4 @@
-"""Speculative-decoding metric families, folded from replica polls (EngineStats.spec_*).
+"""Speculative-decoding pool series, folded from the controller's replica probes (EngineStats.spec_*).
 
 Counters per pool and method: drafts verified, draft tokens proposed, accepted, and tokens
 emitted by verify steps; per pool and k, the decoding sequence-steps the policy chose k for

@@ -1,0 +1,85 @@
+"""FrontDoor: the environment that puts Ray's HAProxy ingress in front of the ingress replicas.
+
+HTTP reaches each ingress replica's own uvicorn straight from HAProxy (a C process on every
+node) instead of crossing Serve's Python proxy actor per token: RAY_SERVE_ENABLE_HA_PROXY=1,
+with what RAY_SERVE_THROUGHPUT_OPTIMIZED=1 implies, so the handlers run on the replica's main
+loop (no thread hop per chunk; the frontends move tokenization to a thread). Ray reads these once, at
+import, in the controller, proxies and replicas, so they are set before Ray starts: in this
+process's environment for a local cluster, or in the Serve controller's runtime_env when
+joining one (`--address`), which the proxies and replicas it creates inherit.
+
+HAProxy's defaults are fixed ports (stats 8404, metrics 9101, fallback proxy 8500/9500) and
+files under /tmp/haproxy-serve; a local cluster gets free ports and a private folder instead,
+so several clusters on one machine (parallel test runs) never collide. docs/ARCHITECTURE.md
+says why this mechanism and what it measured.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+
+# The replicas' listeners close this long after a replica starts draining (Ray's default
+# is 30 s, which a local Ctrl-C would wait out); a Kubernetes load balancer needs longer.
+LOCAL_DRAINING_PERIOD_S = "2"
+# RAY_SERVE_THROUGHPUT_OPTIMIZED=1 spelled out: exactly the settings it implies (Ray 2.60,
+# ray/serve/_private/constants.py), without the Serve controller's multi-line INFO banner,
+# which reaches the console on every start before Serve's logging config applies. The Helm
+# chart, whose logs go to files, sets the flag itself.
+THROUGHPUT_OPTIMIZED = {
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+    "RAY_SERVE_FREEZE_GC_ON_STARTUP": "1",
+    "RAY_SERVE_LOG_TO_STDERR": "0",
+    "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
+}
+FLAGS = {"RAY_SERVE_ENABLE_HA_PROXY": "1", **THROUGHPUT_OPTIMIZED}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FrontDoor:
+    def __init__(self, local: bool):
+        self.local = local
+        self.state_dir: str | None = None
+
+    def environment(self) -> dict[str, str]:
+        """The variables to set; a user's own value of one (in this environment) wins."""
+        env = dict(FLAGS)
+        if self.local:
+            # Short: HAProxy limits socket paths to 97 bytes and Ray adds the node id (56).
+            self.state_dir = tempfile.mkdtemp(prefix="ss", dir="/tmp")
+            d = self.state_dir
+            env.update(
+                {
+                    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": LOCAL_DRAINING_PERIOD_S,
+                    "RAY_SERVE_HAPROXY_NBTHREAD": "1",  # a few cores at most on a local box
+                    "RAY_SERVE_HAPROXY_STATS_PORT": str(_free_port()),
+                    "RAY_SERVE_HAPROXY_METRICS_PORT": str(_free_port()),
+                    "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(_free_port()),
+                    "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(_free_port()),
+                    "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(d, "haproxy.cfg"),
+                    "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(d, "admin.sock"),
+                    "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": d,
+                    "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(d, "server-state"),
+                    "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(d, "metrics.sock"),
+                }
+            )
+        return {key: os.environ.get(key, value) for key, value in env.items()}
+
+    def controller_options(self, env: dict[str, str]) -> dict | None:
+        """serve.start's controller_options carrying env when joining a running cluster."""
+        return None if self.local or not env else {"runtime_env": {"env_vars": env}}
+
+    def cleanup(self) -> None:
+        if self.state_dir is not None:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
+            self.state_dir = None

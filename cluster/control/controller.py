@@ -1,0 +1,342 @@
+"""Controller: owns the prefill and decode pools, independent of any frontend.
+
+It starts the pools (named, detached actors in the app's namespace, cluster/control/
+worker_pool.py), re-adopts the live ones after a restart (same actors, no reload), probes
+every replica for health and load, replaces replicas that died or whose engine loop stopped
+until each pool is back at its target (with a per-pool exponential backoff against restart
+storms, cluster/control/restart_backoff.py), runs the autoscaler and drains replicas.
+
+The ingresses learn the pools from it: membership() answers a MembershipView whenever it
+changed (long-polled), and takes each ingress's IngressReport (in-flight requests per replica
+for drains, latency samples for the autoscaler, Prometheus samples for the merged /metrics).
+
+A plain class: the Serve app wraps it in a one-replica deployment (cluster/app.py), and
+DisaggCluster runs it in-process for tests and the bench.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import ray
+
+from splitserve.cluster.config import ServeConfig
+from splitserve.cluster.control.ingress_registry import IngressRegistry
+from splitserve.cluster.control.ingress_report import IngressReport, decode_families
+from splitserve.cluster.control.membership import MembershipView
+from splitserve.cluster.control.metrics_aggregator import MetricsAggregator
+from splitserve.cluster.control.pool_roster import PoolRoster
+from splitserve.cluster.control.replica_probe import ProbeResult, probe
+from splitserve.cluster.control.restart_backoff import RestartBackoff
+from splitserve.cluster.control.worker_pool import Replica, WorkerPool, app_namespace
+from splitserve.cluster.routing.load import LoadReport
+from splitserve.cluster.routing.router import DECODE, POOLS, PREFILL
+from splitserve.cluster.scaling.autoscaler import Autoscaler
+from splitserve.cluster.scaling.latency_window import LatencyWindow
+
+logger = logging.getLogger(__name__)
+IDLE_PAIR_S = 300.0  # decode replicas close process groups idle this long
+
+
+@dataclass(frozen=True)
+class PoolEvent:
+    """One replica lifecycle step (Controller.events, newest last)."""
+
+    at: float  # monotonic seconds
+    pool: str
+    replica_id: str
+    what: str  # "starting" (a replacement) | "started" | "start-failed" | "lost" | "adopted" | "drained"
+    detail: str = ""
+    backoff_s: float = 0.0  # start-failed / lost: the pool's wait before its next start
+
+
+class Controller:
+    def __init__(
+        self,
+        cfg: ServeConfig,
+        model_dir: str,
+        app_name: str,
+        autoscale: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.cfg = cfg
+        self.clock = clock
+        self.roster = PoolRoster(cfg, model_dir, app_namespace(app_name))
+        c = cfg.controller
+        self.backoff = {
+            p: RestartBackoff(c.restart_backoff_s, c.restart_backoff_max_s, c.healthy_after_s) for p in POOLS
+        }
+        self.ingresses = IngressRegistry(c.ingress_timeout_s)
+        self.aggregator = MetricsAggregator()
+        self.ttft_window, self.itl_window = LatencyWindow(), LatencyWindow()
+        self.events: list[PoolEvent] = []
+        self.autoscaler = None
+        if autoscale and (cfg.prefill.autoscaling.enabled or cfg.decode.autoscaling.enabled):
+            self.autoscaler = Autoscaler(self, cfg, self.metrics, latency_source=self.recent_latency_ms)
+        self._reconciler: asyncio.Task | None = None
+        self._last_idle_sweep = clock()
+
+    # The roster's books, as the autoscaler, the driver API and tests read them.
+    namespace = property(lambda self: self.roster.namespace)
+    pools = property(lambda self: self.roster.pools)
+    targets = property(lambda self: self.roster.targets)
+    loads = property(lambda self: self.roster.loads)
+    metrics = property(lambda self: self.roster.metrics)
+    version = property(lambda self: self.roster.version)
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        """Adopt the live replicas a previous controller left; on a fresh start, start every
+        pool at its target and raise if one fails (nothing is left running). A restarted
+        controller does not fail: what is missing is started by the reconciler, with backoff."""
+        adopted = await self._adopt()
+        if not adopted:
+            starts = [self.add_replicas(p, n, count=False) for p, n in self.targets.items() if n]
+            results = await asyncio.gather(*starts, return_exceptions=True)
+            failed = next((r for r in results if isinstance(r, BaseException)), None)
+            if failed is not None:
+                await self.roster.kill_all()
+                raise failed
+        self.roster.refresh_gauges()
+        self.resume()
+        if self.autoscaler is not None:
+            self.autoscaler.start()
+
+    async def shutdown(self) -> None:
+        """Stop deciding, then kill every pool actor (and reap the namespace: an actor a
+        previous controller was still starting has no entry here)."""
+        if self.autoscaler is not None:
+            await self.autoscaler.stop()
+        await self.pause()
+        await self.roster.cancel_tasks()
+        await self.roster.kill_all()
+
+    async def pause(self) -> None:
+        """Stop probing and replacing (the view stays as it is), as if this controller were gone."""
+        if self._reconciler is not None:
+            self._reconciler.cancel()
+            await asyncio.gather(self._reconciler, return_exceptions=True)
+            self._reconciler = None
+
+    def resume(self) -> None:
+        """Probe and replace again, every probe_interval_s."""
+        if self._reconciler is None:
+            self._reconciler = asyncio.get_running_loop().create_task(self._reconcile_forever(), name="controller")
+
+    async def _adopt(self) -> int:
+        found = [r for pool in self.pools.values() for r in await asyncio.to_thread(pool.adopt)]
+        if not found:
+            return 0
+        results = await asyncio.gather(*(self.roster.await_ready(r) for r in found), return_exceptions=True)
+        for replica, result in zip(found, results):
+            if isinstance(result, BaseException):
+                logger.warning("cannot adopt %s (%s); removing it", replica.replica_id, _short(result))
+                self.roster.forget(replica.pool, replica.replica_id, kill=True)
+            else:
+                self.roster.admit(replica, result)
+                self.events.append(PoolEvent(self.clock(), replica.pool, replica.replica_id, "adopted"))
+        for pool_name, pool in self.pools.items():
+            self.targets[pool_name] = max(self.targets[pool_name], len(pool.replicas))
+        logger.info("re-adopted %s", ", ".join(r.replica_id for r in found))
+        return len(found)
+
+    # ---- what ingresses call -------------------------------------------------------------
+    def view(self) -> MembershipView:
+        return self.roster.view()
+
+    async def membership(
+        self, seen_version: int, ingress_id: str, report: bytes | None = None, wait_s: float = 0.0
+    ) -> bytes | None:
+        """The current view (MembershipView bytes) if it differs from seen_version (the one
+        the ingress has applied), else None after waiting up to wait_s for a change."""
+        now = self.clock()
+        parsed = IngressReport.from_bytes(report) if report else None
+        self.ingresses.seen(ingress_id, seen_version, parsed.inflight if parsed else None, now)
+        if parsed is not None:
+            self._take_report(ingress_id, parsed, now)
+        await self.roster.wait_changed(seen_version, wait_s)
+        return None if seen_version == self.version else self.view().to_bytes()
+
+    def render_metrics(self, ingress_id: str | None = None, families: bytes | None = None) -> bytes:
+        """The merged /metrics text; families: the calling ingress's current samples."""
+        self.roster.refresh_gauges()
+        if ingress_id is not None and families:
+            self.aggregator.update(ingress_id, decode_families(families))
+        return self.aggregator.render(self.metrics.registry)
+
+    def recent_latency_ms(self, pool: str, since: float | None = None) -> float | None:
+        """p90 over the ingresses' recent samples: TTFT for prefill, ITL for decode."""
+        return (self.ttft_window if pool == PREFILL else self.itl_window).percentile_ms(90, since)
+
+    def _take_report(self, ingress_id: str, report: IngressReport, now: float) -> None:
+        for window, samples in ((self.ttft_window, report.ttft), (self.itl_window, report.itl)):
+            for age_s, seconds in samples:
+                window.observe(seconds, now - age_s)
+        if report.metrics is not None:
+            self.aggregator.update(ingress_id, report.metrics)
+
+    # ---- scaling (the autoscaler and the driver API call these) ---------------------------
+    async def add_replicas(self, pool: str, num: int = 1, count: bool = True) -> list[Replica]:
+        """Start replicas, wait until they loaded, then make them routable (and wait, briefly,
+        until the ingresses route by the new view). All or nothing: if one fails, every one
+        is removed and the error raised. count: raise the pool's target by num."""
+        worker_pool = self.pools[pool]
+        if count:
+            self.targets[pool] += num
+        replicas = [worker_pool.start_replica() for _ in range(num)]
+        results = await asyncio.gather(*(self.roster.await_ready(r) for r in replicas), return_exceptions=True)
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            if count:
+                self.targets[pool] -= num
+            for r in replicas:
+                self.roster.forget(pool, r.replica_id, kill=True)
+            raise failed
+        for replica, address in zip(replicas, results):
+            self.roster.admit(replica, address)
+            self.events.append(PoolEvent(self.clock(), pool, replica.replica_id, "started"))
+        await self.wait_applied(self.version, timeout_s=5.0)
+        return replicas
+
+    async def drain_replica(self, pool: str, replica_id: str, timeout_s: float = 120.0) -> bool:
+        """Stop routing to a replica, wait until every live ingress routes by that view and
+        has nothing in flight there and the replica is idle, then remove it. Returns False
+        if requests were still in flight at the timeout (it is removed anyway). Lowers the
+        pool's target: the replica is not replaced."""
+        replica = self.pools[pool].get(replica_id)
+        if replica is None:
+            return True
+        if not replica.draining:
+            self.targets[pool] = max(self.targets[pool] - 1, 0)
+            self.roster.set_draining(replica)
+        marked = self.version
+        deadline = self.clock() + timeout_s
+        drained = False
+        while not drained and self.clock() < deadline:
+            now = self.clock()
+            drained = (
+                self.ingresses.all_applied(marked, now)
+                and self.ingresses.num_inflight(replica_id, now) == 0
+                and (await probe(replica)).idle
+            )
+            if not drained:
+                await asyncio.sleep(0.1)
+        self.roster.forget(pool, replica_id, kill=False)
+        # The ingresses stop polling it before it goes, so none sees a dead replica.
+        await self.wait_applied(self.version, timeout_s=5.0)
+        await asyncio.to_thread(WorkerPool.kill, replica)
+        self.events.append(PoolEvent(self.clock(), pool, replica_id, "drained", "" if drained else "timeout"))
+        return drained
+
+    def refilling(self, pool: str) -> bool:
+        """The pool is below its target or has replicas starting: replacements are under way
+        (the autoscaler holds meanwhile, or it would count a dead replica's loss as load)."""
+        return self.roster.refilling(pool)
+
+    async def wait_applied(self, version: int, timeout_s: float) -> bool:
+        """Wait until every live ingress routes by `version` or later; False at the timeout."""
+        deadline = self.clock() + timeout_s
+        while not self.ingresses.all_applied(version, self.clock()):
+            if self.clock() > deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
+    async def close_idle_pairs(self, max_idle_s: float) -> None:
+        """Decode replicas drop process groups idle for max_idle_s; their prefill peers follow."""
+        for decode in list(self.pools[DECODE].live_replicas()):
+            try:
+                closed = await asyncio.wait_for(decode.handle.close_idle_pairs.remote(max_idle_s), 30)
+            except (TimeoutError, ray.exceptions.RayError):
+                continue
+            for prefill_id in closed:
+                prefill = self.pools[PREFILL].get(prefill_id)
+                if prefill is not None:
+                    prefill.handle.forget_peer.remote(decode.replica_id)
+
+    # ---- health and replacement -----------------------------------------------------------
+    async def reconcile_once(self) -> None:
+        """Probe every replica, drop the dead, retire silent ingresses, start what is missing."""
+        live = [r for pool in self.pools.values() for r in pool.live_replicas()]
+        results = await asyncio.gather(*(probe(r) for r in live))
+        now = self.clock()
+        for replica, result in zip(live, results):
+            self._observe(replica, result, now)
+        for ingress_id in self.ingresses.expire(now):
+            logger.info("ingress %s went silent; retiring its metrics", ingress_id)
+            self.aggregator.retire(ingress_id)
+        for pool in POOLS:
+            self._replace_missing(pool, now)
+        self.roster.refresh_gauges()
+        if now - self._last_idle_sweep > IDLE_PAIR_S / 4:
+            self._last_idle_sweep = now
+            await self.close_idle_pairs(IDLE_PAIR_S)
+
+    def _observe(self, replica: Replica, result: ProbeResult, now: float) -> None:
+        pool = replica.pool
+        if self.pools[pool].get(replica.replica_id) is not replica:
+            return  # removed while the probe ran
+        if result.dead:
+            young = self.backoff[pool].died_young(replica.ready_at, now)
+            delay = self.backoff[pool].record_failure(now) if young else 0.0
+            logger.warning(
+                "%s replica %s is gone (%s); replacing it%s",
+                pool,
+                replica.replica_id,
+                result.reason,
+                f" in {delay:.1f} s" if delay else "",
+            )
+            self.roster.forget(pool, replica.replica_id, kill=result.kill)
+            self.events.append(PoolEvent(now, pool, replica.replica_id, "lost", result.reason, delay))
+        elif result.reply is not None:
+            self.loads.update(pool, replica.replica_id, LoadReport.from_poll(result.reply))
+            self.metrics.observe_poll(pool, replica.replica_id, result.reply)
+            self.backoff[pool].record_healthy(replica.ready_at, now)
+
+    def _replace_missing(self, pool: str, now: float) -> None:
+        missing = self.roster.missing(pool)
+        if missing <= 0 or not self.backoff[pool].may_start(now):
+            return
+        for _ in range(missing):
+            self.roster.spawn(self._replace_one(pool))
+
+    async def _replace_one(self, pool: str) -> None:
+        replica = self.pools[pool].start_replica()
+        self.events.append(PoolEvent(self.clock(), pool, replica.replica_id, "starting"))
+        try:
+            address = await self.roster.await_ready(replica)
+        except Exception as exc:
+            now = self.clock()
+            delay = self.backoff[pool].record_failure(now)
+            logger.warning(
+                "starting %s failed (%s); %s retries in %.1f s", replica.replica_id, _short(exc), pool, delay
+            )
+            self.roster.forget(pool, replica.replica_id, kill=True)
+            self.events.append(PoolEvent(now, pool, replica.replica_id, "start-failed", _short(exc), delay))
+            return
+        self.roster.admit(replica, address)
+        self.events.append(PoolEvent(self.clock(), pool, replica.replica_id, "started"))
+        logger.info(
+            "%s replica %s started (%d of %d)",
+            pool,
+            replica.replica_id,
+            len(self.pools[pool].replicas),
+            self.targets[pool],
+        )
+
+    async def _reconcile_forever(self) -> None:
+        while True:
+            try:
+                await self.reconcile_once()
+            except Exception:
+                logger.exception("controller reconcile failed")
+            await asyncio.sleep(self.cfg.controller.probe_interval_s)
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[-1] if text else type(exc).__name__

@@ -1,0 +1,84 @@
+"""PoolMetrics: the Prometheus series the controller owns -- one per pool or per replica,
+measured once (by the controller's probes), not once per ingress: replica counts, queue
+depth, running requests, KV usage per replica, preemptions, KV moved prefill -> decode, the
+replicas' grammar work and speculative decoding, and the autoscaler's decisions. Labelled `model_name` like the
+ingresses' series. A replica that leaves has its series removed."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from splitserve.cluster.control.spec_decode_metrics import SpecDecodeMetrics
+from splitserve.cluster.frontend.metrics import ModelFamilies
+from splitserve.kvtransfer.poll_reply import PollReply
+
+
+class PoolMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+        self.model_name = model_name
+        self.registry = registry or CollectorRegistry()
+        f = ModelFamilies(self.registry, model_name)
+        self.replicas = f.gauge("splitserve_replicas", "Live replicas per pool", "pool")
+        self.queue_depth = f.gauge("splitserve_queue_depth", "Waiting requests per pool", "pool")
+        self.running = f.gauge("splitserve_running_requests", "Running requests per pool", "pool")
+        self.kv_usage = f.gauge("splitserve_kv_block_usage", "Fraction of KV blocks in use", "pool", "replica")
+        self.preemptions = f.counter("splitserve_num_preemptions", "Requests preempted by an engine", "pool")
+        self.transfer_bytes = f.counter("splitserve_kv_transfer_bytes", "KV bytes moved prefill->decode")
+        self.transfer_seconds = f.counter("splitserve_kv_transfer_seconds", "Seconds spent moving KV prefill->decode")
+        self.scaling_decisions = f.counter("splitserve_scaling_decisions", "Autoscaler decisions", "pool", "decision")
+        self.replica_grammar = {
+            key: f.counter(f"splitserve_{key}", help_text, "pool")
+            for key, help_text in (
+                ("grammar_compile_seconds_replica", "Seconds replicas spent compiling grammars"),
+                ("grammar_mask_seconds", "Seconds decode steps spent waiting for and applying grammar masks"),
+                ("grammar_mask_steps", "Engine steps that applied grammar masks"),
+            )
+        }
+        self.spec_decode = SpecDecodeMetrics(f.counter, f.gauge)
+        # Every family labelled by replica: forget_replica removes a replica's series from each.
+        self.per_replica = (self.kv_usage,)
+        self._last_transfer: dict[str, tuple[float, float]] = {}
+        self._last_preemptions: dict[tuple[str, str], float] = {}
+        self._last_grammar: dict[tuple[str, str], float] = {}
+
+    def observe_poll(self, pool: str, replica_id: str, poll: PollReply) -> None:
+        """Fold one replica probe into the gauges and the cumulative counters."""
+        self.kv_usage.labels(pool, replica_id).set(poll.engine.kv_usage)
+        prev = self._last_preemptions.get((pool, replica_id), 0)
+        self.preemptions.labels(pool).inc(max(poll.engine.num_preemptions - prev, 0))
+        self._last_preemptions[(pool, replica_id)] = poll.engine.num_preemptions
+        for key, counter in self.replica_grammar.items():
+            stat = key.removesuffix("_replica")
+            value = getattr(poll.engine, stat)
+            previous = self._last_grammar.get((replica_id, stat), 0.0)
+            counter.labels(pool).inc(max(value - previous, 0))
+            self._last_grammar[(replica_id, stat)] = value
+        self.spec_decode.observe(pool, replica_id, poll.engine)
+        if pool == "decode":
+            transfer = poll.transfer
+            prev_bytes, prev_secs = self._last_transfer.get(replica_id, (0.0, 0.0))
+            self.transfer_bytes.inc(max(transfer.num_bytes - prev_bytes, 0))
+            self.transfer_seconds.inc(max(transfer.seconds - prev_secs, 0))
+            self._last_transfer[replica_id] = (transfer.num_bytes, transfer.seconds)
+
+    def set_pool_totals(self, pool: str, num_replicas: int, num_waiting: int, num_running: int) -> None:
+        self.replicas.labels(pool).set(num_replicas)
+        self.queue_depth.labels(pool).set(num_waiting)
+        self.running.labels(pool).set(num_running)
+
+    def forget_replica(self, pool: str, replica_id: str) -> None:
+        """A replica left: stop exporting its series (they would show it forever, frozen)."""
+        for family in self.per_replica:
+            try:
+                family.remove(pool, replica_id)
+            except KeyError:
+                pass
+        self._last_transfer.pop(replica_id, None)
+        self._last_preemptions.pop((pool, replica_id), None)
+        for key in [k for k in self._last_grammar if k[0] == replica_id]:
+            del self._last_grammar[key]
+        self.spec_decode.forget_replica(replica_id)
+
+    def render(self) -> bytes:
+        """These series only (the merged view: MetricsAggregator)."""
+        return generate_latest(self.registry)

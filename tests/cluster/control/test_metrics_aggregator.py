@@ -1,0 +1,143 @@
+"""/metrics across ingress replicas: the controller merges every ingress's samples with its
+own pool series. Counters and histograms add up, totals never go down when an ingress goes
+away (or only seemed to), a removed replica's series are gone, and promtool finds nothing
+to complain about."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from splitserve.cluster.control.ingress_report import IngressReport, decode_families, encode_families, families_of
+from splitserve.cluster.control.membership import MembershipView, ReplicaInfo
+from splitserve.cluster.control.metrics_aggregator import MetricsAggregator
+from splitserve.cluster.control.pool_metrics import PoolMetrics
+from splitserve.cluster.frontend.metrics import Metrics
+from splitserve.engine.io.engine_stats import EngineStats
+from splitserve.kvtransfer.message_codec import MessageError
+from splitserve.kvtransfer.poll_reply import PollReply, TransferTotals
+
+STATS = EngineStats(
+    num_free_blocks=48,
+    num_blocks=64,
+    kv_usage=0.25,
+    num_running=1,
+    num_waiting=0,
+    num_waiting_tokens=0,
+    num_preemptions=0,
+    num_computed_prompt_tokens=10,
+    num_prefix_hit_tokens=0,
+)
+
+
+def samples(text: bytes) -> dict:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text.decode())
+        for s in family.samples
+    }
+
+
+def ingress(ok: int, failed: int, ttfts: list[float], inflight: int) -> Metrics:
+    m = Metrics("tiny")
+    m.requests.labels("ok").inc(ok)
+    m.requests.labels("overloaded").inc(failed)
+    for t in ttfts:
+        m.ttft.observe(t)
+    m.frontend_inflight.set(inflight)
+    m.generation_tokens.inc(10 * ok)
+    return m
+
+
+def pool_metrics() -> PoolMetrics:
+    pool = PoolMetrics("tiny")
+    poll = PollReply([], STATS, 0, 1, TransferTotals(num_blocks=2, num_bytes=4096, seconds=0.01))
+    for p, rid in (("prefill", "prefill-0"), ("decode", "decode-0"), ("decode", "decode-1")):
+        pool.observe_poll(p, rid, poll)
+    pool.set_pool_totals("decode", 2, 0, 2)
+    pool.scaling_decisions.labels("decode", "hold").inc(3)
+    return pool
+
+
+def key(name: str, **labels: str) -> tuple:
+    """A sample's key as samples() builds it; every family is labelled model_name."""
+    return (name, tuple(sorted({"model_name": "tiny", **labels}.items())))
+
+
+OK = key("splitserve_requests_total", status="ok")
+TTFT_COUNT = key("splitserve_ttft_seconds_count")
+TTFT_LE_01 = key("splitserve_ttft_seconds_bucket", le="0.1")
+INFLIGHT = key("splitserve_frontend_inflight_requests")
+
+
+def test_counters_histograms_and_gauges_add_up_over_ingresses():
+    a, b = ingress(3, 1, [0.05, 0.2], 2), ingress(5, 0, [0.01], 1)
+    agg = MetricsAggregator()
+    agg.update("a", families_of(a.registry))
+    agg.update("b", decode_families(encode_families(families_of(b.registry))))  # as shipped
+    merged = samples(agg.render(pool_metrics().registry))
+    assert merged[OK] == 8 and merged[key("splitserve_requests_total", status="overloaded")] == 1
+    assert merged[TTFT_COUNT] == 3 and merged[TTFT_LE_01] == 2
+    assert merged[key("splitserve_ttft_seconds_sum")] == pytest.approx(0.26)
+    assert merged[INFLIGHT] == 3
+    assert merged[key("splitserve_generation_tokens_total")] == 80
+    # The controller's own series, once (not once per ingress):
+    assert merged[key("splitserve_replicas", pool="decode")] == 2
+    assert merged[key("splitserve_kv_transfer_bytes_total")] == 2 * 4096  # two decode replicas
+    assert merged[key("splitserve_scaling_decisions_total", decision="hold", pool="decode")] == 3
+    assert not [k for k in merged if k[0].endswith("_created")]
+
+
+def test_totals_stay_monotonic_when_an_ingress_goes_and_when_it_comes_back():
+    a, b = ingress(3, 0, [0.05], 4), ingress(5, 0, [0.01], 1)
+    agg = MetricsAggregator()
+    agg.update("a", families_of(a.registry))
+    agg.update("b", families_of(b.registry))
+    before = samples(agg.render())
+    agg.retire("a")  # killed: its last samples stay counted, its gauge goes
+    after = samples(agg.render())
+    assert after[OK] == before[OK] == 8 and after[TTFT_COUNT] == before[TTFT_COUNT] == 2
+    assert after[INFLIGHT] == 1
+    b.requests.labels("ok").inc(2)
+    agg.update("b", families_of(b.registry))
+    assert samples(agg.render())[OK] == 10
+    # "a" was only slow, not gone: it reports again and is counted once, not twice
+    a.requests.labels("ok").inc()
+    agg.update("a", families_of(a.registry))
+    assert samples(agg.render())[OK] == 11
+    # a fresher sample set from the ingress being scraped wins over what it last shipped
+    a.requests.labels("ok").inc()
+    assert samples(agg.render(extra=[("a", families_of(a.registry))]))[OK] == 12
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (apt-get install prometheus)")
+def test_merged_exposition_passes_promtool():
+    agg = MetricsAggregator()
+    agg.update("a", families_of(ingress(3, 1, [0.05, 0.2], 2).registry))
+    agg.update("b", families_of(ingress(1, 0, [0.5], 0).registry))
+    agg.retire("b")
+    text = agg.render(pool_metrics().registry)
+    res = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, timeout=60)
+    assert res.returncode == 0 and not res.stdout.strip() and not res.stderr.strip(), (res.stdout, res.stderr)
+
+
+def test_membership_and_report_messages_round_trip_and_refuse_foreign_bytes():
+    view = MembershipView(
+        version=7,
+        replicas=[
+            ReplicaInfo("decode", "decode-0", "splitserve-x", ("10.0.0.2", 4123), actor_id="ab"),
+            ReplicaInfo("prefill", "prefill-1", "splitserve-x", draining=True),
+        ],
+        expected={"prefill": 1, "decode": 1},
+    )
+    again = MembershipView.from_bytes(view.to_bytes())
+    assert again == view and again.serving("prefill") == [] and again.replicas[0].channel_address == ("10.0.0.2", 4123)
+    report = IngressReport(inflight={"decode-0": 2}, ttft=[(0.1, 0.02)], metrics=families_of(Metrics("tiny").registry))
+    assert IngressReport.from_bytes(report.to_bytes()) == report
+    with pytest.raises(MessageError, match="expected a membership_view"):
+        MembershipView.from_bytes(report.to_bytes())
+    with pytest.raises(MessageError):
+        IngressReport.from_bytes(b"\x93garbage")
