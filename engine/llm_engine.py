@@ -56,14 +56,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, config.seed, eos)
         self.outputs = OutputProcessor(self.tokenizer)
         # Speculative decoding (engine/spec): drafts verified inside the continuous batch.
-        self.speculator = None
-        if config.speculative.enabled:
-            draft = None
-            if config.speculative.method == "draft":
-                from splitserve.engine.spec.draft_model_proposer import DraftModelProposer
-
-                draft = DraftModelProposer(config.speculative.draft_model, config, self.model_config.vocab_size)
-            self.speculator = Speculator(config.speculative, draft)
+        self.speculator = Speculator.for_engine(config, self.model_config.vocab_size)
         self._ids = itertools.count()
         self._reserved: dict[str, Sequence] = {}  # request id -> sequence holding reserved blocks
         self.num_steps = 0

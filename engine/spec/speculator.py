@@ -45,6 +45,20 @@ class Speculator:
         # k_histogram[k]: decoding sequence-steps for which the policy chose k (0: no speculation).
         self.k_histogram = [0] * (config.num_speculative_tokens + 1)
 
+    @classmethod
+    def for_engine(cls, engine_config, vocab_size: int) -> Speculator | None:
+        """The engine's speculator (None when it does not speculate); method "draft" loads
+        the draft model, checked against the served model's vocabulary size."""
+        config = engine_config.speculative
+        if not config.enabled:
+            return None
+        draft = None
+        if config.method == "draft":
+            from splitserve.engine.spec.draft_model_proposer import DraftModelProposer  # torch
+
+            draft = DraftModelProposer(config.draft_model, engine_config, vocab_size)
+        return cls(config, draft)
+
     @staticmethod
     def is_decoding(seq: Sequence) -> bool:
         return (
@@ -66,8 +80,7 @@ class Speculator:
             k = chosen[seq.request_id]
             self.k_histogram[k] += 1
             if k and self.draft_proposer is not None:
-                self._drafts[seq.request_id] = []  # the draft model drafts k once slots are reserved
-                self._lookahead[seq.request_id] = k
+                self._lookahead[seq.request_id] = k  # the draft model drafts once slots are reserved
             elif k:
                 draft = self.proposer.propose(seq.token_ids, k)
                 if draft:
