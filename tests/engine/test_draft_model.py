@@ -14,6 +14,7 @@ from splitserve.engine.config import ConfigError, EngineConfig
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
 from tests.engine.test_rejection_sampling import SIGNIFICANCE, contingency_p_value
+from tests.engine.test_speculative import with_step_costs
 from tests.helpers.model import make_checkpoint
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12] * 3, list(range(3, 40)), [9] * 5, [100, 200]]
@@ -56,7 +57,7 @@ def test_unrelated_draft_is_rejected_and_the_policy_turns_it_off(models_root, ti
     assert [o.token_ids for o in fixed.generate(PROMPTS, GREEDY)] == [o.token_ids for o in plain]
     stats = fixed.stats()
     assert stats.spec_accepted_tokens < 0.05 * stats.spec_proposed_tokens
-    adaptive = draft_engine(tiny_model, unrelated, policy="adaptive")
+    adaptive = with_step_costs(draft_engine(tiny_model, unrelated, policy="adaptive"))
     assert [o.token_ids for o in adaptive.generate(PROMPTS, GREEDY)] == [o.token_ids for o in plain]
     hist = adaptive.stats().spec_k_histogram
     assert hist[0] > 0.9 * sum(hist), hist

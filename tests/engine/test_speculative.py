@@ -262,18 +262,28 @@ def test_constrained_requests_verify_each_draft_row_under_its_own_mask(tiny_mode
     assert_baseline(spec)
 
 
+def with_step_costs(engine: LLMEngine, fixed_s: float = 0.010, per_token_s: float = 0.0005) -> LLMEngine:
+    """Feed the policy a fixed, memory-bound-like step cost instead of this busy machine's
+    timings, so its decisions depend only on the acceptance it measures (the cost model's own
+    fitting is tested in test_speculation_policy.py)."""
+    policy = engine.speculator.policy
+    original = policy.record_step
+    policy.record_step = lambda num_tokens, seconds: original(num_tokens, fixed_s + per_token_s * num_tokens)
+    return engine
+
+
 def test_adaptive_policy_speculates_on_good_drafts_and_turns_off_on_bad_ones(tiny_model):
     prompt = [5, 6, 7]
     params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
     plain = engine_for(tiny_model).generate([prompt], params)
-    good = with_oracle(engine_for(tiny_model, {"method": "ngram"}), [prompt], plain)  # default: adaptive
+    good = with_oracle(with_step_costs(engine_for(tiny_model, {"method": "ngram"})), [prompt], plain)  # adaptive
     assert good.generate([prompt], params)[0].token_ids == plain[0].token_ids
     hist = good.stats().spec_k_histogram
     assert sum(hist[2:]) > 3 * (hist[0] + hist[1]), hist  # batch 1, ~6 in 7 drafts right: long drafts
 
     # A random model's output barely repeats: n-gram drafts fail and speculation switches off.
     prompts = [list(range(3 + 7 * i, 40 + 7 * i)) for i in range(6)]
-    bad = engine_for(tiny_model, {"method": "ngram", "prompt_lookup_min": 1})
+    bad = with_step_costs(engine_for(tiny_model, {"method": "ngram", "prompt_lookup_min": 1}))
     unconditional = engine_for(tiny_model).generate(prompts, params)
     assert [o.token_ids for o in bad.generate(prompts, params)] == [o.token_ids for o in unconditional]
     stats = bad.stats()
