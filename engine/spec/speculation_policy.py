@@ -14,8 +14,8 @@ alpha per request is its own accepted / tried draft tokens, shrunk towards the p
 
 Measuring needs speculating, so while price <= 1/2 the policy probes where it declined:
 - every request tries k = 1 at its first step (acceptance of its first draft token);
-- once every PROBE_INTERVAL steps, one declined request (the one that tried least recently)
-  gets the full num_speculative_tokens: that measures deep acceptance, and the larger step
+- at the first step and then once every PROBE_INTERVAL steps, one declined request (the one
+  that tried least recently) gets the full num_speculative_tokens: that measures deep acceptance, and the larger step
   is what lets the cost model fit b at all. Its expected cost is below k * b / (64 * T) of
   the throughput: about 1% at batch 1, less at larger batches (T grows, one probe a step).
 The fixed policy always asks for num_speculative_tokens. Torch-free.
@@ -56,7 +56,7 @@ class SpeculationPolicy:
         self._pool_tried = 0.0
         self._pool_accepted = 0.0
         self._num_steps = 0
-        self._last_deep_probe = 0
+        self._last_deep_probe = -PROBE_INTERVAL  # the first step probes: cost and acceptance from the start
 
     # ---- decisions -----------------------------------------------------------------------
     def choose(self, request_ids: list[str]) -> dict[str, int]:

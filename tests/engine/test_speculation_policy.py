@@ -76,7 +76,8 @@ def test_large_batch_or_poor_drafts_turn_it_off_and_probes_stay_rare():
     feed_costs(q, fixed=0.010, per_token=0.001)  # price 0.09 at batch 1: probing is allowed
     for _ in range(100):
         q.record_draft("other", 4, 0)  # the pool's drafts all fail
-    assert q.choose(["new"]) == {"new": 1}  # a new request still tries once ...
+    assert q.choose(["first"]) == {"first": 8}  # the first step probes at full length ...
+    assert q.choose(["new"]) == {"new": 1}  # ... a new request still tries once ...
     q.record_draft("new", 1, 0)
     ks = [q.choose(["new", "old"]) for _ in range(4 * PROBE_INTERVAL)]
     # ... then one declined request gets a full-length probe every PROBE_INTERVAL steps, the
