@@ -32,15 +32,20 @@ VLLM_NGRAM = (
     """ --speculative-config '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2,"""
     """ "prompt_lookup_max": 4}'"""
 )
-QUOTE = ["--workload", "quote", "--tokenizer", M, "--num-requests", "12", "--max-tokens", "128", "--concurrency", "1"]
+QUOTE = ["--workload", "quote", "--tokenizer", M, "--num-requests", "8", "--max-tokens", "128", "--concurrency", "1"]
 RUNS = {
     "quote_c1": (
         QUOTE,
         {
             "none": SERVE,
             "ngram": SERVE + " --speculative.method ngram",
+            "ngram-fixed4": SERVE
+            + " --speculative.method ngram --speculative.policy fixed --speculative.num-speculative-tokens 4",
             "draft": SERVE + f" --speculative.method draft --speculative.draft-model {D}",
-            "draft=target": SERVE + f" --speculative.method draft --speculative.draft-model {M}",
+            # The mechanism at its best: every draft token accepted (the policy would turn it off:
+            # a draft as costly as the target cannot pay, so it is fixed here).
+            "draft=target": SERVE
+            + f" --speculative.method draft --speculative.draft-model {M} --speculative.policy fixed",
         },
     ),
     "mixed_c32": (
