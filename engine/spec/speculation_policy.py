@@ -13,7 +13,8 @@ alpha per request is its own accepted / tried draft tokens, shrunk towards the p
 (PRIOR_WEIGHT pseudo-tries), so a new request starts from what the pool has seen.
 
 Measuring needs speculating, so while price <= 1/2 the policy probes where it declined:
-- every request tries k = 1 at its first step (acceptance of its first draft token);
+- every request tries k = 1 at its first step, and again after price / PROBE_BUDGET of its
+  steps without a try (each try costs at most price tokens: about 1% of its output);
 - at the first step and then once every PROBE_INTERVAL steps, one declined request (the one
   that tried least recently) gets the full num_speculative_tokens: that measures deep acceptance, and the larger step
   is what lets the cost model fit b at all. Its expected cost is below k * b / (64 * T) of
@@ -29,10 +30,12 @@ from splitserve.engine.spec.speculative_config import SpeculativeConfig
 from splitserve.engine.spec.step_cost_model import StepCostModel
 
 PRIOR_WEIGHT = 4.0  # pseudo-tries of the pool's rate in a request's acceptance estimate
-INITIAL_POOL_ACCEPTANCE = 0.5  # before anything was measured
+INITIAL_POOL_ACCEPTANCE = 0.5  # the pool's prior ...
+POOL_PRIOR_WEIGHT = 2.0  # ... worth this many tries, so a few early rejections do not zero it
 POOL_DECAY = 0.995  # per recorded draft: the pool's rate follows the last few hundred drafts
 PROBE_INTERVAL = 64  # steps between deep probes (pool-wide)
 PROBE_MAX_PRICE = 0.5
+PROBE_BUDGET = 0.01  # a declined request re-tries k = 1 after price / PROBE_BUDGET steps: ~1% of its tokens
 # A draft token must be expected to pay this much more than it costs: the cost and acceptance
 # estimates are noisy, and near break-even speculation gains nothing worth the risk.
 MARGIN = 1.1
@@ -67,7 +70,7 @@ class SpeculationPolicy:
         price = self.price(len(request_ids))
         chosen = {rid: self._k_for(rid, price) for rid in request_ids}
         if price <= PROBE_MAX_PRICE:
-            self._probe(chosen)
+            self._probe(chosen, price)
         for rid, k in chosen.items():
             if k:
                 self._requests[rid].last_try_step = self._num_steps
@@ -96,13 +99,15 @@ class SpeculationPolicy:
         # alpha^j > bar  <=>  j < log(bar) / log(alpha)
         return max(0, min(math.ceil(math.log(bar) / math.log(alpha)) - 1, self.max_k))
 
-    def _probe(self, chosen: dict[str, int]) -> None:
+    def _probe(self, chosen: dict[str, int], price: float) -> None:
         declined = [rid for rid, k in chosen.items() if k == 0]
         if not declined:
             return
+        retry_after = price / PROBE_BUDGET
         for rid in declined:
-            if self._requests[rid].last_try_step is None:
-                chosen[rid] = 1  # a new request's first step
+            last = self._requests[rid].last_try_step
+            if last is None or self._num_steps - last >= retry_after:
+                chosen[rid] = 1  # a new request's first step, or a declined one's re-try
         if self._num_steps - self._last_deep_probe >= PROBE_INTERVAL:
             stalest = min(declined, key=lambda rid: self._requests[rid].last_try_step or 0)
             chosen[stalest] = self.max_k
@@ -118,9 +123,8 @@ class SpeculationPolicy:
 
     @property
     def pool_acceptance(self) -> float:
-        if self._pool_tried < 1:
-            return INITIAL_POOL_ACCEPTANCE
-        return self._pool_accepted / self._pool_tried
+        prior = POOL_PRIOR_WEIGHT
+        return (self._pool_accepted + prior * INITIAL_POOL_ACCEPTANCE) / (self._pool_tried + prior)
 
     # ---- measurements --------------------------------------------------------------------
     def record_draft(self, request_id: str, num_proposed: int, num_accepted: int) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from splitserve.engine.spec.speculation_policy import MARGIN, PROBE_INTERVAL, SpeculationPolicy
+from splitserve.engine.spec.speculation_policy import MARGIN, PROBE_BUDGET, PROBE_INTERVAL, SpeculationPolicy
 from splitserve.engine.spec.speculative_config import SpeculativeConfig
 from splitserve.engine.spec.step_cost_model import StepCostModel
 
@@ -73,17 +75,22 @@ def test_large_batch_or_poor_drafts_turn_it_off_and_probes_stay_rare():
     assert all(p.choose(["a"] + [f"x{i}" for i in range(31)])["a"] == 0 for _ in range(3 * PROBE_INTERVAL))
 
     q = policy(num_speculative_tokens=8)
-    feed_costs(q, fixed=0.010, per_token=0.001)  # price 0.09 at batch 1: probing is allowed
+    feed_costs(q, fixed=0.010, per_token=0.001)  # price 0.17 at batch 2: probing is allowed
     for _ in range(100):
         q.record_draft("other", 4, 0)  # the pool's drafts all fail
     assert q.choose(["first"]) == {"first": 8}  # the first step probes at full length ...
     assert q.choose(["new"]) == {"new": 1}  # ... a new request still tries once ...
     q.record_draft("new", 1, 0)
     ks = [q.choose(["new", "old"]) for _ in range(4 * PROBE_INTERVAL)]
-    # ... then one declined request gets a full-length probe every PROBE_INTERVAL steps, the
-    # one that tried least recently: the two take turns.
-    probes = [(i, rid) for i, chosen in enumerate(ks) for rid, k in chosen.items() if k]
-    assert [k for chosen in ks for k in chosen.values() if k] == [1] + [8] * 4  # "old"'s first step, probes
-    deep = [(i, rid) for i, rid in probes if ks[i][rid] == 8]
-    assert [i for i, _ in deep] == [PROBE_INTERVAL - 2 + PROBE_INTERVAL * n for n in range(4)]
-    assert [rid for _, rid in deep] == ["new", "old", "new", "old"]
+    # ... then each declined request re-tries k = 1 every price / PROBE_BUDGET steps (~1% of
+    # its tokens), and one of them gets a full-length probe every PROBE_INTERVAL steps.
+    retry_after = math.ceil(q.price(2) / PROBE_BUDGET)
+    assert 10 < retry_after < 30
+    for rid in ("new", "old"):
+        tries = [i for i, chosen in enumerate(ks) if chosen[rid]]
+        gaps = {b - a for a, b in zip(tries, tries[1:])}
+        assert gaps <= {retry_after, retry_after + 1} | set(range(1, retry_after)), (rid, tries)
+        assert len(tries) >= len(ks) // (retry_after + 1)
+    deep = [i for i, chosen in enumerate(ks) if 8 in chosen.values()]
+    assert deep == [PROBE_INTERVAL - 2 + PROBE_INTERVAL * n for n in range(4)]
+    assert sum(k for chosen in ks for k in chosen.values()) < 0.1 * 8 * len(ks)  # mostly off
