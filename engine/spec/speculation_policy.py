@@ -5,9 +5,11 @@ seconds, the batch emits B / T tokens per second; one more draft token makes the
 seconds longer (StepCostModel), which costs price = b * B / T tokens of everyone's output.
 The j-th draft token of a sequence is emitted with probability alpha^j (alpha: its measured
 per-token acceptance), so it pays iff alpha^j > price, and the sequence gets the largest k
-(up to num_speculative_tokens) for which that holds, with a 10% margin (MARGIN). Large
-batches make price large, poor drafts make alpha small: either turns speculation off, per
-sequence, with no threshold to tune.
+(up to num_speculative_tokens) for which that holds, with a 10% margin (MARGIN). A step that
+verifies anything also pays a fixed cost c (StepCostModel): unless the chosen drafts' expected
+extra tokens, less their price, cover c * B / T, nobody speculates that step. Large batches
+make price large, poor drafts make alpha small: either turns speculation off, per sequence,
+with no threshold to tune.
 
 alpha per request is its own accepted / tried draft tokens, shrunk towards the pool's rate
 (PRIOR_WEIGHT pseudo-tries), so a new request starts from what the pool has seen.
@@ -69,6 +71,8 @@ class SpeculationPolicy:
         self._num_steps += 1
         price = self.price(len(request_ids))
         chosen = {rid: self._k_for(rid, price) for rid in request_ids}
+        if any(chosen.values()) and self._net_gain(chosen, price) <= MARGIN * self.verify_price(len(request_ids)):
+            chosen = dict.fromkeys(chosen, 0)  # the drafts would not cover a verify step's own cost
         if price <= PROBE_MAX_PRICE:
             self._probe(chosen, price)
         for rid, k in chosen.items():
@@ -82,9 +86,25 @@ class SpeculationPolicy:
             return math.inf
         if not self.cost.has_data:
             return self.cost.prior_fraction  # the cost model's own prior, before any step
-        _, b = self.cost.fit()
+        _, b, _ = self.cost.fit()
         seconds = self.cost.step_seconds(batch_size)
         return b * batch_size / seconds if seconds > 0 else math.inf
+
+    def verify_price(self, batch_size: int) -> float:
+        """Tokens of output lost by a step of batch_size decodes verifying anything at all."""
+        if not self.cost.has_data or batch_size <= 0:
+            return 0.0
+        _, _, c = self.cost.fit()
+        seconds = self.cost.step_seconds(batch_size)
+        return c * batch_size / seconds if seconds > 0 else math.inf
+
+    def _net_gain(self, chosen: dict[str, int], price: float) -> float:
+        """Expected extra tokens of the chosen drafts, less what their tokens cost."""
+        gain = 0.0
+        for rid, k in chosen.items():
+            alpha = self.acceptance(rid)
+            gain += sum(alpha**j for j in range(1, k + 1)) - MARGIN * price * k
+        return gain
 
     def _k_for(self, request_id: str, price: float) -> int:
         self._requests.setdefault(request_id, _RequestAcceptance())
@@ -139,9 +159,10 @@ class SpeculationPolicy:
         self._pool_tried = self._pool_tried * POOL_DECAY + num_tried
         self._pool_accepted = self._pool_accepted * POOL_DECAY + num_accepted
 
-    def record_step(self, num_tokens: int, seconds: float) -> None:
-        """An all-decode step's size (tokens computed, drafts included) and wall time."""
-        self.cost.observe(num_tokens, seconds)
+    def record_step(self, num_tokens: int, seconds: float, verifies: bool = False) -> None:
+        """An all-decode step's size (tokens computed, drafts included), wall time, and whether
+        it verified any draft."""
+        self.cost.observe(num_tokens, seconds, verifies)
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)

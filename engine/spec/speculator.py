@@ -121,7 +121,7 @@ class Speculator:
             self.num_accepted_tokens += num_accepted
             self.num_emitted_tokens += len(emitted)
         if all(n - d == 1 for n, d in zip(batch.num_new_tokens, batch.num_draft_tokens)):
-            self.policy.record_step(batch.num_tokens, seconds)
+            self.policy.record_step(batch.num_tokens, seconds, verifies=bool(batch.draft_token_ids))
 
     def forget(self, request_id: str) -> None:
         self.policy.forget(request_id)

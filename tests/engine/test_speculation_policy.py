@@ -26,8 +26,8 @@ def test_cost_model_recovers_a_linear_cost_and_falls_back_to_its_prior():
     for _ in range(30):
         for n in (4, 8, 12):
             model.observe(n, 0.010 + 0.002 * n)
-    a, b = model.fit()
-    assert a == pytest.approx(0.010, rel=1e-6) and b == pytest.approx(0.002, rel=1e-6)
+    a, b, c = model.fit()
+    assert a == pytest.approx(0.010, rel=1e-6) and b == pytest.approx(0.002, rel=1e-6) and c == 0
     flat = StepCostModel()
     for _ in range(10):
         flat.observe(8, 0.016)  # one size only: b cannot be fitted, half the mean cost per token
@@ -37,6 +37,47 @@ def test_cost_model_recovers_a_linear_cost_and_falls_back_to_its_prior():
         noisy.observe(1, 0.012)  # a busy machine: the bigger steps happened to run faster
         noisy.observe(9, 0.010)
     assert noisy.fit()[1] == pytest.approx(0.05 * 0.011 / 5, rel=0.01)  # never free: 5% of the mean per-token cost
+
+
+def test_cost_model_separates_a_verify_steps_fixed_cost():
+    # Batch 1 on CPU: a verify step leaves the batched decode path (+2 ms), then +0.1 ms a token.
+    model = StepCostModel()
+    for _ in range(20):
+        model.observe(1, 0.002 + 0.0001)
+        for k in (1, 3, 8):
+            model.observe(1 + k, 0.002 + 0.002 + 0.0001 * (1 + k), verifies=True)
+    a, b, c = model.fit()
+    assert b == pytest.approx(0.0001, rel=1e-3) and c == pytest.approx(0.002, rel=1e-3)
+    assert model.step_seconds(9, verifies=True) == pytest.approx(0.002 + 0.002 + 0.0009, rel=1e-3)
+    # Verify steps all of one size: c and b are not separable, a straight line it is.
+    line = StepCostModel()
+    for _ in range(20):
+        line.observe(1, 0.002)
+        line.observe(9, 0.005, verifies=True)
+    assert line.fit()[1:] == (pytest.approx(0.003 / 8), 0.0)
+
+
+def test_a_verify_steps_fixed_cost_must_be_covered():
+    p = policy(num_speculative_tokens=8)
+    for _ in range(20):
+        p.record_step(1, 0.002)
+        for k in (1, 3, 8):
+            p.record_step(1 + k, 0.004 + 0.0001 * (1 + k), verifies=True)
+    for _ in range(200):
+        p.record_draft("good", 8, 8)
+    assert p.choose(["good"])["good"] == 8  # ~8 extra tokens cover the doubled step
+    q = policy(num_speculative_tokens=8)
+    for _ in range(20):
+        q.record_step(1, 0.002)
+        for k in (1, 3, 8):
+            q.record_step(1 + k, 0.004 + 0.0001 * (1 + k), verifies=True)
+    for _ in range(50):
+        q.record_draft("so-so", 1, 1)  # alpha ~ 1/4: its drafts pay per token, not the +2 ms step
+        for _ in range(3):
+            q.record_draft("so-so", 1, 0)
+    assert p.price(1) < 0.25 < q.verify_price(1)
+    assert q.choose(["so-so"])["so-so"] == 8  # the first step's full-length probe ...
+    assert q.choose(["so-so"])["so-so"] == 0  # ... then declined
 
 
 def test_fixed_policy_always_asks_for_the_maximum():

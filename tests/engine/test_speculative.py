@@ -268,7 +268,9 @@ def with_step_costs(engine: LLMEngine, fixed_s: float = 0.010, per_token_s: floa
     fitting is tested in test_speculation_policy.py)."""
     policy = engine.speculator.policy
     original = policy.record_step
-    policy.record_step = lambda num_tokens, seconds: original(num_tokens, fixed_s + per_token_s * num_tokens)
+    policy.record_step = lambda num_tokens, seconds, verifies=False: original(
+        num_tokens, fixed_s + per_token_s * num_tokens, verifies
+    )
     return engine
 
 
