@@ -4,8 +4,10 @@ replica that verifies them (the decode replica, or the colocated engine).
 Its KV cache is its own tensor but shares the target's block tables: the draft's KV for a
 sequence sits in the same block ids as the target's, so it needs no allocator, no block of its
 own, and rejected drafts need no rollback (their slots are simply rewritten later). How the
-draft's prompt KV gets there: the draft prefills the prompt locally, in one chunk, the first
-time the request speculates (it is small: the `draft` preset is one layer). Shipping it from
+draft's prompt KV gets there: the draft prefills the prompt locally, the first time the
+request speculates, max_prompt_chunk tokens a step (no drafts until it has caught up), so no
+step stalls long on it (the `draft` preset is one layer; bench/results/draft_prompt_kv.md
+measures this pass against shipping the KV). Shipping it from
 the prefill replica would need a second model there and a second transfer per request, for a
 prompt pass that costs the decode replica a fraction of one target step. Cached prefix blocks
 are recomputed too (another request's draft KV in a shared block is the same, but blocks that
@@ -32,7 +34,9 @@ from splitserve.engine.sample.sampler import Sampler
 
 
 class DraftModelProposer:
-    def __init__(self, draft_model: str, engine_config: EngineConfig, target_vocab_size: int):
+    def __init__(
+        self, draft_model: str, engine_config: EngineConfig, target_vocab_size: int, max_prompt_chunk: int = 256
+    ):
         self.model, self.model_config = load_model(draft_model, dtype=engine_config.dtype, device=engine_config.device)
         if self.model_config.vocab_size != target_vocab_size:
             raise ConfigError(
@@ -41,6 +45,7 @@ class DraftModelProposer:
             )
         self.kv_cache = KVCache(self.model_config, engine_config)
         self.block_size = engine_config.block_size
+        self.max_prompt_chunk = max_prompt_chunk
         self.device = self.kv_cache.device
         self.generator = torch.Generator(device="cpu").manual_seed(engine_config.seed + 1)
         # request id -> (its preemption count, tokens whose draft KV is in place)
@@ -54,11 +59,21 @@ class DraftModelProposer:
         after its last token). Returns the drafts and, per sequence, the distributions its
         tokens were sampled from ([k, vocab]) or None where it took the argmax."""
         starts = [self._num_computed(seq) for seq in seqs]
-        logits = self._forward(seqs, starts, [seq.token_ids[start:] for seq, start in zip(seqs, starts)])
+        # A long backlog (a new request's prompt) is fed in chunks of max_prompt_chunk tokens,
+        # one per step and without drafting, so no single step stalls on it.
+        ends = [min(seq.num_tokens, start + self.max_prompt_chunk) for seq, start in zip(seqs, starts)]
+        logits = self._forward(seqs, starts, [seq.token_ids[s:e] for seq, s, e in zip(seqs, starts, ends)])
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        active = list(range(len(seqs)))
-        while True:
+        active = []
+        for i, (seq, end) in enumerate(zip(seqs, ends)):
+            if end == seq.num_tokens:
+                active.append(i)
+            else:
+                self._computed[seq.request_id] = (seq.num_preemptions, end)
+        if len(active) != len(seqs):
+            logits = logits[active]  # rows of the sequences that caught up
+        while active:
             for row, i in enumerate(active):
                 token, q = self._choose(logits[row], seqs[i])
                 drafts[i].append(token)
@@ -73,7 +88,8 @@ class DraftModelProposer:
                 [[drafts[i][-1]] for i in active],
             )
         for seq, draft in zip(seqs, drafts):
-            self._pending[seq.request_id] = (seq.num_preemptions, seq.num_tokens, len(draft))
+            if draft:
+                self._pending[seq.request_id] = (seq.num_preemptions, seq.num_tokens, len(draft))
         return drafts, [torch.stack(p) if p else None for p in probs]
 
     def record(self, request_id: str, num_accepted: int) -> None:

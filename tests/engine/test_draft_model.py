@@ -117,3 +117,20 @@ def test_a_draft_with_another_vocabulary_is_refused(models_root, tiny_model):
         draft_engine(tiny_model, other_vocab)
     with pytest.raises(ConfigError, match="draft_model"):
         LLMEngine(EngineConfig(model=tiny_model, speculative={"method": "draft"}))
+
+
+def test_a_long_prompt_reaches_the_draft_in_chunks(tiny_model):
+    prompts = [list(range(5, 105)), [7, 8, 9]]  # 100 prompt tokens: four 32-token chunks
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    plain = LLMEngine(EngineConfig(model=tiny_model, num_kv_blocks=128)).generate(prompts, params)
+    engine = draft_engine(tiny_model, tiny_model)
+    proposer = engine.speculator.draft_proposer
+    proposer.max_prompt_chunk = 32
+    fed = []
+    original = proposer._forward
+    proposer._forward = lambda seqs, starts, chunks: fed.append(max(map(len, chunks))) or original(seqs, starts, chunks)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == [o.token_ids for o in plain]
+    assert max(fed) == 32  # never more than a chunk in one pass
+    stats = engine.stats()
+    assert stats.spec_accepted_tokens == stats.spec_proposed_tokens > 0
+    assert_baseline(engine)
