@@ -4,7 +4,7 @@ run `splitserve bench --url` against it, snapshot its /metrics (the splitserve_s
 series: acceptance and the chosen-k counts), stop it. Configurations run back to back, in the
 order given; every one gets the same requests (same --seed).
 
-  .venv/bin/python bench/results/spec_decode/run.py quote_c1 | mixed_c32
+  .venv/bin/python bench/results/spec_decode/run.py quote_c1 | mixed_c32 | mixed_c32_rev | quote_c1_vllm
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ RUNS = {
     ),
     "quote_c1_vllm": (QUOTE, {"vllm-none": VLLM, "vllm-ngram": VLLM + VLLM_NGRAM}),
 }
+RUNS["mixed_c32_rev"] = (RUNS["mixed_c32"][0], dict(reversed(list(RUNS["mixed_c32"][1].items()))))  # the other order
 
 
 def spec_series(text: str) -> dict[str, float]:
