@@ -10,6 +10,10 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 VLLM_CPU_KVCACHE_SPACE=1
 OUT=bench/results/splitserve_vs_vllm
 M=${MODEL_DIR:-/tmp/splitserve-bench/bench}
 VLLM_PY=${VLLM_PY:-/work/vllm-venv/bin/python}
+# A vLLM venv whose torchvision/torchaudio are CUDA builds next to a CPU torch cannot even
+# import transformers: hide them (vllm_shim/sitecustomize.py); text models do not need them.
+VLLM_ENV=""
+"$VLLM_PY" -c "import torchvision, torchaudio" 2>/dev/null || VLLM_ENV="PYTHONPATH=$PWD/$OUT/vllm_shim"
 REPEATS=${REPEATS:-2}
 FIRST_REPEAT=${FIRST_REPEAT:-0}  # to add repeats to an earlier run
 [ -d "$M" ] || .venv/bin/splitserve make-model "$M" --preset bench
@@ -18,9 +22,9 @@ VL="$VLLM_PY -m vllm.entrypoints.openai.api_server --model $M --host 127.0.0.1 -
   --max-num-seqs 64 --max-num-batched-tokens 2048 --max-model-len 4096 --enable-prompt-tokens-details"
 declare -A CMD=(
   [splitserve-2t]="$SS --prefill-replicas 0 --decode-num-cpus 2"
-  [vllm-2t]="VLLM_CPU_OMP_THREADS_BIND=0-1 $(echo $VL)"
+  [vllm-2t]="$VLLM_ENV VLLM_CPU_OMP_THREADS_BIND=0-1 $(echo $VL)"
   [splitserve-1t]="$SS --prefill-replicas 0 --decode-num-cpus 1"
-  [vllm-1t]="$(echo $VL)"
+  [vllm-1t]="$VLLM_ENV $(echo $VL)"
   [splitserve-1p1d]="$SS --prefill-replicas 1 --prefill-num-cpus 1 --decode-num-cpus 1"
 )
 ORDER=(${CONFIGS:-splitserve-2t vllm-2t splitserve-1t vllm-1t splitserve-1p1d})
