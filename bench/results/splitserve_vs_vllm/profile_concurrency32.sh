@@ -14,6 +14,7 @@ VLLM_PY=${VLLM_PY:-/work/vllm-venv/bin/python}
 VLLM_ENV=""
 "$VLLM_PY" -c "import torchvision, torchaudio" 2>/dev/null || VLLM_ENV="PYTHONPATH=$PWD/$OUT/vllm_shim"
 IDLE_S=${IDLE_S:-10}
+PREFIX=${PREFIX:-profile-c32}  # another name keeps an earlier run's files
 SS=".venv/bin/splitserve serve --model $M --http-port {port} --grpc-port 0 --decode-replicas 1"
 VL="$VLLM_PY -m vllm.entrypoints.openai.api_server --model $M --host 127.0.0.1 --port {port} --dtype float32 --max-num-seqs 64 --max-num-batched-tokens 2048 --max-model-len 4096 --enable-prompt-tokens-details"
 declare -A CMD=([splitserve-1t]="$SS --prefill-replicas 0 --decode-num-cpus 1" [vllm-1t]="$VLLM_ENV $VL"
@@ -21,11 +22,11 @@ declare -A CMD=([splitserve-1t]="$SS --prefill-replicas 0 --decode-num-cpus 1" [
                 [splitserve-1p1d]="$SS --prefill-replicas 1 --prefill-num-cpus 1 --decode-num-cpus 1")
 for name in ${CONFIGS:-splitserve-1t vllm-1t splitserve-1p1d splitserve-2t vllm-2t}; do
   echo "== $name $(date +%T) $(cut -d' ' -f1-3 /proc/loadavg)"
-  .venv/bin/python -m splitserve.bench.process_cpu_profile --out "$OUT/profile-c32-$name.cpu.md" \
+  .venv/bin/python -m splitserve.bench.process_cpu_profile --out "$OUT/$PREFIX-$name.cpu.md" \
     --idle-s "$IDLE_S" --threads "worker \(engine\)" --threads "ingress replica" --threads "API server" \
-    --server "${CMD[$name]}" --server-log "/tmp/profile-c32-$name.server.log" -- \
+    --server "${CMD[$name]}" --server-log "/tmp/$PREFIX-$name.server.log" -- \
     .venv/bin/splitserve bench --url {url} --workload mixed --num-requests 96 --short-len 128 --long-fraction 0 \
       --length-jitter 0 --max-tokens 128 --vocab-range 10:2000 --ignore-eos --concurrency 32 --no-progress \
-      --out "$OUT/profile-c32-$name"
+      --out "$OUT/$PREFIX-$name"
 done
 echo "== done $(date +%T) $(cut -d' ' -f1-3 /proc/loadavg)"
