@@ -20,10 +20,10 @@ import sys
 import time
 
 from splitserve.bench import source_commit
-from splitserve.cluster.config import RouterConfig
 from splitserve.cluster.routing.index import KVIndex
 from splitserve.cluster.routing.load import LoadReport
 from splitserve.cluster.routing.router import DECODE, PREFILL, Router
+from splitserve.cluster.routing.router_config import RouterConfig
 
 TARGET_INGEST_BLOCKS_PER_S = 200_000
 TARGET_P99_MS = 1.0

@@ -8,15 +8,13 @@ Every field's docstring is its description: the `--help` text and the schema's.
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from splitserve.cluster.default_model import DEFAULT_MODEL_NAME
+from splitserve.cluster.routing.router_config import RouterConfig
 from splitserve.engine.config import DEFAULT_NUM_KV_BLOCKS, Dtype
-
-RouterPolicy = Literal["kv", "round-robin", "least-loaded", "random"]
-ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)
 
 
 class _Strict(BaseModel):
@@ -99,20 +97,6 @@ class PrefillPoolConfig(EnginePoolConfig):
 class DecodePoolConfig(EnginePoolConfig):
     autoscaling: DecodeAutoscalingConfig = Field(default_factory=DecodeAutoscalingConfig)
     """Decode autoscaling (on KV usage, running sequences and ITL)."""
-
-
-class RouterConfig(_Strict):
-    policy: RouterPolicy = "kv"
-    """Routing policy: kv (prefix-cache aware), round-robin, least-loaded or random."""
-    prefix_weight: float = Field(1.0, ge=0)
-    """kv policy: credit per cached prompt token."""
-    queue_weight: float = Field(1.0, ge=0)
-    """kv policy: cost per queued prefill token."""
-    running_weight: float = Field(64.0, ge=0)
-    """kv policy: cost per running request."""
-    local_prefill_threshold: int = Field(32, ge=0)
-    """Conditional disaggregation: when fewer uncached prompt tokens than this remain on the
-    chosen decode replica, it prefills them itself and no KV moves."""
 
 
 class IngressAutoscalingConfig(_Strict):

@@ -40,6 +40,7 @@ from splitserve.cluster.scaling.latency_window import LatencyWindow
 
 logger = logging.getLogger(__name__)
 IDLE_PAIR_S = 300.0  # decode replicas close process groups idle this long
+SHUTDOWN_WITHDRAW_S = 1.0  # how long a shutdown waits for the ingresses to stop routing to the pools
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,9 @@ class Controller:
             await self.autoscaler.stop()
         await self.pause()
         await self.roster.cancel_tasks()
-        await self.roster.kill_all()
+        # The ingresses stop routing to the pools before they go (a second at most: an
+        # ingress that does not answer is going away too).
+        await self.roster.kill_all(before_kill=lambda version: self.wait_applied(version, SHUTDOWN_WITHDRAW_S))
 
     async def pause(self) -> None:
         """Stop probing and replacing (the view stays as it is), as if this controller were gone."""

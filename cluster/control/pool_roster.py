@@ -106,12 +106,16 @@ class PoolRoster:
         """Replicas to start to reach the target (those starting count as there)."""
         return self.targets[pool] - len(self.pools[pool].replicas)
 
-    async def kill_all(self) -> None:
+    async def kill_all(self, before_kill=None) -> None:
         """Kill every pool actor, then reap the namespace (an actor a previous controller was
-        still starting has no entry here)."""
+        still starting has no entry here). The view loses them first; before_kill(version) may
+        wait for the ingresses to route by it, so none finds a replica dead mid-shutdown."""
         replicas = [r for pool in self.pools.values() for r in pool.replicas.values()]
         for pool in self.pools.values():
             pool.replicas.clear()
+        self.bump()
+        if before_kill is not None:
+            await before_kill(self.version)
         await asyncio.gather(*(asyncio.to_thread(WorkerPool.kill, r) for r in replicas), return_exceptions=True)
         left = await asyncio.to_thread(reap_namespace, self.namespace)
         if left:

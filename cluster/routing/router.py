@@ -36,9 +36,9 @@ from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
-from splitserve.cluster.config import RouterConfig
 from splitserve.cluster.routing.index import KVIndex
 from splitserve.cluster.routing.load import LoadReport, ReplicaLoad
+from splitserve.cluster.routing.router_config import RouterConfig
 from splitserve.engine.core.block_hash import hash_blocks
 
 PREFILL = "prefill"

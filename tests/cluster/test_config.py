@@ -57,7 +57,8 @@ def test_each_setting_has_one_definition():
     import typing
 
     from splitserve.cluster.cli.main import build_parser
-    from splitserve.cluster.config import ROUTER_POLICIES, EnginePoolConfig, RouterPolicy
+    from splitserve.cluster.config import EnginePoolConfig
+    from splitserve.cluster.routing.router_config import ROUTER_POLICIES, RouterPolicy
     from splitserve.engine.config import DEFAULT_NUM_KV_BLOCKS, DTYPES, Dtype
     from splitserve.engine.ops.kv_cache import DTYPE_BY_NAME
 

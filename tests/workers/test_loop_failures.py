@@ -214,11 +214,11 @@ def test_step_failure_on_prefill_fails_its_batch_and_the_loop_serves_on(loop, cl
 # ---- a loop that cannot carry on: the replica is dead ---------------------------------------
 
 
-def _dispatcher_lines(caplog, replica_id: str, since: float) -> list[str]:
+def _routing_lines(caplog, replica_id: str, since: float) -> list[str]:
     return [
         r.getMessage()
         for r in caplog.records
-        if r.name.endswith("dispatcher") and r.created >= since and replica_id in r.getMessage()
+        if r.name.endswith(("dispatcher", "routed_replicas")) and r.created >= since and replica_id in r.getMessage()
     ]
 
 
@@ -229,7 +229,7 @@ def _leaves_routing(loop, cluster, caplog, pool: str, replica_id: str) -> float:
     wait_until(lambda: replica_id not in cluster.router.replica_ids(pool), 10, f"{replica_id} is still routed", 0.002)
     took = time.monotonic() - started
     time.sleep(1.0)  # ten more poll intervals: nothing more to say about it
-    lines = _dispatcher_lines(caplog, replica_id, since)
+    lines = _routing_lines(caplog, replica_id, since)
     assert len(lines) == 1 and "stopped serving" in lines[0], lines
     return took
 

@@ -18,8 +18,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from splitserve.cluster.config import ROUTER_POLICIES, ServeConfig  # noqa: E402
+from splitserve.cluster.config import ServeConfig  # noqa: E402
 from splitserve.cluster.frontend.grpc.health import READY_SERVICE  # noqa: E402
+from splitserve.cluster.routing.router_config import ROUTER_POLICIES  # noqa: E402
 from tests.helpers import deploy  # noqa: E402
 from tests.helpers.deploy import all_objects_of, crd_validator, merged_values_of, objects_of, ray_service_of, values_for  # noqa: E402
 

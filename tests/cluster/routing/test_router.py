@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.cluster.config import RouterConfig
 from splitserve.cluster.routing.index import KVEventError, KVIndex
 from splitserve.cluster.routing.load import LoadReport
 from splitserve.cluster.routing.router import (
@@ -20,6 +19,7 @@ from splitserve.cluster.routing.router import (
     Router,
     UnknownReplicaError,
 )
+from splitserve.cluster.routing.router_config import RouterConfig
 from splitserve.engine.core.block_hash import hash_blocks
 from splitserve.engine.core.block_pool import BlockPool
 from splitserve.engine.core.kv_events import KVEvent

@@ -1,0 +1,28 @@
+"""RouterConfig: the router's settings, validated (pydantic). ServeConfig nests it as `router`,
+so the CLI flags, the YAML file and the Helm schema all derive from it. It lives next to the
+router so that routing imports nothing of the rest of the service (no torch, no model code)."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field
+
+RouterPolicy = Literal["kv", "round-robin", "least-loaded", "random"]
+ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)
+
+
+class RouterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    policy: RouterPolicy = "kv"
+    """Routing policy: kv (prefix-cache aware), round-robin, least-loaded or random."""
+    prefix_weight: float = Field(1.0, ge=0)
+    """kv policy: credit per cached prompt token."""
+    queue_weight: float = Field(1.0, ge=0)
+    """kv policy: cost per queued prefill token."""
+    running_weight: float = Field(64.0, ge=0)
+    """kv policy: cost per running request."""
+    local_prefill_threshold: int = Field(32, ge=0)
+    """Conditional disaggregation: when fewer uncached prompt tokens than this remain on the
+    chosen decode replica, it prefills them itself and no KV moves."""
