@@ -25,7 +25,8 @@ M = "/root/.cache/splitserve/models/720e346365b9eb53/bench-llama-trained1000"
 D = "/root/.cache/splitserve/models/c5627c59af78d28e/draft-llama-trained1000"
 SERVE = f"{BIN}/splitserve serve {M} --prefill-replicas 0 --decode-replicas 1 --decode-num-cpus 1 --http-port {{port}} --grpc-port 0"
 VLLM = (
-    f"VLLM_CPU_KVCACHE_SPACE=1 /work/venvs/vllm/bin/python -m vllm.entrypoints.openai.api_server --model {M}"
+    f"VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH={HERE.parent}/splitserve_vs_vllm/vllm_shim"
+    f" /work/venvs/vllm/bin/python -m vllm.entrypoints.openai.api_server --model {M}"
     " --host 127.0.0.1 --port {port} --dtype float32 --max-model-len 4096"
 )
 VLLM_NGRAM = (
