@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from splitserve.bench import MissingBenchDependency
 from splitserve.bench.arrivals import build_load_points, parse_concurrencies, parse_rates
 from splitserve.bench.metrics import ITL_STATISTICS, SloTarget
+from splitserve.bench.quote_workload import QuoteWorkload
 from splitserve.bench.records import (
     DEFAULT_BASE_URL,
     ENDPOINT_PATHS,
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 
 DEFAULT_CONCURRENCY = 8
 DEFAULT_MIXED_REQUESTS = 100
+DEFAULT_QUOTE_REQUESTS = 16
 
 _DESCRIPTION = """\
 Benchmark an OpenAI-compatible server (splitserve, vLLM, ...) with streamed completions and
@@ -352,6 +354,12 @@ def build_workload(args: argparse.Namespace) -> Workload:
             args.max_tokens,
             vocab,
         )
+    if args.workload == "quote":
+        if not args.tokenizer:
+            raise WorkloadError(
+                "--workload quote needs --tokenizer (the served model's tokenizer.json or its directory)"
+            )
+        return QuoteWorkload(args.tokenizer, args.num_requests or DEFAULT_QUOTE_REQUESTS, max_tokens=args.max_tokens)
     if args.trace is None:
         raise WorkloadError("--workload trace needs --trace FILE")
     return TraceWorkload(

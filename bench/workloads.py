@@ -16,7 +16,7 @@ import numpy as np
 
 from splitserve.bench.records import BenchRequest, WorkloadError
 
-WORKLOAD_KINDS: tuple[str, ...] = ("prefix-repetition", "multi-turn", "mixed", "trace")
+WORKLOAD_KINDS: tuple[str, ...] = ("prefix-repetition", "multi-turn", "mixed", "trace", "quote")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from splitserve.cluster.default_model import DEFAULT_MODEL_NAME
 from splitserve.cluster.routing.router_config import RouterConfig
 from splitserve.engine.config import DEFAULT_NUM_KV_BLOCKS, Dtype
+from splitserve.engine.spec.speculative_config import SpeculativeConfig
 
 
 class _Strict(BaseModel):
@@ -176,6 +177,8 @@ class ServeConfig(_Strict):
     """The decode pool."""
     router: RouterConfig = Field(default_factory=RouterConfig)
     """The router."""
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    """Speculative decoding in the decode pool (and in decode replicas that prefill locally)."""
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     """The ingress replicas (HTTP, gRPC, routing)."""
     controller: ControllerConfig = Field(default_factory=ControllerConfig)

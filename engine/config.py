@@ -175,8 +175,19 @@ class EngineConfig:
     dtype: str | None = None  # defaults to the checkpoint's dtype
     device: str = "cpu"
     seed: int = 0
+    # Speculative decoding (engine/spec): a SpeculativeConfig, or its dict (how Ray ships it).
+    speculative: Any = None
 
     def __post_init__(self) -> None:
+        from splitserve.engine.spec.speculative_config import SpeculativeConfig
+
+        if self.speculative is None or isinstance(self.speculative, dict):
+            try:
+                self.speculative = SpeculativeConfig.model_validate(self.speculative or {})
+            except ValueError as exc:
+                raise ConfigError(f"invalid speculative config: {exc}") from None
+        elif not isinstance(self.speculative, SpeculativeConfig):
+            raise ConfigError(f"speculative must be a SpeculativeConfig or a dict, got {self.speculative!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.num_kv_blocks < 2:

@@ -10,6 +10,7 @@ checks that by parsing their source.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 
@@ -32,6 +33,7 @@ from splitserve.engine.model.loader import load_model
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.ops.kv_cache import KVCache
 from splitserve.engine.sample.grammar_compiler import GrammarCompiler
+from splitserve.engine.spec.speculator import Speculator
 
 # Given the batch about to run, returns a per-layer callback (or None) for that step. The
 # prefill worker uses it to send each layer's KV while the next layer computes.
@@ -53,6 +55,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, eos)
         self.runner = ModelRunner(self.model, self.kv_cache, config.seed, eos)
         self.outputs = OutputProcessor(self.tokenizer)
+        # Speculative decoding (engine/spec): drafts verified inside the continuous batch.
+        self.speculator = Speculator.for_engine(config, self.model_config.vocab_size)
         self._ids = itertools.count()
         self._reserved: dict[str, Sequence] = {}  # request id -> sequence holding reserved blocks
         self.num_steps = 0
@@ -115,8 +119,14 @@ class LLMEngine:
         Unknown or finished ids are ignored."""
         self.release_reservation(request_id)
         self.scheduler.abort(request_id)
-        self.runner.forget(request_id)
+        self._forget(request_id)
         self.outputs.forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        """Drop the per-request state the runner and the speculator keep."""
+        self.runner.forget(request_id)
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
 
     def abort_all(self) -> list[str]:
         """Abort every request and reservation (the engine is being given up): every block
@@ -207,13 +217,20 @@ class LLMEngine:
         """Schedule a batch, run it, post-process it. If anything in between raises, every
         request of the batch is failed (see _fail_batch) and EngineStepError is raised; the
         engine stays consistent and the next step serves the others."""
-        batch = self.scheduler.schedule()
+        speculator = self.speculator
+        batch = self.scheduler.schedule(speculator.lookahead(self.scheduler.running) if speculator else None)
         if batch.is_empty:
             return []
         try:
+            start = time.perf_counter()  # the step's cost includes drafting (a draft model's passes)
+            if speculator is not None:
+                speculator.fill(batch)
             on_layer_done = layer_hook(batch) if layer_hook is not None else None
             sampled = self.runner.execute(batch, on_layer_done)
+            seconds = time.perf_counter() - start
             advanced = self.scheduler.update(batch, sampled)
+            if speculator is not None:
+                speculator.record(batch, sampled, seconds)
             outputs = [self._prefilled_output(seq) if seq.prefill_only else self._emit_output(seq) for seq in advanced]
         except Exception as exc:
             failed = self._fail_batch(batch)
@@ -243,12 +260,12 @@ class LLMEngine:
         if hit_stop and not seq.is_finished:
             self.scheduler.finish(seq, "stop")
         if out.finished:
-            self.runner.forget(seq.request_id)
+            self._forget(seq.request_id)
         return out
 
     def _prefilled_output(self, seq: Sequence) -> RequestOutput:
         """A prefill-only request's one output: its first token, no text (decode detokenizes)."""
-        self.runner.forget(seq.request_id)
+        self._forget(seq.request_id)
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=[seq.token_ids[-1]],
@@ -312,6 +329,7 @@ class LLMEngine:
             num_prefix_hit_tokens=self.kv.num_hit_tokens,
             **self.grammar.stats(),
             **self.runner.grammar_mask.stats(),
+            **(self.speculator.stats() if self.speculator is not None else {}),
         )
 
     @property

@@ -13,6 +13,7 @@ from splitserve.engine.ops.attention_metadata import AttentionMetadata
 from splitserve.engine.ops.kv_cache import KVCache
 from splitserve.engine.sample.grammar_mask import GrammarMask
 from splitserve.engine.sample.sampler import SampledToken, Sampler
+from splitserve.engine.spec.rejection_sampler import RejectionSampler
 
 
 class ModelRunner:
@@ -25,12 +26,14 @@ class ModelRunner:
         self.device = kv_cache.device
         self.sampler = Sampler(seed, eos_token_ids)
         self.grammar_mask = GrammarMask(model.config.vocab_size)
+        self.verifier = RejectionSampler(self.sampler)
 
     def build_metadata(
-        self, seqs: list[Sequence], num_new_tokens: list[int]
+        self, seqs: list[Sequence], num_new_tokens: list[int], drafts: dict[str, list[int]] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """input ids, positions, attention metadata, and the flat index of each sequence's
-        last new token (where logits are read)."""
+        last new token (where logits are read). A sequence with a draft (speculative decoding)
+        computes its last real token and then the draft tokens, at the positions after it."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -42,10 +45,17 @@ class ModelRunner:
         for seq, n in zip(seqs, num_new_tokens):
             start = seq.num_computed_tokens
             table = seq.block_table
+            draft = drafts.get(seq.request_id) if drafts else None
             if n == 1:  # a decode step: skip the slicing and ranges of the general case
                 input_ids.append(seq.token_ids[start])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
+            elif draft:
+                end = start + n
+                input_ids.append(seq.token_ids[start])
+                input_ids.extend(draft)
+                positions.extend(range(start, end))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             else:
                 end = start + n
                 input_ids.extend(seq.token_ids[start:end])
@@ -80,17 +90,22 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, batch: ScheduledBatch, on_layer_done: Callable[[int], None] | None = None
-    ) -> dict[str, SampledToken]:
-        """Run one step; returns the sampled token for each sequence that reached its end."""
+    ) -> dict[str, SampledToken | list[SampledToken]]:
+        """Run one step; returns the sampled token for each sequence that reached its end. In a
+        batch with drafts every such sequence gets the list of tokens it emits instead: its
+        accepted draft tokens and one more (spec/rejection_sampler.py)."""
         if batch.is_empty:
             return {}
-        input_ids, positions, meta, last_index = self.build_metadata(batch.seqs, batch.num_new_tokens)
-        rows, seqs = [], []
-        for seq, n, idx in zip(batch.seqs, batch.num_new_tokens, last_index):
-            if seq.num_computed_tokens + n == seq.num_tokens:
-                rows.append(idx)
+        drafts = batch.draft_token_ids
+        input_ids, positions, meta, last_index = self.build_metadata(batch.seqs, batch.num_new_tokens, drafts)
+        rows, seqs, seq_drafts = [], [], []
+        for seq, n, num_draft, idx in zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens, last_index):
+            if seq.num_computed_tokens + n - num_draft == seq.num_tokens:
+                rows.extend(range(idx - num_draft, idx + 1))  # a verifying sequence: k + 1 rows
                 seqs.append(seq)
-        self.grammar_mask.start(seqs)  # constrained rows' masks are computed during the forward
+                seq_drafts.append(drafts.get(seq.request_id, []))
+        # Constrained rows' masks are computed during the forward (each draft row its own).
+        self.grammar_mask.start(seqs, seq_drafts if drafts else None)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, on_layer_done=on_layer_done)
         if not rows:
             return {}
@@ -99,10 +114,15 @@ class ModelRunner:
         else:
             selected = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
         logits = self.grammar_mask.apply(self.model.compute_logits(selected))
+        if drafts:
+            probs = batch.draft_probs
+            groups = [(s, d, probs.get(s.request_id)) for s, d in zip(seqs, seq_drafts)]
+            emitted = self.verifier.verify(logits, groups)
+            return {s.request_id: tokens for s, tokens in zip(seqs, emitted)}
         # Prefill-only sequences (disaggregated prefill) take this same path: the first token
         # gets the request's grammar mask, penalties, logit_bias and min_tokens like every later one.
+        # The scheduler advances each grammar by the tokens its request emits.
         results = self.sampler.sample(logits, seqs)
-        self.grammar_mask.accept(seqs, [token for token, _, _ in results])
         return {s.request_id: r for s, r in zip(seqs, results)}
 
     def forget(self, request_id: str) -> None:

@@ -5,8 +5,35 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import typing
 
 from splitserve.engine.config import DEFAULT_NUM_KV_BLOCKS, DTYPES
+from splitserve.engine.spec.speculative_config import SpeculativeConfig
+
+SPECULATIVE_PREFIX = "speculative."
+
+
+def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
+    """`--speculative.<field>` for every SpeculativeConfig field, named, typed and described as
+    `splitserve serve`'s (which derives them from ServeConfig.speculative)."""
+    group = parser.add_argument_group("speculative decoding")
+    for name, info in SpeculativeConfig.model_fields.items():
+        annotation = info.annotation
+        kwargs: dict = {"help": info.description, "default": argparse.SUPPRESS}
+        if typing.get_origin(annotation) is typing.Literal:
+            kwargs["choices"] = typing.get_args(annotation)
+        elif annotation is int:
+            kwargs.update(type=int, metavar="N")
+        else:
+            kwargs["metavar"] = "DIR"
+        group.add_argument(
+            f"--{SPECULATIVE_PREFIX}{name.replace('_', '-')}", dest=f"{SPECULATIVE_PREFIX}{name}", **kwargs
+        )
+
+
+def speculative_from_args(args: argparse.Namespace) -> dict:
+    prefix = SPECULATIVE_PREFIX
+    return {key.removeprefix(prefix): value for key, value in vars(args).items() if key.startswith(prefix)}
 
 
 def add_generate_parser(subparsers) -> None:
@@ -33,6 +60,7 @@ def add_generate_parser(subparsers) -> None:
         "--num-kv-blocks", type=int, default=DEFAULT_NUM_KV_BLOCKS, help="KV-cache blocks (block-size tokens each)"
     )
     p.add_argument("--block-size", type=int, default=16)
+    add_speculative_flags(p)
     p.add_argument(
         "--json", action="store_true", help="print one JSON object per prompt with token_ids (generated ids) and text"
     )
@@ -65,7 +93,11 @@ def run_generate(args: argparse.Namespace) -> int:
         )
         engine = LLMEngine(
             EngineConfig(
-                model=args.model, dtype=args.dtype, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size
+                model=args.model,
+                dtype=args.dtype,
+                num_kv_blocks=args.num_kv_blocks,
+                block_size=args.block_size,
+                speculative=speculative_from_args(args),
             )
         )
         outputs = engine.generate(prompts, params)

@@ -41,7 +41,28 @@ def check_model(cfg: ServeConfig) -> str:
     except (CheckpointError, ConfigError, TokenizerError) as exc:
         hint = "" if cfg.model else " (the default model; delete it to have it made again)"
         raise PreflightError(f"model {model_dir}{hint}: {exc}") from None
+    if cfg.speculative.method == "draft":
+        _check_draft_model(cfg.speculative.draft_model, model_config.vocab_size)
     return model_dir
+
+
+def _check_draft_model(draft_dir: str, vocab_size: int) -> None:
+    """The draft checkpoint loads and shares the served model's vocabulary (decode replicas
+    would otherwise fail one by one at start-up)."""
+    from splitserve.engine.config import ConfigError, ModelConfig
+    from splitserve.engine.model.checkpoint import CheckpointError, require_model_dir, weight_files
+
+    try:
+        require_model_dir(draft_dir)
+        draft_vocab = ModelConfig.from_pretrained(draft_dir).vocab_size
+        _check_weight_headers(weight_files(draft_dir))
+    except (CheckpointError, ConfigError) as exc:
+        raise PreflightError(f"draft model {draft_dir}: {exc}") from None
+    if draft_vocab != vocab_size:
+        raise PreflightError(
+            f"draft model {draft_dir} has a vocabulary of {draft_vocab} tokens, the served model {vocab_size}: "
+            "the draft must use the same tokenizer"
+        )
 
 
 def _check_weight_headers(paths) -> None:

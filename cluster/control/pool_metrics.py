@@ -1,13 +1,14 @@
 """PoolMetrics: the Prometheus series the controller owns -- one per pool or per replica,
 measured once (by the controller's probes), not once per ingress: replica counts, queue
 depth, running requests, KV usage per replica, preemptions, KV moved prefill -> decode, the
-replicas' grammar work, and the autoscaler's decisions. Labelled `model_name` like the
+replicas' grammar work and speculative decoding, and the autoscaler's decisions. Labelled `model_name` like the
 ingresses' series. A replica that leaves has its series removed."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from splitserve.cluster.control.spec_decode_metrics import SpecDecodeMetrics
 from splitserve.cluster.frontend.metrics import ModelFamilies
 from splitserve.kvtransfer.poll_reply import PollReply
 
@@ -33,6 +34,7 @@ class PoolMetrics:
                 ("grammar_mask_steps", "Engine steps that applied grammar masks"),
             )
         }
+        self.spec_decode = SpecDecodeMetrics(f.counter, f.gauge)
         # Every family labelled by replica: forget_replica removes a replica's series from each.
         self.per_replica = (self.kv_usage,)
         self._last_transfer: dict[str, tuple[float, float]] = {}
@@ -51,6 +53,7 @@ class PoolMetrics:
             previous = self._last_grammar.get((replica_id, stat), 0.0)
             counter.labels(pool).inc(max(value - previous, 0))
             self._last_grammar[(replica_id, stat)] = value
+        self.spec_decode.observe(pool, replica_id, poll.engine)
         if pool == "decode":
             transfer = poll.transfer
             prev_bytes, prev_secs = self._last_transfer.get(replica_id, (0.0, 0.0))
@@ -74,6 +77,7 @@ class PoolMetrics:
         self._last_preemptions.pop((pool, replica_id), None)
         for key in [k for k in self._last_grammar if k[0] == replica_id]:
             del self._last_grammar[key]
+        self.spec_decode.forget_replica(replica_id)
 
     def render(self) -> bytes:
         """These series only (the merged view: MetricsAggregator)."""

@@ -77,6 +77,14 @@ class KVCacheManager:
         seq.block_table.extend(self.pool.allocate(need))
         return True
 
+    def trim_slots(self, seq: Sequence) -> None:
+        """Give back the blocks past the ones seq's tokens occupy (slots reserved for draft
+        tokens that were rejected). They hold no accepted KV and were never cached."""
+        keep = max(_cdiv(seq.num_tokens, self.block_size), seq.num_registered_blocks)
+        if len(seq.block_table) > keep:
+            self.pool.free(seq.block_table[keep:])
+            del seq.block_table[keep:]
+
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Enter every full, computed block of seq into the prefix cache (emits KV events)."""
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))

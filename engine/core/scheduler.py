@@ -9,19 +9,32 @@ hits the prefix cache) and it goes back to the head of the waiting queue.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from splitserve.engine.core.kv_cache_manager import KVCacheManager
 from splitserve.engine.core.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
+    # Per sequence: tokens this step computes, draft tokens included.
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Speculative decoding: per sequence, how many of its new tokens are draft tokens (after
+    # its last real token); their ids by request id. The scheduler reserves slots for the
+    # lookahead it was given; the speculator then fills in the drafts it found (maybe fewer).
+    num_draft_tokens: list[int] = field(default_factory=list)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # A draft model's distributions its draft tokens were sampled from (request id -> a
+    # [k, vocab] tensor; opaque here), for rejection sampling. Absent: a point mass (n-gram).
+    draft_probs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -31,13 +44,29 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    def set_draft(self, index: int, token_ids: list[int], probs: Any = None) -> None:
+        """Sequence index's draft for this step (at most the lookahead scheduled for it), and
+        the distributions it was sampled from when a draft model sampled it."""
+        if len(token_ids) > self.num_draft_tokens[index]:
+            raise ValueError(f"draft of {len(token_ids)} tokens, {self.num_draft_tokens[index]} slots reserved")
+        self.num_new_tokens[index] -= self.num_draft_tokens[index] - len(token_ids)
+        self.num_draft_tokens[index] = len(token_ids)
+        seq = self.seqs[index]
+        self.draft_probs.pop(seq.request_id, None)
+        if token_ids:
+            self.draft_token_ids[seq.request_id] = list(token_ids)
+            if probs is not None:
+                self.draft_probs[seq.request_id] = probs[: len(token_ids)]
+        else:
+            self.draft_token_ids.pop(seq.request_id, None)
+
     def request_ids_computing_last_token(self) -> list[str]:
         """Requests whose every token is computed once this step ran: a prompt's final chunk,
         or a decode step (the prefill worker sends a prompt's KV as its final chunk computes)."""
         return [
             seq.request_id
-            for seq, num_new in zip(self.seqs, self.num_new_tokens)
-            if seq.num_computed_tokens + num_new == seq.num_tokens
+            for seq, num_new, num_draft in zip(self.seqs, self.num_new_tokens, self.num_draft_tokens)
+            if seq.num_computed_tokens + num_new - num_draft == seq.num_tokens
         ]
 
 
@@ -108,7 +137,11 @@ class Scheduler:
             self.requests.pop(seq.request_id, None)
 
     # ---- scheduling ----------------------------------------------------------------------
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, lookahead: dict[str, int] | None = None) -> ScheduledBatch:
+        """The next step's batch. lookahead: request id -> draft tokens to reserve slots for
+        (speculative decoding; decoding sequences only). Lookahead comes last: it takes only
+        the token budget and free blocks left once running and newly admitted sequences have
+        theirs, so speculation never preempts a sequence or delays an admission."""
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         idx = 0
@@ -127,10 +160,16 @@ class Scheduler:
                 break
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
+            batch.num_draft_tokens.append(0)
             budget -= num_new
             idx += 1
-        if batch.preempted:
-            return batch
+        if not batch.preempted:
+            budget = self._admit_waiting(batch, budget)
+        if lookahead:
+            self._reserve_lookahead(batch, lookahead, budget)
+        return batch
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             cached = self.kv.find_cached_blocks(seq)
@@ -144,8 +183,28 @@ class Scheduler:
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
+            batch.num_draft_tokens.append(0)
             budget -= num_new
-        return batch
+        return budget
+
+    def _reserve_lookahead(self, batch: ScheduledBatch, lookahead: dict[str, int], budget: int) -> None:
+        for index, seq in enumerate(batch.seqs):
+            if budget <= 0:
+                return
+            num_draft = self._num_lookahead(seq, lookahead.get(seq.request_id, 0), batch.num_new_tokens[index], budget)
+            if num_draft and self.kv.allocate_slots(seq, 1 + num_draft):
+                batch.num_new_tokens[index] += num_draft
+                batch.num_draft_tokens[index] = num_draft
+                budget -= num_draft
+
+    def _num_lookahead(self, seq: Sequence, asked: int, num_new: int, budget: int) -> int:
+        """Draft tokens seq may verify this step: what was asked, within the token budget, the
+        context length and what is left of max_tokens (a draft past the end is wasted)."""
+        if asked <= 0 or num_new != 1 or seq.num_tokens - seq.num_computed_tokens != 1 or seq.prefill_only:
+            return 0
+        # The step emits up to num_draft + 1 tokens; none may pass max_tokens or the context.
+        remaining = seq.params.max_tokens - seq.num_output_tokens - 1
+        return max(0, min(asked, budget, self.max_model_len - seq.num_tokens - 1, remaining))
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
@@ -155,30 +214,53 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def update(self, batch: ScheduledBatch, sampled: dict[str, tuple]) -> list[Sequence]:
+    def update(self, batch: ScheduledBatch, sampled: dict[str, tuple | list[tuple]]) -> list[Sequence]:
         """Advance computed counts, cache full blocks, append sampled tokens, stop finished
-        sequences. Returns the sequences that received a token this step."""
+        sequences. Returns the sequences that received a token this step.
+
+        sampled maps a request id to its token (token, logprob, top logprobs), or, for a
+        sequence that verified a draft, the list of tokens it emits: the accepted draft tokens
+        and one more. They are appended one by one, each advancing the grammar and checked
+        against the stop conditions; a stop drops the rest. Only the accepted tokens' KV
+        counts as computed, and the slots reserved past them are given back."""
         advanced = []
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+        for seq, num_new, num_draft in zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
+            num_real = num_new - num_draft
             if seq.num_computed_tokens < seq.num_prompt_tokens:
-                self.num_computed_prompt_tokens += min(num_new, seq.num_prompt_tokens - seq.num_computed_tokens)
-            seq.num_computed_tokens += num_new
-            self.kv.cache_computed_blocks(seq)
+                self.num_computed_prompt_tokens += min(num_real, seq.num_prompt_tokens - seq.num_computed_tokens)
             result = sampled.get(seq.request_id)
-            if result is None:
+            tokens = result if isinstance(result, list) else [] if result is None else [result]
+            reason = None
+            for token in tokens:
+                seq.append_token(*token)
+                self._advance_grammar(seq, token[0])
+                if not seq.prefill_only:
+                    reason = self.check_stop(seq)
+                    if reason is not None:
+                        break
+            # The real tokens' KV, and each accepted draft token's (the last emitted token is new).
+            seq.num_computed_tokens = min(seq.num_computed_tokens + num_real + max(len(tokens) - 1, 0), seq.num_tokens)
+            self.kv.cache_computed_blocks(seq)
+            if not tokens:
                 continue
-            seq.append_token(*result)
             advanced.append(seq)
             if seq.prefill_only:
                 self.running.remove(seq)
                 seq.status = SequenceStatus.PREFILLED
-                continue
-            reason = self.check_stop(seq)
-            if reason is not None:
+            elif reason is not None:
                 self.finish(seq, reason)
+            else:
+                self.kv.trim_slots(seq)  # slots reserved for rejected (or unproposed) drafts go back
         return advanced
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence, token: int) -> None:
+        if seq.grammar is not None and not seq.grammar.accept_token(token):
+            # The mask forbids such tokens; the matcher is now failed and the request
+            # finishes with "abort" instead of claiming a valid output.
+            logger.error("grammar rejected sampled token %d of %s: %s", token, seq.request_id, seq.grammar.error)
 
     def check_stop(self, seq: Sequence) -> str | None:
         """Token-level stop conditions; stop strings are checked by the output processor.

@@ -86,6 +86,15 @@ class Sequence:
         if top_logprobs is not None:
             self.output_top_logprobs.append(top_logprobs)
 
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop the output tokens past the first num_output_tokens (a stop string ended the
+        request inside a step's run of accepted speculative tokens: nothing past it is kept)."""
+        keep = self.num_prompt_tokens + num_output_tokens
+        del self.token_ids[keep:]
+        del self.output_logprobs[num_output_tokens:]
+        del self.output_top_logprobs[num_output_tokens:]
+        del self.block_hashes[keep // self.block_size :]
+
     def __repr__(self) -> str:
         return (
             f"Sequence({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "

@@ -28,3 +28,12 @@ class EngineStats(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     grammar_masked_rows: int = 0
     grammar_mask_seconds: float = 0.0
     grammar_fill_seconds: float = 0.0
+    # Speculative decoding, since start (engine/spec): the method ("none" when off), drafts
+    # verified, draft tokens proposed and accepted, tokens emitted by verify steps (accepted +
+    # one each), and per k the decoding sequence-steps the policy chose k for (0: none).
+    spec_method: str = "none"
+    spec_num_drafts: int = 0
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_emitted_tokens: int = 0
+    spec_k_histogram: list[int] = msgspec.field(default_factory=list)

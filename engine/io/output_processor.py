@@ -76,6 +76,13 @@ class OutputProcessor:
                     state.stopped_text = state.detok.text[:end]
                     seq.stop_reason = stop_str
                     hit_stop = True
+                    if i + 1 < len(new_ids):
+                        # Speculative decoding emitted tokens past the stop in one step:
+                        # they are dropped, never streamed.
+                        seq.truncate_output(state.num_tokens_seen + i + 1)
+                        outputs = seq.output_token_ids
+                        new_ids = new_ids[: i + 1]
+                        break
         state.num_tokens_seen = len(outputs)
         finished = seq.is_finished or hit_stop
         if finished and state.stopped_text is None:

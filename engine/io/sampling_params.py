@@ -38,6 +38,8 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop tokens are masked (stop strings ignored) until this many
     # A GrammarSpec (engine/sample/grammar_spec.py) the output must match; a dict on the wire.
     structured_output: Any = None
+    # False opts this request out of speculative decoding (where the engine speculates).
+    speculative_decoding: bool = True
 
     def __post_init__(self) -> None:
         if self.structured_output is not None:
@@ -86,6 +88,10 @@ class SamplingParams:
         )
         if self.top_logprobs:
             self.logprobs = True  # alternatives come with the chosen token's own log-probability
+        _check(
+            isinstance(self.speculative_decoding, bool),
+            f"speculative_decoding must be a boolean, got {self.speculative_decoding!r}",
+        )
 
     def _check_logits_processing(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

@@ -2,22 +2,24 @@
 
 Per step: start() hands the batch's matchers to llguidance's executor on a helper thread
 while the model runs (the next-token masks depend only on tokens already accepted, and
-llguidance computes them in Rust without the GIL), apply() waits for the masks and applies
-them to the constrained rows of the logits in one bitmask op, and accept() advances every
-matcher by its sampled token. A batch without constrained requests costs one list scan.
+llguidance computes them in Rust without the GIL), and apply() waits for the masks and applies
+them to the constrained rows of the logits in one bitmask op. The scheduler then advances each
+matcher by the tokens its request emits. A batch without constrained requests costs one list scan.
+
+Speculative decoding: a sequence verifying draft d_1..d_k has k + 1 logits rows; row j gets
+the mask of the grammar state after d_1..d_j. The helper thread walks the draft (mask, accept
+d_{j+1}, ...) and rolls the matcher back, so the verifier samples every row under its own
+mask. Drafts are cut to their grammar-valid prefix before the step (spec/speculator.py).
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from splitserve.engine.sample.token_bitmask import allocate_token_bitmask, apply_token_bitmask_, bitmask_words
-
-logger = logging.getLogger(__name__)
 
 
 class GrammarMask:
@@ -34,13 +36,24 @@ class GrammarMask:
         self.mask_seconds = 0.0  # time the step waited for masks and applied them
         self.fill_seconds = 0.0  # time computing masks (overlapped with the forward pass)
 
-    def start(self, seqs: list) -> None:
-        """Begin computing the next-token masks of the constrained seqs (row order = seqs)."""
+    def start(self, seqs: list, drafts: list[list[int]] | None = None) -> None:
+        """Begin computing the masks of the constrained seqs. Logits rows follow seqs, seq i
+        taking len(drafts[i]) + 1 rows (one row each without drafts)."""
         self._pending = None
-        rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+        drafts = drafts or [[] for _ in seqs]
+        plain, walks, rows = [], [], []
+        row = 0
+        for seq, draft in zip(seqs, drafts):
+            if seq.grammar is not None:
+                if draft:
+                    walks.append((seq.grammar, draft, len(rows)))
+                    rows.extend(range(row, row + len(draft) + 1))
+                else:
+                    plain.append((seq.grammar.ll_matcher, len(rows)))
+                    rows.append(row)
+            row += len(draft) + 1
         if not rows:
             return
-        matchers = [seqs[i].grammar.ll_matcher for i in rows]
         if self._pool is None:
             import llguidance
 
@@ -49,16 +62,24 @@ class GrammarMask:
         if self._bitmask is None or self._bitmask.shape[0] < len(rows):
             self._bitmask = allocate_token_bitmask(max(len(rows), 8), self.vocab_size)
         self._rows = rows
-        self._pending = self._pool.submit(self._fill, matchers, self._bitmask)
+        self._pending = self._pool.submit(self._fill, plain, walks, self._bitmask)
 
-    def _fill(self, matchers: list, bitmask: torch.Tensor) -> None:
+    def _fill(self, plain: list, walks: list, bitmask: torch.Tensor) -> None:
         start = time.perf_counter()
         row_bytes = 4 * bitmask_words(self.vocab_size)
-        if len(matchers) == 1:
-            matchers[0].unsafe_compute_mask_ptr(bitmask.data_ptr(), row_bytes)
-        else:
-            pairs = [(matcher, row) for row, matcher in enumerate(matchers)]
-            self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), row_bytes, bitmask.shape[0])
+        if len(plain) == 1:
+            matcher, row = plain[0]
+            matcher.unsafe_compute_mask_ptr(bitmask.data_ptr() + row * row_bytes, row_bytes)
+        elif plain:
+            self._executor.unsafe_compute_mask_ptr(plain, bitmask.data_ptr(), row_bytes, bitmask.shape[0])
+        for grammar, draft, first_row in walks:
+            num_accepted = 0
+            for j in range(len(draft) + 1):
+                grammar.ll_matcher.unsafe_compute_mask_ptr(bitmask.data_ptr() + (first_row + j) * row_bytes, row_bytes)
+                if j == len(draft) or grammar.accept_tokens(draft[j : j + 1]) != 1:
+                    break
+                num_accepted += 1
+            grammar.rollback(num_accepted)
         self.fill_seconds += time.perf_counter() - start
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
@@ -79,14 +100,6 @@ class GrammarMask:
         self.num_masked_rows += num
         self.mask_seconds += time.perf_counter() - start
         return logits
-
-    def accept(self, seqs: list, tokens: list[int]) -> None:
-        """Advance each constrained seq's matcher by the token it sampled."""
-        for seq, token in zip(seqs, tokens):
-            if seq.grammar is not None and not seq.grammar.accept_token(token):
-                # The mask forbids such tokens; the matcher is now failed and the request
-                # finishes with "abort" instead of claiming a valid output.
-                logger.error("grammar rejected sampled token %d of %s: %s", token, seq.request_id, seq.grammar.error)
 
     def stats(self) -> dict[str, float]:
         return {

@@ -4,7 +4,8 @@ recompute keeps it (the recompute re-reads tokens the matcher already accepted).
 
 Speculative decoding hook: rollback(n) undoes the last n accepted tokens (llguidance keeps
 the history), so a verifier can accept a draft's tokens one by one to build its masks and
-roll back the rejected suffix. accept_tokens() checks a whole draft at once.
+roll back the rejected suffix. accept_tokens() advances by a whole draft at once and
+num_valid_tokens() says how much of one the grammar allows without consuming it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ class GrammarMatcher:
         num = self._matcher.try_consume_tokens(list(token_ids))
         self.num_accepted += num
         return num
+
+    def num_valid_tokens(self, token_ids: list[int]) -> int:
+        """How many leading tokens of token_ids the grammar allows from here (nothing is consumed):
+        a speculative draft is cut to that prefix before it is verified."""
+        return self._matcher.validate_tokens(list(token_ids))
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last num_tokens accepted tokens (speculative decoding's rejected drafts)."""

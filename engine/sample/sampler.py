@@ -46,35 +46,48 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
-        """logits [N, vocab] -> one SampledToken per row (row i belongs to seqs[i])."""
+    def process(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(log-probabilities of the raw logits when a row asks for them, the logits after
+        min_tokens / logit_bias / penalties). seqs may be any objects with a Sequence's
+        params, output and prompt token ids (a speculative verify row's view, spec/verify_row.py)."""
         logits = logits.float()
         params = [s.params for s in seqs]
-        want_logprobs = any(p.logprobs for p in params)
         # Reported log-probabilities are the model's own (vLLM's default "raw_logprobs").
-        logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs for p in params) else None
         if any(p.processes_logits for p in params):
             logits = self.logits_processing.apply(logits, seqs)
+        return logprobs, logits
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+        """logits [N, vocab] -> one SampledToken per row (row i belongs to seqs[i])."""
+        logprobs, logits = self.process(logits, seqs)
+        params = [s.params for s in seqs]
         # max(dim).indices is argmax (the first maximum on ties, NaN counts as the maximum),
         # about 1.5x faster on CPU.
         greedy = logits.max(dim=-1).indices.tolist()
         if logprobs is None and all(p.is_greedy for p in params):
             return [(token, None, None) for token in greedy]  # the common all-greedy batch
         tokens = [
-            greedy[row] if p.is_greedy else self._sample_row(logits[row], p, self.generator_for(s))
+            greedy[row] if p.is_greedy else self.sample_row(logits[row], p, self.generator_for(s))
             for row, (s, p) in enumerate(zip(seqs, params))
         ]
+        return self.with_logprobs(tokens, logprobs, params)
+
+    def with_logprobs(
+        self, tokens: list[int], logprobs: torch.Tensor | None, params: list[SamplingParams]
+    ) -> list[SampledToken]:
+        """tokens[i] chosen for row i, with its log-probability and top alternatives where asked."""
         if logprobs is None:
             return [(token, None, None) for token in tokens]
         chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).unsqueeze(1)).squeeze(1).tolist()
-        tops = self._top_logprobs(logprobs, params)
+        tops = self.top_logprobs(logprobs, params)
         return [
             (token, lp if p.logprobs else None, tops.get(row))
             for row, (token, lp, p) in enumerate(zip(tokens, chosen, params))
         ]
 
     @staticmethod
-    def _top_logprobs(logprobs: torch.Tensor, params: list[SamplingParams]) -> dict[int, list[tuple[int, float]]]:
+    def top_logprobs(logprobs: torch.Tensor, params: list[SamplingParams]) -> dict[int, list[tuple[int, float]]]:
         """Row -> its top_logprobs most likely (token, logprob) pairs, most likely first."""
         rows = [row for row, p in enumerate(params) if p.top_logprobs]
         if not rows:
@@ -89,7 +102,8 @@ class Sampler:
         }
 
     @staticmethod
-    def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
+    def sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
+        """One token from a (processed) logits row under p's temperature, top-k and top-p."""
         row = row / p.temperature
         if p.top_k and p.top_k < row.numel():
             kth = torch.topk(row, p.top_k).values[-1]
@@ -106,3 +120,22 @@ class Sampler:
             choice = torch.multinomial(sorted_probs, 1, generator=gen)
             return int(sorted_idx[choice])
         return int(torch.multinomial(probs, 1, generator=gen))
+
+    @staticmethod
+    def sampling_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor | None:
+        """The distribution sample_row draws from, as full-vocabulary probabilities that sum
+        to 1; None for degenerate logits (sample_row then takes the argmax)."""
+        row = row / p.temperature
+        if p.top_k and p.top_k < row.numel():
+            kth = torch.topk(row, p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if not bool(torch.isfinite(probs).all()):
+            return None
+        if p.top_p < 1.0:
+            sorted_probs, sorted_idx = torch.sort(probs, descending=True)
+            cumulative = torch.cumsum(sorted_probs, dim=-1)
+            kept = sorted_probs.masked_fill(cumulative - sorted_probs > p.top_p, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, sorted_idx, kept)
+            probs = probs / probs.sum()
+        return probs

@@ -244,6 +244,18 @@ def test_model_problems_are_found_before_ray_starts(tiny_model, tmp_path, breaka
     assert time.monotonic() - start < 30  # no Ray
 
 
+def test_draft_model_problems_are_found_before_ray_starts(tiny_model, models_root, tmp_path, capsys, scratch_env):
+    from tests.helpers.model import make_checkpoint
+
+    missing = str(tmp_path / "no-draft")
+    assert main(["serve", tiny_model, "--speculative.method", "draft", "--speculative.draft-model", missing]) == 2
+    err = capsys.readouterr().err
+    assert f"draft model {missing}" in err and "does not exist" in err and err.count("\n") == 1
+    other_vocab = str(make_checkpoint(models_root, "draft", "llama"))
+    assert main(["serve", tiny_model, "--speculative.method", "draft", "--speculative.draft-model", other_vocab]) == 2
+    assert "the draft must use the same tokenizer" in capsys.readouterr().err
+
+
 def test_max_model_len_and_taken_port_are_found_before_ray_starts(tiny_model, capsys, scratch_env):
     assert main(["serve", tiny_model, "--max-model-len", "99999"]) == 2
     assert "max_model_len 99999 exceeds the model's context of 1024 tokens" in capsys.readouterr().err

@@ -118,3 +118,45 @@ def test_sampler_survives_degenerate_parameters():
     assert out[2][0] in torch.topk(logits[2], 3).indices.tolist()
     inf_row = torch.full((1, 50), float("inf"))
     assert 0 <= Sampler().sample(inf_row, seqs(["d"], [SamplingParams(temperature=1.0)]))[0][0] < 50
+
+
+def _decoding(sched, rid: str, prompt_len: int, max_tokens: int = 50) -> Sequence:
+    first = 100 * (ord(rid) - ord("a") + 1)  # distinct prompts: no shared prefix blocks
+    seq = Sequence(
+        rid, list(range(first, first + prompt_len)), SamplingParams(max_tokens=max_tokens, ignore_eos=True), BS
+    )
+    sched.add(seq)
+    while seq.num_output_tokens == 0:
+        fake_step(sched)
+    return seq
+
+
+def test_lookahead_takes_only_what_is_left_and_never_preempts():
+    kv, sched = make(num_blocks=7, budget=16)
+    a = _decoding(sched, "a", 7)
+    b = _decoding(sched, "b", 7)  # meanwhile a decoded once more: 9 tokens, 8 of them computed
+    assert (a.num_tokens, len(a.block_table), b.num_tokens, len(b.block_table)) == (9, 2, 8, 2)
+    assert kv.num_free_blocks == 3
+    # a's next token takes a block; then both ask for 8 draft slots (2 more blocks each): a gets
+    # the last two free blocks, b none but still runs its own token; nobody is preempted.
+    batch = sched.schedule({"a": 8, "b": 8})
+    assert not batch.preempted and sched.num_preemptions == 0
+    assert batch.seqs == [a, b] and batch.num_draft_tokens == [8, 0] and batch.num_new_tokens == [9, 1]
+    assert kv.num_free_blocks == 0
+    # All of a's draft rejected: the reserved blocks go back.
+    sched.update(batch, {"a": [(7, None)], "b": [(7, None)]})
+    assert len(a.block_table) == -(-a.num_tokens // BS) == 3 and kv.num_free_blocks == 2
+
+
+def test_lookahead_is_capped_by_budget_and_max_tokens():
+    kv, sched = make(num_blocks=64, budget=6)
+    a = _decoding(sched, "a", 3, max_tokens=4)  # one output so far: at most 2 more drafts + 1
+    batch = sched.schedule({"a": 8})
+    assert batch.num_draft_tokens == [2] and batch.num_new_tokens == [3]
+    sched.update(batch, {"a": [(7, None), (7, None), (7, None)]})
+    assert a.is_finished and a.finish_reason == "length" and a.num_output_tokens == 4
+    b = _decoding(sched, "b", 3)
+    c = _decoding(sched, "c", 3)
+    batch = sched.schedule({"b": 8, "c": 8})  # budget 6: 2 real tokens, 4 draft slots to share
+    assert batch.num_draft_tokens == [4, 0] and batch.num_tokens == 6
+    assert (b, c) == tuple(batch.seqs)

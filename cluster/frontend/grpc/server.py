@@ -48,7 +48,7 @@ STATUS_CODE_BY_KIND: dict[ErrorKind, grpc.StatusCode] = {
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 INGRESS_KEY = "x-splitserve-ingress"  # initial and trailing metadata: the ingress replica that answered
 # Sampling fields declared `optional` in the .proto: unset means the SamplingParams default.
-_OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+_OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "speculative_decoding")
 
 
 class GrpcFrontendError(RuntimeError):

@@ -103,6 +103,9 @@ class _SamplingRequest(_Request):
         None, description="vLLM extension: EOS and stop tokens are held off until this many tokens"
     )
     include_stop_str_in_output: bool = Field(False, description="vLLM extension: keep the stop string in the text")
+    speculative_decoding: bool = Field(
+        True, description="splitserve extension: false opts this request out of speculative decoding"
+    )
     user: str | None = None
     # Structured output (openai/structured_output.py): OpenAI's field and vLLM's.
     response_format: ResponseFormat | None = None
@@ -275,6 +278,7 @@ def build_sampling_params(
         repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
         logit_bias=request.logit_bias or {},
         min_tokens=request.min_tokens or 0,
+        speculative_decoding=request.speculative_decoding,
         structured_output=grammar_spec_for(request, None if plan is None else plan.grammar),
     )
 

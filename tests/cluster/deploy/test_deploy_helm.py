@@ -312,6 +312,8 @@ BAD_VALUES = {
     "string port": {"serve": {"http_port": "8000"}},
     "unknown front door field": {"frontDoor": {"proxy": "nginx"}},
     "zero haproxy threads": {"frontDoor": {"haproxyThreads": 0}},
+    "unknown speculative method": {"serve": {"speculative": {"method": "medusa"}}},
+    "zero speculative tokens": {"serve": {"speculative": {"num_speculative_tokens": 0}}},
 }
 
 
