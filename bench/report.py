@@ -39,6 +39,7 @@ from splitserve.bench.records import ConfigResult, RunResult
 METRICS = (
     ("out tok/s", lambda m: m.output_tokens_per_s, True),
     ("TTFT mean ms", lambda m: m.ttft_ms.mean, False),
+    ("TTFT p50 ms", lambda m: m.ttft_ms.p50, False),
     ("TTFT p99 ms", lambda m: m.ttft_ms.p99, False),
     ("ITL p50 ms", lambda m: m.itl_ms.p50, False),
     ("ITL p99 ms", lambda m: m.itl_ms.p99, False),
