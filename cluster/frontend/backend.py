@@ -16,6 +16,7 @@ from splitserve.cluster.control.disagg_cluster import DisaggCluster
 from splitserve.cluster.control.ingress_report import encode_families, families_of
 from splitserve.cluster.control.ingress_reporter import IngressReporter
 from splitserve.cluster.frontend.metrics import Metrics
+from splitserve.cluster.frontend.token_meter import TokenMeter
 from splitserve.cluster.request_error import ErrorKind, RequestError, invalid
 from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.engine.config import ModelConfig
@@ -185,11 +186,13 @@ class ServingBackend:
         status = OK
         first = True
         finished = False
+        meter = TokenMeter(self.metrics)
         try:
             async for chunk in self.cluster.generate(
                 prompt_token_ids, params, label, deadline=deadline, on_route=self._on_route
             ):
                 now = time.perf_counter()
+                gap = None
                 if first:
                     self.metrics.ttft.observe(now - start)
                     self.reporter.observe_ttft(now - start)
@@ -200,13 +203,12 @@ class ServingBackend:
                     first = False
                 elif chunk.token_ids:
                     gap = (now - last) / len(chunk.token_ids)
-                    for _ in chunk.token_ids:
-                        self.metrics.itl.observe(gap)
                     self.reporter.observe_itl(gap)
                 last = now
-                self.metrics.generation_tokens.inc(len(chunk.token_ids))
+                meter.add(len(chunk.token_ids), gap)
                 if chunk.finished:
                     finished = True
+                    meter.flush()
                     self.metrics.observe_finished(chunk.finish_reason, len(prompt_token_ids), chunk.num_output_tokens)
                 yield chunk
         except RequestError as exc:
@@ -216,6 +218,7 @@ class ServingBackend:
             status = CANCELLED  # the client went away or the frontend failed
             raise
         finally:
+            meter.flush()
             self.num_inflight -= 1
             if key is not None:
                 self._inflight_by_key[key] -= 1

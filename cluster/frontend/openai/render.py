@@ -40,6 +40,18 @@ def sse_event(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
+def chunk_envelope(request_id: str, object_name: str, created: int, model: str) -> str:
+    """The constant head of every stream chunk of a request, up to the opening of its
+    `choices` list: `data: {"id": ..., "object": ..., "created": ..., "model": ..., "choices": [`.
+    Streamed chunks are this plus one choice and `]}`, the same bytes the chunk models dump
+    to, without building and dumping a pydantic model per token (the relay's hot path)."""
+    empty = json.dumps(
+        {"id": request_id, "object": object_name, "created": created, "model": model, "choices": []},
+        ensure_ascii=False,
+    )
+    return "data: " + empty[: -len("]}")]
+
+
 class ResponseRenderer(ABC):
     """Accumulates every choice's chunks (text, logprobs, usage) and renders them.
 
@@ -67,6 +79,7 @@ class ResponseRenderer(ABC):
         self.prompt_lengths = list(prompt_lengths or [0])
         echoes = echoes or [""] * len(self.prompt_lengths)
         self.choices = [ChoiceState(p * n + i, p, echoes[p]) for p in range(len(self.prompt_lengths)) for i in range(n)]
+        self._envelope = chunk_envelope(request_id, self.chunk_object, created, model)
 
     # ---- accumulation --------------------------------------------------------------------
     def observe(self, chunk: StreamChunk, index: int = 0) -> None:
@@ -109,7 +122,12 @@ class ResponseRenderer(ABC):
         if not (chunk.text or chunk.token_ids or chunk.finished):
             return []
         finish = choice.finish_reason if chunk.finished else None
-        return [sse_event(self.render_chunk(choice, choice.take_echo() + chunk.text, num_before, finish))]
+        return [self.chunk_event(choice, choice.take_echo() + chunk.text, num_before, finish)]
+
+    def chunk_event(self, choice: ChoiceState, text: str, first_token: int, finish_reason: str | None) -> str:
+        """The SSE event of one streamed chunk of `choice` (see render_choice)."""
+        rendered = json.dumps(self.render_choice(choice, text, first_token, finish_reason), ensure_ascii=False)
+        return f"{self._envelope}{rendered}]}}\n\n"
 
     def closing_events(self) -> list[str]:
         """After the last chunk: a finish chunk for each choice that got none, the usage
@@ -119,18 +137,20 @@ class ResponseRenderer(ABC):
             if choice.finish_reason is None:
                 choice.mark_unfinished()
                 num_tokens = len(choice.token_ids)
-                events.append(
-                    sse_event(self.render_chunk(choice, choice.take_echo(), num_tokens, choice.finish_reason))
-                )
+                events.append(self.chunk_event(choice, choice.take_echo(), num_tokens, choice.finish_reason))
         if self.include_usage:
             events.append(sse_event(self.render_usage_chunk()))
         events.append(SSE_DONE)
         return events
 
     # ---- shapes (subclasses) -------------------------------------------------------------
+    chunk_object: str  # the `object` of a stream chunk
+
     @abstractmethod
-    def render_chunk(self, choice: ChoiceState, text: str, first_token: int, finish_reason: str | None) -> dict:
-        """One streamed chunk of `choice`: `text`, and its tokens from index first_token on."""
+    def render_choice(self, choice: ChoiceState, text: str, first_token: int, finish_reason: str | None) -> dict:
+        """The one choice of a streamed chunk of `choice`, as JSON-ready dict: `text`, and its
+        tokens from index first_token on. Its keys and values are what the chunk model's
+        choice dumps to (tests/cluster/frontend/test_render.py holds them to it)."""
 
     @abstractmethod
     def render_usage_chunk(self) -> dict:
@@ -142,6 +162,8 @@ class ResponseRenderer(ABC):
 
 
 class CompletionRenderer(ResponseRenderer):
+    chunk_object = "text_completion"
+
     def __init__(self, *args, num_top_logprobs: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
         self.num_top_logprobs = num_top_logprobs
@@ -170,17 +192,15 @@ class CompletionRenderer(ResponseRenderer):
             tokens=tokens, token_logprobs=list(choice.logprobs[start:]), top_logprobs=top, text_offset=offsets
         )
 
-    def render_chunk(self, choice, text, first_token, finish_reason) -> dict:
-        rendered = CompletionChoice(
-            index=choice.index,
-            text=text,
-            logprobs=self._logprobs(choice, first_token),
-            finish_reason=finish_reason,
-            stop_reason=choice.stop_reason if finish_reason else None,
-        )
-        return CompletionResponse(
-            id=self.request_id, created=self.created, model=self.model, choices=[rendered]
-        ).model_dump(mode="json")
+    def render_choice(self, choice, text, first_token, finish_reason) -> dict:
+        logprobs = self._logprobs(choice, first_token)
+        return {
+            "index": choice.index,
+            "text": text,
+            "logprobs": None if logprobs is None else logprobs.model_dump(mode="json"),
+            "finish_reason": finish_reason,
+            "stop_reason": choice.stop_reason if finish_reason else None,
+        }
 
     def render_usage_chunk(self) -> dict:
         return CompletionResponse(
@@ -205,6 +225,8 @@ class CompletionRenderer(ResponseRenderer):
 
 
 class ChatRenderer(ResponseRenderer):
+    chunk_object = "chat.completion.chunk"
+
     def __init__(self, *args, tool_plan: ToolCallPlan | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         # A tool-calling request: each choice's output is read back as tool_calls.
@@ -254,16 +276,16 @@ class ChatRenderer(ResponseRenderer):
             for c in self.choices
         ]
 
-    def render_chunk(self, choice, text, first_token, finish_reason) -> dict:
-        delta = ChatDelta(content=text if text or finish_reason is None else None)
-        rendered = ChatChunkChoice(
-            index=choice.index,
-            delta=delta,
-            logprobs=self._logprobs(choice, first_token),
-            finish_reason=finish_reason,
-            stop_reason=choice.stop_reason if finish_reason else None,
-        )
-        return self._chunk([rendered])
+    def render_choice(self, choice, text, first_token, finish_reason) -> dict:
+        logprobs = self._logprobs(choice, first_token)
+        return {
+            "index": choice.index,
+            # The finish chunk carries no content key unless it brings text (ChatDelta omits None).
+            "delta": {"content": text} if text or finish_reason is None else {},
+            "logprobs": None if logprobs is None else logprobs.model_dump(mode="json"),
+            "finish_reason": finish_reason,
+            "stop_reason": choice.stop_reason if finish_reason else None,
+        }
 
     def render_usage_chunk(self) -> dict:
         return self._chunk([], usage=self.usage())
