@@ -62,9 +62,18 @@ def test_links_resolve_to_files_kept_in_git(path):
 
 def test_raw_output_is_ignored_at_any_depth():
     results = BENCH_DIR / "results"
-    for raw in ("x.server.log", "a/b/x.server.log", "results.json", "a/rep0-x/results.json"):
+    raw_output = (
+        "x.server.log",
+        "a/b/x.server.log",
+        "results.json",
+        "a/rep0-x/results.json",
+        "a/rep0-x/latency_cdf.png",  # per-run plots: the write-up keeps its own summary plot
+        "a/rep0-x/slo_attainment.png",
+        "a/b/none.spec_metrics.json",
+    )
+    for raw in raw_output:
         assert _ignored(results / raw), raw
-    for kept in ("a/rep0-x/results.md", "a/rep0-x/latency_cdf.png", "a/rep0-x.cpu.md", "a/run.sh", "x.md"):
+    for kept in ("a/rep0-x/results.md", "a/rep0-x.cpu.md", "a/run.sh", "x.md", "x.png"):
         assert not _ignored(results / kept), kept
 
 
