@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 
 from splitserve.decode.channel_server import ChannelServer, IngressConnection
-from splitserve.decode.prefill_client import PrefillClient, PrefillFailedError, ReplicaBusyError
+from splitserve.decode.prefill_client import PrefillClient, PrefillFailedError, ReplicaBusyError, short_error
 from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.engine_errors import EngineLoopStopped, EngineStepError
 from splitserve.engine.io.block_reservation import BlockReservation
@@ -141,7 +141,7 @@ class DecodeWorker(EngineWorker):
         if isinstance(exc, EngineLoopStopped):
             return FailureKind.REPLICA_DEAD, req.num_tokens_sent == 0, f"decode replica {self.replica_id} stopped"
         if isinstance(exc, EngineStepError):
-            return FailureKind.STEP_FAILED, False, _short(exc)
+            return FailureKind.STEP_FAILED, False, short_error(exc)
         if isinstance(exc, ValueError):  # InvalidRequestError: the request itself is bad; its own words
             return FailureKind.INVALID, False, str(exc).strip()[:2000]
         rid, label = req.submit.request_id, req.submit.label
@@ -277,13 +277,3 @@ class DecodeWorker(EngineWorker):
         if self._channel is not None:
             await self._channel.close()
         await super().shutdown()
-
-
-def _short(exc: BaseException) -> str:
-    """One line for a client: the original error's message (a Ray error's own text is a
-    traceback with paths and pids), its last line if it has several."""
-    cause = getattr(exc, "cause", None)  # a RayTaskError's original exception
-    if isinstance(cause, BaseException):
-        exc = cause
-    text = str(exc).strip().splitlines()
-    return text[-1].strip() if text else type(exc).__name__

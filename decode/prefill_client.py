@@ -72,7 +72,7 @@ class PrefillClient:
             await self._ensure_pair(prefill, prefill_id)
         except Exception as exc:  # retryable on another prefill replica, like a failed prefill
             self._drop_pair(prefill_id)
-            raise PrefillFailedError(f"cannot connect to {prefill_id}: {_short(exc)}") from exc
+            raise PrefillFailedError(f"cannot connect to {prefill_id}: {short_error(exc)}") from exc
         transfer_id = next(self._transfer_ids)
         handoff = Handoff(
             request_id=seq.request_id,
@@ -112,7 +112,7 @@ class PrefillClient:
                 raise
             dead = isinstance(exc, (ray.exceptions.RayActorError, EngineLoopStopped))
             kind = FailureKind.PREFILL_DEAD if dead else FailureKind.PREFILL_FAILED
-            raise PrefillFailedError(f"prefill on {prefill_id} failed: {_short(exc)}", kind) from exc
+            raise PrefillFailedError(f"prefill on {prefill_id} failed: {short_error(exc)}", kind) from exc
         self._ack(prefill, seq.request_id)
         result = PrefillResult.from_bytes(result_bytes)
         self.prefill_timeout.observe(seq.num_prompt_tokens, time.monotonic() - started)
@@ -216,7 +216,7 @@ def _fire(method, *args) -> None:
         pass
 
 
-def _short(exc: BaseException) -> str:
+def short_error(exc: BaseException) -> str:
     """One line for a client: the original error's message (a Ray error's own text is a
     traceback with paths and pids), its last line if it has several."""
     cause = getattr(exc, "cause", None)  # a RayTaskError's original exception

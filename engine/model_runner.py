@@ -70,16 +70,7 @@ class ModelRunner:
         # Each row: the first max_blocks entries of the sequence's table, zero-padded.
         tables = [t[:max_blocks] if len(t) >= max_blocks else t + [0] * (max_blocks - len(t)) for t in tables]
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            query_start_loc_cpu=query_start,
-            context_lens_cpu=context_lens,
-            max_query_len=max(num_new_tokens),
-            max_context_len=max(context_lens),
-        )
+        meta = AttentionMetadata.build(slots, query_start, context_lens, tables, max(num_new_tokens), dev)
         return (
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
             torch.tensor(positions, dtype=torch.int64, device=dev),

@@ -27,6 +27,29 @@ class AttentionMetadata:
     max_query_len: int
     max_context_len: int
 
+    @classmethod
+    def build(
+        cls,
+        slots: list[int],
+        query_start: list[int],
+        context_lens: list[int],
+        tables: list[list[int]],
+        max_query_len: int,
+        device: torch.device | str,
+    ) -> AttentionMetadata:
+        """From Python lists (tables already padded to one width): the tensors on device, the
+        lists kept as they are."""
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+            query_start_loc_cpu=query_start,
+            context_lens_cpu=context_lens,
+            max_query_len=max_query_len,
+            max_context_len=max(context_lens),
+        )
+
     @property
     def num_seqs(self) -> int:
         return len(self.context_lens_cpu)

@@ -102,13 +102,18 @@ class Sampler:
         }
 
     @staticmethod
-    def sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
-        """One token from a (processed) logits row under p's temperature, top-k and top-p."""
+    def _tempered(row: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        """The row scaled by temperature with everything below the top-k masked, and its softmax."""
         row = row / p.temperature
         if p.top_k and p.top_k < row.numel():
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
+        return row, torch.softmax(row, dim=-1)
+
+    @staticmethod
+    def sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
+        """One token from a (processed) logits row under p's temperature, top-k and top-p."""
+        row, probs = Sampler._tempered(row, p)
         if not bool(torch.isfinite(probs).all()):
             return int(torch.argmax(row))  # degenerate logits: never let one request crash the batch
         if p.top_p < 1.0:
@@ -125,11 +130,7 @@ class Sampler:
     def sampling_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor | None:
         """The distribution sample_row draws from, as full-vocabulary probabilities that sum
         to 1; None for degenerate logits (sample_row then takes the argmax)."""
-        row = row / p.temperature
-        if p.top_k and p.top_k < row.numel():
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
+        _, probs = Sampler._tempered(row, p)
         if not bool(torch.isfinite(probs).all()):
             return None
         if p.top_p < 1.0:

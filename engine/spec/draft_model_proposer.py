@@ -136,16 +136,7 @@ class DraftModelProposer:
         max_blocks = -(-max(context_lens) // bs)
         tables = [(seq.block_table + [0] * max_blocks)[:max_blocks] for seq in seqs]
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            query_start_loc_cpu=query_start,
-            context_lens_cpu=context_lens,
-            max_query_len=max(len(c) for c in chunks),
-            max_context_len=max(context_lens),
-        )
+        meta = AttentionMetadata.build(slots, query_start, context_lens, tables, max(len(c) for c in chunks), dev)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         hidden = self.model(ids, torch.tensor(positions, dtype=torch.int64, device=dev), self.kv_cache, meta)
         last = torch.tensor([q - 1 for q in query_start[1:]], device=hidden.device)

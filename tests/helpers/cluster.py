@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import uvicorn
 
@@ -55,6 +57,20 @@ def start_cluster(loop: LoopThread, cfg: ServeConfig) -> DisaggCluster:
     cluster = DisaggCluster(cfg, cfg.model, poll_interval_s=0.05)
     loop.run(cluster.start(), timeout=180)
     return cluster
+
+
+@contextlib.contextmanager
+def serving_backend(loop: LoopThread, cfg: ServeConfig, model_dir: str) -> Iterator:
+    """A started ServingBackend (frontends' entry point, its controller in-process) on the
+    loop, shut down on exit: every pool actor goes with it."""
+    from splitserve.cluster.frontend.backend import ServingBackend
+
+    serving = ServingBackend(cfg, model_dir)
+    loop.run(serving.start(), timeout=240)
+    try:
+        yield serving
+    finally:
+        loop.run(serving.shutdown(), timeout=60)
 
 
 def pool_states(loop: LoopThread, cluster: DisaggCluster) -> dict[str, PollReply]:

@@ -26,7 +26,6 @@ import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.cluster.control.decode_channel import DecodeChannel
-from splitserve.cluster.frontend.backend import ServingBackend
 from splitserve.cluster.frontend.grpc.health import READY_SERVICE, pool_service_name
 from splitserve.cluster.frontend.grpc.server import GrpcFrontend
 from splitserve.cluster.frontend.http.api import build_http_app
@@ -39,7 +38,7 @@ from splitserve.engine.llm_engine import LLMEngine
 from splitserve.kvtransfer.handoff import StreamChunk
 from splitserve.kvtransfer.poll_reply import PollReply, ReplicaStatus
 from splitserve.kvtransfer.request_channel import Failed, FailureKind, Submit
-from tests.helpers.cluster import LoopHttpServer, cluster_config, wait_for_baseline, wait_until
+from tests.helpers.cluster import LoopHttpServer, cluster_config, serving_backend, wait_for_baseline, wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -69,10 +68,8 @@ def backend(ray_cluster, tiny_model, loop):
             "decode": cfg.decode.model_copy(update={"max_num_seqs": 2}),
         }
     )
-    serving = ServingBackend(cfg, tiny_model)
-    loop.run(serving.start(), timeout=240)
-    yield serving
-    loop.run(serving.shutdown(), timeout=60)
+    with serving_backend(loop, cfg, tiny_model) as serving:
+        yield serving
 
 
 @pytest.fixture(scope="module")

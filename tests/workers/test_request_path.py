@@ -16,7 +16,6 @@ import pytest
 import ray
 
 from splitserve.cluster.control.dispatcher import Dispatcher
-from splitserve.cluster.frontend.backend import ServingBackend
 from splitserve.cluster.frontend.grpc.server import GrpcFrontend
 from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.cluster.request_error import ErrorKind, RequestError
@@ -26,7 +25,14 @@ from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.kvtransfer.poll_reply import PollReply
 from splitserve.proto import load_stubs
-from tests.helpers.cluster import LoopHttpServer, cluster_config, pool_states, wait_for_baseline, wait_until
+from tests.helpers.cluster import (
+    LoopHttpServer,
+    cluster_config,
+    pool_states,
+    serving_backend,
+    wait_for_baseline,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 pb2, pb2_grpc = load_stubs()
@@ -40,10 +46,8 @@ LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 @pytest.fixture(scope="module")
 def backend(ray_cluster, tiny_model, loop):
     cfg = cluster_config(tiny_model, num_prefill=2, num_decode=1, policy="kv", lease_s=LEASE_S, num_blocks=256)
-    serving = ServingBackend(cfg, tiny_model)
-    loop.run(serving.start(), timeout=240)
-    yield serving
-    loop.run(serving.shutdown(), timeout=60)
+    with serving_backend(loop, cfg, tiny_model) as serving:
+        yield serving
 
 
 @pytest.fixture(scope="module")

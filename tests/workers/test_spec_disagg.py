@@ -10,12 +10,18 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.cluster.frontend.backend import ServingBackend
 from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
-from tests.helpers.cluster import LoopHttpServer, cluster_config, pool_states, wait_for_baseline, wait_until
+from tests.helpers.cluster import (
+    LoopHttpServer,
+    cluster_config,
+    pool_states,
+    serving_backend,
+    wait_for_baseline,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 SPECULATIVE = {"method": "ngram", "policy": "fixed", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
@@ -36,10 +42,8 @@ def backend(ray_cluster, tiny_model, loop, method):
     # The draft proposer with draft = target: every draft token is accepted.
     extra = {"method": "draft", "draft_model": tiny_model} if method == "draft" else {}
     cfg = cluster_config(tiny_model, num_blocks=64, speculative={**SPECULATIVE, **extra})
-    serving = ServingBackend(cfg, tiny_model)
-    loop.run(serving.start(), timeout=240)
-    yield serving
-    loop.run(serving.shutdown(), timeout=60)
+    with serving_backend(loop, cfg, tiny_model) as serving:
+        yield serving
 
 
 @pytest.fixture(scope="module")

@@ -16,21 +16,9 @@ from splitserve.cluster.control.membership import MembershipView, ReplicaInfo
 from splitserve.cluster.control.metrics_aggregator import MetricsAggregator
 from splitserve.cluster.control.pool_metrics import PoolMetrics
 from splitserve.cluster.frontend.metrics import Metrics
-from splitserve.engine.io.engine_stats import EngineStats
 from splitserve.kvtransfer.message_codec import MessageError
 from splitserve.kvtransfer.poll_reply import PollReply, TransferTotals
-
-STATS = EngineStats(
-    num_free_blocks=48,
-    num_blocks=64,
-    kv_usage=0.25,
-    num_running=1,
-    num_waiting=0,
-    num_waiting_tokens=0,
-    num_preemptions=0,
-    num_computed_prompt_tokens=10,
-    num_prefix_hit_tokens=0,
-)
+from tests.helpers.engine_stats import STATS
 
 
 def samples(text: bytes) -> dict:

@@ -7,20 +7,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.cluster.control.pool_metrics import PoolMetrics
-from splitserve.engine.io.engine_stats import EngineStats
 from splitserve.kvtransfer.poll_reply import PollReply, TransferTotals
+from tests.helpers.engine_stats import STATS
 
-STATS = EngineStats(
-    num_free_blocks=48,
-    num_blocks=64,
-    kv_usage=0.25,
-    num_running=1,
-    num_waiting=0,
-    num_waiting_tokens=0,
-    num_preemptions=0,
-    num_computed_prompt_tokens=10,
-    num_prefix_hit_tokens=0,
-)
 REPLICAS = [("prefill", "prefill-0"), ("decode", "decode-0"), ("decode", "decode-1")]
 
 

@@ -9,18 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from splitserve.cluster.control.pool_metrics import PoolMetrics
 from splitserve.engine.io.engine_stats import EngineStats
 from splitserve.kvtransfer.poll_reply import PollReply, TransferTotals
-
-BASE = dict(
-    num_free_blocks=48,
-    num_blocks=64,
-    kv_usage=0.25,
-    num_running=1,
-    num_waiting=0,
-    num_waiting_tokens=0,
-    num_preemptions=0,
-    num_computed_prompt_tokens=10,
-    num_prefix_hit_tokens=0,
-)
+from tests.helpers.engine_stats import STATS_FIELDS as BASE
 
 
 def poll(drafts: int, proposed: int, accepted: int, hist: list[int], method: str = "ngram") -> PollReply:

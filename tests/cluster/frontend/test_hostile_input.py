@@ -28,12 +28,11 @@ import schemathesis
 from hypothesis import HealthCheck, Phase
 
 from splitserve.cluster.config import ServeConfig
-from splitserve.cluster.frontend.backend import ServingBackend
 from splitserve.cluster.frontend.grpc.server import GrpcFrontend
 from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.kvtransfer.request_channel import ChannelError, Submit, decode_to_decode, encode_frame
 from splitserve.proto import load_stubs
-from tests.helpers.cluster import LoopHttpServer, cluster_config, wait_for_baseline, wait_until
+from tests.helpers.cluster import LoopHttpServer, cluster_config, serving_backend, wait_for_baseline, wait_until
 from tests.helpers.hostile_cases import MALFORMED_GRPC, raw_completion_cases
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
@@ -63,10 +62,8 @@ def backend(ray_cluster, tiny_model, loop):
         max_requests_per_key=2,
         max_queued_requests=16,
     )
-    serving = ServingBackend(cfg, tiny_model)
-    loop.run(serving.start(), timeout=240)
-    yield serving
-    loop.run(serving.shutdown(), timeout=60)
+    with serving_backend(loop, cfg, tiny_model) as serving:
+        yield serving
 
 
 @pytest.fixture(scope="module")

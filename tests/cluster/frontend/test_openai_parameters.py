@@ -18,12 +18,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.cluster.frontend.backend import ServingBackend
 from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
-from tests.helpers.cluster import LoopHttpServer, cluster_config, wait_for_baseline, wait_until
+from tests.helpers.cluster import LoopHttpServer, cluster_config, serving_backend, wait_for_baseline, wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 PROMPT = "Once upon a time"
@@ -35,10 +34,8 @@ CRAFTED = [20, 21, 20, 21, 20, 21, 20, 21]  # with a +8 bias on 20, greedy repea
 def backend(ray_cluster, tiny_model, loop):
     # No API key, per-key cap 1, global cap 4: the per-key cap must not bite without keys.
     cfg = cluster_config(tiny_model, num_blocks=64, max_queued_requests=4, max_requests_per_key=1)
-    serving = ServingBackend(cfg, tiny_model)
-    loop.run(serving.start(), timeout=240)
-    yield serving
-    loop.run(serving.shutdown(), timeout=60)
+    with serving_backend(loop, cfg, tiny_model) as serving:
+        yield serving
 
 
 @pytest.fixture(scope="module")
