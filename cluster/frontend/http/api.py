@@ -25,6 +25,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from splitserve.cluster.frontend.http.access_log import AccessLog, client_request_id
+from splitserve.cluster.frontend.http.errors import (
+    HTTP_STATUS_BY_KIND,
+    OpenAIHTTPError,
+    error_response,
+    retry_after,
+)
 from splitserve.cluster.frontend.http.fanout import close_all, first_chunks, merged
 from splitserve.cluster.frontend.http.guard import RequestGuard, bearer_token
 from splitserve.cluster.frontend.http.head import HeadAsGet
@@ -51,57 +57,14 @@ from splitserve.cluster.frontend.openai.responses import (
     ModelList,
     error_body,
 )
-from splitserve.cluster.request_error import ErrorKind, RequestError
+from splitserve.cluster.request_error import RequestError
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# The one table from a RequestError's kind to HTTP: (status, OpenAI error type).
-HTTP_STATUS_BY_KIND: dict[ErrorKind, tuple[int, str]] = {
-    ErrorKind.INVALID: (400, "invalid_request_error"),
-    ErrorKind.OVERLOADED: (429, "rate_limit_error"),
-    ErrorKind.UNAVAILABLE: (503, "server_error"),
-    ErrorKind.DEADLINE: (504, "timeout_error"),
-    ErrorKind.INTERNAL: (500, "server_error"),
-}
-RETRY_STATUSES = (429, 503)  # answered with Retry-After, always
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503, 504)}
 TIMEOUT_HEADER = "x-request-timeout"
 GENERATION_RESPONSES = {200: {"content": {"text/event-stream": {}}}, **_ERRORS}
-
-
-class OpenAIHTTPError(Exception):
-    """An error the frontend itself answers (unknown model, ...)."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        error_type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.error_type, self.param, self.code = status, message, error_type, param, code
-
-
-def _error_response(
-    status: int,
-    message: str,
-    error_type: str,
-    param: str | None = None,
-    code: str | None = None,
-    headers: dict[str, str] | None = None,
-    retry_after_s: float = 1.0,
-) -> JSONResponse:
-    if status in RETRY_STATUSES:
-        headers = {"Retry-After": retry_after(retry_after_s), **(headers or {})}
-    return JSONResponse(error_body(message, error_type, param, code), status_code=status, headers=headers)
-
-
-def retry_after(seconds: float) -> str:
-    """A Retry-After value: whole seconds, at least 1 (RFC 9110 allows no fractions)."""
-    return str(max(1, int(-(-seconds // 1))))
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -136,25 +99,25 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return _error_response(400, message, "invalid_request_error", param)
+        return error_response(400, message, "invalid_request_error", param)
 
     @app.exception_handler(InvalidRequestError)
     async def on_invalid_request(_: Request, exc: InvalidRequestError) -> JSONResponse:
-        return _error_response(400, str(exc), "invalid_request_error", getattr(exc, "param", None))
+        return error_response(400, str(exc), "invalid_request_error", getattr(exc, "param", None))
 
     @app.exception_handler(RequestError)
     async def on_request_error(_: Request, exc: RequestError) -> JSONResponse:
         status, error_type = HTTP_STATUS_BY_KIND[exc.kind]
-        return _error_response(status, exc.message, error_type, retry_after_s=exc.retry_after_s)
+        return error_response(status, exc.message, error_type, retry_after_s=exc.retry_after_s)
 
     @app.exception_handler(OpenAIHTTPError)
     async def on_openai_error(_: Request, exc: OpenAIHTTPError) -> JSONResponse:
-        return _error_response(exc.status, exc.message, exc.error_type, exc.param, exc.code)
+        return error_response(exc.status, exc.message, exc.error_type, exc.param, exc.code)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return _error_response(exc.status_code, str(exc.detail), error_type, headers=exc.headers)
+        return error_response(exc.status_code, str(exc.detail), error_type, headers=exc.headers)
 
     @app.exception_handler(ClientDisconnected)
     async def on_client_gone(_: Request, __: ClientDisconnected) -> Response:
@@ -163,7 +126,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     # Starlette re-raises after this response is sent, so the server logs the traceback.
     @app.exception_handler(Exception)
     async def on_unexpected(_: Request, __: Exception) -> JSONResponse:
-        return _error_response(500, "internal server error", "server_error")
+        return error_response(500, "internal server error", "server_error")
 
 
 def build_http_app(backend, echo_request_id: bool = True) -> FastAPI:
