@@ -100,8 +100,19 @@ def test_killed_idle_decode_is_replaced_and_the_next_20_requests_succeed(loop, c
     metrics = scraped(loop, cluster)
     model_name = cluster.cfg.model_id
     assert metrics[("splitserve_replicas", (("model_name", model_name), ("pool", DECODE)))] == 2
-    kv_series = {dict(labels)["replica"] for name, labels in metrics if name == "splitserve_kv_block_usage"}
-    assert victim not in kv_series and next(iter(new)) in kv_series
+
+    def kv_series() -> set[str]:
+        return {
+            dict(labels)["replica"] for name, labels in scraped(loop, cluster) if name == "splitserve_kv_block_usage"
+        }
+
+    # The replacement's series appears at the controller's first probe of it (every probe_interval_s).
+    def with_replacement() -> set[str] | None:
+        found = kv_series()
+        return found if next(iter(new)) in found else None
+
+    series = wait_until(with_replacement, 10, "no series of the replacement")
+    assert victim not in series
     assert cluster.expected_replicas[DECODE] == 2 and cluster.live_replicas(DECODE) == 2
     wait_for_baseline(loop, cluster)
 
