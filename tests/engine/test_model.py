@@ -15,7 +15,13 @@ from splitserve.engine.model.loader import load_model
 from splitserve.engine.ops.attention import paged_decode_attention_torch, write_kv
 from splitserve.engine.testing.make_model import MakeModelError, write_random_checkpoint
 from splitserve.engine.testing.make_model import main as make_model_main
-from tests.helpers.model import contiguous_metadata, greedy_generate, make_checkpoint, make_kv_cache
+from tests.helpers.model import (
+    contiguous_metadata,
+    greedy_generate,
+    make_checkpoint,
+    make_kv_cache,
+    single_torch_thread,
+)
 
 ARCH_CASES = {
     "llama": dict(arch="llama", seed=1),
@@ -28,12 +34,8 @@ PROMPT = "The quick brown fox jumps over the lazy dog. It was the best of times.
 
 @pytest.fixture(scope="module", autouse=True)
 def _single_thread():
-    # Tiny shapes gain nothing from intra-op threads, and on a shared 2-core machine
-    # OpenMP barriers make them many times slower.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+    with single_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from splitserve.engine.testing import model_cache, model_spec
 from splitserve.engine.testing.make_model import TRAINING_FILE, MakeModelError, ModelSpec, write_checkpoint
 from splitserve.engine.testing.make_model import main as make_model_main
 from splitserve.engine.testing.model_cache import cache_entry_path, cached_checkpoint
-from tests.helpers.model import contiguous_metadata, greedy_generate, make_kv_cache
+from tests.helpers.model import contiguous_metadata, greedy_generate, make_kv_cache, single_torch_thread
 
 TRAIN_STEPS = 24
 PROMPT = "It was the best of times, it was the worst of times, it was the age of wisdom"
@@ -22,10 +22,8 @@ PROMPT = "It was the best of times, it was the worst of times, it was the age of
 
 @pytest.fixture(scope="module", autouse=True)
 def _single_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+    with single_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -96,3 +98,15 @@ def greedy_generate(
         if next_id in eos_token_ids:
             break
     return new_tokens
+
+
+@contextlib.contextmanager
+def single_torch_thread() -> Iterator[None]:
+    """One intra-op thread for tiny shapes: they gain nothing from more, and on a shared 2-core
+    machine OpenMP barriers make them many times slower."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
