@@ -15,7 +15,7 @@ from splitserve.cluster.control.controller_client import ControllerClient
 from splitserve.cluster.control.disagg_cluster import DisaggCluster
 from splitserve.cluster.control.ingress_report import encode_families, families_of
 from splitserve.cluster.control.ingress_reporter import IngressReporter
-from splitserve.cluster.frontend.metrics import Metrics
+from splitserve.cluster.frontend.metrics import Metrics, RouterViewCollector
 from splitserve.cluster.frontend.token_meter import TokenMeter
 from splitserve.cluster.request_error import ErrorKind, RequestError, invalid
 from splitserve.cluster.routing.router import DECODE, PREFILL
@@ -70,11 +70,16 @@ class ServingBackend:
             autoscale=controller is None,
             ingress_id=self.ingress_id,
         )
+        self.metrics.registry.register(RouterViewCollector(self.model_name, self.ingress_id, self._indexed_blocks))
         self.num_inflight = 0
         self._inflight_by_key: dict[str, int] = defaultdict(int)
 
     async def start(self) -> None:
         await self.cluster.start()
+
+    def _indexed_blocks(self) -> dict[str, int]:
+        router = self.cluster.router
+        return {pool: router.index(pool).num_indexed_hashes for pool in (PREFILL, DECODE)}
 
     async def shutdown(self) -> None:
         await self.cluster.shutdown()

@@ -9,7 +9,11 @@ docs/METRICS.md maps each vLLM metric to its splitserve counterpart."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (
     0.005,
@@ -127,3 +131,23 @@ class Metrics:
     def render(self) -> bytes:
         """This process's samples only (the merged view: MetricsAggregator)."""
         return generate_latest(self.registry)
+
+
+class RouterViewCollector(Collector):
+    """splitserve_router_indexed_blocks{pool, ingress}: the block hashes this ingress's router
+    indexes per pool, read at collect time. Every ingress follows the same KV event streams,
+    so their series should agree; one that trails the others is lagging those streams (and
+    routes some prefixes away from the replica that holds them)."""
+
+    def __init__(self, model_name: str, ingress_id: str, indexed_blocks: Callable[[], dict[str, int]]):
+        self.model_name, self.ingress_id, self.indexed_blocks = model_name, ingress_id, indexed_blocks
+
+    def collect(self):
+        family = GaugeMetricFamily(
+            "splitserve_router_indexed_blocks",
+            "Block hashes this ingress's router indexes, per pool",
+            labels=["model_name", "pool", "ingress"],
+        )
+        for pool, num_hashes in self.indexed_blocks().items():
+            family.add_metric([self.model_name, pool, self.ingress_id], num_hashes)
+        yield family

@@ -184,6 +184,7 @@ def test_errors_are_openai_shaped_and_server_keeps_serving(server, client):
         assert http.get("/health").status_code == 200
         metrics = http.get("/metrics").text
         assert "splitserve_ttft_seconds" in metrics and "splitserve_router_decisions" in metrics
+        assert "splitserve_router_indexed_blocks{" in metrics
     assert client.completions.create(model=model_name(client), prompt=PROMPT, max_tokens=2).choices
 
 

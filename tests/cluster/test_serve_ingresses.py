@@ -20,6 +20,7 @@ import time
 import httpx
 import pytest
 import ray
+from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.cluster.app import DEPLOYMENT_NAME
 from splitserve.cluster.config import ServeConfig
@@ -60,7 +61,9 @@ def server(ray_cluster, tiny_model, tmp_path_factory):
     )
     try:
         with httpx.Client(base_url=proc.base_url, timeout=60) as http:
-            wait_until(lambda: len(ingresses_seen(http, 8)) == 2, 120, "the second ingress replica never answered")
+            # Answering is not enough: an ingress routes by the membership it has applied, so
+            # wait until both see every pool replica.
+            wait_until(lambda: len(ingresses_seeing_all(http, 8)) == 2, 120, "an ingress never saw every replica")
     except BaseException:
         proc.stop()
         raise
@@ -91,6 +94,33 @@ def ingresses_seen(http: httpx.Client, num_requests: int) -> set[str]:
     return seen
 
 
+def ingresses_seeing_all(http: httpx.Client, num_requests: int) -> set[str]:
+    seen = set()
+    for _ in range(num_requests):
+        res = http.get("/health")
+        if res.status_code == 200 and (res.json()["prefill_replicas"], res.json()["decode_replicas"]) == (2, 1):
+            seen.add(res.headers[INGRESS_HEADER])
+    return seen
+
+
+def indexed_prefill_blocks(http: httpx.Client) -> dict[str, float]:
+    """splitserve_router_indexed_blocks{pool="prefill"} by ingress, from the merged /metrics."""
+    out = {}
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == "splitserve_router_indexed_blocks" and sample.labels["pool"] == "prefill":
+                out[sample.labels["ingress"]] = sample.value
+    return out
+
+
+def prefill_snapshots() -> dict[str, set]:
+    return {
+        name: set(ray.get(ray.get_actor(name, namespace=NAMESPACE).snapshot.remote(), timeout=30)[1])
+        for name in named_actors(NAMESPACE)
+        if name.startswith("prefill-")
+    }
+
+
 def pool_actor_ids() -> dict[str, str]:
     return {name: ray.get_actor(name, namespace=NAMESPACE)._actor_id.hex() for name in named_actors(NAMESPACE)}
 
@@ -101,7 +131,17 @@ def test_two_ingresses_send_a_prefix_group_to_one_prefill_replica(http, model, t
     prompts = [(g, f"{groups[g]} question {k}?") for k in range(4) for g in range(3)]
     by_ingress: dict[str, int] = {}
     texts = {}
-    for g, prompt in prompts:
+    for i, (g, prompt) in enumerate(prompts):
+        if i == len(groups):
+            # The ingresses learn of the first prompts' blocks from the replicas' KV event
+            # streams, each on its own poll: wait until both index every block the prefill
+            # replicas hold (their own gauge says so) before asking for those prefixes.
+            def converged() -> bool:
+                held = len(set().union(*prefill_snapshots().values()))
+                indexed = indexed_prefill_blocks(http)
+                return len(indexed) == 2 and all(n == held for n in indexed.values())
+
+            wait_until(converged, 60, "the ingresses' indexes never matched the replicas' blocks", 0.5)
         res = http.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0})
         assert res.status_code == 200, res.text
         body = res.json()
@@ -116,11 +156,7 @@ def test_two_ingresses_send_a_prefix_group_to_one_prefill_replica(http, model, t
 
     # Each group's prefix blocks live on exactly one prefill replica: both ingresses routed
     # the group to the same one, from the same KV events.
-    snapshots = {
-        name: set(ray.get(ray.get_actor(name, namespace=NAMESPACE).snapshot.remote(), timeout=30)[1])
-        for name in named_actors(NAMESPACE)
-        if name.startswith("prefill-")
-    }
+    snapshots = prefill_snapshots()
     assert len(snapshots) == 2
     for group in groups:
         ids = http.post("/tokenize", json={"model": model, "prompt": group}).json()["tokens"]

@@ -15,7 +15,7 @@ from splitserve.cluster.control.ingress_report import IngressReport, decode_fami
 from splitserve.cluster.control.membership import MembershipView, ReplicaInfo
 from splitserve.cluster.control.metrics_aggregator import MetricsAggregator
 from splitserve.cluster.control.pool_metrics import PoolMetrics
-from splitserve.cluster.frontend.metrics import Metrics
+from splitserve.cluster.frontend.metrics import Metrics, RouterViewCollector
 from splitserve.kvtransfer.message_codec import MessageError
 from splitserve.kvtransfer.poll_reply import PollReply, TransferTotals
 from tests.helpers.engine_stats import STATS
@@ -99,6 +99,26 @@ def test_totals_stay_monotonic_when_an_ingress_goes_and_when_it_comes_back():
     # a fresher sample set from the ingress being scraped wins over what it last shipped
     a.requests.labels("ok").inc()
     assert samples(agg.render(extra=[("a", families_of(a.registry))]))[OK] == 12
+
+
+def test_each_ingress_router_view_is_its_own_series_and_goes_with_it():
+    views = {"a": {"prefill": 12, "decode": 3}, "b": {"prefill": 9, "decode": 3}}
+    agg = MetricsAggregator()
+    for name, view in views.items():
+        m = Metrics("tiny")
+        m.registry.register(RouterViewCollector("tiny", name, lambda view=view: dict(view)))
+        agg.update(name, families_of(m.registry))
+    merged = samples(agg.render())
+    indexed = {k: v for k, v in merged.items() if k[0] == "splitserve_router_indexed_blocks"}
+    assert indexed == {
+        key("splitserve_router_indexed_blocks", pool=pool, ingress=name): n
+        for name, view in views.items()
+        for pool, n in view.items()
+    }
+    agg.retire("b")  # a gauge: the retired ingress's series goes, it is not summed into "a"
+    assert {k for k in samples(agg.render()) if k[0] == "splitserve_router_indexed_blocks"} == {
+        key("splitserve_router_indexed_blocks", pool=pool, ingress="a") for pool in ("prefill", "decode")
+    }
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (apt-get install prometheus)")
