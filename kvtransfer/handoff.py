@@ -109,3 +109,21 @@ class StreamChunk(msgspec.Struct, forbid_unknown_fields=True):
     @classmethod
     def from_bytes(cls, data: bytes) -> StreamChunk:
         return _codec.decode("stream_chunk", cls, data)
+
+    def followed_by(self, later: StreamChunk) -> StreamChunk:
+        """This chunk and the request's next one as one chunk: the tokens, text and logprobs
+        of both in order, the first's per-request facts, the later one's end state."""
+        if later.request_id != self.request_id:
+            raise ValueError(f"chunks of two requests: {self.request_id!r} and {later.request_id!r}")
+        if self.finished:
+            raise ValueError(f"request {self.request_id!r} already finished")
+        return msgspec.structs.replace(
+            later,
+            token_ids=self.token_ids + later.token_ids,
+            text=self.text + later.text,
+            num_cached_tokens=self.num_cached_tokens,
+            logprobs=self.logprobs + later.logprobs,
+            prefill_replica=self.prefill_replica if self.prefill_replica is not None else later.prefill_replica,
+            top_logprobs=self.top_logprobs + later.top_logprobs,
+            queue_seconds=self.queue_seconds if self.queue_seconds is not None else later.queue_seconds,
+        )

@@ -191,9 +191,19 @@ class Dispatcher(RoutedReplicas):
                 return
             loop = asyncio.get_running_loop()
             timer = loop.call_later(max(submit.deadline - time.time(), 0), queue.put_nowait, _DEADLINE)
+            held = None
             while True:
-                item = await queue.get()
+                item, held = (held, None) if held is not None else (await queue.get(), None)
                 if type(item) is StreamChunk:
+                    # Several engine steps queued (this ingress fell behind the replica): one
+                    # chunk for all of them, as vLLM's output collector merges, so a busy
+                    # ingress renders and writes fewer events instead of falling further behind.
+                    while not item.finished and not queue.empty():
+                        later = queue.get_nowait()
+                        if type(later) is not StreamChunk:
+                            held = later
+                            break
+                        item = item.followed_by(later)
                     if not sent_any:
                         sent_any = True
                         self.inflight_prefill.pop(rid, None)

@@ -146,3 +146,45 @@ def test_sampling_params_survive_the_request_channel():
     params = SamplingParams(logit_bias={3: -100, 7: 2.5}, repetition_penalty=1.3, min_tokens=2, top_logprobs=4)
     submit = decode_to_decode(encode_frame(Submit("r", [1, 2], params.to_dict()))[4:])
     assert SamplingParams.from_dict(submit.sampling) == params
+
+
+def test_queued_chunks_of_a_request_merge_into_one():
+    first = StreamChunk(
+        "r",
+        [5],
+        "a",
+        False,
+        None,
+        4,
+        2,
+        1,
+        logprobs=[-0.1],
+        prefill_replica="p0",
+        queue_seconds=0.01,
+        top_logprobs=[[(5, -0.1), (9, -2.0)]],
+    )
+    second = StreamChunk(
+        "r", [6, 7], "bc", False, None, 4, 0, 3, logprobs=[-0.2, -0.3], top_logprobs=[[(6, -0.2)], [(7, -0.3)]]
+    )
+    last = StreamChunk("r", [8], "d", True, "stop", 4, 0, 4, logprobs=[-0.4], top_logprobs=[[(8, -0.4)]], stop_reason=8)
+    merged = first.followed_by(second).followed_by(last)
+    assert merged == StreamChunk(
+        "r",
+        [5, 6, 7, 8],
+        "abcd",
+        True,
+        "stop",
+        4,
+        2,
+        4,
+        logprobs=[-0.1, -0.2, -0.3, -0.4],
+        prefill_replica="p0",
+        top_logprobs=[[(5, -0.1), (9, -2.0)], [(6, -0.2)], [(7, -0.3)], [(8, -0.4)]],
+        stop_reason=8,
+        queue_seconds=0.01,
+    )
+    assert first.token_ids == [5] and second.text == "bc"  # the parts are left as they were
+    with pytest.raises(ValueError, match="two requests"):
+        first.followed_by(StreamChunk("other", [6], "b", False, None, 4, 0, 2))
+    with pytest.raises(ValueError, match="already finished"):
+        last.followed_by(second)

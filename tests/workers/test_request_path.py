@@ -303,6 +303,30 @@ def test_tokens_travel_in_one_frame_per_engine_step(loop, cluster, reference):
     wait_for_baseline(loop, cluster)
 
 
+def test_a_reader_that_falls_behind_gets_the_queued_steps_as_one_chunk(loop, cluster, reference):
+    """Steps that queued while the ingress was busy elsewhere arrive as one chunk: the same
+    tokens in order, logprobs still one per token, fewer events to render."""
+    prompt = SHARED + [250]
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, logprobs=True)
+
+    async def go():
+        chunks = []
+        async for chunk in cluster.generate(prompt, params):
+            chunks.append(chunk)
+            if len(chunks) == 2:
+                await asyncio.sleep(1.0)  # the replica keeps stepping meanwhile
+        return chunks
+
+    chunks = loop.run(go(), timeout=120)
+    assert [t for c in chunks for t in c.token_ids] == reference(prompt, 60)
+    assert all(len(c.logprobs) == len(c.token_ids) for c in chunks)
+    print(f"after a 1 s pause: {[len(c.token_ids) for c in chunks[2:]]} tokens per chunk")
+    assert len(chunks[2].token_ids) >= 5
+    assert chunks[-1].finished and chunks[-1].num_output_tokens == 60
+    assert sum(c.finished for c in chunks) == 1
+    wait_for_baseline(loop, cluster)
+
+
 def test_a_second_ingress_follows_the_same_kv_events(loop, cluster):
     follower = Dispatcher(Router(cluster.cfg.router, block_size=cluster.cfg.block_size), ingress_id="follower")
 
