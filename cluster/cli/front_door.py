@@ -21,9 +21,11 @@ import shutil
 import socket
 import tempfile
 
-# The replicas' listeners close this long after a replica starts draining (Ray's default
-# is 30 s, which a local Ctrl-C would wait out); a Kubernetes load balancer needs longer.
-LOCAL_DRAINING_PERIOD_S = "2"
+# The replicas' listeners close this long after a replica starts draining. Ray's default,
+# 30 s, is every Ctrl-C's wait (deleting the app drains each ingress replica); behind Ray's
+# own HAProxy a short window is enough, since HAProxy retries a refused connect on another
+# replica. A Kubernetes load balancer in front needs its deregistration delay (Helm: 30 s).
+CLI_DRAINING_PERIOD_S = "2"
 # RAY_SERVE_THROUGHPUT_OPTIMIZED=1 spelled out: exactly the settings it implies (Ray 2.60,
 # ray/serve/_private/constants.py), without the Serve controller's multi-line INFO banner,
 # which reaches the console on every start before Serve's logging config applies. The Helm
@@ -53,14 +55,13 @@ class FrontDoor:
 
     def environment(self) -> dict[str, str]:
         """The variables to set; a user's own value of one (in this environment) wins."""
-        env = dict(FLAGS)
+        env = {**FLAGS, "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": CLI_DRAINING_PERIOD_S}
         if self.local:
             # Short: HAProxy limits socket paths to 97 bytes and Ray adds the node id (56).
             self.state_dir = tempfile.mkdtemp(prefix="ss", dir="/tmp")
             d = self.state_dir
             env.update(
                 {
-                    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": LOCAL_DRAINING_PERIOD_S,
                     "RAY_SERVE_HAPROXY_NBTHREAD": "1",  # a few cores at most on a local box
                     "RAY_SERVE_HAPROXY_STATS_PORT": str(_free_port()),
                     "RAY_SERVE_HAPROXY_METRICS_PORT": str(_free_port()),
