@@ -174,3 +174,16 @@ class ServerThread:
 def tiny_tokenizer(out_dir) -> Tokenizer:
     """The tokenizer of a `tiny` random checkpoint written into out_dir."""
     return Tokenizer.from_pretrained(write_random_checkpoint(out_dir, preset="tiny"))
+
+
+def assert_error(resp, status: int, error_type: str = "invalid_request_error", param=None):
+    """resp is an error in OpenAI's shape with this status and type (and param, when given), and
+    no traceback; returns its `error` object."""
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == error_type and error["message"]
+    assert "Traceback" not in error["message"]
+    if param is not None:
+        assert error["param"] == param
+    return error
