@@ -18,9 +18,16 @@ FAKE_CACHED_TOKENS = 2
 FAKE_LOGPROB = -0.5
 
 
+def fake_top_logprobs(token: int, k: int) -> list[tuple[int, float]]:
+    """FakeBackend's alternatives at a position: the chosen token first, then the next ids,
+    each 1 less likely."""
+    return [(token + j, FAKE_LOGPROB - j) for j in range(k)]
+
+
 class FakeBackend:
     """The ServingBackend interface the frontends use. generate() echoes the prompt's tokens
-    cyclically, one token per chunk; knobs make it refuse, fail mid-stream or go slowly."""
+    cyclically, one token per chunk (with fake_top_logprobs when asked); knobs make it refuse,
+    fail mid-stream or go slowly."""
 
     def __init__(self, tokenizer, cfg: ServeConfig):
         self.tokenizer = tokenizer
@@ -82,6 +89,7 @@ class FakeBackend:
                     num_cached_tokens=FAKE_CACHED_TOKENS,
                     num_output_tokens=i + 1,
                     logprobs=[FAKE_LOGPROB] if params.logprobs else [],
+                    top_logprobs=[fake_top_logprobs(token, params.top_logprobs)] if params.top_logprobs else [],
                 )
         except BaseException as exc:
             self.outcomes.append(type(exc).__name__)

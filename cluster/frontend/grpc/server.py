@@ -26,10 +26,9 @@ from grpc_health.v1 import health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from splitserve.cluster.frontend.grpc.health import BackendHealthServicer
+from splitserve.cluster.frontend.grpc.messages import generate_response, sampling_params_from
 from splitserve.cluster.request_error import ErrorKind, RequestError
-from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
-from splitserve.engine.sample.grammar_spec import GrammarSpec
-from splitserve.kvtransfer.handoff import StreamChunk
+from splitserve.engine.io.sampling_params import InvalidRequestError
 from splitserve.proto import load_stubs
 
 logger = logging.getLogger(__name__)
@@ -47,8 +46,6 @@ STATUS_CODE_BY_KIND: dict[ErrorKind, grpc.StatusCode] = {
 }
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 INGRESS_KEY = "x-splitserve-ingress"  # initial and trailing metadata: the ingress replica that answered
-# Sampling fields declared `optional` in the .proto: unset means the SamplingParams default.
-_OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "speculative_decoding")
 
 
 class GrpcFrontendError(RuntimeError):
@@ -129,50 +126,6 @@ def _time_remaining(context: grpc.aio.ServicerContext) -> float | None:
 
 def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
-def generate_response(chunk: StreamChunk, label: str | None = None) -> pb2.GenerateResponse:
-    """label: the client's request_id, echoed back; else the server's own id."""
-    response = pb2.GenerateResponse(
-        request_id=label or chunk.request_id,
-        token_ids=chunk.token_ids,
-        text=chunk.text,
-        logprobs=chunk.logprobs,
-        finished=chunk.finished,
-        finish_reason=chunk.finish_reason or "",
-    )
-    if chunk.finished:
-        response.usage.prompt_tokens = chunk.num_prompt_tokens
-        response.usage.completion_tokens = chunk.num_output_tokens
-        response.usage.cached_tokens = chunk.num_cached_tokens
-    return response
-
-
-def sampling_params_from(request: pb2.GenerateRequest) -> SamplingParams:
-    """SamplingParams from a GenerateRequest; raises InvalidRequestError on bad values."""
-    explicit = {name: getattr(request, name) for name in _OPTIONAL_SAMPLING_FIELDS if request.HasField(name)}
-    return SamplingParams(
-        structured_output=structured_output_from(request),
-        **explicit,
-        stop=list(request.stop),
-        stop_token_ids=list(request.stop_token_ids),
-        ignore_eos=request.ignore_eos,
-        logprobs=request.logprobs,
-        include_stop_str_in_output=request.include_stop_str_in_output,
-    )
-
-
-def structured_output_from(request: pb2.GenerateRequest) -> GrammarSpec | None:
-    kind = request.WhichOneof("structured_output")
-    if kind is None:
-        return None
-    if kind == "json_schema":
-        return GrammarSpec.json_schema(request.json_schema)
-    if kind == "json_object":
-        return GrammarSpec("json_object") if request.json_object else None
-    if kind == "choice":
-        return GrammarSpec.choice(list(request.choice.choices))
-    return GrammarSpec(kind, getattr(request, kind))
 
 
 class GrpcFrontend:
@@ -258,11 +211,11 @@ class GrpcFrontend:
     async def generate(self, request, context: grpc.aio.ServicerContext) -> None:
         api_key = self._authorize(context)
         self._check_model(request.model)
-        prompt_token_ids = await self._prompt_token_ids(request)
-        try:
+        try:  # before tokenizing: a bad parameter costs nothing
             params = sampling_params_from(request)
         except InvalidRequestError as exc:
             raise _Rejection(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        prompt_token_ids = await self._prompt_token_ids(request)
         # The client's gRPC deadline becomes the request's (capped by request_timeout_s). Its
         # request_id is a label: echoed back and logged, never a key (the server's id is).
         label = request.request_id or None
