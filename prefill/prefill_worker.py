@@ -173,6 +173,8 @@ class PrefillWorker(EngineWorker):
             first_logprob=out.new_logprobs[0] if out.new_logprobs else None,
             first_top_logprobs=out.new_top_logprobs[0] if out.new_top_logprobs else [],
             queue_seconds=out.queue_seconds or 0.0,
+            prompt_logprobs=out.prompt_logprobs,
+            prompt_top_logprobs=out.prompt_top_logprobs,
             num_cached_tokens=out.num_cached_tokens,
             num_blocks_sent=len(job.block_ids),
             num_bytes_sent=job.num_bytes,

@@ -29,6 +29,9 @@ class ChoiceState:
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
+        # Echo with logprobs: prompt token i + 1's log-probability (and alternatives), from the first chunk.
+        self.prompt_logprobs: list[float] = []
+        self.prompt_top_logprobs: list[list[tuple[int, float]]] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_prompt_tokens = 0
@@ -40,6 +43,11 @@ class ChoiceState:
         self.token_ids.extend(chunk.token_ids)
         self.logprobs.extend(finite_logprob(lp) for lp in chunk.logprobs)
         self.top_logprobs.extend([(int(t), finite_logprob(lp)) for t, lp in top] for top in chunk.top_logprobs)
+        if chunk.prompt_logprobs:
+            self.prompt_logprobs.extend(finite_logprob(lp) for lp in chunk.prompt_logprobs)
+            self.prompt_top_logprobs.extend(
+                [(int(t), finite_logprob(lp)) for t, lp in top] for top in chunk.prompt_top_logprobs
+            )
         self.num_prompt_tokens = max(self.num_prompt_tokens, chunk.num_prompt_tokens)
         self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
         self.num_output_tokens = max(self.num_output_tokens, chunk.num_output_tokens, len(self.token_ids))

@@ -3,8 +3,7 @@ SamplingParams they ask for (responses: splitserve.cluster.frontend.openai.respo
 
 Requests ignore fields they know nothing about (OpenAI clients send some) but reject wrong
 types (strict mode: no "0.5" for a float, no true for an int). Every parameter that is
-accepted acts: what splitserve cannot honour (unsupported.py: beam search, min_p, prompt
-logprobs, ...) is refused with a 400 that names the parameter and says why. Structured
+accepted acts: what splitserve cannot honour (unsupported.py: beam search, min_p, ...) is refused with a 400 that names the parameter and says why. Structured
 output and tool calling: openai/structured_output.py and openai/tools.py.
 """
 
@@ -139,7 +138,10 @@ class CompletionRequest(_SamplingRequest):
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), BeforeValidator(_integral_float_to_int)] | None = Field(
         None, description="the chosen token's log-probability and this many most likely alternatives"
     )
-    echo: bool = Field(False, description="prepend the prompt to the completion text")
+    echo: bool = Field(
+        False,
+        description="prepend the prompt to the completion text; with logprobs, also the prompt's log-probabilities",
+    )
     best_of: JsonInt | None = Field(None, description="only 1 (or n) is supported: every choice is returned")
 
     @field_validator("prompt", mode="before")
@@ -156,10 +158,6 @@ class CompletionRequest(_SamplingRequest):
         super().check_supported()
         if self.best_of not in (None, 1, self.n):
             raise RequestParamError("best_of must be 1 or equal to n: every generated choice is returned", "best_of")
-        if self.echo and self.logprobs is not None:
-            raise RequestParamError(
-                "echo with logprobs is not supported: prompt log-probabilities are not computed", "echo"
-            )
         if len(self.prompts()) * self.n > MAX_CHOICES:
             raise RequestParamError(f"prompts x n must be at most {MAX_CHOICES}", "n")
 
@@ -260,6 +258,8 @@ def build_sampling_params(
     else:
         max_tokens = 16 if request.max_tokens is None else request.max_tokens
         logprobs, top_logprobs = request.logprobs is not None, request.logprobs or 0
+    # Completions echo with logprobs: the prompt's tokens get theirs too (as vLLM's and OpenAI's).
+    echo_logprobs = isinstance(request, CompletionRequest) and request.echo and request.logprobs is not None
     plan = request.tool_call_plan() if isinstance(request, ChatCompletionRequest) else None
     return SamplingParams(
         max_tokens=max_tokens,
@@ -272,6 +272,7 @@ def build_sampling_params(
         ignore_eos=request.ignore_eos,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        prompt_logprobs=request.logprobs if echo_logprobs else None,
         include_stop_str_in_output=request.include_stop_str_in_output,
         presence_penalty=request.presence_penalty or 0.0,
         frequency_penalty=request.frequency_penalty or 0.0,

@@ -164,15 +164,37 @@ class ResponseRenderer(ABC):
 class CompletionRenderer(ResponseRenderer):
     chunk_object = "text_completion"
 
-    def __init__(self, *args, num_top_logprobs: int = 0, **kwargs):
+    def __init__(self, *args, num_top_logprobs: int = 0, echo_token_ids: list[list[int]] | None = None, **kwargs):
+        """echo_token_ids: per prompt, its token ids, when the prompt is echoed with its
+        log-probabilities (echo with logprobs): its entries go ahead of the completion's (in
+        the first chunk when streamed), as vLLM's and OpenAI's."""
         super().__init__(*args, **kwargs)
         self.num_top_logprobs = num_top_logprobs
-        self._text_offsets = {c.index: len(c.echo) for c in self.choices}
+        self.echo_token_ids = echo_token_ids
+        self._text_offsets = self._initial_offsets()
+
+    def _initial_offsets(self) -> dict[int, int]:
+        # With the prompt's entries, offsets count from the prompt's first token.
+        return {c.index: 0 if self.echo_token_ids is not None else len(c.echo) for c in self.choices}
+
+    def _entries(self, choice: ChoiceState, start: int) -> tuple[list[int], list, list]:
+        """(token ids, log-probabilities, top alternatives) from output token `start` on, with
+        the prompt's ahead of them from the start when echoed (its first token has none)."""
+        token_ids = choice.token_ids[start:]
+        logprobs: list[float | None] = list(choice.logprobs[start:])
+        tops: list = list(choice.top_logprobs[start:])
+        if start == 0 and self.echo_token_ids is not None:
+            prompt = self.echo_token_ids[choice.prompt_index]
+            if len(choice.prompt_logprobs) == len(prompt) - 1:  # none: no chunk came
+                token_ids = prompt + token_ids
+                logprobs = [None, *choice.prompt_logprobs, *logprobs]
+                tops = [None, *choice.prompt_top_logprobs, *tops]
+        return token_ids, logprobs, tops
 
     def _logprobs(self, choice: ChoiceState, start: int) -> CompletionLogprobs | None:
         if not self.include_logprobs:
             return None
-        token_ids = choice.token_ids[start:]
+        token_ids, logprobs, tops = self._entries(choice, start)
         tokens = [self.token_string(t) for t in token_ids]
         offsets = []
         for token in tokens:
@@ -181,16 +203,17 @@ class CompletionRenderer(ResponseRenderer):
         top = None
         if self.num_top_logprobs:
             top = []
-            for token_id, logprob, alternatives in zip(token_ids, choice.logprobs[start:], choice.top_logprobs[start:]):
+            for token_id, logprob, alternatives in zip(token_ids, logprobs, tops):
+                if logprob is None:  # the first prompt token: nothing before it
+                    top.append(None)
+                    continue
                 entry: dict[str, float] = {}
                 for t, lp in alternatives:  # most likely first; tokens decoding alike keep the first
                     entry.setdefault(self.token_string(t), lp)
                 # As OpenAI and vLLM: the chosen token is always listed (up to logprobs + 1).
                 entry.setdefault(self.token_string(token_id), logprob)
                 top.append(entry)
-        return CompletionLogprobs(
-            tokens=tokens, token_logprobs=list(choice.logprobs[start:]), top_logprobs=top, text_offset=offsets
-        )
+        return CompletionLogprobs(tokens=tokens, token_logprobs=logprobs, top_logprobs=top, text_offset=offsets)
 
     def render_choice(self, choice, text, first_token, finish_reason) -> dict:
         logprobs = self._logprobs(choice, first_token)
@@ -208,7 +231,7 @@ class CompletionRenderer(ResponseRenderer):
         ).model_dump(mode="json")
 
     def render_response(self) -> dict:
-        self._text_offsets = {c.index: len(c.echo) for c in self.choices}
+        self._text_offsets = self._initial_offsets()
         choices = [
             CompletionChoice(
                 index=c.index,

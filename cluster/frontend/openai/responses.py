@@ -26,7 +26,8 @@ class Usage(BaseModel):
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float]] | None = None
+    # None for the first prompt token when the prompt is echoed with its log-probabilities.
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int]
 
 

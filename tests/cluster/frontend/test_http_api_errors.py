@@ -30,7 +30,7 @@ pytestmark = pytest.mark.timeout(60)
         ({"prompt": "x", "n": 0}, "n", "greater than or equal to 1"),
         ({"prompt": "x", "n": 129}, "n", "less than or equal to 128"),
         ({"prompt": ["a"] * 65, "n": 2}, "n", "prompts x n"),
-        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo", "prompt log-probabilities"),
+        ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs", "echo with logprobs"),
         ({"prompt": "x", "best_of": 3}, "best_of", "equal to n"),
         ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
         ({"prompt": "x", "frequency_penalty": -2.5}, "frequency_penalty", "greater than or equal to -2"),
