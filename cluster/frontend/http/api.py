@@ -226,6 +226,7 @@ def build_http_app(backend, echo_request_id: bool = True) -> FastAPI:
             echoes=echoes,
             num_top_logprobs=params.top_logprobs,
             echo_token_ids=prompts if params.prompt_logprobs is not None else None,
+            echo_only=body.echo_only,
         )
         return await generate(request, prompts, params, body.n, renderer, body.stream)
 

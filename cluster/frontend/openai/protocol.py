@@ -134,7 +134,9 @@ class CompletionRequest(_SamplingRequest):
         | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICES)]
         | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_CHOICES)]
     ) = Field(description="text, token ids, or a list of prompts (one choice per prompt and n)")
-    max_tokens: PositiveInt | None = 16
+    max_tokens: Annotated[int, Field(ge=0), BeforeValidator(_integral_float_to_int)] | None = Field(
+        16, description="0 only with echo: the prompt alone (with logprobs, its log-probabilities), as vLLM's"
+    )
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), BeforeValidator(_integral_float_to_int)] | None = Field(
         None, description="the chosen token's log-probability and this many most likely alternatives"
     )
@@ -158,8 +160,16 @@ class CompletionRequest(_SamplingRequest):
         super().check_supported()
         if self.best_of not in (None, 1, self.n):
             raise RequestParamError("best_of must be 1 or equal to n: every generated choice is returned", "best_of")
+        if self.max_tokens == 0 and not self.echo:
+            raise RequestParamError("max_tokens must be at least 1 (0 only with echo: the prompt alone)", "max_tokens")
         if len(self.prompts()) * self.n > MAX_CHOICES:
             raise RequestParamError(f"prompts x n must be at most {MAX_CHOICES}", "n")
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the response holds the prompt alone (vLLM's echo without
+        generation). One token is still generated (the engine's minimum), and not shown."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """Every prompt of this request: text or token ids."""
@@ -256,7 +266,7 @@ def build_sampling_params(
             max_tokens = max(max_model_len - num_prompt_tokens, 1)
         logprobs, top_logprobs = request.logprobs, (request.top_logprobs or 0) if request.logprobs else 0
     else:
-        max_tokens = 16 if request.max_tokens is None else request.max_tokens
+        max_tokens = 16 if request.max_tokens is None else max(request.max_tokens, 1)  # 0: echo_only
         logprobs, top_logprobs = request.logprobs is not None, request.logprobs or 0
     # Completions echo with logprobs: the prompt's tokens get theirs too (as vLLM's and OpenAI's).
     echo_logprobs = isinstance(request, CompletionRequest) and request.echo and request.logprobs is not None

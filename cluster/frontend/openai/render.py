@@ -122,7 +122,7 @@ class ResponseRenderer(ABC):
         if not (chunk.text or chunk.token_ids or chunk.finished):
             return []
         finish = choice.finish_reason if chunk.finished else None
-        return [self.chunk_event(choice, choice.take_echo() + chunk.text, num_before, finish)]
+        return [self.chunk_event(choice, choice.take_echo() + choice.shown_text(chunk), num_before, finish)]
 
     def chunk_event(self, choice: ChoiceState, text: str, first_token: int, finish_reason: str | None) -> str:
         """The SSE event of one streamed chunk of `choice` (see render_choice)."""
@@ -164,11 +164,21 @@ class ResponseRenderer(ABC):
 class CompletionRenderer(ResponseRenderer):
     chunk_object = "text_completion"
 
-    def __init__(self, *args, num_top_logprobs: int = 0, echo_token_ids: list[list[int]] | None = None, **kwargs):
+    def __init__(
+        self,
+        *args,
+        num_top_logprobs: int = 0,
+        echo_token_ids: list[list[int]] | None = None,
+        echo_only: bool = False,
+        **kwargs,
+    ):
         """echo_token_ids: per prompt, its token ids, when the prompt is echoed with its
         log-probabilities (echo with logprobs): its entries go ahead of the completion's (in
-        the first chunk when streamed), as vLLM's and OpenAI's."""
+        the first chunk when streamed), as vLLM's and OpenAI's. echo_only: echo with
+        max_tokens 0, the prompt alone (CompletionRequest.echo_only)."""
         super().__init__(*args, **kwargs)
+        for choice in self.choices:
+            choice.echo_only = echo_only
         self.num_top_logprobs = num_top_logprobs
         self.echo_token_ids = echo_token_ids
         self._text_offsets = self._initial_offsets()

@@ -123,3 +123,20 @@ def test_streamed_echo_logprobs_come_with_the_first_chunk(loop, client, backend,
     assert max(abs(a - b) for a, b in zip(values[1:], whole.logprobs.token_logprobs[1:])) < 1e-5
     assert "".join(c.text for c in chunks) == whole.text
     wait_for_baseline(loop, backend.cluster)
+
+
+def test_echo_with_max_tokens_zero_returns_the_prompt_alone(loop, client, backend, reference):
+    """As vLLM's echo without generation: the prompt's text and entries only, "length"."""
+    for stream in (False, True):
+        response = echo(client, backend, logprobs=1, max_tokens=0, stream=stream)
+        choices = [c.choices[0] for c in response if c.choices] if stream else [response.choices[0]]
+        assert "".join(c.text for c in choices) == backend.tokenizer.decode(PROMPT)
+        assert choices[-1].finish_reason == "length"
+        logprobs = [c.logprobs for c in choices if c.logprobs is not None and c.logprobs.tokens]
+        assert len(logprobs) == 1 and len(logprobs[0].tokens) == len(PROMPT)
+        assert_prompt_entries(logprobs[0], backend, reference, 1)
+    plain = echo(client, backend, max_tokens=0)
+    assert plain.choices[0].text == backend.tokenizer.decode(PROMPT) and plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="0 only with echo"):
+        client.completions.create(model=backend.model_name, prompt=PROMPT, max_tokens=0)
+    wait_for_baseline(loop, backend.cluster)
