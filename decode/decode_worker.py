@@ -177,6 +177,7 @@ class DecodeWorker(EngineWorker):
                         first.queue_seconds,
                         first.prompt_logprobs,
                         first.prompt_top_logprobs,
+                        first.prompt_ranks,
                     )
                 )
             admitted = not req.aborted
@@ -234,6 +235,7 @@ class DecodeWorker(EngineWorker):
                     queue_seconds=item.queue_seconds if not req.num_chunks_sent else None,
                     prompt_logprobs=item.prompt_logprobs if not req.num_chunks_sent else [],
                     prompt_top_logprobs=item.prompt_top_logprobs if not req.num_chunks_sent else [],
+                    prompt_ranks=item.prompt_ranks if not req.num_chunks_sent else [],
                 )
             )
             req.num_chunks_sent += 1

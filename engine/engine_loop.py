@@ -165,6 +165,7 @@ class EngineLoop:
         queue_seconds: float | None = None,
         prompt_logprobs: list[float] | None = None,
         prompt_top_logprobs: list[list[tuple[int, float]]] | None = None,
+        prompt_ranks: list[int] | None = None,
     ) -> Future:
         """LLMEngine.admit_prefilled on the loop thread: its first output and every later one
         go to sink."""
@@ -179,6 +180,7 @@ class EngineLoop:
                 queue_seconds,
                 prompt_logprobs,
                 prompt_top_logprobs,
+                prompt_ranks,
             )
             if not out.finished:
                 self._sinks[request_id] = sink

@@ -175,6 +175,7 @@ class PrefillWorker(EngineWorker):
             queue_seconds=out.queue_seconds or 0.0,
             prompt_logprobs=out.prompt_logprobs,
             prompt_top_logprobs=out.prompt_top_logprobs,
+            prompt_ranks=out.prompt_ranks,
             num_cached_tokens=out.num_cached_tokens,
             num_blocks_sent=len(job.block_ids),
             num_bytes_sent=job.num_bytes,

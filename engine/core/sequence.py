@@ -47,6 +47,7 @@ class Sequence:
         # prompt_logprobs > 0). Filled as the prompt's chunks compute; complete before the first token.
         self.prompt_logprobs: list[float] = []
         self.prompt_top_logprobs: list[list[tuple[int, float]]] = []
+        self.prompt_ranks: list[int] = []  # each prompt token's rank in its distribution (1: most likely)
         self.finish_reason: str | None = None
         # What stopped it (vLLM's stop_reason): the stop token id, the stop string, or None
         # (EOS, length, abort). A stop token's text is left out unless include_stop_str_in_output.
@@ -79,10 +80,13 @@ class Sequence:
         """It asks for prompt log-probabilities and some are still to compute."""
         return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
 
-    def add_prompt_logprobs(self, logprobs: list[float], top_logprobs: list[list[tuple[int, float]]]) -> None:
-        """The next prompt positions' log-probabilities (top_logprobs: empty, or one list each)."""
+    def add_prompt_logprobs(
+        self, logprobs: list[float], top_logprobs: list[list[tuple[int, float]]], ranks: list[int]
+    ) -> None:
+        """The next prompt positions' log-probabilities and ranks (top_logprobs: empty, or one list each)."""
         self.prompt_logprobs.extend(logprobs)
         self.prompt_top_logprobs.extend(top_logprobs)
+        self.prompt_ranks.extend(ranks)
 
     @property
     def is_finished(self) -> bool:

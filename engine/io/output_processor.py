@@ -114,6 +114,7 @@ class OutputProcessor:
             # Complete before the first token, never changed after: shared, not copied.
             prompt_logprobs=seq.prompt_logprobs,
             prompt_top_logprobs=seq.prompt_top_logprobs,
+            prompt_ranks=seq.prompt_ranks,
             stop_reason=seq.stop_reason,
             queue_seconds=seq.queue_seconds,
         )

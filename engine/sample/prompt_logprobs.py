@@ -59,9 +59,11 @@ class PromptLogprobs:
                 logprobs = torch.log_softmax(self.compute_logits(rows), dim=-1)
                 first = position + offset + 1  # the prompt token the first row scores
                 targets = torch.tensor(seq.prompt_token_ids[first : first + count], device=logprobs.device)
-                chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+                chosen = logprobs.gather(1, targets.unsqueeze(1))
+                # Rank as vLLM's: 1 + how many tokens are more likely than the prompt's.
+                ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
                 tops = []
                 if k:
                     values, indices = torch.topk(logprobs, min(k, logprobs.shape[1]), dim=-1)
                     tops = [list(zip(ids, lps)) for ids, lps in zip(indices.tolist(), values.tolist())]
-                seq.add_prompt_logprobs(chosen, tops)
+                seq.add_prompt_logprobs(chosen.squeeze(1).tolist(), tops, ranks)

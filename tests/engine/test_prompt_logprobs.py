@@ -44,12 +44,17 @@ def reference(tiny_model):
 
 def assert_matches(out, prompt: list[int], reference, k: int) -> None:
     if len(prompt) == 1:  # nothing comes before its only token
-        assert out.prompt_logprobs == [] and out.prompt_top_logprobs == []
+        assert out.prompt_logprobs == [] and out.prompt_top_logprobs == [] and out.prompt_ranks == []
         return
     ref = reference(prompt)
     expected = ref[:-1].gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
     assert len(out.prompt_logprobs) == len(prompt) - 1
     assert (torch.tensor(out.prompt_logprobs) - expected).abs().max().item() < TOL
+    # Rank as vLLM's (1 + how many tokens are more likely), up to ties within the tolerance.
+    low = (ref[:-1] > expected.unsqueeze(1) + TOL).sum(dim=1) + 1
+    high = (ref[:-1] > expected.unsqueeze(1) - TOL).sum(dim=1) + 1
+    ranks = torch.tensor(out.prompt_ranks)
+    assert len(out.prompt_ranks) == len(prompt) - 1 and bool(((low <= ranks) & (ranks <= high)).all())
     if not k:
         assert out.prompt_top_logprobs == []
         return
@@ -75,6 +80,7 @@ def test_prompt_logprobs_match_transformers_across_chunks(tiny_model, reference)
     assert again.num_cached_tokens == 0
     assert again.prompt_logprobs == first.prompt_logprobs
     assert again.prompt_top_logprobs == first.prompt_top_logprobs
+    assert again.prompt_ranks == first.prompt_ranks
     assert again.token_ids == first.token_ids
     plain = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))[0]
     assert plain.num_cached_tokens == 64 and plain.prompt_logprobs == [] and plain.token_ids == first.token_ids

@@ -59,6 +59,7 @@ def _messages():
             0.002,
             prompt_logprobs=[-1.5, float("-inf")],
             prompt_top_logprobs=[[(3, -0.2)], [(4, -0.1)]],
+            prompt_ranks=[2, 1],
         ),  # fmt: skip
         StreamChunk("r", [5], "a", False, None, 3, 0, 1, prompt_logprobs=[-1.5, -2.0], prompt_top_logprobs=[[], []]),
         PollReply([KVEvent(1, STORED, (1, 2**64 - 1)), KVEvent(2, REMOVED, (1,))], STATS, 1, 0, TransferTotals()),

@@ -33,6 +33,7 @@ class ChoiceState:
         # Echo with logprobs: prompt token i + 1's log-probability (and alternatives), from the first chunk.
         self.prompt_logprobs: list[float] = []
         self.prompt_top_logprobs: list[list[tuple[int, float]]] = []
+        self.prompt_ranks: list[int] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_prompt_tokens = 0
@@ -50,6 +51,7 @@ class ChoiceState:
             self.prompt_top_logprobs.extend(
                 [(int(t), finite_logprob(lp)) for t, lp in top] for top in chunk.prompt_top_logprobs
             )
+            self.prompt_ranks.extend(chunk.prompt_ranks)
         self.num_prompt_tokens = max(self.num_prompt_tokens, chunk.num_prompt_tokens)
         self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
         self.num_output_tokens = max(self.num_output_tokens, chunk.num_output_tokens, len(self.token_ids))

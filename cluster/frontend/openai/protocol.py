@@ -106,6 +106,13 @@ class _SamplingRequest(_Request):
         True, description="splitserve extension: false opts this request out of speculative decoding"
     )
     user: str | None = None
+    prompt_logprobs: (
+        Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), BeforeValidator(_integral_float_to_int)] | None
+    ) = Field(
+        None,
+        description="vLLM extension: each prompt token's log-probability and rank, with this many alternatives, "
+        "in the response's prompt_logprobs (not with stream)",
+    )
     # Structured output (openai/structured_output.py): OpenAI's field and vLLM's.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = Field(
@@ -125,6 +132,8 @@ class _SamplingRequest(_Request):
         if refused is not None:
             name, message = refused
             raise RequestParamError(message, name)
+        if self.prompt_logprobs is not None and self.stream:  # vLLM refuses it too
+            raise RequestParamError("prompt_logprobs are not available when stream is true", "prompt_logprobs")
 
 
 class CompletionRequest(_SamplingRequest):
@@ -282,7 +291,9 @@ def build_sampling_params(
         ignore_eos=request.ignore_eos,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
-        prompt_logprobs=request.logprobs if echo_logprobs else None,
+        prompt_logprobs=request.logprobs
+        if request.prompt_logprobs is None and echo_logprobs
+        else request.prompt_logprobs,
         include_stop_str_in_output=request.include_stop_str_in_output,
         presence_penalty=request.presence_penalty or 0.0,
         frequency_penalty=request.frequency_penalty or 0.0,

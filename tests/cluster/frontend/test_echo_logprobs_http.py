@@ -140,3 +140,35 @@ def test_echo_with_max_tokens_zero_returns_the_prompt_alone(loop, client, backen
     with pytest.raises(openai.BadRequestError, match="0 only with echo"):
         client.completions.create(model=backend.model_name, prompt=PROMPT, max_tokens=0)
     wait_for_baseline(loop, backend.cluster)
+
+
+def test_vllm_prompt_logprobs_field(loop, client, backend, reference):
+    """vLLM's prompt_logprobs request field: the response's prompt_logprobs per position, the
+    prompt token's {logprob, rank, decoded_token} first, then the alternatives ranked 1, 2, ..."""
+    response = client.completions.create(
+        model=backend.model_name, prompt=PROMPT, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
+    field = response.choices[0].model_extra["prompt_logprobs"]
+    assert len(field) == len(PROMPT) and field[0] is None and response.choices[0].logprobs is None
+    for pos in range(1, len(PROMPT)):
+        entry, row = field[pos], reference[pos - 1]
+        mine = entry[str(PROMPT[pos])]
+        assert list(entry)[0] == str(PROMPT[pos]) and mine["decoded_token"] == token_string(backend, PROMPT[pos])
+        assert abs(mine["logprob"] - row[PROMPT[pos]].item()) < TOL
+        assert (
+            int((row > mine["logprob"] + TOL).sum()) + 1 <= mine["rank"] <= int((row > mine["logprob"] - TOL).sum()) + 1
+        )
+        alternatives = [(int(t), e) for t, e in entry.items()][1:]
+        ranks = [e["rank"] for _, e in alternatives]  # the top 2 but the prompt token, most likely first
+        assert ranks == sorted(ranks) and set(ranks) | ({mine["rank"]} & {1, 2}) == {1, 2}
+        for token, e in alternatives:
+            assert abs(e["logprob"] - row[token].item()) < TOL and e["rank"] <= 2
+    messages = [{"role": "user", "content": "Say hello"}]
+    chat = client.chat.completions.create(
+        model=backend.model_name, messages=messages, max_tokens=1, extra_body={"prompt_logprobs": 0}
+    )
+    chat_ids = backend.render_chat(messages)
+    field = chat.model_extra["prompt_logprobs"]
+    assert len(field) == len(chat_ids) and field[0] is None
+    assert all(list(entry) == [str(token)] for entry, token in zip(field[1:], chat_ids[1:]))
+    wait_for_baseline(loop, backend.cluster)
