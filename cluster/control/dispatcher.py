@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from splitserve.cluster.control.decode_channel import ChannelClosed
 from splitserve.cluster.control.routed_replicas import Member, RoutedReplicas
 from splitserve.cluster.request_error import ErrorKind, RequestError
-from splitserve.cluster.routing.router import DECODE, PREFILL, NoReplicaError, Router
+from splitserve.cluster.routing.router import DECODE, PREFILL, NoReplicaError, RouteDecision, Router
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.kvtransfer.handoff import StreamChunk
 from splitserve.kvtransfer.poll_reply import PollReply
@@ -126,9 +126,11 @@ class Dispatcher(RoutedReplicas):
             decode = self.members[DECODE].get(decision.decode_replica)
             prefill_id = decision.prefill_replica
             if decode is None:  # dropped since the router last heard of it
+                decision.release_claims()
                 exclude[DECODE].add(decision.decode_replica)
                 continue
             if prefill_id is not None and prefill_id not in self.members[PREFILL]:
+                decision.release_claims()
                 exclude[PREFILL].add(prefill_id)
                 continue
             if on_route is not None:
@@ -147,7 +149,7 @@ class Dispatcher(RoutedReplicas):
             outcome: list = []  # the failure that ended the attempt, if one did
             # aclosing: when our caller closes us mid-stream, the attempt's clean-up (Abort)
             # runs now, not whenever the garbage collector finalizes it.
-            async with contextlib.aclosing(self._attempt(decode, submit, timeout_s, outcome)) as chunks:
+            async with contextlib.aclosing(self._attempt(decode, submit, decision, timeout_s, outcome)) as chunks:
                 async for chunk in chunks:
                     yield chunk
             if not outcome:
@@ -173,9 +175,10 @@ class Dispatcher(RoutedReplicas):
             exclude[avoid].add(prefill_id if avoid == PREFILL else decode.info.replica_id)
             logger.warning("retrying %s (client id %r, attempt %d) after: %s", base_id, label, attempt, message)
 
-    async def _attempt(self, decode: Member, submit: Submit, timeout_s: float, outcome: list):
+    async def _attempt(self, decode: Member, submit: Submit, decision: RouteDecision, timeout_s: float, outcome: list):
         """One try on one decode replica: yields its chunks; on a failure, appends
-        (Failed | ChannelClosed, whether a chunk was yielded) to outcome and returns."""
+        (Failed | ChannelClosed, whether a chunk was yielded) to outcome and returns. The
+        decision's load claims are released as the request leaves each replica."""
         rid = submit.request_id
         channel = decode.channel
         self.inflight[rid] = decode.info.replica_id
@@ -207,6 +210,7 @@ class Dispatcher(RoutedReplicas):
                     if not sent_any:
                         sent_any = True
                         self.inflight_prefill.pop(rid, None)
+                        decision.release_prefill()
                     done = item.finished
                     yield item
                     if done:
@@ -217,6 +221,7 @@ class Dispatcher(RoutedReplicas):
                     outcome.extend((item, sent_any))
                     return
         finally:
+            decision.release_claims()
             if timer is not None:
                 timer.cancel()
             self.inflight.pop(rid, None)

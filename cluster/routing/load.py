@@ -51,18 +51,22 @@ class ReplicaLoad:
     pending_tokens: int = 0  # tokens routed here since the last report
     pending_requests: int = 0  # requests routed here since the last report
     updated_at: float = field(default_factory=time.monotonic)
+    report_epoch: int = 0  # reports received: a claim made before the last one is covered by it
 
     def update(self, report: LoadReport) -> None:
         """Replace the load with a fresh report from the replica; forget pending counts."""
         self.report = report
         self.pending_tokens = 0
         self.pending_requests = 0
+        self.report_epoch += 1
         self.updated_at = time.monotonic()
 
-    def add_pending(self, num_tokens: int) -> None:
-        """Account for a request just routed here until the next report."""
+    def add_pending(self, num_tokens: int) -> PendingClaim:
+        """Account for a request just routed here until the next report, or until the
+        returned claim is released, whichever comes first."""
         self.pending_tokens += num_tokens
         self.pending_requests += 1
+        return PendingClaim(self, self.report_epoch, num_tokens)
 
     @property
     def effective_queued_tokens(self) -> int:
@@ -73,3 +77,28 @@ class ReplicaLoad:
         """Running + routed since the report. Waiting requests are not added: their prompt
         tokens are already counted in queued_prefill_tokens."""
         return self.report.num_running + self.pending_requests
+
+
+@dataclass(eq=False)
+class PendingClaim:
+    """One routed request's share of a replica's pending counts. Without it, requests that
+    finished before the replica's next report still counted as queued and running, so a
+    client sending one request after another made its cache-holding replica look busy and
+    drove its prefix elsewhere."""
+
+    load: ReplicaLoad
+    epoch: int  # the load's report_epoch when the request was routed
+    num_tokens: int
+    released: bool = False
+
+    def release(self) -> None:
+        """The request left that queue (prefill: its first token came back; decode: it
+        ended): take its share back, once. If a report arrived since, it replaced the
+        pending counts and counts the request itself until the next one: nothing to undo."""
+        if self.released:
+            return
+        self.released = True
+        load = self.load
+        if load.report_epoch == self.epoch:
+            load.pending_tokens = max(0, load.pending_tokens - self.num_tokens)
+            load.pending_requests = max(0, load.pending_requests - 1)

@@ -34,10 +34,10 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from splitserve.cluster.routing.index import KVIndex
-from splitserve.cluster.routing.load import LoadReport, ReplicaLoad
+from splitserve.cluster.routing.load import LoadReport, PendingClaim, ReplicaLoad
 from splitserve.cluster.routing.router_config import RouterConfig
 from splitserve.engine.core.block_hash import hash_blocks
 
@@ -73,10 +73,23 @@ class RouteDecision:
     num_transfer_tokens: int  # KV tokens to move prefill -> decode (0 if local)
     reason: str  # "kv-prefix", "load", "local-prefill", ...
     block_hashes: tuple[int, ...]  # chained hashes of the prompt's full blocks
+    # The request's shares of the chosen replicas' pending load (prefill's first, if any):
+    # the caller releases each when the request leaves that replica (release_claims).
+    claims: tuple[PendingClaim, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def local_prefill(self) -> bool:
         return self.prefill_replica is None
+
+    def release_prefill(self) -> None:
+        """The prompt left the prefill replica's queue (its first token came back)."""
+        if not self.local_prefill and self.claims:
+            self.claims[0].release()
+
+    def release_claims(self) -> None:
+        """The request ended (or was never sent): it no longer loads any replica it was routed to."""
+        for claim in self.claims:
+            claim.release()
 
 
 class Router:
@@ -194,17 +207,21 @@ class Router:
                 reason = "no-prefill-replica"
             else:
                 reason = "local-prefill"
-            decode.add_pending(remainder)
-            return self._decide(None, decode, num_tokens, 0, decode_cached, 0, reason, hashes)
+            claims = (decode.add_pending(remainder),)
+            return self._decide(None, decode, num_tokens, 0, decode_cached, 0, reason, hashes, claims)
 
         if prefix_aware:
             prefill, prefill_cached, reason = self._pick_by_cost(PREFILL, prefill_cands, hashes, num_tokens)
         else:
             prefill, prefill_cached = self._pick_blind(PREFILL, prefill_cands), 0
             reason = self.config.policy
-        prefill.add_pending(num_tokens - prefill_cached)
-        decode.add_pending(0)  # a new sequence on decode; its prompt is prefilled elsewhere
-        return self._decide(prefill, decode, num_tokens, prefill_cached, decode_cached, remainder, reason, hashes)
+        claims = (
+            prefill.add_pending(num_tokens - prefill_cached),
+            decode.add_pending(0),  # a new sequence on decode; its prompt is prefilled elsewhere
+        )
+        return self._decide(
+            prefill, decode, num_tokens, prefill_cached, decode_cached, remainder, reason, hashes, claims
+        )
 
     def _prompt_hashes(self, token_ids, num_prompt_tokens, block_hashes) -> tuple[tuple, int]:
         if (token_ids is None) == (block_hashes is None):
@@ -297,6 +314,7 @@ class Router:
         num_transfer: int,
         reason: str,
         hashes: tuple,
+        claims: tuple[PendingClaim, ...],
     ) -> RouteDecision:
         self._decisions[reason] += 1
         return RouteDecision(
@@ -308,6 +326,7 @@ class Router:
             num_transfer_tokens=num_transfer,
             reason=reason,
             block_hashes=hashes,
+            claims=claims,
         )
 
     def _pool(self, pool: str) -> dict[Hashable, ReplicaLoad]:

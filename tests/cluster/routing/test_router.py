@@ -216,6 +216,42 @@ def test_burst_of_identical_requests_spreads_without_herding():
     assert router.load(PREFILL, "p0").pending_tokens == 0
 
 
+def test_finished_requests_give_their_pending_load_back_until_the_next_report():
+    """One client's requests one after another, no load report in between: each finished
+    request gives its share back, so the prefix holder keeps the group. Without that, the
+    finished requests piled up as phantom load and the group left its cache."""
+    tokens = _tokens(5, 64)  # 256 tokens, all cached on p1
+
+    def follow_ups(release: bool) -> tuple[list, Router]:
+        router = _router()
+        _store(router, PREFILL, "p1", hash_blocks(tokens, BS))
+        chosen = []
+        for _ in range(12):
+            decision = router.route(tokens)
+            chosen.append(decision.prefill_replica)
+            if release:
+                decision.release_prefill()  # its first token came back
+                assert router.load(PREFILL, decision.prefill_replica).pending_requests == 0
+                decision.release_claims()  # it finished
+        return chosen, router
+
+    assert "p0" in follow_ups(release=False)[0]  # phantom load drives the group away
+    chosen, router = follow_ups(release=True)
+    assert chosen == ["p1"] * 12
+    assert all(
+        router.load(pool, rid).pending_requests == 0 for pool in (PREFILL, DECODE) for rid in router.replica_ids(pool)
+    )
+    # Releasing twice, or after a report replaced the pending counts, takes nothing more back.
+    first = router.route(tokens)
+    router.update_load(PREFILL, "p1", LoadReport(0, 1, 0.1))  # this report counts `first`
+    second = router.route(tokens)
+    first.release_claims()
+    first.release_claims()
+    assert router.load(PREFILL, "p1").pending_requests == 1  # still `second`'s
+    second.release_prefill()
+    assert router.load(PREFILL, "p1").pending_requests == 0
+
+
 def test_equal_costs_are_broken_randomly():
     # Zero weights: every replica always costs the same; choice must not stick to one.
     router = _router(num_prefill=4, queue_weight=0.0, running_weight=0.0, prefix_weight=0.0)
