@@ -3,8 +3,9 @@ SamplingParams they ask for (responses: splitserve.cluster.frontend.openai.respo
 
 Requests ignore fields they know nothing about (OpenAI clients send some) but reject wrong
 types (strict mode: no "0.5" for a float, no true for an int). Every parameter that is
-accepted acts: what splitserve cannot honour (unsupported.py: beam search, min_p, ...) is refused with a 400 that names the parameter and says why. Structured
-output and tool calling: openai/structured_output.py and openai/tools.py.
+accepted acts: what splitserve cannot honour (unsupported.py: beam search, min_p, ...) is
+refused with a 400 that names the parameter and says why. Structured output and tool calling:
+openai/structured_output.py and openai/tools.py.
 """
 
 from __future__ import annotations
