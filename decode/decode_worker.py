@@ -175,6 +175,9 @@ class DecodeWorker(EngineWorker):
                         sink,
                         first.first_top_logprobs,
                         first.queue_seconds,
+                        first.prompt_logprobs,
+                        first.prompt_top_logprobs,
+                        first.prompt_ranks,
                     )
                 )
             admitted = not req.aborted
@@ -230,6 +233,9 @@ class DecodeWorker(EngineWorker):
                     top_logprobs=item.new_top_logprobs,
                     stop_reason=item.stop_reason if item.finished else None,
                     queue_seconds=item.queue_seconds if not req.num_chunks_sent else None,
+                    prompt_logprobs=item.prompt_logprobs if not req.num_chunks_sent else [],
+                    prompt_top_logprobs=item.prompt_top_logprobs if not req.num_chunks_sent else [],
+                    prompt_ranks=item.prompt_ranks if not req.num_chunks_sent else [],
                 )
             )
             req.num_chunks_sent += 1

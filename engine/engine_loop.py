@@ -163,13 +163,24 @@ class EngineLoop:
         sink: Sink,
         first_top_logprobs: list[tuple[int, float]] | None = None,
         queue_seconds: float | None = None,
+        prompt_logprobs: list[float] | None = None,
+        prompt_top_logprobs: list[list[tuple[int, float]]] | None = None,
+        prompt_ranks: list[int] | None = None,
     ) -> Future:
         """LLMEngine.admit_prefilled on the loop thread: its first output and every later one
         go to sink."""
 
         def admit(engine: LLMEngine) -> None:
             out = engine.admit_prefilled(
-                request_id, first_token, first_logprob, num_cached_tokens, first_top_logprobs, queue_seconds
+                request_id,
+                first_token,
+                first_logprob,
+                num_cached_tokens,
+                first_top_logprobs,
+                queue_seconds,
+                prompt_logprobs,
+                prompt_top_logprobs,
+                prompt_ranks,
             )
             if not out.finished:
                 self._sinks[request_id] = sink

@@ -182,12 +182,19 @@ class LLMEngine:
         num_cached_tokens: int,
         first_top_logprobs: list[tuple[int, float]] | None = None,
         queue_seconds: float | None = None,
+        prompt_logprobs: list[float] | None = None,
+        prompt_top_logprobs: list[list[tuple[int, float]]] | None = None,
+        prompt_ranks: list[int] | None = None,
     ) -> RequestOutput:
         """The reserved prompt's KV is in place: append the first token (sampled by the prefill
         replica, with its top alternatives when asked for), check the stop conditions, join the
         running batch, and return the first output, post-processed exactly like a step's.
-        queue_seconds: how long the prompt waited in the prefill replica's queue."""
+        queue_seconds: how long the prompt waited in the prefill replica's queue.
+        prompt_logprobs, prompt_top_logprobs, prompt_ranks: what the prefill replica computed
+        for a request with SamplingParams.prompt_logprobs (Sequence.prompt_logprobs)."""
         seq = self._reserved[request_id]
+        if seq.params.prompt_logprobs is not None:
+            self._check_prompt_logprobs(seq, prompt_logprobs, prompt_top_logprobs, prompt_ranks)
         # A constrained request's grammar state crosses as the tokens the prefill replica
         # accepted (the first token): replay it into this replica's matcher.
         if seq.grammar is not None and not seq.grammar.accept_token(first_token):
@@ -196,6 +203,12 @@ class LLMEngine:
             raise RuntimeError(
                 f"the prefill replica's first token {first_token} breaks the request's grammar ({error}); "
                 "is it running an older splitserve?"
+            )
+        if seq.params.prompt_logprobs is not None:
+            seq.add_prompt_logprobs(
+                [float(lp) for lp in prompt_logprobs],
+                [[(int(t), float(lp)) for t, lp in top] for top in prompt_top_logprobs or ()],
+                [int(rank) for rank in prompt_ranks],
             )
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.num_cached_tokens = num_cached_tokens
@@ -208,6 +221,18 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
         return self._emit_output(seq)
+
+    def _check_prompt_logprobs(self, seq: Sequence, logprobs, top_logprobs, ranks) -> None:
+        """The prefill replica's prompt log-probabilities cover the prompt (and its top
+        alternatives, when asked); else the reservation is freed and the request fails."""
+        num = seq.num_prompt_tokens - 1
+        num_top = num if seq.params.prompt_logprobs else 0
+        if len(logprobs or ()) != num or len(top_logprobs or ()) != num_top or len(ranks or ()) != num:
+            self.release_reservation(seq.request_id)
+            raise RuntimeError(
+                f"the prefill replica sent {len(logprobs or ())} prompt log-probabilities for a "
+                f"{seq.num_prompt_tokens}-token prompt; is it running an older splitserve?"
+            )
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -280,6 +305,9 @@ class LLMEngine:
             logprobs=list(seq.output_logprobs),
             new_top_logprobs=list(seq.output_top_logprobs),
             top_logprobs=list(seq.output_top_logprobs),
+            prompt_logprobs=seq.prompt_logprobs,
+            prompt_top_logprobs=seq.prompt_top_logprobs,
+            prompt_ranks=seq.prompt_ranks,
             queue_seconds=seq.queue_seconds,
         )
 

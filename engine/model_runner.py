@@ -12,6 +12,7 @@ from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.ops.attention_metadata import AttentionMetadata
 from splitserve.engine.ops.kv_cache import KVCache
 from splitserve.engine.sample.grammar_mask import GrammarMask
+from splitserve.engine.sample.prompt_logprobs import PromptLogprobs
 from splitserve.engine.sample.sampler import SampledToken, Sampler
 from splitserve.engine.spec.rejection_sampler import RejectionSampler
 
@@ -27,6 +28,7 @@ class ModelRunner:
         self.sampler = Sampler(seed, eos_token_ids)
         self.grammar_mask = GrammarMask(model.config.vocab_size)
         self.verifier = RejectionSampler(self.sampler)
+        self.prompt_logprobs = PromptLogprobs(model.compute_logits)
 
     def build_metadata(
         self, seqs: list[Sequence], num_new_tokens: list[int], drafts: dict[str, list[int]] | None = None
@@ -98,6 +100,11 @@ class ModelRunner:
         # Constrained rows' masks are computed during the forward (each draft row its own).
         self.grammar_mask.start(seqs, seq_drafts if drafts else None)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, on_layer_done=on_layer_done)
+        # Prompt chunks of requests asking for prompt log-probabilities: every position, not
+        # only the last. Recorded on the sequence here (a chunk samples no token to carry them).
+        prompt_rows = PromptLogprobs.plan(batch.seqs, batch.num_new_tokens, last_index)
+        if prompt_rows:
+            self.prompt_logprobs.record(hidden, prompt_rows)
         if not rows:
             return {}
         if len(rows) == hidden.shape[0]:

@@ -71,6 +71,11 @@ class PrefillResult(msgspec.Struct, forbid_unknown_fields=True):
     # With top_logprobs: the first token's most likely (token id, logprob) pairs.
     first_top_logprobs: list[tuple[int, float]] = msgspec.field(default_factory=list)
     queue_seconds: float = 0.0  # how long the prompt waited in the prefill replica's queue
+    # With sampling["prompt_logprobs"]: prompt token i + 1's log-probability given the tokens
+    # before it, and (prompt_logprobs > 0) its most likely (token id, logprob) pairs; its rank.
+    prompt_logprobs: list[float] = msgspec.field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = msgspec.field(default_factory=list)
+    prompt_ranks: list[int] = msgspec.field(default_factory=list)
 
     def to_bytes(self) -> bytes:
         return _codec.encode("prefill_result", self)
@@ -102,6 +107,10 @@ class StreamChunk(msgspec.Struct, forbid_unknown_fields=True):
     top_logprobs: list[list[tuple[int, float]]] = msgspec.field(default_factory=list)
     stop_reason: int | str | None = None  # the stop token id or stop string, on the last chunk
     queue_seconds: float | None = None  # on the first chunk: time the prompt waited to be scheduled
+    # On the first chunk, with sampling["prompt_logprobs"]: as PrefillResult's.
+    prompt_logprobs: list[float] = msgspec.field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = msgspec.field(default_factory=list)
+    prompt_ranks: list[int] = msgspec.field(default_factory=list)
 
     def to_bytes(self) -> bytes:
         return _codec.encode("stream_chunk", self)
@@ -126,4 +135,7 @@ class StreamChunk(msgspec.Struct, forbid_unknown_fields=True):
             prefill_replica=self.prefill_replica if self.prefill_replica is not None else later.prefill_replica,
             top_logprobs=self.top_logprobs + later.top_logprobs,
             queue_seconds=self.queue_seconds if self.queue_seconds is not None else later.queue_seconds,
+            prompt_logprobs=self.prompt_logprobs + later.prompt_logprobs,
+            prompt_top_logprobs=self.prompt_top_logprobs + later.prompt_top_logprobs,
+            prompt_ranks=self.prompt_ranks + later.prompt_ranks,
         )

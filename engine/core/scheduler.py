@@ -172,7 +172,10 @@ class Scheduler:
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            cached = self.kv.find_cached_blocks(seq)
+            # Prompt log-probabilities need every prompt position's logits: such a request reads
+            # no cached blocks until they are all computed (it recomputes a cached prefix; its
+            # own blocks still enter the cache, where another copy is not there already).
+            cached = [] if seq.needs_prompt_logprobs else self.kv.find_cached_blocks(seq)
             num_new = min(seq.num_tokens - len(cached) * self.kv.block_size, budget)
             if not self.kv.allocate_prompt(seq, cached, num_new):
                 break

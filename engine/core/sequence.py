@@ -42,6 +42,12 @@ class Sequence:
         self.output_logprobs: list[float] = []
         # Per output token, when params.top_logprobs: the most likely (token id, logprob) pairs.
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
+        # With params.prompt_logprobs: entry i is prompt token i + 1's log-probability given the
+        # tokens before it (the first prompt token has none), and its top alternatives (when
+        # prompt_logprobs > 0). Filled as the prompt's chunks compute; complete before the first token.
+        self.prompt_logprobs: list[float] = []
+        self.prompt_top_logprobs: list[list[tuple[int, float]]] = []
+        self.prompt_ranks: list[int] = []  # each prompt token's rank in its distribution (1: most likely)
         self.finish_reason: str | None = None
         # What stopped it (vLLM's stop_reason): the stop token id, the stop string, or None
         # (EOS, length, abort). A stop token's text is left out unless include_stop_str_in_output.
@@ -68,6 +74,19 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asks for prompt log-probabilities and some are still to compute."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
+
+    def add_prompt_logprobs(
+        self, logprobs: list[float], top_logprobs: list[list[tuple[int, float]]], ranks: list[int]
+    ) -> None:
+        """The next prompt positions' log-probabilities and ranks (top_logprobs: empty, or one list each)."""
+        self.prompt_logprobs.extend(logprobs)
+        self.prompt_top_logprobs.extend(top_logprobs)
+        self.prompt_ranks.extend(ranks)
 
     @property
     def is_finished(self) -> bool:

@@ -111,6 +111,10 @@ class OutputProcessor:
             logprobs=list(seq.output_logprobs),
             new_top_logprobs=list(new_top_logprobs),
             top_logprobs=list(seq.output_top_logprobs),
+            # Complete before the first token, never changed after: shared, not copied.
+            prompt_logprobs=seq.prompt_logprobs,
+            prompt_top_logprobs=seq.prompt_top_logprobs,
+            prompt_ranks=seq.prompt_ranks,
             stop_reason=seq.stop_reason,
             queue_seconds=seq.queue_seconds,
         )

@@ -21,5 +21,10 @@ class RequestOutput:
     # Per token, with SamplingParams.top_logprobs: [(token id, logprob), ...], most likely first.
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # With SamplingParams.prompt_logprobs, once computed (every output has them): prompt token
+    # i + 1's log-probability given the tokens before it, and its top alternatives if asked.
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_ranks: list[int] = field(default_factory=list)  # each prompt token's rank (1: most likely)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     queue_seconds: float | None = None  # arrival -> first scheduled

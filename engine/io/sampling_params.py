@@ -29,6 +29,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False  # return the log-probability of each chosen token
     top_logprobs: int = 0  # with logprobs: also the most likely alternatives, up to MAX_TOP_LOGPROBS
+    # Not None: also every prompt token's log-probability given the tokens before it, with this
+    # many most likely alternatives per position (completions echo + logprobs; vLLM's prompt_logprobs).
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) in the text
     # vLLM's penalties: presence/frequency count output tokens, repetition prompt + output tokens.
     presence_penalty: float = 0.0
@@ -85,6 +88,11 @@ class SamplingParams:
         _check(
             _is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
             f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}",
+        )
+        _check(
+            self.prompt_logprobs is None
+            or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
+            f"prompt_logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}",
         )
         if self.top_logprobs:
             self.logprobs = True  # alternatives come with the chosen token's own log-probability

@@ -47,6 +47,21 @@ def _messages():
         ),
         StreamChunk("r", [5], "a", True, "stop", 2, 0, 1, top_logprobs=[[(5, -0.1), (9, -2.0)]], stop_reason=5),
         StreamChunk("r", [5], "a", True, "stop", 2, 0, 1, stop_reason="END", queue_seconds=0.01),
+        # prompt log-probabilities (echo with logprobs), -inf included
+        PrefillResult(
+            "r",
+            42,
+            -0.5,
+            0,
+            1,
+            1024,
+            0.01,
+            0.002,
+            prompt_logprobs=[-1.5, float("-inf")],
+            prompt_top_logprobs=[[(3, -0.2)], [(4, -0.1)]],
+            prompt_ranks=[2, 1],
+        ),  # fmt: skip
+        StreamChunk("r", [5], "a", False, None, 3, 0, 1, prompt_logprobs=[-1.5, -2.0], prompt_top_logprobs=[[], []]),
         PollReply([KVEvent(1, STORED, (1, 2**64 - 1)), KVEvent(2, REMOVED, (1,))], STATS, 1, 0, TransferTotals()),
     ]
 

@@ -36,6 +36,7 @@ from splitserve.cluster.frontend.http.guard import RequestGuard, bearer_token
 from splitserve.cluster.frontend.http.head import HeadAsGet
 from splitserve.cluster.frontend.http.sse import ClientDisconnected, SSEResponse, run_until_disconnected
 from splitserve.cluster.frontend.http.tokenize_routes import add_tokenize_routes, splitserve_version
+from splitserve.cluster.frontend.openai.completion_renderer import CompletionRenderer
 from splitserve.cluster.frontend.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -45,7 +46,6 @@ from splitserve.cluster.frontend.openai.protocol import (
 from splitserve.cluster.frontend.openai.render import (
     SSE_DONE,
     ChatRenderer,
-    CompletionRenderer,
     ResponseRenderer,
     sse_event,
 )
@@ -225,6 +225,9 @@ def build_http_app(backend, echo_request_id: bool = True) -> FastAPI:
             n=body.n,
             echoes=echoes,
             num_top_logprobs=params.top_logprobs,
+            echo_token_ids=prompts if params.prompt_logprobs is not None else None,
+            echo_only=body.echo_only,
+            prompt_logprobs_ids=prompts if body.prompt_logprobs is not None else None,
         )
         return await generate(request, prompts, params, body.n, renderer, body.stream)
 
@@ -247,6 +250,7 @@ def build_http_app(backend, echo_request_id: bool = True) -> FastAPI:
             body.include_usage,
             prompt_lengths=[len(prompt_ids)],
             n=body.n,
+            prompt_logprobs_ids=[prompt_ids] if body.prompt_logprobs is not None else None,
             tool_plan=plan,
         )
         return await generate(request, [prompt_ids], params, body.n, renderer, body.stream)

@@ -25,10 +25,15 @@ class ChoiceState:
         self.prompt_index = prompt_index
         self.echo = echo  # the prompt's text, sent before the completion (completions `echo`)
         self.echo_sent = False
+        self.echo_only = False  # completions echo with max_tokens 0: the generated token is not shown
         self.text_parts: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
+        # Echo with logprobs: prompt token i + 1's log-probability (and alternatives), from the first chunk.
+        self.prompt_logprobs: list[float] = []
+        self.prompt_top_logprobs: list[list[tuple[int, float]]] = []
+        self.prompt_ranks: list[int] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_prompt_tokens = 0
@@ -36,16 +41,28 @@ class ChoiceState:
         self.num_output_tokens = 0
 
     def observe(self, chunk: StreamChunk) -> None:
-        self.text_parts.append(chunk.text)
-        self.token_ids.extend(chunk.token_ids)
-        self.logprobs.extend(finite_logprob(lp) for lp in chunk.logprobs)
-        self.top_logprobs.extend([(int(t), finite_logprob(lp)) for t, lp in top] for top in chunk.top_logprobs)
+        if not self.echo_only:
+            self.text_parts.append(chunk.text)
+            self.token_ids.extend(chunk.token_ids)
+            self.logprobs.extend(finite_logprob(lp) for lp in chunk.logprobs)
+            self.top_logprobs.extend([(int(t), finite_logprob(lp)) for t, lp in top] for top in chunk.top_logprobs)
+        if chunk.prompt_logprobs:
+            self.prompt_logprobs.extend(finite_logprob(lp) for lp in chunk.prompt_logprobs)
+            self.prompt_top_logprobs.extend(
+                [(int(t), finite_logprob(lp)) for t, lp in top] for top in chunk.prompt_top_logprobs
+            )
+            self.prompt_ranks.extend(chunk.prompt_ranks)
         self.num_prompt_tokens = max(self.num_prompt_tokens, chunk.num_prompt_tokens)
         self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
         self.num_output_tokens = max(self.num_output_tokens, chunk.num_output_tokens, len(self.token_ids))
         if chunk.finished:
-            self.finish_reason = chunk.finish_reason or "stop"
+            # echo_only asked for no tokens and got none: its limit ended it, whatever the hidden token.
+            self.finish_reason = "length" if self.echo_only else chunk.finish_reason or "stop"
             self.stop_reason = chunk.stop_reason
+
+    def shown_text(self, chunk: StreamChunk) -> str:
+        """The part of chunk's text the client sees (none of it when echo_only)."""
+        return "" if self.echo_only else chunk.text
 
     def mark_unfinished(self) -> None:
         """The stream ended without a final chunk: report it as aborted."""

@@ -3,9 +3,9 @@ SamplingParams they ask for (responses: splitserve.cluster.frontend.openai.respo
 
 Requests ignore fields they know nothing about (OpenAI clients send some) but reject wrong
 types (strict mode: no "0.5" for a float, no true for an int). Every parameter that is
-accepted acts: what splitserve cannot honour (unsupported.py: beam search, min_p, prompt
-logprobs, ...) is refused with a 400 that names the parameter and says why. Structured
-output and tool calling: openai/structured_output.py and openai/tools.py.
+accepted acts: what splitserve cannot honour (unsupported.py: beam search, min_p, ...) is
+refused with a 400 that names the parameter and says why. Structured output and tool calling:
+openai/structured_output.py and openai/tools.py.
 """
 
 from __future__ import annotations
@@ -107,6 +107,13 @@ class _SamplingRequest(_Request):
         True, description="splitserve extension: false opts this request out of speculative decoding"
     )
     user: str | None = None
+    prompt_logprobs: (
+        Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), BeforeValidator(_integral_float_to_int)] | None
+    ) = Field(
+        None,
+        description="vLLM extension: each prompt token's log-probability and rank, with this many alternatives, "
+        "in the response's prompt_logprobs (not with stream)",
+    )
     # Structured output (openai/structured_output.py): OpenAI's field and vLLM's.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = Field(
@@ -126,6 +133,8 @@ class _SamplingRequest(_Request):
         if refused is not None:
             name, message = refused
             raise RequestParamError(message, name)
+        if self.prompt_logprobs is not None and self.stream:  # vLLM refuses it too
+            raise RequestParamError("prompt_logprobs are not available when stream is true", "prompt_logprobs")
 
 
 class CompletionRequest(_SamplingRequest):
@@ -135,11 +144,16 @@ class CompletionRequest(_SamplingRequest):
         | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICES)]
         | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_CHOICES)]
     ) = Field(description="text, token ids, or a list of prompts (one choice per prompt and n)")
-    max_tokens: PositiveInt | None = 16
+    max_tokens: Annotated[int, Field(ge=0), BeforeValidator(_integral_float_to_int)] | None = Field(
+        16, description="0 only with echo: the prompt alone (with logprobs, its log-probabilities), as vLLM's"
+    )
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), BeforeValidator(_integral_float_to_int)] | None = Field(
         None, description="the chosen token's log-probability and this many most likely alternatives"
     )
-    echo: bool = Field(False, description="prepend the prompt to the completion text")
+    echo: bool = Field(
+        False,
+        description="prepend the prompt to the completion text; with logprobs, also the prompt's log-probabilities",
+    )
     best_of: JsonInt | None = Field(None, description="only 1 (or n) is supported: every choice is returned")
 
     @field_validator("prompt", mode="before")
@@ -156,12 +170,16 @@ class CompletionRequest(_SamplingRequest):
         super().check_supported()
         if self.best_of not in (None, 1, self.n):
             raise RequestParamError("best_of must be 1 or equal to n: every generated choice is returned", "best_of")
-        if self.echo and self.logprobs is not None:
-            raise RequestParamError(
-                "echo with logprobs is not supported: prompt log-probabilities are not computed", "echo"
-            )
+        if self.max_tokens == 0 and not self.echo:
+            raise RequestParamError("max_tokens must be at least 1 (0 only with echo: the prompt alone)", "max_tokens")
         if len(self.prompts()) * self.n > MAX_CHOICES:
             raise RequestParamError(f"prompts x n must be at most {MAX_CHOICES}", "n")
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the response holds the prompt alone (vLLM's echo without
+        generation). One token is still generated (the engine's minimum), and not shown."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """Every prompt of this request: text or token ids."""
@@ -258,8 +276,10 @@ def build_sampling_params(
             max_tokens = max(max_model_len - num_prompt_tokens, 1)
         logprobs, top_logprobs = request.logprobs, (request.top_logprobs or 0) if request.logprobs else 0
     else:
-        max_tokens = 16 if request.max_tokens is None else request.max_tokens
+        max_tokens = 16 if request.max_tokens is None else max(request.max_tokens, 1)  # 0: echo_only
         logprobs, top_logprobs = request.logprobs is not None, request.logprobs or 0
+    # Completions echo with logprobs: the prompt's tokens get theirs too (as vLLM's and OpenAI's).
+    echo_logprobs = isinstance(request, CompletionRequest) and request.echo and request.logprobs is not None
     plan = request.tool_call_plan() if isinstance(request, ChatCompletionRequest) else None
     return SamplingParams(
         max_tokens=max_tokens,
@@ -272,6 +292,9 @@ def build_sampling_params(
         ignore_eos=request.ignore_eos,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        prompt_logprobs=request.logprobs
+        if request.prompt_logprobs is None and echo_logprobs
+        else request.prompt_logprobs,
         include_stop_str_in_output=request.include_stop_str_in_output,
         presence_penalty=request.presence_penalty or 0.0,
         frequency_penalty=request.frequency_penalty or 0.0,

@@ -1,6 +1,6 @@
 """Turn the backend's StreamChunks into OpenAI responses: SSE chunks while streaming, one
-JSON body otherwise. A request has one choice per (prompt, n); CompletionRenderer and
-ChatRenderer differ only in the choice shapes."""
+JSON body otherwise. A request has one choice per (prompt, n); CompletionRenderer
+(completion_renderer.py) and ChatRenderer differ only in the choice shapes."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 from splitserve.cluster.frontend.openai.choice import MIN_LOGPROB, ChoiceState, finite_logprob
+from splitserve.cluster.frontend.openai.prompt_logprobs import prompt_logprobs_field
 from splitserve.cluster.frontend.openai.responses import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -19,9 +20,6 @@ from splitserve.cluster.frontend.openai.responses import (
     ChatMessage,
     ChatTokenLogprob,
     ChatTopLogprob,
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionResponse,
     PromptTokensDetails,
     Usage,
 )
@@ -31,7 +29,7 @@ if TYPE_CHECKING:  # kvtransfer's package import is heavy; only the type is need
     from splitserve.cluster.frontend.openai.tools import ToolCallPlan
     from splitserve.kvtransfer.handoff import StreamChunk
 
-__all__ = ["MIN_LOGPROB", "SSE_DONE", "ChatRenderer", "CompletionRenderer", "ResponseRenderer", "finite_logprob"]
+__all__ = ["MIN_LOGPROB", "SSE_DONE", "ChatRenderer", "ResponseRenderer", "finite_logprob"]
 SSE_DONE = "data: [DONE]\n\n"
 
 
@@ -56,7 +54,8 @@ class ResponseRenderer(ABC):
     """Accumulates every choice's chunks (text, logprobs, usage) and renders them.
 
     prompt_lengths: the token count of each prompt; choice i belongs to prompt i // n.
-    echoes: per prompt, the text to prepend to its choices (completions `echo`)."""
+    echoes: per prompt, the text to prepend to its choices (completions `echo`).
+    prompt_logprobs_ids: per prompt, its token ids, when vLLM's prompt_logprobs field is asked for."""
 
     def __init__(
         self,
@@ -69,6 +68,7 @@ class ResponseRenderer(ABC):
         prompt_lengths: list[int] | None = None,
         n: int = 1,
         echoes: list[str] | None = None,
+        prompt_logprobs_ids: list[list[int]] | None = None,
     ):
         self.request_id = request_id
         self.model = model
@@ -80,6 +80,7 @@ class ResponseRenderer(ABC):
         echoes = echoes or [""] * len(self.prompt_lengths)
         self.choices = [ChoiceState(p * n + i, p, echoes[p]) for p in range(len(self.prompt_lengths)) for i in range(n)]
         self._envelope = chunk_envelope(request_id, self.chunk_object, created, model)
+        self.prompt_logprobs_ids = prompt_logprobs_ids
 
     # ---- accumulation --------------------------------------------------------------------
     def observe(self, chunk: StreamChunk, index: int = 0) -> None:
@@ -110,6 +111,12 @@ class ResponseRenderer(ABC):
     def token_string(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def prompt_logprobs(self, choice: ChoiceState):
+        """vLLM's prompt_logprobs field of choice, or None when not asked for (or none came)."""
+        if self.prompt_logprobs_ids is None:
+            return None
+        return prompt_logprobs_field(choice, self.prompt_logprobs_ids[choice.prompt_index], self.token_string)
+
     # ---- streaming -----------------------------------------------------------------------
     def opening_events(self) -> list[str]:
         return []
@@ -122,7 +129,7 @@ class ResponseRenderer(ABC):
         if not (chunk.text or chunk.token_ids or chunk.finished):
             return []
         finish = choice.finish_reason if chunk.finished else None
-        return [self.chunk_event(choice, choice.take_echo() + chunk.text, num_before, finish)]
+        return [self.chunk_event(choice, choice.take_echo() + choice.shown_text(chunk), num_before, finish)]
 
     def chunk_event(self, choice: ChoiceState, text: str, first_token: int, finish_reason: str | None) -> str:
         """The SSE event of one streamed chunk of `choice` (see render_choice)."""
@@ -159,69 +166,6 @@ class ResponseRenderer(ABC):
     @abstractmethod
     def render_response(self) -> dict:
         """The whole non-streaming response body."""
-
-
-class CompletionRenderer(ResponseRenderer):
-    chunk_object = "text_completion"
-
-    def __init__(self, *args, num_top_logprobs: int = 0, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.num_top_logprobs = num_top_logprobs
-        self._text_offsets = {c.index: len(c.echo) for c in self.choices}
-
-    def _logprobs(self, choice: ChoiceState, start: int) -> CompletionLogprobs | None:
-        if not self.include_logprobs:
-            return None
-        token_ids = choice.token_ids[start:]
-        tokens = [self.token_string(t) for t in token_ids]
-        offsets = []
-        for token in tokens:
-            offsets.append(self._text_offsets[choice.index])
-            self._text_offsets[choice.index] += len(token)
-        top = None
-        if self.num_top_logprobs:
-            top = []
-            for token_id, logprob, alternatives in zip(token_ids, choice.logprobs[start:], choice.top_logprobs[start:]):
-                entry: dict[str, float] = {}
-                for t, lp in alternatives:  # most likely first; tokens decoding alike keep the first
-                    entry.setdefault(self.token_string(t), lp)
-                # As OpenAI and vLLM: the chosen token is always listed (up to logprobs + 1).
-                entry.setdefault(self.token_string(token_id), logprob)
-                top.append(entry)
-        return CompletionLogprobs(
-            tokens=tokens, token_logprobs=list(choice.logprobs[start:]), top_logprobs=top, text_offset=offsets
-        )
-
-    def render_choice(self, choice, text, first_token, finish_reason) -> dict:
-        logprobs = self._logprobs(choice, first_token)
-        return {
-            "index": choice.index,
-            "text": text,
-            "logprobs": None if logprobs is None else logprobs.model_dump(mode="json"),
-            "finish_reason": finish_reason,
-            "stop_reason": choice.stop_reason if finish_reason else None,
-        }
-
-    def render_usage_chunk(self) -> dict:
-        return CompletionResponse(
-            id=self.request_id, created=self.created, model=self.model, choices=[], usage=self.usage()
-        ).model_dump(mode="json")
-
-    def render_response(self) -> dict:
-        self._text_offsets = {c.index: len(c.echo) for c in self.choices}
-        choices = [
-            CompletionChoice(
-                index=c.index,
-                text=c.text,
-                logprobs=self._logprobs(c, 0),
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-            )
-            for c in self.choices
-        ]
-        return CompletionResponse(
-            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=self.usage()
-        ).model_dump(mode="json")
 
 
 class ChatRenderer(ResponseRenderer):
@@ -307,5 +251,10 @@ class ChatRenderer(ResponseRenderer):
                 )
             )
         return ChatCompletionResponse(
-            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=self.usage()
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=self.usage(),
+            prompt_logprobs=self.prompt_logprobs(self.choices[0]),  # one prompt, top level as vLLM's
         ).model_dump(mode="json")

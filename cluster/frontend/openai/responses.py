@@ -26,8 +26,21 @@ class Usage(BaseModel):
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float]] | None = None
+    # None for the first prompt token when the prompt is echoed with its log-probabilities.
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: one token of a prompt position in the `prompt_logprobs` field."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt position: None for the first token, then token id (a string in JSON) -> its entry.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(BaseModel):
@@ -36,6 +49,9 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = Field(None, description="vLLM: the stop token id or stop string that ended it")
+    prompt_logprobs: PromptLogprobs | None = Field(
+        None, exclude_if=_omit_if_none, description="vLLM: with the prompt_logprobs request field"
+    )
 
 
 class CompletionResponse(BaseModel):
@@ -110,6 +126,9 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = Field(
+        None, exclude_if=_omit_if_none, description="vLLM: with the prompt_logprobs request field"
+    )
 
 
 class ChatDelta(BaseModel):

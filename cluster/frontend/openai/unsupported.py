@@ -13,7 +13,6 @@ UNSUPPORTED_PARAMETERS: dict[str, tuple[tuple[Any, ...], str]] = {
     "typical_p": ((None, 1, 1.0), "typical sampling is not implemented"),
     "use_beam_search": ((None, False), "beam search is not implemented"),
     "length_penalty": ((None, 1, 1.0), "only used by beam search, which is not implemented"),
-    "prompt_logprobs": ((None,), "prompt log-probabilities are not computed"),
     "allowed_token_ids": ((None, []), "not implemented; logit_bias can ban tokens"),
     "bad_words": ((None, []), "not implemented; logit_bias can ban single tokens"),
     "truncate_prompt_tokens": ((None,), "prompts are never truncated; a too-long prompt is a 400"),

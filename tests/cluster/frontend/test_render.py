@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 
-from splitserve.cluster.frontend.openai.render import SSE_DONE, ChatRenderer, CompletionRenderer
+from splitserve.cluster.frontend.openai.completion_renderer import CompletionRenderer
+from splitserve.cluster.frontend.openai.render import SSE_DONE, ChatRenderer
 from splitserve.cluster.frontend.openai.responses import ChatCompletionChunk, CompletionResponse
 from splitserve.kvtransfer.handoff import StreamChunk
 from tests.helpers.http_api import MODEL_NAME, tiny_tokenizer
@@ -101,3 +103,34 @@ def test_unfinished_stream_closes_with_abort_chunks(tokenizer, cls):
     ]
     if cls is CompletionRenderer:
         assert bodies[0]["choices"][0]["text"] == "Q: a" and finishes[1]["text"] == "Q: "
+
+
+def test_echoed_prompt_logprobs_stream_as_the_models_dump(tokenizer):
+    """Echo with logprobs: the first chunk carries the prompt's entries (null for its first
+    token) ahead of the completion's, offsets run on over prompt then completion, and the
+    whole response lists the same entries."""
+    prompt = [11, 12, 13]
+    kwargs = {"echoes": [tokenizer.decode(prompt)], "num_top_logprobs": 2, "echo_token_ids": [prompt]}
+    head = msgspec.structs.replace(
+        chunk([5], "a", top=True),
+        prompt_logprobs=[-1.0, float("-inf")],
+        prompt_top_logprobs=[[(12, -1.0)], [(7, -0.5)]],
+    )
+    chunks = [(0, head), (0, chunk([6], "b", finished=True, top=True))]
+    streaming = CompletionRenderer("r", MODEL_NAME, 5, tokenizer, True, include_usage=False, **kwargs)
+    bodies = assert_as_models_dump(CompletionRenderer, stream(streaming, chunks))
+    first, last = (b["choices"][0]["logprobs"] for b in bodies)
+    assert first["token_logprobs"] == [None, -1.0, -9999.0, -0.5]
+    assert first["top_logprobs"][0] is None and list(first["top_logprobs"][2]) == [
+        tokenizer.decode([7]),
+        tokenizer.decode([13]),
+    ]
+    tokens = first["tokens"] + last["tokens"]
+    assert first["text_offset"] + last["text_offset"] == [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+    whole = CompletionRenderer("r", MODEL_NAME, 5, tokenizer, True, include_usage=False, **kwargs)
+    for index, c in chunks:
+        whole.observe(c, index)
+    logprobs = whole.render_response()["choices"][0]["logprobs"]
+    assert (
+        logprobs["tokens"] == tokens and logprobs["token_logprobs"] == first["token_logprobs"] + last["token_logprobs"]
+    )
