@@ -13,19 +13,9 @@ import pytest
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.cluster.frontend.http.sse import SSEResponse
-from tests.helpers.http_api import MODEL_NAME, FakeBackend, ServerThread, tiny_tokenizer
+from tests.helpers.http_api import MODEL_NAME, FakeBackend, ServerThread
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return tiny_tokenizer(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture
-def backend(tokenizer):
-    return FakeBackend(tokenizer)
 
 
 # ---- disconnects -----------------------------------------------------------------------------
