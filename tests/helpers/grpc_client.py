@@ -4,7 +4,11 @@ that talk to the server with ordinary (sync) grpc clients."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+from collections.abc import Iterator
+
+import grpc
 
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.frontend.grpc.server import GrpcFrontend
@@ -126,3 +130,16 @@ class FrontendThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         self.loop.close()
+
+
+@contextlib.contextmanager
+def serving_frontend(backend) -> Iterator[tuple[FrontendThread, grpc.Channel]]:
+    """A FrontendThread serving `backend` and a client channel to it; both closed after."""
+    server = FrontendThread(backend)
+    server.start()
+    channel = grpc.insecure_channel(server.target)
+    try:
+        yield server, channel
+    finally:
+        channel.close()
+        server.close()

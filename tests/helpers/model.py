@@ -110,3 +110,18 @@ def single_torch_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+def engine_reference(model_dir: str | Path, num_kv_blocks: int = 128):
+    """expected(prompt ids, max_tokens) -> the greedy token ids of one in-process LLMEngine on
+    the checkpoint: what a cluster's output is compared with."""
+    from splitserve.engine.io.sampling_params import SamplingParams
+    from splitserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=num_kv_blocks))
+
+    def expected(prompt: list[int], max_tokens: int) -> list[int]:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        return engine.generate([prompt], params)[0].token_ids
+
+    return expected

@@ -33,7 +33,7 @@ from tests.helpers.grpc_client import (
     FAKE_MAX_MODEL_LEN,
     FAKE_MODEL_NAME,
     FakeBackend,
-    FrontendThread,
+    serving_frontend,
 )
 
 pb2, pb2_grpc = load_stubs()
@@ -49,20 +49,15 @@ def tokenizer(tmp_path_factory):
     return Tokenizer.from_pretrained(model_dir)
 
 
-def _serve(tokenizer, **cfg):
-    backend = FakeBackend(tokenizer, ServeConfig(max_body_bytes=MAX_BODY_BYTES, **cfg))
-    server = FrontendThread(backend)
-    server.start()
-    channel = grpc.insecure_channel(server.target)
-    return backend, server, channel
+def _backend(tokenizer, **cfg) -> FakeBackend:
+    return FakeBackend(tokenizer, ServeConfig(max_body_bytes=MAX_BODY_BYTES, **cfg))
 
 
 @pytest.fixture(scope="module")
 def served(tokenizer):
-    backend, server, channel = _serve(tokenizer)
-    yield backend, server, channel
-    channel.close()
-    server.close()
+    backend = _backend(tokenizer)
+    with serving_frontend(backend) as (server, channel):
+        yield backend, server, channel
 
 
 @pytest.fixture
@@ -78,10 +73,9 @@ def stub(served, backend):
 
 @pytest.fixture(scope="module")
 def keyed(tokenizer):
-    backend, server, channel = _serve(tokenizer, api_key=API_KEY)
-    yield backend, channel
-    channel.close()
-    server.close()
+    backend = _backend(tokenizer, api_key=API_KEY)
+    with serving_frontend(backend) as (_, channel):
+        yield backend, channel
 
 
 def _stream(stub, **request):
@@ -344,8 +338,8 @@ def test_busy_port_and_double_start_fail_clearly(served, backend):
 
 
 def test_stop_cancels_streams_in_flight(tokenizer):
-    backend, server, channel = _serve(tokenizer)
-    try:
+    backend = _backend(tokenizer)
+    with serving_frontend(backend) as (server, channel):
         backend.chunk_delay_s = 0.05
         call = pb2_grpc.SplitServeStub(channel).Generate(
             pb2.GenerateRequest(text="hi", max_tokens=50), timeout=TIMEOUT_S
@@ -354,9 +348,6 @@ def test_stop_cancels_streams_in_flight(tokenizer):
         server.call(server.frontend.stop(grace_s=0.1))
         assert backend.stream_ended.wait(5) and backend.outcomes[0] != "completed"
         assert _status(lambda: list(call))[0] in (Code.UNAVAILABLE, Code.CANCELLED)
-    finally:
-        channel.close()
-        server.close()
 
 
 def test_stubs_build_when_missing_and_rebuild_when_proto_changes(tmp_path):

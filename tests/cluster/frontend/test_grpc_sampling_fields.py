@@ -16,7 +16,7 @@ from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.frontend.grpc.server import SERVICE_NAME
 from splitserve.engine.io.sampling_params import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS_ENTRIES, MAX_TOP_LOGPROBS
 from splitserve.proto import load_stubs
-from tests.helpers.grpc_client import FAKE_LOGPROB, FakeBackend, FrontendThread, fake_top_logprobs
+from tests.helpers.grpc_client import FAKE_LOGPROB, FakeBackend, fake_top_logprobs, serving_frontend
 
 pb2, pb2_grpc = load_stubs()
 TIMEOUT_S = 10
@@ -26,12 +26,8 @@ PROMPT_IDS = [10, 11, 12]
 @pytest.fixture(scope="module")
 def served(tokenizer):
     backend = FakeBackend(tokenizer, ServeConfig())
-    server = FrontendThread(backend)
-    server.start()
-    channel = grpc.insecure_channel(server.target)
-    yield backend, channel
-    channel.close()
-    server.close()
+    with serving_frontend(backend) as (_, channel):
+        yield backend, channel
 
 
 @pytest.fixture
