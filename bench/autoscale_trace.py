@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
-    from splitserve.engine.testing.make_model import write_random_checkpoint
+    from splitserve.engine.builtin_models.make_model import write_random_checkpoint
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.model:
             model, args.model_note = args.model, f"`{args.model}`"
         else:
-            from splitserve.engine.testing.make_model import write_random_checkpoint
+            from splitserve.engine.builtin_models.make_model import write_random_checkpoint
 
             model = str(write_random_checkpoint(Path(tmp) / "bench-model", preset="bench"))
             args.model_note = "the `bench` preset (`splitserve make-model DIR --preset bench`)"

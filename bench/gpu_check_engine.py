@@ -26,7 +26,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _prompts(tokenizer, tiny: bool) -> list[list[int]]:
-    from splitserve.engine.testing.corpus import TEXT
+    from splitserve.engine.builtin_models.corpus import TEXT
 
     ids = tokenizer.encode(TEXT[:4000])
     lengths = (24, 40) if tiny else (96, 160)
@@ -181,7 +181,7 @@ def _seeded_sampling(engine, arch: str, prompt: list[int], num_new: int) -> dict
 
 
 def check_parity(device: torch.device, tiny: bool, work_dir: Path) -> dict:
-    from splitserve.engine.testing.make_model import write_random_checkpoint
+    from splitserve.engine.builtin_models.make_model import write_random_checkpoint
 
     items = []
     for arch, seed in ARCHS.items():

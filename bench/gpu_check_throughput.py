@@ -45,7 +45,7 @@ def write_llama(out_dir: Path, shape: dict, device: torch.device, seed: int = 0)
     seconds. Returns (directory, parameter count)."""
     from safetensors.torch import save_file
 
-    from splitserve.engine.testing.make_model import write_random_checkpoint
+    from splitserve.engine.builtin_models.make_model import write_random_checkpoint
 
     donor = write_random_checkpoint(out_dir.parent / "tokenizer-donor", preset="tiny")
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -126,7 +126,7 @@ def run(args: argparse.Namespace, workdir: str) -> dict:
 
     from splitserve.bench.kv_transfer_pair import run_pair_harness
     from splitserve.bench.raw_bandwidth import measure_gloo_bandwidth
-    from splitserve.engine.testing.make_model import PRESETS, write_random_checkpoint
+    from splitserve.engine.builtin_models.make_model import PRESETS, write_random_checkpoint
 
     torch.set_num_threads(1)
     models = {p: str(write_random_checkpoint(Path(workdir) / p, preset=p)) for p in args.presets}

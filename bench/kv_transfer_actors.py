@@ -26,10 +26,10 @@ from splitserve.cluster.control.worker_pool import WorkerPool
 from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.decode.decode_worker import DecodeWorker
 from splitserve.engine.io.sampling_params import SamplingParams
-from splitserve.kvtransfer.handoff import PrefillResult
-from splitserve.kvtransfer.request_channel import Submit
 from splitserve.kvtransfer.wire_layout import ascending_run_start
 from splitserve.prefill.prefill_worker import PrefillWorker
+from splitserve.proto.messages.handoff import PrefillResult
+from splitserve.proto.messages.request_channel import Submit
 
 NUM_KV_BLOCKS = 1024  # ServeConfig's default pool size
 LEASE_S = 20.0

@@ -41,8 +41,8 @@ class QuoteWorkload:
     def generate(self, seed: int) -> list[BenchRequest]:
         from tokenizers import Tokenizer
 
-        from splitserve.engine.testing.corpus import PASSAGES
-        from splitserve.engine.testing.corpus_tokenizer import BOS_TOKEN
+        from splitserve.engine.builtin_models.corpus import PASSAGES
+        from splitserve.engine.builtin_models.corpus_tokenizer import BOS_TOKEN
 
         path = Path(self.tokenizer)
         if path.is_dir():

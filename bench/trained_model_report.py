@@ -101,10 +101,10 @@ def render(result: dict, png_name: str) -> str:
     recipe = result["training"]["target"]["recipe"]
     lines += [
         "",
-        "Recipe (`engine/testing/corpus_training.py`): "
+        "Recipe (`engine/builtin_models/corpus_training.py`): "
         + ", ".join(f"{k}={v}" for k, v in recipe.items())
         + ". Rows are corpus windows or, with probability copy_fraction, a span and its repeats "
-        'after "\\n\\n" (`engine/testing/corpus_batches.py`). Training time is what `training.json` '
+        'after "\\n\\n" (`engine/builtin_models/corpus_batches.py`). Training time is what `training.json` '
         "in the checkpoint recorded when it was made (a cached checkpoint keeps its original timing).",
         "",
         "## Greedy output on corpus-like prompts",

@@ -69,11 +69,11 @@ class SplitServeIngress:
     """An ingress replica. Serve calls __serve_build_asgi_app__ after the constructor."""
 
     async def __init__(self, cfg_dict: dict, controller_handle):
-        from splitserve.cluster.control.controller_client import ControllerClient
         from splitserve.cluster.default_model import resolve_model
         from splitserve.cluster.frontend.backend import ServingBackend
         from splitserve.cluster.frontend.grpc.server import GrpcFrontend
         from splitserve.cluster.frontend.http.access_log import configure_replica_logging
+        from splitserve.cluster.ingress.controller_client import ControllerClient
         from splitserve.cluster.startup_error import StartupError, root_cause
 
         configure_replica_logging()

@@ -2,7 +2,7 @@
 
 Training it (DEFAULT_SPEC.train_steps AdamW steps on the built-in corpus, see
 bench/results/trained_model.md for the cost) makes the demo answer in corpus-like text instead
-of random tokens. It lives in the content-addressed model cache (engine/testing/model_cache.py),
+of random tokens. It lives in the content-addressed model cache (engine/builtin_models/model_cache.py),
 so `make serve`, make-model and the benches pay for it once per machine.
 """
 
@@ -12,7 +12,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from splitserve.engine.testing.model_spec import ModelSpec
+from splitserve.engine.builtin_models.model_spec import ModelSpec
 
 DEFAULT_TRAIN_STEPS = 300
 DEFAULT_SPEC = ModelSpec(preset="small", arch="llama", seed=0, train_steps=DEFAULT_TRAIN_STEPS)
@@ -31,7 +31,7 @@ DEFAULT_MODEL_NAME = default_model_spec().name
 
 
 def default_model_dir() -> Path:
-    from splitserve.engine.testing.model_cache import cache_entry_path
+    from splitserve.engine.builtin_models.model_cache import cache_entry_path
 
     return cache_entry_path(default_model_spec())
 
@@ -40,8 +40,8 @@ def resolve_model(model: str | None) -> str:
     """Return a checkpoint directory: the given one, or the cached default (made if missing)."""
     if model:
         return model
-    from splitserve.engine.testing.make_model import progress_printer
-    from splitserve.engine.testing.model_cache import cached_checkpoint
+    from splitserve.engine.builtin_models.make_model import progress_printer
+    from splitserve.engine.builtin_models.model_cache import cached_checkpoint
 
     spec = default_model_spec()
     if spec is UNTRAINED_FALLBACK_SPEC:

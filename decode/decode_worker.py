@@ -1,5 +1,5 @@
 """DecodeWorker (a Ray actor): takes requests from the ingresses over its request channel
-(decode/channel_server.py), reserves blocks for each prompt, pulls the ones it lacks from a
+(decode/request_channel_server.py), reserves blocks for each prompt, pulls the ones it lacks from a
 prefill replica over torch.distributed, then runs the request in its continuous batch. With
 no prefill replica named it prefills locally (conditional disaggregation, colocated mode).
 
@@ -22,17 +22,18 @@ import logging
 import time
 from dataclasses import dataclass
 
-from splitserve.decode.channel_server import ChannelServer, IngressConnection
 from splitserve.decode.prefill_client import PrefillClient, PrefillFailedError, ReplicaBusyError, short_error
+from splitserve.decode.request_channel_server import IngressConnection, RequestChannelServer
 from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.engine_errors import EngineLoopStopped, EngineStepError
+from splitserve.engine.engine_worker import EngineWorker
 from splitserve.engine.io.block_reservation import BlockReservation
 from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.io.sampling_params import SamplingParams
-from splitserve.kvtransfer.engine_worker import EngineWorker
-from splitserve.kvtransfer.handoff import StreamChunk
-from splitserve.kvtransfer.poll_reply import TransferTotals
-from splitserve.kvtransfer.request_channel import Failed, FailureKind, Submit, TokenBatch, encode_frame
+from splitserve.kvtransfer.transport import open_replica_transport
+from splitserve.proto.messages.handoff import StreamChunk
+from splitserve.proto.messages.poll_reply import TransferTotals
+from splitserve.proto.messages.request_channel import Failed, FailureKind, Submit, TokenBatch, encode_frame
 
 logger = logging.getLogger(__name__)
 
@@ -59,14 +60,20 @@ class DecodeWorker(EngineWorker):
         namespace: str | None = None,
     ):
         super().__init__(
-            replica_id, engine_config, transport_host, transfer_timeout_s, torch_threads, namespace=namespace
+            replica_id,
+            engine_config,
+            transport_host,
+            transfer_timeout_s,
+            torch_threads,
+            namespace=namespace,
+            open_transport=open_replica_transport,
         )
         self.reserve_timeout_s = reserve_timeout_s
         self.prefill = PrefillClient(replica_id, self.transport, namespace, transfer_timeout_s)
         self._requests: dict[str, _Request] = {}
         self._outputs: list[tuple[str, RequestOutput | Exception]] = []  # loop thread: since the last flush
         self._event_loop: asyncio.AbstractEventLoop | None = None
-        self._channel: ChannelServer | None = None
+        self._channel: RequestChannelServer | None = None
         self._channel_lock = asyncio.Lock()
         self.admission_delay_s = 0.0  # chaos testing: see delay_admission
         self.start_loop(flush_outputs=self._flush_outputs)
@@ -81,7 +88,7 @@ class DecodeWorker(EngineWorker):
         async with self._channel_lock:
             if self._channel is None:
                 self._event_loop = asyncio.get_running_loop()
-                channel = ChannelServer(self.replica_id, self._on_submit, self._on_abort, self._on_close)
+                channel = RequestChannelServer(self.replica_id, self._on_submit, self._on_abort, self._on_close)
                 await channel.start(self.host)
                 self._channel = channel
         return self._channel.address

@@ -22,10 +22,10 @@ from splitserve.decode.prefill_timeout import PrefillTimeout
 from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.engine_errors import EngineLoopStopped
 from splitserve.engine.io.block_reservation import BlockReservation
-from splitserve.kvtransfer.handoff import Handoff, PrefillResult
 from splitserve.kvtransfer.kv_receiver import PostedReceive
-from splitserve.kvtransfer.poll_reply import TransferTotals
-from splitserve.kvtransfer.request_channel import FailureKind, Submit
+from splitserve.proto.messages.handoff import Handoff, PrefillResult
+from splitserve.proto.messages.poll_reply import TransferTotals
+from splitserve.proto.messages.request_channel import FailureKind, Submit
 
 logger = logging.getLogger(__name__)
 ABANDON_GRACE_S = 0.5  # how long a given-up transfer may take to settle before its pair is closed

@@ -28,10 +28,10 @@ from typing import Any
 from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.engine_errors import EngineLoopStopped, EngineStepError
 from splitserve.engine.fault_injector import FaultInjector
-from splitserve.engine.io.engine_stats import EngineStats
 from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LayerHookFactory, LLMEngine
+from splitserve.proto.messages.engine_stats import EngineStats
 
 __all__ = ["EngineLoop", "EngineLoopStopped", "EngineStepError", "Sink"]
 

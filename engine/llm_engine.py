@@ -18,12 +18,10 @@ import torch
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.core.kv_cache_manager import KVCacheManager
-from splitserve.engine.core.kv_events import KVEvent
 from splitserve.engine.core.scheduler import ScheduledBatch, Scheduler
 from splitserve.engine.core.sequence import Sequence, SequenceStatus
 from splitserve.engine.engine_errors import EngineStepError
 from splitserve.engine.io.block_reservation import BlockReservation
-from splitserve.engine.io.engine_stats import EngineStats
 from splitserve.engine.io.output_processor import OutputProcessor
 from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.io.request_validation import validate_prompt
@@ -34,6 +32,8 @@ from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.ops.kv_cache import KVCache
 from splitserve.engine.sample.grammar_compiler import GrammarCompiler
 from splitserve.engine.spec.speculator import Speculator
+from splitserve.proto.messages.engine_stats import EngineStats
+from splitserve.proto.messages.kv_events import KVEvent
 
 # Given the batch about to run, returns a per-layer callback (or None) for that step. The
 # prefill worker uses it to send each layer's KV while the next layer computes.

@@ -1,11 +1,12 @@
 """splitserve KV transfer: paged KV blocks from prefill to decode workers over torch.distributed.
 
 Each (prefill, decode) pair gets its own 2-rank process group (NCCL between GPUs, gloo on CPU,
-CUDA IPC or host memory when both ends share one GPU; see channel.py), opened lazily through
+CUDA IPC or host memory when both ends share one GPU; see kv_channel.py), opened lazily through
 the sender's TCPStore and torn down when idle.
 
-The names below load on first use, so torch-free callers (the router, the frontends) can import
-splitserve.kvtransfer.handoff and splitserve.kvtransfer.poll_reply without importing torch.
+Only the KV data plane lives here; the messages that cross processes (the handoff, poll
+replies) are splitserve.proto.messages. The names below load on first use, so importing one
+submodule (e.g. splitserve.kvtransfer.errors) does not import torch through this package.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ import torch
 
 from splitserve.engine.ops.block_copy import scatter_blocks
 from splitserve.engine.ops.kv_cache import KVCache
-from splitserve.kvtransfer.handoff import layer_tag
 from splitserve.kvtransfer.wire_layout import ascending_run_start, plane_messages
+from splitserve.proto.messages.handoff import layer_tag
 
 
 class PostedReceive:

@@ -26,8 +26,8 @@ import torch
 from splitserve.engine.ops.block_copy import gather_blocks
 from splitserve.engine.ops.kv_cache import KVCache
 from splitserve.kvtransfer.errors import TransferError
-from splitserve.kvtransfer.handoff import layer_tag
 from splitserve.kvtransfer.wire_layout import ascending_run_start, plane_messages
+from splitserve.proto.messages.handoff import layer_tag
 
 logger = logging.getLogger(__name__)
 

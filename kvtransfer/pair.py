@@ -20,8 +20,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from splitserve.kvtransfer.channel import SAME_DEVICE_MODES
 from splitserve.kvtransfer.errors import TransferError
+from splitserve.kvtransfer.kv_channel import SAME_DEVICE_MODES
 from splitserve.kvtransfer.process_groups import OpenedGroup, open_group
 from splitserve.kvtransfer.transfer_op import TransferOp
 from splitserve.kvtransfer.transfer_stats import TransferStats
@@ -35,7 +35,7 @@ MAX_USER_TAG = INTERRUPT_TAG - 1
 
 
 def backend_for(device: torch.device) -> str:
-    """The channel of a pair across two devices; same-device pairs use ipc or host (channel.py)."""
+    """The channel of a pair across two devices; same-device pairs use ipc or host (kv_channel.py)."""
     return "nccl" if device.type == "cuda" else "gloo"
 
 
@@ -93,7 +93,7 @@ class Pair:
     ) -> Pair:
         """Join the group (both sides call this concurrently), then exchange a handshake.
 
-        same_device: how a pair whose ends share one device moves tensors (channel.py)."""
+        same_device: how a pair whose ends share one device moves tensors (kv_channel.py)."""
         if same_device not in SAME_DEVICE_MODES:
             raise ValueError(f"same_device must be one of {SAME_DEVICE_MODES}, got {same_device!r}")
         started = time.monotonic()

@@ -1,4 +1,4 @@
-"""Open a pair's process group on the channel both ends agree on (splitserve.kvtransfer.channel).
+"""Open a pair's process group on the channel both ends agree on (splitserve.kvtransfer.kv_channel).
 
 Both ends publish their DeviceIdentity in the pair's store and read the peer's, pick the channel,
 then build its group: NCCL, gloo, or a gloo control group under the same-device `ipc` or `host`
@@ -17,10 +17,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from splitserve.kvtransfer.channel import DeviceIdentity, choose_channel, local_identity
 from splitserve.kvtransfer.errors import TransferError
 from splitserve.kvtransfer.host_staged_group import HostStagedGroup
 from splitserve.kvtransfer.ipc_group import IpcGroup, IpcUnavailableError
+from splitserve.kvtransfer.kv_channel import DeviceIdentity, choose_channel, local_identity
 
 logger = logging.getLogger(__name__)
 

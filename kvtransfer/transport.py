@@ -9,7 +9,7 @@
     prefill.send("decode-3", [packed], tag=7)                      # blocks until received
     op.wait(timeout_s)                                             # ... complete later
 
-Channel, agreed per pair when it opens (channel.py): NCCL between two GPUs, gloo for CPU, and
+Channel, agreed per pair when it opens (kv_channel.py): NCCL between two GPUs, gloo for CPU, and
 for two ends on one GPU (NCCL refuses that) CUDA IPC, or host memory if IPC fails
 (`same_device`); the Pair that open_pair returns names it in `channel`. A failed or timed-out op
 closes its pair (and fails the other ops pending on it) and raises TransferError; reopen with a
@@ -25,8 +25,8 @@ from collections.abc import Sequence
 
 import torch
 
-from splitserve.kvtransfer.channel import SAME_DEVICE_MODES
 from splitserve.kvtransfer.errors import TransferError, TransportUsageError
+from splitserve.kvtransfer.kv_channel import SAME_DEVICE_MODES
 from splitserve.kvtransfer.pair import MAX_USER_TAG, ROLES, Pair, backend_for
 from splitserve.kvtransfer.rendezvous import Address, Rendezvous, pair_key, resolve_host
 from splitserve.kvtransfer.transfer_op import TransferOp
@@ -64,7 +64,7 @@ class KVTransport:
         same_device: str = "auto",
     ):
         """same_device: "auto" | "ipc" | "host", how pairs whose two ends share one device move
-        tensors (see splitserve.kvtransfer.channel); the sender's setting decides for a pair."""
+        tensors (see splitserve.kvtransfer.kv_channel); the sender's setting decides for a pair."""
         _check_endpoint_id("endpoint_id", endpoint_id)
         if timeout_s <= 0:
             raise TransportUsageError(f"timeout_s must be > 0, got {timeout_s}")
@@ -263,3 +263,10 @@ class KVTransport:
     def _check_not_closed(self) -> None:
         if self._closed:
             raise TransferError(f"transport {self.endpoint_id!r} is closed")
+
+
+def open_replica_transport(transport_host: str, replica_id: str, device, timeout_s: float) -> tuple[str, KVTransport]:
+    """A worker replica's transport (EngineWorker's `open_transport`): its host resolved
+    (`auto`: this node's address), then the transport opened there."""
+    host = resolve_host(transport_host)
+    return host, KVTransport(replica_id, device, host=host, timeout_s=timeout_s)

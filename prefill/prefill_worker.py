@@ -13,14 +13,15 @@ import time
 
 from splitserve.engine.core.scheduler import ScheduledBatch
 from splitserve.engine.engine_errors import EngineStepError
+from splitserve.engine.engine_worker import EngineWorker
 from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
-from splitserve.kvtransfer.engine_worker import EngineWorker
 from splitserve.kvtransfer.errors import TransferAbortedError
-from splitserve.kvtransfer.handoff import Handoff, PrefillResult
 from splitserve.kvtransfer.kv_sender import KVSender, SendJob
-from splitserve.kvtransfer.poll_reply import TransferTotals
+from splitserve.kvtransfer.transport import open_replica_transport
+from splitserve.proto.messages.handoff import Handoff, PrefillResult
+from splitserve.proto.messages.poll_reply import TransferTotals
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,13 @@ class PrefillWorker(EngineWorker):
         namespace: str | None = None,
     ):
         super().__init__(
-            replica_id, engine_config, transport_host, transfer_timeout_s, torch_threads, namespace=namespace
+            replica_id,
+            engine_config,
+            transport_host,
+            transfer_timeout_s,
+            torch_threads,
+            namespace=namespace,
+            open_transport=open_replica_transport,
         )
         self.sender = KVSender(self.transport, self.engine.kv_cache)
         self._jobs: dict[str, SendJob] = {}

@@ -1,152 +1,147 @@
-"""The layout holds: imports flow one way, the torch-free parts stay torch-free, and
-docs/ARCHITECTURE.md names every module. Read from the source (ast), not from what happens to
-be imported at test time, so a lazy import inside a function counts too."""
+"""The layout holds: imports flow one way, the torch-free parts stay torch-free, cluster's parts
+import each other without cycles, shipped code imports no test code, and docs/ARCHITECTURE.md
+names every module by its full path and names nothing that is not there. The rules live in
+tests/helpers/layout.py; each self-test below plants a violation in a temporary tree and checks
+that it is caught."""
 
 from __future__ import annotations
 
-import ast
-from functools import cache
+import shutil
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.layout import ALLOWED, MESSAGES, TORCH_FREE, SourceTree, area_of, parse_imports
+
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("engine", "kvtransfer", "prefill", "decode", "cluster", "proto", "bench")
-# What each top-level package may import from splitserve (besides itself):
-# cluster -> prefill/decode -> kvtransfer -> engine; proto is the API description; bench sits on top.
-ALLOWED = {
-    "engine": set(),
-    "proto": set(),
-    "kvtransfer": {"engine"},
-    "prefill": {"kvtransfer", "engine"},
-    "decode": {"kvtransfer", "engine"},
-    "cluster": {"prefill", "decode", "kvtransfer", "engine", "proto"},
-    "bench": {"cluster", "prefill", "decode", "kvtransfer", "engine", "proto"},
-}
-TORCH_FREE = ("engine/core", "cluster/routing")
-HEAVY = ("torch", "triton")
+DOC = REPO / "docs" / "ARCHITECTURE.md"
+TREE = SourceTree(REPO)
 
 
-def _source_files() -> list[Path]:
-    files = []
-    for package in PACKAGES:
-        files += [p for p in (REPO / package).rglob("*.py") if "_pb2" not in p.name]
-    return sorted(files)
-
-
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(REPO).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return "splitserve." + ".".join(parts)
-
-
-def _in_type_checking(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
-    while node in parents:
-        node = parents[node]
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            return True
-    return False
-
-
-def _parse_imports(source: str, package: str) -> tuple[str, ...]:
-    """Every module the source imports, at any depth (TYPE_CHECKING blocks excepted), absolute;
-    package: the package relative imports start from."""
-    tree = ast.parse(source)
-    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
-    found = []
-    for node in ast.walk(tree):
-        if _in_type_checking(node, parents):
-            continue
-        if isinstance(node, ast.Import):
-            found += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                module = f"{base}.{node.module}" if node.module else base
-            else:
-                module = node.module or ""
-            found.append(module)
-            # `from splitserve.x import y` may import the submodule splitserve.x.y
-            found += [f"{module}.{alias.name}" for alias in node.names]
-    return tuple(found)
-
-
-@cache
-def _imports(path: Path) -> tuple[str, ...]:
-    name = _module_name(path)
-    return _parse_imports(path.read_text(), name if path.name == "__init__.py" else name.rpartition(".")[0])
-
-
-def _top_package(module: str) -> str | None:
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 and parts[0] == "splitserve" and parts[1] in PACKAGES else None
-
-
-MODULES = {_module_name(p): p for p in _source_files()}
-
-
-@pytest.mark.parametrize("path", _source_files(), ids=lambda p: str(p.relative_to(REPO)))
+@pytest.mark.parametrize("path", TREE.files, ids=lambda p: str(p.relative_to(REPO)))
 def test_imports_flow_one_way(path):
-    own = path.relative_to(REPO).parts[0]
-    bad = sorted({m for m in _imports(path) if (top := _top_package(m)) and top != own and top not in ALLOWED[own]})
-    assert not bad, f"{own}/ may import only {sorted(ALLOWED[own]) or 'nothing else'}; it imports {bad}"
-
-
-def _reachable(start: str) -> dict[str, str]:
-    """splitserve modules reachable from start by imports -> the module that imported each."""
-    seen = {start: start}
-    todo = [start]
-    while todo:
-        module = todo.pop()
-        for imported in _imports(MODULES[module]):
-            if imported in MODULES and imported not in seen:
-                seen[imported] = module
-                todo.append(imported)
-    return seen
+    own = area_of(TREE.module_name(path))
+    bad = TREE.flow_violations(path)
+    assert not bad, f"{own} may import only {sorted(ALLOWED[own]) or 'nothing else'}; it imports {bad}"
 
 
 @pytest.mark.parametrize("area", TORCH_FREE)
 def test_torch_free_areas_reach_no_torch(area):
-    starts = [m for m, p in MODULES.items() if p.is_relative_to(REPO / area)]
-    assert starts, f"no modules under {area}"
-    for start in starts:
-        for module, importer in _reachable(start).items():
-            heavy = [m for m in _imports(MODULES[module]) if m.split(".")[0] in HEAVY]
-            assert not heavy, f"{start} reaches {module} (imported by {importer}), which imports {heavy}"
+    heavy = TREE.heavy_reached(area)
+    assert not heavy, heavy[0]
 
 
 def test_prefill_and_decode_do_not_import_each_other():
     for own, other in (("prefill", "decode"), ("decode", "prefill")):
         for path in (REPO / own).rglob("*.py"):
-            assert not [m for m in _imports(path) if _top_package(m) == other], path
+            assert not [m for m in TREE.imports(path) if area_of(m) == other], path
 
 
-def test_the_checker_catches_a_violation():
-    """The rules can fail: planted upward, relative and torch imports are all seen."""
+def test_cluster_parts_import_without_cycles():
+    assert not TREE.cluster_cycles()
+
+
+def test_shipped_code_imports_no_test_code():
+    assert not TREE.test_only_imports()
+
+
+def test_architecture_names_every_module_by_its_full_path():
+    missing = TREE.undocumented(DOC)
+    assert not missing, f"docs/ARCHITECTURE.md does not name: {missing}"
+
+
+def test_architecture_names_nothing_that_is_not_there():
+    missing = TREE.missing_doc_targets(DOC)
+    assert not missing, f"docs/ARCHITECTURE.md names what does not exist: {missing}"
+
+
+# ---- the checker catches what it is for: each rule, with a violation planted ----------------
+
+
+@pytest.fixture
+def planted(tmp_path):
+    """A copy of the source tree and the doc that a self-test may break."""
+    for package in ("engine", "kvtransfer", "prefill", "decode", "cluster", "proto"):
+        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "docs").mkdir()
+    shutil.copy(DOC, tmp_path / "docs" / "ARCHITECTURE.md")
+    return tmp_path
+
+
+def _append(path: Path, text: str) -> None:
+    path.write_text(path.read_text() + text)
+
+
+def test_the_checker_sees_upward_relative_and_lazy_imports():
     source = (REPO / "engine" / "core" / "block_pool.py").read_text()
     planted = source + "\ndef f():\n    import torch\n    from ...cluster.config import ServeConfig\n"
-    imports = _parse_imports(planted, "splitserve.engine.core")
+    imports = parse_imports(planted, "splitserve.engine.core")
     assert "torch" in imports and "splitserve.cluster.config" in imports
-    assert _top_package("splitserve.cluster.config") not in ALLOWED["engine"]
-    assert "torch" not in _parse_imports("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n", "x")
+    assert area_of("splitserve.cluster.config") not in ALLOWED["engine"]
+    assert area_of("splitserve.proto.messages.handoff") == MESSAGES and area_of("splitserve.proto.stubs") == "proto"
 
 
-def test_architecture_names_every_module():
-    """docs/ARCHITECTURE.md's module map names each module, in backticks, by its path below its
-    top-level package (`core/block_pool.py` under engine/), by its repo path, or by its file name
-    where that name is unique in the tree."""
-    text = (REPO / "docs" / "ARCHITECTURE.md").read_text()
-    files = [p for p in _source_files() if p.name not in ("__init__.py", "__main__.py")]
-    name_counts: dict[str, int] = {}
-    for path in files:
-        name_counts[path.name] = name_counts.get(path.name, 0) + 1
-    missing = []
-    for path in files:
-        rel = path.relative_to(REPO)
-        names = {rel.as_posix(), Path(*rel.parts[1:]).as_posix()}
-        if name_counts[path.name] == 1:
-            names.add(path.name)
-        if not any(f"`{name}`" in text for name in names):
-            missing.append(rel.as_posix())
-    assert not missing, f"docs/ARCHITECTURE.md does not name: {missing}"
+def test_the_checker_catches_an_upward_import(planted):
+    _append(planted / "proto" / "messages" / "handoff.py", "\nfrom splitserve.engine.config import EngineConfig\n")
+    tree = SourceTree(planted)
+    assert tree.flow_violations(planted / "proto" / "messages" / "handoff.py") == [
+        "splitserve.engine.config",
+        "splitserve.engine.config.EngineConfig",
+    ]
+
+
+def test_type_checking_is_the_guard_not_a_substring():
+    guarded = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n"
+    assert "torch" not in parse_imports(guarded, "x")
+    assert "torch" in parse_imports("import typing\nif typing.TYPE_CHECKING:\n    pass\nelse:\n    import torch\n", "x")
+    assert "torch" in parse_imports("if not TYPE_CHECKING:\n    import torch\n", "x")
+    assert "torch" in parse_imports("if NOT_TYPE_CHECKING_REALLY:\n    import torch\n", "x")
+
+
+def test_the_checker_follows_parent_init_imports(planted):
+    """engine/core imports nothing heavy itself; a parent package's __init__ that imports torch
+    runs on every import of it and is seen."""
+    _append(planted / "engine" / "__init__.py", "\nimport torch\n")
+    found = SourceTree(planted).heavy_reached("engine/core")
+    assert found and "splitserve.engine (imported by" in found[0]
+
+
+def test_the_checker_follows_lazy_export_maps(planted):
+    """proto/messages reaches torch if its package's lazy-export map names a torch module."""
+    _append(
+        planted / "proto" / "messages" / "__init__.py",
+        '\n_EXPORTS = {"KVTransport": "splitserve.kvtransfer.transport"}\n',
+    )
+    tree = SourceTree(planted)
+    assert "splitserve.kvtransfer.transport" in tree.imports(planted / "proto" / "messages" / "__init__.py")
+    found = tree.heavy_reached("proto/messages")
+    assert found and "splitserve.kvtransfer.transport" in " ".join(found)
+
+
+def test_the_checker_catches_a_cluster_cycle(planted):
+    _append(
+        planted / "cluster" / "control" / "pool_metrics.py",
+        "\nfrom splitserve.cluster.frontend.metrics import Metrics\n",
+    )
+    cycles = SourceTree(planted).cluster_cycles()
+    assert any("splitserve.cluster.control" in c and "splitserve.cluster.frontend" in c for c in cycles), cycles
+
+
+def test_the_checker_catches_shipped_code_importing_test_code(planted):
+    _append(planted / "cluster" / "default_model.py", "\nfrom splitserve.engine.testing import json_schemas\n")
+    assert SourceTree(planted).test_only_imports()
+
+
+def test_the_checker_catches_an_unnamed_module_and_a_dead_doc_entry(planted):
+    doc = planted / "docs" / "ARCHITECTURE.md"
+    before = set(SourceTree(planted).missing_doc_targets(doc))  # tests/, helm/ are not copied
+    (planted / "engine" / "core" / "planted_module.py").write_text('"""A module the doc does not name."""\n')
+    _append(doc, "\n- `engine/core/gone.py`, `gone.py`, `engine/gone/`, [gone](gone_research.md)\n")
+    tree = SourceTree(planted)
+    assert tree.undocumented(doc) == ["engine/core/planted_module.py"]
+    assert [m for m in tree.missing_doc_targets(doc) if m not in before] == [
+        "engine/core/gone.py",
+        "gone.py",
+        "engine/gone/",
+        "gone_research.md",
+    ]

@@ -21,7 +21,7 @@ def add_registered_parsers(subparsers: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from splitserve.cluster.cli.generate import add_generate_parser
     from splitserve.cluster.cli.serve import add_serve_parser
-    from splitserve.engine.testing.make_model import add_make_model_parser
+    from splitserve.engine.builtin_models.make_model import add_make_model_parser
 
     parser = argparse.ArgumentParser(
         prog="splitserve",

@@ -26,8 +26,6 @@ import ray
 
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.control.ingress_registry import IngressRegistry
-from splitserve.cluster.control.ingress_report import IngressReport, decode_families
-from splitserve.cluster.control.membership import MembershipView
 from splitserve.cluster.control.metrics_aggregator import MetricsAggregator
 from splitserve.cluster.control.pool_roster import PoolRoster
 from splitserve.cluster.control.replica_probe import ProbeResult, probe
@@ -37,6 +35,8 @@ from splitserve.cluster.routing.load import LoadReport
 from splitserve.cluster.routing.router import DECODE, POOLS, PREFILL
 from splitserve.cluster.scaling.autoscaler import Autoscaler
 from splitserve.cluster.scaling.latency_window import LatencyWindow
+from splitserve.proto.messages.ingress_report import IngressReport, decode_families
+from splitserve.proto.messages.membership import MembershipView
 
 logger = logging.getLogger(__name__)
 IDLE_PAIR_S = 300.0  # decode replicas close process groups idle this long

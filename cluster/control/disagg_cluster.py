@@ -16,16 +16,16 @@ from collections.abc import AsyncIterator, Callable
 
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.control.controller import Controller
-from splitserve.cluster.control.controller_client import METRICS_TIMEOUT_S, ControllerClient
-from splitserve.cluster.control.dispatcher import Dispatcher
-from splitserve.cluster.control.ingress_report import IngressReport
-from splitserve.cluster.control.membership_follower import MembershipFollower
 from splitserve.cluster.control.worker_pool import Replica, WorkerPool
+from splitserve.cluster.ingress.controller_client import METRICS_TIMEOUT_S, ControllerClient
+from splitserve.cluster.ingress.dispatcher import Dispatcher
+from splitserve.cluster.ingress.membership_follower import MembershipFollower
 from splitserve.cluster.routing.router import DECODE, PREFILL, Router
 from splitserve.cluster.scaling.policy import replica_floor
 from splitserve.engine.io.sampling_params import SamplingParams
-from splitserve.kvtransfer.handoff import StreamChunk
-from splitserve.kvtransfer.poll_reply import PollReply
+from splitserve.proto.messages.handoff import StreamChunk
+from splitserve.proto.messages.ingress_report import IngressReport
+from splitserve.proto.messages.poll_reply import PollReply
 
 
 class DisaggCluster:

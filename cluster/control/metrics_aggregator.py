@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 
-from splitserve.cluster.control.ingress_report import MetricFamily, families_of
+from splitserve.proto.messages.ingress_report import MetricFamily, families_of
 
 CUMULATIVE = frozenset({"counter", "histogram", "summary"})
 # Retired ingresses kept one by one, so one that was only presumed gone can come back

@@ -9,8 +9,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 
 from splitserve.cluster.control.spec_decode_metrics import SpecDecodeMetrics
-from splitserve.cluster.frontend.metrics import ModelFamilies
-from splitserve.kvtransfer.poll_reply import PollReply
+from splitserve.cluster.metric_families import ModelFamilies
+from splitserve.proto.messages.poll_reply import PollReply
 
 
 class PoolMetrics:

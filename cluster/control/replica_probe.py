@@ -11,7 +11,7 @@ import ray
 
 from splitserve.cluster.control.worker_pool import Replica
 from splitserve.engine.engine_errors import EngineLoopStopped
-from splitserve.kvtransfer.poll_reply import PollReply
+from splitserve.proto.messages.poll_reply import PollReply
 
 PROBE_TIMEOUT_S = 10.0  # a busy step may hold the probe a while; a hung replica is not dead
 

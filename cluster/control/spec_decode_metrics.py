@@ -10,7 +10,7 @@ the replicas started: the acceptance rate (accepted / proposed) and the mean acc
 
 from __future__ import annotations
 
-from splitserve.engine.io.engine_stats import EngineStats
+from splitserve.proto.messages.engine_stats import EngineStats
 
 _COUNTERS = (
     ("num_drafts", "spec_num_drafts", "Speculative drafts verified"),

@@ -22,8 +22,8 @@ from typing import Any
 import ray
 
 from splitserve.cluster.config import EnginePoolConfig, PoolResources, ServeConfig
-from splitserve.cluster.control.membership import ReplicaInfo
 from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.proto.messages.membership import ReplicaInfo
 
 logger = logging.getLogger(__name__)
 

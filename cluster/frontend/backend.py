@@ -11,12 +11,11 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 
 from splitserve.cluster.config import ServeConfig
-from splitserve.cluster.control.controller_client import ControllerClient
 from splitserve.cluster.control.disagg_cluster import DisaggCluster
-from splitserve.cluster.control.ingress_report import encode_families, families_of
-from splitserve.cluster.control.ingress_reporter import IngressReporter
 from splitserve.cluster.frontend.metrics import Metrics, RouterViewCollector
 from splitserve.cluster.frontend.token_meter import TokenMeter
+from splitserve.cluster.ingress.controller_client import ControllerClient
+from splitserve.cluster.ingress.ingress_reporter import IngressReporter
 from splitserve.cluster.request_error import ErrorKind, RequestError, invalid
 from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.engine.config import ModelConfig
@@ -25,7 +24,8 @@ from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingPa
 from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.engine.sample.grammar_compiler import GrammarCompiler
 from splitserve.engine.sample.grammar_spec import GrammarSpec
-from splitserve.kvtransfer.handoff import StreamChunk
+from splitserve.proto.messages.handoff import StreamChunk
+from splitserve.proto.messages.ingress_report import encode_families, families_of
 
 logger = logging.getLogger(__name__)
 # splitserve_requests_total{status}: OK, CANCELLED, or the ErrorKind that ended the request.

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 
-from splitserve.engine.core.kv_events import REMOVED, STORED, KVEvent
+from splitserve.proto.messages.kv_events import REMOVED, STORED, KVEvent
 
 ReplicaId = Hashable
 

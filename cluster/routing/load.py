@@ -12,7 +12,7 @@ import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from splitserve.kvtransfer.poll_reply import PollReply
+from splitserve.proto.messages.poll_reply import PollReply
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from splitserve.engine.core.kv_events import REMOVED, STORED, KVEvent
+from splitserve.proto.messages.kv_events import REMOVED, STORED, KVEvent
 
 
 class NoFreeBlocksError(RuntimeError):

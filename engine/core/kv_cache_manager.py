@@ -6,8 +6,8 @@ Pure integers (it owns the BlockPool); the model runner turns block tables into 
 from __future__ import annotations
 
 from splitserve.engine.core.block_pool import BlockPool
-from splitserve.engine.core.kv_events import KVEvent
 from splitserve.engine.core.sequence import Sequence
+from splitserve.proto.messages.kv_events import KVEvent
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -78,7 +78,7 @@ def test_imports_splitserve_from_the_repository_without_an_install(tmp_path):
     """-S drops site-packages (and the editable install): the script maps the folders itself."""
     code = (
         f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import gpu_check; "
-        "import splitserve.engine.config as c, splitserve.kvtransfer.channel as k, splitserve.bench.gpu_check as g; "
+        "import splitserve.engine.config as c, splitserve.kvtransfer.kv_channel as k, splitserve.bench.gpu_check as g; "
         "print(gpu_check.SPLITSERVE_SOURCE, c.__file__, k.__file__, g.__file__)"
     )
     completed = subprocess.run(

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from splitserve.cluster import default_model
-from splitserve.engine.testing import model_cache
-from splitserve.engine.testing.make_model import TRAINING_FILE, ModelSpec
+from splitserve.engine.builtin_models import model_cache
+from splitserve.engine.builtin_models.make_model import TRAINING_FILE, ModelSpec
 
 
 @pytest.fixture
@@ -32,7 +32,7 @@ def test_the_default_is_trained_once_and_then_cached(tiny_defaults, monkeypatch,
     def must_not_write(*args, **kwargs):
         raise AssertionError("the cached default must not be made again")
 
-    monkeypatch.setattr("splitserve.engine.testing.make_model.write_checkpoint", must_not_write)
+    monkeypatch.setattr("splitserve.engine.builtin_models.make_model.write_checkpoint", must_not_write)
     assert default_model.resolve_model(None) == path
     assert capsys.readouterr().err == ""
 

@@ -17,8 +17,8 @@ import pytest
 import ray
 
 from splitserve.cluster.app import CONTROLLER_DEPLOYMENT_NAME, build_app
-from splitserve.cluster.control.membership import MembershipView
 from splitserve.cluster.control.worker_pool import app_namespace, named_actors
+from splitserve.proto.messages.membership import MembershipView
 from tests.helpers.cluster import wait_until
 from tests.helpers.serve_process import ServeProcess
 

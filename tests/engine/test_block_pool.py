@@ -5,9 +5,9 @@ import pytest
 from splitserve.engine.core.block_hash import ROOT_HASH, extend_hashes, hash_block, hash_blocks
 from splitserve.engine.core.block_pool import BlockPool, NoFreeBlocksError
 from splitserve.engine.core.kv_cache_manager import KVCacheManager
-from splitserve.engine.core.kv_events import REMOVED, STORED, KVEvent
 from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.io.sampling_params import SamplingParams
+from splitserve.proto.messages.kv_events import REMOVED, STORED, KVEvent
 
 
 def test_hash_is_fixed_and_chained():

@@ -9,12 +9,12 @@ import torch
 import transformers  # a test dependency: a broken install must fail, not skip
 from safetensors.torch import load_file, save_file
 
+from splitserve.engine.builtin_models.make_model import MakeModelError, write_random_checkpoint
+from splitserve.engine.builtin_models.make_model import main as make_model_main
 from splitserve.engine.config import ConfigError
 from splitserve.engine.model.checkpoint import CheckpointError
 from splitserve.engine.model.loader import load_model
 from splitserve.engine.ops.attention import paged_decode_attention_torch, write_kv
-from splitserve.engine.testing.make_model import MakeModelError, write_random_checkpoint
-from splitserve.engine.testing.make_model import main as make_model_main
 from tests.helpers.model import (
     contiguous_metadata,
     greedy_generate,

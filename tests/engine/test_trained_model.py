@@ -9,11 +9,11 @@ import pytest
 import torch
 import transformers
 
+from splitserve.engine.builtin_models import model_cache, model_spec
+from splitserve.engine.builtin_models.make_model import TRAINING_FILE, MakeModelError, ModelSpec, write_checkpoint
+from splitserve.engine.builtin_models.make_model import main as make_model_main
+from splitserve.engine.builtin_models.model_cache import cache_entry_path, cached_checkpoint
 from splitserve.engine.model.loader import load_model
-from splitserve.engine.testing import model_cache, model_spec
-from splitserve.engine.testing.make_model import TRAINING_FILE, MakeModelError, ModelSpec, write_checkpoint
-from splitserve.engine.testing.make_model import main as make_model_main
-from splitserve.engine.testing.model_cache import cache_entry_path, cached_checkpoint
 from tests.helpers.model import contiguous_metadata, greedy_generate, make_kv_cache, single_torch_thread
 
 TRAIN_STEPS = 24
@@ -85,7 +85,7 @@ def test_short_training_lowers_loss_and_loads_in_both_loaders(trained, tmp_path,
 
 def test_second_call_hits_the_cache(trained, cache_root, monkeypatch):
     first = trained("llama")
-    monkeypatch.setattr("splitserve.engine.testing.make_model.write_checkpoint", _must_not_write)
+    monkeypatch.setattr("splitserve.engine.builtin_models.make_model.write_checkpoint", _must_not_write)
     again = cached_checkpoint(ModelSpec("tiny", "llama", seed=5, train_steps=TRAIN_STEPS), root=cache_root)
     assert again.hit and again.path == first.path
     assert again.path == cache_entry_path(ModelSpec("tiny", "llama", seed=5, train_steps=TRAIN_STEPS), cache_root)
@@ -147,7 +147,7 @@ def test_a_failed_make_leaves_no_entry(tmp_path, monkeypatch):
         (out_dir / "config.json").write_text("{}")
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr("splitserve.engine.testing.make_model.write_checkpoint", fail_half_way)
+    monkeypatch.setattr("splitserve.engine.builtin_models.make_model.write_checkpoint", fail_half_way)
     with pytest.raises(RuntimeError, match="disk full"):
         cached_checkpoint(spec, root=tmp_path)
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
@@ -223,8 +223,8 @@ def test_draft_shares_its_targets_tokenizer_exactly(tmp_path):
 
 
 def test_corpus_batches_rows():
-    from splitserve.engine.testing.corpus_batches import IGNORE_INDEX, CorpusBatches
-    from splitserve.engine.testing.corpus_tokenizer import train_tokenizer
+    from splitserve.engine.builtin_models.corpus_batches import IGNORE_INDEX, CorpusBatches
+    from splitserve.engine.builtin_models.corpus_tokenizer import train_tokenizer
 
     tokenizer = train_tokenizer(512)
     windows = CorpusBatches(tokenizer, seq_len=32, seed=0, copy_fraction=0.0, max_span_tokens=8)

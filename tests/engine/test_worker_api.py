@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.core.kv_events import STORED
-from splitserve.engine.io.engine_stats import EngineStats
 from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.proto.messages.engine_stats import EngineStats
+from splitserve.proto.messages.kv_events import STORED
 
 BS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -12,7 +12,7 @@ import uvicorn
 
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.control.disagg_cluster import DisaggCluster
-from splitserve.kvtransfer.poll_reply import PollReply
+from splitserve.proto.messages.poll_reply import PollReply
 
 
 class LoopThread:

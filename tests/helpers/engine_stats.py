@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from splitserve.engine.io.engine_stats import EngineStats
+from splitserve.proto.messages.engine_stats import EngineStats
 
 # A replica a quarter full, one request running: the fields every EngineStats needs.
 STATS_FIELDS = dict(

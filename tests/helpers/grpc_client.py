@@ -14,7 +14,7 @@ from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.frontend.grpc.server import GrpcFrontend
 from splitserve.cluster.request_error import invalid
 from splitserve.engine.io.sampling_params import SamplingParams
-from splitserve.kvtransfer.handoff import StreamChunk
+from splitserve.proto.messages.handoff import StreamChunk
 
 FAKE_MODEL_NAME = "tiny-fake"
 FAKE_MAX_MODEL_LEN = 64

@@ -13,11 +13,11 @@ import uvicorn
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.frontend.metrics import Metrics
 from splitserve.cluster.request_error import ErrorKind, RequestError, invalid
+from splitserve.engine.builtin_models.make_model import write_random_checkpoint
 from splitserve.engine.io.request_validation import validate_prompt
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.io.tokenizer import Tokenizer
-from splitserve.engine.testing.make_model import write_random_checkpoint
-from splitserve.kvtransfer.handoff import StreamChunk
+from splitserve.proto.messages.handoff import StreamChunk
 
 MODEL_NAME = "tiny-test"
 REPLY = "The quick brown fox."  # 13 tokens with the tiny tokenizer: under the default max_tokens

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
+from splitserve.engine.builtin_models.make_model import write_random_checkpoint
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.ops.attention_metadata import AttentionMetadata
 from splitserve.engine.ops.kv_cache import KVCache
-from splitserve.engine.testing.make_model import write_random_checkpoint
 
 
 @functools.cache

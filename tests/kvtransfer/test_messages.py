@@ -9,19 +9,19 @@ import msgspec
 import pytest
 
 from splitserve.engine.core.block_pool import BlockPool
-from splitserve.engine.core.kv_events import REMOVED, STORED, KVEvent
-from splitserve.engine.io.engine_stats import EngineStats
 from splitserve.engine.io.sampling_params import SamplingParams
-from splitserve.kvtransfer.handoff import (
+from splitserve.proto.messages.codec import MessageError
+from splitserve.proto.messages.engine_stats import EngineStats
+from splitserve.proto.messages.handoff import (
     HANDOFF_VERSION,
     Handoff,
     HandoffError,
     PrefillResult,
     StreamChunk,
 )
-from splitserve.kvtransfer.message_codec import MessageError
-from splitserve.kvtransfer.poll_reply import POLL_VERSION, PollReply, ReplicaStatus, TransferTotals
-from splitserve.kvtransfer.request_channel import Submit, decode_to_decode, encode_frame
+from splitserve.proto.messages.kv_events import REMOVED, STORED, KVEvent
+from splitserve.proto.messages.poll_reply import POLL_VERSION, PollReply, ReplicaStatus, TransferTotals
+from splitserve.proto.messages.request_channel import Submit, decode_to_decode, encode_frame
 
 STATS = EngineStats(
     num_free_blocks=60,

@@ -10,12 +10,12 @@ from collections import deque
 
 import pytest
 
-from splitserve.cluster.control.decode_channel import ChannelClosed, DecodeChannel
-from splitserve.decode.channel_server import ChannelServer
-from splitserve.engine.core.kv_events import STORED, KVEvent
-from splitserve.kvtransfer.engine_worker import EngineWorker
-from splitserve.kvtransfer.handoff import StreamChunk
-from splitserve.kvtransfer.request_channel import (
+from splitserve.cluster.ingress.request_channel_client import ChannelClosed, RequestChannelClient
+from splitserve.decode.request_channel_server import RequestChannelServer
+from splitserve.engine.engine_worker import EngineWorker
+from splitserve.proto.messages.handoff import StreamChunk
+from splitserve.proto.messages.kv_events import STORED, KVEvent
+from splitserve.proto.messages.request_channel import (
     CHANNEL_VERSION,
     MAX_FRAME_BYTES,
     Abort,
@@ -66,7 +66,7 @@ class Recorder:
         self.closed: list[set[str]] = []
         self.conns = []
 
-    def server(self, replica_id: str = "decode-0") -> ChannelServer:
+    def server(self, replica_id: str = "decode-0") -> RequestChannelServer:
         def on_submit(conn, submit):
             self.conns.append(conn)
             conn.request_ids.add(submit.request_id)
@@ -76,7 +76,9 @@ class Recorder:
             conn.request_ids.discard(rid)
             self.aborts.append(rid)
 
-        return ChannelServer(replica_id, on_submit, on_abort, lambda conn: self.closed.append(set(conn.request_ids)))
+        return RequestChannelServer(
+            replica_id, on_submit, on_abort, lambda conn: self.closed.append(set(conn.request_ids))
+        )
 
 
 async def _wait(predicate, timeout_s: float = 5.0) -> None:
@@ -91,7 +93,7 @@ def test_submit_stream_abort_and_connection_loss():
         rec = Recorder()
         server = rec.server()
         address = await server.start("127.0.0.1")
-        channel = DecodeChannel("decode-0", address, "ingress-a")
+        channel = RequestChannelClient("decode-0", address, "ingress-a")
         qa = await channel.submit(Submit("a", [1, 2, 3], {}))
         qb = await channel.submit(Submit("b", [1, 2, 3], {}))
         qc = await channel.submit(Submit("c", [1, 2, 3], {}))
@@ -120,7 +122,7 @@ def test_submit_stream_abort_and_connection_loss():
         # The ingress goes away: decode learns every request that was open on its connection.
         server2 = rec.server()
         address2 = await server2.start("127.0.0.1")
-        channel2 = DecodeChannel("decode-0", address2, "ingress-b")
+        channel2 = RequestChannelClient("decode-0", address2, "ingress-b")
         for rid in ("x", "y"):
             await channel2.submit(Submit(rid, [1], {}))
         await _wait(lambda: len(rec.submits) == 6)
@@ -139,7 +141,7 @@ def test_handshake_refuses_the_wrong_replica_or_version():
         address = await server.start("127.0.0.1")
         # A port that now belongs to another replica (the old one died and the port was reused).
         with pytest.raises(ChannelClosed, match="is decode-7, not decode-3"):
-            await DecodeChannel("decode-3", address, "ing").submit(Submit("a", [1], {}))
+            await RequestChannelClient("decode-3", address, "ing").submit(Submit("a", [1], {}))
         # A peer of another protocol version is refused before any request.
         reader, writer = await asyncio.open_connection(*address)
         writer.write(encode_frame(Hello(CHANNEL_VERSION + 1, "old-ingress")))

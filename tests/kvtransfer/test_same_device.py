@@ -1,4 +1,4 @@
-"""Same-device pairs (splitserve.kvtransfer.channel): the channel choice, and the `ipc` and `host`
+"""Same-device pairs (splitserve.kvtransfer.kv_channel): the channel choice, and the `ipc` and `host`
 channels between two real processes on this host (CPU shared memory runs the same protocol that
 CUDA IPC runs on one GPU), including the fallback from ipc to host when sharing fails."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from splitserve.kvtransfer import KVTransport, TransferError, TransportUsageError
-from splitserve.kvtransfer.channel import DeviceIdentity, choose_channel, local_identity
+from splitserve.kvtransfer.kv_channel import DeviceIdentity, choose_channel, local_identity
 from tests.helpers import transport as helpers
 
 PEER_TIMEOUT_S = 5.0

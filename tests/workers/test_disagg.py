@@ -14,7 +14,7 @@ from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
-from splitserve.kvtransfer.poll_reply import PollReply
+from splitserve.proto.messages.poll_reply import PollReply
 from tests.helpers.cluster import cluster_config, start_cluster, wait_for_baseline
 
 pytestmark = pytest.mark.ray

@@ -14,7 +14,7 @@ from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import LLMEngine
 
 REPO = Path(__file__).resolve().parents[2]
-WORKER_SOURCES = sorted([*REPO.glob("prefill/*.py"), *REPO.glob("decode/*.py"), REPO / "kvtransfer/engine_worker.py"])
+WORKER_SOURCES = sorted([*REPO.glob("prefill/*.py"), *REPO.glob("decode/*.py"), REPO / "engine/engine_worker.py"])
 
 LLM_ENGINE_API = {
     "make_sequence",  # prefill_only=True for a prefill replica's requests
@@ -48,10 +48,11 @@ ENGINE_IMPORTS = {
     "splitserve.engine.config": {"EngineConfig"},
     "splitserve.engine.engine_loop": {"EngineLoop"},
     "splitserve.engine.engine_errors": {"EngineLoopStopped", "EngineStepError"},
+    "splitserve.engine.engine_worker": {"EngineWorker"},  # the workers' base (engine/ sits below both)
     "splitserve.engine.llm_engine": {"LLMEngine", "LayerHookFactory"},
     "splitserve.engine.core.scheduler": {"ScheduledBatch"},  # what a layer hook is given
     "splitserve.engine.core.sequence": {"Sequence"},  # what make_sequence returns
-    "splitserve.engine.core.kv_events": {"KVEvent"},  # what take_events returns (kept in the event log)
+    "splitserve.proto.messages.kv_events": {"KVEvent"},  # what take_events returns (kept in the event log)
     "splitserve.engine.io.block_reservation": {"BlockReservation"},
     "splitserve.engine.io.request_output": {"RequestOutput"},
     "splitserve.engine.io.sampling_params": {"SamplingParams"},
@@ -125,7 +126,7 @@ def violations(source: str, filename: str = "<source>") -> list[str]:
 
 
 def test_workers_use_only_the_engine_api():
-    assert {p.parent.name for p in WORKER_SOURCES} == {"prefill", "decode", "kvtransfer"}
+    assert {p.parent.name for p in WORKER_SOURCES} == {"prefill", "decode", "engine"}
     found = []
     used = set()
     for path in WORKER_SOURCES:

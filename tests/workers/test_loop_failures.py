@@ -25,19 +25,19 @@ import pytest
 import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.cluster.control.decode_channel import DecodeChannel
 from splitserve.cluster.frontend.grpc.health import READY_SERVICE, pool_service_name
 from splitserve.cluster.frontend.grpc.server import GrpcFrontend
 from splitserve.cluster.frontend.http.api import build_http_app
+from splitserve.cluster.ingress.request_channel_client import RequestChannelClient
 from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.decode.decode_worker import PrefillFailedError
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine_errors import EngineLoopStopped, EngineStepError
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
-from splitserve.kvtransfer.handoff import StreamChunk
-from splitserve.kvtransfer.poll_reply import PollReply, ReplicaStatus
-from splitserve.kvtransfer.request_channel import Failed, FailureKind, Submit
+from splitserve.proto.messages.handoff import StreamChunk
+from splitserve.proto.messages.poll_reply import PollReply, ReplicaStatus
+from splitserve.proto.messages.request_channel import Failed, FailureKind, Submit
 from tests.helpers.cluster import LoopHttpServer, cluster_config, serving_backend, wait_for_baseline, wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -98,7 +98,7 @@ class Stream:
         submit = Submit(request_id, ids, params.to_dict(), None if prefill is None else prefill.replica_id)
 
         # Held here: a channel's reader and the tasks waiting on it only reference each other.
-        self.channel = channel = DecodeChannel(replica_id, address, f"test-{request_id}")
+        self.channel = channel = RequestChannelClient(replica_id, address, f"test-{request_id}")
 
         async def consume() -> None:
             try:
@@ -275,7 +275,7 @@ def frontends(loop, backend):
 
 
 def test_a_dead_decode_loop_leaves_routing_and_its_requests_are_retried(loop, cluster, backend, frontends, caplog):
-    caplog.set_level(logging.WARNING, logger="splitserve.cluster.control.dispatcher")
+    caplog.set_level(logging.WARNING, logger="splitserve.cluster.ingress.dispatcher")
     url, grpc_port = frontends
     assert httpx.get(f"{url}/health").json()["pools"][DECODE] == {"ok": True, "live": 2, "expected": 2, "min": 2}
     victim = cluster.decode_pool.get("decode-1")
@@ -319,7 +319,7 @@ def test_a_dead_decode_loop_leaves_routing_and_its_requests_are_retried(loop, cl
 
 
 def test_a_dead_prefill_loop_leaves_routing_and_its_requests_are_retried(loop, cluster, backend, frontends, caplog):
-    caplog.set_level(logging.WARNING, logger="splitserve.cluster.control.dispatcher")
+    caplog.set_level(logging.WARNING, logger="splitserve.cluster.ingress.dispatcher")
     url, grpc_port = frontends
     victim = cluster.prefill_pool.get("prefill-1")
     loop.run(cluster.dispatcher.stop_polling())

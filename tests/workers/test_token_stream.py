@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import ray
 
-from splitserve.cluster.control.dispatcher import Dispatcher
+from splitserve.cluster.ingress.dispatcher import Dispatcher
 from splitserve.cluster.routing.router import DECODE, PREFILL, Router
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.proto import load_stubs

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.sample.grammar_spec import GrammarSpec
-from splitserve.kvtransfer.handoff import StreamChunk
 from splitserve.proto import load_stubs
+from splitserve.proto.messages.handoff import StreamChunk
 
 pb2, _ = load_stubs()
 # Sampling fields declared `optional` in the .proto: unset means the SamplingParams default.

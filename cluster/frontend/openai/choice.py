@@ -7,7 +7,7 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # kvtransfer's package import is heavy; only the type is needed here
-    from splitserve.kvtransfer.handoff import StreamChunk
+    from splitserve.proto.messages.handoff import StreamChunk
 
 # JSON has no -inf/NaN; like vLLM, report an impossible token's log-probability as -9999.
 MIN_LOGPROB = -9999.0

@@ -27,7 +27,7 @@ from splitserve.cluster.frontend.openai.tool_call_output import ToolCallOutput
 
 if TYPE_CHECKING:  # kvtransfer's package import is heavy; only the type is needed here
     from splitserve.cluster.frontend.openai.tools import ToolCallPlan
-    from splitserve.kvtransfer.handoff import StreamChunk
+    from splitserve.proto.messages.handoff import StreamChunk
 
 __all__ = ["MIN_LOGPROB", "SSE_DONE", "ChatRenderer", "ResponseRenderer", "finite_logprob"]
 SSE_DONE = "data: [DONE]\n\n"

@@ -11,13 +11,13 @@ import subprocess
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.cluster.control.ingress_report import IngressReport, decode_families, encode_families, families_of
-from splitserve.cluster.control.membership import MembershipView, ReplicaInfo
 from splitserve.cluster.control.metrics_aggregator import MetricsAggregator
 from splitserve.cluster.control.pool_metrics import PoolMetrics
 from splitserve.cluster.frontend.metrics import Metrics, RouterViewCollector
-from splitserve.kvtransfer.message_codec import MessageError
-from splitserve.kvtransfer.poll_reply import PollReply, TransferTotals
+from splitserve.proto.messages.codec import MessageError
+from splitserve.proto.messages.ingress_report import IngressReport, decode_families, encode_families, families_of
+from splitserve.proto.messages.membership import MembershipView, ReplicaInfo
+from splitserve.proto.messages.poll_reply import PollReply, TransferTotals
 from tests.helpers.engine_stats import STATS
 
 

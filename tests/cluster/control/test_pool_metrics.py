@@ -7,7 +7,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.cluster.control.pool_metrics import PoolMetrics
-from splitserve.kvtransfer.poll_reply import PollReply, TransferTotals
+from splitserve.proto.messages.poll_reply import PollReply, TransferTotals
 from tests.helpers.engine_stats import STATS
 
 REPLICAS = [("prefill", "prefill-0"), ("decode", "decode-0"), ("decode", "decode-1")]

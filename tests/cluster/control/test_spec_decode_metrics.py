@@ -7,8 +7,8 @@ import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.cluster.control.pool_metrics import PoolMetrics
-from splitserve.engine.io.engine_stats import EngineStats
-from splitserve.kvtransfer.poll_reply import PollReply, TransferTotals
+from splitserve.proto.messages.engine_stats import EngineStats
+from splitserve.proto.messages.poll_reply import PollReply, TransferTotals
 from tests.helpers.engine_stats import STATS_FIELDS as BASE
 
 

@@ -24,8 +24,8 @@ from splitserve.cluster.frontend.grpc.server import (
     GrpcFrontendError,
 )
 from splitserve.cluster.request_error import ErrorKind, RequestError
+from splitserve.engine.builtin_models.make_model import write_random_checkpoint
 from splitserve.engine.io.tokenizer import Tokenizer
-from splitserve.engine.testing.make_model import write_random_checkpoint
 from splitserve.proto import load_stubs
 from tests.helpers.grpc_client import (
     FAKE_CACHED_TOKENS,

@@ -30,8 +30,8 @@ from hypothesis import HealthCheck, Phase
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.frontend.grpc.server import GrpcFrontend
 from splitserve.cluster.frontend.http.api import build_http_app
-from splitserve.kvtransfer.request_channel import ChannelError, Submit, decode_to_decode, encode_frame
 from splitserve.proto import load_stubs
+from splitserve.proto.messages.request_channel import ChannelError, Submit, decode_to_decode, encode_frame
 from tests.helpers.cluster import LoopHttpServer, cluster_config, serving_backend, wait_for_baseline, wait_until
 from tests.helpers.hostile_cases import MALFORMED_GRPC, raw_completion_cases
 

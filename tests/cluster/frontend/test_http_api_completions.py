@@ -199,7 +199,7 @@ def test_error_after_the_first_chunk_becomes_an_sse_error_event(client, backend)
 def test_non_finite_logprobs_stay_valid_json(tokenizer):
     from splitserve.cluster.frontend.openai.completion_renderer import CompletionRenderer
     from splitserve.cluster.frontend.openai.render import MIN_LOGPROB, ChatRenderer
-    from splitserve.kvtransfer.handoff import StreamChunk
+    from splitserve.proto.messages.handoff import StreamChunk
 
     chunk = StreamChunk(
         request_id="r",

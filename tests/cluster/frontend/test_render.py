@@ -11,7 +11,7 @@ import pytest
 from splitserve.cluster.frontend.openai.completion_renderer import CompletionRenderer
 from splitserve.cluster.frontend.openai.render import SSE_DONE, ChatRenderer
 from splitserve.cluster.frontend.openai.responses import ChatCompletionChunk, CompletionResponse
-from splitserve.kvtransfer.handoff import StreamChunk
+from splitserve.proto.messages.handoff import StreamChunk
 from tests.helpers.http_api import MODEL_NAME, tiny_tokenizer
 
 pytestmark = pytest.mark.timeout(60)

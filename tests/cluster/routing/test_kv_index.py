@@ -8,7 +8,7 @@ import pytest
 from splitserve.cluster.routing.index import KVEventError, KVIndex
 from splitserve.engine.core.block_hash import hash_blocks
 from splitserve.engine.core.block_pool import BlockPool
-from splitserve.engine.core.kv_events import KVEvent
+from splitserve.proto.messages.kv_events import KVEvent
 
 BS = 4  # block size: tiny prompts
 

@@ -373,7 +373,7 @@ def test_controller_wires_the_autoscaler_to_the_ingresses_latencies(tiny_model):
     """The autoscaler runs in the controller; its TTFT / ITL come from the ingresses' reports
     (ages, not timestamps: no clock is shared), pooled over every ingress."""
     from splitserve.cluster.control.controller import Controller
-    from splitserve.cluster.control.ingress_report import IngressReport
+    from splitserve.proto.messages.ingress_report import IngressReport
 
     controller = Controller(scaled_config(tiny_model), tiny_model, "unit")
     assert isinstance(controller.autoscaler, Autoscaler) and set(controller.autoscaler.policies) == {PREFILL, DECODE}

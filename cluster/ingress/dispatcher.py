@@ -1,5 +1,5 @@
 """Dispatcher: one ingress's request path. Routes each request to a (prefill, decode) pair,
-sends it over that decode replica's request channel (cluster/control/decode_channel.py),
+sends it over that decode replica's request channel (cluster/ingress/request_channel_client.py),
 streams its chunks back, retries on other replicas while nothing has streamed, aborts it at
 its deadline or when its caller goes away. Which replicas it routes to, and the router's view
 of them (KV events, load), is its base class's: RoutedReplicas (routed_replicas.py).
@@ -18,14 +18,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
-from splitserve.cluster.control.decode_channel import ChannelClosed
-from splitserve.cluster.control.routed_replicas import Member, RoutedReplicas
+from splitserve.cluster.ingress.request_channel_client import ChannelClosed
+from splitserve.cluster.ingress.routed_replicas import Member, RoutedReplicas
 from splitserve.cluster.request_error import ErrorKind, RequestError
 from splitserve.cluster.routing.router import DECODE, PREFILL, NoReplicaError, RouteDecision, Router
 from splitserve.engine.io.sampling_params import SamplingParams
-from splitserve.kvtransfer.handoff import StreamChunk
-from splitserve.kvtransfer.poll_reply import PollReply
-from splitserve.kvtransfer.request_channel import Failed, FailureKind, Submit
+from splitserve.proto.messages.handoff import StreamChunk
+from splitserve.proto.messages.poll_reply import PollReply
+from splitserve.proto.messages.request_channel import Failed, FailureKind, Submit
 
 logger = logging.getLogger(__name__)
 _DEADLINE = object()  # queued by a request's deadline timer

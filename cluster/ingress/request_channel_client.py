@@ -1,5 +1,5 @@
-"""DecodeChannel: an ingress's one connection to one decode replica's request channel
-(kvtransfer/request_channel.py), opened on first use and again after it broke.
+"""RequestChannelClient: an ingress's one connection to one decode replica's request channel
+(proto/messages/request_channel.py), opened on first use and again after it broke.
 
 submit() registers a request and sends its Submit; the reader task fans each TokenBatch out
 to the requests' queues (StreamChunk items), and a Failed to its request. abort() sends an
@@ -13,8 +13,8 @@ import asyncio
 import logging
 import socket
 
-from splitserve.kvtransfer.handoff import StreamChunk
-from splitserve.kvtransfer.request_channel import (
+from splitserve.proto.messages.handoff import StreamChunk
+from splitserve.proto.messages.request_channel import (
     CHANNEL_VERSION,
     Abort,
     ChannelError,
@@ -37,7 +37,7 @@ class ChannelClosed(ConnectionError):
     """The connection to the decode replica ended (it died, or the channel broke)."""
 
 
-class DecodeChannel:
+class RequestChannelClient:
     def __init__(self, replica_id: str, address: tuple[str, int], ingress_id: str, connect_timeout_s: float = 10.0):
         self.replica_id = replica_id
         self.address = (address[0], int(address[1]))

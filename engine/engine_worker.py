@@ -1,7 +1,11 @@
 """EngineWorker: what a prefill and a decode replica share -- an LLMEngine run by an EngineLoop
-thread, a KVTransport for the pairs with the other pool, and the control methods the ingress
-calls on every replica (ready, channel_address, poll, snapshot, forget_peer, shutdown,
-inject_fault) and the controller's probe.
+thread, the replica's KV transport for the pairs with the other pool, and the control methods
+the ingress calls on every replica (ready, channel_address, poll, snapshot, forget_peer,
+shutdown, inject_fault) and the controller's probe.
+
+It lives in engine/, the layer below both workers (prefill/ and decode/ never import each
+other), and holds no KV data plane: each worker opens its KVTransport (kvtransfer/) and hands
+it in through `open_transport`, so the engine imports no kvtransfer.
 
 A replica whose engine loop stopped for good has released every block and fails every call
 with EngineLoopStopped; its poll() and probe() then answer a PollReply with status
@@ -17,17 +21,29 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.core.kv_events import KVEvent
 from splitserve.engine.engine_errors import EngineLoopStopped
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import LayerHookFactory, LLMEngine
-from splitserve.kvtransfer.poll_reply import PollReply, ReplicaStatus, TransferTotals
-from splitserve.kvtransfer.rendezvous import resolve_host
-from splitserve.kvtransfer.transport import KVTransport
+from splitserve.proto.messages.kv_events import KVEvent
+from splitserve.proto.messages.poll_reply import PollReply, ReplicaStatus, TransferTotals
+
+
+class PeerTransport(Protocol):
+    """What the base class does with a worker's KV transport (kvtransfer.KVTransport)."""
+
+    def close_pair(self, peer_id: str, epoch: int | None = None) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+# (transport_host, replica_id, device, timeout_s) -> (the resolved host, the open transport)
+OpenTransport = Callable[[str, str, Any, float], tuple[str, PeerTransport]]
 
 
 class EngineWorker:
@@ -40,14 +56,15 @@ class EngineWorker:
         torch_threads: int | None = None,
         event_log_size: int = 4096,
         namespace: str | None = None,
+        *,
+        open_transport: OpenTransport,
     ):
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.replica_id = replica_id
         self.namespace = namespace  # the app's Ray namespace: where the peer replicas are named
-        self.host = resolve_host(transport_host)
         self.engine = LLMEngine(EngineConfig(**engine_config))
-        self.transport = KVTransport(replica_id, self.engine.device, host=self.host, timeout_s=transfer_timeout_s)
+        self.host, self.transport = open_transport(transport_host, replica_id, self.engine.device, transfer_timeout_s)
         self.transfer_timeout_s = transfer_timeout_s
         self.num_active = 0  # see PollReply.num_active
         self.loop: EngineLoop | None = None

@@ -10,7 +10,7 @@ import functools
 import json
 from pathlib import Path
 
-from splitserve.engine.testing.corpus import TEXT as CORPUS_TEXT
+from splitserve.engine.builtin_models.corpus import TEXT as CORPUS_TEXT
 
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<s>", "</s>", "<pad>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"

@@ -21,8 +21,8 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 
-from splitserve.cluster.control.dispatcher import Dispatcher
-from splitserve.cluster.control.membership import MembershipView, ReplicaInfo
+from splitserve.cluster.ingress.dispatcher import Dispatcher
+from splitserve.proto.messages.membership import MembershipView, ReplicaInfo
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitserve.engine.testing.model_spec import ModelSpec
+from splitserve.engine.builtin_models.model_spec import ModelSpec
 
 CACHE_ENV = "SPLITSERVE_CACHE"
 
@@ -42,7 +42,7 @@ def cached_checkpoint(
     spec: ModelSpec, root: str | Path | None = None, num_threads: int = 1, on_step=None
 ) -> CachedCheckpoint:
     """The cached checkpoint for spec, made (and trained, when spec.train_steps > 0) if missing."""
-    from splitserve.engine.testing.make_model import write_checkpoint
+    from splitserve.engine.builtin_models.make_model import write_checkpoint
 
     path = cache_entry_path(spec, root)
     if (path / "config.json").is_file():

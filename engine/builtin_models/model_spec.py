@@ -12,8 +12,8 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+from splitserve.engine.builtin_models.corpus import TEXT as CORPUS_TEXT
 from splitserve.engine.config import DTYPES
-from splitserve.engine.testing.corpus import TEXT as CORPUS_TEXT
 
 
 class MakeModelError(ValueError):
@@ -91,7 +91,7 @@ class ModelSpec:
 
     def cache_key(self) -> str:
         """sha256 (hex, 16 chars) over everything that determines the checkpoint's bytes."""
-        from splitserve.engine.testing.corpus_training import TrainingRecipe
+        from splitserve.engine.builtin_models.corpus_training import TrainingRecipe
 
         inputs = {
             "spec": dataclasses.asdict(self),

@@ -20,8 +20,8 @@ import random
 
 import torch
 
-from splitserve.engine.testing.corpus import PASSAGES
-from splitserve.engine.testing.corpus_tokenizer import BOS_TOKEN, EOS_TOKEN
+from splitserve.engine.builtin_models.corpus import PASSAGES
+from splitserve.engine.builtin_models.corpus_tokenizer import BOS_TOKEN, EOS_TOKEN
 
 IGNORE_INDEX = -100  # torch cross_entropy's default ignore_index
 COPY_SEPARATOR = "\n\n"

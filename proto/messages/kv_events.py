@@ -3,7 +3,7 @@
 A pool numbers its events per pool, consecutively from 1; outside indexes (the router) apply
 them in order and resync from a snapshot when they see a gap. An event is a msgspec Struct
 encoded as a msgpack array `[seq, kind, [hashes]]` (like vLLM's KV events); it travels inside
-a replica's poll reply (splitserve.kvtransfer.poll_reply), which carries the version.
+a replica's poll reply (splitserve.proto.messages.poll_reply), which carries the version.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """The prefill -> decode handoff and the decode stream: versioned msgpack messages
-(msgspec Structs, splitserve.kvtransfer.message_codec). No pickle crosses here.
+(msgspec Structs, splitserve.proto.messages.codec). No pickle crosses here.
 
 Flow (decode-driven): the decode replica reserves blocks for the prompt, works out which of
 the prompt's blocks it lacks, and sends a Handoff to the prefill replica; the prefill replica
 computes the prompt, streams the listed blocks over torch.distributed, and answers with a
 PrefillResult carrying the first token. The decode replica streams StreamChunks to the ingress
-(in TokenBatch frames of the request channel, kvtransfer/request_channel.py).
+(in TokenBatch frames of the request channel, proto/messages/request_channel.py).
 
 A constrained request (sampling["structured_output"]) is compiled on both sides; prefill
 samples the first token under the grammar, and its grammar state crosses as the tokens it
@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from splitserve.kvtransfer.message_codec import MessageCodec, MessageError
+from splitserve.proto.messages.codec import MessageCodec, MessageError
 
 HANDOFF_VERSION = 1
 

@@ -3,7 +3,7 @@ the requests it has in flight per replica (drain waits on them), its recent late
 (the autoscaler's TTFT / ITL signals) and, about once a second, its Prometheus samples (the
 controller merges every ingress's into the one /metrics view).
 
-Versioned msgpack (splitserve.kvtransfer.message_codec); torch-free.
+Versioned msgpack (splitserve.proto.messages.codec); torch-free.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import msgspec
 from prometheus_client import CollectorRegistry
 
-from splitserve.kvtransfer.message_codec import MessageCodec
+from splitserve.proto.messages.codec import MessageCodec
 
 REPORT_VERSION = 1
 _codec = MessageCodec(REPORT_VERSION)

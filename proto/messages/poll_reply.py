@@ -2,7 +2,7 @@
 since the last poll and its load, and whether it still serves. One message for both pools:
 every field is always present.
 
-Versioned msgpack (splitserve.kvtransfer.message_codec); torch-free, so the router side can
+Versioned msgpack (splitserve.proto.messages.codec); torch-free, so the router side can
 read it.
 """
 
@@ -12,9 +12,9 @@ import enum
 
 import msgspec
 
-from splitserve.engine.core.kv_events import KVEvent
-from splitserve.engine.io.engine_stats import EngineStats
-from splitserve.kvtransfer.message_codec import MessageCodec
+from splitserve.proto.messages.codec import MessageCodec
+from splitserve.proto.messages.engine_stats import EngineStats
+from splitserve.proto.messages.kv_events import KVEvent
 
 POLL_VERSION = 2  # 2: status and error
 _codec = MessageCodec(POLL_VERSION)

@@ -10,7 +10,7 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry
 
-from splitserve.cluster.control.ingress_report import IngressReport, families_of
+from splitserve.proto.messages.ingress_report import IngressReport, families_of
 
 MAX_SAMPLES = 2048  # per kind and report: under heavy load the newest samples are enough
 

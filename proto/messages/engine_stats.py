@@ -1,6 +1,6 @@
 """EngineStats: what LLMEngine.stats() reports (pure data, no torch).
 
-A msgspec Struct, so a replica's poll reply (splitserve.kvtransfer.poll_reply) carries it as is.
+A msgspec Struct, so a replica's poll reply (splitserve.proto.messages.poll_reply) carries it as is.
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
 `splitserve make-model DIR --preset tiny|small|bench|draft --arch llama|mistral|qwen2` writes
 random weights; `--train-steps N` first trains them N AdamW steps on the built-in corpus
-(engine/testing/corpus_training.py) so the model continues and repeats corpus text. Both load
+(engine/builtin_models/corpus_training.py) so the model continues and repeats corpus text. Both load
 in transformers' AutoModelForCausalLM / AutoTokenizer and in splitserve.engine.model.loader.
 Random checkpoints are byte-identical for the same arguments; trained ones are made once per
-content key and copied from the cache (engine/testing/model_cache.py).
+content key and copied from the cache (engine/builtin_models/model_cache.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from splitserve.engine.testing.corpus_tokenizer import (
+from splitserve.engine.builtin_models.corpus_tokenizer import (
     BOS_TOKEN,
     EOS_TOKEN,
     IM_END,
@@ -25,7 +25,7 @@ from splitserve.engine.testing.corpus_tokenizer import (
     write_json,
     write_tokenizer,
 )
-from splitserve.engine.testing.model_spec import (
+from splitserve.engine.builtin_models.model_spec import (
     ARCHITECTURE_BY_ARCH,
     DTYPES,
     PRESETS,
@@ -33,7 +33,7 @@ from splitserve.engine.testing.model_spec import (
     ModelPreset,
     ModelSpec,
 )
-from splitserve.engine.testing.random_weights import random_weights
+from splitserve.engine.builtin_models.random_weights import random_weights
 
 __all__ = [
     "ARCHITECTURE_BY_ARCH",
@@ -118,7 +118,7 @@ def _write_safetensors(weights: dict, out_dir: Path, num_shards: int) -> None:
 def write_checkpoint(spec: ModelSpec, out_dir: str | Path, num_threads: int = 1, on_step=None):
     """Write the checkpoint `spec` describes into out_dir (created if missing), training it
     first when spec.train_steps > 0. Returns the TrainingResult, or None for random weights."""
-    from splitserve.engine.testing.corpus_training import train_on_corpus
+    from splitserve.engine.builtin_models.corpus_training import train_on_corpus
 
     shape = spec.shape
     out = Path(out_dir)
@@ -216,7 +216,7 @@ def add_make_model_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_make_model(args: argparse.Namespace) -> int:
-    from splitserve.engine.testing.model_cache import cached_checkpoint
+    from splitserve.engine.builtin_models.model_cache import cached_checkpoint
 
     try:
         spec = ModelSpec(
@@ -271,8 +271,8 @@ def progress_printer(steps: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m splitserve.engine.testing.make_model DIR [--preset ...]`, the same as `splitserve make-model`."""
-    parser = argparse.ArgumentParser(prog="python -m splitserve.engine.testing.make_model")
+    """`python -m splitserve.engine.builtin_models.make_model DIR [--preset ...]`, the same as `splitserve make-model`."""
+    parser = argparse.ArgumentParser(prog="python -m splitserve.engine.builtin_models.make_model")
     add_make_model_arguments(parser)
     return run_make_model(parser.parse_args(argv))
 

@@ -8,7 +8,7 @@ version it has APPLIED as `seen_version`, so the controller knows which views ev
 routes by: a drain waits until each live ingress applied the view that marked the replica
 draining (no request can still be routed there) and the replica is idle.
 
-Views travel as versioned msgpack (splitserve.kvtransfer.message_codec): no pickle, a clear
+Views travel as versioned msgpack (splitserve.proto.messages.codec): no pickle, a clear
 error on a view from another build.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import msgspec
 
-from splitserve.kvtransfer.message_codec import MessageCodec
+from splitserve.proto.messages.codec import MessageCodec
 
 MEMBERSHIP_VERSION = 1
 _codec = MessageCodec(MEMBERSHIP_VERSION)

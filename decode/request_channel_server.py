@@ -1,4 +1,4 @@
-"""ChannelServer: the decode replica's end of the request channel (kvtransfer/request_channel.py).
+"""RequestChannelServer: the decode replica's end of the request channel (proto/messages/request_channel.py).
 
 An asyncio TCP server on the actor's event loop. Each ingress connects once and sends a
 Hello; every later frame is a Submit or an Abort, handed to the worker's callbacks in the
@@ -13,7 +13,7 @@ import logging
 import socket
 from collections.abc import Callable
 
-from splitserve.kvtransfer.request_channel import (
+from splitserve.proto.messages.request_channel import (
     CHANNEL_VERSION,
     Abort,
     ChannelError,
@@ -58,7 +58,7 @@ class IngressConnection:
             self.writer.close()
 
 
-class ChannelServer:
+class RequestChannelServer:
     def __init__(
         self,
         replica_id: str,

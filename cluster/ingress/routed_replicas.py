@@ -19,13 +19,13 @@ from typing import Any
 import msgspec
 import ray
 
-from splitserve.cluster.control.decode_channel import DecodeChannel
-from splitserve.cluster.control.membership import ReplicaInfo
+from splitserve.cluster.ingress.request_channel_client import RequestChannelClient
 from splitserve.cluster.request_error import ErrorKind, RequestError
 from splitserve.cluster.routing.load import LoadReport
 from splitserve.cluster.routing.router import DECODE, PREFILL, Router
 from splitserve.engine.engine_errors import EngineLoopStopped
-from splitserve.kvtransfer.poll_reply import PollReply
+from splitserve.proto.messages.membership import ReplicaInfo
+from splitserve.proto.messages.poll_reply import PollReply
 
 logger = logging.getLogger(__name__)
 ACTOR_GONE = (ray.exceptions.RayActorError,)
@@ -39,7 +39,7 @@ class Member:
 
     info: ReplicaInfo
     handle: Any  # its actor handle (polls, snapshots)
-    channel: DecodeChannel | None = None  # decode replicas: the request channel
+    channel: RequestChannelClient | None = None  # decode replicas: the request channel
 
     @property
     def replica_id(self) -> str:
@@ -94,7 +94,7 @@ class RoutedReplicas:
         if info.pool == DECODE:
             if info.channel_address is None:
                 raise ValueError(f"decode replica {info.replica_id} has no request channel address")
-            channel = DecodeChannel(info.replica_id, info.channel_address, self.ingress_id)
+            channel = RequestChannelClient(info.replica_id, info.channel_address, self.ingress_id)
         async with self._membership:
             try:
                 snapshot = await asyncio.wait_for(handle.snapshot.remote(), 30)
@@ -136,7 +136,7 @@ class RoutedReplicas:
         """(pool, replica id) -> Member, for every replica routed here (the follower diffs it)."""
         return {(pool, rid): m for pool, members in self.members.items() for rid, m in members.items()}
 
-    def _close_channel(self, channel: DecodeChannel) -> None:
+    def _close_channel(self, channel: RequestChannelClient) -> None:
         task = asyncio.get_running_loop().create_task(channel.close())
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)

@@ -22,8 +22,8 @@ from typing import Any
 
 import msgspec
 
-from splitserve.kvtransfer.handoff import StreamChunk
-from splitserve.kvtransfer.message_codec import MessageError
+from splitserve.proto.messages.codec import MessageError
+from splitserve.proto.messages.handoff import StreamChunk
 
 CHANNEL_VERSION = 1
 MAX_FRAME_BYTES = 64 << 20  # a prompt of a few million tokens; anything bigger is garbage

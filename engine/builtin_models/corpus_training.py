@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from splitserve.engine.testing.corpus_batches import IGNORE_INDEX, CorpusBatches
+from splitserve.engine.builtin_models.corpus_batches import IGNORE_INDEX, CorpusBatches
 
 
 @dataclass(frozen=True)
