@@ -1,12 +1,7 @@
 """Router: picks one prefill replica and one decode replica per request. Pure Python, no torch.
 
-Policies (RouterConfig.policy):
-  "kv"            cost-based, prefix-cache aware (below).
-  "round-robin"   cycles over live replicas; ignores prefixes and load.
-  "least-loaded"  lowest load = queue_weight*queued_tokens + running_weight*running
-                  (+ kv_usage_weight*kv_usage on decode); ignores prefixes.
-  "random"        uniform among live replicas.
-Prefix-blind policies do not consult the index: their decisions report 0 cached tokens.
+The policy (RouterConfig.policy: kv, round-robin, least-loaded, random) is a WorkerSelector
+(worker_selector.py) that scores one pool's candidates; a caller may pass its own.
 
 "kv" cost of sending a prompt of P tokens to a replica r that holds `cached` of them
 (cached = matched leading blocks * block_size, at most P - 1: the last prompt token is always
@@ -39,6 +34,7 @@ from dataclasses import dataclass, field
 from splitserve.cluster.routing.index import KVIndex
 from splitserve.cluster.routing.load import LoadReport, PendingClaim, ReplicaLoad
 from splitserve.cluster.routing.router_config import RouterConfig
+from splitserve.cluster.routing.worker_selector import PoolView, WorkerSelector, make_selector
 from splitserve.engine.core.block_hash import hash_blocks
 
 PREFILL = "prefill"
@@ -48,7 +44,6 @@ POOLS = (PREFILL, DECODE)
 # Cost of a completely full decode KV cache in token-equivalents (RouterConfig has no field
 # for it): as much as 16 running requests at the default running_weight of 64.
 DEFAULT_KV_USAGE_WEIGHT = 1024.0
-_TIE_EPSILON = 1e-6
 
 
 class NoReplicaError(RuntimeError):
@@ -101,9 +96,11 @@ class Router:
         seed: int | None = 0,
         kv_usage_weight: float = DEFAULT_KV_USAGE_WEIGHT,
         allow_local_prefill_fallback: bool = True,
+        selector: WorkerSelector | None = None,
     ):
         """allow_local_prefill_fallback: with no prefill replica available (e.g. the pool
-        scaled to zero), let the decode replica prefill instead of raising NoReplicaError."""
+        scaled to zero), let the decode replica prefill instead of raising NoReplicaError.
+        selector: the scoring policy; None: config.policy's."""
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         if kv_usage_weight < 0:
@@ -115,8 +112,18 @@ class Router:
         self._rng = random.Random(seed)
         self._loads: dict[str, dict[Hashable, ReplicaLoad]] = {p: {} for p in POOLS}
         self._indexes: dict[str, KVIndex] = {p: KVIndex() for p in POOLS}
-        self._rr_cursor: dict[str, int] = {p: 0 for p in POOLS}
+        self._selector = selector
+        self._selectors: dict[str, WorkerSelector] = {}  # by policy, so a new config's policy applies
         self._decisions: Counter[str] = Counter()
+
+    @property
+    def selector(self) -> WorkerSelector:
+        if self._selector is not None:
+            return self._selector
+        policy = self.config.policy
+        if policy not in self._selectors:
+            self._selectors[policy] = make_selector(policy, self._rng, self.block_size)
+        return self._selectors[policy]
 
     # ---- registration and reports --------------------------------------------------------
     def add_replica(self, pool: str, replica_id: Hashable, snapshot: tuple[int, Iterable[int]] | None = None) -> None:
@@ -193,12 +200,9 @@ class Router:
         if not decode_cands:
             raise NoReplicaError(DECODE)
         prefill_cands = self._candidates(PREFILL, exclude_prefill)
-        prefix_aware = self.config.policy == "kv"
-
-        if prefix_aware:
-            decode, decode_cached, _ = self._pick_by_cost(DECODE, decode_cands, hashes, num_tokens)
-        else:
-            decode, decode_cached = self._pick_blind(DECODE, decode_cands), 0
+        selector = self.selector
+        picked = selector.select(self._view(DECODE, decode_cands), hashes, num_tokens)
+        decode, decode_cached = picked.replica, picked.cached_tokens
         remainder = num_tokens - decode_cached
         if remainder < self.config.local_prefill_threshold or not prefill_cands:
             if remainder >= self.config.local_prefill_threshold:
@@ -210,11 +214,8 @@ class Router:
             claims = (decode.add_pending(remainder),)
             return self._decide(None, decode, num_tokens, 0, decode_cached, 0, reason, hashes, claims)
 
-        if prefix_aware:
-            prefill, prefill_cached, reason = self._pick_by_cost(PREFILL, prefill_cands, hashes, num_tokens)
-        else:
-            prefill, prefill_cached = self._pick_blind(PREFILL, prefill_cands), 0
-            reason = self.config.policy
+        picked = selector.select(self._view(PREFILL, prefill_cands), hashes, num_tokens)
+        prefill, prefill_cached, reason = picked.replica, picked.cached_tokens, picked.reason
         claims = (
             prefill.add_pending(num_tokens - prefill_cached),
             decode.add_pending(0),  # a new sequence on decode; its prompt is prefilled elsewhere
@@ -247,62 +248,9 @@ class Router:
         excluded = set(exclude)
         return [load for rid, load in self._loads[pool].items() if not load.draining and rid not in excluded]
 
-    def _pick_by_cost(
-        self, pool: str, cands: list[ReplicaLoad], hashes: tuple, num_tokens: int
-    ) -> tuple[ReplicaLoad, int, str]:
-        """Lowest-cost replica, its cached prompt tokens, and the reason."""
-        all_registered = len(cands) == len(self._loads[pool])
-        matched = self._indexes[pool].prefix_match(hashes, None if all_registered else [c.replica_id for c in cands])
-        cfg = self.config
-        qw, rw, pw, bs = cfg.queue_weight, cfg.running_weight, cfg.prefix_weight, self.block_size
-        kvw = self.kv_usage_weight if pool == DECODE else 0.0
-        max_cached = num_tokens - 1
-        best_cost = float("inf")
-        ties: list[tuple[ReplicaLoad, int]] = []
-        for load in cands:
-            cached = min(matched.get(load.replica_id, 0) * bs, max_cached) if matched else 0
-            cost = (
-                qw * load.effective_queued_tokens
-                + rw * load.effective_running
-                + kvw * load.report.kv_usage
-                + (num_tokens - cached)
-                - pw * cached
-            )
-            if cost < best_cost - _TIE_EPSILON:
-                best_cost = cost
-                ties = [(load, cached)]
-            elif cost <= best_cost + _TIE_EPSILON:
-                ties.append((load, cached))
-        chosen, cached = ties[0] if len(ties) == 1 else self._rng.choice(ties)
-        best_blocks = max(matched.values(), default=0)
-        if best_blocks == 0:
-            reason = "load"
-        elif matched.get(chosen.replica_id, 0) == best_blocks:
-            reason = "kv-prefix"
-        else:
-            reason = "load-over-prefix"  # a longer prefix existed but its replica was busier
-        return chosen, cached, reason
-
-    def _pick_blind(self, pool: str, cands: list[ReplicaLoad]) -> ReplicaLoad:
-        policy = self.config.policy
-        if policy == "round-robin":
-            cursor = self._rr_cursor[pool]
-            self._rr_cursor[pool] = cursor + 1
-            return cands[cursor % len(cands)]
-        if policy == "random":
-            return self._rng.choice(cands)
-        # least-loaded
-        cfg = self.config
-        kvw = self.kv_usage_weight if pool == DECODE else 0.0
-        costs = [
-            cfg.queue_weight * load.effective_queued_tokens
-            + cfg.running_weight * load.effective_running
-            + kvw * load.report.kv_usage
-            for load in cands
-        ]
-        best = min(costs)
-        ties = [load for load, cost in zip(cands, costs) if cost <= best + _TIE_EPSILON]
-        return ties[0] if len(ties) == 1 else self._rng.choice(ties)
+    def _view(self, pool: str, cands: list[ReplicaLoad]) -> PoolView:
+        kv_usage_weight = self.kv_usage_weight if pool == DECODE else 0.0
+        return PoolView(pool, cands, self._indexes[pool], len(self._loads[pool]), kv_usage_weight, self.config)
 
     def _decide(
         self,

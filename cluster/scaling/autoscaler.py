@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from splitserve.cluster.config import AutoscalingConfig, ServeConfig
 from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.cluster.scaling.cluster_view import ScalableCluster
 from splitserve.cluster.scaling.policy import (
     DecodeScalingPolicy,
     MetricsSnapshot,
@@ -62,7 +63,7 @@ class ScalingEvent:
 class Autoscaler:
     def __init__(
         self,
-        cluster,  # Controller or DisaggCluster: .loads, refilling, add_replicas, drain_replica
+        cluster: ScalableCluster,  # the Controller, or DisaggCluster
         cfg: ServeConfig,
         metrics: PoolMetrics | None = None,
         latency_source: LatencySource | None = None,

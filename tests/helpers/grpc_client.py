@@ -12,6 +12,7 @@ import grpc
 
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.frontend.grpc.server import GrpcFrontend
+from splitserve.cluster.frontend.serving_api import GenerationAPI
 from splitserve.cluster.request_error import invalid
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.proto.messages.handoff import StreamChunk
@@ -143,3 +144,8 @@ def serving_frontend(backend) -> Iterator[tuple[FrontendThread, grpc.Channel]]:
     finally:
         channel.close()
         server.close()
+
+
+def as_generation_api(backend: FakeBackend) -> GenerationAPI:
+    """FakeBackend is a GenerationAPI: mypy checks this double against the frontends' protocol."""
+    return backend

@@ -12,6 +12,7 @@ import uvicorn
 
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.frontend.metrics import Metrics
+from splitserve.cluster.frontend.serving_api import ServingAPI
 from splitserve.cluster.request_error import ErrorKind, RequestError, invalid
 from splitserve.engine.builtin_models.make_model import write_random_checkpoint
 from splitserve.engine.io.request_validation import validate_prompt
@@ -187,3 +188,8 @@ def assert_error(resp, status: int, error_type: str = "invalid_request_error", p
     if param is not None:
         assert error["param"] == param
     return error
+
+
+def as_serving_api(backend: FakeBackend) -> ServingAPI:
+    """FakeBackend is a ServingAPI: mypy checks this double against the frontends' protocol."""
+    return backend

@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from splitserve.cluster.frontend.grpc.health import BackendHealthServicer
 from splitserve.cluster.frontend.grpc.messages import generate_response, sampling_params_from
+from splitserve.cluster.frontend.serving_api import GenerationAPI
 from splitserve.cluster.request_error import ErrorKind, RequestError
 from splitserve.engine.io.sampling_params import InvalidRequestError
 from splitserve.proto import load_stubs
@@ -129,7 +130,7 @@ def _address(host: str, port: int) -> str:
 
 
 class GrpcFrontend:
-    def __init__(self, backend, health_poll_interval_s: float = 2.0, share_port: bool = False):
+    def __init__(self, backend: GenerationAPI, health_poll_interval_s: float = 2.0, share_port: bool = False):
         """share_port: SO_REUSEPORT, so every ingress replica on a node serves the one port
         (the kernel spreads connections); otherwise a busy port fails start()."""
         self.backend = backend

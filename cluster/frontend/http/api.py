@@ -6,7 +6,7 @@ POST /tokenize, POST /detokenize, GET /version (vLLM's shapes), GET /health, GET
 GET /metrics, and FastAPI's /openapi.json; HEAD works wherever GET does. A generation request
 may carry `x-request-timeout: SECONDS` (capped by request_timeout_s; past it: 504). Every error is
 OpenAI's {"error": {"message", "type", "param", "code"}}; no traceback ever reaches a client.
-`backend` is a splitserve.cluster.frontend.backend.ServingBackend or anything with the same interface.
+`backend` is a ServingAPI (cluster/frontend/serving_api.py): ServingBackend, or a test double.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ from splitserve.cluster.frontend.openai.responses import (
     ModelList,
     error_body,
 )
+from splitserve.cluster.frontend.serving_api import ServingAPI
 from splitserve.cluster.request_error import RequestError
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 
@@ -129,7 +130,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(500, "internal server error", "server_error")
 
 
-def build_http_app(backend, echo_request_id: bool = True) -> FastAPI:
+def build_http_app(backend: ServingAPI, echo_request_id: bool = True) -> FastAPI:
     """The OpenAI-compatible FastAPI app in front of `backend` (see the module docstring).
     echo_request_id: answer a client's x-request-id with the same header (Ray Serve does it
     itself, so the Serve app passes False)."""

@@ -21,6 +21,7 @@ from splitserve.cluster.frontend.openai.tokenize_protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from splitserve.cluster.frontend.serving_api import ServingAPI
 from splitserve.cluster.request_error import invalid
 
 
@@ -31,7 +32,9 @@ def splitserve_version() -> str:
         return "0.0.0+unknown"
 
 
-def add_tokenize_routes(app: FastAPI, backend, auth: list, check_model: Callable[[str], None], errors: dict) -> None:
+def add_tokenize_routes(
+    app: FastAPI, backend: ServingAPI, auth: list, check_model: Callable[[str], None], errors: dict
+) -> None:
     @app.post("/tokenize", response_model=TokenizeResponse, dependencies=auth, responses=errors)
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
         if body.model is not None:

@@ -6,7 +6,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from splitserve.cluster.frontend.http.api import build_http_app
-from tests.helpers.http_api import FakeBackend, tiny_tokenizer
+from tests.helpers.http_api import FakeBackend, as_serving_api, tiny_tokenizer
 
 
 # Package scope: the modules that use it share one tiny checkpoint's tokenizer (it holds no state a
@@ -23,5 +23,5 @@ def backend(tokenizer):
 
 @pytest.fixture
 def client(backend):
-    with TestClient(build_http_app(backend), raise_server_exceptions=False) as c:
+    with TestClient(build_http_app(as_serving_api(backend)), raise_server_exceptions=False) as c:
         yield c
