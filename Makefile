@@ -10,7 +10,10 @@ GPU_PY ?= python3
 GPU_CHECK_OUT ?= bench/results/gpu_check
 GPU_CHECK_CPU_OUT ?= $(or $(TMPDIR),/tmp)/splitserve-gpu-check
 
-.PHONY: install lint test test-fast serve proto clean gpu-check gpu-check-cpu
+# Test tiers (markers set in tests/conftest.py, see README "Development"): unit, cluster, e2e.
+PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider --durations=25
+
+.PHONY: install lint test test-fast test-cluster test-e2e serve proto clean gpu-check gpu-check-cpu
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,10 +33,17 @@ lint: install
 	$(BIN)/ruff format --check .
 
 test: install lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(PYTEST) tests
 
+# The everyday loop: the unit tier (no Ray, no `splitserve serve`), under 3 minutes on 2 cores.
 test-fast: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" tests
+	$(PYTEST) -m "unit and not slow" tests
+
+test-cluster: install
+	$(PYTEST) -m "cluster and not slow" tests
+
+test-e2e: install
+	$(PYTEST) -m "e2e and not slow" tests
 
 serve: install
 	$(BIN)/splitserve serve

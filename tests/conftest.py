@@ -53,3 +53,42 @@ def ray_cluster():
         )
     yield ray
     ray.shutdown()
+
+
+# ---- test tiers ------------------------------------------------------------------------------
+# Every test gets exactly one tier marker, from what it starts (see README, Development):
+#   e2e     - a `splitserve serve` subprocess (a fixture or the test builds a ServeProcess), or
+#             marked e2e by hand (a test that runs the CLI until Ray Serve starts);
+#   cluster - the session's local Ray cluster (the ray_cluster fixture, however indirectly),
+#             or marked `ray` (it starts Ray some other way);
+#   unit    - everything else: in-process objects, sockets, short subprocesses.
+TIERS = ("unit", "cluster", "e2e")
+
+
+def _starts_serve_process(func) -> bool:
+    code = getattr(func, "__code__", None)
+    return code is not None and "ServeProcess" in code.co_names
+
+
+def tier_of(item) -> str:
+    explicit = [tier for tier in TIERS if item.get_closest_marker(tier) is not None]
+    if len(explicit) > 1:
+        raise pytest.UsageError(f"{item.nodeid} is marked with more than one tier: {explicit}")
+    if explicit:
+        return explicit[0]
+    fixturedefs = getattr(item, "_fixtureinfo", None)
+    funcs = [getattr(item, "function", None)]
+    if fixturedefs is not None:
+        funcs += [d.func for defs in fixturedefs.name2fixturedefs.values() for d in defs]
+    if any(_starts_serve_process(f) for f in funcs):
+        return "e2e"
+    if "ray_cluster" in getattr(item, "fixturenames", ()) or item.get_closest_marker("ray") is not None:
+        return "cluster"
+    return "unit"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        tier = tier_of(item)
+        if item.get_closest_marker(tier) is None:
+            item.add_marker(getattr(pytest.mark, tier))

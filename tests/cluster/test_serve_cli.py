@@ -268,7 +268,7 @@ def test_max_model_len_and_taken_port_are_found_before_ray_starts(tiny_model, ca
     assert f"cannot listen for gRPC on 127.0.0.1:{port}" in err and "--grpc-port" in err
 
 
-@pytest.mark.ray
+@pytest.mark.e2e  # `splitserve serve` runs until Ray Serve starts its replicas
 def test_failed_start_prints_the_root_cause_once(tiny_model, tmp_path):
     """Weights that do not fit config.json pass every check before Ray and fail in the workers:
     the command exits 1 after one attempt and names the cause once, as its last line."""

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers.serve_process import ServeProcess
 
-pytestmark = pytest.mark.ray
+pytestmark = pytest.mark.e2e  # each test starts `splitserve serve` (in soak())
 NUM_CLIENTS = 32
 CI_SECONDS = 30.0
 MAX_QUEUED = 24  # < NUM_CLIENTS: the frontend must shed load with 429, not queue it

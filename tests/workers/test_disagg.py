@@ -86,63 +86,94 @@ def test_2p1d_matches_colocated_and_uses_both(loop, cluster_1p1d, reference):
         loop.run(cluster_1p1d.drain_replica(PREFILL, "prefill-1"), timeout=60)
 
 
-def test_decode_killed_mid_transfer_fails_fast_and_frees_prefill_blocks(ray_cluster, tiny_model, loop):
-    cluster = start_cluster(loop, cluster_config(tiny_model, lease_s=3.0))
+# ---- replicas killed mid-transfer: one 2P+1D cluster for both (each kill is replaced) ------
+
+
+@pytest.fixture(scope="module")
+def cluster_2p1d(ray_cluster, tiny_model, loop):
+    cluster = start_cluster(loop, cluster_config(tiny_model, num_prefill=2, lease_s=3.0))
+    yield cluster
+    loop.run(cluster.shutdown(), timeout=60)
+
+
+def set_stall(cluster, stall_send_s: float) -> None:
+    ray.get([r.handle.inject_fault.remote(stall_send_s=stall_send_s) for r in cluster.prefill_pool.live_replicas()])
+
+
+async def until_sending(replica_handle, timeout_s: float = 30.0) -> None:
+    """Until the prefill replica has finished a prefill and holds its blocks for the transfer
+    (pinned until decode acks): with a stalled sender, the request is then mid-transfer."""
+    deadline = time.monotonic() + timeout_s
+    while not PollReply.from_bytes(await replica_handle.poll.remote()).num_pinned:
+        assert time.monotonic() < deadline, "the prefill never reached its KV send"
+        await asyncio.sleep(0.01)
+
+
+def test_prefill_killed_mid_prefill_is_retried_on_another(loop, cluster_2p1d, reference):
+    cluster = cluster_2p1d
+    retries = cluster.dispatcher.num_retries
+    set_stall(cluster, 0.5)
+    chosen = []
+
+    async def go():
+        prompt = mixed_prompts()[3]
+        task = asyncio.ensure_future(_complete(cluster, prompt, chosen))
+        while not chosen:
+            await asyncio.sleep(0.005)
+        victim = cluster.prefill_pool.get(chosen[0].prefill_replica)
+        await until_sending(victim.handle)  # its send is stalled: kill it mid-transfer
+        ray.kill(victim.handle)
+        return await asyncio.wait_for(task, 60)
+
     try:
-        prefill = cluster.prefill_pool.get("prefill-0").handle
-        ray.get(prefill.inject_fault.remote(stall_send_s=1.0))
-        decode = cluster.decode_pool.get("decode-0").handle
+        result = loop.run(go(), timeout=90)
+    finally:
+        set_stall(cluster, 0.0)
+    assert result["token_ids"] == reference[tuple(mixed_prompts()[3])]
+    assert result["prefill_replica"] != chosen[0].prefill_replica
+    assert cluster.dispatcher.num_retries == retries + 1
+    wait_for_baseline(loop, cluster)
 
-        async def go():
-            task = asyncio.ensure_future(cluster.complete(mixed_prompts()[2], GREEDY))
-            await asyncio.sleep(1.5)  # prefill done, first layer's send stalled
-            ray.kill(decode)
-            return await asyncio.wait_for(task, 30)
 
-        start = time.monotonic()
+def test_decode_killed_mid_transfer_fails_fast_and_frees_prefill_blocks(loop, cluster_2p1d):
+    cluster = cluster_2p1d
+    # The previous test's victim is replaced: both prefill replicas serve again.
+    deadline = time.monotonic() + 60
+    while len(cluster.router.replica_ids(PREFILL)) < 2:
+        assert time.monotonic() < deadline, "the killed prefill replica was not replaced"
+        time.sleep(0.1)
+    (decode_id,) = cluster.router.replica_ids(DECODE)
+    decode = cluster.decode_pool.get(decode_id).handle
+    set_stall(cluster, 1.0)
+    chosen = []
+
+    async def go():
+        task = asyncio.ensure_future(_complete(cluster, mixed_prompts()[2], chosen))
+        while not chosen:
+            await asyncio.sleep(0.005)
+        await until_sending(cluster.prefill_pool.get(chosen[0].prefill_replica).handle)
+        ray.kill(decode)  # prefill done, its first send stalled
+        return await asyncio.wait_for(task, 30)
+
+    start = time.monotonic()
+    try:
         with pytest.raises(RequestError):
             loop.run(go(), timeout=60)
         assert time.monotonic() - start < 20
-        ray.get(prefill.inject_fault.remote(stall_send_s=0.0))
-        deadline = time.monotonic() + 10
+    finally:
+        set_stall(cluster, 0.0)
+    deadline = time.monotonic() + 10
+    for replica in cluster.prefill_pool.live_replicas():
         while True:
-            poll = PollReply.from_bytes(ray.get(prefill.poll.remote()))
+            poll = PollReply.from_bytes(ray.get(replica.handle.poll.remote()))
             if poll.engine.num_free_blocks == poll.engine.num_blocks and not poll.num_pinned:
                 break
             assert time.monotonic() < deadline, f"prefill blocks not freed: {poll}"
             time.sleep(0.2)
-        deadline = time.monotonic() + 10
-        while "decode-0" in cluster.router.replica_ids(DECODE):
-            assert time.monotonic() < deadline, "dead decode replica still routed"
-            time.sleep(0.1)
-    finally:
-        loop.run(cluster.shutdown(), timeout=60)
-
-
-def test_prefill_killed_mid_prefill_is_retried_on_another(ray_cluster, tiny_model, loop, reference):
-    cluster = start_cluster(loop, cluster_config(tiny_model, num_prefill=2))
-    try:
-        for r in cluster.prefill_pool.live_replicas():
-            ray.get(r.handle.inject_fault.remote(stall_send_s=0.5))
-        chosen = []
-
-        async def go():
-            prompt = mixed_prompts()[3]
-            task = asyncio.ensure_future(_complete(cluster, prompt, chosen))
-            await asyncio.sleep(0.6)
-            victim = cluster.prefill_pool.get(chosen[0].prefill_replica)
-            ray.kill(victim.handle)
-            return await asyncio.wait_for(task, 60)
-
-        result = loop.run(go(), timeout=90)
-        assert result["token_ids"] == reference[tuple(mixed_prompts()[3])]
-        assert result["prefill_replica"] != chosen[0].prefill_replica
-        assert cluster.dispatcher.num_retries == 1
-        for r in cluster.prefill_pool.live_replicas():
-            ray.get(r.handle.inject_fault.remote(stall_send_s=0.0))
-        wait_for_baseline(loop, cluster)
-    finally:
-        loop.run(cluster.shutdown(), timeout=60)
+    deadline = time.monotonic() + 10
+    while decode_id in cluster.router.replica_ids(DECODE):
+        assert time.monotonic() < deadline, "dead decode replica still routed"
+        time.sleep(0.1)
 
 
 async def _complete(cluster, prompt, chosen):

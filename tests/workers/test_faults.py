@@ -7,8 +7,10 @@ replica is out of routing. (Prefill killed mid-prefill: tests/workers/test_disag
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 
 import grpc
 import httpx
@@ -201,39 +203,81 @@ def test_stalled_kv_send_frees_blocks_within_the_lease_and_is_retried(loop, clus
 
 
 # ---- deadlines ---------------------------------------------------------------------------
+# A deadline test must hold on a quiet and on a busy machine: the deadline must leave time for
+# the first token (the streaming case wants tokens out before it), and the work must outlast it
+# by far however fast the machine is. So the deadline is sized from the time to first token
+# measured just before, and every decode step is held (the engine's own hang fault, a sleep:
+# a lower bound no machine beats) so that the work takes WORK_OVER_DEADLINE times the deadline.
 
 GATEWAY_TIMEOUT = 504  # HTTP's status for ErrorKind.DEADLINE
 LONG = {"max_tokens": 900, "ignore_eos": True, "temperature": 0}
+DEADLINE_OVER_TTFT = 10  # the deadline, in measured times to first token
+WORK_OVER_DEADLINE = 30  # the least the held work takes, in deadlines
+
+
+def deadline_for(first_token_s: list[float]) -> float:
+    return round(max(0.5, DEADLINE_OVER_TTFT * max(first_token_s)), 2)
+
+
+@contextlib.contextmanager
+def held_decode_steps(cluster, deadline_s: float, num_tokens: int = LONG["max_tokens"]) -> Iterator[float]:
+    """Hold every decode step so that num_tokens take at least WORK_OVER_DEADLINE deadlines;
+    yields that least time. Released on exit (the fault's other settings are off by default)."""
+    step_s = WORK_OVER_DEADLINE * deadline_s / (num_tokens - 1)
+    handles = [r.handle for r in cluster.decode_pool.live_replicas()]
+    ray.get([h.inject_fault.remote(hang_s=step_s, hang_steps=10**9) for h in handles], timeout=10)
+    try:
+        yield step_s * (num_tokens - 1)  # the first token comes from prefill, unheld
+    finally:
+        ray.get([h.inject_fault.remote() for h in handles], timeout=10)
+
+
+def http_first_token_s(http: httpx.Client, body: dict, tries: int = 3) -> list[float]:
+    """Seconds to the first streamed token of short requests, as a client sees them here, now."""
+    took = []
+    for _ in range(tries):
+        start = time.monotonic()
+        with http.stream("POST", "/v1/completions", json={**body, "max_tokens": 2, "stream": True}) as stream:
+            assert stream.status_code == 200
+            events = iter_sse(stream.iter_lines())
+            assert "choices" in next(events)
+            took.append(time.monotonic() - start)
+            assert list(events)[-1] == "[DONE]"
+    return took
 
 
 def test_deadline_over_http_is_504_and_frees_blocks(loop, cluster, backend, server):
     body = {"model": backend.model_name, "prompt": PREFIXES[1], **LONG}
-    with httpx.Client(base_url=server.url, timeout=30) as http:
-        start = time.monotonic()
-        resp = http.post("/v1/completions", json=body, headers={"x-request-timeout": "0.5"})
-        assert resp.status_code == GATEWAY_TIMEOUT, resp.text
-        assert time.monotonic() - start < 5
-        error = resp.json()["error"]
-        assert error["type"] == "timeout_error" and "deadline" in error["message"]
-        wait_for_baseline(loop, cluster)
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        deadline_s = deadline_for(http_first_token_s(http, body))
+        timeout_header = {"x-request-timeout": str(deadline_s)}
+        with held_decode_steps(cluster, deadline_s) as least_work_s:
+            print(f"deadline {deadline_s:.2f} s; the held work takes at least {least_work_s:.1f} s")
+            start = time.monotonic()
+            resp = http.post("/v1/completions", json=body, headers=timeout_header)
+            assert resp.status_code == GATEWAY_TIMEOUT, resp.text
+            assert time.monotonic() - start < least_work_s / 2  # cut at its deadline, not run out
+            error = resp.json()["error"]
+            assert error["type"] == "timeout_error" and "deadline" in error["message"]
+            wait_for_baseline(loop, cluster)
 
-        # Streaming: tokens already went out, so the deadline is an error event, then [DONE].
-        with http.stream(
-            "POST", "/v1/completions", json={**body, "stream": True}, headers={"x-request-timeout": "0.5"}
-        ) as stream:
-            assert stream.status_code == 200
-            events = sse_events(stream.iter_lines())
-        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == GATEWAY_TIMEOUT
-        assert any(e != "[DONE]" and "choices" in e for e in events)
-        wait_for_baseline(loop, cluster)
+            # Streaming: tokens already went out, so the deadline is an error event, then [DONE].
+            with http.stream(
+                "POST", "/v1/completions", json={**body, "stream": True}, headers=timeout_header
+            ) as stream:
+                assert stream.status_code == 200
+                events = sse_events(stream.iter_lines())
+            assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == GATEWAY_TIMEOUT
+            assert any(e != "[DONE]" and "choices" in e for e in events)
+            wait_for_baseline(loop, cluster)
 
-        # The server's own limit (request_timeout_s) applies without a header.
-        cfg = backend.cfg
-        backend.cfg = cfg.model_copy(update={"request_timeout_s": 0.5})
-        try:
-            assert http.post("/v1/completions", json=body).status_code == GATEWAY_TIMEOUT
-        finally:
-            backend.cfg = cfg
+            # The server's own limit (request_timeout_s) applies without a header.
+            cfg = backend.cfg
+            backend.cfg = cfg.model_copy(update={"request_timeout_s": deadline_s})
+            try:
+                assert http.post("/v1/completions", json=body).status_code == GATEWAY_TIMEOUT
+            finally:
+                backend.cfg = cfg
         for bad in ("0", "-1", "soon", "nan", "inf"):
             resp = http.post("/v1/completions", json=body, headers={"x-request-timeout": bad})
             assert resp.status_code == 400 and resp.json()["error"]["param"] == "x-request-timeout"
@@ -249,12 +293,22 @@ def test_grpc_deadline_cancels_the_request_and_frees_blocks(loop, cluster, backe
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = pb2_grpc.SplitServeStub(channel)
             request = pb2.GenerateRequest(
-                token_ids=pb2.TokenIds(ids=PREFIXES[2]), max_tokens=900, temperature=0, ignore_eos=True
+                token_ids=pb2.TokenIds(ids=PREFIXES[2]), max_tokens=2, temperature=0, ignore_eos=True
             )
-            with pytest.raises(grpc.RpcError) as err:
-                list(stub.Generate(request, timeout=0.5))
-            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            wait_for_baseline(loop, cluster)
+            first_token_s = []
+            for _ in range(3):
+                start = time.monotonic()
+                responses = stub.Generate(request, timeout=60)
+                first = next(responses)
+                first_token_s.append(time.monotonic() - start)
+                assert [first, *responses][-1].finished
+            deadline_s = deadline_for(first_token_s)
+            request.max_tokens = LONG["max_tokens"]
+            with held_decode_steps(cluster, deadline_s):
+                with pytest.raises(grpc.RpcError) as err:
+                    list(stub.Generate(request, timeout=deadline_s))
+                assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                wait_for_baseline(loop, cluster)
             request.max_tokens = 3
             assert list(stub.Generate(request, timeout=30))[-1].usage.completion_tokens == 3
     finally:
