@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from splitserve.cluster.default_model import DEFAULT_MODEL_NAME
 from splitserve.cluster.routing.router_config import RouterConfig
-from splitserve.engine.config import DEFAULT_NUM_KV_BLOCKS, Dtype
+from splitserve.engine.config import DEFAULT_NUM_KV_BLOCKS, Dtype, KvCacheDtype
 from splitserve.engine.spec.speculative_config import SpeculativeConfig
 
 
@@ -82,6 +82,8 @@ class EnginePoolConfig(_Strict):
     """What one replica asks Ray for."""
     num_kv_blocks: int = Field(DEFAULT_NUM_KV_BLOCKS, ge=2)
     """KV-cache blocks per replica (block_size tokens each)."""
+    kv_cache_dtype: KvCacheDtype = "auto"
+    """KV-cache storage: auto = the model dtype; fp8 (e4m3) or int8 = 1 byte per value plus a float16 scale per token and head. Prefill and decode must agree."""
     max_num_seqs: int = Field(64, ge=1)
     """Sequences in one running batch."""
     max_num_batched_tokens: int = Field(2048, ge=16)
@@ -220,4 +222,15 @@ class ServeConfig(_Strict):
     def _check_block_size(self) -> ServeConfig:
         if self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a power of two")
+        return self
+
+    @model_validator(mode="after")
+    def _check_kv_cache_dtype(self) -> ServeConfig:
+        # Prefill's blocks land in decode's cache byte for byte: both must store the same format.
+        if self.prefill.kv_cache_dtype != self.decode.kv_cache_dtype:
+            raise ValueError(
+                f"prefill.kv_cache_dtype {self.prefill.kv_cache_dtype!r} and decode.kv_cache_dtype "
+                f"{self.decode.kv_cache_dtype!r} differ: KV blocks move from prefill to decode as they are "
+                "stored, so both pools must use one KV-cache dtype (--kv-cache-dtype sets both)"
+            )
         return self
