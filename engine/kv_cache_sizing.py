@@ -46,3 +46,41 @@ def num_kv_blocks_for_memory(
             f"i.e. at least {needed * per_block} bytes"
         )
     return blocks
+
+
+def resolve_num_kv_blocks(
+    model_config: ModelConfig,
+    block_size: int,
+    kv_cache_dtype: str,
+    dtype: str | None,
+    num_kv_blocks: int,
+    memory_bytes: int | str | None,
+    max_model_len: int,
+) -> int:
+    """The cache's block count: what memory_bytes buys when set, else num_kv_blocks."""
+    if memory_bytes is None:
+        return num_kv_blocks
+    return num_kv_blocks_for_memory(model_config, block_size, kv_cache_dtype, dtype, memory_bytes, max_model_len)
+
+
+def kv_cache_summary(
+    model_config: ModelConfig,
+    block_size: int,
+    kv_cache_dtype: str,
+    dtype: str | None,
+    num_kv_blocks: int,
+    memory_bytes: int | str | None,
+    max_model_len: int,
+) -> dict[str, int | str]:
+    """What one replica's cache holds (for /health and start-up checks): its dtype, blocks,
+    bytes per block and total bytes. Raises ConfigError for a budget below one sequence."""
+    blocks = resolve_num_kv_blocks(
+        model_config, block_size, kv_cache_dtype, dtype, num_kv_blocks, memory_bytes, max_model_len
+    )
+    per_block = kv_bytes_per_block(model_config, block_size, kv_cache_dtype, dtype)
+    return {
+        "kv_cache_dtype": kv_cache_dtype,
+        "num_blocks": blocks,
+        "bytes_per_block": per_block,
+        "bytes": blocks * per_block,
+    }
