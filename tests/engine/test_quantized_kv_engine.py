@@ -85,3 +85,27 @@ def test_prompt_logprobs_stay_close_to_the_full_precision_cache(engines, kv_cach
     assert 0 < means[kv_cache_dtype] <= mean_tolerance, means
     assert means["int8"] < means["fp8"]
     assert_baseline(engines[kv_cache_dtype])
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_decoding_over_fp8_kv_keeps_greedy_output(tiny_model, engines, method):
+    """Verify steps read k + 1 positions back from the fp8 cache (and a draft model keeps its
+    own fp8 cache): greedy output equals the same engine without speculation."""
+    speculative = {"method": method, "policy": "fixed", "num_speculative_tokens": 3}
+    speculative.update({"prompt_lookup_min": 1} if method == "ngram" else {"draft_model": tiny_model})
+    engine = LLMEngine(EngineConfig(model=tiny_model, num_kv_blocks=64, kv_cache_dtype="fp8", speculative=speculative))
+    repetitive = [[9, 10, 11, 12] * 5, PROMPTS[0]]
+    expected = [o.token_ids for o in engines["fp8"].generate(repetitive, GREEDY)]
+    assert [o.token_ids for o in engine.generate(repetitive, GREEDY)] == expected
+    assert engine.stats().spec_proposed_tokens > 0
+    assert_baseline(engine)
+
+
+def test_structured_output_over_fp8_kv_is_valid_json(engines):
+    from splitserve.engine.sample.grammar_spec import GrammarSpec
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    params = SamplingParams(structured_output=GrammarSpec.json_schema(schema), max_tokens=40, temperature=0)
+    out = engines["fp8"].generate(["A JSON object:"], params)[0]
+    assert out.finish_reason == "stop" and isinstance(json.loads(out.text)["n"], int)
+    assert_baseline(engines["fp8"])
