@@ -166,14 +166,21 @@ def _cross_compile_items() -> list[dict]:
         return [item("compiles for sm_90", "info", f"this Triton cannot cross-compile: {exc}")]
     from splitserve.engine.ops import triton_kernels as kernels
 
-    decode_strides = "qb qh kblock koff khead vblock voff vhead bt ob oh".split()
+    decode_strides = "qb qh kblock koff khead vblock voff vhead sblock soff bt ob oh".split()
     decode_consts = dict(GROUP=4, BLOCK_G=16, BLOCK_SIZE=16, BLOCK_N=16, HEAD_DIM=128, BLOCK_D=128, USE_DOT=True)
     cases = {}
-    for dtype in ("bf16", "fp16", "fp32"):
-        signature = {name: f"*{dtype}" for name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
+    # (q dtype, cache dtype, scales): 16/32-bit caches, and fp8 (bytes, bitcast) / int8 with float16 scales.
+    for dtype, cache, scales in [(d, d, d) for d in ("bf16", "fp16", "fp32")] + [
+        ("bf16", "u8", "fp16"),
+        ("bf16", "i8", "fp16"),
+    ]:
+        signature = {"q_ptr": f"*{dtype}", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "out_ptr": f"*{dtype}"}
+        signature.update(k_scale_ptr=f"*{scales}", v_scale_ptr=f"*{scales}")
         signature.update(block_tables_ptr="*i32", context_lens_ptr="*i32", scale="fp32")
         signature.update({f"stride_{name}": "i32" for name in decode_strides})
-        cases[f"decode attention {dtype}"] = (kernels._paged_decode_kernel, signature, decode_consts)
+        quant = {"u8": "fp8 KV ", "i8": "int8 KV "}.get(cache, "")
+        consts = {**decode_consts, "QUANT": bool(quant), "FP8": cache == "u8"}
+        cases[f"decode attention {quant}{dtype}"] = (kernels._paged_decode_kernel, signature, consts)
     copy_args = "num_ids row_numel stride_src_plane stride_src_row stride_dst_plane stride_dst_row".split()
     copy_signature = {
         "src_ptr": "*bf16",

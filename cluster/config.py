@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from splitserve.cluster.default_model import DEFAULT_MODEL_NAME
 from splitserve.cluster.routing.router_config import RouterConfig
-from splitserve.engine.config import DEFAULT_NUM_KV_BLOCKS, Dtype
+from splitserve.engine.config import DEFAULT_NUM_KV_BLOCKS, ConfigError, Dtype, KvCacheDtype, parse_memory_bytes
 from splitserve.engine.spec.speculative_config import SpeculativeConfig
 
 
@@ -82,12 +82,26 @@ class EnginePoolConfig(_Strict):
     """What one replica asks Ray for."""
     num_kv_blocks: int = Field(DEFAULT_NUM_KV_BLOCKS, ge=2)
     """KV-cache blocks per replica (block_size tokens each)."""
+    kv_cache_dtype: KvCacheDtype = "auto"
+    """KV-cache storage: auto = the model dtype; fp8 (e4m3) or int8 = 1 byte per value plus a float16 scale per token and head. Prefill and decode must agree."""
+    kv_cache_memory_bytes: int | str | None = None
+    """KV-cache bytes per replica, e.g. 4Gi or 500M (K/M/G = 1000^n, Ki/Mi/Gi = 1024^n); sets the block count from the bytes one block takes (scales included) and overrides num_kv_blocks; unset: num_kv_blocks."""
     max_num_seqs: int = Field(64, ge=1)
     """Sequences in one running batch."""
     max_num_batched_tokens: int = Field(2048, ge=16)
     """Token budget of one engine step (chunked prefill)."""
     torch_threads: int | None = Field(None, ge=1)
     """torch threads per replica; unset: its num_cpus."""
+
+    @field_validator("kv_cache_memory_bytes")
+    @classmethod
+    def _parse_kv_cache_memory_bytes(cls, value: int | str | None) -> int | None:
+        if value is None:
+            return None
+        try:
+            return parse_memory_bytes(value)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
 
 
 class PrefillPoolConfig(EnginePoolConfig):
@@ -220,4 +234,15 @@ class ServeConfig(_Strict):
     def _check_block_size(self) -> ServeConfig:
         if self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a power of two")
+        return self
+
+    @model_validator(mode="after")
+    def _check_kv_cache_dtype(self) -> ServeConfig:
+        # Prefill's blocks land in decode's cache byte for byte: both must store the same format.
+        if self.prefill.kv_cache_dtype != self.decode.kv_cache_dtype:
+            raise ValueError(
+                f"prefill.kv_cache_dtype {self.prefill.kv_cache_dtype!r} and decode.kv_cache_dtype "
+                f"{self.decode.kv_cache_dtype!r} differ: KV blocks move from prefill to decode as they are "
+                "stored, so both pools must use one KV-cache dtype (--kv-cache-dtype sets both)"
+            )
         return self

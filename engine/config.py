@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -15,12 +16,38 @@ SUPPORTED_ARCHITECTURES = {
 # The one list of supported dtypes (torch.<name>); everything else derives from it.
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
+# KV-cache storage: auto = the model's dtype; fp8 (float8_e4m3fn) and int8 store one byte per
+# value plus a float16 scale per (token, kv head) (engine/ops/quantized_kv.py).
+KvCacheDtype = Literal["auto", "fp8", "int8"]
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
+# Decimal (K, M, G, T) and binary (Ki, Mi, Gi, Ti) multipliers, as Kubernetes quantities.
+_BYTE_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+_BYTE_UNITS.update({f"{unit}i": 1024 ** (i + 1) for i, unit in enumerate("KMGT")})
+_BYTE_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?|)B?\s*$", re.IGNORECASE)
 # KV blocks per engine unless configured: engine, ServeConfig pools and `generate` share it.
 DEFAULT_NUM_KV_BLOCKS = 1024
 
 
 class ConfigError(ValueError):
     """A model directory or configuration value that splitserve cannot use."""
+
+
+def parse_memory_bytes(value: int | str, name: str = "kv_cache_memory_bytes") -> int:
+    """Bytes from an int or a size such as "512Mi", "4G", "1.5Gi" (K/M/G/T = 1000^n,
+    Ki/Mi/Gi/Ti = 1024^n, an optional trailing B). Anything else, or < 1, is a ConfigError."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be a byte count such as 4294967296 or 4Gi, got {value!r}")
+    if isinstance(value, int):
+        number = value
+    else:
+        match = _BYTE_SIZE.match(str(value))
+        if match is None:
+            raise ConfigError(f"{name} must be a byte count such as 4294967296 or 4Gi, got {value!r}")
+        unit = match.group(2)[:1].upper() + match.group(2)[1:].lower()
+        number = int(float(match.group(1)) * _BYTE_UNITS[unit])
+    if number < 1:
+        raise ConfigError(f"{name} must be >= 1 byte, got {value!r}")
+    return number
 
 
 @dataclass
@@ -173,6 +200,10 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     enable_prefix_caching: bool = True
     dtype: str | None = None  # defaults to the checkpoint's dtype
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype), fp8 or int8 (quantized, with scales)
+    # When set, the KV cache gets as many blocks as fit these bytes (scales included) and
+    # num_kv_blocks is ignored; LLMEngine resolves it once it knows the model's shape.
+    kv_cache_memory_bytes: int | str | None = None
     device: str = "cpu"
     seed: int = 0
     # Speculative decoding (engine/spec): a SpeculativeConfig, or its dict (how Ray ships it).
@@ -198,5 +229,9 @@ class EngineConfig:
             raise ConfigError("max_num_batched_tokens must be >= block_size")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_memory_bytes is not None:
+            self.kv_cache_memory_bytes = parse_memory_bytes(self.kv_cache_memory_bytes)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("max_model_len must be >= 1")

@@ -9,6 +9,7 @@ checks that by parsing their source.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterable
@@ -27,6 +28,7 @@ from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.io.request_validation import validate_prompt
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.io.tokenizer import Tokenizer
+from splitserve.engine.kv_cache_sizing import kv_bytes_per_block, resolve_num_kv_blocks
 from splitserve.engine.model.loader import load_model
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.ops.kv_cache import KVCache
@@ -42,11 +44,24 @@ LayerHookFactory = Callable[[ScheduledBatch], Callable[[int], None] | None]
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        self.config = config
         self.model, self.model_config = load_model(config.model, dtype=config.dtype, device=config.device)
         self.tokenizer = Tokenizer.from_pretrained(config.model)
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_context_len, self.model_config.max_context_len
+        )
+        # kv_cache_memory_bytes: as many blocks as fit, known now that the model's shape is.
+        num_kv_blocks = resolve_num_kv_blocks(
+            self.model_config,
+            config.block_size,
+            config.kv_cache_dtype,
+            config.dtype,
+            config.num_kv_blocks,
+            config.kv_cache_memory_bytes,
+            self.max_model_len,
+        )
+        self.config = config = dataclasses.replace(config, num_kv_blocks=num_kv_blocks)
+        self.kv_block_bytes = kv_bytes_per_block(
+            self.model_config, config.block_size, config.kv_cache_dtype, config.dtype
         )
         self.kv_cache = KVCache(self.model_config, config)
         self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
@@ -348,6 +363,8 @@ class LLMEngine:
         return EngineStats(
             num_free_blocks=self.kv.num_free_blocks,
             num_blocks=self.config.num_kv_blocks,
+            kv_block_bytes=self.kv_block_bytes,
+            kv_cache_dtype=self.config.kv_cache_dtype,
             kv_usage=self.kv.usage,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),

@@ -7,7 +7,7 @@ import json
 import sys
 import typing
 
-from splitserve.engine.config import DEFAULT_NUM_KV_BLOCKS, DTYPES
+from splitserve.engine.config import DEFAULT_NUM_KV_BLOCKS, DTYPES, KV_CACHE_DTYPES
 from splitserve.engine.spec.speculative_config import SpeculativeConfig
 
 SPECULATIVE_PREFIX = "speculative."
@@ -59,6 +59,12 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument(
         "--num-kv-blocks", type=int, default=DEFAULT_NUM_KV_BLOCKS, help="KV-cache blocks (block-size tokens each)"
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="KV-cache storage: auto = the model dtype; fp8/int8 = 1 byte per value + a scale per token and head",
+    )
     p.add_argument("--block-size", type=int, default=16)
     add_speculative_flags(p)
     p.add_argument(
@@ -96,6 +102,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 model=args.model,
                 dtype=args.dtype,
                 num_kv_blocks=args.num_kv_blocks,
+                kv_cache_dtype=args.kv_cache_dtype,
                 block_size=args.block_size,
                 speculative=speculative_from_args(args),
             )

@@ -35,7 +35,9 @@ def check_model(cfg: ServeConfig) -> str:
     try:
         require_model_dir(model_dir)
         model_config = ModelConfig.from_pretrained(model_dir)
-        model_config.resolve_max_model_len(cfg.max_model_len)
+        max_model_len = model_config.resolve_max_model_len(cfg.max_model_len)
+        for name, pool in (("prefill", cfg.prefill), ("decode", cfg.decode)):
+            _check_kv_cache(name, pool, cfg, model_config, max_model_len)
         _check_weight_headers(weight_files(model_dir))
         Tokenizer.from_pretrained(model_dir)
     except (CheckpointError, ConfigError, TokenizerError) as exc:
@@ -44,6 +46,26 @@ def check_model(cfg: ServeConfig) -> str:
     if cfg.speculative.method == "draft":
         _check_draft_model(cfg.speculative.draft_model, model_config.vocab_size)
     return model_dir
+
+
+def _check_kv_cache(name, pool, cfg: ServeConfig, model_config, max_model_len: int) -> None:
+    """A kv_cache_memory_bytes that cannot hold one max_model_len sequence fails here, not in
+    every replica."""
+    from splitserve.engine.config import ConfigError
+    from splitserve.engine.kv_cache_sizing import kv_cache_summary
+
+    try:
+        kv_cache_summary(
+            model_config,
+            cfg.block_size,
+            pool.kv_cache_dtype,
+            cfg.dtype,
+            pool.num_kv_blocks,
+            pool.kv_cache_memory_bytes,
+            max_model_len,
+        )
+    except ConfigError as exc:
+        raise PreflightError(f"{name}: {exc}") from None
 
 
 def _check_draft_model(draft_dir: str, vocab_size: int) -> None:

@@ -1,6 +1,6 @@
 """PoolMetrics: the Prometheus series the controller owns -- one per pool or per replica,
 measured once (by the controller's probes), not once per ingress: replica counts, queue
-depth, running requests, KV usage per replica, preemptions, KV moved prefill -> decode, the
+depth, running requests, KV usage, blocks and bytes per block per replica, preemptions, KV moved prefill -> decode, the
 replicas' grammar work and speculative decoding, and the autoscaler's decisions. Labelled `model_name` like the
 ingresses' series. A replica that leaves has its series removed."""
 
@@ -22,6 +22,10 @@ class PoolMetrics:
         self.queue_depth = f.gauge("splitserve_queue_depth", "Waiting requests per pool", "pool")
         self.running = f.gauge("splitserve_running_requests", "Running requests per pool", "pool")
         self.kv_usage = f.gauge("splitserve_kv_block_usage", "Fraction of KV blocks in use", "pool", "replica")
+        self.kv_blocks = f.gauge("splitserve_kv_cache_blocks", "KV blocks in a replica's cache", "pool", "replica")
+        self.kv_block_bytes = f.gauge(
+            "splitserve_kv_cache_block_bytes", "Bytes of one KV block, all layers, scales included", "pool", "replica"
+        )
         self.preemptions = f.counter("splitserve_num_preemptions", "Requests preempted by an engine", "pool")
         self.transfer_bytes = f.counter("splitserve_kv_transfer_bytes", "KV bytes moved prefill->decode")
         self.transfer_seconds = f.counter("splitserve_kv_transfer_seconds", "Seconds spent moving KV prefill->decode")
@@ -36,7 +40,7 @@ class PoolMetrics:
         }
         self.spec_decode = SpecDecodeMetrics(f.counter, f.gauge)
         # Every family labelled by replica: forget_replica removes a replica's series from each.
-        self.per_replica = (self.kv_usage,)
+        self.per_replica = (self.kv_usage, self.kv_blocks, self.kv_block_bytes)
         self._last_transfer: dict[str, tuple[float, float]] = {}
         self._last_preemptions: dict[tuple[str, str], float] = {}
         self._last_grammar: dict[tuple[str, str], float] = {}
@@ -44,6 +48,8 @@ class PoolMetrics:
     def observe_poll(self, pool: str, replica_id: str, poll: PollReply) -> None:
         """Fold one replica probe into the gauges and the cumulative counters."""
         self.kv_usage.labels(pool, replica_id).set(poll.engine.kv_usage)
+        self.kv_blocks.labels(pool, replica_id).set(poll.engine.num_blocks)
+        self.kv_block_bytes.labels(pool, replica_id).set(poll.engine.kv_block_bytes)
         prev = self._last_preemptions.get((pool, replica_id), 0)
         self.preemptions.labels(pool).inc(max(poll.engine.num_preemptions - prev, 0))
         self._last_preemptions[(pool, replica_id)] = poll.engine.num_preemptions

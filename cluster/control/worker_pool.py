@@ -209,6 +209,8 @@ def engine_config_for(cfg: ServeConfig, pool: EnginePoolConfig, model_dir: str) 
         "model": model_dir,
         "block_size": cfg.block_size,
         "num_kv_blocks": pool.num_kv_blocks,
+        "kv_cache_dtype": pool.kv_cache_dtype,
+        "kv_cache_memory_bytes": pool.kv_cache_memory_bytes,
         "max_num_seqs": pool.max_num_seqs,
         "max_num_batched_tokens": pool.max_num_batched_tokens,
         "max_model_len": cfg.max_model_len,

@@ -22,6 +22,7 @@ from splitserve.engine.config import ModelConfig
 from splitserve.engine.io.request_validation import validate_prompt
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.io.tokenizer import Tokenizer
+from splitserve.engine.kv_cache_sizing import kv_cache_summary
 from splitserve.engine.sample.grammar_compiler import GrammarCompiler
 from splitserve.engine.sample.grammar_spec import GrammarSpec
 from splitserve.proto.messages.handoff import StreamChunk
@@ -52,8 +53,22 @@ class ServingBackend:
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         self.model_config = ModelConfig.from_pretrained(model_dir)
         self.max_model_len = self.model_config.resolve_max_model_len(cfg.max_model_len)
-        pools = [cfg.decode] + ([cfg.prefill] if cfg.prefill.replicas or cfg.prefill.autoscaling.enabled else [])
-        self.max_cache_tokens = min(p.num_kv_blocks for p in pools) * cfg.block_size
+        # Each pool's KV cache as its replicas size it (kv_cache_memory_bytes -> blocks), for
+        # /health and the longest request a replica can hold.
+        self.kv_caches = {
+            name: kv_cache_summary(
+                self.model_config,
+                cfg.block_size,
+                pool.kv_cache_dtype,
+                cfg.dtype,
+                pool.num_kv_blocks,
+                pool.kv_cache_memory_bytes,
+                self.max_model_len,
+            )
+            for name, pool in ((PREFILL, cfg.prefill), (DECODE, cfg.decode))
+        }
+        pools = [DECODE] + ([PREFILL] if cfg.prefill.replicas or cfg.prefill.autoscaling.enabled else [])
+        self.max_cache_tokens = min(self.kv_caches[p]["num_blocks"] for p in pools) * cfg.block_size
         eos = self.tokenizer.eos_token_ids or self.model_config.eos_token_ids
         # Checks constrained requests before any compute (replicas compile their own copies).
         self.grammar = GrammarCompiler(self.tokenizer.to_json(), self.model_config.vocab_size, eos)
@@ -133,7 +148,13 @@ class ServingBackend:
         for pool in (PREFILL, DECODE):
             live, floor = cluster.live_replicas(pool), cluster.min_replicas[pool]
             expected = max(cluster.expected_replicas.get(pool, 0), floor)
-            pools[pool] = {"ok": live >= floor, "live": live, "expected": expected, "min": floor}
+            pools[pool] = {
+                "ok": live >= floor,
+                "live": live,
+                "expected": expected,
+                "min": floor,
+                "kv_cache": self.kv_caches[pool],
+            }
         degraded = [pool for pool, state in pools.items() if not state["ok"]]
         if not pools[DECODE]["live"] and DECODE not in degraded:
             degraded.append(DECODE)

@@ -4,8 +4,10 @@ Decode: the Triton kernel on CUDA; on CPU (fp32) a sparse plan that reads K/V in
 (engine/ops/sparse_decode.py); otherwise gather + SDPA. Prefill and chunked prefill: SDPA per
 sequence with the causal mask aligned to the end of its context.
 
-Caches are [num_blocks, block_size, num_kv_heads, head_dim] (one layer, K or V). A token at
-slot s lives in block s // block_size at offset s % block_size.
+Caches are [num_blocks, block_size, num_kv_heads, head_dim] (one layer, K or V), or a
+QuantizedKV of that shape (fp8/int8 values + per-token scales): writes quantize, reads
+dequantize the gathered blocks (CPU: gather + SDPA; CUDA: the Triton kernel dequantizes in
+registers). A token at slot s lives in block s // block_size at offset s % block_size.
 """
 
 from __future__ import annotations
@@ -16,13 +18,20 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.engine.ops.attention_metadata import AttentionMetadata
+from splitserve.engine.ops.quantized_kv import QuantizedKV
 from splitserve.engine.ops.sparse_decode import SUPPORTED_DTYPES, SparseDecodePlan
+
+Cache = torch.Tensor | QuantizedKV
 
 
 def write_kv(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    key_cache: Cache, value_cache: Cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Scatter new keys/values [T, kv_heads, head_dim] into their cache slots."""
+    if isinstance(key_cache, QuantizedKV):
+        key_cache.write(k, slot_mapping)
+        value_cache.write(v, slot_mapping)
+        return
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     flat = (num_blocks * block_size, num_kv_heads, head_dim)
     key_cache.view(flat).index_copy_(0, slot_mapping, k.to(key_cache.dtype))
@@ -39,22 +48,33 @@ def _triton_decode():
     return paged_decode_attention
 
 
-def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """[B, num_blocks * block_size, kv_heads, head_dim]: each sequence's blocks side by side."""
+def _gather_context(cache: Cache, block_tables: torch.Tensor, num_blocks: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, num_blocks * block_size, kv_heads, head_dim] in dtype: each sequence's blocks side
+    by side (dequantized from a QuantizedKV)."""
     batch = block_tables.shape[0]
     _, block_size, num_kv_heads, head_dim = cache.shape
     ids = block_tables[:, :num_blocks].reshape(-1)
-    return cache.index_select(0, ids).view(batch, num_blocks * block_size, num_kv_heads, head_dim)
+    if isinstance(cache, QuantizedKV):
+        blocks = cache.gather(ids, dtype)
+    else:
+        blocks = cache.index_select(0, ids)
+    return blocks.view(batch, num_blocks * block_size, num_kv_heads, head_dim)
 
 
-def sparse_decode_supported(q: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    return not q.is_cuda and q.dtype in SUPPORTED_DTYPES and key_cache.dtype == q.dtype
+def sparse_decode_supported(q: torch.Tensor, key_cache: Cache) -> bool:
+    # The sparse plan multiplies the cache in place: an 8-bit cache has to be dequantized first.
+    return (
+        not q.is_cuda
+        and q.dtype in SUPPORTED_DTYPES
+        and not isinstance(key_cache, QuantizedKV)
+        and key_cache.dtype == q.dtype
+    )
 
 
 def paged_decode_attention_torch(
     q: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    key_cache: Cache,
+    value_cache: Cache,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
@@ -79,8 +99,8 @@ def paged_decode_attention_torch(
     group = num_heads // num_kv_heads
     num_blocks = -(-max_context_len // block_size)
     q4 = q.view(batch, num_kv_heads, group, head_dim)
-    keys = _gather_context(key_cache, block_tables, num_blocks)
-    values = _gather_context(value_cache, block_tables, num_blocks)
+    keys = _gather_context(key_cache, block_tables, num_blocks, q.dtype)
+    values = _gather_context(value_cache, block_tables, num_blocks, q.dtype)
     if batch == 1:
         # Nothing to pad: attend to exactly the context, no mask needed.
         out = F.scaled_dot_product_attention(
@@ -95,8 +115,8 @@ def paged_decode_attention_torch(
 
 def decode_attention(
     q: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    key_cache: Cache,
+    value_cache: Cache,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
@@ -107,6 +127,17 @@ def decode_attention(
     if q.is_cuda:
         kernel = _triton_decode()
         if kernel is not None:
+            if isinstance(key_cache, QuantizedKV):
+                return kernel(
+                    q,
+                    key_cache.values,
+                    value_cache.values,
+                    block_tables,
+                    context_lens,
+                    scale,
+                    key_scales=key_cache.scales,
+                    value_scales=value_cache.scales,
+                )
             return kernel(q, key_cache, value_cache, block_tables, context_lens, scale)
     return paged_decode_attention_torch(
         q, key_cache, value_cache, block_tables, context_lens, scale, max_context_len, plan
@@ -114,7 +145,7 @@ def decode_attention(
 
 
 def make_decode_plan(
-    meta: AttentionMetadata, q_like: torch.Tensor, key_cache: torch.Tensor, num_heads: int
+    meta: AttentionMetadata, q_like: torch.Tensor, key_cache: Cache, num_heads: int
 ) -> SparseDecodePlan | None:
     """The shared plan for a pure-decode step on CPU (None where it does not apply)."""
     if not meta.is_pure_decode or meta.num_seqs < 2 or not sparse_decode_supported(q_like, key_cache):
@@ -141,8 +172,8 @@ def _prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 
 def paged_attention(
     q: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    key_cache: Cache,
+    value_cache: Cache,
     meta: AttentionMetadata,
     scale: float,
     new_keys: torch.Tensor | None = None,
@@ -184,13 +215,16 @@ def paged_attention(
             seq = last + 1
             continue
         context_len = context_lens[seq]
-        if end - start == context_len and new_keys is not None and new_values is not None:
+        # A quantized cache is always read back, so a prompt attends to the same (dequantized)
+        # K/V whether its prefix was cached or not: a prefix-cache hit changes no output.
+        fresh = new_keys is not None and new_values is not None and not isinstance(key_cache, QuantizedKV)
+        if end - start == context_len and fresh:
             keys, values = new_keys[start:end], new_values[start:end]
         else:
             num_blocks = -(-context_len // block_size)
             table = meta.block_tables[seq : seq + 1]
-            keys = _gather_context(key_cache, table, num_blocks)[0, :context_len]
-            values = _gather_context(value_cache, table, num_blocks)[0, :context_len]
+            keys = _gather_context(key_cache, table, num_blocks, q.dtype)[0, :context_len]
+            values = _gather_context(value_cache, table, num_blocks, q.dtype)[0, :context_len]
         out[start:end] = _prefill_attention(q[start:end], keys, values, scale)
         seq += 1
     return out

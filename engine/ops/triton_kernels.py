@@ -1,4 +1,4 @@
-"""Triton kernels: paged decode attention and KV-block gather/scatter.
+"""Triton kernels: paged decode attention (16/32-bit or fp8/int8 KV) and KV-block gather/scatter.
 
 Importing this module needs triton but no GPU (the kernels are only compiled when launched);
 under TRITON_INTERPRET=1 they run on CPU tensors, which is how the tests check them.
@@ -10,16 +10,18 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.engine.config import DTYPES
+from splitserve.engine.ops.triton_input_checks import (
+    KernelInputError,
+    check_attention_inputs,
+    check_copy,
+    check_scales,
+)
+
+__all__ = ["KernelInputError", "gather_blocks", "paged_decode_attention", "scatter_blocks"]
 
 # tl.dot needs every dimension >= 16 when compiled for a GPU; smaller tiles use broadcast-sum.
 _MIN_DOT_DIM = 16
 _COPY_BLOCK = 1024
-_SUPPORTED_DTYPES = tuple(getattr(torch, name) for name in DTYPES)
-
-
-class KernelInputError(ValueError):
-    """A kernel was called with tensors of the wrong shape, dtype, device or layout."""
 
 
 @triton.jit
@@ -27,6 +29,8 @@ def _paged_decode_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     context_lens_ptr,
     out_ptr,
@@ -39,6 +43,8 @@ def _paged_decode_kernel(
     stride_vblock,
     stride_voff,
     stride_vhead,
+    stride_sblock,
+    stride_soff,
     stride_bt,
     stride_ob,
     stride_oh,
@@ -49,6 +55,8 @@ def _paged_decode_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_DOT: tl.constexpr,
+    QUANT: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     # One program = one sequence x one KV head, covering that head's GROUP query heads.
     seq = tl.program_id(0)
@@ -81,8 +89,21 @@ def _paged_decode_kernel(
         v_ptrs = (
             v_ptr + block_id * stride_vblock + offs_n[:, None] * stride_voff + kv_head * stride_vhead + offs_d[None, :]
         )
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        if QUANT:
+            # 8-bit values times their per-(token, head) scale; fp8 arrives as raw bytes.
+            k = tl.load(k_ptrs, mask=kv_mask, other=0)
+            v = tl.load(v_ptrs, mask=kv_mask, other=0)
+            if FP8:
+                k = k.to(tl.float8e4nv, bitcast=True)
+                v = v.to(tl.float8e4nv, bitcast=True)
+            scale_offs = block_id * stride_sblock + offs_n * stride_soff + kv_head
+            k_scale = tl.load(k_scale_ptr + scale_offs, mask=mask_n, other=0.0).to(tl.float32)
+            v_scale = tl.load(v_scale_ptr + scale_offs, mask=mask_n, other=0.0).to(tl.float32)
+            k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+        else:
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
 
         if USE_DOT:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -109,44 +130,6 @@ def _paged_decode_kernel(
     tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
 
 
-def _check_attention_inputs(q, key_cache, value_cache, block_tables, context_lens, out) -> None:
-    if q.dim() != 3:
-        raise KernelInputError(f"q must be [batch, q_heads, head_dim], got {tuple(q.shape)}")
-    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
-        raise KernelInputError(
-            "key_cache/value_cache must both be [num_blocks, block_size, kv_heads, head_dim], "
-            f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
-        )
-    batch, num_q_heads, head_dim = q.shape
-    num_kv_heads = key_cache.shape[2]
-    if key_cache.shape[3] != head_dim:
-        raise KernelInputError(f"head_dim mismatch: q {head_dim}, cache {key_cache.shape[3]}")
-    if num_q_heads % num_kv_heads != 0:
-        raise KernelInputError(f"q heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads})")
-    if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.dtype != torch.int32:
-        raise KernelInputError(
-            f"block_tables must be int32 [{batch}, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}"
-        )
-    if context_lens.shape != (batch,) or context_lens.dtype != torch.int32:
-        raise KernelInputError(
-            f"context_lens must be int32 [{batch}], got {context_lens.dtype} {tuple(context_lens.shape)}"
-        )
-    for name, tensor in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
-        if tensor.dtype not in _SUPPORTED_DTYPES:
-            raise KernelInputError(f"{name} dtype {tensor.dtype} not in {_SUPPORTED_DTYPES}")
-        if tensor.stride(-1) != 1:
-            raise KernelInputError(f"{name} must be contiguous in head_dim")
-    if key_cache.dtype != q.dtype or value_cache.dtype != q.dtype:
-        raise KernelInputError(f"q/key/value dtypes differ: {q.dtype}, {key_cache.dtype}, {value_cache.dtype}")
-    if out is not None and (out.shape != q.shape or out.stride(-1) != 1):
-        raise KernelInputError(f"out must be {tuple(q.shape)} and contiguous in head_dim")
-    devices = {t.device for t in (q, key_cache, value_cache, block_tables, context_lens)}
-    if out is not None:
-        devices.add(out.device)
-    if len(devices) != 1:
-        raise KernelInputError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-
-
 def paged_decode_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -155,14 +138,21 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged context.
 
     q [B, Hq, D]; key_cache/value_cache [num_blocks, block_size, Hkv, D] (one layer);
     block_tables int32 [B, max_blocks] (padding ignored past context_lens); context_lens int32 [B].
+    A quantized cache (fp8 e4m3 / int8 values) comes with key_scales/value_scales float16
+    [num_blocks, block_size, Hkv]: each token-head's values are dequantized in registers.
     Returns out [B, Hq, D] in q's dtype, accumulated in fp32.
     """
-    _check_attention_inputs(q, key_cache, value_cache, block_tables, context_lens, out)
+    quantized = key_scales is not None or value_scales is not None
+    check_attention_inputs(q, key_cache, value_cache, block_tables, context_lens, out, quantized)
+    if quantized:
+        check_scales(key_cache, key_scales, value_scales)
     if out is None:
         out = torch.empty_like(q)
     batch, num_q_heads, head_dim = q.shape
@@ -176,10 +166,16 @@ def paged_decode_attention(
     use_dot = block_n >= _MIN_DOT_DIM and block_d >= _MIN_DOT_DIM
     if not use_dot:
         block_g = triton.next_power_of_2(group)  # no padding needed for broadcast-sum
+    fp8 = key_cache.dtype == torch.float8_e4m3fn
+    if fp8:  # loaded as bytes and bitcast in the kernel (the interpreter has no fp8 tensors)
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+    scale_strides = (key_scales.stride(0), key_scales.stride(1)) if quantized else (0, 0)
     _paged_decode_kernel[(batch, num_kv_heads)](
         q,
         key_cache,
         value_cache,
+        key_scales if quantized else q,
+        value_scales if quantized else q,
         block_tables,
         context_lens,
         out,
@@ -192,6 +188,7 @@ def paged_decode_attention(
         value_cache.stride(0),
         value_cache.stride(1),
         value_cache.stride(2),
+        *scale_strides,
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -202,6 +199,8 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         USE_DOT=use_dot,
+        QUANT=quantized,
+        FP8=fp8,
         num_warps=4,
     )
     return out
@@ -239,14 +238,6 @@ def _copy_rows_kernel(
     tl.store(dst_ptr + plane * stride_dst_plane + dst_row * stride_dst_row + offs, values, mask=mask)
 
 
-def _check_planes(name: str, tensor: torch.Tensor) -> None:
-    if tensor.dim() != 3 or tensor.stride(-1) != 1:
-        raise KernelInputError(
-            f"{name} must be [planes, rows, row_numel] contiguous in its last dim, "
-            f"got shape {tuple(tensor.shape)} strides {tensor.stride()}"
-        )
-
-
 def _launch_copy(src, dst, block_ids, gather: bool) -> None:
     num_planes, num_ids, row_numel = (dst if gather else src).shape
     if num_planes == 0 or num_ids == 0 or row_numel == 0:
@@ -267,31 +258,15 @@ def _launch_copy(src, dst, block_ids, gather: bool) -> None:
     )
 
 
-def _check_copy(packed: torch.Tensor, paged: torch.Tensor, block_ids: torch.Tensor) -> None:
-    _check_planes("packed", packed)
-    _check_planes("paged", paged)
-    if block_ids.dim() != 1 or block_ids.dtype not in (torch.int32, torch.int64):
-        raise KernelInputError(f"block_ids must be 1-D int32/int64, got {block_ids.dtype} {tuple(block_ids.shape)}")
-    if packed.shape != (paged.shape[0], block_ids.shape[0], paged.shape[2]):
-        raise KernelInputError(
-            f"packed buffer {tuple(packed.shape)} does not match paged {tuple(paged.shape)} "
-            f"with {block_ids.shape[0]} block ids"
-        )
-    if packed.dtype != paged.dtype:
-        raise KernelInputError(f"dtype mismatch: {packed.dtype} vs {paged.dtype}")
-    if len({packed.device, paged.device, block_ids.device}) != 1:
-        raise KernelInputError("src, dst and block_ids must be on one device")
-
-
 def gather_blocks(src: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out[p, i, :] = src[p, block_ids[i], :]; src [P, num_blocks, E], out [P, n, E]."""
-    _check_copy(out, src, block_ids)
+    check_copy(out, src, block_ids)
     _launch_copy(src, out, block_ids, gather=True)
     return out
 
 
 def scatter_blocks(src: torch.Tensor, dst: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """dst[p, block_ids[i], :] = src[p, i, :]; src [P, n, E], dst [P, num_blocks, E]."""
-    _check_copy(src, dst, block_ids)
+    check_copy(src, dst, block_ids)
     _launch_copy(src, dst, block_ids, gather=False)
     return dst

@@ -18,6 +18,8 @@ class EngineStats(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_preemptions: int  # since start
     num_computed_prompt_tokens: int  # prompt tokens computed since start (prefix-cache hits excluded)
     num_prefix_hit_tokens: int  # prompt tokens served from the prefix cache since start
+    kv_block_bytes: int = 0  # bytes of one KV block over all layers (K, V and any scales)
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype), fp8 or int8
     # Structured output, since start (engine/sample): grammars compiled and cache hits, compile
     # seconds, steps that masked logits, rows masked, seconds those steps waited for and
     # applied masks, seconds computing masks (overlapped with the forward pass).

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
-CHECKS = ["parity", "kernels", "bandwidth", "throughput", "transfer"]
+CHECKS = ["parity", "kernels", "bandwidth", "throughput", "transfer", "kv_quant"]
 
 
 @pytest.fixture(scope="module")
@@ -45,19 +45,31 @@ def test_cpu_dry_run_passes_every_check(dry_run):
         for dtype in ("bfloat16", "float16"):
             assert items[("parity", f"{arch} {dtype} greedy prompt 1")]["status"] == "pass"
     assert "interpreted" in items[("kernels", "triton mode")]["note"]
+    for kv in ("fp8", "int8"):  # the quantized-KV kernel variants cross-compile for Hopper
+        assert items[("kernels", f"decode attention {kv} KV bf16 compiles for sm_90")]["status"] == "pass"
     # The same-device transport: each mode got its channel and moved both layouts bit-exactly.
     for mode, channel in (("auto", "gloo"), ("ipc", "ipc"), ("host", "host")):
         assert items[("transfer", f"{mode} channel")]["status"] == "pass"
         for layout in ("in-place", "packed"):
             assert items[("transfer", f"{channel} {layout}")]["status"] == "pass"
     assert items[("throughput", "decode batch 8")]["numbers"]["tokens_per_s"] > 0
+    for batch, context in ((1, 40), (3, 33)):  # the fp8 KV kernel against the 16-bit one
+        fp8 = items[("kv_quant", f"fp8 KV attention b={batch} ctx={context}")]
+        assert fp8["status"] == "pass" and fp8["numbers"]["max_abs_error_vs_bf16_kernel"] > 0
 
 
 def test_report_is_markdown_with_every_check(dry_run):
     _, out = dry_run
     text = (out / "gpu_check.md").read_text()
     assert text.startswith("# GPU check: cpu")
-    for title in ("Engine parity", "Triton kernels", "Bandwidth", "decode throughput", "KV transfer"):
+    for title in (
+        "Engine parity",
+        "Triton kernels",
+        "Bandwidth",
+        "decode throughput",
+        "KV transfer",
+        "fp8 KV attention",
+    ):
         assert f"{title}" in text
     assert "| llama fp32 logits | pass |" in text
 

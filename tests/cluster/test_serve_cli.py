@@ -52,6 +52,11 @@ def _candidates(annotation, default) -> list:
     raise AssertionError(f"no test value for {annotation}")
 
 
+# Fields that must hold one value together (ServeConfig refuses them apart): each is tried
+# with its partner set to the same value.
+AGREEING = {"prefill.kv_cache_dtype": "decode.kv_cache_dtype", "decode.kv_cache_dtype": "prefill.kv_cache_dtype"}
+
+
 def non_default_values() -> dict[str, object]:
     """{path: a valid value != its default} for every ServeConfig leaf field."""
     values = {}
@@ -59,11 +64,12 @@ def non_default_values() -> dict[str, object]:
         default = info.get_default(call_default_factory=True)
         for value in _candidates(info.annotation, default):
             raw: dict = {}
-            node = raw
-            *parents, leaf = path.split(".")
-            for key in parents:
-                node = node.setdefault(key, {})
-            node[leaf] = value
+            for target in (path, AGREEING.get(path, path)):
+                node = raw
+                *parents, leaf = target.split(".")
+                for key in parents:
+                    node = node.setdefault(key, {})
+                node[leaf] = value
             if value == default:
                 continue
             try:
@@ -86,10 +92,12 @@ def test_every_leaf_field_is_a_flag_that_round_trips():
     values = non_default_values()
     assert len(values) == len(leaf_fields()) > 50
     for path, value in values.items():
-        cfg = parse(*flag_args(path, value))
+        partner = AGREEING.get(path)
+        cfg = parse(*flag_args(path, value), *(flag_args(partner, value) if partner else []))
         assert get(cfg, path) == value, path
-        # Nothing else moved: the flag set exactly its own field.
-        assert cfg.model_dump() == _with(ServeConfig().model_dump(), path, value), path
+        # Nothing else moved: the flag set exactly its own field (and its partner's).
+        expected = _with(ServeConfig().model_dump(), path, value)
+        assert cfg.model_dump() == (_with(expected, partner, value) if partner else expected), path
     # All at once, and back through --print-config's YAML as a --config file.
     argv = [arg for path, value in values.items() for arg in flag_args(path, value)]
     everything = parse(*argv)
@@ -181,6 +189,7 @@ def test_precedence_config_file_then_env_then_flags(tmp_path):
         (["--decode-resources", "{x"], "--decode-resources must be a JSON object"),
         (["--prefill.autoscaling.min-replicas", "5"], "min_replicas must be <= max_replicas"),
         (["--block-size", "12"], "power of two"),
+        (["--prefill.kv-cache-dtype", "fp8"], "both pools must use one KV-cache dtype"),
         (["--config", "/no/such.yaml"], "cannot read --config /no/such.yaml"),
     ],
 )

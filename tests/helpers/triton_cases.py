@@ -159,6 +159,44 @@ def case_gather_from_strided_planes():
     assert torch.count_nonzero(target[::2]) == 0
 
 
+def _check_quantized_decode(kv_cache_dtype, context_lens, num_q_heads, num_kv_heads, head_dim, block_size, q_dtype):
+    from splitserve.engine.ops.triton_kernels import paged_decode_attention
+    from tests.helpers.quantized_kv_cases import ATTENTION_TOLERANCE, dequantized_layer, quantized_paged_problem
+
+    q, cache, keys, values, tables, lens = quantized_paged_problem(
+        context_lens, num_q_heads, num_kv_heads, head_dim, block_size, kv_cache_dtype
+    )
+    q = q.to(q_dtype)
+    k, v = cache.key_cache(0), cache.value_cache(0)
+    scale = head_dim**-0.5
+    out = paged_decode_attention(q, k.values, v.values, tables, lens, scale, key_scales=k.scales, value_scales=v.scales)
+    assert out.dtype == q_dtype
+    # Exact against the dequantized cache (the kernel's own error) ...
+    dense_k, dense_v = dequantized_layer(cache)
+    on_dequantized = reference_decode_attention(q.float(), dense_k, dense_v, tables, lens, scale)
+    kernel_error = (out.double() - on_dequantized).abs().max().item()
+    assert kernel_error <= _DTYPE_TOLERANCE[q_dtype], f"{kernel_error} vs the dequantized cache"
+    # ... and within the stated tolerance of fp32 attention over the unquantized K/V.
+    exact = reference_decode_attention(q.float(), keys, values, tables, lens, scale)
+    error = (out.double() - exact).abs().max().item()
+    assert error <= ATTENTION_TOLERANCE[kv_cache_dtype], f"{kv_cache_dtype}: {error} vs fp32 attention"
+
+
+def case_fp8_kv_both_paths():
+    # Broadcast-sum tiles (block 4, head_dim 8) and tl.dot tiles (16, 16), on the cache's strided byte rows.
+    _check_quantized_decode("fp8", [1, 7, 12], 4, 2, 8, 4, torch.float32)
+    _check_quantized_decode("fp8", [5, 16, 33], 8, 2, 16, 16, torch.float32)
+
+
+def case_int8_kv_both_paths():
+    _check_quantized_decode("int8", [6, 13], 4, 1, 8, 4, torch.float32)
+    _check_quantized_decode("int8", [20, 3], 4, 2, 16, 16, torch.float32)
+
+
+def case_fp8_kv_fp16_queries():
+    _check_quantized_decode("fp8", [11, 4], 6, 2, 8, 4, torch.float16)
+
+
 CASES = {name: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
 
 
