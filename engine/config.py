@@ -15,6 +15,9 @@ SUPPORTED_ARCHITECTURES = {
 # The one list of supported dtypes (torch.<name>); everything else derives from it.
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
+# Weight quantization of the decoder layers' matmuls at load time (engine/quant).
+Quantization = Literal["none", "int8", "fp8", "int4"]
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 # KV blocks per engine unless configured: engine, ServeConfig pools and `generate` share it.
 DEFAULT_NUM_KV_BLOCKS = 1024
 
@@ -173,6 +176,7 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     enable_prefix_caching: bool = True
     dtype: str | None = None  # defaults to the checkpoint's dtype
+    quantization: str = "none"  # none|int8|fp8|int4, the matmul weights (also the draft model's)
     device: str = "cpu"
     seed: int = 0
     # Speculative decoding (engine/spec): a SpeculativeConfig, or its dict (how Ray ships it).
@@ -198,5 +202,7 @@ class EngineConfig:
             raise ConfigError("max_num_batched_tokens must be >= block_size")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("max_model_len must be >= 1")
