@@ -142,3 +142,23 @@ def test_a_duplicated_quantized_weight_is_rejected(tmp_path_factory):
     model = llama_module.LlamaForCausalLM(load_model(model_dir)[1], quantization="int8")
     with pytest.raises(CheckpointError, match="appears twice"):
         model.load_weights(weights + weights[-1:])
+
+
+def test_the_draft_model_is_quantized_too_and_greedy_output_is_unchanged(tmp_path_factory):
+    from splitserve.engine.io.sampling_params import SamplingParams
+    from splitserve.engine.llm_engine import LLMEngine
+
+    model_dir = str(make_checkpoint(tmp_path_factory.getbasetemp(), "tiny", "llama"))
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12] * 3, list(range(3, 40))]
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=128, quantization="int8")).generate(prompts, greedy)
+    spec = {"method": "draft", "draft_model": model_dir, "policy": "fixed", "num_speculative_tokens": 4}
+    engine = LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=128, quantization="int8", speculative=spec))
+    draft = engine.speculator.draft_proposer.model
+    assert all(isinstance(layer.qkv_weight, WEIGHT_CLASSES["int8"]) for layer in draft.layers)
+    outs = engine.generate(prompts, greedy)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    stats = engine.stats()
+    # The draft is the target, quantized alike: (nearly) every draft token is accepted.
+    assert stats.spec_proposed_tokens > 20 and stats.spec_accepted_tokens >= 0.9 * stats.spec_proposed_tokens
+    assert engine.kv.num_free_blocks == engine.config.num_kv_blocks
