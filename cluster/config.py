@@ -14,7 +14,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from splitserve.cluster.default_model import DEFAULT_MODEL_NAME
 from splitserve.cluster.routing.router_config import RouterConfig
-from splitserve.engine.config import DEFAULT_NUM_KV_BLOCKS, ConfigError, Dtype, KvCacheDtype, parse_memory_bytes
+from splitserve.engine.config import (
+    DEFAULT_NUM_KV_BLOCKS,
+    ConfigError,
+    Dtype,
+    KvCacheDtype,
+    Quantization,
+    parse_memory_bytes,
+)
 from splitserve.engine.spec.speculative_config import SpeculativeConfig
 
 
@@ -183,6 +190,8 @@ class ServeConfig(_Strict):
     """Tokens per KV block (a power of two)."""
     dtype: Dtype | None = None
     """Weights and KV-cache dtype; unset: the checkpoint's."""
+    quantization: Quantization = "none"
+    """Quantize the decoder layers' matmul weights at load, layer by layer (also the draft model's): int8 (weight-only, per channel), fp8 (e4m3 W8A8), int4 (weight-only, groups of 128)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Engine device: auto = cuda for pools with num_gpus > 0."""
     prefill: PrefillPoolConfig = Field(default_factory=PrefillPoolConfig)

@@ -24,6 +24,9 @@ KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
 _BYTE_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 _BYTE_UNITS.update({f"{unit}i": 1024 ** (i + 1) for i, unit in enumerate("KMGT")})
 _BYTE_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?|)B?\s*$", re.IGNORECASE)
+# Weight quantization of the decoder layers' matmuls at load time (engine/quant).
+Quantization = Literal["none", "int8", "fp8", "int4"]
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 # KV blocks per engine unless configured: engine, ServeConfig pools and `generate` share it.
 DEFAULT_NUM_KV_BLOCKS = 1024
 
@@ -204,6 +207,7 @@ class EngineConfig:
     # When set, the KV cache gets as many blocks as fit these bytes (scales included) and
     # num_kv_blocks is ignored; LLMEngine resolves it once it knows the model's shape.
     kv_cache_memory_bytes: int | str | None = None
+    quantization: str = "none"  # none|int8|fp8|int4, the matmul weights (also the draft model's)
     device: str = "cpu"
     seed: int = 0
     # Speculative decoding (engine/spec): a SpeculativeConfig, or its dict (how Ray ships it).
@@ -233,5 +237,7 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_memory_bytes is not None:
             self.kv_cache_memory_bytes = parse_memory_bytes(self.kv_cache_memory_bytes)
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("max_model_len must be >= 1")

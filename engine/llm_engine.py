@@ -44,7 +44,10 @@ LayerHookFactory = Callable[[ScheduledBatch], Callable[[int], None] | None]
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        self.model, self.model_config = load_model(config.model, dtype=config.dtype, device=config.device)
+        self.config = config
+        self.model, self.model_config = load_model(
+            config.model, dtype=config.dtype, device=config.device, quantization=config.quantization
+        )
         self.tokenizer = Tokenizer.from_pretrained(config.model)
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_context_len, self.model_config.max_context_len

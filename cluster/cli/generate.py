@@ -7,7 +7,7 @@ import json
 import sys
 import typing
 
-from splitserve.engine.config import DEFAULT_NUM_KV_BLOCKS, DTYPES, KV_CACHE_DTYPES
+from splitserve.engine.config import DEFAULT_NUM_KV_BLOCKS, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
 from splitserve.engine.spec.speculative_config import SpeculativeConfig
 
 SPECULATIVE_PREFIX = "speculative."
@@ -57,6 +57,12 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="default: the checkpoint's")
     p.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default="none",
+        help="quantize the matmul weights at load (as `serve --quantization`)",
+    )
+    p.add_argument(
         "--num-kv-blocks", type=int, default=DEFAULT_NUM_KV_BLOCKS, help="KV-cache blocks (block-size tokens each)"
     )
     p.add_argument(
@@ -101,6 +107,7 @@ def run_generate(args: argparse.Namespace) -> int:
             EngineConfig(
                 model=args.model,
                 dtype=args.dtype,
+                quantization=args.quantization,
                 num_kv_blocks=args.num_kv_blocks,
                 kv_cache_dtype=args.kv_cache_dtype,
                 block_size=args.block_size,

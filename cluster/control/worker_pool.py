@@ -215,6 +215,7 @@ def engine_config_for(cfg: ServeConfig, pool: EnginePoolConfig, model_dir: str) 
         "max_num_batched_tokens": pool.max_num_batched_tokens,
         "max_model_len": cfg.max_model_len,
         "dtype": cfg.dtype,
+        "quantization": cfg.quantization,
         "device": device,
         # Only decode speculates; prefill replicas sample one token per request.
         "speculative": cfg.speculative.model_dump() if pool is cfg.decode else None,

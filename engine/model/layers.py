@@ -13,6 +13,7 @@ from splitserve.engine.model.rope import RotaryEmbedding
 from splitserve.engine.ops.attention import paged_attention, write_kv
 from splitserve.engine.ops.attention_metadata import AttentionMetadata
 from splitserve.engine.ops.sparse_decode import SparseDecodePlan
+from splitserve.engine.quant.quantize import linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -29,7 +30,12 @@ def _parameter(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
 class DecoderLayer(nn.Module):
     """RMSNorm -> GQA self-attention over the paged cache -> RMSNorm -> SwiGLU MLP."""
 
-    def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype, device):
+    # The matmul weights; a quantized model replaces each with an engine/quant weight at load.
+    LINEAR_WEIGHTS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+
+    def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype, device, linear_device=None):
+        """linear_device: where the matmul weights live until loaded; "meta" (no memory) when
+        the loader quantizes them, so only one full-precision weight is ever materialised."""
         super().__init__()
         self.layer_index = layer_index
         self.eps = config.rms_norm_eps
@@ -42,13 +48,14 @@ class DecoderLayer(nn.Module):
         self.scale = self.head_dim**-0.5
         hidden = config.hidden_size
         qkv_rows = self.q_size + 2 * self.kv_size
+        lin = device if linear_device is None else linear_device
         self.input_norm = _parameter(hidden, dtype=dtype, device=device)
-        self.qkv_weight = _parameter(qkv_rows, hidden, dtype=dtype, device=device)
+        self.qkv_weight = _parameter(qkv_rows, hidden, dtype=dtype, device=lin)
         self.qkv_bias = _parameter(qkv_rows, dtype=dtype, device=device) if config.attention_bias else None
-        self.o_weight = _parameter(hidden, self.q_size, dtype=dtype, device=device)
+        self.o_weight = _parameter(hidden, self.q_size, dtype=dtype, device=lin)
         self.post_attention_norm = _parameter(hidden, dtype=dtype, device=device)
-        self.gate_up_weight = _parameter(2 * config.intermediate_size, hidden, dtype=dtype, device=device)
-        self.down_weight = _parameter(hidden, config.intermediate_size, dtype=dtype, device=device)
+        self.gate_up_weight = _parameter(2 * config.intermediate_size, hidden, dtype=dtype, device=lin)
+        self.down_weight = _parameter(hidden, config.intermediate_size, dtype=dtype, device=lin)
 
     def weight_slices(self) -> dict[str, tuple[torch.Tensor, int, int]]:
         """HF sub-name -> (fused tensor, first row, row count) that it is loaded into."""
@@ -88,7 +95,7 @@ class DecoderLayer(nn.Module):
         """hidden [T, hidden] -> [T, hidden]; writes this layer's new K/V into the cache."""
         x = rms_norm(hidden, self.input_norm, self.eps)
         num_tokens = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)
         # Rotate q and k in one go: they are adjacent columns of the fused projection.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         qk = RotaryEmbedding.apply(qk, cos, sin)
@@ -101,9 +108,9 @@ class DecoderLayer(nn.Module):
             q, key_cache, value_cache, meta, self.scale, new_keys=k, new_values=v, decode_plan=decode_plan
         )
         # Residual adds in place on the fresh matmul outputs (x + r == r + x exactly).
-        hidden = F.linear(attn.reshape(num_tokens, self.q_size), self.o_weight).add_(hidden)
+        hidden = linear(attn.reshape(num_tokens, self.q_size), self.o_weight).add_(hidden)
 
         x = rms_norm(hidden, self.post_attention_norm, self.eps)
-        gate_up = F.linear(x, self.gate_up_weight)
+        gate_up = linear(x, self.gate_up_weight)
         act = F.silu(gate_up[:, : self.intermediate_size]).mul_(gate_up[:, self.intermediate_size :])
-        return F.linear(act, self.down_weight).add_(hidden)
+        return linear(act, self.down_weight).add_(hidden)

@@ -16,6 +16,7 @@ from splitserve.engine.model.rope import RotaryEmbedding
 from splitserve.engine.ops.attention import make_decode_plan
 from splitserve.engine.ops.attention_metadata import AttentionMetadata
 from splitserve.engine.ops.kv_cache import KVCache
+from splitserve.engine.quant.layerwise_quantizer import LayerwiseQuantizer
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Buffers some older checkpoints carry; recomputed here, never loaded.
@@ -25,15 +26,27 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 class LlamaForCausalLM(nn.Module):
     """forward() returns final hidden states; compute_logits() turns chosen rows into logits."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        quantization: str = "none",
+    ):
+        """quantization none|int8|fp8|int4: the decoder layers' matmul weights, quantized by
+        load_weights as they arrive; embeddings, norms and lm_head stay in dtype."""
         super().__init__()
         self.config = config
         self.dtype = dtype
+        self.quantization = quantization
+        linear_device = None if quantization == "none" else "meta"
         hidden = config.hidden_size
         self.embed_tokens = nn.Parameter(
             torch.empty(config.vocab_size, hidden, dtype=dtype, device=device), requires_grad=False
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, dtype, device, linear_device) for i in range(config.num_hidden_layers)
+        )
         self.final_norm = nn.Parameter(torch.empty(hidden, dtype=dtype, device=device), requires_grad=False)
         if config.tie_word_embeddings:
             self.lm_head = self.embed_tokens
@@ -43,9 +56,14 @@ class LlamaForCausalLM(nn.Module):
             )
         self.rotary = RotaryEmbedding(config, dtype, device)
         self._layer_list = list(self.layers)  # plain list: cheaper to iterate in the hot loop
+        self.quantizer = (
+            None
+            if quantization == "none"
+            else LayerwiseQuantizer(self._layer_list, DecoderLayer.LINEAR_WEIGHTS, quantization, dtype, device)
+        )
 
     @property
-    def device(self) -> torch.device:
+    def device(self) -> torch.device:  # embeddings are never quantized
         return self.embed_tokens.device
 
     @torch.inference_mode()
@@ -111,11 +129,16 @@ class LlamaForCausalLM(nn.Module):
                         f"num_hidden_layers={self.config.num_hidden_layers}"
                     )
                 raise CheckpointError(f"unexpected weight {name} for {self.config.architecture}")
+            if name in loaded:
+                raise CheckpointError(f"weight {name} appears twice in the checkpoint")
             param, first_row, num_rows = targets[name]
             expected = (num_rows, *param.shape[1:])
             if tuple(tensor.shape) != expected:
                 raise CheckpointError(f"weight {name} has shape {tuple(tensor.shape)}, config.json implies {expected}")
-            param[first_row : first_row + num_rows].copy_(tensor)
+            if self.quantizer is not None and self.quantizer.owns(param):
+                self.quantizer.load_slice(param, first_row, tensor)
+            else:
+                param[first_row : first_row + num_rows].copy_(tensor)
             loaded.add(name)
         missing = [n for n in targets if n not in loaded]
         if missing:

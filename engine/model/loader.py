@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from splitserve.engine.config import DTYPES, ModelConfig
+from splitserve.engine.config import DTYPES, QUANTIZATIONS, ModelConfig
 from splitserve.engine.model.checkpoint import CheckpointError, iterate_weights, require_model_dir, weight_files
 from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.ops.kv_cache import DTYPE_BY_NAME
@@ -15,11 +15,12 @@ __all__ = ["CheckpointError", "load_model"]
 
 
 def load_model(
-    model_dir: str | Path, dtype: str | None = None, device: str | torch.device = "cpu"
+    model_dir: str | Path, dtype: str | None = None, device: str | torch.device = "cpu", quantization: str = "none"
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Read config.json and the safetensors weights (single file or sharded) of model_dir.
 
-    dtype defaults to the checkpoint's. Raises CheckpointError for a missing directory or
+    dtype defaults to the checkpoint's; quantization (none|int8|fp8|int4) quantizes the
+    decoder layers' matmul weights one by one as they are read (engine/quant). Raises CheckpointError for a missing directory or
     file, a missing/unexpected/misshapen weight, and ConfigError (a ValueError) for a config
     splitserve cannot run, e.g. an unsupported architecture.
     """
@@ -29,8 +30,10 @@ def load_model(
         if dtype not in DTYPES:
             raise CheckpointError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         config.dtype = dtype
+    if quantization not in QUANTIZATIONS:
+        raise CheckpointError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     weight_files(root)  # fail on missing weight files before allocating the model
-    model = LlamaForCausalLM(config, dtype=DTYPE_BY_NAME[config.dtype], device=device)
+    model = LlamaForCausalLM(config, dtype=DTYPE_BY_NAME[config.dtype], device=device, quantization=quantization)
     model.load_weights(iterate_weights(root))
     model.eval()
     return model, config

@@ -37,7 +37,10 @@ class DraftModelProposer:
     def __init__(
         self, draft_model: str, engine_config: EngineConfig, target_vocab_size: int, max_prompt_chunk: int = 256
     ):
-        self.model, self.model_config = load_model(draft_model, dtype=engine_config.dtype, device=engine_config.device)
+        # The draft is quantized as the target is (--quantization covers both models).
+        self.model, self.model_config = load_model(
+            draft_model, dtype=engine_config.dtype, device=engine_config.device, quantization=engine_config.quantization
+        )
         if self.model_config.vocab_size != target_vocab_size:
             raise ConfigError(
                 f"draft model {draft_model} has a vocabulary of {self.model_config.vocab_size} tokens, the served "

@@ -125,3 +125,23 @@ def test_the_serve_app_is_a_controller_and_ingress_replicas():
     assert scaled.ray_actor_options["resources"] == {"node:__internal_head__": 0.001}
     with pytest.raises(ValueError, match="min_replicas must be <= max_replicas"):
         ServeConfig.model_validate({"ingress": {"autoscaling": {"min_replicas": 5, "max_replicas": 2}}})
+
+
+def test_quantization_is_one_setting_from_cli_yaml_and_generate_to_both_pools():
+    from splitserve.cluster.cli.main import build_parser
+    from splitserve.cluster.cli.serve_flags import config_from_args
+    from splitserve.cluster.control.worker_pool import engine_config_for
+    from splitserve.engine.config import QUANTIZATIONS
+
+    schema = ServeConfig.model_json_schema()
+    assert tuple(schema["properties"]["quantization"]["enum"]) == QUANTIZATIONS == ("none", "int8", "fp8", "int4")
+    cfg = ServeConfig.model_validate({"quantization": "fp8"})
+    for pool in (cfg.prefill, cfg.decode):  # both pools load the same weights
+        assert EngineConfig(**engine_config_for(cfg, pool, "m")).quantization == "fp8"
+    with pytest.raises(ValueError, match="'none', 'int8', 'fp8' or 'int4'"):
+        ServeConfig.model_validate({"quantization": "int3"})
+    commands = build_parser().parse_args(["generate", "--model", "m", "--prompt", "p"]).command_parsers
+    generate = {a.dest: a for a in commands["generate"]._actions}
+    assert tuple(generate["quantization"].choices) == QUANTIZATIONS and generate["quantization"].default == "none"
+    serve_args = build_parser().parse_args(["serve", "--quantization", "int4"])
+    assert config_from_args(serve_args, environ={}).quantization == "int4"

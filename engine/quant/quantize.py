@@ -1,0 +1,43 @@
+"""One entry point per linear layer: quantize a full-precision weight, and multiply by either kind."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitserve.engine.quant.fp8_weight import Fp8Weight
+from splitserve.engine.quant.int4_weight import Int4Weight
+from splitserve.engine.quant.int8_weight import Int8Weight
+
+WEIGHT_CLASSES: dict[str, type[nn.Module]] = {"int8": Int8Weight, "fp8": Fp8Weight, "int4": Int4Weight}
+QuantizedWeight = Int8Weight | Fp8Weight | Int4Weight
+
+
+def quantize_weight(weight: torch.Tensor, scheme: str) -> QuantizedWeight:
+    """weight [out, in] -> its quantized form under scheme (int8, fp8 or int4)."""
+    try:
+        cls = WEIGHT_CLASSES[scheme]
+    except KeyError:
+        raise ValueError(f"unknown quantization {scheme!r}; choose none, {', '.join(WEIGHT_CLASSES)}") from None
+    return cls.quantize(weight)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for a plain weight; the quantized weight's own matmul otherwise (bias kept in float)."""
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight, bias)
+    out = weight(x)
+    return out if bias is None else out.add_(bias)
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes of every parameter and buffer, each storage counted once (tied weights share one)."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if tensor.is_meta or tensor.untyped_storage().data_ptr() in seen:
+            continue
+        seen.add(tensor.untyped_storage().data_ptr())
+        total += tensor.untyped_storage().nbytes()
+    return total
