@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from splitserve.cluster.default_model import DEFAULT_MODEL_NAME
 from splitserve.cluster.routing.router_config import RouterConfig
 from splitserve.engine.config import DEFAULT_NUM_KV_BLOCKS, Dtype
+from splitserve.engine.sample.grammar_config import GrammarConfig
 from splitserve.engine.spec.speculative_config import SpeculativeConfig
 
 
@@ -179,6 +180,8 @@ class ServeConfig(_Strict):
     """The router."""
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     """Speculative decoding in the decode pool (and in decode replicas that prefill locally)."""
+    grammar: GrammarConfig = Field(default_factory=GrammarConfig)
+    """Structured output: bounds on grammars, schemas and regexes, caches, isolated compiles."""
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     """The ingress replicas (HTTP, gRPC, routing)."""
     controller: ControllerConfig = Field(default_factory=ControllerConfig)

@@ -16,11 +16,24 @@ from splitserve.cluster.request_error import ErrorKind, RequestError, invalid
 from splitserve.engine.io.request_validation import validate_prompt
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.io.tokenizer import Tokenizer
+from splitserve.engine.sample.grammar_limits import check_limits, check_schema
 from splitserve.engine.testing.make_model import write_random_checkpoint
 from splitserve.kvtransfer.handoff import StreamChunk
 
 MODEL_NAME = "tiny-test"
 REPLY = "The quick brown fox."  # 13 tokens with the tiny tokenizer: under the default max_tokens
+
+
+def static_constraint_check(cfg: ServeConfig, spec, field: str, parts=None) -> None:
+    """The fakes' ServingBackend.check_constraint: the static bounds only (the real one adds
+    the isolated compile)."""
+    try:
+        for name, schema in (parts or {}).items():
+            check_schema(schema, cfg.grammar, name)
+        if spec is not None:
+            check_limits(spec, cfg.grammar)
+    except InvalidRequestError as exc:
+        raise invalid(f"{field}: {exc}", field) from None
 
 
 class FakeBackend:
@@ -70,6 +83,9 @@ class FakeBackend:
             validate_prompt(prompt_token_ids, params, self.tokenizer.vocab_size, self.max_model_len, self.max_model_len)
         except InvalidRequestError as exc:
             raise invalid(str(exc)) from None
+
+    async def check_constraint(self, spec, field: str, parts=None, deadline=None) -> None:
+        static_constraint_check(self.cfg, spec, field, parts)
 
     def health(self) -> dict:
         state = {"ok": self.healthy, "decode_replicas": int(self.healthy)}

@@ -57,6 +57,7 @@ from splitserve.cluster.frontend.openai.responses import (
     ModelList,
     error_body,
 )
+from splitserve.cluster.frontend.openai.structured_output import constraint_field
 from splitserve.cluster.request_error import RequestError
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 
@@ -108,7 +109,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestError)
     async def on_request_error(_: Request, exc: RequestError) -> JSONResponse:
         status, error_type = HTTP_STATUS_BY_KIND[exc.kind]
-        return error_response(status, exc.message, error_type, retry_after_s=exc.retry_after_s)
+        return error_response(status, exc.message, error_type, exc.param, retry_after_s=exc.retry_after_s)
 
     @app.exception_handler(OpenAIHTTPError)
     async def on_openai_error(_: Request, exc: OpenAIHTTPError) -> JSONResponse:
@@ -209,6 +210,7 @@ def build_http_app(backend, echo_request_id: bool = True) -> FastAPI:
             await asyncio.to_thread(backend.encode, p) if isinstance(p, str) else list(p) for p in body.prompts()
         ]
         params = build_sampling_params(body, max(map(len, prompts)), backend.max_model_len)
+        await check_constraint(body, params)
         for prompt in prompts:  # every prompt is checked before anything is decoded or started
             backend.validate(prompt, params)
         echoes = (
@@ -239,8 +241,9 @@ def build_http_app(backend, echo_request_id: bool = True) -> FastAPI:
         body.check_supported()
         prompt_ids = await asyncio.to_thread(backend.render_chat, body.template_messages(), tools=body.template_tools())
         params = build_sampling_params(body, len(prompt_ids), backend.max_model_len)
-        backend.validate(prompt_ids, params)
         plan = body.tool_call_plan()
+        await check_constraint(body, params, plan)
+        backend.validate(prompt_ids, params)
         renderer = ChatRenderer(
             f"chatcmpl-{uuid.uuid4().hex}",
             body.model,
@@ -254,6 +257,20 @@ def build_http_app(backend, echo_request_id: bool = True) -> FastAPI:
             tool_plan=plan,
         )
         return await generate(request, [prompt_ids], params, body.n, renderer, body.stream)
+
+    async def check_constraint(body, params: SamplingParams, plan=None) -> None:
+        """The backend's one constraint check (shared with gRPC), naming the request's field."""
+        if params.structured_output is None:
+            return
+        parts = {}
+        if plan is not None:
+            parts = {
+                f"tools[{i}].function.parameters": tool.function.parameters
+                for i, tool in enumerate(body.tools or [])
+                if tool.function.parameters is not None
+            }
+        field = constraint_field(body, None if plan is None else plan.grammar) or "structured_outputs"
+        await backend.check_constraint(params.structured_output, field, parts)
 
     async def generate(
         request: Request,

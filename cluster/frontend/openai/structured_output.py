@@ -85,6 +85,16 @@ def _spec(kind: str, value: Any) -> GrammarSpec:
 def grammar_spec_for(request, tool_grammar: GrammarSpec | None = None) -> GrammarSpec | None:
     """The one constraint a request asks for (None: free text). Raises RequestParamError
     when it asks for more than one or a field is malformed."""
+    found = _constraints(request, tool_grammar)
+    return next(iter(found.values()), None)
+
+
+def constraint_field(request, tool_grammar: GrammarSpec | None = None) -> str | None:
+    """The request field the constraint came from (error messages name it)."""
+    return next(iter(_constraints(request, tool_grammar)), None)
+
+
+def _constraints(request, tool_grammar: GrammarSpec | None) -> dict[str, GrammarSpec]:
     found: dict[str, GrammarSpec] = {}
     fmt = getattr(request, "response_format", None)
     if fmt is not None:
@@ -108,7 +118,7 @@ def grammar_spec_for(request, tool_grammar: GrammarSpec | None = None) -> Gramma
         found["tool_choice"] = tool_grammar
     if len(found) > 1:
         raise _error(f"give one output constraint, not several: {', '.join(sorted(found))}", sorted(found)[-1])
-    return next(iter(found.values()), None)
+    return found
 
 
 def _error(message: str, param: str):
