@@ -87,7 +87,9 @@ def _loads(text: str, what: str) -> Any:
     from splitserve.engine.sample.grammar_limits import json_depth
 
     if isinstance(text, str) and json_depth(text, HARD_MAX_JSON_DEPTH) > HARD_MAX_JSON_DEPTH:
-        raise InvalidRequestError(f"{what} nests more than {HARD_MAX_JSON_DEPTH} levels deep")
+        raise InvalidRequestError(
+            f"{what} nests more than {HARD_MAX_JSON_DEPTH} levels deep; the limit is {HARD_MAX_JSON_DEPTH}"
+        )
     try:
         return json.loads(text)
     except (TypeError, ValueError, RecursionError) as exc:

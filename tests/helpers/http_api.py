@@ -55,6 +55,7 @@ class FakeBackend:
         self.crash: Exception | None = None  # an unexpected error before the first chunk
         self.fail_after: int | None = None  # raise RequestError after this many chunks
         self.hang_after: int | None = None  # wait "forever" after this many chunks
+        self.token_interval_s = 0.0  # pause before each chunk (a slow, steady stream)
         self.calls: list[dict] = []
         self.closed_request_ids: list[str] = []  # generators closed before they finished
         self.closed_early = threading.Event()
@@ -120,7 +121,7 @@ class FakeBackend:
                     await asyncio.sleep(3600)
                 if self.fail_after is not None and n > self.fail_after:
                     raise RequestError(ErrorKind.UNAVAILABLE, "the decode replica died")
-                await asyncio.sleep(0)
+                await asyncio.sleep(self.token_interval_s)
                 token = self.reply_ids[(n - 1) % len(self.reply_ids)]
                 stop = n == len(self.reply_ids) and not params.ignore_eos
                 finished = stop or n == params.max_tokens
@@ -163,8 +164,8 @@ def parse_sse(body: str) -> list[dict | str]:
 class ServerThread:
     """uvicorn serving `app` on 127.0.0.1, an OS-chosen port, in a daemon thread."""
 
-    def __init__(self, app) -> None:
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+    def __init__(self, app, http="auto") -> None:
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off", http=http)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

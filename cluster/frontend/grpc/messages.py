@@ -49,6 +49,13 @@ def structured_output_from(request: pb2.GenerateRequest) -> GrammarSpec | None:
     kind = request.WhichOneof("structured_output")
     if kind is None:
         return None
+    try:
+        return _spec_of(request, kind)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"{kind}: {exc}") from None
+
+
+def _spec_of(request: pb2.GenerateRequest, kind: str) -> GrammarSpec | None:
     if kind == "json_schema":
         return GrammarSpec.json_schema(request.json_schema)
     if kind == "json_object":

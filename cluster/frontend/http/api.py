@@ -141,7 +141,12 @@ def build_http_app(backend, echo_request_id: bool = True) -> FastAPI:
         version=splitserve_version(),
         strict_content_type=False,
     )
-    app.add_middleware(RequestGuard, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes)
+    app.add_middleware(
+        RequestGuard,
+        api_key=cfg.api_key,
+        max_body_bytes=cfg.max_body_bytes,
+        body_timeout_s=cfg.http_request_timeout_s,
+    )
     app.add_middleware(HeadAsGet)
     # Outermost: logs the guard's refusals (and HEADs as HEAD) too; names the ingress replica.
     app.add_middleware(AccessLog, ingress_id=getattr(backend, "ingress_id", None), echo_request_id=echo_request_id)
