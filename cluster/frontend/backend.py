@@ -53,6 +53,7 @@ class ServingBackend:
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         self.model_config = ModelConfig.from_pretrained(model_dir)
         self.max_model_len = self.model_config.resolve_max_model_len(cfg.max_model_len)
+        self.vocab_size = self.model_config.vocab_size  # token ids are below it (/openapi.json says so)
         pools = [cfg.decode] + ([cfg.prefill] if cfg.prefill.replicas or cfg.prefill.autoscaling.enabled else [])
         self.max_cache_tokens = min(p.num_kv_blocks for p in pools) * cfg.block_size
         eos = self.tokenizer.eos_token_ids or self.model_config.eos_token_ids

@@ -42,6 +42,7 @@ class FakeBackend:
 
     def __init__(self, tokenizer, cfg: ServeConfig | None = None, max_model_len: int = 1024):
         self.cfg = cfg or ServeConfig()
+        self.vocab_size = tokenizer.vocab_size
         self.model_name = MODEL_NAME
         self.ingress_id = "fake-ingress"
         self.max_model_len = max_model_len

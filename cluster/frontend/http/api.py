@@ -34,6 +34,7 @@ from splitserve.cluster.frontend.http.errors import (
 from splitserve.cluster.frontend.http.fanout import close_all, first_chunks, merged
 from splitserve.cluster.frontend.http.guard import RequestGuard, bearer_token
 from splitserve.cluster.frontend.http.head import HeadAsGet
+from splitserve.cluster.frontend.http.openapi_bounds import state_bounds_in_openapi
 from splitserve.cluster.frontend.http.sse import ClientDisconnected, SSEResponse, run_until_disconnected
 from splitserve.cluster.frontend.http.tokenize_routes import add_tokenize_routes, splitserve_version
 from splitserve.cluster.frontend.openai.completion_renderer import CompletionRenderer
@@ -329,7 +330,8 @@ def build_http_app(backend, echo_request_id: bool = True) -> FastAPI:
                 with anyio.CancelScope(shield=True):
                     await close_all(sources)
 
-    _pin_model_in_openapi(app, backend.model_name)
+    # The served model, the vocabulary's bound and the other rules validation enforces.
+    state_bounds_in_openapi(app, backend.model_name, getattr(backend, "vocab_size", None))
     return app
 
 
@@ -349,21 +351,6 @@ def _request_timeout(request: Request) -> float | None:
             param=TIMEOUT_HEADER,
         )
     return value
-
-
-def _pin_model_in_openapi(app: FastAPI, model_name: str) -> None:
-    """List the one served model as the only valid `model` in /openapi.json, so schema-driven
-    clients and fuzzers (schemathesis) reach past the 404 for unknown models."""
-    base_openapi = app.openapi
-
-    def openapi() -> dict:
-        if app.openapi_schema is None:
-            schema = base_openapi()
-            for name in ("CompletionRequest", "ChatCompletionRequest"):
-                schema["components"]["schemas"][name]["properties"]["model"]["enum"] = [model_name]
-        return app.openapi_schema
-
-    app.openapi = openapi
 
 
 async def _stream_events(renderer: ResponseRenderer, firsts: list, rest):
