@@ -44,6 +44,10 @@ class ControllerDeployment:
 
         configure_replica_logging()
         cfg = ServeConfig.model_validate(cfg_dict)
+        # Before Serve starts this replica's uvicorn (after this constructor): time headers out.
+        from splitserve.cluster.frontend.http import header_timeout
+
+        header_timeout.install(cfg.http_request_timeout_s)
         self.controller = None
         try:
             controller = Controller(cfg, resolve_model(cfg.model), serve.get_replica_context().app_name)
@@ -78,6 +82,10 @@ class SplitServeIngress:
 
         configure_replica_logging()
         cfg = ServeConfig.model_validate(cfg_dict)
+        # Before Serve starts this replica's uvicorn (after this constructor): time headers out.
+        from splitserve.cluster.frontend.http import header_timeout
+
+        header_timeout.install(cfg.http_request_timeout_s)
         backend = grpc = None
         try:
             model_dir = resolve_model(cfg.model)

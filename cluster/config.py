@@ -22,6 +22,7 @@ from splitserve.engine.config import (
     Quantization,
     parse_memory_bytes,
 )
+from splitserve.engine.sample.grammar_config import GrammarConfig
 from splitserve.engine.spec.speculative_config import SpeculativeConfig
 
 
@@ -202,6 +203,8 @@ class ServeConfig(_Strict):
     """The router."""
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     """Speculative decoding in the decode pool (and in decode replicas that prefill locally)."""
+    grammar: GrammarConfig = Field(default_factory=GrammarConfig)
+    """Structured output: bounds on grammars, schemas and regexes, caches, isolated compiles."""
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     """The ingress replicas (HTTP, gRPC, routing)."""
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
@@ -220,6 +223,13 @@ class ServeConfig(_Strict):
     """Requests in flight before new ones get 429."""
     max_body_bytes: int = Field(1 << 20, ge=1024)
     """Largest request body accepted (413 above)."""
+    http_request_timeout_s: float = Field(30.0, gt=0)
+    """Seconds a client has to send a request's headers, and again its body; the connection is closed
+    past either (a response, however long it streams, is never timed)."""
+    http_keep_alive_timeout_s: int = Field(15, ge=1)
+    """Seconds an idle keep-alive HTTP connection stays open (uvicorn and HAProxy)."""
+    http_max_connections: int = Field(4096, ge=1)
+    """HTTP connections HAProxy accepts per node (its maxconn); more wait in the kernel's backlog."""
     max_requests_per_key: int = Field(128, ge=1)
     """Requests in flight per API key before 429 (only with api_key set; keyless clients share max_queued_requests)."""
     transport_host: str = "127.0.0.1"

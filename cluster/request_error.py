@@ -25,11 +25,12 @@ class RequestError(Exception):
     """A request-level failure. `kind` decides the status each frontend answers with;
     `retry_after_s` is the back-off a client is told for OVERLOADED / UNAVAILABLE."""
 
-    def __init__(self, kind: ErrorKind, message: str, retry_after_s: float = 1.0):
+    def __init__(self, kind: ErrorKind, message: str, retry_after_s: float = 1.0, param: str | None = None):
         super().__init__(message)
         self.kind = ErrorKind(kind)
         self.message = message
         self.retry_after_s = retry_after_s
+        self.param = param  # the request field at fault, where one is (HTTP's error body names it)
 
     def __repr__(self) -> str:
         return f"RequestError({self.kind.value!r}, {self.message!r})"
@@ -39,5 +40,5 @@ class RequestError(Exception):
         return self.kind in (ErrorKind.OVERLOADED, ErrorKind.UNAVAILABLE)
 
 
-def invalid(message: str) -> RequestError:
-    return RequestError(ErrorKind.INVALID, message)
+def invalid(message: str, param: str | None = None) -> RequestError:
+    return RequestError(ErrorKind.INVALID, message, param=param)

@@ -212,9 +212,20 @@ class EngineConfig:
     seed: int = 0
     # Speculative decoding (engine/spec): a SpeculativeConfig, or its dict (how Ray ships it).
     speculative: Any = None
+    # Structured-output bounds and cache size (engine/sample/grammar_config.py), or their dict.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
+        from splitserve.engine.sample.grammar_config import GrammarConfig
         from splitserve.engine.spec.speculative_config import SpeculativeConfig
+
+        if self.grammar is None or isinstance(self.grammar, dict):
+            try:
+                self.grammar = GrammarConfig.model_validate(self.grammar or {})
+            except ValueError as exc:
+                raise ConfigError(f"invalid grammar config: {exc}") from None
+        elif not isinstance(self.grammar, GrammarConfig):
+            raise ConfigError(f"grammar must be a GrammarConfig or a dict, got {self.grammar!r}")
 
         if self.speculative is None or isinstance(self.speculative, dict):
             try:

@@ -69,7 +69,11 @@ class LLMEngine:
         self.kv_cache = KVCache(self.model_config, config)
         self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         eos = self.tokenizer.eos_token_ids or self.model_config.eos_token_ids
-        self.grammar = GrammarCompiler(self.tokenizer.to_json(), self.model_config.vocab_size, eos)
+        # In-process: every grammar here passed the ingress's static bounds and its isolated
+        # compile check; the compiler re-checks the bounds before llguidance sees it anyway.
+        self.grammar = GrammarCompiler(
+            self.tokenizer.to_json(), self.model_config.vocab_size, eos, config=config.grammar
+        )
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, eos)
         self.runner = ModelRunner(self.model, self.kv_cache, config.seed, eos)
         self.outputs = OutputProcessor(self.tokenizer)

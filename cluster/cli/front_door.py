@@ -53,9 +53,14 @@ class FrontDoor:
         self.local = local
         self.state_dir: str | None = None
 
-    def environment(self) -> dict[str, str]:
-        """The variables to set; a user's own value of one (in this environment) wins."""
+    def environment(self, cfg=None) -> dict[str, str]:
+        """The variables to set; a user's own value of one (in this environment) wins.
+        cfg (a ServeConfig): its connection cap becomes HAProxy's maxconn."""
         env = {**FLAGS, "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": CLI_DRAINING_PERIOD_S}
+        if cfg is not None:
+            # Ray 2.60's HAProxy config has no knob for `timeout http-request`; headers and
+            # bodies are timed in each ingress's uvicorn instead (http/header_timeout.py).
+            env["RAY_SERVE_HAPROXY_MAXCONN"] = str(cfg.http_max_connections)
         if self.local:
             # Short: HAProxy limits socket paths to 97 bytes and Ray adds the node id (56).
             self.state_dir = tempfile.mkdtemp(prefix="ss", dir="/tmp")

@@ -70,7 +70,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 0
     front_door = FrontDoor(local=not args.address)
     # Before anything imports ray: Ray and Serve read them once.
-    front_door_env = _ray_environment(front_door)
+    front_door_env = _ray_environment(front_door, cfg)
     try:
         try:
             model_dir = check_model(cfg)
@@ -86,7 +86,7 @@ def run_serve(args: argparse.Namespace) -> int:
         front_door.cleanup()
 
 
-def _ray_environment(front_door: FrontDoor) -> dict[str, str]:
+def _ray_environment(front_door: FrontDoor, cfg) -> dict[str, str]:
     """Set the process environment Ray starts with; returns the front door's variables (a
     local cluster gets them here, a joined one through Serve's controller options)."""
     local = front_door.local
@@ -99,7 +99,7 @@ def _ray_environment(front_door: FrontDoor) -> dict[str, str]:
         # Ray turns token auth on for every new local cluster and warns so on each start;
         # choosing it explicitly keeps the protection and drops the warning.
         os.environ.setdefault("RAY_AUTH_MODE", "token")
-    env = front_door.environment()
+    env = front_door.environment(cfg)
     if local:
         os.environ.update(env)
     return env
@@ -156,7 +156,12 @@ def _start(ray, serve, cfg, args: argparse.Namespace, controller_options: dict |
                 logging_level="WARNING",
             )
         serve.start(
-            http_options={"host": cfg.http_host, "port": cfg.http_port},
+            # keep_alive_timeout_s: uvicorn's idle keep-alive and HAProxy's `timeout http-keep-alive`.
+            http_options={
+                "host": cfg.http_host,
+                "port": cfg.http_port,
+                "keep_alive_timeout_s": cfg.http_keep_alive_timeout_s,
+            },
             logging_config={"log_level": "WARNING"},
             controller_options=controller_options,
         )

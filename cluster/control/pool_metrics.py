@@ -36,11 +36,16 @@ class PoolMetrics:
                 ("grammar_compile_seconds_replica", "Seconds replicas spent compiling grammars"),
                 ("grammar_mask_seconds", "Seconds decode steps spent waiting for and applying grammar masks"),
                 ("grammar_mask_steps", "Engine steps that applied grammar masks"),
+                ("grammar_compiles_replica", "Grammars replicas compiled (grammar cache misses)"),
+                ("grammar_cache_hits_replica", "Grammar cache hits in the replicas"),
             )
         }
+        self.grammar_cache_entries = f.gauge(
+            "splitserve_grammar_cache_entries_replica", "Compiled grammars a replica caches now", "pool", "replica"
+        )
         self.spec_decode = SpecDecodeMetrics(f.counter, f.gauge)
         # Every family labelled by replica: forget_replica removes a replica's series from each.
-        self.per_replica = (self.kv_usage, self.kv_blocks, self.kv_block_bytes)
+        self.per_replica = (self.kv_usage, self.kv_blocks, self.kv_block_bytes, self.grammar_cache_entries)
         self._last_transfer: dict[str, tuple[float, float]] = {}
         self._last_preemptions: dict[tuple[str, str], float] = {}
         self._last_grammar: dict[tuple[str, str], float] = {}
@@ -50,6 +55,7 @@ class PoolMetrics:
         self.kv_usage.labels(pool, replica_id).set(poll.engine.kv_usage)
         self.kv_blocks.labels(pool, replica_id).set(poll.engine.num_blocks)
         self.kv_block_bytes.labels(pool, replica_id).set(poll.engine.kv_block_bytes)
+        self.grammar_cache_entries.labels(pool, replica_id).set(poll.engine.grammar_cache_entries)
         prev = self._last_preemptions.get((pool, replica_id), 0)
         self.preemptions.labels(pool).inc(max(poll.engine.num_preemptions - prev, 0))
         self._last_preemptions[(pool, replica_id)] = poll.engine.num_preemptions

@@ -219,6 +219,7 @@ def engine_config_for(cfg: ServeConfig, pool: EnginePoolConfig, model_dir: str) 
         "device": device,
         # Only decode speculates; prefill replicas sample one token per request.
         "speculative": cfg.speculative.model_dump() if pool is cfg.decode else None,
+        "grammar": cfg.grammar.model_dump(),
     }
 
 

@@ -23,8 +23,9 @@ from splitserve.engine.io.request_validation import validate_prompt
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.engine.kv_cache_sizing import kv_cache_summary
-from splitserve.engine.sample.grammar_compiler import GrammarCompiler
+from splitserve.engine.sample.grammar_limits import check_schema
 from splitserve.engine.sample.grammar_spec import GrammarSpec
+from splitserve.engine.sample.isolated_grammar_checker import IsolatedGrammarChecker
 from splitserve.proto.messages.handoff import StreamChunk
 from splitserve.proto.messages.ingress_report import encode_families, families_of
 
@@ -69,9 +70,11 @@ class ServingBackend:
         }
         pools = [DECODE] + ([PREFILL] if cfg.prefill.replicas or cfg.prefill.autoscaling.enabled else [])
         self.max_cache_tokens = min(self.kv_caches[p]["num_blocks"] for p in pools) * cfg.block_size
+        self.vocab_size = self.model_config.vocab_size  # token ids are below it (/openapi.json says so)
         eos = self.tokenizer.eos_token_ids or self.model_config.eos_token_ids
-        # Checks constrained requests before any compute (replicas compile their own copies).
-        self.grammar = GrammarCompiler(self.tokenizer.to_json(), self.model_config.vocab_size, eos)
+        # Checks constrained requests before any compute: static bounds here, then a compile in
+        # an isolated process (a crash there costs one request); replicas compile their own copies.
+        self.grammar = IsolatedGrammarChecker(self.tokenizer.to_json(), self.model_config.vocab_size, eos, cfg.grammar)
         self.metrics = Metrics(self.model_name)
         # What the controller hears from this ingress: latencies (the autoscaler's TTFT / ITL
         # signals), in-flight requests (drains), and the samples it merges into /metrics.
@@ -90,13 +93,14 @@ class ServingBackend:
         self._inflight_by_key: dict[str, int] = defaultdict(int)
 
     async def start(self) -> None:
-        await self.cluster.start()
+        await asyncio.gather(self.cluster.start(), asyncio.to_thread(self.grammar.warm))
 
     def _indexed_blocks(self) -> dict[str, int]:
         router = self.cluster.router
         return {pool: router.index(pool).num_indexed_hashes for pool in (PREFILL, DECODE)}
 
     async def shutdown(self) -> None:
+        self.grammar.close()
         await self.cluster.shutdown()
 
     # ---- model facts ---------------------------------------------------------------------
@@ -193,6 +197,7 @@ class ServingBackend:
             raise invalid(f"the request timeout must be a positive number of seconds, got {timeout_s!r}")
         deadline = time.time() + min(timeout_s or self.cfg.request_timeout_s, self.cfg.request_timeout_s)
         if params.structured_output is not None:
+            self.metrics.structured_requests.labels(params.structured_output.kind).inc()
             await self.check_grammar(params.structured_output, deadline)
         # Per-key fairness is for clients told apart by their API keys; without configured
         # keys every client is "keyless" and only the global queue bounds them.
@@ -257,15 +262,35 @@ class ServingBackend:
             if status == OK:
                 self.metrics.e2e.observe(time.perf_counter() - start)
 
-    async def check_grammar(self, spec: GrammarSpec, deadline: float) -> None:
-        """Compile a request's grammar (cached) on a worker thread: an invalid schema, regex or
-        grammar is an invalid-request error with the grammar engine's message; the time counts toward the deadline."""
-        self.metrics.structured_requests.labels(spec.kind).inc()
+    async def check_constraint(
+        self,
+        spec: GrammarSpec | None,
+        field: str,
+        parts: dict[str, object] | None = None,
+        deadline: float | None = None,
+    ) -> None:
+        """The one check of a structured-output or tool constraint, for HTTP and gRPC alike,
+        before any compute: parts (a tool's parameters schema, by its field) against the static
+        bounds, then the whole constraint: bounds, and a compile in an isolated worker (cached
+        verdicts). Raises RequestError INVALID naming the field and the limit, or DEADLINE."""
+        for name, schema in (parts or {}).items():
+            try:
+                check_schema(schema, self.cfg.grammar, "the schema")
+            except InvalidRequestError as exc:
+                raise invalid(f"{name}: {exc}", name) from None
+        if spec is not None:
+            deadline = deadline or time.time() + self.cfg.request_timeout_s
+            await self.check_grammar(spec, deadline, field)
+
+    async def check_grammar(self, spec: GrammarSpec, deadline: float, field: str | None = None) -> None:
+        """Check a request's grammar (a cached verdict, or an isolated compile) on a worker thread:
+        an invalid, unsatisfiable or over-the-limit schema, regex or grammar is an invalid-request
+        error with the grammar engine's message; the time counts toward the deadline."""
         start = time.perf_counter()
         try:
-            await asyncio.wait_for(asyncio.to_thread(self.grammar.compile, spec), max(deadline - time.time(), 0.001))
+            await asyncio.wait_for(asyncio.to_thread(self.grammar.check, spec), max(deadline - time.time(), 0.001))
         except InvalidRequestError as exc:
-            raise invalid(str(exc)) from None
+            raise invalid(f"{field}: {exc}" if field else str(exc), field) from None
         except TimeoutError:
             raise RequestError(
                 ErrorKind.DEADLINE, "compiling the request's grammar did not finish before its deadline"

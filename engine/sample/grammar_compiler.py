@@ -21,10 +21,12 @@ from collections import OrderedDict
 from concurrent.futures import Future
 
 from splitserve.engine.io.sampling_params import InvalidRequestError
+from splitserve.engine.sample.grammar_config import GrammarConfig
+from splitserve.engine.sample.grammar_limits import check_limits
 from splitserve.engine.sample.grammar_matcher import GrammarMatcher
 from splitserve.engine.sample.grammar_spec import GrammarSpec
 
-DEFAULT_CACHE_SIZE = 256
+DEFAULT_CACHE_SIZE = GrammarConfig().cache_size
 # Compact JSON: a free-whitespace grammar would let a weak model emit whitespace forever.
 _JSON_OPTIONS = {"whitespace_flexible": False}
 _GBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w-]*\s*::=", re.MULTILINE)
@@ -55,17 +57,48 @@ def grammar_source(spec: GrammarSpec) -> str:
     return matcher.grammar_from_lark(text)
 
 
+def compile_grammar(spec: GrammarSpec, tokenizer):
+    """The compiled, never-advanced llguidance matcher for spec. Raises InvalidRequestError
+    for an invalid spec, and for one no output can satisfy: llguidance compiles an empty
+    language (`{"$ref": "#"}`, `[^\\s\\S]`) and only fails at the first mask, which would
+    end the request with an empty, broken output; probing that mask here refuses it."""
+    import llguidance
+
+    try:
+        source = grammar_source(spec)
+    except ValueError as exc:  # llguidance's "not a valid JSON object" and ours
+        raise InvalidRequestError(f"invalid {spec.kind}: {exc}") from None
+    limits = llguidance.LLParserLimits(verbose_errors=False)
+    error = llguidance.LLMatcher.validate_grammar(source, tokenizer, limits=limits)
+    if error:
+        raise InvalidRequestError(f"invalid {_describe(spec)}: {error.strip()}")
+    compiled = llguidance.LLMatcher(tokenizer, source, log_level=0, limits=limits)
+    if compiled.is_error():
+        raise InvalidRequestError(f"invalid {_describe(spec)}: {compiled.get_error().strip()}")
+    probe = compiled.deep_copy()
+    probe.compute_bitmask()
+    if probe.is_error():
+        raise InvalidRequestError(f"the {_describe(spec)} can never be satisfied: no output matches it")
+    return compiled
+
+
 class GrammarCompiler:
     """One per process and tokenizer. compile() is the expensive part; new_matcher() is cheap
     for a cached spec (a copy of the compiled, never-advanced matcher)."""
 
     def __init__(
-        self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int], cache_size: int = DEFAULT_CACHE_SIZE
+        self,
+        tokenizer_json: str,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        cache_size: int | None = None,
+        config: GrammarConfig | None = None,
     ):
         self._tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
-        self.cache_size = cache_size
+        self.config = config or GrammarConfig()
+        self.cache_size = cache_size or self.config.cache_size
         self._tokenizer = None
         self._cache: OrderedDict[GrammarSpec, object] = OrderedDict()
         self._inflight: dict[GrammarSpec, Future] = {}  # concurrent requests share one compile
@@ -73,6 +106,7 @@ class GrammarCompiler:
         self._tokenizer_lock = threading.Lock()
         self.num_compiles = 0
         self.num_cache_hits = 0
+        self.num_refused = 0  # over a limit, invalid, or unsatisfiable
         self.compile_seconds = 0.0
 
     @property
@@ -117,20 +151,15 @@ class GrammarCompiler:
                 self._inflight.pop(spec, None)
 
     def _build(self, spec: GrammarSpec):
-        import llguidance
-
         start = time.perf_counter()
         try:
-            source = grammar_source(spec)
-        except ValueError as exc:  # llguidance's "not a valid JSON object" and ours
-            raise InvalidRequestError(f"invalid {spec.kind}: {exc}") from None
-        limits = llguidance.LLParserLimits(verbose_errors=False)
-        error = llguidance.LLMatcher.validate_grammar(source, self.tokenizer, limits=limits)
-        if error:
-            raise InvalidRequestError(f"invalid {_describe(spec)}: {error.strip()}")
-        compiled = llguidance.LLMatcher(self.tokenizer, source, log_level=0, limits=limits)
-        if compiled.is_error():
-            raise InvalidRequestError(f"invalid {_describe(spec)}: {compiled.get_error().strip()}")
+            # The static bounds first: past them llguidance's native code may crash the process.
+            check_limits(spec, self.config)
+            compiled = compile_grammar(spec, self.tokenizer)
+        except InvalidRequestError:
+            with self._lock:
+                self.num_refused += 1
+            raise
         elapsed = time.perf_counter() - start
         with self._lock:
             self.num_compiles += 1
@@ -149,6 +178,8 @@ class GrammarCompiler:
         return {
             "grammar_compiles": self.num_compiles,
             "grammar_cache_hits": self.num_cache_hits,
+            "grammar_cache_entries": len(self._cache),
+            "grammar_refused": self.num_refused,
             "grammar_compile_seconds": self.compile_seconds,
         }
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve.engine.io.sampling_params import InvalidRequestError
+from splitserve.engine.sample.grammar_config import HARD_MAX_JSON_DEPTH
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 1 << 20  # a grammar larger than the HTTP body limit is an error anyway
@@ -47,7 +48,11 @@ class GrammarSpec:
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequestError("a JSON schema must be an object (or true / false)")
         # Key order kept: properties are generated in the order the schema lists them.
-        return cls("json_schema", json.dumps(schema, separators=(",", ":")))
+        try:
+            text = json.dumps(schema, separators=(",", ":"))
+        except (RecursionError, ValueError, TypeError) as exc:
+            raise InvalidRequestError(f"the JSON schema cannot be encoded: {exc}") from None
+        return cls("json_schema", text)
 
     @classmethod
     def choice(cls, choices: list[str]) -> GrammarSpec:
@@ -77,7 +82,15 @@ class GrammarSpec:
 
 
 def _loads(text: str, what: str) -> Any:
+    # json.loads recurses: a 10,000-deep '{"a":{"a":...' would be a RecursionError (a 500).
+    # Count the nesting first, without recursion; GrammarConfig.max_schema_depth is tighter.
+    from splitserve.engine.sample.grammar_limits import json_depth
+
+    if isinstance(text, str) and json_depth(text, HARD_MAX_JSON_DEPTH) > HARD_MAX_JSON_DEPTH:
+        raise InvalidRequestError(
+            f"{what} nests more than {HARD_MAX_JSON_DEPTH} levels deep; the limit is {HARD_MAX_JSON_DEPTH}"
+        )
     try:
         return json.loads(text)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidRequestError(f"{what} is not valid JSON: {exc}") from None

@@ -25,6 +25,8 @@ class EngineStats(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # applied masks, seconds computing masks (overlapped with the forward pass).
     grammar_compiles: int = 0
     grammar_cache_hits: int = 0
+    grammar_cache_entries: int = 0  # compiled grammars cached now (bounded by GrammarConfig.cache_size)
+    grammar_refused: int = 0  # grammars refused: over a limit, invalid or unsatisfiable
     grammar_compile_seconds: float = 0.0
     grammar_mask_steps: int = 0
     grammar_masked_rows: int = 0

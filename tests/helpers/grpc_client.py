@@ -16,6 +16,7 @@ from splitserve.cluster.frontend.serving_api import GenerationAPI
 from splitserve.cluster.request_error import invalid
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.proto.messages.handoff import StreamChunk
+from tests.helpers.http_api import static_constraint_check
 
 FAKE_MODEL_NAME = "tiny-fake"
 FAKE_MAX_MODEL_LEN = 64
@@ -41,6 +42,9 @@ class FakeBackend:
         self.ingress_id = "fake-ingress"
         self.max_model_len = FAKE_MAX_MODEL_LEN
         self.reset()
+
+    async def check_constraint(self, spec, field: str, parts=None, deadline=None) -> None:
+        static_constraint_check(self.cfg, spec, field, parts)
 
     def reset(self) -> None:
         self.healthy: bool | Exception = True  # an Exception: health() raises it

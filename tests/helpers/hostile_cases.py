@@ -89,3 +89,36 @@ MALFORMED_GRPC = [
     ("Tokenize", b"\x12\x02\xc3\x28"),  # text: invalid UTF-8
     ("Models", b"\x08"),  # a field with no value
 ]
+
+
+def deep_gbnf_chain(depth: int) -> str:
+    """`root ::= r0`, `r0 ::= r1`, ... `r{depth} ::= "a"`: llguidance segfaults at 10,000."""
+    return "root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(depth)) + f'r{depth} ::= "a"\n'
+
+
+def deep_json(depth: int) -> str:
+    return '{"a":' * depth + "1" + "}" * depth
+
+
+def hostile_constraints() -> dict:
+    """name -> (GrammarSpec, a word the refusal names): each is refused before llguidance."""
+    from splitserve.engine.sample.grammar_spec import GrammarSpec
+
+    return {
+        "10,000-deep GBNF chain": (GrammarSpec("grammar", deep_gbnf_chain(10_000)), "max_rules"),
+        "1,500-deep Lark chain": (
+            GrammarSpec("grammar", "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(1500)) + 'r1500: "a"'),
+            "max_rule_depth",
+        ),
+        "a{1000000}": (GrammarSpec("regex", "a{1000000}"), "max_regex_repeat"),
+        "(a{1000}){1000}": (GrammarSpec("regex", "(a{1000}){1000}"), "max_regex_repeat"),
+        "GBNF repeat": (GrammarSpec("grammar", 'root ::= "a"{20000}'), "max_regex_repeat"),
+        "Lark regex literal": (GrammarSpec("grammar", "start: /a{20000}/"), "max_regex_repeat"),
+        "schema pattern": (GrammarSpec.json_schema({"type": "string", "pattern": "a{99999}"}), "max_regex_repeat"),
+        '{"$ref": "#"}': (GrammarSpec("json_schema", '{"$ref": "#"}'), "never be satisfied"),
+        "required self-reference": (
+            GrammarSpec.json_schema({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}),
+            "never be satisfied",
+        ),
+        "%json self-reference": (GrammarSpec("grammar", 'start: x\nx: %json {"$ref": "#"}'), "never be satisfied"),
+    }

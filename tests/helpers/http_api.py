@@ -18,10 +18,23 @@ from splitserve.engine.builtin_models.make_model import write_random_checkpoint
 from splitserve.engine.io.request_validation import validate_prompt
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.io.tokenizer import Tokenizer
+from splitserve.engine.sample.grammar_limits import check_limits, check_schema
 from splitserve.proto.messages.handoff import StreamChunk
 
 MODEL_NAME = "tiny-test"
 REPLY = "The quick brown fox."  # 13 tokens with the tiny tokenizer: under the default max_tokens
+
+
+def static_constraint_check(cfg: ServeConfig, spec, field: str, parts=None) -> None:
+    """The fakes' ServingBackend.check_constraint: the static bounds only (the real one adds
+    the isolated compile)."""
+    try:
+        for name, schema in (parts or {}).items():
+            check_schema(schema, cfg.grammar, name)
+        if spec is not None:
+            check_limits(spec, cfg.grammar)
+    except InvalidRequestError as exc:
+        raise invalid(f"{field}: {exc}", field) from None
 
 
 class FakeBackend:
@@ -30,6 +43,7 @@ class FakeBackend:
 
     def __init__(self, tokenizer, cfg: ServeConfig | None = None, max_model_len: int = 1024):
         self.cfg = cfg or ServeConfig()
+        self.vocab_size = tokenizer.vocab_size
         self.model_name = MODEL_NAME
         self.ingress_id = "fake-ingress"
         self.max_model_len = max_model_len
@@ -43,6 +57,7 @@ class FakeBackend:
         self.crash: Exception | None = None  # an unexpected error before the first chunk
         self.fail_after: int | None = None  # raise RequestError after this many chunks
         self.hang_after: int | None = None  # wait "forever" after this many chunks
+        self.token_interval_s = 0.0  # pause before each chunk (a slow, steady stream)
         self.calls: list[dict] = []
         self.closed_request_ids: list[str] = []  # generators closed before they finished
         self.closed_early = threading.Event()
@@ -71,6 +86,9 @@ class FakeBackend:
             validate_prompt(prompt_token_ids, params, self.tokenizer.vocab_size, self.max_model_len, self.max_model_len)
         except InvalidRequestError as exc:
             raise invalid(str(exc)) from None
+
+    async def check_constraint(self, spec, field: str, parts=None, deadline=None) -> None:
+        static_constraint_check(self.cfg, spec, field, parts)
 
     def health(self) -> dict:
         state = {"ok": self.healthy, "decode_replicas": int(self.healthy)}
@@ -105,7 +123,7 @@ class FakeBackend:
                     await asyncio.sleep(3600)
                 if self.fail_after is not None and n > self.fail_after:
                     raise RequestError(ErrorKind.UNAVAILABLE, "the decode replica died")
-                await asyncio.sleep(0)
+                await asyncio.sleep(self.token_interval_s)
                 token = self.reply_ids[(n - 1) % len(self.reply_ids)]
                 stop = n == len(self.reply_ids) and not params.ignore_eos
                 finished = stop or n == params.max_tokens
@@ -148,8 +166,8 @@ def parse_sse(body: str) -> list[dict | str]:
 class ServerThread:
     """uvicorn serving `app` on 127.0.0.1, an OS-chosen port, in a daemon thread."""
 
-    def __init__(self, app) -> None:
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+    def __init__(self, app, http="auto") -> None:
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off", http=http)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

@@ -49,6 +49,13 @@ def structured_output_from(request: pb2.GenerateRequest) -> GrammarSpec | None:
     kind = request.WhichOneof("structured_output")
     if kind is None:
         return None
+    try:
+        return _spec_of(request, kind)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"{kind}: {exc}") from None
+
+
+def _spec_of(request: pb2.GenerateRequest, kind: str) -> GrammarSpec | None:
     if kind == "json_schema":
         return GrammarSpec.json_schema(request.json_schema)
     if kind == "json_object":
@@ -56,6 +63,51 @@ def structured_output_from(request: pb2.GenerateRequest) -> GrammarSpec | None:
     if kind == "choice":
         return GrammarSpec.choice(list(request.choice.choices))
     return GrammarSpec(kind, getattr(request, kind))
+
+
+def oneof_conflict(descriptor, data: bytes) -> str | None:
+    """Why a well-formed message sets more than one member of a oneof (None: it does not).
+    Reads only the top-level field numbers of the wire bytes (already parsed once)."""
+    numbers = _top_level_field_numbers(data)
+    for oneof in descriptor.oneofs:
+        present = sorted({f.name for f in oneof.fields if f.number in numbers})
+        repeated = [f.name for f in oneof.fields if numbers.count(f.number) > 1]
+        if len(present) > 1 or repeated:
+            names = " and ".join(present) if len(present) > 1 else f"{repeated[0]} twice"
+            return f"it sets {names} of the oneof {oneof.name}; give one"
+    return None
+
+
+def _top_level_field_numbers(data: bytes) -> list[int]:
+    numbers, i, n = [], 0, len(data)
+    while i < n:
+        key, i = _varint(data, i)
+        numbers.append(key >> 3)
+        wire = key & 7
+        if wire == 0:
+            _, i = _varint(data, i)
+        elif wire == 1:
+            i += 8
+        elif wire == 2:
+            size, i = _varint(data, i)
+            i += size
+        elif wire == 5:
+            i += 4
+        else:  # groups: not in this proto; stop reading rather than guess
+            break
+    return numbers
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while i < len(data):
+        byte = data[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            break
+    return value, i
 
 
 def generate_response(chunk: StreamChunk, label: str | None = None) -> pb2.GenerateResponse:

@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from splitserve.cluster.frontend.grpc.health import BackendHealthServicer
-from splitserve.cluster.frontend.grpc.messages import generate_response, sampling_params_from
+from splitserve.cluster.frontend.grpc.messages import generate_response, oneof_conflict, sampling_params_from
 from splitserve.cluster.frontend.serving_api import GenerationAPI
 from splitserve.cluster.request_error import ErrorKind, RequestError
 from splitserve.engine.io.sampling_params import InvalidRequestError
@@ -73,9 +73,15 @@ def _lenient_parser(message_class):
 
     def parse(data: bytes):
         try:
-            return message_class.FromString(data)
+            message = message_class.FromString(data)
         except DecodeError as exc:
             return _MalformedRequest(message_class.DESCRIPTOR.full_name, str(exc) or "cannot parse")
+        # protobuf keeps the last of several oneof members silently (regex + json_object
+        # would apply json_object only); refuse such a message, as HTTP refuses two constraints.
+        conflict = oneof_conflict(message_class.DESCRIPTOR, data)
+        if conflict:
+            return _MalformedRequest(message_class.DESCRIPTOR.full_name, conflict)
+        return message
 
     return parse
 
@@ -216,6 +222,9 @@ class GrpcFrontend:
             params = sampling_params_from(request)
         except InvalidRequestError as exc:
             raise _Rejection(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        # The same constraint check HTTP runs (bounds, isolated compile), before tokenizing.
+        if params.structured_output is not None:
+            await self.backend.check_constraint(params.structured_output, request.WhichOneof("structured_output"))
         prompt_token_ids = await self._prompt_token_ids(request)
         # The client's gRPC deadline becomes the request's (capped by request_timeout_s). Its
         # request_id is a label: echoed back and logged, never a key (the server's id is).

@@ -34,6 +34,7 @@ from splitserve.cluster.frontend.http.errors import (
 from splitserve.cluster.frontend.http.fanout import close_all, first_chunks, merged
 from splitserve.cluster.frontend.http.guard import RequestGuard, bearer_token
 from splitserve.cluster.frontend.http.head import HeadAsGet
+from splitserve.cluster.frontend.http.openapi_bounds import state_bounds_in_openapi
 from splitserve.cluster.frontend.http.sse import ClientDisconnected, SSEResponse, run_until_disconnected
 from splitserve.cluster.frontend.http.tokenize_routes import add_tokenize_routes, splitserve_version
 from splitserve.cluster.frontend.openai.completion_renderer import CompletionRenderer
@@ -57,6 +58,7 @@ from splitserve.cluster.frontend.openai.responses import (
     ModelList,
     error_body,
 )
+from splitserve.cluster.frontend.openai.structured_output import constraint_field
 from splitserve.cluster.frontend.serving_api import ServingAPI
 from splitserve.cluster.request_error import RequestError
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
@@ -109,7 +111,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestError)
     async def on_request_error(_: Request, exc: RequestError) -> JSONResponse:
         status, error_type = HTTP_STATUS_BY_KIND[exc.kind]
-        return error_response(status, exc.message, error_type, retry_after_s=exc.retry_after_s)
+        return error_response(status, exc.message, error_type, exc.param, retry_after_s=exc.retry_after_s)
 
     @app.exception_handler(OpenAIHTTPError)
     async def on_openai_error(_: Request, exc: OpenAIHTTPError) -> JSONResponse:
@@ -141,7 +143,12 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True) -> FastAPI
         version=splitserve_version(),
         strict_content_type=False,
     )
-    app.add_middleware(RequestGuard, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes)
+    app.add_middleware(
+        RequestGuard,
+        api_key=cfg.api_key,
+        max_body_bytes=cfg.max_body_bytes,
+        body_timeout_s=cfg.http_request_timeout_s,
+    )
     app.add_middleware(HeadAsGet)
     # Outermost: logs the guard's refusals (and HEADs as HEAD) too; names the ingress replica.
     app.add_middleware(AccessLog, ingress_id=getattr(backend, "ingress_id", None), echo_request_id=echo_request_id)
@@ -210,6 +217,7 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True) -> FastAPI
             await asyncio.to_thread(backend.encode, p) if isinstance(p, str) else list(p) for p in body.prompts()
         ]
         params = build_sampling_params(body, max(map(len, prompts)), backend.max_model_len)
+        await check_constraint(body, params)
         for prompt in prompts:  # every prompt is checked before anything is decoded or started
             backend.validate(prompt, params)
         echoes = (
@@ -240,8 +248,9 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True) -> FastAPI
         body.check_supported()
         prompt_ids = await asyncio.to_thread(backend.render_chat, body.template_messages(), tools=body.template_tools())
         params = build_sampling_params(body, len(prompt_ids), backend.max_model_len)
-        backend.validate(prompt_ids, params)
         plan = body.tool_call_plan()
+        await check_constraint(body, params, plan)
+        backend.validate(prompt_ids, params)
         renderer = ChatRenderer(
             f"chatcmpl-{uuid.uuid4().hex}",
             body.model,
@@ -255,6 +264,20 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True) -> FastAPI
             tool_plan=plan,
         )
         return await generate(request, [prompt_ids], params, body.n, renderer, body.stream)
+
+    async def check_constraint(body, params: SamplingParams, plan=None) -> None:
+        """The backend's one constraint check (shared with gRPC), naming the request's field."""
+        if params.structured_output is None:
+            return
+        parts = {}
+        if plan is not None:
+            parts = {
+                f"tools[{i}].function.parameters": tool.function.parameters
+                for i, tool in enumerate(body.tools or [])
+                if tool.function.parameters is not None
+            }
+        field = constraint_field(body, None if plan is None else plan.grammar) or "structured_outputs"
+        await backend.check_constraint(params.structured_output, field, parts)
 
     async def generate(
         request: Request,
@@ -308,7 +331,8 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True) -> FastAPI
                 with anyio.CancelScope(shield=True):
                     await close_all(sources)
 
-    _pin_model_in_openapi(app, backend.model_name)
+    # The served model, the vocabulary's bound and the other rules validation enforces.
+    state_bounds_in_openapi(app, backend.model_name, getattr(backend, "vocab_size", None))
     return app
 
 
@@ -328,21 +352,6 @@ def _request_timeout(request: Request) -> float | None:
             param=TIMEOUT_HEADER,
         )
     return value
-
-
-def _pin_model_in_openapi(app: FastAPI, model_name: str) -> None:
-    """List the one served model as the only valid `model` in /openapi.json, so schema-driven
-    clients and fuzzers (schemathesis) reach past the 404 for unknown models."""
-    base_openapi = app.openapi
-
-    def openapi() -> dict:
-        if app.openapi_schema is None:
-            schema = base_openapi()
-            for name in ("CompletionRequest", "ChatCompletionRequest"):
-                schema["components"]["schemas"][name]["properties"]["model"]["enum"] = [model_name]
-        return app.openapi_schema
-
-    app.openapi = openapi
 
 
 async def _stream_events(renderer: ResponseRenderer, firsts: list, rest):

@@ -7,6 +7,7 @@ the bytes actually received are counted too, for chunked uploads) and replayed t
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 
@@ -49,6 +50,7 @@ class RequestGuard:
         api_key: str | None,
         max_body_bytes: int,
         protected_prefixes: tuple[str, ...] = ("/v1/", "/tokenize", "/detokenize"),
+        body_timeout_s: float | None = None,
     ):
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
@@ -56,6 +58,9 @@ class RequestGuard:
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.protected_prefixes = protected_prefixes
+        # A slow client's body (a slowloris: a partial Content-Length or chunked body) must
+        # arrive within this; then 408 and the connection is closed.
+        self.body_timeout_s = body_timeout_s
 
     def _authorized(self, scope: Scope) -> bool:
         if not self.api_key or not scope["path"].startswith(self.protected_prefixes):
@@ -91,21 +96,38 @@ class RequestGuard:
         if declared is not None and declared > self.max_body_bytes:
             await self._send_too_large(send)
             return
+        try:
+            body = await asyncio.wait_for(self._read_body(receive), self.body_timeout_s)
+        except TimeoutError:
+            await send_error(
+                send,
+                408,
+                f"the request body did not arrive within {self.body_timeout_s:g} s",
+                "invalid_request_error",
+                code="request_timeout",
+                headers={"Connection": "close"},
+            )
+            return
+        if body is _TOO_LARGE:
+            await self._send_too_large(send)
+        elif body is not None:
+            await self.app(scope, _replay(body, receive), send)
+
+    async def _read_body(self, receive: Receive):
+        """The whole body; None when the client left first; _TOO_LARGE past the cap."""
         chunks: list[bytes] = []
         size = 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return  # the client left before sending its body
+                return None  # the client left before sending its body
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                await self._send_too_large(send)
-                return
+                return _TOO_LARGE
             chunks.append(chunk)
             if not message.get("more_body", False):
-                break
-        await self.app(scope, _replay(b"".join(chunks), receive), send)
+                return b"".join(chunks)
 
     async def _send_too_large(self, send: Send) -> None:
         await send_error(
@@ -115,6 +137,9 @@ class RequestGuard:
             "invalid_request_error",
             code="request_too_large",
         )
+
+
+_TOO_LARGE = object()
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

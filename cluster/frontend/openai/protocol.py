@@ -58,9 +58,10 @@ def _integral_float_to_int(value):
 # Integers that also accept 16.0 but, being strict otherwise, refuse 16.5, "16" and true.
 # (Bounds go before the validator, or /openapi.json shows "ge" instead of "minimum".)
 JsonInt = Annotated[int, BeforeValidator(_integral_float_to_int)]
-TokenId = Annotated[int, Field(ge=0), BeforeValidator(_integral_float_to_int)]
+# The markers let /openapi.json state the served vocabulary's bound (http/openapi_bounds.py).
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={"x-token-id": True}), BeforeValidator(_integral_float_to_int)]
 PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(_integral_float_to_int)]
-TopK = Annotated[int, Field(ge=-1), BeforeValidator(_integral_float_to_int)]
+TopK = Annotated[int, Field(ge=-1, json_schema_extra={"x-vocab-bound": True}), BeforeValidator(_integral_float_to_int)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 

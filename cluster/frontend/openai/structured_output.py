@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from splitserve.engine.io.sampling_params import InvalidRequestError
 from splitserve.engine.sample.grammar_spec import GrammarSpec
 
 
@@ -85,14 +86,24 @@ def _spec(kind: str, value: Any) -> GrammarSpec:
 def grammar_spec_for(request, tool_grammar: GrammarSpec | None = None) -> GrammarSpec | None:
     """The one constraint a request asks for (None: free text). Raises RequestParamError
     when it asks for more than one or a field is malformed."""
+    found = _constraints(request, tool_grammar)
+    return next(iter(found.values()), None)
+
+
+def constraint_field(request, tool_grammar: GrammarSpec | None = None) -> str | None:
+    """The request field the constraint came from (error messages name it)."""
+    return next(iter(_constraints(request, tool_grammar)), None)
+
+
+def _constraints(request, tool_grammar: GrammarSpec | None) -> dict[str, GrammarSpec]:
     found: dict[str, GrammarSpec] = {}
     fmt = getattr(request, "response_format", None)
     if fmt is not None:
-        spec = _response_format_spec(fmt)
+        spec = _named(_response_format_spec, fmt, "response_format")
         if spec is not None:
             found["response_format"] = spec
     if request.structured_outputs is not None:
-        spec = _structured_outputs_spec(request.structured_outputs)
+        spec = _named(_structured_outputs_spec, request.structured_outputs, "structured_outputs")
         if spec is not None:
             found["structured_outputs"] = spec
     for field, kind in (
@@ -103,12 +114,24 @@ def grammar_spec_for(request, tool_grammar: GrammarSpec | None = None) -> Gramma
     ):
         value = getattr(request, field)
         if value is not None:
-            found[field] = _spec(kind, value)
+            found[field] = _named(lambda v, k=kind: _spec(k, v), value, field)
     if tool_grammar is not None:
         found["tool_choice"] = tool_grammar
     if len(found) > 1:
         raise _error(f"give one output constraint, not several: {', '.join(sorted(found))}", sorted(found)[-1])
-    return next(iter(found.values()), None)
+    return found
+
+
+def _named(build, value, field: str):
+    """build(value), its refusal naming the request field (a 10,000-deep schema, a bad list)."""
+    from splitserve.cluster.frontend.openai.protocol import RequestParamError
+
+    try:
+        return build(value)
+    except RequestParamError:
+        raise
+    except InvalidRequestError as exc:
+        raise _error(f"{field}: {exc}", field) from None
 
 
 def _error(message: str, param: str):

@@ -135,7 +135,11 @@ def test_serve_config_v2_args_are_the_serve_values(name):
     cfg = ServeConfig.model_validate(app["args"])
     assert cfg == ServeConfig.model_validate(merged_values_of(name)["serve"])
     assert app["route_prefix"] == "/"
-    assert serve_config["http_options"] == {"host": "0.0.0.0", "port": cfg.http_port}
+    assert serve_config["http_options"] == {
+        "host": "0.0.0.0",
+        "port": cfg.http_port,
+        "keep_alive_timeout_s": cfg.http_keep_alive_timeout_s,
+    }
 
 
 @pytest.mark.parametrize("name", VALUE_SETS)
@@ -159,6 +163,7 @@ def test_head_and_every_worker_group_get_the_front_door_env(name):
         assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
         assert env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == str(front_door["drainingPeriodS"])
         assert env["RAY_SERVE_HAPROXY_NBTHREAD"] == str(front_door["haproxyThreads"])
+        assert env["RAY_SERVE_HAPROXY_MAXCONN"] == str(merged_values_of(name)["serve"]["http_max_connections"])
     off = deploy.render_chart({"frontDoor": {"haproxy": False}, "head": {"extraEnv": [{"name": "X", "value": "1"}]}})
     head = next(o for o in deploy.rendered_objects(off) if o["kind"] == "RayService")
     head = head["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]

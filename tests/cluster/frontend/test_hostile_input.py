@@ -33,12 +33,12 @@ from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.proto import load_stubs
 from splitserve.proto.messages.request_channel import ChannelError, Submit, decode_to_decode, encode_frame
 from tests.helpers.cluster import LoopHttpServer, cluster_config, serving_backend, wait_for_baseline, wait_until
-from tests.helpers.hostile_cases import MALFORMED_GRPC, raw_completion_cases
+from tests.helpers.hostile_cases import MALFORMED_GRPC, deep_gbnf_chain, deep_json, raw_completion_cases
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 API_KEY = "sk-hostile-test"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-MAX_BODY_BYTES = 64 * 1024
+MAX_BODY_BYTES = 256 * 1024  # room for the 10,000-rule GBNF chain (~150 KB)
 # Cases per (operation, generation mode): chat bodies cost 3x more to generate than
 # completion bodies; operations without parameters stop after one.
 FUZZ_EXAMPLES = {
@@ -49,6 +49,21 @@ FUZZ_EXAMPLES = {
 MIN_FUZZ_CASES = 1000
 FUZZ_SEED = int(os.environ.get("SPLITSERVE_FUZZ_SEED", "20240611"))
 pb2, pb2_grpc = load_stubs()
+# Refusals of schema-valid requests that /openapi.json cannot state: they depend on state (the
+# model's length, this test's 4-block KV cache), compare two fields, or judge the language
+# inside a string (a regex, grammar or schema that does not parse or compile).
+POSITIVE_REFUSALS = (
+    "exceeds the model's context",  # state: prompt + max_tokens vs the model's length
+    "KV cache",  # state: the pools' cache size
+    "min_tokens must be",  # relational: min_tokens <= max_tokens
+    "prompts x n",  # relational: prompts x n <= 128
+    "give one output constraint",  # relational: two constraint fields at once
+    "tool function names must be unique",  # relational: across the tools list
+    "which is not among the tools",  # relational: tool_choice vs tools
+    "invalid ",  # a regex / grammar / schema string that does not compile
+    "can never be satisfied",  # a schema or grammar no output matches
+    "grammar.max_",  # a constraint over a configured bound
+)
 
 
 @pytest.fixture(scope="module")
@@ -122,13 +137,25 @@ def test_generated_requests_never_get_a_5xx(loop, backend, server, http):
             if not resp.stream_cut_short:
                 assert resp.text.rstrip().endswith("data: [DONE]"), where
             assert '"server_error"' not in resp.text, f"{where} -> {resp.text[-300:]}"
+        return resp
+
+    def check_positive(case) -> None:
+        # A request /openapi.json calls valid is served, unless its refusal depends on state
+        # or on what JSON Schema cannot state (see POSITIVE_REFUSALS).
+        resp = check(case)
+        if resp.status_code == 400:  # a 404 for a model id that is not served is no refusal
+            message = resp.json()["error"]["message"]
+            assert any(reason in message for reason in POSITIVE_REFUSALS), (
+                f"schema-valid {case.method} {case.path} body={str(case.body)[:300]!r} -> {resp.status_code} {message}"
+            )
 
     for result in schema.get_all_operations():
         operation = result.ok()
         key = (operation.method.upper(), operation.path)
         for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
             num = FUZZ_EXAMPLES.get(key, {}).get(mode.value, 20)
-            counts[f"{key[0]} {key[1]} {mode.value}"] = fuzz_operation(operation, mode, num, check)
+            checker = check_positive if mode == schemathesis.GenerationMode.POSITIVE else check
+            counts[f"{key[0]} {key[1]} {mode.value}"] = fuzz_operation(operation, mode, num, checker)
     total = sum(counts.values())
     print(f"schemathesis: {total} cases, by operation {counts}, by status {dict(sorted(statuses.items()))}")
     assert total >= MIN_FUZZ_CASES, counts
@@ -323,3 +350,106 @@ def test_secure_defaults_and_no_pickle_from_clients():
     with pytest.raises(ChannelError):
         decode_to_decode(b"\xdd\xff\xff\xff\xff")  # msgpack array header claiming 4G items
     assert time.monotonic() - started < 1
+
+
+# ---- hostile constraints: refused up front, the ingress and its streams unharmed -----------
+
+HOSTILE_HTTP = [
+    ("/v1/completions", {"guided_grammar": deep_gbnf_chain(10_000)}, "guided_grammar", "max_rules"),
+    ("/v1/completions", {"guided_json": deep_json(10_000)}, "guided_json", "levels deep"),
+    ("/v1/completions", {"structured_outputs": {"json": "[" * 10_000 + "]" * 10_000}}, "structured_outputs", "deep"),
+    ("/v1/completions", {"guided_regex": "a{1000000}"}, "guided_regex", "max_regex_repeat"),
+    (
+        "/v1/chat/completions",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
+        "response_format",
+        "never be satisfied",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}],
+            "tool_choice": "required",
+        },
+        "tools[0].function.parameters",
+        "never be satisfied",
+    ),
+    ("/v1/completions", {"guided_regex": "[^\\s\\S]"}, "guided_regex", "never be satisfied"),
+]
+HOSTILE_GRPC = [
+    (pb2.GenerateRequest(text="x", grammar=deep_gbnf_chain(10_000)), "grammar", "max_rules"),
+    (pb2.GenerateRequest(text="x", json_schema=deep_json(10_000)), "json_schema", "levels deep"),
+    (pb2.GenerateRequest(text="x", regex="a{1000000}"), "regex", "max_regex_repeat"),
+    (pb2.GenerateRequest(text="x", json_schema='{"$ref": "#"}'), "json_schema", "never be satisfied"),
+]
+SAFETY_S = 30.0  # a refusal is expected in milliseconds; this only keeps a hang from hanging the suite
+STREAM_TOKENS = 30
+
+
+def stream_completion(server, model: str, out: list) -> None:
+    body = {
+        "model": model,
+        "prompt": "Once upon a time",
+        "max_tokens": STREAM_TOKENS,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as client:
+        with client.stream("POST", "/v1/completions", json=body) as resp:
+            out.append((resp.status_code, [line for line in resp.iter_lines() if line.startswith("data: ")]))
+
+
+def test_hostile_constraints_are_refused_and_concurrent_streams_finish_whole(loop, server, http, grpc_port, backend):
+    pid, model = os.getpid(), backend.model_name
+    prefill = backend.cluster.prefill_pool.live_replicas()[0].handle
+    streams: list = []
+    ray_get(prefill.inject_fault.remote(stall_send_s=0.8))  # keeps both streams in flight meanwhile
+    threads = [threading.Thread(target=stream_completion, args=(server, model, streams)) for _ in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        wait_until(lambda: backend.num_inflight == 2, 20, "the two streams were not admitted")
+        for path, extra, field, word in HOSTILE_HTTP:
+            body = {"model": model, "max_tokens": 2, **extra}
+            if path.endswith("chat/completions"):
+                body["messages"] = [{"role": "user", "content": "hi"}]
+            else:
+                body["prompt"] = "x"
+            started = time.monotonic()
+            resp = http.post(path, json=body, timeout=SAFETY_S)
+            error = assert_openai_error(resp, 400, field, word)
+            assert error["param"] == field.split("[")[0] or error["param"] == field, error
+            assert time.monotonic() - started < SAFETY_S
+        metadata = (("authorization", f"Bearer {API_KEY}"),)
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            stub = pb2_grpc.SplitServeStub(channel)
+            for request, field, word in HOSTILE_GRPC:
+                with pytest.raises(grpc.RpcError) as err:
+                    list(stub.Generate(request, metadata=metadata, timeout=SAFETY_S))
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+                assert field in err.value.details() and word in err.value.details(), err.value.details()
+            # Two members of the structured_output oneof on the wire: protobuf would keep the
+            # last silently (json_object); refused, as HTTP refuses two constraints.
+            both = (
+                pb2.GenerateRequest(text="x", regex="a+").SerializeToString()
+                + pb2.GenerateRequest(json_object=True).SerializeToString()
+            )
+            call = channel.unary_stream("/splitserve.v1.SplitServe/Generate", None, None)
+            with pytest.raises(grpc.RpcError) as err:
+                list(call(both, metadata=metadata, timeout=SAFETY_S))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "json_object and regex" in err.value.details(), err.value.details()
+    finally:
+        ray_get(prefill.inject_fault.remote(stall_send_s=0.0))
+        for t in threads:
+            t.join(120)
+    assert os.getpid() == pid  # this process is the ingress: it served every request above
+    assert len(streams) == 2
+    for status, events in streams:
+        assert status == 200 and events[-1] == "data: [DONE]", events[-3:]
+        usage = json.loads(events[-2][len("data: ") :])["usage"]
+        assert usage["completion_tokens"] == STREAM_TOKENS, usage
+    assert backend.grammar.stats()["worker_losses"] == 0  # the bounds stopped them before any compile
+    normal_request_works(http, model)
+    wait_for_baseline(loop, backend.cluster)
