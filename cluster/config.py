@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
 from splitserve.cluster.default_model import DEFAULT_MODEL_NAME
 from splitserve.cluster.routing.router_config import RouterConfig
@@ -209,12 +211,26 @@ class ServeConfig(_Strict):
     """Server-side deadline of a request (clients may ask for less)."""
     max_retries: int = Field(1, ge=0)
     """Retries on other replicas while no token has reached the client."""
+    state_dir: str | None = None
+    """Directory of the state store (batch files and jobs; SQLite); unset: $SPLITSERVE_CACHE/state, default ~/.cache/splitserve/state."""
+    state_url: str | None = None
+    """Database of the state store instead of state_dir, e.g. postgresql+psycopg://user:pass@host/db (every ingress replica and the controller reach it)."""
 
     @property
     def model_id(self) -> str:
         """The id clients send as `model`: served_model_name, else the model exactly as given
         (a path stays a path, as in vLLM), else the default model's name."""
         return self.served_model_name or self.model or DEFAULT_MODEL_NAME
+
+    @field_validator("state_url")
+    @classmethod
+    def _check_state_url(cls, url: str | None) -> str | None:
+        if url is not None:
+            try:
+                make_url(url)
+            except ArgumentError as e:
+                raise ValueError(f"not a database URL (e.g. postgresql+psycopg://user@host/db): {e}") from None
+        return url
 
     @model_validator(mode="after")
     def _check_block_size(self) -> ServeConfig:
