@@ -160,6 +160,25 @@ class ControllerConfig(_Strict):
         return self
 
 
+class BatchConfig(_Strict):
+    """The OpenAI Batch API (/v1/files, /v1/batches) and its runner, in every ingress replica."""
+
+    enabled: bool = True
+    """Serve /v1/files and /v1/batches and run batch jobs."""
+    max_file_bytes: int = Field(64 << 20, ge=1024)
+    """Largest /v1/files upload (400 above)."""
+    max_lines: int = Field(50_000, ge=1)
+    """Most lines (requests) in one batch input file."""
+    max_concurrency: int = Field(16, ge=1)
+    """Most lines of batch jobs in flight at once; the runner stays below it while requests are refused."""
+    lease_s: float = Field(10.0, gt=0)
+    """One ingress replica at a time runs the batches, holding a lease in the state store; another takes over this long after it stops renewing."""
+    poll_interval_s: float = Field(0.5, gt=0)
+    """Seconds between the runner's looks at the store for new, cancelled or finished work."""
+    retention_s: float = Field(30 * 86400.0, gt=0)
+    """Finished batches and their input, output and error files are deleted this long after the batch was created."""
+
+
 class ServeConfig(_Strict):
     model: str | None = None
     """Checkpoint directory; unset: the `small` preset, made once."""
@@ -211,6 +230,8 @@ class ServeConfig(_Strict):
     """Server-side deadline of a request (clients may ask for less)."""
     max_retries: int = Field(1, ge=0)
     """Retries on other replicas while no token has reached the client."""
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    """The OpenAI Batch API and its runner."""
     state_dir: str | None = None
     """Directory of the state store (batch files and jobs; SQLite); unset: $SPLITSERVE_CACHE/state, default ~/.cache/splitserve/state."""
     state_url: str | None = None

@@ -43,6 +43,10 @@ class BatchStore(ABC):
         """Newest first; after: the id of the last batch of the previous page."""
 
     @abstractmethod
+    def count_batches(self) -> dict[str, int]:
+        """How many batches are in each status."""
+
+    @abstractmethod
     def unfinished_batches(self) -> list[BatchRecord]:
         """Batches not yet completed, failed, expired or cancelled, oldest first."""
 
@@ -58,6 +62,10 @@ class BatchStore(ABC):
     @abstractmethod
     def record_result(self, batch_id: str, result: LineResult) -> bool:
         """Stores a line's result unless it already has one; True when this call stored it."""
+
+    @abstractmethod
+    def record_results(self, batch_id: str, results: list[LineResult]) -> int:
+        """record_result for many lines in one transaction; returns how many were new."""
 
     @abstractmethod
     def results(self, batch_id: str) -> list[LineResult]:

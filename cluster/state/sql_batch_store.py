@@ -86,6 +86,11 @@ class SqlBatchStore(BatchStore):
                 condition = tuple_(batches.c.created_at, batches.c.id) < tuple_(*anchor)
         return self._select_batches(condition, newest_first=True, limit=limit)
 
+    def count_batches(self) -> dict[str, int]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(batches.c.status, func.count()).group_by(batches.c.status)).all()
+        return {status: count for status, count in rows}
+
     def unfinished_batches(self) -> list[BatchRecord]:
         return self._select_batches(batches.c.status.in_(UNFINISHED))
 
@@ -105,23 +110,21 @@ class SqlBatchStore(BatchStore):
         return [BatchLine(*row) for row in rows]
 
     def record_result(self, batch_id: str, result: LineResult) -> bool:
-        values = {
-            "batch_id": batch_id,
-            "custom_id": result.custom_id,
-            "line_no": result.line_no,
-            "ok": result.ok,
-            "status_code": result.status_code,
-            "request_id": result.request_id,
-            "body": result.body,
-            "completion_tokens": result.completion_tokens,
-            "finished_at": time.time(),
-        }
-        # RETURNING, not rowcount: drivers disagree on rowcount for ON CONFLICT DO NOTHING.
-        statement = (
-            self._insert(batch_results).values(**values).on_conflict_do_nothing().returning(batch_results.c.line_no)
-        )
+        return self.record_results(batch_id, [result]) == 1
+
+    def record_results(self, batch_id: str, results: list[LineResult]) -> int:
+        new = 0
         with self.engine.begin() as conn:
-            return conn.execute(statement).first() is not None
+            for result in results:
+                # RETURNING, not rowcount: drivers disagree on rowcount for ON CONFLICT DO NOTHING.
+                statement = (
+                    self._insert(batch_results)
+                    .values(**_result_values(batch_id, result))
+                    .on_conflict_do_nothing()
+                    .returning(batch_results.c.line_no)
+                )
+                new += conn.execute(statement).first() is not None
+        return new
 
     def results(self, batch_id: str) -> list[LineResult]:
         columns = (
@@ -219,6 +222,20 @@ class SqlBatchStore(BatchStore):
         with self.engine.connect() as conn:
             rows = conn.execute(query).mappings().all()
         return [_batch_record(row) for row in rows]
+
+
+def _result_values(batch_id: str, result: LineResult) -> dict:
+    return {
+        "batch_id": batch_id,
+        "custom_id": result.custom_id,
+        "line_no": result.line_no,
+        "ok": result.ok,
+        "status_code": result.status_code,
+        "request_id": result.request_id,
+        "body": result.body,
+        "completion_tokens": result.completion_tokens,
+        "finished_at": time.time(),
+    }
 
 
 def _file_values(record: FileRecord) -> dict:

@@ -49,13 +49,20 @@ class RequestGuard:
         api_key: str | None,
         max_body_bytes: int,
         protected_prefixes: tuple[str, ...] = ("/v1/", "/tokenize", "/detokenize"),
+        upload_paths: tuple[str, ...] = (),
+        max_upload_bytes: int = 0,
     ):
+        """upload_paths: paths whose POST bodies may be up to max_upload_bytes instead (file
+        uploads; the route checks the file itself and answers 400 over its own limit)."""
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
         self.app = app
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.protected_prefixes = protected_prefixes
+        self.upload_paths = upload_paths
+        # Multipart framing (boundaries, part headers) rides on top of the file's own bytes.
+        self.max_upload_bytes = max_upload_bytes + 64 * 1024
 
     def _authorized(self, scope: Scope) -> bool:
         if not self.api_key or not scope["path"].startswith(self.protected_prefixes):
@@ -88,8 +95,11 @@ class RequestGuard:
         except ValueError:
             await send_error(send, 400, "the Content-Length header is not an integer", "invalid_request_error")
             return
-        if declared is not None and declared > self.max_body_bytes:
-            await self._send_too_large(send)
+        limit = self.max_body_bytes
+        if scope["path"] in self.upload_paths and scope["method"] == "POST":
+            limit = max(limit, self.max_upload_bytes)
+        if declared is not None and declared > limit:
+            await self._send_too_large(send, limit)
             return
         chunks: list[bytes] = []
         size = 0
@@ -99,19 +109,19 @@ class RequestGuard:
                 return  # the client left before sending its body
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_body_bytes:
-                await self._send_too_large(send)
+            if size > limit:
+                await self._send_too_large(send, limit)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
         await self.app(scope, _replay(b"".join(chunks), receive), send)
 
-    async def _send_too_large(self, send: Send) -> None:
+    async def _send_too_large(self, send: Send, limit: int) -> None:
         await send_error(
             send,
             413,
-            f"the request body exceeds the limit of {self.max_body_bytes} bytes",
+            f"the request body exceeds the limit of {limit} bytes",
             "invalid_request_error",
             code="request_too_large",
         )
