@@ -86,32 +86,43 @@ class SplitServeIngress:
         from splitserve.cluster.frontend.http import header_timeout
 
         header_timeout.install(cfg.http_request_timeout_s)
-        backend = grpc = None
+        backend = grpc = batch = None
         try:
             model_dir = resolve_model(cfg.model)
             backend = ServingBackend(cfg, model_dir, controller=ControllerClient(controller_handle))
+            if cfg.batch.enabled:  # opens the state store: a bad state_url fails the start, in one line
+                from splitserve.cluster.batch.batch_service import BatchService
+
+                batch = BatchService(cfg, backend.ingress_id, backend.metrics.registry, backend.model_name)
             await backend.start()
             grpc = GrpcFrontend(backend, share_port=True)  # every ingress replica on a node serves the port
             await grpc.start(cfg.grpc_host, cfg.grpc_port)
         except Exception as exc:
             with contextlib.suppress(Exception):  # free what did start; the cause is what matters
+                if batch is not None:
+                    await batch.stop()
                 if grpc is not None:
                     await grpc.stop(0)
                 if backend is not None:
                     await backend.shutdown()
             raise StartupError(root_cause(exc)) from None
-        self.backend, self.grpc = backend, grpc
+        self.backend, self.grpc, self.batch = backend, grpc, batch
 
     def __serve_build_asgi_app__(self):
         from splitserve.cluster.frontend.http.api import build_http_app
 
-        http_app = build_http_app(self.backend, echo_request_id=False)  # Serve echoes x-request-id itself
+        # Serve echoes x-request-id itself
+        http_app = build_http_app(self.backend, echo_request_id=False, batch=self.batch)
 
         @contextlib.asynccontextmanager
         async def lifespan(_app):
+            if self.batch is not None:
+                self.batch.start()  # works only while this replica holds the runner lease
             try:
                 yield
             finally:
+                if self.batch is not None:
+                    await self.batch.stop()
                 await self.grpc.stop(5.0)
                 await self.backend.shutdown()
 

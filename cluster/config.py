@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
 from splitserve.cluster.default_model import DEFAULT_MODEL_NAME
 from splitserve.cluster.routing.router_config import RouterConfig
@@ -180,6 +182,25 @@ class ControllerConfig(_Strict):
         return self
 
 
+class BatchConfig(_Strict):
+    """The OpenAI Batch API (/v1/files, /v1/batches) and its runner, in every ingress replica."""
+
+    enabled: bool = True
+    """Serve /v1/files and /v1/batches and run batch jobs."""
+    max_file_bytes: int = Field(64 << 20, ge=1024)
+    """Largest /v1/files upload (400 above)."""
+    max_lines: int = Field(50_000, ge=1)
+    """Most lines (requests) in one batch input file."""
+    max_concurrency: int = Field(16, ge=1)
+    """Most lines of batch jobs in flight at once; the runner stays below it while requests are refused."""
+    lease_s: float = Field(10.0, gt=0)
+    """One ingress replica at a time runs the batches, holding a lease in the state store; another takes over this long after it stops renewing."""
+    poll_interval_s: float = Field(0.5, gt=0)
+    """Seconds between the runner's looks at the store for new, cancelled or finished work."""
+    retention_s: float = Field(30 * 86400.0, gt=0)
+    """Finished batches and their input, output and error files are deleted this long after the batch was created."""
+
+
 class ServeConfig(_Strict):
     model: str | None = None
     """Checkpoint directory; unset: the `small` preset, made once."""
@@ -242,12 +263,28 @@ class ServeConfig(_Strict):
     """Server-side deadline of a request (clients may ask for less)."""
     max_retries: int = Field(1, ge=0)
     """Retries on other replicas while no token has reached the client."""
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    """The OpenAI Batch API and its runner."""
+    state_dir: str | None = None
+    """Directory of the state store (batch files and jobs; SQLite); unset: $SPLITSERVE_CACHE/state, default ~/.cache/splitserve/state."""
+    state_url: str | None = None
+    """Database of the state store instead of state_dir, e.g. postgresql+psycopg://user:pass@host/db (every ingress replica and the controller reach it)."""
 
     @property
     def model_id(self) -> str:
         """The id clients send as `model`: served_model_name, else the model exactly as given
         (a path stays a path, as in vLLM), else the default model's name."""
         return self.served_model_name or self.model or DEFAULT_MODEL_NAME
+
+    @field_validator("state_url")
+    @classmethod
+    def _check_state_url(cls, url: str | None) -> str | None:
+        if url is not None:
+            try:
+                make_url(url)
+            except ArgumentError as e:
+                raise ValueError(f"not a database URL (e.g. postgresql+psycopg://user@host/db): {e}") from None
+        return url
 
     @model_validator(mode="after")
     def _check_block_size(self) -> ServeConfig:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -92,3 +93,36 @@ def pytest_collection_modifyitems(config, items):
         tier = tier_of(item)
         if item.get_closest_marker(tier) is None:
             item.add_marker(getattr(pytest.mark, tier))
+
+
+_state_db_names = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def postgres_url():
+    """The URL of a throwaway Postgres server (tests/helpers/postgres.py) for the whole session."""
+    from tests.helpers.postgres import PostgresServer, skip_or_fail_without_postgres
+
+    server = PostgresServer(skip_or_fail_without_postgres()).start()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def state_url(request, tmp_path):
+    """A fresh, empty state-store database per test: SQLite in tmp_path, then a new database on
+    the session's Postgres server; parametrizes every test that uses it over both."""
+    import sqlalchemy as sa
+
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'state' / 'state.db'}"
+        return
+    server_url = request.getfixturevalue("postgres_url")
+    name = f"state_{next(_state_db_names)}"
+    admin = sa.create_engine(server_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f"CREATE DATABASE {name}"))
+    yield server_url.rsplit("/", 1)[0] + f"/{name}"
+    with admin.connect() as conn:
+        conn.execute(sa.text(f"DROP DATABASE {name} WITH (FORCE)"))
+    admin.dispose()

@@ -1,10 +1,14 @@
-"""Continuous-batching scheduler with chunked prefill and preemption by recompute.
+"""Continuous-batching scheduler with chunked prefill, priorities and preemption by recompute.
 
-It sees sequences and block counts only, never tensors. Every step: running sequences first
-(decodes and unfinished prefill chunks, oldest first), then waiting ones while the token budget,
-max_num_seqs and free blocks allow. When a running sequence cannot grow, the newest running
-sequence is preempted: its blocks are freed (they keep their hashes, so the recompute usually
-hits the prefix cache) and it goes back to the head of the waiting queue.
+It sees sequences and block counts only, never tensors. Every request has a priority
+(`SamplingParams.priority`, vLLM's: lower runs first). Every step: running sequences first
+(decodes and unfinished prefill chunks; higher priority first, then oldest), then waiting
+ones, ordered by (priority, arrival), while the token budget, max_num_seqs and free blocks
+allow. When a running sequence cannot grow, the lowest-priority running sequence (the newest
+among equals) is preempted; when a waiting sequence cannot be admitted, running sequences of a
+strictly lower priority are preempted for it. A preempted sequence's blocks are freed (they
+keep their hashes, so the recompute usually hits the prefix cache) and it goes back to the
+head of its priority's place in the waiting queue. With every priority equal this is plain FCFS.
 """
 
 from __future__ import annotations
@@ -95,7 +99,19 @@ class Scheduler:
         if seq.request_id in self.requests:
             raise ValueError(f"duplicate request id {seq.request_id!r}")
         self.requests[seq.request_id] = seq
-        self.waiting.append(seq)
+        self._enqueue(seq, ahead_of_equals=False)
+
+    def _enqueue(self, seq: Sequence, ahead_of_equals: bool) -> None:
+        """Into the waiting queue behind every sequence of a higher priority (lower value); a new
+        arrival also behind its equals, a preempted one ahead of them (it arrived earlier)."""
+        priority = seq.params.priority
+        index = len(self.waiting)
+        while index > 0:
+            other = self.waiting[index - 1].params.priority
+            if other < priority or (other == priority and not ahead_of_equals):
+                break
+            index -= 1
+        self.waiting.insert(index, seq)
 
     def add_prefilled(self, seq: Sequence) -> None:
         """Admit a sequence whose prompt KV is already in its blocks (disaggregated decode)."""
@@ -144,6 +160,9 @@ class Scheduler:
         theirs, so speculation never preempts a sequence or delays an admission."""
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        # Higher priority first, admission order among equals (a stable sort): the budget goes
+        # to them first, and pop() below preempts the lowest priority, newest first.
+        self.running.sort(key=lambda s: s.params.priority)
         idx = 0
         while idx < len(self.running) and budget > 0:
             seq = self.running[idx]
@@ -170,14 +189,19 @@ class Scheduler:
         return batch
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if len(self.running) >= self.max_num_seqs and not self._preempt_for(seq, batch):
+                break
             # Prompt log-probabilities need every prompt position's logits: such a request reads
             # no cached blocks until they are all computed (it recomputes a cached prefix; its
             # own blocks still enter the cache, where another copy is not there already).
             cached = [] if seq.needs_prompt_logprobs else self.kv.find_cached_blocks(seq)
             num_new = min(seq.num_tokens - len(cached) * self.kv.block_size, budget)
             if not self.kv.allocate_prompt(seq, cached, num_new):
+                if self._preempt_for(seq, batch):
+                    budget = self.max_num_batched_tokens - batch.num_tokens
+                    continue
                 break
             self.waiting.popleft()
             if seq.queue_seconds is None:
@@ -209,13 +233,32 @@ class Scheduler:
         remaining = seq.params.max_tokens - seq.num_output_tokens - 1
         return max(0, min(asked, budget, self.max_model_len - seq.num_tokens - 1, remaining))
 
+    def _preempt_for(self, seq: Sequence, batch: ScheduledBatch) -> bool:
+        """Preempts the lowest-priority running sequence (newest among equals) if its priority
+        is strictly lower than seq's, taking it out of this step's batch if it was in it.
+        False when no running sequence ranks below seq."""
+        if not self.running:
+            return False
+        # Sequences admitted this step sit at the end, whatever their priority: search.
+        index = max(range(len(self.running)), key=lambda i: (self.running[i].params.priority, i))
+        if self.running[index].params.priority <= seq.params.priority:
+            return False
+        victim = self.running.pop(index)
+        if victim in batch.seqs:
+            index = batch.seqs.index(victim)
+            for column in (batch.seqs, batch.num_new_tokens, batch.num_draft_tokens):
+                del column[index]
+        self._preempt(victim)
+        batch.preempted.append(victim)
+        return True
+
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, ahead_of_equals=True)
 
     def update(self, batch: ScheduledBatch, sampled: dict[str, tuple | list[tuple]]) -> list[Sequence]:
         """Advance computed counts, cache full blocks, append sampled tokens, stop finished

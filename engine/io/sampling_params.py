@@ -43,6 +43,9 @@ class SamplingParams:
     structured_output: Any = None
     # False opts this request out of speculative decoding (where the engine speculates).
     speculative_decoding: bool = True
+    # vLLM's priority: lower runs first. Schedulers order waiting work by (priority, arrival)
+    # and preempt the highest value first when blocks or batch slots are short.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if self.structured_output is not None:
@@ -96,6 +99,10 @@ class SamplingParams:
         )
         if self.top_logprobs:
             self.logprobs = True  # alternatives come with the chosen token's own log-probability
+        _check(
+            _is_int(self.priority) and -(2**31) <= self.priority < 2**31,
+            f"priority must be a 32-bit integer (lower runs first), got {self.priority!r}",
+        )
         _check(
             isinstance(self.speculative_decoding, bool),
             f"speculative_decoding must be a boolean, got {self.speculative_decoding!r}",

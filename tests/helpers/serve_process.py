@@ -58,6 +58,9 @@ class ServeProcess:
             "6",
             *extra,
         ]
+        if "--state-dir" not in extra and "--state-url" not in extra:
+            # Its own state store (batch jobs): never the user's cache, never another test's.
+            cmd += ["--state-dir", str(cwd / "state")]
         env = dict(
             env or os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1"
         )

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP frontend: build_http_app(backend) -> FastAPI.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE with `stream: true`;
-several prompts and n > 1 fan out into one generation per choice), GET /v1/models,
+several prompts and n > 1 fan out into one generation per choice), the Batch API (/v1/files,
+/v1/batches; cluster/batch/) when a BatchService is given, GET /v1/models,
 POST /tokenize, POST /detokenize, GET /version (vLLM's shapes), GET /health, GET /ready,
 GET /metrics, and FastAPI's /openapi.json; HEAD works wherever GET does. A generation request
 may carry `x-request-timeout: SECONDS` (capped by request_timeout_s; past it: 504). Every error is
@@ -132,10 +133,11 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(500, "internal server error", "server_error")
 
 
-def build_http_app(backend: ServingAPI, echo_request_id: bool = True) -> FastAPI:
+def build_http_app(backend: ServingAPI, echo_request_id: bool = True, batch=None) -> FastAPI:
     """The OpenAI-compatible FastAPI app in front of `backend` (see the module docstring).
     echo_request_id: answer a client's x-request-id with the same header (Ray Serve does it
-    itself, so the Serve app passes False)."""
+    itself, so the Serve app passes False). batch: a cluster.batch.batch_service.BatchService
+    that adds the Batch API (/v1/files, /v1/batches); its caller starts its runner."""
     cfg = backend.cfg
     app = FastAPI(
         title="splitserve",
@@ -148,6 +150,8 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True) -> FastAPI
         api_key=cfg.api_key,
         max_body_bytes=cfg.max_body_bytes,
         body_timeout_s=cfg.http_request_timeout_s,
+        upload_paths=("/v1/files",) if batch is not None else (),
+        max_upload_bytes=cfg.batch.max_file_bytes,
     )
     app.add_middleware(HeadAsGet)
     # Outermost: logs the guard's refusals (and HEADs as HEAD) too; names the ingress replica.
@@ -207,6 +211,8 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True) -> FastAPI
         return model_card()
 
     add_tokenize_routes(app, backend, auth, check_model, _ERRORS)
+    if batch is not None:
+        batch.install(app, auth, _ERRORS)
 
     @app.post("/v1/completions", response_model=CompletionResponse, dependencies=auth, responses=GENERATION_RESPONSES)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:

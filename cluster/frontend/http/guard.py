@@ -51,7 +51,11 @@ class RequestGuard:
         max_body_bytes: int,
         protected_prefixes: tuple[str, ...] = ("/v1/", "/tokenize", "/detokenize"),
         body_timeout_s: float | None = None,
+        upload_paths: tuple[str, ...] = (),
+        max_upload_bytes: int = 0,
     ):
+        """upload_paths: paths whose POST bodies may be up to max_upload_bytes instead (file
+        uploads; the route checks the file itself and answers 400 over its own limit)."""
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
         self.app = app
@@ -61,6 +65,9 @@ class RequestGuard:
         # A slow client's body (a slowloris: a partial Content-Length or chunked body) must
         # arrive within this; then 408 and the connection is closed.
         self.body_timeout_s = body_timeout_s
+        self.upload_paths = upload_paths
+        # Multipart framing (boundaries, part headers) rides on top of the file's own bytes.
+        self.max_upload_bytes = max_upload_bytes + 64 * 1024
 
     def _authorized(self, scope: Scope) -> bool:
         if not self.api_key or not scope["path"].startswith(self.protected_prefixes):
@@ -93,11 +100,14 @@ class RequestGuard:
         except ValueError:
             await send_error(send, 400, "the Content-Length header is not an integer", "invalid_request_error")
             return
-        if declared is not None and declared > self.max_body_bytes:
-            await self._send_too_large(send)
+        limit = self.max_body_bytes
+        if scope["path"] in self.upload_paths and scope["method"] == "POST":
+            limit = max(limit, self.max_upload_bytes)
+        if declared is not None and declared > limit:
+            await self._send_too_large(send, limit)
             return
         try:
-            body = await asyncio.wait_for(self._read_body(receive), self.body_timeout_s)
+            body = await asyncio.wait_for(self._read_body(receive, limit), self.body_timeout_s)
         except TimeoutError:
             await send_error(
                 send,
@@ -109,11 +119,11 @@ class RequestGuard:
             )
             return
         if body is _TOO_LARGE:
-            await self._send_too_large(send)
+            await self._send_too_large(send, limit)
         elif body is not None:
             await self.app(scope, _replay(body, receive), send)
 
-    async def _read_body(self, receive: Receive):
+    async def _read_body(self, receive: Receive, limit: int):
         """The whole body; None when the client left first; _TOO_LARGE past the cap."""
         chunks: list[bytes] = []
         size = 0
@@ -123,17 +133,17 @@ class RequestGuard:
                 return None  # the client left before sending its body
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_body_bytes:
+            if size > limit:
                 return _TOO_LARGE
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def _send_too_large(self, send: Send) -> None:
+    async def _send_too_large(self, send: Send, limit: int) -> None:
         await send_error(
             send,
             413,
-            f"the request body exceeds the limit of {self.max_body_bytes} bytes",
+            f"the request body exceeds the limit of {limit} bytes",
             "invalid_request_error",
             code="request_too_large",
         )

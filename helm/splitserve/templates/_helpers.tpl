@@ -144,6 +144,7 @@ Worker group spec fields of one pool. Call with (dict "root" $ "pool" "prefill")
             - name: dshm
               mountPath: /dev/shm
             {{- with include "splitserve.modelVolumeMount" $root }}{{ . | trim | nindent 12 }}{{ end }}
+            {{- with include "splitserve.stateVolumeMount" $root }}{{ . | trim | nindent 12 }}{{ end }}
       volumes:
         - name: dshm
           emptyDir:
@@ -152,6 +153,7 @@ Worker group spec fields of one pool. Call with (dict "root" $ "pool" "prefill")
             sizeLimit: {{ . }}
             {{- end }}
         {{- with include "splitserve.modelVolume" $root }}{{ . | trim | nindent 8 }}{{ end }}
+        {{- with include "splitserve.stateVolume" $root }}{{ . | trim | nindent 8 }}{{ end }}
       {{- with $group.nodeSelector }}
       nodeSelector:
         {{- toYaml . | nindent 8 }}
@@ -186,6 +188,27 @@ Worker group spec fields of one pool. Call with (dict "root" $ "pool" "prefill")
     {{- with .Values.model.hostPath.type }}
     type: {{ . }}
     {{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "splitserve.stateClaimName" -}}
+{{- default (printf "%s-state" (include "splitserve.fullname" .)) .Values.state.pvc.existingClaim }}
+{{- end }}
+
+{{/* The state store's volume of a Ray pod: none when serve.state_url names a database. */}}
+{{- define "splitserve.stateVolume" -}}
+{{- if not .Values.serve.state_url }}
+- name: state
+  persistentVolumeClaim:
+    claimName: {{ include "splitserve.stateClaimName" . }}
+{{- end }}
+{{- end }}
+
+{{/* Mounts the state volume at serve.state_dir, read-write (SQLite in WAL mode writes there). */}}
+{{- define "splitserve.stateVolumeMount" -}}
+{{- if not .Values.serve.state_url }}
+- name: state
+  mountPath: {{ .Values.serve.state_dir }}
 {{- end }}
 {{- end }}
 
@@ -253,6 +276,9 @@ initContainers:
 {{- end }}
 {{- if and .Values.serve.model (ne .Values.model.source "image") (not (hasPrefix "/" .Values.serve.model)) }}
 {{- fail (printf "serve.model must be an absolute path inside the pods, got %q" .Values.serve.model) }}
+{{- end }}
+{{- if and (not .Values.serve.state_url) (not (hasPrefix "/" (.Values.serve.state_dir | default ""))) }}
+{{- fail (printf "serve.state_dir must be an absolute path inside the pods (the state volume's mount), or set serve.state_url; got %q" (.Values.serve.state_dir | default "")) }}
 {{- end }}
 {{- if eq .Values.serve.http_port .Values.serve.grpc_port }}
 {{- fail "serve.http_port and serve.grpc_port must differ" }}

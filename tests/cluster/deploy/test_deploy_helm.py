@@ -238,6 +238,32 @@ def test_model_volume_is_mounted_at_serve_model(name):
 
 
 @pytest.mark.parametrize("name", VALUE_SETS)
+def test_state_volume_is_mounted_read_write_at_state_dir(name):
+    values = merged_values_of(name)
+    claims = {o["metadata"]["name"] for o in objects_of(name, "PersistentVolumeClaim")}
+    for group, template in deploy.iter_ray_pod_templates(ray_service_of(name)):
+        spec = template["spec"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        mounts = [m for c in spec["containers"] for m in c.get("volumeMounts", []) if m["name"] == "state"]
+        assert [m["mountPath"] for m in mounts] == [values["serve"]["state_dir"]], group
+        assert not mounts[0].get("readOnly")
+        assert volumes["state"]["persistentVolumeClaim"]["claimName"] in claims, group
+
+
+def test_state_url_mounts_no_state_volume():
+    objects = deploy.rendered_objects(
+        deploy.render_chart({"serve": {"state_url": "postgresql+psycopg://u@db/splitserve"}})
+    )
+    claims = [o for o in objects if o["kind"] == "PersistentVolumeClaim" and o["metadata"]["name"].endswith("-state")]
+    assert claims == []
+    (ray_service,) = [o for o in objects if o["kind"] == "RayService"]
+    for group, template in deploy.iter_ray_pod_templates(ray_service):
+        assert "state" not in {v["name"] for v in template["spec"]["volumes"]}, group
+    args = yaml.safe_load(ray_service["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert args["state_url"] == "postgresql+psycopg://u@db/splitserve"
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
 def test_service_exposes_the_head_frontends(name):
     (service,) = objects_of(name, "Service")
     values = merged_values_of(name)
@@ -336,6 +362,8 @@ def test_lint_reports_bad_values():
 CROSS_FIELD_ERRORS = {
     "mounted model without a path": ({"serve": {"model": None}}, "serve.model must be set"),
     "relative model path": ({"serve": {"model": "models/x"}}, "absolute path"),
+    "relative state dir": ({"serve": {"state_dir": "state"}}, "serve.state_dir must be an absolute path"),
+    "no state dir nor url": ({"serve": {"state_dir": None}}, "serve.state_dir must be an absolute path"),
     "min above max replicas": (
         {"serve": {"prefill": {"autoscaling": {"min_replicas": 5, "max_replicas": 2}}}},
         "min_replicas",

@@ -1,0 +1,111 @@
+"""The state store's tables, one SQLAlchemy MetaData for SQLite and Postgres.
+
+A feature that keeps state adds its tables to `metadata` in its own module and imports that
+module before `create_schema` runs (cluster/state/database.py imports the ones here).
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Column,
+    Engine,
+    Float,
+    ForeignKey,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    Text,
+    text,
+)
+
+metadata = MetaData()
+# Serialises schema creation across processes that start at once (Postgres advisory lock key).
+_SCHEMA_LOCK_KEY = 0x5370_6C69  # "Spli"
+
+# Uploaded files and the files the batch runner writes (purpose batch / batch_output).
+files = Table(
+    "files",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("purpose", String(32), nullable=False),
+    Column("filename", Text, nullable=False),
+    Column("bytes", BigInteger, nullable=False),
+    Column("created_at", BigInteger, nullable=False, index=True),
+    Column("expires_at", BigInteger, nullable=True),
+    Column("content", LargeBinary, nullable=False),
+)
+
+# One batch job; status moves only by compare-and-set (SqlBatchStore.transition).
+batches = Table(
+    "batches",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("endpoint", String(64), nullable=False),
+    Column("input_file_id", String(64), nullable=False),
+    Column("completion_window", String(16), nullable=False),
+    Column("status", String(16), nullable=False, index=True),
+    Column("created_at", BigInteger, nullable=False, index=True),
+    Column("expires_at", BigInteger, nullable=False),
+    Column("in_progress_at", BigInteger),
+    Column("finalizing_at", BigInteger),
+    Column("completed_at", BigInteger),
+    Column("failed_at", BigInteger),
+    Column("expired_at", BigInteger),
+    Column("cancelling_at", BigInteger),
+    Column("cancelled_at", BigInteger),
+    Column("output_file_id", String(64)),
+    Column("error_file_id", String(64)),
+    Column("total", Integer, nullable=False),
+    Column("metadata", JSON),
+    Column("errors", JSON),
+)
+
+# The input lines of a batch, copied in at create (the input file may be deleted later).
+batch_lines = Table(
+    "batch_lines",
+    metadata,
+    Column("batch_id", String(64), ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True),
+    Column("line_no", Integer, primary_key=True),
+    Column("custom_id", Text, nullable=False),
+    Column("body", JSON, nullable=False),
+)
+
+# One result per (batch, custom_id): the primary key makes a second write of the same line a
+# no-op, so a line run twice (its runner died after the request, before or after the write)
+# still appears exactly once in the output or error file.
+batch_results = Table(
+    "batch_results",
+    metadata,
+    Column("batch_id", String(64), ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True),
+    Column("custom_id", Text, primary_key=True),
+    Column("line_no", Integer, nullable=False),
+    Column("ok", Boolean, nullable=False),
+    Column("status_code", Integer, nullable=False),
+    Column("request_id", String(64), nullable=False),
+    Column("body", JSON, nullable=False),
+    Column("completion_tokens", Integer, nullable=False, default=0),
+    Column("finished_at", Float, nullable=False),
+)
+
+# Named leases: at most one holder at a time does a job (e.g. runs batches); a holder that
+# dies stops renewing and another takes over once expires_at (epoch seconds) passes.
+leases = Table(
+    "leases",
+    metadata,
+    Column("name", String(64), primary_key=True),
+    Column("holder", Text, nullable=False),
+    Column("expires_at", Float, nullable=False),
+)
+
+
+def create_schema(engine: Engine) -> None:
+    """Creates every missing table, under a lock, so processes starting together do not race."""
+    with engine.begin() as conn:
+        if engine.dialect.name == "postgresql":
+            conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _SCHEMA_LOCK_KEY})
+        metadata.create_all(conn, checkfirst=True)
