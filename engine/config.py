@@ -172,6 +172,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill)
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    # GiB of host memory per engine for the host KV tier (blocks the device evicts); 0 = off.
+    kv_offloading_size: float = 0.0
     dtype: str | None = None  # defaults to the checkpoint's dtype
     device: str = "cpu"
     seed: int = 0
@@ -198,5 +200,7 @@ class EngineConfig:
             raise ConfigError("max_num_batched_tokens must be >= block_size")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not self.kv_offloading_size >= 0:
+            raise ConfigError(f"kv_offloading_size must be >= 0 GiB, got {self.kv_offloading_size}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("max_model_len must be >= 1")

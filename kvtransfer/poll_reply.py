@@ -16,7 +16,7 @@ from splitserve.engine.core.kv_events import KVEvent
 from splitserve.engine.io.engine_stats import EngineStats
 from splitserve.kvtransfer.message_codec import MessageCodec
 
-POLL_VERSION = 2  # 2: status and error
+POLL_VERSION = 3  # 2: status and error; 3: KV events carry their tier, host-tier stats
 _codec = MessageCodec(POLL_VERSION)
 
 

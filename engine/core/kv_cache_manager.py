@@ -1,12 +1,19 @@
 """Maps sequences to KV blocks: prefix-cache lookup, slot allocation, caching, freeing.
 
-Pure integers (it owns the BlockPool); the model runner turns block tables into tensors.
+Pure integers (it owns the device BlockPool and, with num_host_blocks, the HostBlockPool);
+the model runner turns block tables into tensors, and a KVBlockMover (set by the engine)
+copies blocks between the tiers. With a host tier, a cached block the device pool evicts is
+written to host memory first (at eviction, in one copy per allocation), and a prompt whose
+prefix continues from the device into the host tier gets those blocks read back into fresh
+device blocks while it is admitted, before its chunk runs: a load, not a recompute.
 """
 
 from __future__ import annotations
 
 from splitserve.engine.core.block_pool import BlockPool
-from splitserve.engine.core.kv_events import KVEvent
+from splitserve.engine.core.host_block_pool import HostBlockPool
+from splitserve.engine.core.kv_cache_tier import KVBlockMover
+from splitserve.engine.core.kv_events import KVEvent, KVEventLog
 from splitserve.engine.core.sequence import Sequence
 
 
@@ -15,11 +22,22 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0):
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.events = KVEventLog()
+        self.pool = BlockPool(num_blocks, enable_caching, self.events)
+        self.host: HostBlockPool | None = None
+        self.mover: KVBlockMover | None = None
+        if num_host_blocks > 0 and enable_caching:
+            self.host = HostBlockPool(num_host_blocks, self.events)
+            self.pool.on_evict = self._offload
         self.num_lookup_tokens = 0
         self.num_hit_tokens = 0
+        self.num_host_hit_tokens = 0  # of num_hit_tokens: read back from the host tier
+
+    def set_mover(self, mover: KVBlockMover) -> None:
+        """The torch side that copies KV between the tiers (needed once a host tier exists)."""
+        self.mover = mover
 
     # ---- prefix cache --------------------------------------------------------------------
     def find_cached_blocks(self, seq: Sequence, max_tokens: int | None = None) -> list[int]:
@@ -29,12 +47,49 @@ class KVCacheManager:
         last token must still be computed to produce logits)."""
         seq.update_block_hashes()
         limit = seq.num_tokens - 1 if max_tokens is None else max_tokens
+        hashes = seq.block_hashes[: max(limit, 0) // self.block_size]
         blocks: list[int] = []
-        for h in seq.block_hashes[: max(limit, 0) // self.block_size]:
+        for h in hashes:
             block = self.pool.lookup(h)
             if block is None:
                 break
             blocks.append(block)
+        if self.host is not None and len(blocks) < len(hashes):
+            blocks += self._load_from_host(blocks, hashes[len(blocks) :])
+        return blocks
+
+    # ---- host tier -----------------------------------------------------------------------
+    def _offload(self, blocks: list[int], block_hashes: list[int]) -> None:
+        """BlockPool.on_evict: copy evicted cached blocks to the host tier before reuse."""
+        indices, slots = self.host.store(block_hashes)
+        if indices:
+            self.mover.save([blocks[i] for i in indices], slots)
+
+    def _load_from_host(self, device_prefix: list[int], rest: list[int]) -> list[int]:
+        """Read the leading blocks of `rest` that the host tier holds into fresh device blocks,
+        enter them into the device prefix cache and return them (unreferenced, like any cached
+        block find_cached_blocks returns). As many as the device pool has free blocks for."""
+        num = self.host.num_cached_prefix_blocks(rest)
+        num_revived = sum(1 for b in device_prefix if self.pool.ref_counts[b] == 0)
+        num = min(num, self.pool.num_free_blocks - num_revived)
+        if num <= 0:
+            return []
+        hashes = rest[:num]
+        slots = self.host.pin(hashes)
+        self.pool.touch(device_prefix)  # so making room cannot evict the prefix itself
+        loaded = False
+        try:
+            blocks = self.pool.allocate(num)  # may offload other blocks, never the pinned ones
+            try:
+                self.mover.load(slots, blocks)
+                loaded = True
+                self.pool.cache_blocks(blocks, hashes)
+            finally:
+                self.pool.free(blocks)  # cached (or, after a failed copy, plain free blocks)
+        finally:
+            self.pool.free(device_prefix)
+            self.host.unpin(hashes, loaded)
+        self.num_host_hit_tokens += num * self.block_size
         return blocks
 
     def num_new_blocks_needed(self, seq: Sequence, cached_blocks: list[int], num_new_tokens: int) -> int:
@@ -114,7 +169,10 @@ class KVCacheManager:
         return self.pool.usage
 
     def take_events(self) -> list[KVEvent]:
-        return self.pool.take_events()
+        return self.events.take()
 
-    def snapshot(self) -> tuple[int, list[int]]:
-        return self.pool.snapshot()
+    def snapshot(self) -> tuple[int, list[int]] | tuple[int, list[int], list[int]]:
+        """(last event's seq, device hashes), and the host tier's hashes third when it exists."""
+        if self.host is None:
+            return self.pool.snapshot()
+        return self.events.seq, self.pool.cached_hashes(), self.host.cached_hashes()
