@@ -214,6 +214,7 @@ def engine_config_for(cfg: ServeConfig, pool: EnginePoolConfig, model_dir: str) 
         "max_model_len": cfg.max_model_len,
         "dtype": cfg.dtype,
         "device": device,
+        "kv_offloading_size": cfg.kv_offloading_size,
         # Only decode speculates; prefill replicas sample one token per request.
         "speculative": cfg.speculative.model_dump() if pool is cfg.decode else None,
     }

@@ -48,15 +48,16 @@ class KVCacheManager:
         seq.update_block_hashes()
         limit = seq.num_tokens - 1 if max_tokens is None else max_tokens
         hashes = seq.block_hashes[: max(limit, 0) // self.block_size]
-        blocks: list[int] = []
+        host = self.host
+        plan: list[int | None] = []  # per leading block: its device block, or None: in host memory
         for h in hashes:
             block = self.pool.lookup(h)
-            if block is None:
+            if block is None and (host is None or host.lookup(h) is None):
                 break
-            blocks.append(block)
-        if self.host is not None and len(blocks) < len(hashes):
-            blocks += self._load_from_host(blocks, hashes[len(blocks) :])
-        return blocks
+            plan.append(block)
+        if host is not None and None in plan:
+            return self._load_from_host(plan, hashes)
+        return plan
 
     # ---- host tier -----------------------------------------------------------------------
     def _offload(self, blocks: list[int], block_hashes: list[int]) -> None:
@@ -65,32 +66,42 @@ class KVCacheManager:
         if indices:
             self.mover.save([blocks[i] for i in indices], slots)
 
-    def _load_from_host(self, device_prefix: list[int], rest: list[int]) -> list[int]:
-        """Read the leading blocks of `rest` that the host tier holds into fresh device blocks,
-        enter them into the device prefix cache and return them (unreferenced, like any cached
-        block find_cached_blocks returns). As many as the device pool has free blocks for."""
-        num = self.host.num_cached_prefix_blocks(rest)
-        num_revived = sum(1 for b in device_prefix if self.pool.ref_counts[b] == 0)
-        num = min(num, self.pool.num_free_blocks - num_revived)
-        if num <= 0:
-            return []
-        hashes = rest[:num]
-        slots = self.host.pin(hashes)
-        self.pool.touch(device_prefix)  # so making room cannot evict the prefix itself
+    def _load_from_host(self, plan: list[int | None], hashes: list[int]) -> list[int]:
+        """Read the prefix's blocks that only the host tier holds (None in plan) into fresh
+        device blocks, enter them into the device prefix cache and return the prefix's blocks
+        (unreferenced, like any cached block find_cached_blocks returns). The prefix ends
+        where the device pool has no free block left for a load."""
+        missing = [i for i, b in enumerate(plan) if b is None]
+        num_revived = sum(1 for b in plan if b is not None and self.pool.ref_counts[b] == 0)
+        room = max(self.pool.num_free_blocks - num_revived, 0)
+        if len(missing) > room:
+            plan, missing = plan[: missing[room]], missing[:room]
+        if not missing:
+            return plan
+        on_device = [b for b in plan if b is not None]
+        load_hashes = [hashes[i] for i in missing]
+        slots = self.host.pin(load_hashes)
+        self.pool.touch(on_device)  # so making room cannot evict the prefix itself
         loaded = False
         try:
-            blocks = self.pool.allocate(num)  # may offload other blocks, never the pinned ones
+            blocks = self.pool.allocate(len(missing))  # may offload other blocks, never the pinned ones
             try:
                 self.mover.load(slots, blocks)
+                self.pool.cache_blocks(blocks, load_hashes)
                 loaded = True
-                self.pool.cache_blocks(blocks, hashes)
-            finally:
-                self.pool.free(blocks)  # cached (or, after a failed copy, plain free blocks)
+            except BaseException:
+                self.pool.free(blocks)
+                raise
+        except BaseException:
+            self.pool.free(on_device)
+            raise
         finally:
-            self.pool.free(device_prefix)
-            self.host.unpin(hashes, loaded)
-        self.num_host_hit_tokens += num * self.block_size
-        return blocks
+            self.host.unpin(load_hashes, loaded)
+        for i, block in zip(missing, blocks):
+            plan[i] = block
+        self.pool.free(plan)  # in prompt order: the prefix's head stays cached longest
+        self.num_host_hit_tokens += len(missing) * self.block_size
+        return plan
 
     def num_new_blocks_needed(self, seq: Sequence, cached_blocks: list[int], num_new_tokens: int) -> int:
         num_computed = max(seq.num_computed_tokens, len(cached_blocks) * self.block_size)

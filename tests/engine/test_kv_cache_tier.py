@@ -127,6 +127,21 @@ def test_load_makes_room_without_evicting_its_own_prefix_or_sources():
     assert kv.pool.num_free_blocks == 4 and not kv.host._pinned
 
 
+def test_a_prefix_interleaving_the_tiers_loads_only_its_host_blocks():
+    kv, mover = _manager(num_device=6, num_host=16)
+    p = list(range(1, 14))  # blocks P0 P1 P2 (+1 token)
+    _run_prompt(kv, mover, p, "p")
+    _run_prompt(kv, mover, list(range(300, 321)), "q")  # 6 blocks: every P block to host
+    seq = Sequence("p-again", p, SamplingParams(), BS)
+    seq.update_block_hashes()
+    # Bring P1 alone back to the device (as a later turn's hit might): P0 host, P1 device, P2 host.
+    p1_block = kv._load_from_host([None], seq.block_hashes[1:2])[0]
+    assert kv.pool.lookup(seq.block_hashes[1]) == p1_block
+    loads = mover.loads
+    _, num_cached = _run_prompt(kv, mover, p, "p-again")
+    assert num_cached == 3 and mover.loads == loads + 1 and kv.pool.num_free_blocks == 6
+
+
 def test_load_is_bounded_by_free_device_blocks_and_frees_everything():
     kv, mover = _manager(num_device=6, num_host=16)
     p = list(range(1, 22))  # 5 full blocks + 1
