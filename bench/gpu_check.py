@@ -10,6 +10,8 @@
                 into GPU time and host overhead (the engine has no CUDA graphs)
   5 transfer    KV transfer between two processes on the one device: the same-device channel
                 (CUDA IPC, host-memory fallback), in-place and packed (gather/scatter) layouts
+  6 offload     the host KV tier: pinned host memory and side-stream copies bit-exact, their
+                bandwidth, load vs recompute per block, multi-turn greedy identical with the tier
 
 Each item is pass, fail, missed (a speed target not met) or info. OUT_DIR/gpu_check.md and
 gpu_check.json are rewritten after every check, so a run cut short still leaves its report; the
@@ -41,6 +43,7 @@ CHECKS = {
     "bandwidth": "3. Bandwidth",
     "throughput": "4. Engine decode throughput",
     "transfer": "5. KV transfer between two processes on one device",
+    "offload": "6. Host KV tier (kv_offloading_size)",
 }
 STATUSES = ("pass", "fail", "missed", "info")
 
@@ -172,7 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cpu":
         torch.set_num_threads(1)  # tiny shapes gain nothing from threads on a shared box
 
-    from splitserve.bench import gpu_check_engine, gpu_check_ops, gpu_check_throughput, gpu_check_transfer
+    from splitserve.bench import (
+        gpu_check_engine,
+        gpu_check_offload,
+        gpu_check_ops,
+        gpu_check_throughput,
+        gpu_check_transfer,
+    )
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     report = {"environment": _environment(torch, device, args), "checks": {}}
@@ -184,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             "bandwidth": lambda: gpu_check_ops.check_bandwidth(device, args.tiny),
             "throughput": lambda: gpu_check_throughput.check_throughput(device, args.tiny, work),
             "transfer": lambda: gpu_check_transfer.check_transfer(device, args.tiny),
+            "offload": lambda: gpu_check_offload.check_offload(device, args.tiny, work),
         }
         for name in [n for n in CHECKS if n in args.only.split(",")]:
             check_started = time.monotonic()

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
-CHECKS = ["parity", "kernels", "bandwidth", "throughput", "transfer"]
+CHECKS = ["parity", "kernels", "bandwidth", "throughput", "transfer", "offload"]
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +51,16 @@ def test_cpu_dry_run_passes_every_check(dry_run):
         for layout in ("in-place", "packed"):
             assert items[("transfer", f"{channel} {layout}")]["status"] == "pass"
     assert items[("throughput", "decode batch 8")]["numbers"]["tokens_per_s"] > 0
+    # The host KV tier: copies bit-exact, hits loaded, greedy tokens unchanged.
+    assert items[("offload", "save/load round trip")]["status"] == "pass"
+    assert items[("offload", "multi-turn greedy with the tier")]["numbers"]["loaded_blocks"] > 0
 
 
 def test_report_is_markdown_with_every_check(dry_run):
     _, out = dry_run
     text = (out / "gpu_check.md").read_text()
     assert text.startswith("# GPU check: cpu")
-    for title in ("Engine parity", "Triton kernels", "Bandwidth", "decode throughput", "KV transfer"):
+    for title in ("Engine parity", "Triton kernels", "Bandwidth", "decode throughput", "KV transfer", "Host KV tier"):
         assert f"{title}" in text
     assert "| llama fp32 logits | pass |" in text
 
