@@ -12,6 +12,8 @@
                 (CUDA IPC, host-memory fallback), in-place and packed (gather/scatter) layouts
   6 kv_quant    fp8 KV attention: the Triton kernel over an fp8 cache with per-(token, head)
                 scales vs the bf16 kernel, correctness and speed at batch 1/32/64/256
+  7 offload     the host KV tier: pinned host memory and side-stream copies bit-exact, their
+                bandwidth, load vs recompute per block, multi-turn greedy identical with the tier
 
 Each item is pass, fail, missed (a speed target not met) or info. OUT_DIR/gpu_check.md and
 gpu_check.json are rewritten after every check, so a run cut short still leaves its report; the
@@ -44,6 +46,7 @@ CHECKS = {
     "throughput": "4. Engine decode throughput",
     "transfer": "5. KV transfer between two processes on one device",
     "kv_quant": "6. fp8 KV attention vs the bf16 kernel",
+    "offload": "7. Host KV tier (kv_offloading_size)",
 }
 STATUSES = ("pass", "fail", "missed", "info")
 
@@ -178,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     from splitserve.bench import (
         gpu_check_engine,
         gpu_check_kv_quant,
+        gpu_check_offload,
         gpu_check_ops,
         gpu_check_throughput,
         gpu_check_transfer,
@@ -194,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             "throughput": lambda: gpu_check_throughput.check_throughput(device, args.tiny, work),
             "transfer": lambda: gpu_check_transfer.check_transfer(device, args.tiny),
             "kv_quant": lambda: gpu_check_kv_quant.check_fp8_kv(device, args.tiny),
+            "offload": lambda: gpu_check_offload.check_offload(device, args.tiny, work),
         }
         for name in [n for n in CHECKS if n in args.only.split(",")]:
             check_started = time.monotonic()

@@ -216,6 +216,9 @@ class ServeConfig(_Strict):
     """Quantize the decoder layers' matmul weights at load, layer by layer (also the draft model's): int8 (weight-only, per channel), fp8 (e4m3 W8A8), int4 (weight-only, groups of 128)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Engine device: auto = cuda for pools with num_gpus > 0."""
+    kv_offloading_size: float = Field(0.0, ge=0)
+    """GiB of host memory per prefill and decode replica for a host KV tier: blocks evicted
+    from the device cache are kept there and loaded back on a prefix hit; 0 = off."""
     prefill: PrefillPoolConfig = Field(default_factory=PrefillPoolConfig)
     """The prefill pool."""
     decode: DecodePoolConfig = Field(default_factory=DecodePoolConfig)

@@ -202,6 +202,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill)
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    # GiB of host memory per engine for the host KV tier (blocks the device evicts); 0 = off.
+    kv_offloading_size: float = 0.0
     dtype: str | None = None  # defaults to the checkpoint's dtype
     kv_cache_dtype: str = "auto"  # auto (the model's dtype), fp8 or int8 (quantized, with scales)
     # When set, the KV cache gets as many blocks as fit these bytes (scales included) and
@@ -250,5 +252,7 @@ class EngineConfig:
             self.kv_cache_memory_bytes = parse_memory_bytes(self.kv_cache_memory_bytes)
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if not self.kv_offloading_size >= 0:
+            raise ConfigError(f"kv_offloading_size must be >= 0 GiB, got {self.kv_offloading_size}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("max_model_len must be >= 1")

@@ -31,6 +31,7 @@ from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.engine.kv_cache_sizing import kv_bytes_per_block, resolve_num_kv_blocks
 from splitserve.engine.model.loader import load_model
 from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.ops.host_kv_cache import HostKVCache, num_host_blocks
 from splitserve.engine.ops.kv_cache import KVCache
 from splitserve.engine.sample.grammar_compiler import GrammarCompiler
 from splitserve.engine.spec.speculator import Speculator
@@ -67,7 +68,12 @@ class LLMEngine:
             self.model_config, config.block_size, config.kv_cache_dtype, config.dtype
         )
         self.kv_cache = KVCache(self.model_config, config)
-        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        # The host KV tier (kv_offloading_size): evicted blocks kept in host memory, read back on a hit.
+        num_host = num_host_blocks(self.kv_cache, config.kv_offloading_size)
+        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching, num_host)
+        self.host_kv_cache = HostKVCache(self.kv_cache, num_host) if self.kv.host is not None else None
+        if self.host_kv_cache is not None:
+            self.kv.set_mover(self.host_kv_cache)
         eos = self.tokenizer.eos_token_ids or self.model_config.eos_token_ids
         # In-process: every grammar here passed the ingress's static bounds and its isolated
         # compile check; the compiler re-checks the bounds before llguidance sees it anyway.
@@ -362,8 +368,9 @@ class LLMEngine:
         """KV events since the last call, in order."""
         return self.kv.take_events()
 
-    def snapshot(self) -> tuple[int, list[int]]:
-        """(sequence number of the last KV event, every cached block hash) for a full resync."""
+    def snapshot(self) -> tuple[int, list[int]] | tuple[int, list[int], list[int]]:
+        """(sequence number of the last KV event, every cached block hash) for a full resync;
+        with a host tier, the hashes it holds come third."""
         return self.kv.snapshot()
 
     def stats(self) -> EngineStats:
@@ -379,10 +386,27 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_computed_prompt_tokens=self.scheduler.num_computed_prompt_tokens,
             num_prefix_hit_tokens=self.kv.num_hit_tokens,
+            **self._host_tier_stats(),
             **self.grammar.stats(),
             **self.runner.grammar_mask.stats(),
             **(self.speculator.stats() if self.speculator is not None else {}),
         )
+
+    def _host_tier_stats(self) -> dict:
+        host, mover = self.kv.host, self.host_kv_cache
+        if host is None:
+            return {}
+        return {
+            "host_num_blocks": host.num_blocks,
+            "host_num_used_blocks": host.num_used_blocks,
+            "host_stored_blocks": host.num_stored_blocks,
+            "host_loaded_blocks": host.num_loaded_blocks,
+            "host_evicted_blocks": host.num_evicted_blocks,
+            "host_hit_tokens": self.kv.num_host_hit_tokens,
+            "host_loads": mover.num_loads,
+            "host_load_seconds": mover.load_seconds,
+            "host_save_seconds": mover.save_seconds,
+        }
 
     @property
     def device(self) -> torch.device:

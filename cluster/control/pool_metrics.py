@@ -1,13 +1,14 @@
 """PoolMetrics: the Prometheus series the controller owns -- one per pool or per replica,
 measured once (by the controller's probes), not once per ingress: replica counts, queue
 depth, running requests, KV usage, blocks and bytes per block per replica, preemptions, KV moved prefill -> decode, the
-replicas' grammar work and speculative decoding, and the autoscaler's decisions. Labelled `model_name` like the
+replicas' grammar work, speculative decoding and host KV tier, and the autoscaler's decisions. Labelled `model_name` like the
 ingresses' series. A replica that leaves has its series removed."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from splitserve.cluster.control.host_tier_metrics import HostTierMetrics
 from splitserve.cluster.control.spec_decode_metrics import SpecDecodeMetrics
 from splitserve.cluster.metric_families import ModelFamilies
 from splitserve.proto.messages.poll_reply import PollReply
@@ -44,6 +45,7 @@ class PoolMetrics:
             "splitserve_grammar_cache_entries_replica", "Compiled grammars a replica caches now", "pool", "replica"
         )
         self.spec_decode = SpecDecodeMetrics(f.counter, f.gauge)
+        self.host_tier = HostTierMetrics(f.counter, f.gauge)
         # Every family labelled by replica: forget_replica removes a replica's series from each.
         self.per_replica = (self.kv_usage, self.kv_blocks, self.kv_block_bytes, self.grammar_cache_entries)
         self._last_transfer: dict[str, tuple[float, float]] = {}
@@ -66,6 +68,7 @@ class PoolMetrics:
             counter.labels(pool).inc(max(value - previous, 0))
             self._last_grammar[(replica_id, stat)] = value
         self.spec_decode.observe(pool, replica_id, poll.engine)
+        self.host_tier.observe(pool, replica_id, poll.engine)
         if pool == "decode":
             transfer = poll.transfer
             prev_bytes, prev_secs = self._last_transfer.get(replica_id, (0.0, 0.0))
@@ -90,6 +93,7 @@ class PoolMetrics:
         for key in [k for k in self._last_grammar if k[0] == replica_id]:
             del self._last_grammar[key]
         self.spec_decode.forget_replica(replica_id)
+        self.host_tier.forget_replica(pool, replica_id)
 
     def render(self) -> bytes:
         """These series only (the merged view: MetricsAggregator)."""

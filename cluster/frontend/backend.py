@@ -88,7 +88,10 @@ class ServingBackend:
             autoscale=controller is None,
             ingress_id=self.ingress_id,
         )
-        self.metrics.registry.register(RouterViewCollector(self.model_name, self.ingress_id, self._indexed_blocks))
+        host_blocks = self._indexed_host_blocks if cfg.kv_offloading_size > 0 else None
+        self.metrics.registry.register(
+            RouterViewCollector(self.model_name, self.ingress_id, self._indexed_blocks, host_blocks)
+        )
         self.num_inflight = 0
         self._inflight_by_key: dict[str, int] = defaultdict(int)
 
@@ -98,6 +101,10 @@ class ServingBackend:
     def _indexed_blocks(self) -> dict[str, int]:
         router = self.cluster.router
         return {pool: router.index(pool).num_indexed_hashes for pool in (PREFILL, DECODE)}
+
+    def _indexed_host_blocks(self) -> dict[str, int]:
+        router = self.cluster.router
+        return {pool: router.index(pool).num_indexed_host_hashes for pool in (PREFILL, DECODE)}
 
     async def shutdown(self) -> None:
         self.grammar.close()

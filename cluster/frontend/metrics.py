@@ -80,17 +80,29 @@ class RouterViewCollector(Collector):
     """splitserve_router_indexed_blocks{pool, ingress}: the block hashes this ingress's router
     indexes per pool, read at collect time. Every ingress follows the same KV event streams,
     so their series should agree; one that trails the others is lagging those streams (and
-    routes some prefixes away from the replica that holds them)."""
+    routes some prefixes away from the replica that holds them). With host_blocks (the
+    replicas have a host KV tier) the series split by a `tier` label: device and host."""
 
-    def __init__(self, model_name: str, ingress_id: str, indexed_blocks: Callable[[], dict[str, int]]):
+    def __init__(
+        self,
+        model_name: str,
+        ingress_id: str,
+        indexed_blocks: Callable[[], dict[str, int]],
+        host_blocks: Callable[[], dict[str, int]] | None = None,
+    ):
         self.model_name, self.ingress_id, self.indexed_blocks = model_name, ingress_id, indexed_blocks
+        self.host_blocks = host_blocks
 
     def collect(self):
+        tiered = self.host_blocks is not None
         family = GaugeMetricFamily(
             "splitserve_router_indexed_blocks",
-            "Block hashes this ingress's router indexes, per pool",
-            labels=["model_name", "pool", "ingress"],
+            "Block hashes this ingress's router indexes, per pool" + (" and KV tier" if tiered else ""),
+            labels=["model_name", "pool", "ingress"] + (["tier"] if tiered else []),
         )
         for pool, num_hashes in self.indexed_blocks().items():
-            family.add_metric([self.model_name, pool, self.ingress_id], num_hashes)
+            family.add_metric([self.model_name, pool, self.ingress_id] + (["device"] if tiered else []), num_hashes)
+        if tiered:
+            for pool, num_hashes in self.host_blocks().items():
+                family.add_metric([self.model_name, pool, self.ingress_id, "host"], num_hashes)
         yield family

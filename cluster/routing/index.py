@@ -7,6 +7,11 @@ Layout (chosen for speed, see bench/router_microbench.py):
   * per replica: the set of hashes it holds (for num_blocks, removal and resync) and the
     sequence number of the last applied event.
 
+Tiers: a replica with a host KV tier (kv_offloading_size) also reports the blocks it keeps in
+host memory (events tagged `host`). They are indexed apart, in a second hash -> bitmask map and
+per-replica set, and tiered_prefix_match() counts, per replica, the leading blocks on its
+device and how far the prefix continues through either tier (the rest loads, not recomputes).
+
 Consistency: events must arrive with consecutive seq numbers per replica. Duplicates
 (seq <= last applied) are ignored; a gap marks the replica `needs_resync` and further events
 are refused until resync() replaces its entries from a BlockPool.snapshot(). Stale entries
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 
-from splitserve.proto.messages.kv_events import REMOVED, STORED, KVEvent
+from splitserve.proto.messages.kv_events import DEVICE, HOST, REMOVED, STORED, KVEvent
 
 ReplicaId = Hashable
 
@@ -28,19 +33,21 @@ class KVEventError(ValueError):
 
 
 class _ReplicaEntry:
-    __slots__ = ("slot", "bit", "hashes", "last_seq", "needs_resync")
+    __slots__ = ("slot", "bit", "hashes", "host_hashes", "last_seq", "needs_resync")
 
     def __init__(self, slot: int, last_seq: int):
         self.slot = slot
         self.bit = 1 << slot
         self.hashes: set[int] = set()
+        self.host_hashes: set[int] = set()
         self.last_seq = last_seq
         self.needs_resync = False
 
 
 class KVIndex:
     def __init__(self) -> None:
-        self._holders: dict[int, int] = {}  # block hash -> bitmask of slots
+        self._holders: dict[int, int] = {}  # block hash -> bitmask of slots (device tier)
+        self._host_holders: dict[int, int] = {}  # the same for the host tier
         self._replicas: dict[ReplicaId, _ReplicaEntry] = {}
         self._slot_owner: list[ReplicaId | None] = []  # slot -> replica id
         self._free_slots: list[int] = []
@@ -48,8 +55,10 @@ class KVIndex:
         self._unknown_needing_resync: set[ReplicaId] = set()
 
     # ---- membership ----------------------------------------------------------------------
-    def add_replica(self, replica_id: ReplicaId, snapshot_seq: int = 0, hashes: Iterable[int] = ()) -> None:
-        """Start indexing a replica from its BlockPool.snapshot()."""
+    def add_replica(
+        self, replica_id: ReplicaId, snapshot_seq: int = 0, hashes: Iterable[int] = (), host_hashes: Iterable[int] = ()
+    ) -> None:
+        """Start indexing a replica from its engine's snapshot() (host_hashes: its host tier's)."""
         if replica_id in self._replicas:
             raise ValueError(f"replica {replica_id!r} is already indexed; use resync()")
         if snapshot_seq < 0:
@@ -63,6 +72,7 @@ class KVIndex:
         self._replicas[replica_id] = entry
         self._unknown_needing_resync.discard(replica_id)
         self._store(entry, hashes if isinstance(hashes, (list, tuple, set)) else list(hashes))
+        self._store(entry, list(host_hashes), HOST)
 
     def remove_replica(self, replica_id: ReplicaId) -> None:
         """Drop every entry of a dead or drained replica. Unknown ids are ignored."""
@@ -71,13 +81,16 @@ class KVIndex:
         if entry is None:
             return
         self._remove(entry, entry.hashes)
+        self._remove(entry, entry.host_hashes, HOST)
         self._slot_owner[entry.slot] = None
         self._free_slots.append(entry.slot)
 
-    def resync(self, replica_id: ReplicaId, snapshot_seq: int, hashes: Iterable[int]) -> None:
+    def resync(
+        self, replica_id: ReplicaId, snapshot_seq: int, hashes: Iterable[int], host_hashes: Iterable[int] = ()
+    ) -> None:
         """Replace a replica's entries with a fresh snapshot (adds it if unknown)."""
         if replica_id not in self._replicas:
-            self.add_replica(replica_id, snapshot_seq, hashes)
+            self.add_replica(replica_id, snapshot_seq, hashes, host_hashes)
             return
         if snapshot_seq < 0:
             raise ValueError("snapshot_seq must be >= 0")
@@ -85,6 +98,9 @@ class KVIndex:
         new = set(hashes)
         self._remove(entry, entry.hashes - new)
         self._store(entry, new - entry.hashes)
+        new_host = set(host_hashes)
+        self._remove(entry, entry.host_hashes - new_host, HOST)
+        self._store(entry, new_host - entry.host_hashes, HOST)
         entry.last_seq = snapshot_seq
         entry.needs_resync = False
 
@@ -108,34 +124,34 @@ class KVIndex:
                 try:
                     event = KVEvent.from_wire(event)
                 except ValueError as exc:
-                    raise KVEventError(f"bad KV event {event!r}: want [seq, kind, hashes] ({exc})") from None
-            seq, kind, hashes = event.seq, event.kind, event.block_hashes
+                    raise KVEventError(f"bad KV event {event!r}: want [seq, kind, hashes, tier] ({exc})") from None
+            seq, kind, hashes, tier = event.seq, event.kind, event.block_hashes, event.tier
             if seq <= entry.last_seq:
                 continue  # duplicate delivery
             if seq != entry.last_seq + 1:
                 entry.needs_resync = True
                 return False
             if kind == STORED:
-                self._store(entry, hashes)
+                self._store(entry, hashes, tier)
             elif kind == REMOVED:
-                self._remove(entry, hashes)
+                self._remove(entry, hashes, tier)
             else:
                 raise KVEventError(f"unknown KV event kind {kind!r}")
             entry.last_seq = seq
         return True
 
     # hashes must be re-iterable (list, tuple, set): they are walked twice.
-    def _store(self, entry: _ReplicaEntry, hashes: Iterable[int]) -> None:
+    def _store(self, entry: _ReplicaEntry, hashes: Iterable[int], tier: str = DEVICE) -> None:
         bit = entry.bit
-        holders = self._holders
+        holders = self._holders if tier == DEVICE else self._host_holders
         get = holders.get
         for h in hashes:
             holders[h] = get(h, 0) | bit
-        entry.hashes.update(hashes)
+        (entry.hashes if tier == DEVICE else entry.host_hashes).update(hashes)
 
-    def _remove(self, entry: _ReplicaEntry, hashes: Iterable[int]) -> None:
+    def _remove(self, entry: _ReplicaEntry, hashes: Iterable[int], tier: str = DEVICE) -> None:
         keep = ~entry.bit
-        holders = self._holders
+        holders = self._holders if tier == DEVICE else self._host_holders
         get = holders.get
         for h in hashes:
             mask = get(h)
@@ -146,7 +162,7 @@ class KVIndex:
                 holders[h] = mask
             else:
                 del holders[h]
-        entry.hashes.difference_update(hashes)
+        (entry.hashes if tier == DEVICE else entry.host_hashes).difference_update(hashes)
 
     # ---- queries -------------------------------------------------------------------------
     def prefix_match(
@@ -158,6 +174,22 @@ class KVIndex:
         restricts the candidates (unknown ids are ignored). One walk over the hashes; stops
         as soon as no candidate holds the next block.
         """
+        return self._match(block_hashes, replica_ids, self._holders.get)
+
+    def tiered_prefix_match(
+        self, block_hashes: Sequence[int], replica_ids: Iterable[ReplicaId] | None = None
+    ) -> tuple[dict[ReplicaId, int], dict[ReplicaId, int]]:
+        """(device, either): per replica, the leading blocks its device holds, and the leading
+        blocks it holds in either tier (>= device; the difference loads from host memory).
+        Without host-tier entries, a single walk and `either` is `device`."""
+        device = self._match(block_hashes, replica_ids, self._holders.get)
+        if not self._host_holders:
+            return device, device
+        dev_get, host_get = self._holders.get, self._host_holders.get
+        either = self._match(block_hashes, replica_ids, lambda h, d=0: dev_get(h, 0) | host_get(h, 0))
+        return device, either
+
+    def _match(self, block_hashes, replica_ids, get) -> dict[ReplicaId, int]:
         if replica_ids is None:
             candidates = -1  # all bits
         else:
@@ -171,7 +203,6 @@ class KVIndex:
                 return {}
         result: dict[ReplicaId, int] = {}
         owners = self._slot_owner
-        get = self._holders.get
         num_matched = 0
         for h in block_hashes:
             alive = get(h, 0) & candidates
@@ -193,9 +224,11 @@ class KVIndex:
             result[owners[low.bit_length() - 1]] = num_matched
             mask ^= low
 
-    def num_blocks(self, replica_id: ReplicaId) -> int:
+    def num_blocks(self, replica_id: ReplicaId, tier: str = DEVICE) -> int:
         entry = self._replicas.get(replica_id)
-        return len(entry.hashes) if entry is not None else 0
+        if entry is None:
+            return 0
+        return len(entry.hashes if tier == DEVICE else entry.host_hashes)
 
     def replica_hashes(self, replica_id: ReplicaId) -> frozenset[int]:
         """Every hash the index believes replica_id holds."""
@@ -230,5 +263,10 @@ class KVIndex:
 
     @property
     def num_indexed_hashes(self) -> int:
-        """Distinct block hashes held by at least one replica."""
+        """Distinct block hashes held by at least one replica's device tier."""
         return len(self._holders)
+
+    @property
+    def num_indexed_host_hashes(self) -> int:
+        """Distinct block hashes held by at least one replica's host tier."""
+        return len(self._host_holders)

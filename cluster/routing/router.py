@@ -13,6 +13,12 @@ recomputed to get the first logits), in token-equivalents, lowest wins:
           - prefix_weight  * cached            # credit for reuse
           [+ kv_usage_weight * kv_usage]       # decode pool only: room for the new sequence
 
+where cached = device_cached + host_hit_weight * host_cached: blocks in a replica's host KV
+tier (kv_offloading_size) extend its device prefix at a discount, as loading them back costs
+a fraction of recomputing them. So a device hit beats a host hit beats a miss, other things
+equal. The tokens a replica holds in either tier are not recomputed there (decode's local
+prefill threshold and the transfer size count them).
+
 It is a weighted trade-off, not an imbalance gate: a prefix holder wins until its extra
 queue outweighs (1 + prefix_weight) * cached tokens. The decode replica is chosen first (its
 cached blocks need not be transferred); if fewer than local_prefill_threshold uncached tokens
@@ -63,14 +69,17 @@ class RouteDecision:
     prefill_replica: Hashable | None  # None: the decode replica prefills locally
     decode_replica: Hashable
     num_prompt_tokens: int
-    prefill_cached_tokens: int  # prompt tokens cached on the prefill replica (0 if None)
-    decode_cached_tokens: int  # prompt tokens already cached on the decode replica
+    prefill_cached_tokens: int  # prompt tokens cached on the prefill replica, either tier (0 if None)
+    decode_cached_tokens: int  # prompt tokens already cached on the decode replica, either tier
     num_transfer_tokens: int  # KV tokens to move prefill -> decode (0 if local)
     reason: str  # "kv-prefix", "load", "local-prefill", ...
     block_hashes: tuple[int, ...]  # chained hashes of the prompt's full blocks
     # The request's shares of the chosen replicas' pending load (prefill's first, if any):
     # the caller releases each when the request leaves that replica (release_claims).
     claims: tuple[PendingClaim, ...] = field(default=(), compare=False, repr=False)
+    # Of the cached tokens above, those in the replica's host tier (loaded back, not recomputed).
+    prefill_host_cached_tokens: int = 0
+    decode_host_cached_tokens: int = 0
 
     @property
     def local_prefill(self) -> bool:
@@ -126,13 +135,14 @@ class Router:
         return self._selectors[policy]
 
     # ---- registration and reports --------------------------------------------------------
-    def add_replica(self, pool: str, replica_id: Hashable, snapshot: tuple[int, Iterable[int]] | None = None) -> None:
-        """Register a replica; snapshot is its BlockPool.snapshot() (None: empty cache)."""
+    def add_replica(self, pool: str, replica_id: Hashable, snapshot: tuple | None = None) -> None:
+        """Register a replica; snapshot is its engine's snapshot(): (seq, device hashes), and
+        its host tier's hashes third when it has one (None: empty cache)."""
         loads = self._pool(pool)
         if replica_id in loads:
             raise ValueError(f"{pool} replica {replica_id!r} is already registered")
-        seq, hashes = snapshot if snapshot is not None else (0, ())
-        self._indexes[pool].add_replica(replica_id, seq, hashes)
+        seq, hashes, *host = snapshot if snapshot is not None else (0, ())
+        self._indexes[pool].add_replica(replica_id, seq, hashes, host[0] if host else ())
         loads[replica_id] = ReplicaLoad(replica_id)
 
     def remove_replica(self, pool: str, replica_id: Hashable) -> None:
@@ -159,10 +169,10 @@ class Router:
             return False
         return self._indexes[pool].apply_events(replica_id, events)
 
-    def resync(self, pool: str, replica_id: Hashable, snapshot: tuple[int, Iterable[int]]) -> None:
+    def resync(self, pool: str, replica_id: Hashable, snapshot: tuple) -> None:
         self._load(pool, replica_id)
-        seq, hashes = snapshot
-        self._indexes[pool].resync(replica_id, seq, hashes)
+        seq, hashes, *host = snapshot
+        self._indexes[pool].resync(replica_id, seq, hashes, host[0] if host else ())
 
     def replicas_needing_resync(self, pool: str) -> list[Hashable]:
         loads = self._pool(pool)
@@ -202,7 +212,7 @@ class Router:
         prefill_cands = self._candidates(PREFILL, exclude_prefill)
         selector = self.selector
         picked = selector.select(self._view(DECODE, decode_cands), hashes, num_tokens)
-        decode, decode_cached = picked.replica, picked.cached_tokens
+        decode, decode_cached, decode_host = picked.replica, picked.cached_tokens, picked.host_tokens
         remainder = num_tokens - decode_cached
         if remainder < self.config.local_prefill_threshold or not prefill_cands:
             if remainder >= self.config.local_prefill_threshold:
@@ -212,16 +222,27 @@ class Router:
             else:
                 reason = "local-prefill"
             claims = (decode.add_pending(remainder),)
-            return self._decide(None, decode, num_tokens, 0, decode_cached, 0, reason, hashes, claims)
+            return self._decide(
+                None, decode, num_tokens, (0, 0), (decode_cached, decode_host), 0, reason, hashes, claims
+            )
 
         picked = selector.select(self._view(PREFILL, prefill_cands), hashes, num_tokens)
         prefill, prefill_cached, reason = picked.replica, picked.cached_tokens, picked.reason
+        prefill_host = picked.host_tokens
         claims = (
             prefill.add_pending(num_tokens - prefill_cached),
             decode.add_pending(0),  # a new sequence on decode; its prompt is prefilled elsewhere
         )
         return self._decide(
-            prefill, decode, num_tokens, prefill_cached, decode_cached, remainder, reason, hashes, claims
+            prefill,
+            decode,
+            num_tokens,
+            (prefill_cached, prefill_host),
+            (decode_cached, decode_host),
+            remainder,
+            reason,
+            hashes,
+            claims,
         )
 
     def _prompt_hashes(self, token_ids, num_prompt_tokens, block_hashes) -> tuple[tuple, int]:
@@ -257,8 +278,8 @@ class Router:
         prefill: ReplicaLoad | None,
         decode: ReplicaLoad,
         num_tokens: int,
-        prefill_cached: int,
-        decode_cached: int,
+        prefill_cached: tuple[int, int],
+        decode_cached: tuple[int, int],
         num_transfer: int,
         reason: str,
         hashes: tuple,
@@ -269,12 +290,14 @@ class Router:
             prefill_replica=prefill.replica_id if prefill is not None else None,
             decode_replica=decode.replica_id,
             num_prompt_tokens=num_tokens,
-            prefill_cached_tokens=prefill_cached,
-            decode_cached_tokens=decode_cached,
+            prefill_cached_tokens=prefill_cached[0],
+            decode_cached_tokens=decode_cached[0],
             num_transfer_tokens=num_transfer,
             reason=reason,
             block_hashes=hashes,
             claims=claims,
+            prefill_host_cached_tokens=prefill_cached[1],
+            decode_host_cached_tokens=decode_cached[1],
         )
 
     def _pool(self, pool: str) -> dict[Hashable, ReplicaLoad]:

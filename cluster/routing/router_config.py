@@ -23,6 +23,10 @@ class RouterConfig(BaseModel):
     """kv policy: cost per queued prefill token."""
     running_weight: float = Field(64.0, ge=0)
     """kv policy: cost per running request."""
+    host_hit_weight: float = Field(0.99, ge=0, le=1)
+    """kv policy: a prompt token in a replica's host KV tier counts as this fraction of one on
+    its device: 1 - load time / recompute time per block, measured 0.995-0.999 on CPU
+    (bench/results/kv_offload.md); gpu_check's offload check measures it on a GPU."""
     local_prefill_threshold: int = Field(32, ge=0)
     """Conditional disaggregation: when fewer uncached prompt tokens than this remain on the
     chosen decode replica, it prefills them itself and no KV moves."""

@@ -41,8 +41,9 @@ class PoolView:
 @dataclass(frozen=True)
 class Selection:
     replica: ReplicaLoad
-    cached_tokens: int  # prompt tokens the replica already caches (0 for prefix-blind selectors)
+    cached_tokens: int  # prompt tokens the replica already caches, either tier (0 for prefix-blind selectors)
     reason: str  # "kv-prefix", "load", "load-over-prefix", or the blind policy's name
+    host_tokens: int = 0  # of cached_tokens, those in the replica's host KV tier (loaded, not recomputed)
 
 
 class WorkerSelector(ABC):
@@ -63,7 +64,9 @@ def _load_cost(view: PoolView, load: ReplicaLoad) -> float:
 
 
 class KVSelector(WorkerSelector):
-    """Lowest cost: load + work left - credit for the cached prefix; ties broken by rng."""
+    """Lowest cost: load + work left - credit for the cached prefix; ties broken by rng. A prefix
+    block in a replica's host KV tier is credited at `host_hit_weight` of a device block (it is
+    loaded back, not recomputed, but the load costs something), so device hit > host hit > miss."""
 
     def __init__(self, rng: random.Random, block_size: int):
         self.rng = rng
@@ -72,28 +75,33 @@ class KVSelector(WorkerSelector):
     def select(self, view: PoolView, hashes: tuple[int, ...], num_tokens: int) -> Selection:
         cands = view.candidates
         all_registered = len(cands) == view.num_registered
-        matched = view.index.prefix_match(hashes, None if all_registered else [c.replica_id for c in cands])
-        pw, bs = view.config.prefix_weight, self.block_size
+        device, either = view.index.tiered_prefix_match(
+            hashes, None if all_registered else [c.replica_id for c in cands]
+        )
+        pw, hw, bs = view.config.prefix_weight, view.config.host_hit_weight, self.block_size
         max_cached = num_tokens - 1
         best_cost = float("inf")
-        ties: list[tuple[ReplicaLoad, int]] = []
+        ties: list[tuple[ReplicaLoad, int, int]] = []
         for load in cands:
-            cached = min(matched.get(load.replica_id, 0) * bs, max_cached) if matched else 0
-            cost = _load_cost(view, load) + (num_tokens - cached) - pw * cached
+            rid = load.replica_id
+            on_device = min(device.get(rid, 0) * bs, max_cached) if device else 0
+            cached = min(either.get(rid, 0) * bs, max_cached) if either else 0
+            credited = on_device + hw * (cached - on_device)
+            cost = _load_cost(view, load) + (num_tokens - credited) - pw * credited
             if cost < best_cost - TIE_EPSILON:
                 best_cost = cost
-                ties = [(load, cached)]
+                ties = [(load, cached, cached - on_device)]
             elif cost <= best_cost + TIE_EPSILON:
-                ties.append((load, cached))
-        chosen, cached = ties[0] if len(ties) == 1 else self.rng.choice(ties)
-        best_blocks = max(matched.values(), default=0)
+                ties.append((load, cached, cached - on_device))
+        chosen, cached, on_host = ties[0] if len(ties) == 1 else self.rng.choice(ties)
+        best_blocks = max(either.values(), default=0)
         if best_blocks == 0:
             reason = "load"
-        elif matched.get(chosen.replica_id, 0) == best_blocks:
+        elif either.get(chosen.replica_id, 0) == best_blocks:
             reason = "kv-prefix"
         else:
             reason = "load-over-prefix"  # a longer prefix existed but its replica was busier
-        return Selection(chosen, cached, reason)
+        return Selection(chosen, cached, reason, on_host)
 
 
 class RoundRobinSelector(WorkerSelector):

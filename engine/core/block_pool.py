@@ -1,59 +1,54 @@
-"""Block pool: reference counts, prefix-cache map and an LRU free queue. Pure integers.
+"""Block pool: the device KV cache tier -- reference counts, prefix-cache map and an LRU free
+queue. Pure integers.
 
 Free blocks keep their hash until the block is handed out again, so a later request with the
 same prefix can revive them. Every change to the set of cached hashes is recorded as a KV
-event (`stored` / `removed`) with a per-pool sequence number; outside indexes (the router)
-drain them with take_events() and resync from snapshot() when they see a gap.
+event (`stored` / `removed`) in the replica's KVEventLog; outside indexes (the router) drain
+them with take_events() and resync from snapshot() when they see a gap. A cached block about
+to be handed out again is first passed to on_evict (the host tier copies it out), while its
+KV is still intact.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
-from splitserve.proto.messages.kv_events import REMOVED, STORED, KVEvent
+from splitserve.engine.core.kv_cache_tier import KVCacheTier
+from splitserve.engine.core.kv_event_log import KVEventLog
+from splitserve.proto.messages.kv_events import DEVICE, REMOVED, STORED
+
+# Called with (blocks, their hashes) just before allocate() hands cached blocks out again.
+EvictHook = Callable[[list[int], list[int]], None]
 
 
 class NoFreeBlocksError(RuntimeError):
     """Asked for more blocks than the pool has free."""
 
 
-class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
-        if num_blocks < 1:
-            raise ValueError("num_blocks must be >= 1")
-        self.num_blocks = num_blocks
+class BlockPool(KVCacheTier):
+    tier = DEVICE
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True, events: KVEventLog | None = None):
+        super().__init__(num_blocks, events)
         self.enable_caching = enable_caching
         self.ref_counts = [0] * num_blocks
         self.block_hashes: list[int | None] = [None] * num_blocks
         self.hash_to_block: dict[int, int] = {}
         # Head = next to reuse. Blocks without a hash go to the head so cached ones live longest.
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        self.event_seq = 0
-        self._events: list[KVEvent] = []
+        self.on_evict: EvictHook | None = None
 
     # ---- queries -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_queue)
 
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_queue)
-
-    @property
-    def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks
-
     def lookup(self, block_hash: int) -> int | None:
         return self.hash_to_block.get(block_hash) if self.enable_caching else None
 
-    def num_cached_prefix_blocks(self, block_hashes: list[int]) -> int:
-        n = 0
-        for h in block_hashes:
-            if self.lookup(h) is None:
-                break
-            n += 1
-        return n
+    def cached_hashes(self) -> list[int]:
+        return list(self.hash_to_block)
 
     # ---- allocation ----------------------------------------------------------------------
     def allocate(self, num_blocks: int) -> list[int]:
@@ -62,6 +57,7 @@ class BlockPool:
             raise NoFreeBlocksError(f"need {num_blocks} blocks, {len(self.free_queue)} free")
         blocks = []
         evicted = []
+        evicted_blocks = []
         for _ in range(num_blocks):
             block, _ = self.free_queue.popitem(last=False)
             old = self.block_hashes[block]
@@ -70,8 +66,11 @@ class BlockPool:
                 if self.hash_to_block.get(old) == block:
                     del self.hash_to_block[old]
                     evicted.append(old)
+                    evicted_blocks.append(block)
             self.ref_counts[block] = 1
             blocks.append(block)
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted_blocks, evicted)  # before anyone writes them
         if evicted:
             self._emit(REMOVED, evicted)
         return blocks
@@ -121,14 +120,6 @@ class BlockPool:
             self._emit(REMOVED, dropped)
 
     # ---- events --------------------------------------------------------------------------
-    def _emit(self, kind: str, hashes: list[int]) -> None:
-        self.event_seq += 1
-        self._events.append(KVEvent(self.event_seq, kind, tuple(hashes)))
-
-    def take_events(self) -> list[KVEvent]:
-        events, self._events = self._events, []
-        return events
-
     def snapshot(self) -> tuple[int, list[int]]:
         """(sequence number of the last event, every cached hash) for a full resync."""
         return self.event_seq, list(self.hash_to_block)

@@ -1,11 +1,19 @@
 """Maps sequences to KV blocks: prefix-cache lookup, slot allocation, caching, freeing.
 
-Pure integers (it owns the BlockPool); the model runner turns block tables into tensors.
+Pure integers (it owns the device BlockPool and, with num_host_blocks, the HostBlockPool);
+the model runner turns block tables into tensors, and a KVBlockMover (set by the engine)
+copies blocks between the tiers. With a host tier, a cached block the device pool evicts is
+written to host memory first (at eviction, in one copy per allocation), and a prompt whose
+prefix continues from the device into the host tier gets those blocks read back into fresh
+device blocks while it is admitted, before its chunk runs: a load, not a recompute.
 """
 
 from __future__ import annotations
 
 from splitserve.engine.core.block_pool import BlockPool
+from splitserve.engine.core.host_block_pool import HostBlockPool
+from splitserve.engine.core.kv_cache_tier import KVBlockMover
+from splitserve.engine.core.kv_event_log import KVEventLog
 from splitserve.engine.core.sequence import Sequence
 from splitserve.proto.messages.kv_events import KVEvent
 
@@ -15,11 +23,22 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0):
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.events = KVEventLog()
+        self.pool = BlockPool(num_blocks, enable_caching, self.events)
+        self.host: HostBlockPool | None = None
+        self.mover: KVBlockMover | None = None
+        if num_host_blocks > 0 and enable_caching:
+            self.host = HostBlockPool(num_host_blocks, self.events)
+            self.pool.on_evict = self._offload
         self.num_lookup_tokens = 0
         self.num_hit_tokens = 0
+        self.num_host_hit_tokens = 0  # of num_hit_tokens: read back from the host tier
+
+    def set_mover(self, mover: KVBlockMover) -> None:
+        """The torch side that copies KV between the tiers (needed once a host tier exists)."""
+        self.mover = mover
 
     # ---- prefix cache --------------------------------------------------------------------
     def find_cached_blocks(self, seq: Sequence, max_tokens: int | None = None) -> list[int]:
@@ -29,13 +48,61 @@ class KVCacheManager:
         last token must still be computed to produce logits)."""
         seq.update_block_hashes()
         limit = seq.num_tokens - 1 if max_tokens is None else max_tokens
-        blocks: list[int] = []
-        for h in seq.block_hashes[: max(limit, 0) // self.block_size]:
+        hashes = seq.block_hashes[: max(limit, 0) // self.block_size]
+        host = self.host
+        plan: list[int | None] = []  # per leading block: its device block, or None: in host memory
+        for h in hashes:
             block = self.pool.lookup(h)
-            if block is None:
+            if block is None and (host is None or host.lookup(h) is None):
                 break
-            blocks.append(block)
-        return blocks
+            plan.append(block)
+        if host is not None and None in plan:
+            return self._load_from_host(plan, hashes)
+        return plan
+
+    # ---- host tier -----------------------------------------------------------------------
+    def _offload(self, blocks: list[int], block_hashes: list[int]) -> None:
+        """BlockPool.on_evict: copy evicted cached blocks to the host tier before reuse."""
+        indices, slots = self.host.store(block_hashes)
+        if indices:
+            self.mover.save([blocks[i] for i in indices], slots)
+
+    def _load_from_host(self, plan: list[int | None], hashes: list[int]) -> list[int]:
+        """Read the prefix's blocks that only the host tier holds (None in plan) into fresh
+        device blocks, enter them into the device prefix cache and return the prefix's blocks
+        (unreferenced, like any cached block find_cached_blocks returns). The prefix ends
+        where the device pool has no free block left for a load."""
+        missing = [i for i, b in enumerate(plan) if b is None]
+        num_revived = sum(1 for b in plan if b is not None and self.pool.ref_counts[b] == 0)
+        room = max(self.pool.num_free_blocks - num_revived, 0)
+        if len(missing) > room:
+            plan, missing = plan[: missing[room]], missing[:room]
+        if not missing:
+            return plan
+        on_device = [b for b in plan if b is not None]
+        load_hashes = [hashes[i] for i in missing]
+        slots = self.host.pin(load_hashes)
+        self.pool.touch(on_device)  # so making room cannot evict the prefix itself
+        loaded = False
+        try:
+            blocks = self.pool.allocate(len(missing))  # may offload other blocks, never the pinned ones
+            try:
+                self.mover.load(slots, blocks)
+                self.pool.cache_blocks(blocks, load_hashes)
+                loaded = True
+            except BaseException:
+                self.pool.free(blocks)
+                raise
+        except BaseException:
+            self.pool.free(on_device)
+            raise
+        finally:
+            self.host.unpin(load_hashes, loaded)
+        for i, block in zip(missing, blocks):
+            plan[i] = block
+        self.pool.free(plan)  # in prompt order: the prefix's head stays cached longest
+        self.num_host_hit_tokens += len(missing) * self.block_size
+        return plan
 
     def num_new_blocks_needed(self, seq: Sequence, cached_blocks: list[int], num_new_tokens: int) -> int:
         num_computed = max(seq.num_computed_tokens, len(cached_blocks) * self.block_size)
@@ -114,7 +181,10 @@ class KVCacheManager:
         return self.pool.usage
 
     def take_events(self) -> list[KVEvent]:
-        return self.pool.take_events()
+        return self.events.take()
 
-    def snapshot(self) -> tuple[int, list[int]]:
-        return self.pool.snapshot()
+    def snapshot(self) -> tuple[int, list[int]] | tuple[int, list[int], list[int]]:
+        """(last event's seq, device hashes), and the host tier's hashes third when it exists."""
+        if self.host is None:
+            return self.pool.snapshot()
+        return self.events.seq, self.pool.cached_hashes(), self.host.cached_hashes()

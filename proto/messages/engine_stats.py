@@ -20,6 +20,19 @@ class EngineStats(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_prefix_hit_tokens: int  # prompt tokens served from the prefix cache since start
     kv_block_bytes: int = 0  # bytes of one KV block over all layers (K, V and any scales)
     kv_cache_dtype: str = "auto"  # auto (the model's dtype), fp8 or int8
+    # The host KV tier (kv_offloading_size; all 0 when off): its size and blocks in it; since
+    # start, blocks written to it (device evictions), read back (loads instead of recompute),
+    # dropped for room, prompt tokens served from it (part of num_prefix_hit_tokens), load
+    # calls and their seconds, and seconds spent saving evicted blocks.
+    host_num_blocks: int = 0
+    host_num_used_blocks: int = 0
+    host_stored_blocks: int = 0
+    host_loaded_blocks: int = 0
+    host_evicted_blocks: int = 0
+    host_hit_tokens: int = 0
+    host_loads: int = 0
+    host_load_seconds: float = 0.0
+    host_save_seconds: float = 0.0
     # Structured output, since start (engine/sample): grammars compiled and cache hits, compile
     # seconds, steps that masked logits, rows masked, seconds those steps waited for and
     # applied masks, seconds computing masks (overlapped with the forward pass).

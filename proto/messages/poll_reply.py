@@ -16,7 +16,7 @@ from splitserve.proto.messages.codec import MessageCodec
 from splitserve.proto.messages.engine_stats import EngineStats
 from splitserve.proto.messages.kv_events import KVEvent
 
-POLL_VERSION = 2  # 2: status and error
+POLL_VERSION = 3  # 2: status and error; 3: KV events carry their tier, host-tier stats
 _codec = MessageCodec(POLL_VERSION)
 
 

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
-CHECKS = ["parity", "kernels", "bandwidth", "throughput", "transfer", "kv_quant"]
+CHECKS = ["parity", "kernels", "bandwidth", "throughput", "transfer", "kv_quant", "offload"]
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +56,9 @@ def test_cpu_dry_run_passes_every_check(dry_run):
     for batch, context in ((1, 40), (3, 33)):  # the fp8 KV kernel against the 16-bit one
         fp8 = items[("kv_quant", f"fp8 KV attention b={batch} ctx={context}")]
         assert fp8["status"] == "pass" and fp8["numbers"]["max_abs_error_vs_bf16_kernel"] > 0
+    # The host KV tier: copies bit-exact, hits loaded, greedy tokens unchanged.
+    assert items[("offload", "save/load round trip")]["status"] == "pass"
+    assert items[("offload", "multi-turn greedy with the tier")]["numbers"]["loaded_blocks"] > 0
 
 
 def test_report_is_markdown_with_every_check(dry_run):
@@ -69,6 +72,7 @@ def test_report_is_markdown_with_every_check(dry_run):
         "decode throughput",
         "KV transfer",
         "fp8 KV attention",
+        "Host KV tier",
     ):
         assert f"{title}" in text
     assert "| llama fp32 logits | pass |" in text

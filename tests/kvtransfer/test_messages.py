@@ -81,7 +81,7 @@ def test_poll_reply_events_are_typed_and_the_wire_is_compact():
     assert poll.events[0].block_hashes == (1, 2**64 - 1)
     raw = msgspec.msgpack.decode(poll.to_bytes())
     assert raw["v"] == POLL_VERSION and raw["kind"] == "poll_reply"
-    assert raw["body"]["events"][0] == [1, "stored", [1, 2**64 - 1]]  # an event is an array
+    assert raw["body"]["events"][0] == [1, "stored", [1, 2**64 - 1], "device"]  # an event is an array
     # Every field is present for both pools.
     assert set(raw["body"]) == {"events", "engine", "num_pinned", "num_active", "transfer", "status", "error"}
     assert raw["body"]["status"] == "serving" and poll.is_serving

@@ -1,0 +1,144 @@
+"""The host KV tier on real replicas (local Ray, CPU): a multi-turn workload on device pools too
+small for it gives the colocated engine's greedy tokens with the tier on, through the
+disaggregated path and decode's local prefill, with both pools serving host hits by loading;
+the router indexes each replica's tiers from its KV events and routes to a host hit over a
+miss; cancellations and a killed replica leave every pool at baseline."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import ray
+
+from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.cluster.routing.router_config import RouterConfig
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.io.sampling_params import SamplingParams
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.proto.messages.kv_events import HOST
+from tests.helpers.cluster import cluster_config, pool_states, start_cluster, wait_for_baseline, wait_until
+
+pytestmark = pytest.mark.ray
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+SYSTEM = [(5 * i) % 300 + 40 for i in range(24)]
+
+
+def _turn(conv: int, turn: int) -> list[int]:
+    return [(11 * conv + 7 * turn + 3 * i) % 300 + 60 for i in range(13)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    return LLMEngine(EngineConfig(model=tiny_model, num_kv_blocks=256))
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster, tiny_model, loop):
+    cfg = cluster_config(tiny_model, num_prefill=1, num_decode=2, policy="kv", num_blocks=12, kv_offloading_size=0.002)
+    cluster = start_cluster(loop, cfg)
+    yield cluster
+    loop.run(cluster.shutdown(), timeout=60)
+
+
+def _chat(loop, cluster, reference, convs: range, num_turns: int = 3) -> list[dict]:
+    """Conversations one turn at a time, each turn re-sending the history; every answer is
+    checked against the colocated engine without a tier."""
+    history = {c: list(SYSTEM) for c in convs}
+    results = []
+    for turn in range(num_turns):
+        for c in convs:
+            history[c] += _turn(c, turn)
+            res = loop.run(cluster.complete(history[c], GREEDY), timeout=60)
+            assert res["token_ids"] == reference.generate([history[c]], GREEDY)[0].token_ids, (c, turn)
+            history[c] += res["token_ids"]
+            results.append(res)
+    return results
+
+
+def _host_loads(loop, cluster) -> dict[str, int]:
+    return {rid: s.engine.host_loaded_blocks for rid, s in pool_states(loop, cluster).items()}
+
+
+def test_disaggregated_multi_turn_matches_and_both_pools_load(loop, cluster, reference):
+    results = _chat(loop, cluster, reference, range(8))
+    assert all(r["prefill_replica"] == "prefill-0" for r in results)  # nothing local here
+    states = wait_for_baseline(loop, cluster)
+    prefill = states["prefill-0"].engine
+    assert prefill.host_loaded_blocks > 0 and prefill.host_stored_blocks > 0
+    decode = {rid: s.engine for rid, s in states.items() if rid.startswith("decode")}
+    assert sum(e.host_loaded_blocks for e in decode.values()) > 0, {
+        r: (e.host_num_blocks, e.host_stored_blocks, e.num_prefix_hit_tokens, e.num_preemptions)
+        for r, e in decode.items()
+    }
+    for state in states.values():
+        assert 0 < state.engine.host_num_used_blocks <= state.engine.host_num_blocks
+    # Later turns were served from cache (device or host), not recomputed.
+    assert sum(r["num_cached_tokens"] for r in results[8:]) > 0
+
+
+def test_local_prefill_reuses_decodes_host_blocks(loop, cluster, reference):
+    saved = cluster.router.config
+    cluster.router.config = RouterConfig(policy="kv", local_prefill_threshold=100_000)  # always local
+    try:
+        before = _host_loads(loop, cluster)
+        results = _chat(loop, cluster, reference, range(10, 18))
+        assert all(r["prefill_replica"] is None for r in results)
+        after = _host_loads(loop, cluster)
+        assert after["prefill-0"] == before["prefill-0"]
+        assert sum(after[r] - before[r] for r in after if r.startswith("decode")) > 0
+    finally:
+        cluster.router.config = saved
+    wait_for_baseline(loop, cluster)
+
+
+def test_router_indexes_both_tiers_from_real_events(loop, cluster):
+    router = cluster.router
+
+    def index_matches_snapshots():
+        for pool in (PREFILL, DECODE):
+            for replica in cluster.pools[pool].live_replicas():
+                seq, device, host = ray.get(replica.handle.snapshot.remote(), timeout=10)
+                index = router.index(pool)
+                if index.replica_hashes(replica.replica_id) != frozenset(device):
+                    return False
+                if index.num_blocks(replica.replica_id, HOST) != len(host):
+                    return False
+        return True
+
+    wait_until(index_matches_snapshots, 10, "the router's tiers differ from the replicas' snapshots")
+    index = router.index(PREFILL)
+    assert index.num_indexed_host_hashes > 0
+    # A conversation evicted from prefill's device lives on in its host tier: the router counts
+    # it as cached there (a host hit), and the replica loads rather than recomputes it.
+    history = list(SYSTEM) + _turn(0, 0)
+    device, either = index.tiered_prefix_match(router.route(history).block_hashes)
+    assert either.get("prefill-0", 0) >= device.get("prefill-0", 0)
+
+
+def test_cancelled_requests_free_their_loaded_blocks(loop, cluster):
+    histories = [list(SYSTEM) + _turn(c, 0) + [c] for c in range(4)]  # host hits on both pools
+    long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+
+    async def cancel_after(ids, delay):
+        task = asyncio.ensure_future(cluster.complete(ids, long))
+        await asyncio.sleep(delay)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    async def go():
+        await asyncio.gather(*(cancel_after(ids, d) for ids, d in zip(histories, (0, 0.001, 0.01, 0.05))))
+
+    loop.run(go(), timeout=60)
+    wait_for_baseline(loop, cluster)
+
+
+def test_a_killed_replica_leaves_the_index_and_the_rest_at_baseline(loop, cluster, reference):
+    victim = cluster.decode_pool.get("decode-1")
+    assert victim is not None
+    ray.kill(victim.handle)
+    wait_until(lambda: "decode-1" not in cluster.router.replica_ids(DECODE), 15, "the dead replica is still routed")
+    assert cluster.router.index(DECODE).num_blocks("decode-1", HOST) == 0
+    wait_until(lambda: cluster.decode_pool.get("decode-1") is None, 15, "the controller still lists the dead replica")
+    _chat(loop, cluster, reference, range(20, 22), num_turns=2)  # still serves, same tokens
+    wait_for_baseline(loop, cluster)
