@@ -1,7 +1,7 @@
 """An fp8/int8 KV cache over a real pair (two endpoints in this process; gloo and the same-device
-ipc and host channels): the handoff moves
-the 8-bit values and their scales as stored (not a dequantized copy), byte for byte, and about
-half the bytes of a 16-bit cache's handoff -- asserted from the transports' TransferStats."""
+ipc and host channels): the handoff moves the 8-bit values and their scales as stored (not a
+dequantized copy), byte for byte, and about half the bytes of a 16-bit cache's handoff --
+asserted from the transports' TransferStats."""
 
 from __future__ import annotations
 
