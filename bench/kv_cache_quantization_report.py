@@ -81,14 +81,17 @@ def write_report(args, results: dict, commit: str) -> None:
     rows = [
         [
             kv,
-            f"{r['ppl']:.4f}",
+            f"{r['ppl']:.1f}",
             f"{100 * r['dppl']:+.2f} %",
+            f"{r['corpus_ppl']:.4f}",
+            f"{100 * r['corpus_dppl']:+.2f} %",
             f"{r['agreement']:.3f}",
             f"{r['identical']}/{r['num_prompts']}",
         ]
         for kv, r in quality.items()
     ]
-    out += _table(["KV dtype", "held-out perplexity", "Δ vs auto", "greedy agreement", "identical outputs"], rows)
+    header = ["KV dtype", "held-out perplexity", "Δ vs auto", "corpus perplexity", "Δ vs auto"]
+    out += _table([*header, "greedy agreement", "identical outputs"], rows)
     out += ["", "## Capacity: KV blocks per GiB (block = 16 tokens, all 4 layers, K and V, scales included)", ""]
     cap = results["capacity"]
     base = cap["auto (bfloat16)"]["blocks_per_gib"]

@@ -54,19 +54,10 @@ class LLMEngine:
             config.max_model_len or self.model_config.max_context_len, self.model_config.max_context_len
         )
         # kv_cache_memory_bytes: as many blocks as fit, known now that the model's shape is.
-        num_kv_blocks = resolve_num_kv_blocks(
-            self.model_config,
-            config.block_size,
-            config.kv_cache_dtype,
-            config.dtype,
-            config.num_kv_blocks,
-            config.kv_cache_memory_bytes,
-            self.max_model_len,
-        )
-        self.config = config = dataclasses.replace(config, num_kv_blocks=num_kv_blocks)
-        self.kv_block_bytes = kv_bytes_per_block(
-            self.model_config, config.block_size, config.kv_cache_dtype, config.dtype
-        )
+        sizing = (self.model_config, config.block_size, config.kv_cache_dtype, config.dtype)
+        blocks = resolve_num_kv_blocks(*sizing, config.num_kv_blocks, config.kv_cache_memory_bytes, self.max_model_len)
+        self.config = config = dataclasses.replace(config, num_kv_blocks=blocks)
+        self.kv_block_bytes = kv_bytes_per_block(*sizing)
         self.kv_cache = KVCache(self.model_config, config)
         # The host KV tier (kv_offloading_size): evicted blocks kept in host memory, read back on a hit.
         num_host = num_host_blocks(self.kv_cache, config.kv_offloading_size)

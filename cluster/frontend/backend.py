@@ -56,17 +56,12 @@ class ServingBackend:
         self.max_model_len = self.model_config.resolve_max_model_len(cfg.max_model_len)
         # Each pool's KV cache as its replicas size it (kv_cache_memory_bytes -> blocks), for
         # /health and the longest request a replica can hold.
+        sizing = (self.model_config, cfg.block_size)
         self.kv_caches = {
             name: kv_cache_summary(
-                self.model_config,
-                cfg.block_size,
-                pool.kv_cache_dtype,
-                cfg.dtype,
-                pool.num_kv_blocks,
-                pool.kv_cache_memory_bytes,
-                self.max_model_len,
+                *sizing, p.kv_cache_dtype, cfg.dtype, p.num_kv_blocks, p.kv_cache_memory_bytes, self.max_model_len
             )
-            for name, pool in ((PREFILL, cfg.prefill), (DECODE, cfg.decode))
+            for name, p in ((PREFILL, cfg.prefill), (DECODE, cfg.decode))
         }
         pools = [DECODE] + ([PREFILL] if cfg.prefill.replicas or cfg.prefill.autoscaling.enabled else [])
         self.max_cache_tokens = min(self.kv_caches[p]["num_blocks"] for p in pools) * cfg.block_size

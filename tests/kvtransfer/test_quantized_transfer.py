@@ -1,6 +1,7 @@
-"""An fp8/int8 KV cache over a real pair (two endpoints in this process, gloo): the handoff moves
-the 8-bit values and their scales as stored (not a dequantized copy), byte for byte, and about
-half the bytes of a 16-bit cache's handoff -- asserted from the transports' TransferStats."""
+"""An fp8/int8 KV cache over a real pair (two endpoints in this process; gloo and the same-device
+ipc and host channels): the handoff moves the 8-bit values and their scales as stored (not a
+dequantized copy), byte for byte, and about half the bytes of a 16-bit cache's handoff --
+asserted from the transports' TransferStats."""
 
 from __future__ import annotations
 
@@ -23,17 +24,21 @@ SRC_IDS, DST_IDS = [7, 1, 10, 4, 5], [0, 1, 2, 9, 3]  # scattered -> partly a ru
 _transfer_ids = itertools.count(1)
 
 
-@pytest.fixture(scope="module")
-def pair():
-    prefill = KVTransport("q-prefill", "cpu", timeout_s=TIMEOUT_S)
+@pytest.fixture(scope="module", params=["auto", "ipc", "host"], ids=["gloo", "ipc", "host"])
+def pair(request):
+    previous = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    prefill = KVTransport("q-prefill", "cpu", timeout_s=TIMEOUT_S, same_device=request.param)
     decode = KVTransport("q-decode", "cpu", timeout_s=TIMEOUT_S)
     joined = threading.Thread(target=prefill.open_pair, args=("q-decode", None, "sender", 0))
     joined.start()
-    decode.open_pair("q-prefill", prefill.address, "receiver", 0)
+    channel = decode.open_pair("q-prefill", prefill.address, "receiver", 0).channel
     joined.join(TIMEOUT_S)
+    assert channel == {"auto": "gloo"}.get(request.param, request.param)
     yield prefill, decode
     decode.close()
     prefill.close()
+    torch.multiprocessing.set_sharing_strategy(previous)
 
 
 def _cache(model_dir: str, kv_cache_dtype: str, dtype: str) -> KVCache:
@@ -60,6 +65,7 @@ def _handoff(pair, model_dir: str, kv_cache_dtype: str, dtype: str, layerwise: b
     """Bytes the sender's and receiver's transport counters grew by for one handoff of SRC_IDS."""
     prefill, decode = pair
     source, target = _filled(model_dir, kv_cache_dtype, dtype), _cache(model_dir, kv_cache_dtype, dtype)
+    target.kv.share_memory_()  # the ipc channel writes into receive buffers in shared memory
     sent_before, received_before = prefill.stats().bytes_sent, decode.stats().bytes_received
     sender = KVSender(prefill, source)
     try:

@@ -1,12 +1,14 @@
 """An fp8 KV cache through the disaggregated path on local Ray (CPU, gloo), real actors: greedy
 output equals the colocated engine with the same KV dtype over remote prefill and over decode's
-local prefill with a prefix-cache hit; the decode replica's transfer counters show the 8-bit
+local prefill with a prefix-cache hit, as do prompt log-probabilities, and structured output
+stays valid; the decode replica's transfer counters show the 8-bit
 bytes (values + scales) moved; /health and /metrics show each pool's blocks and bytes per block
 (sized by kv_cache_memory_bytes); blocks return to baseline."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 import ray
@@ -35,9 +37,13 @@ def per_block(tiny_model) -> int:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model):
-    engine = LLMEngine(EngineConfig(model=tiny_model, num_kv_blocks=128, kv_cache_dtype="fp8"))
-    return lambda batch: [o.token_ids for o in engine.generate(batch, GREEDY)]
+def colocated(tiny_model) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=tiny_model, num_kv_blocks=128, kv_cache_dtype="fp8"))
+
+
+@pytest.fixture(scope="module")
+def reference(colocated):
+    return lambda batch: [o.token_ids for o in colocated.generate(batch, GREEDY)]
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +94,34 @@ def test_local_prefill_with_a_prefix_cache_hit_matches_colocated(loop, serving, 
         assert result["token_ids"] == reference([prompt])[0]
     finally:
         cluster.router.config = cluster.router.config.model_copy(update={"local_prefill_threshold": 0})
+    wait_for_baseline(loop, cluster)
+
+
+def test_prompt_logprobs_and_structured_output_over_both_prefill_paths(loop, serving, colocated):
+    from splitserve.engine.sample.grammar_spec import GrammarSpec
+
+    cluster = serving.cluster
+    prompt = [(13 * i) % 200 + 50 for i in range(40)]
+    scoring = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    expected = colocated.generate([prompt], scoring)[0].prompt_logprobs
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    constrained = SamplingParams(structured_output=GrammarSpec.json_schema(schema), max_tokens=40, temperature=0)
+
+    async def prompt_logprobs() -> list[float]:
+        got = []
+        async for chunk in cluster.generate(prompt, scoring):
+            got.extend(chunk.prompt_logprobs)
+        return got
+
+    for threshold in (0, 10**6):  # remote prefill, then decode's local prefill
+        cluster.router.config = cluster.router.config.model_copy(update={"local_prefill_threshold": threshold})
+        try:
+            got = loop.run(prompt_logprobs(), timeout=120)
+            assert len(got) == len(expected) and max(abs(a - b) for a, b in zip(got, expected)) < 1e-4
+            result = loop.run(cluster.complete(colocated.tokenize("A JSON object:"), constrained), timeout=120)
+            assert result["finish_reason"] == "stop" and isinstance(json.loads(result["text"])["n"], int)
+        finally:
+            cluster.router.config = cluster.router.config.model_copy(update={"local_prefill_threshold": 0})
     wait_for_baseline(loop, cluster)
 
 
