@@ -10,7 +10,7 @@ GPU_PY ?= python3
 GPU_CHECK_OUT ?= bench/results/gpu_check
 GPU_CHECK_CPU_OUT ?= $(or $(TMPDIR),/tmp)/splitserve-gpu-check
 
-.PHONY: install lint test test-fast serve proto clean gpu-check gpu-check-cpu
+.PHONY: install lint typecheck test test-fast serve proto clean gpu-check gpu-check-cpu
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,9 +25,17 @@ install: $(STAMP)
 proto: install
 	$(BIN)/python -m splitserve.proto.build
 
-lint: install
+lint: install typecheck
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# mypy (pyproject.toml [tool.mypy]): the packages install as splitserve.<folder>, so mypy reads
+# them through links under build/typecheck/splitserve/.
+TYPECHECK_PACKAGES := engine kvtransfer prefill decode cluster proto
+typecheck: install
+	@mkdir -p build/typecheck/splitserve
+	@for p in $(TYPECHECK_PACKAGES); do ln -sfn ../../../$$p build/typecheck/splitserve/$$p; done
+	$(BIN)/mypy
 
 test: install lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests

@@ -17,6 +17,7 @@ Pure Python, no torch.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
+from typing import Any
 
 from splitserve.proto.messages.kv_events import REMOVED, STORED, KVEvent
 
@@ -89,7 +90,7 @@ class KVIndex:
         entry.needs_resync = False
 
     # ---- events --------------------------------------------------------------------------
-    def apply_events(self, replica_id: ReplicaId, events: Sequence[KVEvent | list]) -> bool:
+    def apply_events(self, replica_id: ReplicaId, events: Sequence[KVEvent | list[Any]]) -> bool:
         """Apply a replica's events in order (KVEvent, or its plain form `[seq, kind, [hashes]]`).
 
         Returns False (and flags the replica for resync) on a seq gap or an unknown replica;
@@ -187,7 +188,7 @@ class KVIndex:
         return result
 
     @staticmethod
-    def _record(result: dict, mask: int, num_matched: int, owners: list) -> None:
+    def _record(result: dict[ReplicaId, int], mask: int, num_matched: int, owners: list[ReplicaId | None]) -> None:
         while mask:
             low = mask & -mask
             result[owners[low.bit_length() - 1]] = num_matched

@@ -30,6 +30,7 @@ import random
 from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from splitserve.cluster.routing.index import KVIndex
 from splitserve.cluster.routing.load import LoadReport, PendingClaim, ReplicaLoad
@@ -152,7 +153,7 @@ class Router:
         load.update(report)
         return True
 
-    def apply_events(self, pool: str, replica_id: Hashable, events: Sequence) -> bool:
+    def apply_events(self, pool: str, replica_id: Hashable, events: Sequence[Any]) -> bool:
         """Feed a replica's KV events. False: unregistered replica, or a seq gap (the replica
         is then listed by replicas_needing_resync until resync())."""
         if replica_id not in self._pool(pool):
@@ -211,7 +212,7 @@ class Router:
                 reason = "no-prefill-replica"
             else:
                 reason = "local-prefill"
-            claims = (decode.add_pending(remainder),)
+            claims: tuple[PendingClaim, ...] = (decode.add_pending(remainder),)
             return self._decide(None, decode, num_tokens, 0, decode_cached, 0, reason, hashes, claims)
 
         picked = selector.select(self._view(PREFILL, prefill_cands), hashes, num_tokens)
@@ -224,7 +225,9 @@ class Router:
             prefill, decode, num_tokens, prefill_cached, decode_cached, remainder, reason, hashes, claims
         )
 
-    def _prompt_hashes(self, token_ids, num_prompt_tokens, block_hashes) -> tuple[tuple, int]:
+    def _prompt_hashes(
+        self, token_ids: Sequence[int] | None, num_prompt_tokens: int | None, block_hashes: Sequence[int] | None
+    ) -> tuple[tuple[int, ...], int]:
         if (token_ids is None) == (block_hashes is None):
             raise ValueError("pass exactly one of prompt_token_ids and block_hashes")
         if token_ids is not None:
@@ -235,6 +238,7 @@ class Router:
         else:
             if num_prompt_tokens is None:
                 raise ValueError("num_prompt_tokens is required with block_hashes")
+            assert block_hashes is not None  # exactly one of the two was given
             hashes = tuple(block_hashes)
             if len(hashes) * self.block_size > num_prompt_tokens:
                 raise ValueError(
@@ -261,7 +265,7 @@ class Router:
         decode_cached: int,
         num_transfer: int,
         reason: str,
-        hashes: tuple,
+        hashes: tuple[int, ...],
         claims: tuple[PendingClaim, ...],
     ) -> RouteDecision:
         self._decisions[reason] += 1

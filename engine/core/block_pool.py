@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from splitserve.proto.messages.kv_events import REMOVED, STORED, KVEvent
+from splitserve.proto.messages.kv_events import REMOVED, STORED, KVEvent, KVEventKind
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -121,7 +121,7 @@ class BlockPool:
             self._emit(REMOVED, dropped)
 
     # ---- events --------------------------------------------------------------------------
-    def _emit(self, kind: str, hashes: list[int]) -> None:
+    def _emit(self, kind: KVEventKind, hashes: list[int]) -> None:
         self.event_seq += 1
         self._events.append(KVEvent(self.event_seq, kind, tuple(hashes)))
 

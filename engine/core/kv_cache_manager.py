@@ -5,6 +5,8 @@ Pure integers (it owns the BlockPool); the model runner turns block tables into 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from splitserve.engine.core.block_pool import BlockPool
 from splitserve.engine.core.sequence import Sequence
 from splitserve.proto.messages.kv_events import KVEvent
@@ -43,7 +45,7 @@ class KVCacheManager:
             _cdiv(num_computed + num_new_tokens, self.block_size) - max(len(seq.block_table), len(cached_blocks)), 0
         )
 
-    def can_allocate(self, num_new_blocks: int, cached_blocks: list[int] = ()) -> bool:
+    def can_allocate(self, num_new_blocks: int, cached_blocks: Iterable[int] = ()) -> bool:
         # Reviving a free cached block takes it out of the free queue too.
         num_revived = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)
         return num_new_blocks <= self.pool.num_free_blocks - num_revived

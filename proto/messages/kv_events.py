@@ -8,24 +8,25 @@ a replica's poll reply (splitserve.proto.messages.poll_reply), which carries the
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Final, Literal
 
 import msgspec
 
-STORED = "stored"
-REMOVED = "removed"
+KVEventKind = Literal["stored", "removed"]
+STORED: Final = "stored"
+REMOVED: Final = "removed"
 
 
 class KVEvent(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     seq: int  # per-pool sequence number, consecutive from 1
-    kind: Literal["stored", "removed"]
+    kind: KVEventKind
     block_hashes: tuple[int, ...]  # chained block hashes (engine/core/block_hash.py), unsigned 64-bit
 
-    def to_wire(self) -> list:
+    def to_wire(self) -> list[Any]:
         """The event as plain data, as it is encoded: `[seq, kind, [hashes]]`."""
         return [self.seq, self.kind, list(self.block_hashes)]
 
     @classmethod
-    def from_wire(cls, raw) -> KVEvent:
+    def from_wire(cls, raw: Any) -> KVEvent:
         """Check and convert the plain-data form; msgspec.ValidationError (a ValueError) if malformed."""
         return msgspec.convert(raw, cls)
