@@ -42,8 +42,9 @@ def check_model(cfg: ServeConfig) -> str:
     except (CheckpointError, ConfigError, TokenizerError) as exc:
         hint = "" if cfg.model else " (the default model; delete it to have it made again)"
         raise PreflightError(f"model {model_dir}{hint}: {exc}") from None
-    if cfg.speculative.method == "draft":
-        _check_draft_model(cfg.speculative.draft_model, model_config.vocab_size)
+    draft_model = cfg.speculative.draft_model
+    if cfg.speculative.method == "draft" and draft_model:  # SpeculativeConfig requires it for "draft"
+        _check_draft_model(draft_model, model_config.vocab_size)
     return model_dir
 
 
