@@ -203,7 +203,8 @@ class Controller:
             for r in replicas:
                 self.roster.forget(pool, r.replica_id, kill=True)
             raise failed
-        for replica, address in zip(replicas, results):
+        addresses = [r for r in results if not isinstance(r, BaseException)]  # all of them: none failed
+        for replica, address in zip(replicas, addresses, strict=True):
             self.roster.admit(replica, address)
             self.events.append(PoolEvent(self.clock(), pool, replica.replica_id, "started"))
         await self.wait_applied(self.version, timeout_s=5.0)
