@@ -13,7 +13,7 @@ GPU_CHECK_CPU_OUT ?= $(or $(TMPDIR),/tmp)/splitserve-gpu-check
 # Test tiers (markers set in tests/conftest.py, see README "Development"): unit, cluster, e2e.
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider --durations=25
 
-.PHONY: install lint test test-fast test-cluster test-e2e serve proto clean gpu-check gpu-check-cpu
+.PHONY: install lint typecheck test test-fast test-cluster test-e2e serve proto clean gpu-check gpu-check-cpu
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,9 +28,17 @@ install: $(STAMP)
 proto: install
 	$(BIN)/python -m splitserve.proto.build
 
-lint: install
+lint: install typecheck
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# mypy (pyproject.toml [tool.mypy]): the packages install as splitserve.<folder>, so mypy reads
+# them through links under build/typecheck/splitserve/.
+TYPECHECK_PACKAGES := engine kvtransfer prefill decode cluster proto
+typecheck: install
+	@mkdir -p build/typecheck/splitserve
+	@for p in $(TYPECHECK_PACKAGES); do ln -sfn ../../../$$p build/typecheck/splitserve/$$p; done
+	$(BIN)/mypy
 
 test: install lint
 	$(PYTEST) tests

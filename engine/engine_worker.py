@@ -47,6 +47,8 @@ OpenTransport = Callable[[str, str, Any, float], tuple[str, PeerTransport]]
 
 
 class EngineWorker:
+    loop: EngineLoop  # set by start_loop, which each worker calls at the end of its constructor
+
     def __init__(
         self,
         replica_id: str,
@@ -67,7 +69,6 @@ class EngineWorker:
         self.host, self.transport = open_transport(transport_host, replica_id, self.engine.device, transfer_timeout_s)
         self.transfer_timeout_s = transfer_timeout_s
         self.num_active = 0  # see PollReply.num_active
-        self.loop: EngineLoop | None = None
         # Recent KV events for the ingresses that follow this replica, each from its own
         # position (poll's since_seq); one that fell behind the log resyncs from snapshot().
         self.events: deque[KVEvent] = deque(maxlen=event_log_size)

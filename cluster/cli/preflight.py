@@ -1,6 +1,7 @@
 """What `splitserve serve` checks before it starts Ray: a bad model directory, config.json,
-tokenizer, weights or --max-model-len, or a server module that does not import, is reported
-in one line in a second, instead of as a failed Ray Serve deployment a minute later."""
+tokenizer, weights or --max-model-len, a server module that does not import, or a taken port
+(naming the process that holds it), is reported in one line in a second, instead of as a
+failed Ray Serve deployment a minute later."""
 
 from __future__ import annotations
 
@@ -43,8 +44,9 @@ def check_model(cfg: ServeConfig) -> str:
     except (CheckpointError, ConfigError, TokenizerError) as exc:
         hint = "" if cfg.model else " (the default model; delete it to have it made again)"
         raise PreflightError(f"model {model_dir}{hint}: {exc}") from None
-    if cfg.speculative.method == "draft":
-        _check_draft_model(cfg.speculative.draft_model, model_config.vocab_size)
+    draft_model = cfg.speculative.draft_model
+    if cfg.speculative.method == "draft" and draft_model:  # SpeculativeConfig requires it for "draft"
+        _check_draft_model(draft_model, model_config.vocab_size)
     return model_dir
 
 
@@ -123,6 +125,27 @@ def check_ports(cfg: ServeConfig) -> None:
                 sock.bind((host, port))
             except OSError as exc:
                 flag = "--port" if what == "HTTP" else "--grpc-port"
+                holder = port_holder(port)
                 raise PreflightError(
-                    f"cannot listen for {what} on {host}:{port}: {exc.strerror}; choose another with {flag}"
+                    f"cannot listen for {what} on {host}:{port}: {exc.strerror}{holder}; choose another with {flag}"
                 ) from None
+
+
+def port_holder(port: int) -> str:
+    """` (held by NAME, pid PID)` for the process on this host listening on port, or "" when
+    none is seen (another user's process, or one outside this network namespace). A stale
+    HAProxy (Ray's, outliving `ray stop`) is named as such, with how to stop it."""
+    import psutil
+
+    try:
+        pids = {c.pid for c in psutil.net_connections(kind="inet") if c.laddr and c.laddr.port == port and c.pid}
+    except psutil.Error:  # e.g. not permitted on this platform
+        return ""
+    for pid in sorted(pids):
+        try:
+            name = psutil.Process(pid).name()
+        except psutil.Error:
+            name = "a process"
+        hint = f": a stale Ray HAProxy? stop it with `kill {pid}`" if "haproxy" in name.lower() else ""
+        return f" (held by {name}, pid {pid}{hint})"
+    return ""

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import ray
 
+from splitserve.cluster.bounded_log import BoundedLog
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.control.ingress_registry import IngressRegistry
 from splitserve.cluster.control.metrics_aggregator import MetricsAggregator
@@ -40,6 +41,9 @@ from splitserve.proto.messages.membership import MembershipView
 
 logger = logging.getLogger(__name__)
 IDLE_PAIR_S = 300.0  # decode replicas close process groups idle this long
+# The newest replica events kept (Controller.events): a replica's whole life is a few of them, so
+# this covers hundreds of replacements while memory stays bounded however long the service runs.
+EVENT_LOG_SIZE = 1024
 SHUTDOWN_WITHDRAW_S = 1.0  # how long a shutdown waits for the ingresses to stop routing to the pools
 
 
@@ -74,7 +78,7 @@ class Controller:
         self.ingresses = IngressRegistry(c.ingress_timeout_s)
         self.aggregator = MetricsAggregator()
         self.ttft_window, self.itl_window = LatencyWindow(), LatencyWindow()
-        self.events: list[PoolEvent] = []
+        self.events: BoundedLog[PoolEvent] = BoundedLog(EVENT_LOG_SIZE)
         self.autoscaler = None
         if autoscale and (cfg.prefill.autoscaling.enabled or cfg.decode.autoscaling.enabled):
             self.autoscaler = Autoscaler(self, cfg, self.metrics, latency_source=self.recent_latency_ms)
@@ -199,7 +203,8 @@ class Controller:
             for r in replicas:
                 self.roster.forget(pool, r.replica_id, kill=True)
             raise failed
-        for replica, address in zip(replicas, results):
+        addresses = [r for r in results if not isinstance(r, BaseException)]  # all of them: none failed
+        for replica, address in zip(replicas, addresses, strict=True):
             self.roster.admit(replica, address)
             self.events.append(PoolEvent(self.clock(), pool, replica.replica_id, "started"))
         await self.wait_applied(self.version, timeout_s=5.0)

@@ -6,7 +6,7 @@ tests/helpers/grpc_client.py)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
 from splitserve.cluster.config import ServeConfig
@@ -40,7 +40,7 @@ class GenerationAPI(Protocol):
         label: str | None = None,
         api_key: str | None = None,
         timeout_s: float | None = None,
-    ) -> AsyncIterator[StreamChunk]:
+    ) -> AsyncGenerator[StreamChunk, None]:
         """Validate, admit, stream; raises RequestError (before the first chunk on refusal)."""
         ...
 

@@ -21,7 +21,8 @@ Pure Python, no torch.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any
 
 from splitserve.proto.messages.kv_events import DEVICE, HOST, REMOVED, STORED, KVEvent
 
@@ -105,7 +106,7 @@ class KVIndex:
         entry.needs_resync = False
 
     # ---- events --------------------------------------------------------------------------
-    def apply_events(self, replica_id: ReplicaId, events: Sequence[KVEvent | list]) -> bool:
+    def apply_events(self, replica_id: ReplicaId, events: Sequence[KVEvent | list[Any]]) -> bool:
         """Apply a replica's events in order (KVEvent, or its plain form `[seq, kind, [hashes]]`).
 
         Returns False (and flags the replica for resync) on a seq gap or an unknown replica;
@@ -186,10 +187,15 @@ class KVIndex:
         if not self._host_holders:
             return device, device
         dev_get, host_get = self._holders.get, self._host_holders.get
-        either = self._match(block_hashes, replica_ids, lambda h, d=0: dev_get(h, 0) | host_get(h, 0))
+        either = self._match(block_hashes, replica_ids, lambda h, d: dev_get(h, d) | host_get(h, d))
         return device, either
 
-    def _match(self, block_hashes, replica_ids, get) -> dict[ReplicaId, int]:
+    def _match(
+        self,
+        block_hashes: Sequence[int],
+        replica_ids: Iterable[ReplicaId] | None,
+        get: Callable[[int, int], int],
+    ) -> dict[ReplicaId, int]:
         if replica_ids is None:
             candidates = -1  # all bits
         else:
@@ -218,7 +224,7 @@ class KVIndex:
         return result
 
     @staticmethod
-    def _record(result: dict, mask: int, num_matched: int, owners: list) -> None:
+    def _record(result: dict[ReplicaId, int], mask: int, num_matched: int, owners: list[ReplicaId | None]) -> None:
         while mask:
             low = mask & -mask
             result[owners[low.bit_length() - 1]] = num_matched

@@ -36,6 +36,7 @@ import random
 from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from splitserve.cluster.routing.index import KVIndex
 from splitserve.cluster.routing.load import LoadReport, PendingClaim, ReplicaLoad
@@ -135,7 +136,7 @@ class Router:
         return self._selectors[policy]
 
     # ---- registration and reports --------------------------------------------------------
-    def add_replica(self, pool: str, replica_id: Hashable, snapshot: tuple | None = None) -> None:
+    def add_replica(self, pool: str, replica_id: Hashable, snapshot: tuple[Any, ...] | None = None) -> None:
         """Register a replica; snapshot is its engine's snapshot(): (seq, device hashes), and
         its host tier's hashes third when it has one (None: empty cache)."""
         loads = self._pool(pool)
@@ -162,14 +163,14 @@ class Router:
         load.update(report)
         return True
 
-    def apply_events(self, pool: str, replica_id: Hashable, events: Sequence) -> bool:
+    def apply_events(self, pool: str, replica_id: Hashable, events: Sequence[Any]) -> bool:
         """Feed a replica's KV events. False: unregistered replica, or a seq gap (the replica
         is then listed by replicas_needing_resync until resync())."""
         if replica_id not in self._pool(pool):
             return False
         return self._indexes[pool].apply_events(replica_id, events)
 
-    def resync(self, pool: str, replica_id: Hashable, snapshot: tuple) -> None:
+    def resync(self, pool: str, replica_id: Hashable, snapshot: tuple[Any, ...]) -> None:
         self._load(pool, replica_id)
         seq, hashes, *host = snapshot
         self._indexes[pool].resync(replica_id, seq, hashes, host[0] if host else ())
@@ -221,7 +222,7 @@ class Router:
                 reason = "no-prefill-replica"
             else:
                 reason = "local-prefill"
-            claims = (decode.add_pending(remainder),)
+            claims: tuple[PendingClaim, ...] = (decode.add_pending(remainder),)
             return self._decide(
                 None, decode, num_tokens, (0, 0), (decode_cached, decode_host), 0, reason, hashes, claims
             )
@@ -245,7 +246,9 @@ class Router:
             claims,
         )
 
-    def _prompt_hashes(self, token_ids, num_prompt_tokens, block_hashes) -> tuple[tuple, int]:
+    def _prompt_hashes(
+        self, token_ids: Sequence[int] | None, num_prompt_tokens: int | None, block_hashes: Sequence[int] | None
+    ) -> tuple[tuple[int, ...], int]:
         if (token_ids is None) == (block_hashes is None):
             raise ValueError("pass exactly one of prompt_token_ids and block_hashes")
         if token_ids is not None:
@@ -256,6 +259,7 @@ class Router:
         else:
             if num_prompt_tokens is None:
                 raise ValueError("num_prompt_tokens is required with block_hashes")
+            assert block_hashes is not None  # exactly one of the two was given
             hashes = tuple(block_hashes)
             if len(hashes) * self.block_size > num_prompt_tokens:
                 raise ValueError(
@@ -282,7 +286,7 @@ class Router:
         decode_cached: tuple[int, int],
         num_transfer: int,
         reason: str,
-        hashes: tuple,
+        hashes: tuple[int, ...],
         claims: tuple[PendingClaim, ...],
     ) -> RouteDecision:
         self._decisions[reason] += 1

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from splitserve.cluster.bounded_log import BoundedLog
 from splitserve.cluster.config import AutoscalingConfig, ServeConfig
 from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.cluster.scaling.cluster_view import ScalableCluster
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from splitserve.cluster.control.pool_metrics import PoolMetrics
 
 logger = logging.getLogger(__name__)
+EVENT_LOG_SIZE = 1024  # the newest scaling actions kept in Autoscaler.events
 
 # (pool, since) -> recent p90 latency in ms of that pool (TTFT for prefill, ITL for decode),
 # counting only samples after `since` (monotonic s; None: the whole window); None: no samples.
@@ -82,7 +84,7 @@ class Autoscaler:
             self.policies[PREFILL] = PrefillScalingPolicy(cfg.prefill.autoscaling)
         if cfg.decode.autoscaling.enabled:
             self.policies[DECODE] = DecodeScalingPolicy(cfg.decode.autoscaling)
-        self.events: list[ScalingEvent] = []
+        self.events: BoundedLog[ScalingEvent] = BoundedLog(EVENT_LOG_SIZE)
         self.last_decisions: dict[str, ScalingDecision] = {}
         self._last_scaled_at: dict[str, float | None] = {pool: None for pool in self.policies}
         self._actions: dict[str, asyncio.Task] = {}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 HASH_VERSION = 1
 _PERSON = b"splitserve"
@@ -62,7 +62,7 @@ def extend_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int) 
     return new
 
 
-def count_prefix_hits(hashes: Iterable[int], contains) -> int:
+def count_prefix_hits(hashes: Iterable[int], contains: Callable[[int], bool]) -> int:
     """Number of leading hashes for which contains(hash) is true."""
     n = 0
     for h in hashes:

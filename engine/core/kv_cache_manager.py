@@ -10,6 +10,8 @@ device blocks while it is admitted, before its chunk runs: a load, not a recompu
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from splitserve.engine.core.block_pool import BlockPool
 from splitserve.engine.core.host_block_pool import HostBlockPool
 from splitserve.engine.core.kv_cache_tier import KVBlockMover
@@ -58,11 +60,12 @@ class KVCacheManager:
             plan.append(block)
         if host is not None and None in plan:
             return self._load_from_host(plan, hashes)
-        return plan
+        return [b for b in plan if b is not None]  # no host tier: the loop stopped at the first None
 
     # ---- host tier -----------------------------------------------------------------------
     def _offload(self, blocks: list[int], block_hashes: list[int]) -> None:
         """BlockPool.on_evict: copy evicted cached blocks to the host tier before reuse."""
+        assert self.host is not None and self.mover is not None  # installed only with a host tier
         indices, slots = self.host.store(block_hashes)
         if indices:
             self.mover.save([blocks[i] for i in indices], slots)
@@ -72,13 +75,14 @@ class KVCacheManager:
         device blocks, enter them into the device prefix cache and return the prefix's blocks
         (unreferenced, like any cached block find_cached_blocks returns). The prefix ends
         where the device pool has no free block left for a load."""
+        assert self.host is not None and self.mover is not None  # called only with a host tier
         missing = [i for i, b in enumerate(plan) if b is None]
         num_revived = sum(1 for b in plan if b is not None and self.pool.ref_counts[b] == 0)
         room = max(self.pool.num_free_blocks - num_revived, 0)
         if len(missing) > room:
             plan, missing = plan[: missing[room]], missing[:room]
         if not missing:
-            return plan
+            return [b for b in plan if b is not None]  # all on device: nothing is None
         on_device = [b for b in plan if b is not None]
         load_hashes = [hashes[i] for i in missing]
         slots = self.host.pin(load_hashes)
@@ -98,11 +102,12 @@ class KVCacheManager:
             raise
         finally:
             self.host.unpin(load_hashes, loaded)
-        for i, block in zip(missing, blocks):
+        for i, block in zip(missing, blocks, strict=True):
             plan[i] = block
-        self.pool.free(plan)  # in prompt order: the prefix's head stays cached longest
+        prefix = [b for b in plan if b is not None]  # every hole is filled now
+        self.pool.free(prefix)  # in prompt order: the prefix's head stays cached longest
         self.num_host_hit_tokens += len(missing) * self.block_size
-        return plan
+        return prefix
 
     def num_new_blocks_needed(self, seq: Sequence, cached_blocks: list[int], num_new_tokens: int) -> int:
         num_computed = max(seq.num_computed_tokens, len(cached_blocks) * self.block_size)
@@ -110,7 +115,7 @@ class KVCacheManager:
             _cdiv(num_computed + num_new_tokens, self.block_size) - max(len(seq.block_table), len(cached_blocks)), 0
         )
 
-    def can_allocate(self, num_new_blocks: int, cached_blocks: list[int] = ()) -> bool:
+    def can_allocate(self, num_new_blocks: int, cached_blocks: Iterable[int] = ()) -> bool:
         # Reviving a free cached block takes it out of the free queue too.
         num_revived = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)
         return num_new_blocks <= self.pool.num_free_blocks - num_revived

@@ -16,10 +16,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from splitserve.engine.core.kv_event_log import KVEventLog
+from splitserve.proto.messages.kv_events import KVEvent, KVEventKind, Tier
 
 
 class KVCacheTier(ABC):
-    tier: str  # "device" | "host": the tier named in this tier's KV events
+    tier: Tier  # "device" | "host": the tier named in this tier's KV events
 
     def __init__(self, num_blocks: int, events: KVEventLog | None):
         if num_blocks < 1:
@@ -57,14 +58,14 @@ class KVCacheTier(ABC):
             n += 1
         return n
 
-    def _emit(self, kind: str, hashes: list[int]) -> None:
+    def _emit(self, kind: KVEventKind, hashes: list[int]) -> None:
         self.events.emit(kind, hashes, self.tier)
 
     @property
     def event_seq(self) -> int:
         return self.events.seq
 
-    def take_events(self) -> list:
+    def take_events(self) -> list[KVEvent]:
         """Every event of the replica's log since the last call (all tiers sharing it)."""
         return self.events.take()
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,7 +82,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
-        eos_token_ids: list[int] = (),
+        eos_token_ids: Iterable[int] = (),
     ):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -260,7 +261,9 @@ class Scheduler:
         self.num_preemptions += 1
         self._enqueue(seq, ahead_of_equals=True)
 
-    def update(self, batch: ScheduledBatch, sampled: dict[str, tuple | list[tuple]]) -> list[Sequence]:
+    def update(
+        self, batch: ScheduledBatch, sampled: dict[str, tuple[Any, ...] | list[tuple[Any, ...]]]
+    ) -> list[Sequence]:
         """Advance computed counts, cache full blocks, append sampled tokens, stop finished
         sequences. Returns the sequences that received a token this step.
 

@@ -8,7 +8,7 @@ every field's type and refuses unknown fields. No pickle crosses here. Torch-fre
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -35,7 +35,7 @@ class MessageCodec:
     def __init__(self, version: int, error: type[MessageError] = MessageError):
         self.version = version
         self.error = error
-        self._decoders: dict[type, msgspec.msgpack.Decoder] = {}
+        self._decoders: dict[type, msgspec.msgpack.Decoder[Any]] = {}
 
     def encode(self, kind: str, msg: msgspec.Struct) -> bytes:
         return _encoder.encode(_Envelope(self.version, kind, msgspec.Raw(_encoder.encode(msg))))
@@ -53,6 +53,7 @@ class MessageCodec:
         if decoder is None:
             decoder = self._decoders[cls] = msgspec.msgpack.Decoder(cls)
         try:
-            return decoder.decode(envelope.body)
+            msg: T = decoder.decode(envelope.body)
+            return msg
         except msgspec.DecodeError as exc:
             raise self.error(f"malformed {kind} body: {exc}") from None

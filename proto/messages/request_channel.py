@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import struct
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -28,6 +28,7 @@ from splitserve.proto.messages.handoff import StreamChunk
 CHANNEL_VERSION = 1
 MAX_FRAME_BYTES = 64 << 20  # a prompt of a few million tokens; anything bigger is garbage
 _HEADER = struct.Struct("!I")
+M = TypeVar("M")
 
 
 class ChannelError(MessageError):
@@ -93,8 +94,8 @@ ToDecode = Hello | Submit | Abort
 ToIngress = Welcome | TokenBatch | Failed
 
 _encoder = msgspec.msgpack.Encoder()
-_to_decode = msgspec.msgpack.Decoder(ToDecode)
-_to_ingress = msgspec.msgpack.Decoder(ToIngress)
+_to_decode: msgspec.msgpack.Decoder[ToDecode] = msgspec.msgpack.Decoder(ToDecode)
+_to_ingress: msgspec.msgpack.Decoder[ToIngress] = msgspec.msgpack.Decoder(ToIngress)
 
 
 def encode_frame(message: msgspec.Struct) -> bytes:
@@ -110,7 +111,7 @@ def decode_to_ingress(body: bytes) -> ToIngress:
     return _decode(_to_ingress, body)
 
 
-def _decode(decoder: msgspec.msgpack.Decoder, body: bytes):
+def _decode(decoder: msgspec.msgpack.Decoder[M], body: bytes) -> M:
     try:
         return decoder.decode(body)
     except msgspec.DecodeError as exc:  # ValidationError included
