@@ -82,33 +82,51 @@ def sse_events(lines) -> list:
 
 def test_router_restart_under_load_rebuilds_the_index_from_snapshots(loop, cluster):
     old_router = cluster.router
-    num_workers, duration_s = 6, 4.0
+    num_workers = 6
     finished: list[float] = []
     restarts: list[tuple[float, float]] = []
 
-    async def worker(w: int, stop_at: float) -> None:
+    async def worker(w: int, stop: asyncio.Event) -> None:
         i = 0
-        while time.monotonic() < stop_at:
+        while not stop.is_set():
             prompt = PREFIXES[(w + i) % len(PREFIXES)] + [w + 1, i % 50 + 1]
             result = await cluster.complete(prompt, GREEDY)  # raises if the request failed
             assert len(result["token_ids"]) == GREEDY.max_tokens
             finished.append(time.monotonic())
             i += 1
 
-    async def restarter(start: float) -> None:
-        for at in (1.0, 2.5):
-            await asyncio.sleep(max(start + at - time.monotonic(), 0))
-            began = time.monotonic()
-            await cluster.restart_router()
-            restarts.append((began, time.monotonic()))
+    async def finished_after(since: float, what: str) -> None:
+        """Until num_workers more requests finish after `since` (by events, not a clock: the
+        restarts land under load on a quiet machine and on a busy one)."""
+
+        async def count() -> None:
+            while sum(t > since for t in finished) < num_workers:
+                await asyncio.sleep(0.01)
+
+        try:
+            await asyncio.wait_for(count(), 60)
+        except TimeoutError:
+            raise AssertionError(f"requests stopped {what}") from None
+
+    async def restarter(stop: asyncio.Event) -> None:
+        try:
+            await finished_after(0.0, "before the first restart")  # load is flowing
+            for n in range(2):
+                began = time.monotonic()
+                await cluster.restart_router()
+                restarts.append((began, time.monotonic()))
+                await finished_after(restarts[-1][1], f"after restart {n + 1}")
+        finally:
+            stop.set()
 
     async def go():
-        start = time.monotonic()
-        await asyncio.gather(restarter(start), *(worker(w, start + duration_s) for w in range(num_workers)))
+        stop = asyncio.Event()
+        await asyncio.gather(restarter(stop), *(worker(w, stop) for w in range(num_workers)))
 
-    loop.run(go(), timeout=120)
+    start = time.monotonic()
+    loop.run(go(), timeout=180)
     print(
-        f"router restart: {len(finished)} requests from {num_workers} clients in {duration_s:.0f} s, "
+        f"router restart: {len(finished)} requests from {num_workers} clients in {time.monotonic() - start:.1f} s, "
         f"restarts took {', '.join(f'{(b - a) * 1000:.0f} ms' for a, b in restarts)}"
     )
     assert len(restarts) == 2 and cluster.router is not old_router
