@@ -7,10 +7,8 @@ replica is out of routing. (Prefill killed mid-prefill: tests/workers/test_disag
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
-from collections.abc import Iterator
 
 import grpc
 import httpx
@@ -30,6 +28,7 @@ from tests.helpers.cluster import (
     wait_for_baseline,
     wait_until,
 )
+from tests.helpers.deadlines import deadline_for, held_decode_steps, http_first_token_s
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 LEASE_S = 3.0
@@ -221,47 +220,8 @@ def test_stalled_kv_send_frees_blocks_within_the_lease_and_is_retried(loop, clus
 
 
 # ---- deadlines ---------------------------------------------------------------------------
-# A deadline test must hold on a quiet and on a busy machine: the deadline must leave time for
-# the first token (the streaming case wants tokens out before it), and the work must outlast it
-# by far however fast the machine is. So the deadline is sized from the time to first token
-# measured just before, and every decode step is held (the engine's own hang fault, a sleep:
-# a lower bound no machine beats) so that the work takes WORK_OVER_DEADLINE times the deadline.
-
 GATEWAY_TIMEOUT = 504  # HTTP's status for ErrorKind.DEADLINE
 LONG = {"max_tokens": 900, "ignore_eos": True, "temperature": 0}
-DEADLINE_OVER_TTFT = 10  # the deadline, in measured times to first token
-WORK_OVER_DEADLINE = 30  # the least the held work takes, in deadlines
-
-
-def deadline_for(first_token_s: list[float]) -> float:
-    return round(max(0.5, DEADLINE_OVER_TTFT * max(first_token_s)), 2)
-
-
-@contextlib.contextmanager
-def held_decode_steps(cluster, deadline_s: float, num_tokens: int = LONG["max_tokens"]) -> Iterator[float]:
-    """Hold every decode step so that num_tokens take at least WORK_OVER_DEADLINE deadlines;
-    yields that least time. Released on exit (the fault's other settings are off by default)."""
-    step_s = WORK_OVER_DEADLINE * deadline_s / (num_tokens - 1)
-    handles = [r.handle for r in cluster.decode_pool.live_replicas()]
-    ray.get([h.inject_fault.remote(hang_s=step_s, hang_steps=10**9) for h in handles], timeout=10)
-    try:
-        yield step_s * (num_tokens - 1)  # the first token comes from prefill, unheld
-    finally:
-        ray.get([h.inject_fault.remote() for h in handles], timeout=10)
-
-
-def http_first_token_s(http: httpx.Client, body: dict, tries: int = 3) -> list[float]:
-    """Seconds to the first streamed token of short requests, as a client sees them here, now."""
-    took = []
-    for _ in range(tries):
-        start = time.monotonic()
-        with http.stream("POST", "/v1/completions", json={**body, "max_tokens": 2, "stream": True}) as stream:
-            assert stream.status_code == 200
-            events = iter_sse(stream.iter_lines())
-            assert "choices" in next(events)
-            took.append(time.monotonic() - start)
-            assert list(events)[-1] == "[DONE]"
-    return took
 
 
 def test_deadline_over_http_is_504_and_frees_blocks(loop, cluster, backend, server):
@@ -269,7 +229,7 @@ def test_deadline_over_http_is_504_and_frees_blocks(loop, cluster, backend, serv
     with httpx.Client(base_url=server.url, timeout=60) as http:
         deadline_s = deadline_for(http_first_token_s(http, body))
         timeout_header = {"x-request-timeout": str(deadline_s)}
-        with held_decode_steps(cluster, deadline_s) as least_work_s:
+        with held_decode_steps(cluster, deadline_s, LONG["max_tokens"]) as least_work_s:
             print(f"deadline {deadline_s:.2f} s; the held work takes at least {least_work_s:.1f} s")
             start = time.monotonic()
             resp = http.post("/v1/completions", json=body, headers=timeout_header)
@@ -322,7 +282,7 @@ def test_grpc_deadline_cancels_the_request_and_frees_blocks(loop, cluster, backe
                 assert [first, *responses][-1].finished
             deadline_s = deadline_for(first_token_s)
             request.max_tokens = LONG["max_tokens"]
-            with held_decode_steps(cluster, deadline_s):
+            with held_decode_steps(cluster, deadline_s, LONG["max_tokens"]):
                 with pytest.raises(grpc.RpcError) as err:
                     list(stub.Generate(request, timeout=deadline_s))
                 assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
