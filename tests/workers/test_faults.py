@@ -231,6 +231,11 @@ def test_deadline_over_http_is_504_and_frees_blocks(loop, cluster, backend, serv
         timeout_header = {"x-request-timeout": str(deadline_s)}
         with held_decode_steps(cluster, deadline_s, LONG["max_tokens"]) as least_work_s:
             print(f"deadline {deadline_s:.2f} s; the held work takes at least {least_work_s:.1f} s")
+            # The hold holds: a short request (no deadline) takes at least its held steps.
+            few, step_s = 12, least_work_s / (LONG["max_tokens"] - 1)
+            start = time.monotonic()
+            short = http.post("/v1/completions", json={**body, "max_tokens": few})
+            assert short.status_code == 200 and time.monotonic() - start >= (few - 1) * step_s
             start = time.monotonic()
             resp = http.post("/v1/completions", json=body, headers=timeout_header)
             assert resp.status_code == GATEWAY_TIMEOUT, resp.text
