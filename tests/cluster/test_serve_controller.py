@@ -20,7 +20,7 @@ from splitserve.cluster.app import CONTROLLER_DEPLOYMENT_NAME, build_app
 from splitserve.cluster.control.worker_pool import app_namespace, named_actors
 from splitserve.proto.messages.membership import MembershipView
 from tests.helpers.cluster import wait_until
-from tests.helpers.serve_process import ServeProcess
+from tests.helpers.serve_process import ServeProcess, shutdown_serve
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 APP = "splitserve"  # the CLI's app name
@@ -60,9 +60,7 @@ def server(ray_cluster, tiny_model, tmp_path_factory):
     )
     yield proc
     proc.stop()
-    from ray import serve
-
-    serve.shutdown()
+    shutdown_serve()
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.control.worker_pool import app_namespace, named_actors
 from splitserve.engine.core.block_hash import hash_blocks
 from tests.helpers.cluster import wait_until
-from tests.helpers.serve_process import ServeProcess
+from tests.helpers.serve_process import ServeProcess, shutdown_serve
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 APP = "splitserve"  # the CLI's app name
@@ -69,9 +69,7 @@ def server(ray_cluster, tiny_model, tmp_path_factory):
         raise
     yield proc
     proc.stop()
-    from ray import serve
-
-    serve.shutdown()
+    shutdown_serve()
 
 
 @pytest.fixture(scope="module")

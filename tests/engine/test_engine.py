@@ -4,8 +4,6 @@ preemption, sampling, stops, bad input, the `generate` CLI, and no leaked blocks
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,6 +12,7 @@ from splitserve.engine.config import ConfigError, EngineConfig
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model.loader import CheckpointError
+from tests.helpers.cli import run_cli
 from tests.helpers.model import make_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
@@ -161,14 +160,9 @@ def test_bad_params_and_missing_files(tmp_path, tiny_model):
         engine_for(tmp_path / "nowhere")
 
 
-def test_generate_cli_json(tiny_model):
+def test_generate_cli_json(tiny_model, capsys):
     def run(*args):
-        return subprocess.run(
-            [sys.executable, "-m", "splitserve.cluster.cli.main", "generate", "--model", tiny_model, *args],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        return run_cli(capsys, "generate", "--model", tiny_model, *args)
 
     res = run("--prompt-token-ids", "5,6,7", "--max-tokens", "8", "--temperature", "0", "--ignore-eos", "--json")
     assert res.returncode == 0, res.stderr

@@ -294,20 +294,14 @@ def test_adaptive_policy_speculates_on_good_drafts_and_turns_off_on_bad_ones(tin
     assert_baseline(bad)
 
 
-def test_generate_cli_takes_serves_speculative_flags(tiny_model):
+def test_generate_cli_takes_serves_speculative_flags(tiny_model, capsys):
     import json
-    import subprocess
-    import sys
 
     from splitserve.cluster.cli.serve_flags import flag_for, leaf_fields
+    from tests.helpers.cli import run_cli
 
     def run(*args):
-        return subprocess.run(
-            [sys.executable, "-m", "splitserve.cluster.cli.main", "generate", "--model", tiny_model, *args],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        return run_cli(capsys, "generate", "--model", tiny_model, *args)
 
     help_text = run("--help").stdout
     serve_flags = [flag_for(path) for path in leaf_fields() if path.startswith("speculative.")]

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import ray
 import uvicorn
 
 from splitserve.cluster.config import ServeConfig
@@ -141,3 +142,19 @@ class LoopHttpServer:
     def url(self) -> str:
         port = self.server.servers[0].sockets[0].getsockname()[1]
         return f"http://127.0.0.1:{port}"
+
+
+FAIL_FAST_S = 1.0  # what docs/RELIABILITY.md quotes, on this box when it is not overloaded
+RTTS_PER_FAILURE = 20  # a failure reaches its client in a few actor round trips and one step
+
+
+def fail_fast_bound_s(handle) -> float:
+    """How soon a failure must reach its client: FAIL_FAST_S, or more when the machine is so
+    busy that RTTS_PER_FAILURE round trips to the replica (measured now) take longer. A bound
+    relative to the machine's speed at the moment, not a fixed wall-clock one."""
+    rtts = []
+    for _ in range(3):
+        start = time.monotonic()
+        ray.get(handle.poll.remote(), timeout=10)
+        rtts.append(time.monotonic() - start)
+    return max(FAIL_FAST_S, RTTS_PER_FAILURE * sorted(rtts)[1])  # the median of three

@@ -101,3 +101,20 @@ class ServeProcess:
                 self.proc.wait(10)
         self.log.close()
         return self.proc.returncode
+
+
+def shutdown_serve(timeout_s: float = 60.0) -> None:
+    """serve.shutdown() on the session's Ray cluster, then wait until Serve's own actors (its
+    controller, proxies) are gone: the next `splitserve serve --address` on that cluster must
+    not find a proxy of this one that is still being killed (it then fails to start with "the
+    actor died ... killed by ray.kill")."""
+    from ray import serve
+
+    from splitserve.cluster.control.worker_pool import named_actors
+
+    serve.shutdown()
+    deadline = time.monotonic() + timeout_s
+    while left := named_actors("serve"):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"Ray Serve's actors outlived serve.shutdown() by {timeout_s:.0f} s: {left}")
+        time.sleep(0.2)

@@ -86,7 +86,33 @@ def test_2p1d_matches_colocated_and_uses_both(loop, cluster_1p1d, reference):
         loop.run(cluster_1p1d.drain_replica(PREFILL, "prefill-1"), timeout=60)
 
 
+def test_idle_pairs_are_torn_down_and_reopened(loop, cluster_1p1d, reference):
+    prompt = mixed_prompts()[1]
+    run_all(loop, cluster_1p1d, [prompt])
+    decode = cluster_1p1d.decode_pool.get("decode-0").handle
+    loop.run(cluster_1p1d.controller.close_idle_pairs(0.0), timeout=30)
+    assert ray.get(decode.close_idle_pairs.remote(0.0)) == []  # already closed
+    result = run_all(loop, cluster_1p1d, [prompt])[0]  # a fresh pair, next epoch
+    assert result["token_ids"] == reference[tuple(prompt)] and result["prefill_replica"] == "prefill-0"
+    wait_for_baseline(loop, cluster_1p1d)
+
+
+def test_colocated_mode_without_prefill_pool(ray_cluster, tiny_model, loop, reference):
+    """prefill replicas = 0: decode replicas prefill locally (the colocated baseline)."""
+    cluster = start_cluster(loop, cluster_config(tiny_model, num_prefill=0, num_decode=1))
+    try:
+        results = run_all(loop, cluster, mixed_prompts())
+        for prompt, res in zip(mixed_prompts(), results):
+            assert res["token_ids"] == reference[tuple(prompt)]
+            assert res["prefill_replica"] is None
+        wait_for_baseline(loop, cluster)
+    finally:
+        loop.run(cluster.shutdown(), timeout=60)
+
+
 # ---- replicas killed mid-transfer: one 2P+1D cluster for both (each kill is replaced) ------
+# Last in the file: the controller's replacements of the killed replicas load while the
+# module tears down, not while the tests above run.
 
 
 @pytest.fixture(scope="module")
@@ -182,27 +208,3 @@ async def _complete(cluster, prompt, chosen):
         tokens.extend(chunk.token_ids)
         last = chunk
     return {"token_ids": tokens, "prefill_replica": last.prefill_replica}
-
-
-def test_idle_pairs_are_torn_down_and_reopened(loop, cluster_1p1d, reference):
-    prompt = mixed_prompts()[1]
-    run_all(loop, cluster_1p1d, [prompt])
-    decode = cluster_1p1d.decode_pool.get("decode-0").handle
-    loop.run(cluster_1p1d.controller.close_idle_pairs(0.0), timeout=30)
-    assert ray.get(decode.close_idle_pairs.remote(0.0)) == []  # already closed
-    result = run_all(loop, cluster_1p1d, [prompt])[0]  # a fresh pair, next epoch
-    assert result["token_ids"] == reference[tuple(prompt)] and result["prefill_replica"] == "prefill-0"
-    wait_for_baseline(loop, cluster_1p1d)
-
-
-def test_colocated_mode_without_prefill_pool(ray_cluster, tiny_model, loop, reference):
-    """prefill replicas = 0: decode replicas prefill locally (the colocated baseline)."""
-    cluster = start_cluster(loop, cluster_config(tiny_model, num_prefill=0, num_decode=1))
-    try:
-        results = run_all(loop, cluster, mixed_prompts())
-        for prompt, res in zip(mixed_prompts(), results):
-            assert res["token_ids"] == reference[tuple(prompt)]
-            assert res["prefill_replica"] is None
-        wait_for_baseline(loop, cluster)
-    finally:
-        loop.run(cluster.shutdown(), timeout=60)

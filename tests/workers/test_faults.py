@@ -7,10 +7,8 @@ replica is out of routing. (Prefill killed mid-prefill: tests/workers/test_disag
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
-from collections.abc import Iterator
 
 import grpc
 import httpx
@@ -30,6 +28,7 @@ from tests.helpers.cluster import (
     wait_for_baseline,
     wait_until,
 )
+from tests.helpers.deadlines import deadline_for, held_decode_steps, http_first_token_s
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 LEASE_S = 3.0
@@ -82,33 +81,51 @@ def sse_events(lines) -> list:
 
 def test_router_restart_under_load_rebuilds_the_index_from_snapshots(loop, cluster):
     old_router = cluster.router
-    num_workers, duration_s = 6, 4.0
+    num_workers = 6
     finished: list[float] = []
     restarts: list[tuple[float, float]] = []
 
-    async def worker(w: int, stop_at: float) -> None:
+    async def worker(w: int, stop: asyncio.Event) -> None:
         i = 0
-        while time.monotonic() < stop_at:
+        while not stop.is_set():
             prompt = PREFIXES[(w + i) % len(PREFIXES)] + [w + 1, i % 50 + 1]
             result = await cluster.complete(prompt, GREEDY)  # raises if the request failed
             assert len(result["token_ids"]) == GREEDY.max_tokens
             finished.append(time.monotonic())
             i += 1
 
-    async def restarter(start: float) -> None:
-        for at in (1.0, 2.5):
-            await asyncio.sleep(max(start + at - time.monotonic(), 0))
-            began = time.monotonic()
-            await cluster.restart_router()
-            restarts.append((began, time.monotonic()))
+    async def finished_after(since: float, what: str) -> None:
+        """Until num_workers more requests finish after `since` (by events, not a clock: the
+        restarts land under load on a quiet machine and on a busy one)."""
+
+        async def count() -> None:
+            while sum(t > since for t in finished) < num_workers:
+                await asyncio.sleep(0.01)
+
+        try:
+            await asyncio.wait_for(count(), 60)
+        except TimeoutError:
+            raise AssertionError(f"requests stopped {what}") from None
+
+    async def restarter(stop: asyncio.Event) -> None:
+        try:
+            await finished_after(0.0, "before the first restart")  # load is flowing
+            for n in range(2):
+                began = time.monotonic()
+                await cluster.restart_router()
+                restarts.append((began, time.monotonic()))
+                await finished_after(restarts[-1][1], f"after restart {n + 1}")
+        finally:
+            stop.set()
 
     async def go():
-        start = time.monotonic()
-        await asyncio.gather(restarter(start), *(worker(w, start + duration_s) for w in range(num_workers)))
+        stop = asyncio.Event()
+        await asyncio.gather(restarter(stop), *(worker(w, stop) for w in range(num_workers)))
 
-    loop.run(go(), timeout=120)
+    start = time.monotonic()
+    loop.run(go(), timeout=180)
     print(
-        f"router restart: {len(finished)} requests from {num_workers} clients in {duration_s:.0f} s, "
+        f"router restart: {len(finished)} requests from {num_workers} clients in {time.monotonic() - start:.1f} s, "
         f"restarts took {', '.join(f'{(b - a) * 1000:.0f} ms' for a, b in restarts)}"
     )
     assert len(restarts) == 2 and cluster.router is not old_router
@@ -203,47 +220,8 @@ def test_stalled_kv_send_frees_blocks_within_the_lease_and_is_retried(loop, clus
 
 
 # ---- deadlines ---------------------------------------------------------------------------
-# A deadline test must hold on a quiet and on a busy machine: the deadline must leave time for
-# the first token (the streaming case wants tokens out before it), and the work must outlast it
-# by far however fast the machine is. So the deadline is sized from the time to first token
-# measured just before, and every decode step is held (the engine's own hang fault, a sleep:
-# a lower bound no machine beats) so that the work takes WORK_OVER_DEADLINE times the deadline.
-
 GATEWAY_TIMEOUT = 504  # HTTP's status for ErrorKind.DEADLINE
 LONG = {"max_tokens": 900, "ignore_eos": True, "temperature": 0}
-DEADLINE_OVER_TTFT = 10  # the deadline, in measured times to first token
-WORK_OVER_DEADLINE = 30  # the least the held work takes, in deadlines
-
-
-def deadline_for(first_token_s: list[float]) -> float:
-    return round(max(0.5, DEADLINE_OVER_TTFT * max(first_token_s)), 2)
-
-
-@contextlib.contextmanager
-def held_decode_steps(cluster, deadline_s: float, num_tokens: int = LONG["max_tokens"]) -> Iterator[float]:
-    """Hold every decode step so that num_tokens take at least WORK_OVER_DEADLINE deadlines;
-    yields that least time. Released on exit (the fault's other settings are off by default)."""
-    step_s = WORK_OVER_DEADLINE * deadline_s / (num_tokens - 1)
-    handles = [r.handle for r in cluster.decode_pool.live_replicas()]
-    ray.get([h.inject_fault.remote(hang_s=step_s, hang_steps=10**9) for h in handles], timeout=10)
-    try:
-        yield step_s * (num_tokens - 1)  # the first token comes from prefill, unheld
-    finally:
-        ray.get([h.inject_fault.remote() for h in handles], timeout=10)
-
-
-def http_first_token_s(http: httpx.Client, body: dict, tries: int = 3) -> list[float]:
-    """Seconds to the first streamed token of short requests, as a client sees them here, now."""
-    took = []
-    for _ in range(tries):
-        start = time.monotonic()
-        with http.stream("POST", "/v1/completions", json={**body, "max_tokens": 2, "stream": True}) as stream:
-            assert stream.status_code == 200
-            events = iter_sse(stream.iter_lines())
-            assert "choices" in next(events)
-            took.append(time.monotonic() - start)
-            assert list(events)[-1] == "[DONE]"
-    return took
 
 
 def test_deadline_over_http_is_504_and_frees_blocks(loop, cluster, backend, server):
@@ -251,8 +229,13 @@ def test_deadline_over_http_is_504_and_frees_blocks(loop, cluster, backend, serv
     with httpx.Client(base_url=server.url, timeout=60) as http:
         deadline_s = deadline_for(http_first_token_s(http, body))
         timeout_header = {"x-request-timeout": str(deadline_s)}
-        with held_decode_steps(cluster, deadline_s) as least_work_s:
+        with held_decode_steps(cluster, deadline_s, LONG["max_tokens"]) as least_work_s:
             print(f"deadline {deadline_s:.2f} s; the held work takes at least {least_work_s:.1f} s")
+            # The hold holds: a short request (no deadline) takes at least its held steps.
+            few, step_s = 12, least_work_s / (LONG["max_tokens"] - 1)
+            start = time.monotonic()
+            short = http.post("/v1/completions", json={**body, "max_tokens": few})
+            assert short.status_code == 200 and time.monotonic() - start >= (few - 1) * step_s
             start = time.monotonic()
             resp = http.post("/v1/completions", json=body, headers=timeout_header)
             assert resp.status_code == GATEWAY_TIMEOUT, resp.text
@@ -304,7 +287,7 @@ def test_grpc_deadline_cancels_the_request_and_frees_blocks(loop, cluster, backe
                 assert [first, *responses][-1].finished
             deadline_s = deadline_for(first_token_s)
             request.max_tokens = LONG["max_tokens"]
-            with held_decode_steps(cluster, deadline_s):
+            with held_decode_steps(cluster, deadline_s, LONG["max_tokens"]):
                 with pytest.raises(grpc.RpcError) as err:
                     list(stub.Generate(request, timeout=deadline_s))
                 assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

@@ -38,7 +38,14 @@ from splitserve.engine.llm_engine import LLMEngine
 from splitserve.proto.messages.handoff import StreamChunk
 from splitserve.proto.messages.poll_reply import PollReply, ReplicaStatus
 from splitserve.proto.messages.request_channel import Failed, FailureKind, Submit
-from tests.helpers.cluster import LoopHttpServer, cluster_config, serving_backend, wait_for_baseline, wait_until
+from tests.helpers.cluster import (
+    LoopHttpServer,
+    cluster_config,
+    fail_fast_bound_s,
+    serving_backend,
+    wait_for_baseline,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -153,6 +160,7 @@ def test_step_failure_on_decode_fails_its_batch_and_the_loop_serves_on(loop, clu
     wait_until(lambda: all(s.chunks for s in running), 30, "the long requests did not start")
     waiting = [Stream(loop, decode, f"short-{i}", prompt(20, 10 + i), GREEDY) for i in range(2)]
     wait_until(lambda: poll(decode).engine.num_waiting == 2, 10, "the short requests are not queued")
+    bound_s = fail_fast_bound_s(decode)
     armed = time.monotonic()
     ray.get(decode.inject_fault.remote(fail_steps=1))
     for stream in running:
@@ -161,7 +169,7 @@ def test_step_failure_on_decode_fails_its_batch_and_the_loop_serves_on(loop, clu
         assert "decode-0: engine step failed" in str(stream.error) and "injected step failure" in str(stream.error)
     took = max(s.ended_at for s in running) - armed
     print(f"decode step failure: both requests of the batch failed {took * 1000:.0f} ms after the fault")
-    assert took < 1.0
+    assert took < bound_s
     for i, stream in enumerate(waiting):  # not in that batch: they run next, unharmed
         assert stream.wait().error is None and stream.token_ids == reference(prompt(20, 10 + i))
     after = Stream(loop, decode, "after", prompt(20, 20), GREEDY).wait()  # the loop serves on
@@ -176,6 +184,7 @@ def test_step_failure_on_prefill_fails_its_batch_and_the_loop_serves_on(loop, cl
     warm = Stream(loop, decode, "warm", prompt(40, 30), GREEDY, prefill).wait()  # opens the pair
     assert warm.error is None
     ray.get(prefill.handle.inject_fault.remote(fail_steps=1))
+    bound_s = fail_fast_bound_s(prefill.handle)
     started = time.monotonic()
     # One prompt per prefill step (max_num_seqs 1): the first step fails one of them only.
     streams = [Stream(loop, decode, f"p-{i}", prompt(40, 31 + i), GREEDY, prefill) for i in range(2)]
@@ -187,7 +196,7 @@ def test_step_failure_on_prefill_fails_its_batch_and_the_loop_serves_on(loop, cl
     assert isinstance(error, PrefillFailedError) and "prefill-0: engine step failed" in str(error)
     took = failed[0].ended_at - started
     print(f"prefill step failure: its request failed {took * 1000:.0f} ms after it was sent")
-    assert took < 1.0
+    assert took < bound_s
     ok = next(s for s in streams if s.error is None)
     assert ok.token_ids == reference(prompt(40, 31 + streams.index(ok)))
     again = Stream(loop, decode, "p-again", prompt(40, 31 + streams.index(failed[0])), GREEDY, prefill).wait()
@@ -290,12 +299,13 @@ def test_a_dead_decode_loop_leaves_routing_and_its_requests_are_retried(loop, cl
     try:
         holding = Stream(loop, victim.handle, "holding", prompt(40, 50), LONG)  # holds blocks when it dies
         wait_until(lambda: holding.chunks, 30, "the request on the victim did not start")
+        bound_s = fail_fast_bound_s(victim.handle)
         stopped_at = time.monotonic()
         ray.get(victim.handle.inject_fault.remote(stop_loop=True))
         holding.wait(10)
         took = holding.ended_at - stopped_at
         print(f"dead decode loop: its running request failed {took * 1000:.0f} ms after the stop")
-        assert took < 1.0 and isinstance(holding.error, EngineLoopStopped), holding.error
+        assert took < bound_s and isinstance(holding.error, EngineLoopStopped), holding.error
         state = poll(victim.handle)
         assert state.status is ReplicaStatus.LOOP_STOPPED and "injected loop stop" in state.error
         assert state.engine.num_free_blocks == state.engine.num_blocks  # it released what it held
@@ -306,9 +316,10 @@ def test_a_dead_decode_loop_leaves_routing_and_its_requests_are_retried(loop, cl
         assert all(len(r["token_ids"]) == GREEDY.max_tokens for r in results)
         assert cluster.dispatcher.num_retries > retries  # they did hit it, and were retried
 
+        bound_s = fail_fast_bound_s(victim.handle)
         took = _leaves_routing(loop, cluster, caplog, DECODE, victim.replica_id)
         print(f"dead decode loop: out of routing {took * 1000:.0f} ms after polling resumed (interval 100 ms)")
-        assert took < 1.0
+        assert took < bound_s
     finally:
         cluster.dispatcher.max_retries = 1
         resume_polling(loop, cluster)
@@ -337,9 +348,10 @@ def test_a_dead_prefill_loop_leaves_routing_and_its_requests_are_retried(loop, c
         results = complete_all(loop, cluster, [prompt(24, 80 + i) for i in range(4)])
         assert all(r["prefill_replica"] == "prefill-0" for r in results)
         assert cluster.dispatcher.num_retries > retries
+        bound_s = fail_fast_bound_s(victim.handle)
         took = _leaves_routing(loop, cluster, caplog, PREFILL, victim.replica_id)
         print(f"dead prefill loop: out of routing {took * 1000:.0f} ms after polling resumed (interval 100 ms)")
-        assert took < 1.0
+        assert took < bound_s
     finally:
         cluster.dispatcher.max_retries = 1
         resume_polling(loop, cluster)

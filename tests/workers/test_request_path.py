@@ -175,7 +175,13 @@ def test_a_disconnect_at_any_point_frees_every_block_within_a_second(loop, clust
     wait_for_baseline(loop, cluster)
     long_prompt = SHARED + [(13 * i) % 400 + 20 for i in range(860)]  # the tiny model's context is 1024
     figures["before routing"] = _disconnect(loop, cluster, SHARED + [1, 2], LONG, _sleep(0))
-    figures["during prefill (900-token prompt)"] = _disconnect(loop, cluster, long_prompt, GREEDY, _sleep(0.05))
+    # The prefill step is held 0.15 s (a sleep): the request cannot end before the disconnect,
+    # however fast the machine.
+    _set_prefill_fault(cluster, hang_s=0.15, hang_steps=1)
+    try:
+        figures["during prefill (900-token prompt)"] = _disconnect(loop, cluster, long_prompt, GREEDY, _sleep(0.05))
+    finally:
+        _set_prefill_fault(cluster)
     _set_prefill_fault(cluster, stall_send_s=2.0)
     try:
         figures["mid-transfer"] = _disconnect(loop, cluster, SHARED + list(range(50, 90)), LONG, _sleep(0.5))
