@@ -1,4 +1,4 @@
-"""EngineWorker: what a prefill and a decode replica share -- an LLMEngine run by an EngineLoop
+"""EngineWorker: what a prefill and a decode replica share -- an engine (EngineProtocol) run by an EngineLoop
 thread, a KVTransport for the pairs with the other pool, and the control methods the ingress
 calls on every replica (ready, channel_address, poll, snapshot, forget_peer, shutdown,
 inject_fault) and the controller's probe.
@@ -23,8 +23,9 @@ import torch
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.core.kv_events import KVEvent
 from splitserve.engine.engine_errors import EngineLoopStopped
+from splitserve.engine.engine_factory import build_engine
 from splitserve.engine.engine_loop import EngineLoop
-from splitserve.engine.llm_engine import LayerHookFactory, LLMEngine
+from splitserve.engine.engine_protocol import EngineProtocol, LayerHookFactory
 from splitserve.kvtransfer.poll_reply import PollReply, ReplicaStatus, TransferTotals
 from splitserve.kvtransfer.rendezvous import resolve_host
 from splitserve.kvtransfer.transport import KVTransport
@@ -46,7 +47,7 @@ class EngineWorker:
         self.replica_id = replica_id
         self.namespace = namespace  # the app's Ray namespace: where the peer replicas are named
         self.host = resolve_host(transport_host)
-        self.engine = LLMEngine(EngineConfig(**engine_config))
+        self.engine: EngineProtocol = build_engine(EngineConfig(**engine_config))
         self.transport = KVTransport(replica_id, self.engine.device, host=self.host, timeout_s=transfer_timeout_s)
         self.transfer_timeout_s = transfer_timeout_s
         self.num_active = 0  # see PollReply.num_active
@@ -89,7 +90,7 @@ class EngineWorker:
         controller's probe) asks for no events. Events older than the log are gone: the
         follower sees a sequence gap and resyncs from snapshot()."""
 
-        def collect(engine: LLMEngine):
+        def collect(engine: EngineProtocol):
             self.events.extend(engine.take_events())  # the one reader of the engine's events
             return engine.stats(), self.num_pinned()
 

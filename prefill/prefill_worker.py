@@ -13,9 +13,9 @@ import time
 
 from splitserve.engine.core.scheduler import ScheduledBatch
 from splitserve.engine.engine_errors import EngineStepError
+from splitserve.engine.engine_protocol import EngineProtocol
 from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.io.sampling_params import SamplingParams
-from splitserve.engine.llm_engine import LLMEngine
 from splitserve.kvtransfer.engine_worker import EngineWorker
 from splitserve.kvtransfer.errors import TransferAbortedError
 from splitserve.kvtransfer.handoff import Handoff, PrefillResult
@@ -69,7 +69,7 @@ class PrefillWorker(EngineWorker):
 
         return on_layer_done
 
-    def _expire_leases(self, engine: LLMEngine) -> None:
+    def _expire_leases(self, engine: EngineProtocol) -> None:
         if not self._pinned:
             return
         now = time.monotonic()
@@ -78,7 +78,7 @@ class PrefillWorker(EngineWorker):
                 logger.info("lease of %s expired without an ack; unpinning its blocks", rid)
                 self._release(engine, rid)
 
-    def _release(self, engine: LLMEngine, request_id: str) -> None:
+    def _release(self, engine: EngineProtocol, request_id: str) -> None:
         self._pinned.pop(request_id, None)
         engine.release_prefilled(request_id)
 
