@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from splitserve.cluster.default_model import DEFAULT_MODEL_NAME
 from splitserve.cluster.routing.router_config import RouterConfig
-from splitserve.engine.config import DEFAULT_NUM_KV_BLOCKS, Dtype
+from splitserve.engine.config import DEFAULT_NUM_KV_BLOCKS, ConfigError, Dtype, EngineKind
+from splitserve.engine.simulated.step_time_profile import StepTimeProfile
 from splitserve.engine.spec.speculative_config import SpeculativeConfig
 
 
@@ -88,6 +89,8 @@ class EnginePoolConfig(_Strict):
     """Token budget of one engine step (chunked prefill)."""
     torch_threads: int | None = Field(None, ge=1)
     """torch threads per replica; unset: its num_cpus."""
+    engine: EngineKind | None = None
+    """This pool's engine (real or simulated); unset: the top-level `engine`."""
 
 
 class PrefillPoolConfig(EnginePoolConfig):
@@ -171,6 +174,12 @@ class ServeConfig(_Strict):
     """Weights and KV-cache dtype; unset: the checkpoint's."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Engine device: auto = cuda for pools with num_gpus > 0."""
+    engine: EngineKind = "real"
+    """Engine of every pool: real runs the model; simulated keeps the scheduler, KV cache, events and handoff but replaces the forward and the KV transfer by waits from `engine_profile` (torch-free, weights never read)."""
+    engine_profile: str | None = None
+    """Step-time profile of simulated engines: a shipped name (cpu-fitted, llama-8b-h200, llama-70b-h200) or a YAML/JSON file; unset: cpu-fitted."""
+    speed_factor: float = Field(1.0, gt=0)
+    """Simulated engines wait speed_factor times the profile's step and transfer times (> 1: a fast cluster in slow motion)."""
     prefill: PrefillPoolConfig = Field(default_factory=PrefillPoolConfig)
     """The prefill pool."""
     decode: DecodePoolConfig = Field(default_factory=DecodePoolConfig)
@@ -220,4 +229,16 @@ class ServeConfig(_Strict):
     def _check_block_size(self) -> ServeConfig:
         if self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a power of two")
+        return self
+
+    @model_validator(mode="after")
+    def _check_simulation(self) -> ServeConfig:
+        """A bad profile is a startup error, not one per replica."""
+        if "simulated" in (self.prefill.engine or self.engine, self.decode.engine or self.engine):
+            try:
+                StepTimeProfile.load(self.engine_profile)
+            except ConfigError as exc:
+                raise ValueError(f"engine_profile: {exc}") from None
+            if self.speculative.enabled and (self.decode.engine or self.engine) == "simulated":
+                raise ValueError("speculative decoding is not simulated: disable it or use the real decode engine")
         return self

@@ -15,6 +15,8 @@ SUPPORTED_ARCHITECTURES = {
 # The one list of supported dtypes (torch.<name>); everything else derives from it.
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
+EngineKind = Literal["real", "simulated"]
+ENGINES: tuple[str, ...] = get_args(EngineKind)
 # KV blocks per engine unless configured: engine, ServeConfig pools and `generate` share it.
 DEFAULT_NUM_KV_BLOCKS = 1024
 
@@ -177,6 +179,12 @@ class EngineConfig:
     seed: int = 0
     # Speculative decoding (engine/spec): a SpeculativeConfig, or its dict (how Ray ships it).
     speculative: Any = None
+    # "real" runs the model; "simulated" (engine/simulated) replaces the forward by a wait from
+    # the step-time profile (a YAML/JSON file; None: the shipped CPU-fitted one), slowed
+    # speed_factor times, and never loads the weights.
+    engine: str = "real"
+    profile: str | None = None
+    speed_factor: float = 1.0
 
     def __post_init__(self) -> None:
         from splitserve.engine.spec.speculative_config import SpeculativeConfig
@@ -200,3 +208,7 @@ class EngineConfig:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("max_model_len must be >= 1")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if not self.speed_factor > 0:
+            raise ConfigError(f"speed_factor must be > 0, got {self.speed_factor}")

@@ -15,7 +15,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.core.kv_cache_manager import KVCacheManager
@@ -32,7 +32,9 @@ from splitserve.engine.io.request_validation import validate_prompt
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.engine.sample.grammar_compiler import GrammarCompiler
-from splitserve.engine.spec.speculator import Speculator
+
+if TYPE_CHECKING:  # the speculator may load a draft model (torch): the real engine builds it
+    from splitserve.engine.spec.speculator import Speculator
 
 
 class StepRunner(Protocol):

@@ -1,5 +1,6 @@
 """EngineWorker: what a prefill and a decode replica share -- an engine (EngineProtocol) run by an EngineLoop
-thread, a KVTransport for the pairs with the other pool, and the control methods the ingress
+thread, a KV transport for the pairs with the other pool (kvtransfer/kv_link.py: the real one
+over torch.distributed, or the simulated engine's timed one), and the control methods the ingress
 calls on every replica (ready, channel_address, poll, snapshot, forget_peer, shutdown,
 inject_fault) and the controller's probe.
 
@@ -18,17 +19,15 @@ import asyncio
 import itertools
 from collections import deque
 
-import torch
-
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.core.kv_events import KVEvent
 from splitserve.engine.engine_errors import EngineLoopStopped
 from splitserve.engine.engine_factory import build_engine
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.engine_protocol import EngineProtocol, LayerHookFactory
+from splitserve.kvtransfer.host_address import resolve_host
+from splitserve.kvtransfer.kv_link import open_transport
 from splitserve.kvtransfer.poll_reply import PollReply, ReplicaStatus, TransferTotals
-from splitserve.kvtransfer.rendezvous import resolve_host
-from splitserve.kvtransfer.transport import KVTransport
 
 
 class EngineWorker:
@@ -42,13 +41,16 @@ class EngineWorker:
         event_log_size: int = 4096,
         namespace: str | None = None,
     ):
-        if torch_threads:
+        config = EngineConfig(**engine_config)
+        if torch_threads and config.engine == "real":
+            import torch  # the real engine's: a simulated replica never imports torch
+
             torch.set_num_threads(torch_threads)
         self.replica_id = replica_id
         self.namespace = namespace  # the app's Ray namespace: where the peer replicas are named
         self.host = resolve_host(transport_host)
-        self.engine: EngineProtocol = build_engine(EngineConfig(**engine_config))
-        self.transport = KVTransport(replica_id, self.engine.device, host=self.host, timeout_s=transfer_timeout_s)
+        self.engine: EngineProtocol = build_engine(config)
+        self.transport = open_transport(replica_id, self.engine, self.host, transfer_timeout_s)
         self.transfer_timeout_s = transfer_timeout_s
         self.num_active = 0  # see PollReply.num_active
         self.loop: EngineLoop | None = None

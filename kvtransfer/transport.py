@@ -27,8 +27,9 @@ import torch
 
 from splitserve.kvtransfer.channel import SAME_DEVICE_MODES
 from splitserve.kvtransfer.errors import TransferError, TransportUsageError
+from splitserve.kvtransfer.host_address import resolve_host
 from splitserve.kvtransfer.pair import MAX_USER_TAG, ROLES, Pair, backend_for
-from splitserve.kvtransfer.rendezvous import Address, Rendezvous, pair_key, resolve_host
+from splitserve.kvtransfer.rendezvous import Address, Rendezvous, pair_key
 from splitserve.kvtransfer.transfer_op import TransferOp
 from splitserve.kvtransfer.transfer_stats import TransferStats
 

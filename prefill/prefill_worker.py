@@ -19,8 +19,9 @@ from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.kvtransfer.engine_worker import EngineWorker
 from splitserve.kvtransfer.errors import TransferAbortedError
 from splitserve.kvtransfer.handoff import Handoff, PrefillResult
-from splitserve.kvtransfer.kv_sender import KVSender, SendJob
+from splitserve.kvtransfer.kv_link import make_sender
 from splitserve.kvtransfer.poll_reply import TransferTotals
+from splitserve.kvtransfer.send_job import SendJob
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ class PrefillWorker(EngineWorker):
         super().__init__(
             replica_id, engine_config, transport_host, transfer_timeout_s, torch_threads, namespace=namespace
         )
-        self.sender = KVSender(self.transport, self.engine.kv_cache)
+        self.sender = make_sender(self.transport, self.engine.kv_cache)
         self._jobs: dict[str, SendJob] = {}
         self._send_indices: dict[str, list[int]] = {}
         self._pinned: dict[str, float] = {}  # request id -> lease deadline (loop thread)
