@@ -1,5 +1,6 @@
 """The KV-aware router on a live 2P+1D cluster: requests sharing a long prefix go to the
-prefill replica that holds it (and hit its cache); round-robin does not."""
+prefill replica that holds it (and hit its cache); round-robin does not. The same with
+simulated engines (engine: simulated)."""
 
 from __future__ import annotations
 
@@ -51,9 +52,15 @@ def run_workload(loop, cluster) -> dict[int, list[dict]]:
     return results
 
 
-@pytest.mark.parametrize("policy", ["kv", "round-robin"])
-def test_prefix_groups_follow_their_cache(ray_cluster, tiny_model, loop, policy):
-    cluster = start_cluster(loop, cluster_config(tiny_model, num_prefill=2, policy=policy))
+# The simulated engine (same scheduler, prefix cache and KV events, no forward) routes alike.
+@pytest.mark.parametrize(
+    "policy,engine",
+    [("kv", "real"), ("round-robin", "real"), ("kv", "simulated")],
+    ids=["kv", "round-robin", "kv-simulated"],
+)
+def test_prefix_groups_follow_their_cache(ray_cluster, tiny_model, loop, policy, engine):
+    cfg = cluster_config(tiny_model, num_prefill=2, policy=policy, engine=engine, engine_profile="llama-8b-h200")
+    cluster = start_cluster(loop, cfg)
     try:
         results = run_workload(loop, cluster)
         followers = [r for g in results.values() for r in g[1:]]
