@@ -20,11 +20,13 @@ from splitserve.engine.config import (
     DEFAULT_NUM_KV_BLOCKS,
     ConfigError,
     Dtype,
+    EngineKind,
     KvCacheDtype,
     Quantization,
     parse_memory_bytes,
 )
 from splitserve.engine.sample.grammar_config import GrammarConfig
+from splitserve.engine.simulated.step_time_profile import StepTimeProfile
 from splitserve.engine.spec.speculative_config import SpeculativeConfig
 
 
@@ -102,6 +104,8 @@ class EnginePoolConfig(_Strict):
     """Token budget of one engine step (chunked prefill)."""
     torch_threads: int | None = Field(None, ge=1)
     """torch threads per replica; unset: its num_cpus."""
+    engine: EngineKind | None = None
+    """This pool's engine (real or simulated); unset: the top-level `engine`."""
 
     @field_validator("kv_cache_memory_bytes")
     @classmethod
@@ -219,6 +223,12 @@ class ServeConfig(_Strict):
     kv_offloading_size: float = Field(0.0, ge=0)
     """GiB of host memory per prefill and decode replica for a host KV tier: blocks evicted
     from the device cache are kept there and loaded back on a prefix hit; 0 = off."""
+    engine: EngineKind = "real"
+    """Engine of every pool: real runs the model; simulated keeps the scheduler, KV cache, events and handoff but replaces the forward and the KV transfer by waits from `engine_profile` (torch-free, weights never read)."""
+    engine_profile: str | None = None
+    """Step-time profile of simulated engines: a shipped name (cpu-fitted, llama-8b-h200, llama-70b-h200) or a YAML/JSON file; unset: cpu-fitted."""
+    speed_factor: float = Field(1.0, gt=0)
+    """Simulated engines wait speed_factor times the profile's step and transfer times (> 1: a fast cluster in slow motion)."""
     prefill: PrefillPoolConfig = Field(default_factory=PrefillPoolConfig)
     """The prefill pool."""
     decode: DecodePoolConfig = Field(default_factory=DecodePoolConfig)
@@ -304,4 +314,18 @@ class ServeConfig(_Strict):
                 f"{self.decode.kv_cache_dtype!r} differ: KV blocks move from prefill to decode as they are "
                 "stored, so both pools must use one KV-cache dtype (--kv-cache-dtype sets both)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_simulation(self) -> ServeConfig:
+        """A bad profile is a startup error, not one per replica."""
+        if "simulated" in (self.prefill.engine or self.engine, self.decode.engine or self.engine):
+            try:
+                StepTimeProfile.load(self.engine_profile)
+            except ConfigError as exc:
+                raise ValueError(f"engine_profile: {exc}") from None
+            if self.speculative.enabled and (self.decode.engine or self.engine) == "simulated":
+                raise ValueError("speculative decoding is not simulated: disable it or use the real decode engine")
+            if self.kv_offloading_size > 0:
+                raise ValueError("kv_offloading_size: the host KV tier is not simulated; set it to 0")
         return self

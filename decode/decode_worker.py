@@ -30,7 +30,7 @@ from splitserve.engine.engine_worker import EngineWorker
 from splitserve.engine.io.block_reservation import BlockReservation
 from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.io.sampling_params import SamplingParams
-from splitserve.kvtransfer.transport import open_replica_transport
+from splitserve.kvtransfer.kv_link import open_replica_link
 from splitserve.proto.messages.handoff import StreamChunk
 from splitserve.proto.messages.poll_reply import TransferTotals
 from splitserve.proto.messages.request_channel import Failed, FailureKind, Submit, TokenBatch, encode_frame
@@ -66,7 +66,7 @@ class DecodeWorker(EngineWorker):
             transfer_timeout_s,
             torch_threads,
             namespace=namespace,
-            open_transport=open_replica_transport,
+            open_transport=open_replica_link,
         )
         self.reserve_timeout_s = reserve_timeout_s
         self.prefill = PrefillClient(replica_id, self.transport, namespace, transfer_timeout_s)

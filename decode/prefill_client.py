@@ -22,7 +22,7 @@ from splitserve.decode.prefill_timeout import PrefillTimeout
 from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.engine_errors import EngineLoopStopped
 from splitserve.engine.io.block_reservation import BlockReservation
-from splitserve.kvtransfer.kv_receiver import PostedReceive
+from splitserve.kvtransfer.kv_link import post_receive
 from splitserve.proto.messages.handoff import Handoff, PrefillResult
 from splitserve.proto.messages.poll_reply import TransferTotals
 from splitserve.proto.messages.request_channel import FailureKind, Submit
@@ -89,7 +89,7 @@ class PrefillClient:
             deadline=submit.deadline,
         )
         # Post every receive before asking for the data: transfers never wait on each other.
-        posted = PostedReceive(self.transport, kv_cache, prefill_id, transfer_id, dst_blocks, submit.layerwise)
+        posted = post_receive(self.transport, kv_cache, prefill_id, transfer_id, dst_blocks, submit.layerwise)
         limit_s = self.prefill_timeout.limit_s(seq.num_prompt_tokens)
         if submit.deadline is not None:
             limit_s = max(min(limit_s, submit.deadline - time.time()), 0.001)

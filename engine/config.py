@@ -27,6 +27,8 @@ _BYTE_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?|)B?\s*$", re.IGNORECAS
 # Weight quantization of the decoder layers' matmuls at load time (engine/quant).
 Quantization = Literal["none", "int8", "fp8", "int4"]
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
+EngineKind = Literal["real", "simulated"]
+ENGINES: tuple[str, ...] = get_args(EngineKind)
 # KV blocks per engine unless configured: engine, ServeConfig pools and `generate` share it.
 DEFAULT_NUM_KV_BLOCKS = 1024
 
@@ -216,6 +218,12 @@ class EngineConfig:
     speculative: Any = None
     # Structured-output bounds and cache size (engine/sample/grammar_config.py), or their dict.
     grammar: Any = None
+    # "real" runs the model; "simulated" (engine/simulated) replaces the forward by a wait from
+    # the step-time profile (a YAML/JSON file; None: the shipped CPU-fitted one), slowed
+    # speed_factor times, and never loads the weights.
+    engine: str = "real"
+    profile: str | None = None
+    speed_factor: float = 1.0
 
     def __post_init__(self) -> None:
         from splitserve.engine.sample.grammar_config import GrammarConfig
@@ -256,3 +264,7 @@ class EngineConfig:
             raise ConfigError(f"kv_offloading_size must be >= 0 GiB, got {self.kv_offloading_size}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("max_model_len must be >= 1")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if not self.speed_factor > 0:
+            raise ConfigError(f"speed_factor must be > 0, got {self.speed_factor}")

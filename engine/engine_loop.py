@@ -1,4 +1,5 @@
-"""Runs an LLMEngine in a background thread so an asyncio actor stays responsive.
+"""Runs an engine (EngineProtocol: LLMEngine or SimulatedEngine) in a background thread so an
+asyncio actor stays responsive.
 
 Only the loop thread touches the engine (scheduler, block pool, cache). Other threads hand it
 work with call() and receive outputs through per-request sinks, called on the loop thread.
@@ -6,7 +7,7 @@ A worker that buffers what its sinks get passes `flush_outputs`: it is called on
 step (and every batch of commands) that delivered something, so the worker hands a whole
 step's outputs to its event loop in one go instead of one hand-over per token.
 
-Failures: a step that raises fails only its batch (LLMEngine.step undoes it exactly); each of
+Failures: a step that raises fails only its batch (EngineProtocol.step undoes it exactly); each of
 those requests' sinks gets the EngineStepError, and the loop serves on. If the loop cannot
 carry on -- `max_consecutive_step_failures` steps failed in a row, or anything raised outside
 a step -- it stops for good: it aborts every request (all blocks go back to the pool), hands
@@ -27,10 +28,10 @@ from typing import Any
 
 from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.engine_errors import EngineLoopStopped, EngineStepError
+from splitserve.engine.engine_protocol import EngineProtocol, LayerHookFactory
 from splitserve.engine.fault_injector import FaultInjector
 from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.io.sampling_params import SamplingParams
-from splitserve.engine.llm_engine import LayerHookFactory, LLMEngine
 from splitserve.proto.messages.engine_stats import EngineStats
 
 __all__ = ["EngineLoop", "EngineLoopStopped", "EngineStepError", "Sink"]
@@ -44,9 +45,9 @@ Sink = Callable[[RequestOutput | Exception], None]
 class EngineLoop:
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: EngineProtocol,
         layer_hook: LayerHookFactory | None = None,
-        after_step: Callable[[LLMEngine], None] | None = None,
+        after_step: Callable[[EngineProtocol], None] | None = None,
         idle_wait_s: float = 0.05,
         max_consecutive_step_failures: int = 3,
         name: str = "engine",
@@ -63,7 +64,7 @@ class EngineLoop:
         self.max_consecutive_step_failures = max_consecutive_step_failures
         self.name = name
         self.faults = FaultInjector()
-        self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[tuple[Callable[[EngineProtocol], Any], Future]] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._wake = threading.Event()
         self._stopping = False
@@ -113,7 +114,7 @@ class EngineLoop:
             num_prefix_hit_tokens=0,
         )
 
-    def call(self, fn: Callable[[LLMEngine], Any]) -> Future:
+    def call(self, fn: Callable[[EngineProtocol], Any]) -> Future:
         """Run fn(engine) on the loop thread between steps; the future holds its result."""
         fut: Future = Future()
         with self._lock:
@@ -132,7 +133,7 @@ class EngineLoop:
         prefill_only: bool = False,
         deadline: float | None = None,
     ) -> Sequence:
-        """LLMEngine.make_sequence for an asyncio actor. A constrained request's grammar may take
+        """EngineProtocol.make_sequence for an asyncio actor. A constrained request's grammar may take
         long to compile: that runs on a worker thread, never on the loop thread or the event
         loop, so other requests keep streaming, and within the request's deadline (time.time()),
         so compile time counts toward it (TimeoutError past it). InvalidRequestError for bad
@@ -146,9 +147,9 @@ class EngineLoop:
         return await asyncio.wait_for(build, timeout)
 
     def add_sequence(self, seq: Sequence, sink: Sink) -> Future:
-        """Queue seq (from LLMEngine.make_sequence); its outputs go to sink."""
+        """Queue seq (from EngineProtocol.make_sequence); its outputs go to sink."""
 
-        def add(engine: LLMEngine) -> None:
+        def add(engine: EngineProtocol) -> None:
             self._sinks[seq.request_id] = sink
             engine.add_sequence(seq)
 
@@ -167,10 +168,10 @@ class EngineLoop:
         prompt_top_logprobs: list[list[tuple[int, float]]] | None = None,
         prompt_ranks: list[int] | None = None,
     ) -> Future:
-        """LLMEngine.admit_prefilled on the loop thread: its first output and every later one
+        """EngineProtocol.admit_prefilled on the loop thread: its first output and every later one
         go to sink."""
 
-        def admit(engine: LLMEngine) -> None:
+        def admit(engine: EngineProtocol) -> None:
             out = engine.admit_prefilled(
                 request_id,
                 first_token,
@@ -192,7 +193,7 @@ class EngineLoop:
     def abort(self, request_id: str) -> Future:
         """Abort a request. On a stopped loop it is a no-op: everything was released already."""
 
-        def do_abort(engine: LLMEngine) -> None:
+        def do_abort(engine: EngineProtocol) -> None:
             self._sinks.pop(request_id, None)
             engine.abort(request_id)
 

@@ -1,11 +1,13 @@
-"""EngineWorker: what a prefill and a decode replica share -- an LLMEngine run by an EngineLoop
-thread, the replica's KV transport for the pairs with the other pool, and the control methods
-the ingress calls on every replica (ready, channel_address, poll, snapshot, forget_peer,
-shutdown, inject_fault) and the controller's probe.
+"""EngineWorker: what a prefill and a decode replica share -- an engine (EngineProtocol:
+LLMEngine, or the SimulatedEngine) run by an EngineLoop thread, the replica's KV transport for
+the pairs with the other pool, and the control methods the ingress calls on every replica
+(ready, channel_address, poll, snapshot, forget_peer, shutdown, inject_fault) and the
+controller's probe.
 
 It lives in engine/, the layer below both workers (prefill/ and decode/ never import each
-other), and holds no KV data plane: each worker opens its KVTransport (kvtransfer/) and hands
-it in through `open_transport`, so the engine imports no kvtransfer.
+other), and holds no KV data plane: each worker hands in `open_transport`
+(kvtransfer/kv_link.py's open_replica_link: the real transport over torch.distributed, or the
+simulated engine's timed one), so the engine imports no kvtransfer.
 
 A replica whose engine loop stopped for good has released every block and fails every call
 with EngineLoopStopped; its poll() and probe() then answer a PollReply with status
@@ -24,26 +26,26 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import torch
-
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine_errors import EngineLoopStopped
+from splitserve.engine.engine_factory import build_engine
 from splitserve.engine.engine_loop import EngineLoop
-from splitserve.engine.llm_engine import LayerHookFactory, LLMEngine
+from splitserve.engine.engine_protocol import EngineProtocol, LayerHookFactory
 from splitserve.proto.messages.kv_events import KVEvent
 from splitserve.proto.messages.poll_reply import PollReply, ReplicaStatus, TransferTotals
 
 
 class PeerTransport(Protocol):
-    """What the base class does with a worker's KV transport (kvtransfer.KVTransport)."""
+    """What the base class does with a worker's KV transport (kvtransfer.KVTransport, or the
+    simulated engine's SimulatedTransport)."""
 
     def close_pair(self, peer_id: str, epoch: int | None = None) -> Any: ...
 
     def close(self) -> None: ...
 
 
-# (transport_host, replica_id, device, timeout_s) -> (the resolved host, the open transport)
-OpenTransport = Callable[[str, str, Any, float], tuple[str, PeerTransport]]
+# (transport_host, replica_id, engine, timeout_s) -> (the resolved host, the open transport)
+OpenTransport = Callable[[str, str, EngineProtocol, float], tuple[str, PeerTransport]]
 
 
 class EngineWorker:
@@ -61,12 +63,15 @@ class EngineWorker:
         *,
         open_transport: OpenTransport,
     ):
-        if torch_threads:
+        config = EngineConfig(**engine_config)
+        if torch_threads and config.engine == "real":
+            import torch  # the real engine's: a simulated replica never imports torch
+
             torch.set_num_threads(torch_threads)
         self.replica_id = replica_id
         self.namespace = namespace  # the app's Ray namespace: where the peer replicas are named
-        self.engine = LLMEngine(EngineConfig(**engine_config))
-        self.host, self.transport = open_transport(transport_host, replica_id, self.engine.device, transfer_timeout_s)
+        self.engine: EngineProtocol = build_engine(config)
+        self.host, self.transport = open_transport(transport_host, replica_id, self.engine, transfer_timeout_s)
         self.transfer_timeout_s = transfer_timeout_s
         self.num_active = 0  # see PollReply.num_active
         # Recent KV events for the ingresses that follow this replica, each from its own
@@ -107,7 +112,7 @@ class EngineWorker:
         controller's probe) asks for no events. Events older than the log are gone: the
         follower sees a sequence gap and resyncs from snapshot()."""
 
-        def collect(engine: LLMEngine):
+        def collect(engine: EngineProtocol):
             self.events.extend(engine.take_events())  # the one reader of the engine's events
             return engine.stats(), self.num_pinned()
 

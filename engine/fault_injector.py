@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 
-from splitserve.engine.llm_engine import LayerHookFactory
+from splitserve.engine.engine_protocol import LayerHookFactory
 
 
 class InjectedFault(RuntimeError):

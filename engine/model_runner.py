@@ -125,3 +125,7 @@ class ModelRunner:
 
     def forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)
+
+    def stats(self) -> dict[str, float]:
+        """Structured-output masking figures (EngineStats' grammar_mask_* fields)."""
+        return self.grammar_mask.stats()

@@ -15,7 +15,7 @@ import importlib
 
 _EXPORTS = {
     "KVTransport": "splitserve.kvtransfer.transport",
-    "resolve_host": "splitserve.kvtransfer.rendezvous",
+    "resolve_host": "splitserve.kvtransfer.host_address",
     "pair_key": "splitserve.kvtransfer.rendezvous",
     "Pair": "splitserve.kvtransfer.pair",
     "TransferOp": "splitserve.kvtransfer.transfer_op",

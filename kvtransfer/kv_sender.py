@@ -19,39 +19,17 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import torch
 
 from splitserve.engine.ops.block_copy import gather_blocks
 from splitserve.engine.ops.kv_cache import KVCache
 from splitserve.kvtransfer.errors import TransferError
+from splitserve.kvtransfer.send_job import SendJob
 from splitserve.kvtransfer.wire_layout import ascending_run_start, plane_messages
 from splitserve.proto.messages.handoff import layer_tag
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SendJob:
-    """One request's transfer: which local blocks go to which peer under which tags."""
-
-    request_id: str
-    peer_id: str
-    transfer_id: int
-    block_ids: list[int]  # prefill-side block ids, in the order decode expects
-    layerwise: bool
-    done: Future = field(default_factory=Future)
-    num_layers_sent: int = 0
-    num_bytes: int = 0
-    seconds: float = 0.0  # sender-thread time on this job: pack, post, final wait
-    failed: bool = False
-    num_blocks: int = 0  # blocks the receiver expects (len(block_ids) once they are bound)
-    aborted: bool = False  # its prefill failed: the rest goes out as filler
-    # True once an aborted job's every layer is out (the pair is in step), False if it broke.
-    flushed: Future = field(default_factory=Future)
-    # Posted sends, each holding its tensors until it completes.
-    pending: list = field(default_factory=list, repr=False)
 
 
 _FLUSH = -1  # queue item: send an aborted job's remaining layers as filler

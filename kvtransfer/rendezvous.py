@@ -21,27 +21,6 @@ from splitserve.kvtransfer.errors import TransferError, TransportUsageError
 Address = tuple[str, int]
 
 
-def resolve_host(host: str) -> str:
-    """The address to bind and publish: host itself, or for "auto" this node's IP address."""
-    if not host:
-        raise TransportUsageError("host must be an address, a hostname or 'auto'")
-    if host != "auto":
-        return host
-    try:
-        # The source address of the outward route; connecting a UDP socket sends no packet.
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect(("10.255.255.255", 1))
-            address = probe.getsockname()[0]
-        if not address.startswith("0."):
-            return address
-    except OSError:
-        pass
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
-
-
 def pair_key(sender_id: str, receiver_id: str, epoch: int) -> str:
     """The store namespace of one incarnation of a (sender, receiver) pair."""
     if epoch < 0:

@@ -26,9 +26,10 @@ from collections.abc import Sequence
 import torch
 
 from splitserve.kvtransfer.errors import TransferError, TransportUsageError
+from splitserve.kvtransfer.host_address import resolve_host
 from splitserve.kvtransfer.kv_channel import SAME_DEVICE_MODES
 from splitserve.kvtransfer.pair import MAX_USER_TAG, ROLES, Pair, backend_for
-from splitserve.kvtransfer.rendezvous import Address, Rendezvous, pair_key, resolve_host
+from splitserve.kvtransfer.rendezvous import Address, Rendezvous, pair_key
 from splitserve.kvtransfer.transfer_op import TransferOp
 from splitserve.kvtransfer.transfer_stats import TransferStats
 
@@ -263,10 +264,3 @@ class KVTransport:
     def _check_not_closed(self) -> None:
         if self._closed:
             raise TransferError(f"transport {self.endpoint_id!r} is closed")
-
-
-def open_replica_transport(transport_host: str, replica_id: str, device, timeout_s: float) -> tuple[str, KVTransport]:
-    """A worker replica's transport (EngineWorker's `open_transport`): its host resolved
-    (`auto`: this node's address), then the transport opened there."""
-    host = resolve_host(transport_host)
-    return host, KVTransport(replica_id, device, host=host, timeout_s=timeout_s)

@@ -13,13 +13,13 @@ import time
 
 from splitserve.engine.core.scheduler import ScheduledBatch
 from splitserve.engine.engine_errors import EngineStepError
+from splitserve.engine.engine_protocol import EngineProtocol
 from splitserve.engine.engine_worker import EngineWorker
 from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.io.sampling_params import SamplingParams
-from splitserve.engine.llm_engine import LLMEngine
 from splitserve.kvtransfer.errors import TransferAbortedError
-from splitserve.kvtransfer.kv_sender import KVSender, SendJob
-from splitserve.kvtransfer.transport import open_replica_transport
+from splitserve.kvtransfer.kv_link import make_sender, open_replica_link
+from splitserve.kvtransfer.send_job import SendJob
 from splitserve.proto.messages.handoff import Handoff, PrefillResult
 from splitserve.proto.messages.poll_reply import TransferTotals
 
@@ -43,9 +43,9 @@ class PrefillWorker(EngineWorker):
             transfer_timeout_s,
             torch_threads,
             namespace=namespace,
-            open_transport=open_replica_transport,
+            open_transport=open_replica_link,
         )
-        self.sender = KVSender(self.transport, self.engine.kv_cache)
+        self.sender = make_sender(self.transport, self.engine.kv_cache)
         self._jobs: dict[str, SendJob] = {}
         self._send_indices: dict[str, list[int]] = {}
         self._pinned: dict[str, float] = {}  # request id -> lease deadline (loop thread)
@@ -76,7 +76,7 @@ class PrefillWorker(EngineWorker):
 
         return on_layer_done
 
-    def _expire_leases(self, engine: LLMEngine) -> None:
+    def _expire_leases(self, engine: EngineProtocol) -> None:
         if not self._pinned:
             return
         now = time.monotonic()
@@ -85,7 +85,7 @@ class PrefillWorker(EngineWorker):
                 logger.info("lease of %s expired without an ack; unpinning its blocks", rid)
                 self._release(engine, rid)
 
-    def _release(self, engine: LLMEngine, request_id: str) -> None:
+    def _release(self, engine: EngineProtocol, request_id: str) -> None:
         self._pinned.pop(request_id, None)
         engine.release_prefilled(request_id)
 

@@ -7,11 +7,13 @@ that it is caught."""
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.layout import ALLOWED, MESSAGES, TORCH_FREE, SourceTree, area_of, parse_imports
+from tests.helpers.layout import ALLOWED, HEAVY, MESSAGES, TORCH_FREE, SourceTree, area_of, parse_imports
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "ARCHITECTURE.md"
@@ -145,3 +147,25 @@ def test_the_checker_catches_an_unnamed_module_and_a_dead_doc_entry(planted):
         "engine/gone/",
         "gone_research.md",
     ]
+
+
+def test_a_simulated_replica_never_imports_torch(tiny_model):
+    """A fresh interpreter imports both workers, builds a simulated engine (tokenizer and
+    config of a real checkpoint) with its KV link, and runs a request: no torch anywhere."""
+    code = f"""
+import sys
+from splitserve.decode.decode_worker import DecodeWorker
+from splitserve.prefill.prefill_worker import PrefillWorker
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine_factory import build_engine
+from splitserve.engine.io.sampling_params import SamplingParams
+from splitserve.kvtransfer.kv_link import make_sender, open_transport, post_receive
+engine = build_engine(EngineConfig(model={tiny_model!r}, engine="simulated", profile="llama-8b-h200"))
+transport = open_transport("p", engine, "127.0.0.1", 5.0)
+make_sender(transport, engine.kv_cache).close()
+post_receive(transport, engine.kv_cache, "d", 1, [0, 1], True).complete(1.0)
+assert len(engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].token_ids) == 3
+print(sorted(m for m in sys.modules if m.split(".")[0] in {HEAVY!r}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

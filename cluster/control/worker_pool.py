@@ -221,6 +221,9 @@ def engine_config_for(cfg: ServeConfig, pool: EnginePoolConfig, model_dir: str) 
         # Only decode speculates; prefill replicas sample one token per request.
         "speculative": cfg.speculative.model_dump() if pool is cfg.decode else None,
         "grammar": cfg.grammar.model_dump(),
+        "engine": pool.engine or cfg.engine,
+        "profile": cfg.engine_profile,
+        "speed_factor": cfg.speed_factor,
     }
 
 

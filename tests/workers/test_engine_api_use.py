@@ -1,5 +1,5 @@
 """The workers use the engine through its API only: parse prefill/, decode/ and their shared
-base, and fail on any LLMEngine attribute outside the allow-list, any EngineLoop attribute
+base, and fail on any engine attribute outside EngineProtocol (engine/engine_protocol.py), any EngineLoop attribute
 outside its API, any engine import outside the allowed names, and any underscore attribute of
 an object other than the worker itself."""
 
@@ -11,25 +11,14 @@ from pathlib import Path
 import pytest
 
 from splitserve.engine.engine_loop import EngineLoop
+from splitserve.engine.engine_protocol import EngineProtocol, protocol_members
 from splitserve.engine.llm_engine import LLMEngine
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER_SOURCES = sorted([*REPO.glob("prefill/*.py"), *REPO.glob("decode/*.py"), REPO / "engine/engine_worker.py"])
 
-LLM_ENGINE_API = {
-    "make_sequence",  # prefill_only=True for a prefill replica's requests
-    "reserve_prompt_blocks",
-    "admit_prefilled",
-    "release_reservation",
-    "release_prefilled",
-    "abort",
-    "prompt_block_ids",
-    "take_events",
-    "snapshot",
-    "stats",
-    "kv_cache",  # what the transport reads and writes
-    "device",
-}
+# The workers' engine API is the EngineProtocol: every name it declares, nothing else.
+LLM_ENGINE_API = protocol_members()
 # make_sequence: LLMEngine.make_sequence with a constrained request's grammar compiled off the loop.
 ENGINE_LOOP_API = {
     "call",
@@ -49,7 +38,8 @@ ENGINE_IMPORTS = {
     "splitserve.engine.engine_loop": {"EngineLoop"},
     "splitserve.engine.engine_errors": {"EngineLoopStopped", "EngineStepError"},
     "splitserve.engine.engine_worker": {"EngineWorker"},  # the workers' base (engine/ sits below both)
-    "splitserve.engine.llm_engine": {"LLMEngine", "LayerHookFactory"},
+    "splitserve.engine.engine_protocol": {"EngineProtocol", "LayerHookFactory"},
+    "splitserve.engine.engine_factory": {"build_engine"},
     "splitserve.engine.core.scheduler": {"ScheduledBatch"},  # what a layer hook is given
     "splitserve.engine.core.sequence": {"Sequence"},  # what make_sequence returns
     "splitserve.proto.messages.kv_events": {"KVEvent"},  # what take_events returns (kept in the event log)
@@ -59,15 +49,18 @@ ENGINE_IMPORTS = {
 }
 
 
+ENGINE_TYPES = {"EngineProtocol", "LLMEngine", "SimulatedEngine"}
+
+
 def _is_annotated_engine(arg: ast.arg) -> bool:
     ann = arg.annotation
-    return (isinstance(ann, ast.Name) and ann.id == "LLMEngine") or (
-        isinstance(ann, ast.Constant) and ann.value == "LLMEngine"
+    return (isinstance(ann, ast.Name) and ann.id in ENGINE_TYPES) or (
+        isinstance(ann, ast.Constant) and ann.value in ENGINE_TYPES
     )
 
 
 def _engine_names(tree: ast.AST) -> set[str]:
-    """Names bound to an LLMEngine: `engine`, parameters annotated LLMEngine, names assigned
+    """Names bound to an engine: `engine`, parameters annotated with an engine type, names assigned
     self.engine, and the parameter of a lambda handed to EngineLoop.call (run as fn(engine))."""
     names = {"engine"}
     for node in ast.walk(tree):
@@ -107,7 +100,7 @@ def violations(source: str, filename: str = "<source>") -> list[str]:
             target = node.value
             if _is_self_attr(target, "engine") or (isinstance(target, ast.Name) and target.id in engine_names):
                 if node.attr not in LLM_ENGINE_API:
-                    found.append(f"{where}: LLMEngine.{node.attr} is not in the workers' engine API")
+                    found.append(f"{where}: EngineProtocol.{node.attr} is not in the workers' engine API")
             elif _is_self_attr(target, "loop") and node.attr not in ENGINE_LOOP_API:
                 found.append(f"{where}: EngineLoop.{node.attr} is not in the workers' loop API")
             private = node.attr.startswith("_") and not node.attr.endswith("__")
@@ -138,12 +131,24 @@ def test_workers_use_only_the_engine_api():
     assert {"reserve_prompt_blocks", "admit_prefilled", "release_prefilled", "take_events", "call"} <= used
 
 
+def test_the_engine_loop_uses_only_the_protocol():
+    """EngineLoop runs either engine: it too touches nothing outside EngineProtocol."""
+    source = (REPO / "engine/engine_loop.py").read_text()
+    found = [v for v in violations(source, "engine/engine_loop.py") if "EngineProtocol." in v]
+    assert not found, "\n".join(found)
+    assert ".step(" in source and "engine.abort_all()" in source  # the check sees its engine calls
+
+
 def test_allow_lists_name_public_api_that_exists():
+    assert {"reserve_prompt_blocks", "admit_prefilled", "take_events", "step", "kv_cache"} <= LLM_ENGINE_API
     for name in LLM_ENGINE_API:
         assert not name.startswith("_")
-    engine_source = (REPO / "engine/llm_engine.py").read_text()
+    # LLMEngine declares the Protocol, and defines (or sets in __init__) every name of it.
+    assert EngineProtocol in LLMEngine.__mro__
+    engine_source = (REPO / "engine/paged_engine.py").read_text()
     for name in LLM_ENGINE_API:
-        assert hasattr(LLMEngine, name) or f"self.{name} = " in engine_source, name
+        defined = any(name in vars(cls) for cls in LLMEngine.__mro__ if cls is not EngineProtocol)
+        assert defined or f"self.{name} = " in engine_source, name
     for name in ENGINE_LOOP_API:
         assert hasattr(EngineLoop, name), name
 
@@ -151,11 +156,12 @@ def test_allow_lists_name_public_api_that_exists():
 @pytest.mark.parametrize(
     "snippet,what",
     [
-        ("self.engine.scheduler.requests[rid]", "LLMEngine.scheduler"),
-        ("self.loop.call(lambda e: e.kv.free(seq))", "LLMEngine.kv"),
-        ("def f(eng: LLMEngine):\n    eng.runner.forget(rid)", "LLMEngine.runner"),
-        ("engine.outputs.process(seq)", "LLMEngine.outputs"),
-        ("eng = self.engine\neng.scheduler.finish(seq)", "LLMEngine.scheduler"),
+        ("self.engine.scheduler.requests[rid]", "EngineProtocol.scheduler"),
+        ("self.loop.call(lambda e: e.kv.free(seq))", "EngineProtocol.kv"),
+        ("def f(eng: LLMEngine):\n    eng.runner.forget(rid)", "EngineProtocol.runner"),
+        ("engine.outputs.process(seq)", "EngineProtocol.outputs"),
+        ("eng = self.engine\neng.scheduler.finish(seq)", "EngineProtocol.scheduler"),
+        ("def f(eng: EngineProtocol):\n    eng.tokenizer.encode(text)", "EngineProtocol.tokenizer"),
         ("self.loop.register_sink(rid, sink)", "EngineLoop.register_sink"),
         ("self.loop._sinks[rid] = sink", "private state"),
         ("seq._secret", "private state"),

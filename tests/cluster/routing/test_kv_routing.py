@@ -1,5 +1,6 @@
 """The KV-aware router on a live 2P+1D cluster: requests sharing a long prefix go to the
-prefill replica that holds it (and hit its cache); round-robin does not."""
+prefill replica that holds it (and hit its cache); round-robin does not. The same with
+simulated engines (engine: simulated)."""
 
 from __future__ import annotations
 
@@ -90,3 +91,24 @@ def test_prefix_groups_follow_their_cache(cluster, loop, policy):
         wait_for_baseline(loop, cluster)
     finally:
         use_policy(loop, cluster, "kv")
+
+
+def check_kv_routing(loop, cluster, results: dict[int, list[dict]]) -> None:
+    followers = [r for g in results.values() for r in g[1:]]
+    for g, rs in results.items():
+        holder = rs[0]["prefill_replica"]
+        assert all(r["prefill_replica"] == holder for r in rs[1:]), f"group {g} left its replica"
+    assert sum(r["num_cached_tokens"] for r in followers) == PREFIX_LEN * len(followers)
+    assert cluster.router.decision_counts().get("kv-prefix", 0) >= len(followers)
+
+
+def test_prefix_groups_follow_their_cache_on_simulated_engines(ray_cluster, tiny_model, loop):
+    """The simulated engine (the same scheduler, prefix cache and KV events, no forward) routes
+    alike: its own 2P+1D cluster, since the engine is fixed when the replicas start."""
+    cfg = cluster_config(tiny_model, num_prefill=2, policy="kv", engine="simulated", engine_profile="llama-8b-h200")
+    cluster = start_cluster(loop, cfg)
+    try:
+        check_kv_routing(loop, cluster, run_workload(loop, cluster, salt=len(POLICIES)))
+        wait_for_baseline(loop, cluster)
+    finally:
+        loop.run(cluster.shutdown(), timeout=60)

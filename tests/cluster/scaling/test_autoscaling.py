@@ -222,9 +222,12 @@ def prompt(i: int, length: int = 40) -> list[int]:
     return [(13 * i + 7 * k) % 400 + 20 for k in range(length)]
 
 
-@pytest.fixture(scope="module")
-def scaled_cluster(ray_cluster, tiny_model, loop):
-    cluster = start_cluster(loop, scaled_config(tiny_model))
+# Both engines: the simulated one (engine/simulated) keeps the scheduler, loads, drain and
+# handoff that autoscaling acts on, so it must scale and drain alike.
+@pytest.fixture(scope="module", params=["real", "simulated"])
+def scaled_cluster(ray_cluster, tiny_model, loop, request):
+    cfg = ServeConfig.model_validate({**scaled_config(tiny_model).model_dump(), "engine": request.param})
+    cluster = start_cluster(loop, cfg)
     yield cluster
     loop.run(cluster.shutdown(), timeout=60)
 

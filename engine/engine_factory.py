@@ -1,0 +1,20 @@
+"""build_engine: the engine an EngineConfig asks for (EngineConfig.engine), as EngineProtocol.
+
+Each engine is imported only when asked for, so a simulated replica never imports torch
+(tests/test_layout.py checks that in a fresh interpreter).
+"""
+
+from __future__ import annotations
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine_protocol import EngineProtocol
+
+
+def build_engine(config: EngineConfig) -> EngineProtocol:
+    if config.engine == "simulated":
+        from splitserve.engine.simulated.simulated_engine import SimulatedEngine
+
+        return SimulatedEngine(config)
+    from splitserve.engine.llm_engine import LLMEngine  # torch
+
+    return LLMEngine(config)
