@@ -10,6 +10,8 @@
                 into GPU time and host overhead (the engine has no CUDA graphs)
   5 transfer    KV transfer between two processes on the one device: the same-device channel
                 (CUDA IPC, host-memory fallback), in-place and packed (gather/scatter) layouts
+  6 quant       the quantized matmuls: fp8 (W8A8, torch._scaled_mm) and int8 vs bf16 at batch
+                1/64/256, correctness and speed (bench/gpu_check_quant.py)
 
 Each item is pass, fail, missed (a speed target not met) or info. OUT_DIR/gpu_check.md and
 gpu_check.json are rewritten after every check, so a run cut short still leaves its report; the
@@ -41,6 +43,7 @@ CHECKS = {
     "bandwidth": "3. Bandwidth",
     "throughput": "4. Engine decode throughput",
     "transfer": "5. KV transfer between two processes on one device",
+    "quant": "6. Quantized matmuls (fp8, int8) vs bf16",
 }
 STATUSES = ("pass", "fail", "missed", "info")
 
@@ -172,7 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cpu":
         torch.set_num_threads(1)  # tiny shapes gain nothing from threads on a shared box
 
-    from splitserve.bench import gpu_check_engine, gpu_check_ops, gpu_check_throughput, gpu_check_transfer
+    from splitserve.bench import (
+        gpu_check_engine,
+        gpu_check_ops,
+        gpu_check_quant,
+        gpu_check_throughput,
+        gpu_check_transfer,
+    )
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     report = {"environment": _environment(torch, device, args), "checks": {}}
@@ -184,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             "bandwidth": lambda: gpu_check_ops.check_bandwidth(device, args.tiny),
             "throughput": lambda: gpu_check_throughput.check_throughput(device, args.tiny, work),
             "transfer": lambda: gpu_check_transfer.check_transfer(device, args.tiny),
+            "quant": lambda: gpu_check_quant.check_quant(device, args.tiny),
         }
         for name in [n for n in CHECKS if n in args.only.split(",")]:
             check_started = time.monotonic()

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
-CHECKS = ["parity", "kernels", "bandwidth", "throughput", "transfer"]
+CHECKS = ["parity", "kernels", "bandwidth", "throughput", "transfer", "quant"]
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +51,11 @@ def test_cpu_dry_run_passes_every_check(dry_run):
         for layout in ("in-place", "packed"):
             assert items[("transfer", f"{channel} {layout}")]["status"] == "pass"
     assert items[("throughput", "decode batch 8")]["numbers"]["tokens_per_s"] > 0
+    # The quantized matmuls: each scheme at each batch within its tolerance of bf16 (CPU: fp8 emulated).
+    for scheme in ("fp8", "int8"):
+        for batch in (1, 64, 256):
+            assert items[("quant", f"{scheme} batch {batch}")]["status"] == "pass"
+    assert "emulated" in items[("quant", "fp8 path")]["note"]
 
 
 def test_report_is_markdown_with_every_check(dry_run):
