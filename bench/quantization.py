@@ -141,6 +141,49 @@ def run(model: str, threads: int, repeats: int, max_tokens: int) -> dict:
     return rows
 
 
+def matmul_table(size: int = 4096, batches=(1, 32, 256), reps: int = 3) -> str:
+    """ms per [batch, size] x [size, size] matmul, one thread: each engine path and the options
+    it was chosen over (measured side by side in this process)."""
+    import torch
+    import torch.nn.functional as F
+
+    from splitserve.engine.quant.quantize import quantize_weight
+
+    w = torch.randn(size, size) * 0.02
+    wb = w.bfloat16()
+    q = {s: quantize_weight(w, s) for s in ("int8", "fp8", "int4")}
+    i8 = q["int8"]
+
+    def ms(fn) -> float:
+        fn()
+        started = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - started) / reps * 1e3
+
+    options = {
+        "fp32 F.linear": lambda x: F.linear(x, w),
+        "bf16 F.linear": lambda x: F.linear(x.bfloat16(), wb),
+        "int8 engine (Int8Weight)": lambda x: i8(x),
+        "int8 _weight_int8pack_mm, fp32 activations": lambda x: torch.ops.aten._weight_int8pack_mm(
+            x, i8.qweight, i8.scale
+        ),
+        "int8 _weight_int8pack_mm, bf16 activations": lambda x: torch.ops.aten._weight_int8pack_mm(
+            x.bfloat16(), i8.qweight, i8.scale_bf16
+        ),
+        "int8 -> bf16 weight + bf16 GEMM": lambda x: F.linear(x.bfloat16(), i8.qweight.bfloat16()) * i8.scale_bf16,
+        "fp8 engine (emulated W8A8)": lambda x: q["fp8"](x),
+        "fp8 torch._scaled_mm (CPU)": lambda x: q["fp8"].scaled_mm(x),
+        "int4 engine (_weight_int4pack_mm_for_cpu, bf16)": lambda x: q["int4"](x),
+    }
+    lines = ["| matmul " + f"{size}x{size}, 1 thread | " + " | ".join(f"batch {b} (ms)" for b in batches) + " |"]
+    lines.append("|---|" + "---|" * len(batches))
+    xs = {b: torch.randn(b, size) for b in batches}
+    for name, fn in options.items():
+        lines.append(f"| {name} | " + " | ".join(f"{ms(lambda fn=fn, b=b: fn(xs[b])):.1f}" for b in batches) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def weight_bytes_norms(layer) -> int:
     return sum(p.numel() * p.element_size() for p in layer.parameters() if p.dim() == 1)
 
@@ -165,6 +208,12 @@ def render(rows: dict, model: str, threads: int, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def torch_threads_one() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     import sys
 
@@ -176,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--out", type=Path, default=None, help="also write the table here")
+    parser.add_argument("--matmuls", action="store_true", help="also time each matmul path at 4096x4096")
     args = parser.parse_args(argv)
     if args.model is None:
         from splitserve.cluster.default_model import resolve_model
@@ -183,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         args.model = resolve_model(None)
     rows = run(args.model, args.threads, args.repeats, args.max_tokens)
     text = render(rows, args.model, args.threads, "python -m splitserve.bench.quantization " + " ".join(sys.argv[1:]))
+    if args.matmuls:
+        torch_threads_one()
+        text += "\n" + matmul_table()
     print(text)
     if args.out:
         args.out.write_text(text)
