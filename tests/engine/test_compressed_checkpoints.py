@@ -100,6 +100,8 @@ def test_a_checkpoint_in_another_scheme_needs_no_flag_and_refuses_a_different_on
     with pytest.raises(CheckpointError, match="quantized as int4 .*--quantization int8 disagrees"):
         load_model(checkpoint, quantization="int8")
     assert load_model(checkpoint, quantization="int4")[0].quantization == "int4"
+    with pytest.raises(PreflightError, match="quantized as int4 .*--quantization fp8 disagrees"):
+        check_model(ServeConfig(model=str(checkpoint), quantization="fp8"))
 
 
 @pytest.mark.parametrize(
