@@ -10,8 +10,8 @@
                 into GPU time and host overhead (the engine has no CUDA graphs)
   5 transfer    KV transfer between two processes on the one device: the same-device channel
                 (CUDA IPC, host-memory fallback), in-place and packed (gather/scatter) layouts
-  6 quant       the quantized matmuls: fp8 (W8A8, torch._scaled_mm) and int8 vs bf16 at batch
-                1/64/256, correctness and speed (bench/gpu_check_quant.py)
+  6 quant       the quantized matmuls: fp8 (W8A8, torch._scaled_mm), int8 and int4 vs bf16 at
+                batch 1/64/256, correctness and speed (bench/gpu_check_quant.py)
 
 Each item is pass, fail, missed (a speed target not met) or info. OUT_DIR/gpu_check.md and
 gpu_check.json are rewritten after every check, so a run cut short still leaves its report; the

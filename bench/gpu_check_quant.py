@@ -1,4 +1,5 @@
-"""gpu_check check 6: the quantized matmuls (engine/quant) on the device, against bf16.
+"""gpu_check check 6: the quantized matmuls (engine/quant) on the device, against bf16 (int4 too:
+on a GPU its nibbles are dequantized per call, a correctness check of that path).
 
 For fp8 (W8A8: e4m3 weights per channel, per-token dynamic activation scales; torch._scaled_mm
 where the device has fp8, i.e. Hopper/Ada) and int8 (weight-only, per channel) at a
@@ -16,12 +17,13 @@ import torch.nn.functional as F
 
 from splitserve.bench.gpu_check_ops import item, time_ms
 from splitserve.engine.quant.fp8_weight import Fp8Weight, fp8_hardware, quantize_per_token
+from splitserve.engine.quant.int4_weight import Int4Weight
 from splitserve.engine.quant.int8_weight import Int8Weight
 
 BATCHES = (1, 64, 256)
 # Relative error (max abs / max abs of the reference) of each scheme vs bf16 on the original
 # weights: e4m3 keeps 3 mantissa bits on both operands; int8 weights 7 bits, bf16 activations.
-TOLERANCE_VS_BF16 = {"fp8": 0.08, "int8": 0.03}
+TOLERANCE_VS_BF16 = {"fp8": 0.08, "int8": 0.03, "int4": 0.3}
 TOLERANCE_VS_DEQUANTIZED = 0.02  # bf16 output rounding and accumulation order
 
 
@@ -40,7 +42,11 @@ def check_quant(device: torch.device, tiny: bool) -> dict:
     size = 256 if tiny else 4096
     gen = torch.Generator(device="cpu").manual_seed(0)
     weight = (torch.randn(size, size, generator=gen) * 0.02).to(device, torch.bfloat16)
-    schemes = {"fp8": Fp8Weight.quantize(weight), "int8": Int8Weight.quantize(weight)}
+    schemes = {
+        "fp8": Fp8Weight.quantize(weight),
+        "int8": Int8Weight.quantize(weight),
+        "int4": Int4Weight.quantize(weight),
+    }
     items = [
         item(
             "fp8 path",

@@ -52,7 +52,7 @@ def test_cpu_dry_run_passes_every_check(dry_run):
             assert items[("transfer", f"{channel} {layout}")]["status"] == "pass"
     assert items[("throughput", "decode batch 8")]["numbers"]["tokens_per_s"] > 0
     # The quantized matmuls: each scheme at each batch within its tolerance of bf16 (CPU: fp8 emulated).
-    for scheme in ("fp8", "int8"):
+    for scheme in ("fp8", "int8", "int4"):
         for batch in (1, 64, 256):
             assert items[("quant", f"{scheme} batch {batch}")]["status"] == "pass"
     assert "emulated" in items[("quant", "fp8 path")]["note"]
