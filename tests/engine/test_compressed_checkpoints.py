@@ -20,7 +20,6 @@ from splitserve.engine.quant.quantize import WEIGHT_CLASSES
 from tests.helpers.compressed_checkpoint import write_compressed_checkpoint
 from tests.helpers.model import contiguous_metadata, make_checkpoint, make_kv_cache
 
-pytest.importorskip("compressed_tensors")
 PROMPT = list(range(5, 69))
 # preset -> (our scheme, logits tolerance vs transformers on the library's weights). bf16
 # activations (the CPU int8/int4 kernels') cost ~2% through this random model's 4 layers; the
