@@ -14,6 +14,8 @@
                 scales vs the bf16 kernel, correctness and speed at batch 1/32/64/256
   7 offload     the host KV tier: pinned host memory and side-stream copies bit-exact, their
                 bandwidth, load vs recompute per block, multi-turn greedy identical with the tier
+  8 quant       the quantized matmuls: fp8 (W8A8, torch._scaled_mm), int8 and int4 vs bf16 at
+                batch 1/64/256, correctness and speed (bench/gpu_check_quant.py)
 
 Each item is pass, fail, missed (a speed target not met) or info. OUT_DIR/gpu_check.md and
 gpu_check.json are rewritten after every check, so a run cut short still leaves its report; the
@@ -47,6 +49,7 @@ CHECKS = {
     "transfer": "5. KV transfer between two processes on one device",
     "kv_quant": "6. fp8 KV attention vs the bf16 kernel",
     "offload": "7. Host KV tier (kv_offloading_size)",
+    "quant": "8. Quantized matmuls (fp8, int8) vs bf16",
 }
 STATUSES = ("pass", "fail", "missed", "info")
 
@@ -183,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         gpu_check_kv_quant,
         gpu_check_offload,
         gpu_check_ops,
+        gpu_check_quant,
         gpu_check_throughput,
         gpu_check_transfer,
     )
@@ -199,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             "transfer": lambda: gpu_check_transfer.check_transfer(device, args.tiny),
             "kv_quant": lambda: gpu_check_kv_quant.check_fp8_kv(device, args.tiny),
             "offload": lambda: gpu_check_offload.check_offload(device, args.tiny, work),
+            "quant": lambda: gpu_check_quant.check_quant(device, args.tiny),
         }
         for name in [n for n in CHECKS if n in args.only.split(",")]:
             check_started = time.monotonic()

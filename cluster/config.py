@@ -217,7 +217,7 @@ class ServeConfig(_Strict):
     dtype: Dtype | None = None
     """Weights and KV-cache dtype; unset: the checkpoint's."""
     quantization: Quantization = "none"
-    """Quantize the decoder layers' matmul weights at load, layer by layer (also the draft model's): int8 (weight-only, per channel), fp8 (e4m3 W8A8), int4 (weight-only, groups of 128)."""
+    """Quantize the decoder layers' matmul weights at load, layer by layer (also the draft model's): int8 (weights only, per channel), fp8 (e4m3 W8A8), int4 (weights only, groups of 128)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Engine device: auto = cuda for pools with num_gpus > 0."""
     kv_offloading_size: float = Field(0.0, ge=0)

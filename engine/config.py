@@ -79,6 +79,8 @@ class ModelConfig:
     # Mistral-style sliding-window attention is not implemented; within the window full
     # attention is exact, so the engine caps its context at the window instead.
     sliding_window: int | None = None
+    # A pre-quantized checkpoint's config.json quantization_config (engine/quant/checkpoint_scheme.py).
+    quantization_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -86,6 +88,12 @@ class ModelConfig:
                 f"unsupported architecture {self.architecture!r}; "
                 f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
+        from splitserve.engine.quant.checkpoint_scheme import UnsupportedQuantization
+
+        try:
+            self.checkpoint_scheme  # noqa: B018  (a checkpoint we cannot run fails here, in the preflight too)
+        except UnsupportedQuantization as exc:
+            raise ConfigError(str(exc)) from None
         for name in (
             "vocab_size",
             "hidden_size",
@@ -129,6 +137,13 @@ class ModelConfig:
     @property
     def arch(self) -> str:
         return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @property
+    def checkpoint_scheme(self):
+        """The pre-quantized checkpoint's CheckpointScheme, or None (full precision)."""
+        from splitserve.engine.quant.checkpoint_scheme import checkpoint_scheme
+
+        return checkpoint_scheme(self.quantization_config)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -177,6 +192,7 @@ class ModelConfig:
                     if raw.get("sliding_window") and raw.get("use_sliding_window", True)
                     else None
                 ),
+                quantization_config=raw.get("quantization_config"),
             )
         except KeyError as exc:
             raise ConfigError(f"config.json is missing required key {exc.args[0]!r}") from None

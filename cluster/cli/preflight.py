@@ -44,6 +44,12 @@ def check_model(cfg: ServeConfig) -> str:
     except (CheckpointError, ConfigError, TokenizerError) as exc:
         hint = "" if cfg.model else " (the default model; delete it to have it made again)"
         raise PreflightError(f"model {model_dir}{hint}: {exc}") from None
+    stored = model_config.checkpoint_scheme
+    if stored is not None and cfg.quantization not in ("none", stored.scheme):
+        raise PreflightError(
+            f"model {model_dir} is quantized as {stored.scheme} ({stored.method} {stored.format}); "
+            f"--quantization {cfg.quantization} disagrees (leave it unset)"
+        )
     draft_model = cfg.speculative.draft_model
     if cfg.speculative.method == "draft" and draft_model:  # SpeculativeConfig requires it for "draft"
         _check_draft_model(draft_model, model_config.vocab_size)

@@ -10,6 +10,7 @@ from splitserve.engine.config import DTYPES, QUANTIZATIONS, ModelConfig
 from splitserve.engine.model.checkpoint import CheckpointError, iterate_weights, require_model_dir, weight_files
 from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.ops.kv_cache import DTYPE_BY_NAME
+from splitserve.engine.quant.prequantized_weights import prequantized_weights
 
 __all__ = ["CheckpointError", "load_model"]
 
@@ -32,8 +33,18 @@ def load_model(
         config.dtype = dtype
     if quantization not in QUANTIZATIONS:
         raise CheckpointError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    weights = iterate_weights(root)
+    stored = config.checkpoint_scheme  # a pre-quantized checkpoint runs in its own scheme
+    if stored is not None:
+        if quantization not in ("none", stored.scheme):
+            raise CheckpointError(
+                f"{root} is quantized as {stored.scheme} ({stored.method} {stored.format}); "
+                f"--quantization {quantization} disagrees (leave it unset)"
+            )
+        quantization = stored.scheme
+        weights = prequantized_weights(weights, stored)
     weight_files(root)  # fail on missing weight files before allocating the model
     model = LlamaForCausalLM(config, dtype=DTYPE_BY_NAME[config.dtype], device=device, quantization=quantization)
-    model.load_weights(iterate_weights(root))
+    model.load_weights(weights)
     model.eval()
     return model, config

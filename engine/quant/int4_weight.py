@@ -22,12 +22,15 @@ class Int4Weight(nn.Module):
     """W [out, in] as 4-bit q in [0, 15] per group g: w ~= (q - 8) * scale[g] + zero[g]
     (torch's tinygemm convention, so CPU runs _weight_int4pack_mm_for_cpu on it directly)."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int):
-        """q int [out, in] in [0, 15]; scale, zero [out, in // group_size]."""
+    def __init__(
+        self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int, cpu_kernel: bool | None = None
+    ):
+        """q int [out, in] in [0, 15]; scale, zero [out, in // group_size]. cpu_kernel: use the
+        CPU int4 kernel's layout (default: when q is on the CPU); otherwise nibbles, dequantized per call."""
         super().__init__()
         self.group_size = group_size
         self.out_features, self.in_features = q.shape
-        self.on_cpu = q.device.type == "cpu"
+        self.on_cpu = q.device.type == "cpu" if cpu_kernel is None else cpu_kernel
         if self.on_cpu:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
         else:  # two nibbles per byte, dequantized per call
@@ -40,14 +43,16 @@ class Int4Weight(nn.Module):
         )
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> Int4Weight:
+    def quantize(
+        cls, weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE, cpu_kernel: bool | None = None
+    ) -> Int4Weight:
         out_features, in_features = weight.shape
         group = group_size_for(in_features, group_size)
         w = weight.float().reshape(out_features, in_features // group, group)
         w_min, w_max = w.amin(dim=-1), w.amax(dim=-1)
         scale = (w_max - w_min).clamp(min=1e-8) / 15
         q = torch.round((w - w_min[..., None]) / scale[..., None]).clamp_(0, 15)
-        return cls(q.reshape(out_features, in_features), scale, w_min + 8 * scale, group)
+        return cls(q.reshape(out_features, in_features), scale, w_min + 8 * scale, group, cpu_kernel)
 
     @property
     def shape(self) -> torch.Size:

@@ -16,10 +16,14 @@ PACKED_MM_MAX_ROWS = 64
 
 
 class Int8Weight(nn.Module):
-    """W [out, in] stored as int8 q with w ~= q * scale[:, None]; activations stay in float."""
+    """W [out, in] stored as int8 q with w ~= q * scale[:, None]; activations stay in float.
+
+    scale may also be [out, in // group] (compressed-tensors W8A16 checkpoints): loaded as
+    stored, then every call dequantizes (no torch kernel takes int8 group scales)."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor):
         super().__init__()
+        self.grouped = scale.dim() == 2
         self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("scale", scale.float().contiguous())
         self.register_buffer("scale_bf16", scale.to(torch.bfloat16).contiguous())
@@ -36,9 +40,14 @@ class Int8Weight(nn.Module):
         return self.qweight.shape
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.grouped:
+            groups = self.qweight.float().unflatten(-1, (self.scale.shape[1], -1))
+            return (groups * self.scale[..., None]).flatten(-2).to(dtype)
         return (self.qweight.float() * self.scale[:, None]).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.grouped:
+            return F.linear(x, self.dequantize(x.dtype))
         if x.device.type == "cpu":
             xb = x.to(torch.bfloat16)
             if x.shape[0] <= PACKED_MM_MAX_ROWS:

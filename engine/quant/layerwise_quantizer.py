@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from splitserve.engine.quant.quantize import quantize_weight
+from splitserve.engine.quant.prequantized_weights import QuantizedParts
+from splitserve.engine.quant.quantize import from_parts, quantize_weight
 
 
 class LayerwiseQuantizer:
@@ -30,18 +31,38 @@ class LayerwiseQuantizer:
     def owns(self, param: torch.Tensor) -> bool:
         return id(param) in self._owners
 
-    def load_slice(self, placeholder: torch.Tensor, first_row: int, tensor: torch.Tensor) -> None:
+    def load_slice(self, placeholder: torch.Tensor, first_row: int, tensor: torch.Tensor | QuantizedParts) -> None:
         key = id(placeholder)
+        if isinstance(tensor, QuantizedParts):
+            self._load_parts(key, placeholder, first_row, tensor)
+            return
         buffer, filled = self._pending.get(key, (None, 0))
+        if isinstance(buffer, list):
+            raise ValueError("a fused weight mixes full-precision and pre-quantized slices")
         if buffer is None:
             buffer = torch.empty(placeholder.shape, dtype=self.dtype, device=self.device)
         buffer[first_row : first_row + tensor.shape[0]].copy_(tensor)
         filled += tensor.shape[0]
         self._pending[key] = (buffer, filled)
-        alive = sum(b.numel() * b.element_size() for b, _ in self._pending.values())
+        alive = sum(b.numel() * b.element_size() for b, _ in self._pending.values() if isinstance(b, torch.Tensor))
         self.peak_full_precision_bytes = max(self.peak_full_precision_bytes, alive)
         if filled == placeholder.shape[0]:
             layer, attr = self._owners.pop(key)
             del self._pending[key]
             delattr(layer, attr)  # a registered Parameter cannot be overwritten by a module
             setattr(layer, attr, quantize_weight(buffer, self.scheme))
+
+    def _load_parts(self, key: int, placeholder: torch.Tensor, first_row: int, parts: QuantizedParts) -> None:
+        """A pre-quantized slice: kept as is; the fused weight is built from its slices in row order."""
+        slices, filled = self._pending.get(key, ([], 0))
+        if not isinstance(slices, list):
+            raise ValueError("a fused weight mixes full-precision and pre-quantized slices")
+        slices.append((first_row, parts))
+        filled += parts.shape[0]
+        self._pending[key] = (slices, filled)
+        if filled == placeholder.shape[0]:
+            layer, attr = self._owners.pop(key)
+            del self._pending[key]
+            merged = QuantizedParts.concat([p for _, p in sorted(slices, key=lambda s: s[0])])
+            delattr(layer, attr)
+            setattr(layer, attr, from_parts(merged.to(self.device), self.scheme))

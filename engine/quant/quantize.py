@@ -23,6 +23,13 @@ def quantize_weight(weight: torch.Tensor, scheme: str) -> QuantizedWeight:
     return cls.quantize(weight)
 
 
+def from_parts(parts, scheme: str) -> QuantizedWeight:
+    """A weight from a pre-quantized checkpoint's values (engine/quant/prequantized_weights.py)."""
+    if scheme == "int4":
+        return Int4Weight(parts.q, parts.scale, parts.zero, parts.group_size)
+    return WEIGHT_CLASSES[scheme](parts.q, parts.scale)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for a plain weight; the quantized weight's own matmul otherwise (bias kept in float)."""
     if isinstance(weight, torch.Tensor):

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
-CHECKS = ["parity", "kernels", "bandwidth", "throughput", "transfer", "kv_quant", "offload"]
+CHECKS = ["parity", "kernels", "bandwidth", "throughput", "transfer", "kv_quant", "offload", "quant"]
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +59,11 @@ def test_cpu_dry_run_passes_every_check(dry_run):
     # The host KV tier: copies bit-exact, hits loaded, greedy tokens unchanged.
     assert items[("offload", "save/load round trip")]["status"] == "pass"
     assert items[("offload", "multi-turn greedy with the tier")]["numbers"]["loaded_blocks"] > 0
+    # The quantized matmuls: each scheme at each batch within its tolerance of bf16 (CPU: fp8 emulated).
+    for scheme in ("fp8", "int8", "int4"):
+        for batch in (1, 64, 256):
+            assert items[("quant", f"{scheme} batch {batch}")]["status"] == "pass"
+    assert "emulated" in items[("quant", "fp8 path")]["note"]
 
 
 def test_report_is_markdown_with_every_check(dry_run):
@@ -73,6 +78,7 @@ def test_report_is_markdown_with_every_check(dry_run):
         "KV transfer",
         "fp8 KV attention",
         "Host KV tier",
+        "Quantized matmuls",
     ):
         assert f"{title}" in text
     assert "| llama fp32 logits | pass |" in text

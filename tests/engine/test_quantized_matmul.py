@@ -54,6 +54,13 @@ def test_int4_matmul_matches_its_dequantized_weight(shape):
         x = torch.randn(rows, shape[1])
         assert _relative_error(qweight(x), x @ reference.t()) < BF16_TOLERANCE
     assert qweight.packed.numel() * qweight.packed.element_size() == shape[0] * shape[1] // 2
+    # The other devices' layout (two nibbles a byte, dequantized per call) holds the same weight.
+    nibbles = Int4Weight.quantize(weight, cpu_kernel=False)
+    assert nibbles.packed.shape == (shape[0], shape[1] // 2) and nibbles.packed.dtype == torch.uint8
+    # (the CPU layout reads back through the kernel, in bf16: 2^-8 relative)
+    torch.testing.assert_close(nibbles.dequantize(), qweight.dequantize(), rtol=4e-3, atol=1e-6)
+    x = torch.randn(5, shape[1])
+    assert _relative_error(nibbles(x), x @ reference.t()) < 1e-2  # bf16 scales only: fp32 activations
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -162,3 +162,20 @@ def test_the_draft_model_is_quantized_too_and_greedy_output_is_unchanged(tmp_pat
     # The draft is the target, quantized alike: (nearly) every draft token is accepted.
     assert stats.spec_proposed_tokens > 20 and stats.spec_accepted_tokens >= 0.9 * stats.spec_proposed_tokens
     assert engine.kv.num_free_blocks == engine.config.num_kv_blocks
+
+
+def test_generate_cli_takes_quantization(tmp_path_factory, capsys):
+    from splitserve.cluster.cli.main import main
+    from splitserve.engine.io.sampling_params import SamplingParams
+    from splitserve.engine.llm_engine import LLMEngine
+
+    model_dir = str(make_checkpoint(tmp_path_factory.getbasetemp(), "tiny", "llama"))
+    argv = ["generate", "--model", model_dir, "--prompt-token-ids", "5,6,7,8", "--max-tokens", "8"]
+    assert main([*argv, "--temperature", "0", "--ignore-eos", "--json", "--quantization", "int4"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    engine = LLMEngine(EngineConfig(model=model_dir, quantization="int4"))
+    expected = engine.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert printed["token_ids"] == expected.token_ids
+    with pytest.raises(SystemExit):  # argparse: invalid choice
+        main([*argv, "--quantization", "int3"])
+    assert "invalid choice: 'int3'" in capsys.readouterr().err

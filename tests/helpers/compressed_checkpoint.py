@@ -1,0 +1,63 @@
+"""Pre-quantized checkpoints written by the compressed-tensors library itself (what
+llm-compressor calls to save): a transformers model, the library's quantization config for a
+preset scheme applied, weight scales from its own calculate_qparams on min/max (what
+llm-compressor's data-free min-max observer computes for weight-only and dynamic schemes),
+compressed by ModelCompressor and saved with the config it writes."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+
+def write_compressed_checkpoint(source: Path, out_dir: Path, preset: str) -> Path:
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationStatus,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    config = QuantizationConfig(
+        config_groups={"group_0": preset_name_to_scheme(preset, ["Linear"])}, ignore=["lm_head"]
+    )
+    apply_quantization_config(model, config)
+    for module in model.modules():
+        scheme = getattr(module, "quantization_scheme", None)
+        if scheme is None or not hasattr(module, "weight_scale"):
+            continue
+        args, w = scheme.weights, module.weight.data
+        if args.strategy == "channel":
+            lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+        elif args.strategy == "group":
+            groups = w.unflatten(-1, (-1, args.group_size))
+            lo, hi = groups.amin(-1), groups.amax(-1)
+        else:
+            lo, hi = w.amin().reshape(1), w.amax().reshape(1)
+        scale, zero_point = calculate_qparams(lo, hi, args)
+        module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+        if hasattr(module, "weight_zero_point"):
+            module.weight_zero_point.data.copy_(zero_point.reshape(module.weight_zero_point.shape))
+        module.quantization_status = QuantizationStatus.FROZEN
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = {
+        k: v.contiguous()
+        for k, v in model.state_dict().items()
+        if k != "lm_head.weight" or not model.config.tie_word_embeddings
+    }
+    save_file(state, str(out_dir / "model.safetensors"))
+    model.config.save_pretrained(out_dir)
+    compressor.update_config(str(out_dir))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (source / name).is_file():
+            shutil.copy(source / name, out_dir / name)
+    return out_dir
