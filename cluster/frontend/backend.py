@@ -15,7 +15,7 @@ from splitserve.cluster.control.controller_client import ControllerClient
 from splitserve.cluster.control.disagg_cluster import DisaggCluster
 from splitserve.cluster.control.ingress_report import encode_families, families_of
 from splitserve.cluster.control.ingress_reporter import IngressReporter
-from splitserve.cluster.frontend.metrics import Metrics, RouterViewCollector
+from splitserve.cluster.frontend.metrics import GrammarCheckCollector, Metrics, RouterViewCollector
 from splitserve.cluster.frontend.token_meter import TokenMeter
 from splitserve.cluster.request_error import ErrorKind, RequestError, invalid
 from splitserve.cluster.routing.router import DECODE, PREFILL
@@ -74,6 +74,7 @@ class ServingBackend:
             ingress_id=self.ingress_id,
         )
         self.metrics.registry.register(RouterViewCollector(self.model_name, self.ingress_id, self._indexed_blocks))
+        self.metrics.registry.register(GrammarCheckCollector(self.model_name, self.ingress_id, self.grammar.stats))
         self.num_inflight = 0
         self._inflight_by_key: dict[str, int] = defaultdict(int)
 
