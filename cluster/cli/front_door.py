@@ -58,9 +58,11 @@ class FrontDoor:
         cfg (a ServeConfig): its connection cap becomes HAProxy's maxconn."""
         env = {**FLAGS, "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": CLI_DRAINING_PERIOD_S}
         if cfg is not None:
-            # Ray 2.60's HAProxy config has no knob for `timeout http-request`; headers and
-            # bodies are timed in each ingress's uvicorn instead (http/header_timeout.py).
+            # Ray 2.60's HAProxy config has no knob for `timeout http-request`: behind HAProxy
+            # `timeout client` bounds a stalled request; bodies and (without HAProxy) headers
+            # are timed in each ingress's uvicorn too (http/header_timeout.py).
             env["RAY_SERVE_HAPROXY_MAXCONN"] = str(cfg.http_max_connections)
+            env["RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S"] = str(cfg.http_client_timeout_s)
         if self.local:
             # Short: HAProxy limits socket paths to 97 bytes and Ray adds the node id (56).
             self.state_dir = tempfile.mkdtemp(prefix="ss", dir="/tmp")

@@ -275,6 +275,8 @@ The front door's environment (values.frontDoor), the same on the head and every 
   value: {{ $fd.haproxyThreads | default 4 | toString | quote }}
 - name: RAY_SERVE_HAPROXY_MAXCONN
   value: {{ .Values.serve.http_max_connections | default 4096 | toString | quote }}
+- name: RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S
+  value: {{ .Values.serve.http_client_timeout_s | default 900 | toString | quote }}
 {{- else }}
 - name: RAY_SERVE_ENABLE_HA_PROXY
   value: "0"
