@@ -202,15 +202,11 @@ class ServeConfig(_Strict):
     """Largest request body accepted (413 above)."""
     http_request_timeout_s: float = Field(30.0, gt=0)
     """Seconds a client has to send a request's headers, and again its body; the connection is closed
-    past either (a response, however long it streams, is never timed)."""
+    past either (a response, however long it streams, is never timed). Also HAProxy's `timeout client`."""
     http_keep_alive_timeout_s: int = Field(15, ge=1)
     """Seconds an idle keep-alive HTTP connection stays open (uvicorn and HAProxy)."""
     http_max_connections: int = Field(4096, ge=1)
     """HTTP connections HAProxy accepts per node (its maxconn); more wait in the kernel's backlog."""
-    http_client_timeout_s: int = Field(900, ge=1)
-    """HAProxy's `timeout client`: a client silent this long while it should send (its request) or read is
-    dropped; it also bounds headers behind HAProxy, which Ray does not let us give `timeout http-request`.
-    At least request_timeout_s, so a long non-streamed answer survives."""
     max_requests_per_key: int = Field(128, ge=1)
     """Requests in flight per API key before 429 (only with api_key set; keyless clients share max_queued_requests)."""
     transport_host: str = "127.0.0.1"
@@ -234,6 +230,4 @@ class ServeConfig(_Strict):
     def _check_block_size(self) -> ServeConfig:
         if self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a power of two")
-        if self.http_client_timeout_s < self.request_timeout_s:
-            raise ValueError("http_client_timeout_s must be >= request_timeout_s (a long answer would be cut)")
         return self
