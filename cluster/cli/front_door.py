@@ -66,7 +66,7 @@ class FrontDoor:
         if cfg is not None:
             # Ray 2.60's HAProxy config has no knob for `timeout http-request`; without it HAProxy
             # times a request's headers and body with `timeout client`, which never runs while
-            # HAProxy waits on the server or a stream flows (tests/cluster/test_haproxy_timeouts.py),
+            # HAProxy waits on the server or a stream flows (tests/cluster/frontend/test_haproxy_timeouts.py),
             # so it can be as short as the request timeout. uvicorn behind it times them too.
             env["RAY_SERVE_HAPROXY_MAXCONN"] = str(cfg.http_max_connections)
             env["RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S"] = str(haproxy_seconds(cfg.http_request_timeout_s))
