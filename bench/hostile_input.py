@@ -150,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--sample-every-s", type=float, default=20.0)
     parser.add_argument("--request-timeout-s", type=float, default=5.0, help="the server's http_request_timeout_s")
+    parser.add_argument(
+        "--server-args", default="", help="more `splitserve serve` flags, e.g. '--grammar.cache-size 32'"
+    )
     args = parser.parse_args(argv)
     model = args.model
     if model is None:
@@ -164,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         grpc_port=find_free_port(),
         request_timeout=args.request_timeout_s,
     )
+    if args.server_args:
+        command += " " + args.server_args
     with ManagedServer(command, startup_timeout_s=600) as server:
         served = server.base_url
         import httpx
