@@ -259,7 +259,7 @@ class ServeConfig(_Strict):
     """Largest request body accepted (413 above)."""
     http_request_timeout_s: float = Field(30.0, gt=0)
     """Seconds a client has to send a request's headers, and again its body; the connection is closed
-    past either (a response, however long it streams, is never timed)."""
+    past either (a response, however long it streams, is never timed). Also HAProxy's `timeout client`."""
     http_keep_alive_timeout_s: int = Field(15, ge=1)
     """Seconds an idle keep-alive HTTP connection stays open (uvicorn and HAProxy)."""
     http_max_connections: int = Field(4096, ge=1)

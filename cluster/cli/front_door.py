@@ -16,6 +16,7 @@ says why this mechanism and what it measured.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import socket
@@ -42,6 +43,11 @@ THROUGHPUT_OPTIMIZED = {
 FLAGS = {"RAY_SERVE_ENABLE_HA_PROXY": "1", **THROUGHPUT_OPTIMIZED}
 
 
+def haproxy_seconds(seconds: float) -> int:
+    """Ray reads HAProxy's timeouts as whole seconds; round up, never to 0 (no timeout)."""
+    return max(1, math.ceil(seconds))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -58,9 +64,12 @@ class FrontDoor:
         cfg (a ServeConfig): its connection cap becomes HAProxy's maxconn."""
         env = {**FLAGS, "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": CLI_DRAINING_PERIOD_S}
         if cfg is not None:
-            # Ray 2.60's HAProxy config has no knob for `timeout http-request`; headers and
-            # bodies are timed in each ingress's uvicorn instead (http/header_timeout.py).
+            # Ray 2.60's HAProxy config has no knob for `timeout http-request`; without it HAProxy
+            # times a request's headers and body with `timeout client`, which never runs while
+            # HAProxy waits on the server or a stream flows (tests/cluster/frontend/test_haproxy_timeouts.py),
+            # so it can be as short as the request timeout. uvicorn behind it times them too.
             env["RAY_SERVE_HAPROXY_MAXCONN"] = str(cfg.http_max_connections)
+            env["RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S"] = str(haproxy_seconds(cfg.http_request_timeout_s))
         if self.local:
             # Short: HAProxy limits socket paths to 97 bytes and Ray adds the node id (56).
             self.state_dir = tempfile.mkdtemp(prefix="ss", dir="/tmp")

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.control.disagg_cluster import DisaggCluster
-from splitserve.cluster.frontend.metrics import Metrics, RouterViewCollector
+from splitserve.cluster.frontend.metrics import GrammarCheckCollector, Metrics, RouterViewCollector
 from splitserve.cluster.frontend.token_meter import TokenMeter
 from splitserve.cluster.ingress.controller_client import ControllerClient
 from splitserve.cluster.ingress.ingress_reporter import IngressReporter
@@ -87,6 +87,7 @@ class ServingBackend:
         self.metrics.registry.register(
             RouterViewCollector(self.model_name, self.ingress_id, self._indexed_blocks, host_blocks)
         )
+        self.metrics.registry.register(GrammarCheckCollector(self.model_name, self.ingress_id, self.grammar.stats))
         self.num_inflight = 0
         self._inflight_by_key: dict[str, int] = defaultdict(int)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from splitserve.cluster.metric_families import LATENCY_BUCKETS, ModelFamilies
@@ -106,3 +106,31 @@ class RouterViewCollector(Collector):
             for pool, num_hashes in self.host_blocks().items():
                 family.add_metric([self.model_name, pool, self.ingress_id, "host"], num_hashes)
         yield family
+
+
+class GrammarCheckCollector(Collector):
+    """The ingress's isolated grammar check (engine/sample/isolated_grammar_checker.py), read
+    at collect time: splitserve_grammar_verdict_cache_entries{ingress} (bounded by
+    grammar.cache_size), and counters of cache hits and misses, refusals, and compile workers
+    lost to a crash or a timeout."""
+
+    def __init__(self, model_name: str, ingress_id: str, stats: Callable[[], dict[str, float]]):
+        self.model_name, self.ingress_id, self.stats = model_name, ingress_id, stats
+
+    def collect(self):
+        stats = self.stats()
+        labels = ["model_name", "ingress"]
+        entries = GaugeMetricFamily(
+            "splitserve_grammar_verdict_cache_entries", "Grammar verdicts this ingress caches now", labels=labels
+        )
+        entries.add_metric([self.model_name, self.ingress_id], stats["entries"])
+        yield entries
+        for key, help_text in (
+            ("hits", "Grammar checks answered from the verdict cache"),
+            ("misses", "Grammar checks that compiled in an isolated worker"),
+            ("refused", "Grammars the isolated compile refused (invalid, unsatisfiable, crashed, timed out)"),
+            ("worker_losses", "Isolated grammar compile workers lost to a crash, the memory cap or a timeout"),
+        ):
+            family = CounterMetricFamily(f"splitserve_grammar_check_{key}", help_text, labels=labels)
+            family.add_metric([self.model_name, self.ingress_id], stats[key])
+            yield family

@@ -301,6 +301,8 @@ The front door's environment (values.frontDoor), the same on the head and every 
   value: {{ $fd.haproxyThreads | default 4 | toString | quote }}
 - name: RAY_SERVE_HAPROXY_MAXCONN
   value: {{ .Values.serve.http_max_connections | default 4096 | toString | quote }}
+- name: RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S
+  value: {{ .Values.serve.http_request_timeout_s | default 30 | ceil | int | toString | quote }}
 {{- else }}
 - name: RAY_SERVE_ENABLE_HA_PROXY
   value: "0"

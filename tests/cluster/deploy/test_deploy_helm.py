@@ -163,7 +163,9 @@ def test_head_and_every_worker_group_get_the_front_door_env(name):
         assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
         assert env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == str(front_door["drainingPeriodS"])
         assert env["RAY_SERVE_HAPROXY_NBTHREAD"] == str(front_door["haproxyThreads"])
-        assert env["RAY_SERVE_HAPROXY_MAXCONN"] == str(merged_values_of(name)["serve"]["http_max_connections"])
+        serve_values = merged_values_of(name)["serve"]
+        assert env["RAY_SERVE_HAPROXY_MAXCONN"] == str(serve_values["http_max_connections"])
+        assert env["RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S"] == str(math.ceil(serve_values["http_request_timeout_s"]))
     off = deploy.render_chart({"frontDoor": {"haproxy": False}, "head": {"extraEnv": [{"name": "X", "value": "1"}]}})
     head = next(o for o in deploy.rendered_objects(off) if o["kind"] == "RayService")
     head = head["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import socket
 import threading
 import time
@@ -451,5 +452,8 @@ def test_hostile_constraints_are_refused_and_concurrent_streams_finish_whole(loo
         usage = json.loads(events[-2][len("data: ") :])["usage"]
         assert usage["completion_tokens"] == STREAM_TOKENS, usage
     assert backend.grammar.stats()["worker_losses"] == 0  # the bounds stopped them before any compile
+    metrics = loop.run(backend.render_metrics()).decode()
+    assert re.search(r"splitserve_grammar_check_refused_total\{[^}]*\} [1-9]", metrics), metrics[-2000:]
+    assert "splitserve_grammar_verdict_cache_entries{" in metrics
     normal_request_works(http, model)
     wait_for_baseline(loop, backend.cluster)

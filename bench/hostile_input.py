@@ -1,0 +1,186 @@
+"""A mixed hostile workload against a live 1P+1D server, and what it costs: worker RSS at
+start and end (is anything growing without bound?), the requests' statuses, and what the
+crash-isolated grammar check costs next to an in-process compile (cold and cached).
+
+  python -m splitserve.bench.hostile_input --duration-s 180
+
+The mix (bench/hostile_workload.py): ordinary completions, JSON schemas no earlier request
+used (grammar cache churn), the hostile constraints of issue #28 (10,000-deep GBNF chain and
+JSON, `a{1000000}`, `{"$ref": "#"}`, tools referring to themselves, empty languages),
+streams cancelled mid-way, half-sent requests (closed by the server's request timeout) and
+garbage bodies. Results print as JSON; bench/results/hostile_input.md is the write-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+from splitserve.bench import require_extra, source_commit
+from splitserve.bench.hostile_workload import Workload
+from splitserve.bench.managed_server import ManagedServer, find_free_port
+from splitserve.engine.testing.json_schemas import SCHEMAS
+
+psutil = require_extra("psutil")
+
+ROLES = {
+    "decode": r"ray::DecodeWorker",
+    "prefill": r"ray::PrefillWorker",
+    "ingress": r"ray::ServeReplica:[^ ]*:(?!splitserve-controller)",
+    "grammar workers": r"splitserve\.engine\.sample\.grammar_worker",
+}
+DEFAULT_SERVER = (
+    "{python} -m splitserve.cluster.cli.main serve --model {model} --http-port {port} --grpc-port {grpc_port} "
+    "--prefill-replicas 1 --decode-replicas 1 --num-cpus 4 --http-request-timeout-s {request_timeout}"
+)
+
+
+def rss_by_role(root_pid: int) -> dict[str, float]:
+    """MiB of resident memory per role, summed over the server's descendant processes."""
+    out = dict.fromkeys(ROLES, 0.0)
+    for process in psutil.Process(root_pid).children(recursive=True):
+        try:
+            cmdline = " ".join(process.cmdline())
+            rss = process.memory_info().rss / 2**20
+        except psutil.Error:
+            continue
+        for role, pattern in ROLES.items():
+            if re.search(pattern, cmdline):
+                out[role] += rss
+                break
+    return {role: round(mib, 1) for role, mib in out.items()}
+
+
+def _specs(count: int, salt: str):
+    from splitserve.engine.sample.grammar_spec import GrammarSpec
+
+    base = list(SCHEMAS.values())
+    return [GrammarSpec.json_schema({**base[i % len(base)], "title": f"{salt}-{i}"}) for i in range(count)]
+
+
+def isolation_cost(model_dir: str, cold: int = 20, cached: int = 2000) -> dict[str, float]:
+    """Milliseconds: an in-process compile (what a replica does) next to the ingress's check
+    (bounds + a compile in an isolated worker process; a cached verdict)."""
+    from splitserve.engine.config import ModelConfig
+    from splitserve.engine.io.tokenizer import Tokenizer
+    from splitserve.engine.sample.grammar_compiler import GrammarCompiler
+    from splitserve.engine.sample.grammar_config import GrammarConfig
+    from splitserve.engine.sample.grammar_limits import check_limits
+    from splitserve.engine.sample.isolated_grammar_checker import IsolatedGrammarChecker
+
+    tokenizer, config = Tokenizer.from_pretrained(model_dir), ModelConfig.from_pretrained(model_dir)
+    facts = (tokenizer.to_json(), config.vocab_size, tokenizer.eos_token_ids or config.eos_token_ids)
+    compiler = GrammarCompiler(*facts)
+    _ = compiler.tokenizer
+    checker = IsolatedGrammarChecker(*facts, GrammarConfig())
+    checker.warm()
+
+    def timed(fn, specs) -> list[float]:
+        times = []
+        for spec in specs:
+            start = time.perf_counter()
+            fn(spec)
+            times.append(1e3 * (time.perf_counter() - start))
+        return times
+
+    try:
+        in_cold = timed(compiler.compile, _specs(cold, "in"))
+        iso_cold = timed(checker.check, _specs(cold, "iso"))
+        hot = _specs(1, "hot")[0]
+        compiler.compile(hot)
+        checker.check(hot)
+        in_hot = timed(compiler.compile, [hot] * cached)
+        iso_hot = timed(checker.check, [hot] * cached)
+        bounds = timed(lambda s: check_limits(s, GrammarConfig()), [hot] * cached)
+    finally:
+        checker.close()
+    return {
+        "in_process_cold_ms_median": statistics.median(in_cold),
+        "isolated_cold_ms_median": statistics.median(iso_cold),
+        "in_process_cached_ms_median": statistics.median(in_hot),
+        "isolated_cached_ms_median": statistics.median(iso_hot),
+        "bounds_check_ms_median": statistics.median(bounds),
+    }
+
+
+def run_workload(base_url: str, model: str, duration_s: float, threads: int, sample_every_s: float, pid: int) -> dict:
+    workloads = [Workload(base_url, model, seed=i) for i in range(threads)]
+    for case in ("normal", "distinct_schema", "hostile_constraint", "tool_ref_cycle", "cancelled_stream"):
+        getattr(workloads[0], case)()  # warm-up: every path once before the first sample
+    samples = [(0.0, rss_by_role(pid))]
+    errors: list[str] = []
+    stop_at = time.monotonic() + duration_s
+    started = time.monotonic()
+
+    def loop(workload: Workload) -> None:
+        while time.monotonic() < stop_at:
+            try:
+                workload.one()
+            except Exception as exc:  # a case that fails outright is a finding, not a crash
+                errors.append(repr(exc)[:200])
+
+    workers = [threading.Thread(target=loop, args=(w,), daemon=True) for w in workloads]
+    for worker in workers:
+        worker.start()
+    while time.monotonic() < stop_at:
+        time.sleep(min(sample_every_s, max(stop_at - time.monotonic(), 0.0)))
+        samples.append((round(time.monotonic() - started, 1), rss_by_role(pid)))
+    for worker in workers:
+        worker.join(300)
+    samples.append((round(time.monotonic() - started, 1), rss_by_role(pid)))
+    counts: dict[str, dict[int, int]] = {}
+    for workload in workloads:
+        for name, by_status in workload.counts.items():
+            for status, num in by_status.items():
+                counts.setdefault(name, {})[status] = counts.setdefault(name, {}).get(status, 0) + num
+        workload.close()
+    return {"rss_samples": samples, "counts": counts, "errors": errors[:20], "num_errors": len(errors)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="checkpoint directory (default: the `small` preset, random weights)")
+    parser.add_argument("--duration-s", type=float, default=180.0)
+    parser.add_argument("--threads", type=int, default=4)
+    parser.add_argument("--sample-every-s", type=float, default=20.0)
+    parser.add_argument("--request-timeout-s", type=float, default=5.0, help="the server's http_request_timeout_s")
+    parser.add_argument(
+        "--server-args", default="", help="more `splitserve serve` flags, e.g. '--grammar.cache-size 32'"
+    )
+    args = parser.parse_args(argv)
+    model = args.model
+    if model is None:
+        from splitserve.engine.builtin_models.make_model import write_random_checkpoint
+
+        model = str(write_random_checkpoint(tempfile.mkdtemp(prefix="hostile-model-"), preset="small"))
+    result = {"commit": source_commit(), "isolation_cost": isolation_cost(model)}
+    command = DEFAULT_SERVER.format(
+        python=sys.executable,
+        model=model,
+        port="{port}",
+        grpc_port=find_free_port(),
+        request_timeout=args.request_timeout_s,
+    )
+    if args.server_args:
+        command += " " + args.server_args
+    with ManagedServer(command, startup_timeout_s=600) as server:
+        served = server.base_url
+        import httpx
+
+        model_id = httpx.get(f"{served}/v1/models", timeout=10).json()["data"][0]["id"]
+        result["server_pid_before"] = server.pid
+        result.update(run_workload(served, model_id, args.duration_s, args.threads, args.sample_every_s, server.pid))
+        result["health_after"] = httpx.get(f"{served}/health", timeout=10).json()
+    result["command"] = " ".join(["python -m splitserve.bench.hostile_input", *(argv or sys.argv[1:])])
+    print(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
