@@ -107,13 +107,32 @@ def test_router_indexes_both_tiers_from_real_events(loop, cluster):
         return True
 
     wait_until(index_matches_snapshots, 10, "the router's tiers differ from the replicas' snapshots")
-    index = router.index(PREFILL)
-    assert index.num_indexed_host_hashes > 0
-    # A conversation evicted from prefill's device lives on in its host tier: the router counts
-    # it as cached there (a host hit), and the replica loads rather than recomputes it.
-    history = list(SYSTEM) + _turn(0, 0)
-    device, either = index.tiered_prefix_match(router.route(history).block_hashes)
-    assert either.get("prefill-0", 0) >= device.get("prefill-0", 0)
+    assert router.index(PREFILL).num_indexed_host_hashes > 0
+
+
+def test_router_credits_a_host_hit_and_the_replica_loads_it(loop, cluster, reference):
+    prompt = [(13 * i) % 300 + 70 for i in range(49)]  # 3 full blocks + 1
+    loop.run(cluster.complete(prompt, GREEDY), timeout=60)
+    for seed in (1, 2):  # push it out of prefill's 12-block device pool, into its host tier
+        loop.run(cluster.complete([(seed * 37 + 17 * i) % 300 + 50 for i in range(170)], GREEDY), timeout=60)
+    hashes = cluster.router.route(prompt).block_hashes
+    index = cluster.router.index(PREFILL)
+    wait_until(
+        lambda: index.tiered_prefix_match(hashes)[1].get("prefill-0") == 3,
+        10,
+        "the prompt's blocks are not indexed in prefill's host tier",
+    )
+    device, either = index.tiered_prefix_match(hashes)
+    assert device.get("prefill-0", 0) < 3  # some of it only in host memory
+    decision = cluster.router.route(prompt)
+    decision.release_claims()
+    assert decision.prefill_replica == "prefill-0" and decision.prefill_cached_tokens == 48
+    assert decision.prefill_host_cached_tokens == 16 * (3 - device.get("prefill-0", 0))
+    before = _host_loads(loop, cluster)["prefill-0"]
+    res = loop.run(cluster.complete(prompt, GREEDY), timeout=60)
+    assert res["token_ids"] == reference.generate([prompt], GREEDY)[0].token_ids
+    assert _host_loads(loop, cluster)["prefill-0"] > before
+    wait_for_baseline(loop, cluster)
 
 
 def test_cancelled_requests_free_their_loaded_blocks(loop, cluster):
