@@ -186,6 +186,31 @@ class ControllerConfig(_Strict):
         return self
 
 
+class PriorityConfig(_Strict):
+    """Priority classes: `interactive` (the default) and `batch` (the Batch API's lines, or a
+    request with the header x-splitserve-priority-class: batch). A request's `priority`
+    (vLLM's field; lower runs first) overrides its class's default in the engines."""
+
+    policy: Literal["priority", "fcfs"] = "priority"
+    """priority: engines order and preempt by priority, batch work only goes where there is headroom; fcfs: every request is equal (first come, first served)."""
+    interactive: int = 0
+    """Default priority of interactive requests (lower runs first)."""
+    batch: int = 100
+    """Default priority of batch requests (lower runs first)."""
+    batch_max_kv_usage: float = Field(0.7, gt=0, le=1)
+    """Batch work goes only to decode replicas whose KV-cache usage is below this (else 429; the batch runner retries later)."""
+    batch_max_running_fraction: float = Field(0.4, gt=0, le=1)
+    """...and whose running requests are below this fraction of decode.max_num_seqs."""
+    autoscale_on_batch: bool = False
+    """Let batch requests' latencies drive autoscaling (by default only interactive ones do, so batch backlog never scales up)."""
+
+    @model_validator(mode="after")
+    def _check_order(self) -> PriorityConfig:
+        if self.batch < self.interactive:
+            raise ValueError("batch must not rank ahead of interactive: priority.batch must be >= priority.interactive")
+        return self
+
+
 class BatchConfig(_Strict):
     """The OpenAI Batch API (/v1/files, /v1/batches) and its runner, in every ingress replica."""
 
@@ -276,6 +301,8 @@ class ServeConfig(_Strict):
     """Server-side deadline of a request (clients may ask for less)."""
     max_retries: int = Field(1, ge=0)
     """Retries on other replicas while no token has reached the client."""
+    priority: PriorityConfig = Field(default_factory=PriorityConfig)
+    """Priority classes (interactive, batch) in the engines and admission."""
     batch: BatchConfig = Field(default_factory=BatchConfig)
     """The OpenAI Batch API and its runner."""
     state_dir: str | None = None

@@ -1,6 +1,8 @@
 """Runs one batch line exactly as a live request: through the ingress's own HTTP app (in
 process, httpx's ASGI transport), so validation, admission, routing (prefix affinity
-included) and rendering are the live path's, and the output line is the live response."""
+included) and rendering are the live path's, and the output line is the live response. It
+goes at the batch priority class: admitted only where a decode replica has headroom (else
+429, and the runner retries it later), preempted by interactive work in the engines."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import uuid
 import httpx
 
 from splitserve.cluster.frontend.openai.responses import error_body
+from splitserve.cluster.frontend.priority_class import BATCH, PRIORITY_CLASS_HEADER
 from splitserve.cluster.state.records import BatchLine, LineResult
 
 # Answers that mean "not now" (no headroom, a replica going away): the line runs again later.
@@ -17,7 +20,10 @@ RETRY_LATER = (429, 503)
 
 class LineExecutor:
     def __init__(self, app, api_key: str | None):
-        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        # Batch class: the line's own `priority` (if any) is kept; it is shed without headroom.
+        headers = {PRIORITY_CLASS_HEADER: BATCH}
+        if api_key:
+            headers["authorization"] = f"Bearer {api_key}"
         # raise_app_exceptions=False: the app's own 500 answer is the line's result.
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         self.client = httpx.AsyncClient(

@@ -179,10 +179,11 @@ class DisaggCluster:
         label: str | None = None,
         deadline: float | None = None,
         on_route=None,
+        exclude_decode=(),
     ) -> AsyncIterator[StreamChunk]:
         """The dispatcher's stream of the request's chunks (see Dispatcher.generate); label:
         the client's own id, only logged."""
-        return self.dispatcher.generate(prompt_token_ids, params, label, deadline, on_route)
+        return self.dispatcher.generate(prompt_token_ids, params, label, deadline, on_route, exclude_decode)
 
     async def complete(self, prompt_token_ids: list[int], params: SamplingParams, label: str | None = None) -> dict:
         """Run one request to the end and collect it."""

@@ -88,7 +88,8 @@ class ServingBackend:
             RouterViewCollector(self.model_name, self.ingress_id, self._indexed_blocks, host_blocks)
         )
         self.metrics.registry.register(GrammarCheckCollector(self.model_name, self.ingress_id, self.grammar.stats))
-        self.num_inflight = 0
+        self.num_inflight = 0  # interactive requests: what max_queued_requests bounds
+        self.num_sheddable_inflight = 0  # batch requests, outside that bound
         self._inflight_by_key: dict[str, int] = defaultdict(int)
 
     async def start(self) -> None:
@@ -189,8 +190,11 @@ class ServingBackend:
         label: str | None = None,
         api_key: str | None = None,
         timeout_s: float | None = None,
+        sheddable: bool = False,
     ) -> AsyncIterator[StreamChunk]:
         """Validate, admit, stream. Raises RequestError (before the first chunk on refusal).
+        sheddable (batch work): outside the interactive limits, and only to decode replicas
+        with headroom (priority.batch_max_kv_usage / batch_max_running_fraction), else 429.
         timeout_s: the client's own deadline, capped by request_timeout_s; past it the
         request fails with kind DEADLINE and its KV blocks are freed. label: the client's own
         id for the request (gRPC request_id, HTTP x-request-id), only logged: the chunks carry
@@ -204,14 +208,22 @@ class ServingBackend:
             await self.check_grammar(params.structured_output, deadline)
         # Per-key fairness is for clients told apart by their API keys; without configured
         # keys every client is "keyless" and only the global queue bounds them.
-        key = (api_key or "") if self.cfg.api_key else None
-        if self.num_inflight >= self.cfg.max_queued_requests:
+        key = (api_key or "") if self.cfg.api_key and not sheddable else None
+        busy = self._admit_sheddable() if sheddable else ()
+        if not sheddable and self.num_inflight >= self.cfg.max_queued_requests:
             self.metrics.requests.labels(ErrorKind.OVERLOADED.value).inc()
             raise RequestError(ErrorKind.OVERLOADED, "the server is at capacity; retry later")
         if key is not None and self._inflight_by_key[key] >= self.cfg.max_requests_per_key:
             self.metrics.requests.labels(ErrorKind.OVERLOADED.value).inc()
             raise RequestError(ErrorKind.OVERLOADED, "too many concurrent requests for this API key")
-        self.num_inflight += 1
+        # Batch work is not counted against the interactive limits (nor drives autoscaling,
+        # unless priority.autoscale_on_batch).
+        counted = not sheddable
+        reported = counted or self.cfg.priority.autoscale_on_batch
+        if counted:
+            self.num_inflight += 1
+        else:
+            self.num_sheddable_inflight += 1
         if key is not None:
             self._inflight_by_key[key] += 1
         self.metrics.frontend_inflight.set(self.num_inflight)
@@ -223,13 +235,14 @@ class ServingBackend:
         meter = TokenMeter(self.metrics)
         try:
             async for chunk in self.cluster.generate(
-                prompt_token_ids, params, label, deadline=deadline, on_route=self._on_route
+                prompt_token_ids, params, label, deadline=deadline, on_route=self._on_route, exclude_decode=busy
             ):
                 now = time.perf_counter()
                 gap = None
                 if first:
                     self.metrics.ttft.observe(now - start)
-                    self.reporter.observe_ttft(now - start)
+                    if reported:
+                        self.reporter.observe_ttft(now - start)
                     self.metrics.prefix_query_tokens.inc(len(prompt_token_ids))
                     self.metrics.prefix_hit_tokens.inc(chunk.num_cached_tokens)
                     if chunk.queue_seconds is not None:
@@ -237,7 +250,8 @@ class ServingBackend:
                     first = False
                 elif chunk.token_ids:
                     gap = (now - last) / len(chunk.token_ids)
-                    self.reporter.observe_itl(gap)
+                    if reported:
+                        self.reporter.observe_itl(gap)
                 last = now
                 meter.add(len(chunk.token_ids), gap)
                 if chunk.finished:
@@ -253,7 +267,10 @@ class ServingBackend:
             raise
         finally:
             meter.flush()
-            self.num_inflight -= 1
+            if counted:
+                self.num_inflight -= 1
+            else:
+                self.num_sheddable_inflight -= 1
             if key is not None:
                 self._inflight_by_key[key] -= 1
                 if not self._inflight_by_key[key]:
@@ -284,6 +301,19 @@ class ServingBackend:
         if spec is not None:
             deadline = deadline or time.time() + self.cfg.request_timeout_s
             await self.check_grammar(spec, deadline, field)
+
+    def _admit_sheddable(self) -> set[str]:
+        """The decode replicas batch work must avoid (no headroom); 429 when that is all of them."""
+        pc = self.cfg.priority
+        max_running = max(1, int(pc.batch_max_running_fraction * self.cfg.decode.max_num_seqs))
+        router = self.cluster.router
+        busy = router.replicas_without_headroom(DECODE, pc.batch_max_kv_usage, max_running)
+        if set(router.replica_ids(DECODE, include_draining=False)) <= busy:
+            self.metrics.requests.labels(ErrorKind.OVERLOADED.value).inc()
+            raise RequestError(
+                ErrorKind.OVERLOADED, "no decode replica has headroom for batch work; retry later", retry_after_s=1.0
+            )
+        return busy
 
     async def check_grammar(self, spec: GrammarSpec, deadline: float, field: str | None = None) -> None:
         """Check a request's grammar (a cached verdict, or an isolated compile) on a worker thread:

@@ -16,7 +16,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 from splitserve.cluster.ingress.request_channel_client import ChannelClosed
 from splitserve.cluster.ingress.routed_replicas import Member, RoutedReplicas
@@ -102,8 +102,9 @@ class Dispatcher(RoutedReplicas):
         label: str | None = None,
         deadline: float | None = None,
         on_route: Callable | None = None,
+        exclude_decode: Iterable[str] = (),
     ) -> AsyncIterator[StreamChunk]:
-        """Stream a request's chunks. Retries (at most max_retries times, on other replicas)
+        """Stream a request's chunks (never on the decode replicas in exclude_decode). Retries (at most max_retries times, on other replicas)
         only while no chunk has reached the caller; raises RequestError (kind DEADLINE once
         `deadline` (time.time(); default now + request_timeout_s) passes). However it ends --
         finished, failed, deadline, or the caller closing this generator -- the replicas free
@@ -111,7 +112,7 @@ class Dispatcher(RoutedReplicas):
         base_id = self.new_request_id()
         deadline = deadline or time.time() + self.request_timeout_s
         timeout_s = deadline - time.time()
-        exclude = {PREFILL: set(), DECODE: set()}
+        exclude = {PREFILL: set(), DECODE: set(exclude_decode)}
         attempt = num_budgeted = 0
         sampling = params.to_dict()
         while True:

@@ -190,6 +190,15 @@ class Router:
     def replica_ids(self, pool: str, include_draining: bool = True) -> list[Hashable]:
         return [r for r, load in self._pool(pool).items() if include_draining or not load.draining]
 
+    def replicas_without_headroom(self, pool: str, max_kv_usage: float, max_running: int) -> set[Hashable]:
+        """Replicas at or above either threshold (KV usage as last reported; running requests
+        including those routed since): where sheddable (batch) work must not go."""
+        return {
+            rid
+            for rid, load in self._loads[pool].items()
+            if load.report.kv_usage >= max_kv_usage or load.effective_running >= max_running
+        }
+
     def decision_counts(self) -> dict[str, int]:
         """Decisions so far by reason (for the "router decisions by reason" counter)."""
         return dict(self._decisions)

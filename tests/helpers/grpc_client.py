@@ -52,6 +52,7 @@ class FakeBackend:
         self.mid_stream_failure: Exception | None = None  # raised after the first chunk
         self.chunk_delay_s = 0.0
         self.calls: list[tuple[list[int], SamplingParams, str | None, str | None]] = []
+        self.sheddable: list[bool] = []  # per call: was it batch (sheddable) work
         self.outcomes: list[str] = []  # per finished stream: completed | GeneratorExit | ...
         self.stream_ended = threading.Event()  # set from the server's loop thread
 
@@ -74,11 +75,12 @@ class FakeBackend:
             raise self.healthy
         return {"ok": self.healthy, "decode_replicas": int(self.healthy)}
 
-    async def generate(self, prompt_token_ids, params, label=None, api_key=None, timeout_s=None):
+    async def generate(self, prompt_token_ids, params, label=None, api_key=None, timeout_s=None, sheddable=False):
         self.validate(prompt_token_ids, params)
         if self.refusal is not None:
             raise self.refusal
         self.calls.append((list(prompt_token_ids), params, label, api_key))
+        self.sheddable.append(sheddable)
         request_id = f"fake-{len(self.calls)}"  # the server's own id; label is the client's
         try:
             for i in range(params.max_tokens):

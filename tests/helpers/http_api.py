@@ -99,7 +99,7 @@ class FakeBackend:
     async def render_metrics(self) -> bytes:
         return self.metrics.render()
 
-    async def generate(self, prompt_token_ids, params, label=None, api_key=None, timeout_s=None):
+    async def generate(self, prompt_token_ids, params, label=None, api_key=None, timeout_s=None, sheddable=False):
         self.validate(prompt_token_ids, params)
         request_id = f"fake-{len(self.calls) + 1}"  # the server's own id; label is the client's
         self.calls.append(
@@ -110,6 +110,7 @@ class FakeBackend:
                 "label": label,
                 "api_key": api_key,
                 "timeout_s": timeout_s,
+                "sheddable": sheddable,
             }
         )
         if self.refusal is not None:

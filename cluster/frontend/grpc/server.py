@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import hmac
 import logging
@@ -27,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 
 from splitserve.cluster.frontend.grpc.health import BackendHealthServicer
 from splitserve.cluster.frontend.grpc.messages import generate_response, oneof_conflict, sampling_params_from
+from splitserve.cluster.frontend.priority_class import resolve_priority
 from splitserve.cluster.frontend.serving_api import GenerationAPI
 from splitserve.cluster.request_error import ErrorKind, RequestError
 from splitserve.engine.io.sampling_params import InvalidRequestError
@@ -220,6 +222,9 @@ class GrpcFrontend:
         self._check_model(request.model)
         try:  # before tokenizing: a bad parameter costs nothing
             params = sampling_params_from(request)
+            explicit = request.priority if request.HasField("priority") else None
+            rank = resolve_priority(self.backend.cfg.priority, request.priority_class, explicit)
+            params = dataclasses.replace(params, priority=rank.priority)
         except InvalidRequestError as exc:
             raise _Rejection(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         # The same constraint check HTTP runs (bounds, isolated compile), before tokenizing.
@@ -235,6 +240,7 @@ class GrpcFrontend:
             label=label,
             api_key=api_key,
             timeout_s=_time_remaining(context),
+            sheddable=rank.sheddable,
         )
         await context.send_initial_metadata(((INGRESS_KEY, self.ingress_id),))
         # aclosing: when the client cancels, the CancelledError raised in context.write closes

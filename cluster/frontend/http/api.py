@@ -13,6 +13,7 @@ OpenAI's {"error": {"message", "type", "param", "code"}}; no traceback ever reac
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -60,6 +61,7 @@ from splitserve.cluster.frontend.openai.responses import (
     error_body,
 )
 from splitserve.cluster.frontend.openai.structured_output import constraint_field
+from splitserve.cluster.frontend.priority_class import PRIORITY_CLASS_HEADER, resolve_priority
 from splitserve.cluster.frontend.serving_api import ServingAPI
 from splitserve.cluster.request_error import RequestError
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
@@ -244,7 +246,7 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True, batch=None
             echo_only=body.echo_only,
             prompt_logprobs_ids=prompts if body.prompt_logprobs is not None else None,
         )
-        return await generate(request, prompts, params, body.n, renderer, body.stream)
+        return await generate(request, prompts, params, body.n, renderer, body.stream, body.priority)
 
     @app.post(
         "/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=auth, responses=GENERATION_RESPONSES
@@ -269,7 +271,7 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True, batch=None
             prompt_logprobs_ids=[prompt_ids] if body.prompt_logprobs is not None else None,
             tool_plan=plan,
         )
-        return await generate(request, [prompt_ids], params, body.n, renderer, body.stream)
+        return await generate(request, [prompt_ids], params, body.n, renderer, body.stream, body.priority)
 
     async def check_constraint(body, params: SamplingParams, plan=None) -> None:
         """The backend's one constraint check (shared with gRPC), naming the request's field."""
@@ -292,8 +294,12 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True, batch=None
         n: int,
         renderer: ResponseRenderer,
         stream: bool,
+        priority: int | None,
     ) -> Response:
-        """One backend generation per choice (prompt x n), streamed or collected."""
+        """One backend generation per choice (prompt x n), streamed or collected, at the
+        priority of the request's class (header) or its own `priority`."""
+        rank = resolve_priority(cfg.priority, request.headers.get(PRIORITY_CLASS_HEADER), priority)
+        params = dataclasses.replace(params, priority=rank.priority)
         choices = [(prompt, choice_params(params, i)) for prompt in prompts for i in range(n)]
         api_key = bearer_token(request.scope.get("headers", []))
         label = client_request_id(request.scope.get("headers", []))  # the client's own id: a label
@@ -305,6 +311,7 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True, batch=None
                 label=label,
                 api_key=api_key,
                 timeout_s=timeout_s,
+                sheddable=rank.sheddable,
             )
             for prompt, choice in choices
         ]

@@ -87,6 +87,11 @@ class _SamplingRequest(_Request):
         None, description="vLLM extension: the text of the stop token is left out of the output"
     )
     n: Annotated[int, Field(ge=1, le=MAX_N), BeforeValidator(_integral_float_to_int)] = 1
+    priority: JsonInt | None = Field(
+        None,
+        description="vLLM extension: lower runs first (a 32-bit integer); unset: the default of the request's "
+        "priority class (header x-splitserve-priority-class: interactive or batch)",
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="vLLM extension: keep generating past EOS")

@@ -1,0 +1,121 @@
+"""Priority on a real cluster (local Ray, CPU; one decode replica that prefills locally, room
+for two running sequences): with both slots held by batch work, an interactive request
+preempts one and gets its first token within a bound stated from the idle pool's measured
+TTFT -- while both batch streams are still running, so it did not wait for a slot -- and the
+preempted batch stream's greedy output is unchanged. Batch work is shed without headroom
+(429) and never counts toward the interactive limit (max_queued_requests 1 here)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from splitserve.cluster.frontend.http.api import build_http_app
+from splitserve.cluster.frontend.priority_class import PRIORITY_CLASS_HEADER
+from tests.helpers.cluster import (
+    LoopHttpServer,
+    cluster_config,
+    pool_states,
+    serving_backend,
+    wait_for_baseline,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+BATCH_TOKENS = 300
+# An interactive request on a full pool may take this many idle first-token times: a few
+# engine steps more (the preemption, one more sequence in the batch), never a batch stream's
+# remaining ~300 steps.
+TTFT_BOUND_FACTOR = 5.0
+BATCH = {PRIORITY_CLASS_HEADER: "batch"}
+
+
+@pytest.fixture(scope="module")
+def backend(ray_cluster, tiny_model, loop):
+    priority = {"batch_max_running_fraction": 1.0, "batch_max_kv_usage": 1.0}
+    cfg = cluster_config(tiny_model, num_prefill=0, num_blocks=64, max_queued_requests=1, priority=priority)
+    cfg.decode.max_num_seqs = 2
+    with serving_backend(loop, cfg, tiny_model) as serving:
+        yield serving
+
+
+@pytest.fixture(scope="module")
+def http(loop, backend):
+    with LoopHttpServer(loop, build_http_app(backend)) as server:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            yield client
+
+
+class Stream:
+    """One streamed completion in a thread: its tokens' text and when the first one came."""
+
+    def __init__(self, base_url: str, body: dict, headers: dict):
+        self.text: list[str] = []
+        self.first_at = self.done_at = None
+        self.started = time.monotonic()
+        self.error = None
+        self.thread = threading.Thread(target=self._run, args=(base_url, body, headers), daemon=True)
+        self.thread.start()
+
+    def _run(self, base_url, body, headers):
+        try:
+            with httpx.stream(
+                "POST", f"{base_url}/v1/completions", json={**body, "stream": True}, headers=headers, timeout=120
+            ) as r:
+                assert r.status_code == 200, r.read()
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line[6:])
+                        if chunk["choices"] and chunk["choices"][0]["text"]:
+                            self.first_at = self.first_at or time.monotonic()
+                            self.text.append(chunk["choices"][0]["text"])
+            self.done_at = time.monotonic()
+        except Exception as e:  # surfaced by the test
+            self.error = e
+
+    @property
+    def ttft(self) -> float:
+        return self.first_at - self.started
+
+
+def body(backend, prompt: str, max_tokens: int, **extra) -> dict:
+    return {"model": backend.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+
+
+def test_interactive_preempts_batch_work_within_the_idle_bound(http, backend, loop):
+    base = str(http.base_url)
+    idle = []
+    for i in range(3):
+        s = Stream(base, body(backend, f"hello there {i}", 4), {})
+        s.thread.join(60)
+        assert s.error is None and s.first_at, s.error
+        idle.append(s.ttft)
+    bound = TTFT_BOUND_FACTOR * max(idle)
+    preemptions_before = sum(p.engine.num_preemptions for p in pool_states(loop, backend.cluster).values())
+
+    batch = [Stream(base, body(backend, f"batch job {i}:", BATCH_TOKENS, ignore_eos=True), BATCH) for i in range(2)]
+    wait_until(lambda: all(s.first_at or s.error for s in batch), 120, "the batch streams did not start")
+    assert all(s.error is None for s in batch)
+    # Both slots are batch work: more of it is shed (429), interactive work is still admitted
+    # although max_queued_requests is 1: batch does not count toward it.
+    shed = http.post("/v1/completions", json=body(backend, "more batch", 4), headers=BATCH)
+    assert shed.status_code == 429 and "headroom" in shed.json()["error"]["message"]
+    urgent = Stream(base, body(backend, "interactive now", 4), {})
+    urgent.thread.join(120)
+    assert urgent.error is None and urgent.first_at, urgent.error
+    assert all(s.done_at is None or s.done_at > urgent.first_at for s in batch), "a batch stream ended first"
+    print(f"idle TTFT max {max(idle) * 1000:.0f} ms; interactive on a full pool {urgent.ttft * 1000:.0f} ms")
+    assert urgent.ttft <= bound, f"TTFT {urgent.ttft:.3f} s over {TTFT_BOUND_FACTOR}x the idle {max(idle):.3f} s"
+    for s in batch:
+        s.thread.join(120)
+        assert s.error is None and s.done_at, s.error
+    after = sum(p.engine.num_preemptions for p in pool_states(loop, backend.cluster).values())
+    assert after > preemptions_before
+    for i, s in enumerate(batch):  # alone, nothing else running: the same greedy text
+        alone = http.post("/v1/completions", json=body(backend, f"batch job {i}:", BATCH_TOKENS, ignore_eos=True))
+        assert alone.status_code == 200 and alone.json()["choices"][0]["text"] == "".join(s.text)
+    wait_for_baseline(loop, backend.cluster, timeout_s=30)
