@@ -109,4 +109,4 @@ def test_imports_splitserve_from_the_repository_without_an_install(tmp_path):
     assert completed.returncode == 0, completed.stderr
     source, *files = completed.stdout.split()
     assert source == "repository"
-    assert files == [str(ROOT / "engine" / "config.py"), str(ROOT / "kvtransfer" / "channel.py"), str(SCRIPT)]
+    assert files == [str(ROOT / "engine" / "config.py"), str(ROOT / "kvtransfer" / "kv_channel.py"), str(SCRIPT)]
