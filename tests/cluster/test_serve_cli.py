@@ -54,6 +54,8 @@ def _candidates(annotation, default) -> list:
 
 # Fields that must hold one value together (ServeConfig refuses them apart): each is tried
 # with its partner set to the same value.
+# Fields whose type (str) says too little: a value their own validator accepts.
+KNOWN_VALID = {"state_url": "sqlite:////tmp/splitserve-cli-test/state.db"}
 AGREEING = {"prefill.kv_cache_dtype": "decode.kv_cache_dtype", "decode.kv_cache_dtype": "prefill.kv_cache_dtype"}
 
 
@@ -62,7 +64,8 @@ def non_default_values() -> dict[str, object]:
     values = {}
     for path, info in leaf_fields().items():
         default = info.get_default(call_default_factory=True)
-        for value in _candidates(info.annotation, default):
+        candidates = [KNOWN_VALID[path]] if path in KNOWN_VALID else _candidates(info.annotation, default)
+        for value in candidates:
             raw: dict = {}
             for target in (path, AGREEING.get(path, path)):
                 node = raw
