@@ -264,6 +264,7 @@ class PagedEngine(KVHandoff, EngineProtocol):
             num_waiting=len(self.scheduler.waiting),
             num_waiting_tokens=self.scheduler.num_waiting_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            preemptions_by_priority=dict(self.scheduler.preemptions_by_priority),
             num_computed_prompt_tokens=self.scheduler.num_computed_prompt_tokens,
             num_prefix_hit_tokens=self.kv.num_hit_tokens,
             **self._host_tier_stats(),

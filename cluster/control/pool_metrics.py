@@ -15,8 +15,10 @@ from splitserve.proto.messages.poll_reply import PollReply
 
 
 class PoolMetrics:
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None, batch_priority: int = 100):
+        """batch_priority: preempted requests of this priority or above count as class batch."""
         self.model_name = model_name
+        self.batch_priority = batch_priority
         self.registry = registry or CollectorRegistry()
         f = ModelFamilies(self.registry, model_name)
         self.replicas = f.gauge("splitserve_replicas", "Live replicas per pool", "pool")
@@ -28,6 +30,9 @@ class PoolMetrics:
             "splitserve_kv_cache_block_bytes", "Bytes of one KV block, all layers, scales included", "pool", "replica"
         )
         self.preemptions = f.counter("splitserve_num_preemptions", "Requests preempted by an engine", "pool")
+        self.preemptions_by_class = f.counter(
+            "splitserve_preemptions_by_class", "Requests preempted by an engine, by priority class", "pool", "class"
+        )
         self.transfer_bytes = f.counter("splitserve_kv_transfer_bytes", "KV bytes moved prefill->decode")
         self.transfer_seconds = f.counter("splitserve_kv_transfer_seconds", "Seconds spent moving KV prefill->decode")
         self.scaling_decisions = f.counter("splitserve_scaling_decisions", "Autoscaler decisions", "pool", "decision")
@@ -49,7 +54,7 @@ class PoolMetrics:
         # Every family labelled by replica: forget_replica removes a replica's series from each.
         self.per_replica = (self.kv_usage, self.kv_blocks, self.kv_block_bytes, self.grammar_cache_entries)
         self._last_transfer: dict[str, tuple[float, float]] = {}
-        self._last_preemptions: dict[tuple[str, str], float] = {}
+        self._last_preemptions: dict[tuple, float] = {}  # (pool, replica[, class]) -> last total
         self._last_grammar: dict[tuple[str, str], float] = {}
 
     def observe_poll(self, pool: str, replica_id: str, poll: PollReply) -> None:
@@ -61,6 +66,13 @@ class PoolMetrics:
         prev = self._last_preemptions.get((pool, replica_id), 0)
         self.preemptions.labels(pool).inc(max(poll.engine.num_preemptions - prev, 0))
         self._last_preemptions[(pool, replica_id)] = poll.engine.num_preemptions
+        by_class = {"interactive": 0, "batch": 0}
+        for priority, count in poll.engine.preemptions_by_priority.items():
+            by_class["batch" if priority >= self.batch_priority else "interactive"] += count
+        for name, count in by_class.items():
+            prev = self._last_preemptions.get((pool, replica_id, name), 0)
+            self.preemptions_by_class.labels(pool, name).inc(max(count - prev, 0))
+            self._last_preemptions[(pool, replica_id, name)] = count
         for key, counter in self.replica_grammar.items():
             stat = key.removesuffix("_replica")
             value = getattr(poll.engine, stat)
@@ -89,7 +101,8 @@ class PoolMetrics:
             except KeyError:
                 pass
         self._last_transfer.pop(replica_id, None)
-        self._last_preemptions.pop((pool, replica_id), None)
+        for key in [k for k in self._last_preemptions if k[:2] == (pool, replica_id)]:
+            del self._last_preemptions[key]
         for key in [k for k in self._last_grammar if k[0] == replica_id]:
             del self._last_grammar[key]
         self.spec_decode.forget_replica(replica_id)

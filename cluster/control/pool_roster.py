@@ -29,7 +29,7 @@ class PoolRoster:
         self.targets = {p: initial_replicas(c.replicas, c.autoscaling) for p, c in pool_cfgs.items()}
         self.floors = {p: replica_floor(c.replicas, c.autoscaling) for p, c in pool_cfgs.items()}
         self.loads = PoolLoads()
-        self.metrics = PoolMetrics(cfg.model_id)
+        self.metrics = PoolMetrics(cfg.model_id, batch_priority=cfg.priority.batch)
         # Versions continue across controller restarts (ms since the epoch at start; a few
         # bumps per second at most), so an ingress never mistakes a new view for an old one.
         self.version = int(time.time() * 1000)

@@ -93,6 +93,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self.preemptions_by_priority: dict[int, int] = {}  # the preempted requests' priorities
         self.num_computed_prompt_tokens = 0
 
     # ---- queue management ----------------------------------------------------------------
@@ -259,6 +260,8 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        priority = seq.params.priority
+        self.preemptions_by_priority[priority] = self.preemptions_by_priority.get(priority, 0) + 1
         self._enqueue(seq, ahead_of_equals=True)
 
     def update(

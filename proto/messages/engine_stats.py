@@ -54,3 +54,5 @@ class EngineStats(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     spec_accepted_tokens: int = 0
     spec_emitted_tokens: int = 0
     spec_k_histogram: list[int] = msgspec.field(default_factory=list)
+    # Preemptions since start by the preempted request's priority (SamplingParams.priority).
+    preemptions_by_priority: dict[int, int] = msgspec.field(default_factory=dict)

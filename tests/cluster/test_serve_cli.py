@@ -46,7 +46,7 @@ def _candidates(annotation, default) -> list:
     if annotation is float:
         return [(default or 1.0) * 2, (default or 1.0) / 2, 0.5, 0.0]
     if annotation is str:
-        return ["some-value"]
+        return ["some-value", "sqlite:///some-value"]  # the second: a field that wants a database URL
     if typing.get_origin(annotation) is dict:
         return [{"accelerator_x": 2.0}]
     raise AssertionError(f"no test value for {annotation}")

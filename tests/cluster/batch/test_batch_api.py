@@ -83,6 +83,11 @@ def test_completions_batch_matches_live_greedy_answers(client, backend, loop):
     (error,) = read_lines(client, batch.error_file_id)
     assert error["custom_id"] == "bad" and error["response"]["status_code"] == 400
     assert "max_tokens" in error["response"]["body"]["error"]["message"]
+    registry, labels = backend.metrics.registry, {"model_name": model}
+    assert registry.get_sample_value("splitserve_batch_lines_total", {**labels, "result": "completed"}) >= 5
+    assert registry.get_sample_value("splitserve_batch_lines_total", {**labels, "result": "failed"}) >= 1
+    assert registry.get_sample_value("splitserve_batch_generation_tokens_total", labels) >= 5 * 6
+    assert registry.get_sample_value("splitserve_batch_jobs", {**labels, "status": "completed"}) >= 0
     wait_for_baseline(loop, backend.cluster)
 
 
@@ -96,7 +101,7 @@ def test_chat_batch_matches_live_greedy_answers(client, backend):
 
 
 def _listing(client):
-    return [b.id for b in client.batches.list(limit=100).data], [f.id for f in client.files.list().data]
+    return sorted(b.id for b in client.batches.list(limit=100).data), sorted(f.id for f in client.files.list().data)
 
 
 def test_bad_input_is_refused_with_400_and_creates_nothing(client, backend, cfg):
@@ -125,7 +130,7 @@ def test_bad_input_is_refused_with_400_and_creates_nothing(client, backend, cfg)
     dup = client.files.create(
         file=jsonl([completion_line("same", model, "x"), completion_line("same", model, "y")]), purpose="batch"
     )
-    before = (before[0], [dup.id, *before[1]])
+    before = (before[0], sorted([dup.id, *before[1]]))
     cases["duplicate custom_id"] = lambda: client.batches.create(
         input_file_id=dup.id, endpoint="/v1/completions", completion_window="24h"
     )

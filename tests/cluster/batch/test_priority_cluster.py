@@ -3,7 +3,10 @@ for two running sequences): with both slots held by batch work, an interactive r
 preempts one and gets its first token within a bound stated from the idle pool's measured
 TTFT -- while both batch streams are still running, so it did not wait for a slot -- and the
 preempted batch stream's greedy output is unchanged. Batch work is shed without headroom
-(429) and never counts toward the interactive limit (max_queued_requests 1 here)."""
+(429) and never counts toward the interactive limit (max_queued_requests 1 here). Preemptions
+show in splitserve_preemptions_by_class. Every decode step is slowed by an injected 20 ms hang
+(the idle baseline too), a floor under a batch stream's duration, so it is surely still
+running when the interactive request comes."""
 
 from __future__ import annotations
 
@@ -13,9 +16,12 @@ import time
 
 import httpx
 import pytest
+import ray
+from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.cluster.frontend.priority_class import PRIORITY_CLASS_HEADER
+from splitserve.cluster.routing.router import DECODE
 from tests.helpers.cluster import (
     LoopHttpServer,
     cluster_config,
@@ -27,6 +33,7 @@ from tests.helpers.cluster import (
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 BATCH_TOKENS = 300
+STEP_HANG_S = 0.02  # so a batch stream takes at least 6 s
 # An interactive request on a full pool may take this many idle first-token times: a few
 # engine steps more (the preemption, one more sequence in the batch), never a batch stream's
 # remaining ~300 steps.
@@ -86,7 +93,23 @@ def body(backend, prompt: str, max_tokens: int, **extra) -> dict:
     return {"model": backend.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
 
 
+def slow_decode(loop, backend, hang_s: float) -> None:
+    """Every decode step hangs hang_s: a floor under a batch stream's duration (never a ceiling)."""
+    (replica,) = backend.cluster.decode_pool.live_replicas()
+    hang_steps = 10**6 if hang_s else 0
+    ray.get(replica.handle.inject_fault.remote(hang_s=hang_s, hang_steps=hang_steps), timeout=30)
+
+
 def test_interactive_preempts_batch_work_within_the_idle_bound(http, backend, loop):
+    slow_decode(loop, backend, STEP_HANG_S)  # the idle baseline runs on the same slowed steps
+    try:
+        run_priority_scenario(http, backend, loop)
+    finally:
+        slow_decode(loop, backend, 0.0)
+    wait_for_baseline(loop, backend.cluster, timeout_s=30)
+
+
+def run_priority_scenario(http, backend, loop):
     base = str(http.base_url)
     idle = []
     for i in range(3):
@@ -97,13 +120,27 @@ def test_interactive_preempts_batch_work_within_the_idle_bound(http, backend, lo
     bound = TTFT_BOUND_FACTOR * max(idle)
     preemptions_before = sum(p.engine.num_preemptions for p in pool_states(loop, backend.cluster).values())
 
-    batch = [Stream(base, body(backend, f"batch job {i}:", BATCH_TOKENS, ignore_eos=True), BATCH) for i in range(2)]
-    wait_until(lambda: all(s.first_at or s.error for s in batch), 120, "the batch streams did not start")
-    assert all(s.error is None for s in batch)
+    # Batch work needs headroom as the router sees it: wait until it sees the idle requests gone,
+    # then start the batch streams one at a time.
+    wait_for_baseline(loop, backend.cluster, timeout_s=30)
+    router = backend.cluster.router
+    wait_until(
+        lambda: all(router.load(DECODE, r).effective_running == 0 for r in router.replica_ids(DECODE)),
+        30,
+        "the router still counts the idle requests",
+    )
+    batch = []
+    for i in range(2):
+        batch.append(Stream(base, body(backend, f"batch job {i}:", BATCH_TOKENS, ignore_eos=True), BATCH))
+        wait_until(lambda: batch[-1].first_at or batch[-1].error, 120, "a batch stream did not start")
+        assert batch[-1].error is None, batch[-1].error
     # Both slots are batch work: more of it is shed (429), interactive work is still admitted
     # although max_queued_requests is 1: batch does not count toward it.
     shed = http.post("/v1/completions", json=body(backend, "more batch", 4), headers=BATCH)
-    assert shed.status_code == 429 and "headroom" in shed.json()["error"]["message"]
+    assert shed.status_code == 429 and "headroom" in shed.json()["error"]["message"], (
+        shed.text,
+        [(s.first_at, s.done_at, len(s.text)) for s in batch],
+    )
     urgent = Stream(base, body(backend, "interactive now", 4), {})
     urgent.thread.join(120)
     assert urgent.error is None and urgent.first_at, urgent.error
@@ -119,3 +156,13 @@ def test_interactive_preempts_batch_work_within_the_idle_bound(http, backend, lo
         alone = http.post("/v1/completions", json=body(backend, f"batch job {i}:", BATCH_TOKENS, ignore_eos=True))
         assert alone.status_code == 200 and alone.json()["choices"][0]["text"] == "".join(s.text)
     wait_for_baseline(loop, backend.cluster, timeout_s=30)
+
+    def preempted(klass: str) -> float:
+        for family in text_string_to_metric_families(http.get("/metrics").text):
+            for sample in family.samples:
+                if sample.name == "splitserve_preemptions_by_class_total" and sample.labels["class"] == klass:
+                    return sample.value
+        return 0.0
+
+    wait_until(lambda: preempted("batch") > 0, 30, "no batch preemption in splitserve_preemptions_by_class")
+    assert preempted("interactive") == 0
