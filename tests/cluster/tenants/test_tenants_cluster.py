@@ -12,14 +12,18 @@ from __future__ import annotations
 import concurrent.futures
 import time
 
+import grpc
 import httpx
 import openai
 import pytest
 import yaml
 
+from splitserve.cluster.frontend.grpc.server import GrpcFrontend
 from splitserve.cluster.frontend.http.api import build_http_app
+from splitserve.proto import load_stubs
 from tests.helpers.cluster import LoopHttpServer, cluster_config, serving_backend, wait_for_baseline, wait_until
 
+pb2, pb2_grpc = load_stubs()
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 ADMIN = "sk-admin"
 PROMPT = "Once upon a time"
@@ -31,6 +35,7 @@ TENANTS = [
     {"name": "budget", "api_keys": ["sk-budget"], "budget_tokens": BUDGET, "budget_period": "month"},
     {"name": "narrow", "api_keys": ["sk-narrow"], "models": ["some-other-model"]},
     {"name": "usage", "api_keys": ["sk-usage"], "priority": 1},
+    {"name": "grpc", "api_keys": ["sk-grpc"], "requests_per_minute": 2},
 ]
 
 
@@ -231,3 +236,38 @@ def test_metrics_per_tenant_without_keys(http):
     assert 'splitserve_tenant_requests_total{outcome="ok",tenant="free"}' in text
     assert 'splitserve_tenant_budget_remaining{tenant="budget"}' in text
     assert "sk-" not in text
+
+
+@pytest.fixture(scope="module")
+def stub(loop, backend):
+    frontend = GrpcFrontend(backend)
+    port = loop.run(frontend.start("127.0.0.1", 0))
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        yield pb2_grpc.SplitServeStub(channel)
+    loop.run(frontend.stop(1.0))
+
+
+def test_grpc_status_codes_and_ratelimit_metadata(stub, backend):
+    request = pb2.GenerateRequest(text=PROMPT, max_tokens=2)
+
+    def call(key: str):
+        responses = stub.Generate(request, timeout=120, metadata=(("authorization", f"Bearer {key}"),))
+        list(responses)
+        return dict(responses.initial_metadata())
+
+    for key, code in (("sk-nobody", grpc.StatusCode.UNAUTHENTICATED), ("sk-narrow", grpc.StatusCode.NOT_FOUND)):
+        with pytest.raises(grpc.RpcError) as refused:
+            call(key)
+        assert refused.value.code() == code
+    for _ in range(2):  # once more if a minute boundary fell inside
+        minute = int(time.time() // 60)
+        heads = [call("sk-grpc") for _ in range(2)]
+        with pytest.raises(grpc.RpcError) as refused:
+            call("sk-grpc")
+        if int(time.time() // 60) == minute:
+            break
+    assert [h["x-ratelimit-remaining-requests"] for h in heads] == ["1", "0"]
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert refused.value.details().startswith("rate_limit_exceeded")
+    trailing = dict(refused.value.trailing_metadata())
+    assert 1 <= int(trailing["retry-after"]) <= 60 and trailing["x-ratelimit-limit-requests"] == "2"
