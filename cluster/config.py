@@ -274,7 +274,7 @@ class ServeConfig(_Strict):
     state_url: str | None = None
     """Database of the state store instead of state_dir, e.g. postgresql+psycopg://user:pass@host/db (every ingress replica and the controller reach it)."""
     tenants: list[TenantConfig] = Field(default_factory=list)
-    """Tenants: API keys with rate limits, token budgets, allowed models and a default priority (README: Tenants); set: api_key is not used."""
+    """Tenants: API keys with rate limits, token budgets, allowed models and a default priority (README: Tenants); api_key, if set, is then the unlimited tenant `operator` (the Batch API's lines run under it)."""
     tenants_file: str | None = None
     """A YAML file of tenants (a list, or {tenants: [...]}) added to `tenants`, re-read when it changes (a malformed file keeps the old tenants)."""
     tenants_reload_s: float = Field(2.0, gt=0)

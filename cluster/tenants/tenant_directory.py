@@ -14,6 +14,8 @@ from pathlib import Path
 from splitserve.cluster.tenants.tenant_config import TenantConfig, check_unique_names
 from splitserve.cluster.tenants.tenants_file import TenantsFileError, load_tenants_file
 
+OPERATOR = "operator"
+
 
 def key_digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
@@ -25,12 +27,17 @@ class TenantDirectory:
         self._by_digest = digests
 
     @classmethod
-    def load(cls, configured: list[TenantConfig], tenants_file: str | None) -> TenantDirectory:
+    def load(
+        cls, configured: list[TenantConfig], tenants_file: str | None, operator_key: str | None = None
+    ) -> TenantDirectory:
         """Raises TenantsFileError (naming the file and line) on a bad file, a missing keys
-        file, or one key given to two tenants."""
+        file, or one key given to two tenants. operator_key (the deployment's api_key) becomes
+        the tenant OPERATOR without limits: the Batch API runner's lines run under it."""
         tenants = list(configured)
         if tenants_file:
             tenants += load_tenants_file(tenants_file)
+        if operator_key:
+            tenants.append(TenantConfig(name=OPERATOR, api_keys=[operator_key]))
         try:
             check_unique_names(tenants)
         except ValueError as exc:

@@ -89,7 +89,7 @@ class TenantGate:
         clock: Callable[[], float] = time.time,
     ):
         self.cfg = cfg
-        self.directory = TenantDirectory.load(cfg.tenants, cfg.tenants_file)  # a bad file: startup error
+        self.directory = TenantDirectory.load(cfg.tenants, cfg.tenants_file, cfg.api_key)  # a bad file: startup error
         self._stamps = file_stamps(watched_files(cfg.tenants, cfg.tenants_file, self.directory))
         self.limiter = TenantLimiter(
             SqlQuotaAuthority(engine), holder, cfg.tenant_lease_fraction, cfg.tenant_lease_s, clock
@@ -160,7 +160,7 @@ class TenantGate:
     def reload(self) -> None:
         """Re-reads the tenants file and keys files; on an error keeps the old tenants and
         raises TenantsFileError (naming the file and line)."""
-        directory = TenantDirectory.load(self.cfg.tenants, self.cfg.tenants_file)
+        directory = TenantDirectory.load(self.cfg.tenants, self.cfg.tenants_file, self.cfg.api_key)
         self.directory = directory
         logger.info("tenants reloaded: %d tenants", len(directory))
 

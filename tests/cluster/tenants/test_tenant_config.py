@@ -68,6 +68,10 @@ def test_directory_reads_keys_files_and_refuses_a_shared_key(tmp_path):
         TenantDirectory.load(
             ServeConfig(tenants=[{"name": "a", "api_keys": ["k"]}, {"name": "b", "api_keys": ["k"]}]).tenants, None
         )
+    with_operator = TenantDirectory.load(
+        ServeConfig(tenants=[{"name": "b", "api_keys": ["sk-b"]}]).tenants, None, "sk-op"
+    )
+    assert with_operator.lookup("sk-op").name == "operator" and with_operator.lookup("sk-op").budget_tokens is None
     with pytest.raises(TenantsFileError, match="cannot read api_keys_file"):
         TenantDirectory.load(ServeConfig(tenants=[{"name": "a", "api_keys_file": str(tmp_path / "no")}]).tenants, None)
 
