@@ -58,12 +58,25 @@ class SqlQuotaAuthority:
 
     def renew(self, holder: str, rows: dict[WindowKey, tuple[float, float]], now: float, ttl: float) -> dict:
         """Records (leased, spent) of each held window and extends its lease; returns each
-        window's capacity committed by the other holders."""
-        others = {}
+        window's capacity committed by the other holders. One transaction, two statements
+        (a batched upsert, one select of the other holders' rows), however many tenants."""
+        if not rows:
+            return {}
+        others = dict.fromkeys(rows, 0.0)
+        by_id = {(k.tenant, k.kind, k.window_start): k for k in rows}
         with self.engine.begin() as conn:
-            for key, (leased, spent) in rows.items():
-                self._upsert(conn, key, holder, leased, spent, now + ttl)
-                others[key] = self._others(conn, key, holder, now)
+            conn.execute(
+                self._upsert_statement(),
+                [_row(key, holder, leased, spent, now + ttl) for key, (leased, spent) in rows.items()],
+            )
+            starts = sorted({k.window_start for k in rows})
+            query = select(q.c.tenant, q.c.kind, q.c.window_start, q.c.leased, q.c.spent, q.c.expires_at).where(
+                q.c.holder != holder, q.c.window_start.in_(starts)
+            )
+            for tenant, kind, start, leased, spent, expires_at in conn.execute(query):
+                key = by_id.get((tenant, kind, start))
+                if key is not None:
+                    others[key] += spent + (max(leased - spent, 0.0) if expires_at > now else 0.0)
             conn.execute(delete(q).where(q.c.window_end < now - _KEEP_ENDED_S))
         return others
 
@@ -87,15 +100,24 @@ class SqlQuotaAuthority:
         return total
 
     def _upsert(self, conn, key: WindowKey, holder: str, leased: float, spent: float, expires_at: float) -> None:
-        values = {"leased": leased, "spent": spent, "expires_at": expires_at}
-        stmt = self._insert(q).values(
-            tenant=key.tenant,
-            kind=key.kind,
-            window_start=key.window_start,
-            window_end=key.window_end,
-            holder=holder,
-            **values,
+        conn.execute(self._upsert_statement(), [_row(key, holder, leased, spent, expires_at)])
+
+    def _upsert_statement(self):
+        stmt = self._insert(q)
+        return stmt.on_conflict_do_update(
+            index_elements=["tenant", "kind", "window_start", "holder"],
+            set_={name: stmt.excluded[name] for name in ("leased", "spent", "expires_at")},
         )
-        conn.execute(
-            stmt.on_conflict_do_update(index_elements=["tenant", "kind", "window_start", "holder"], set_=values)
-        )
+
+
+def _row(key: WindowKey, holder: str, leased: float, spent: float, expires_at: float) -> dict:
+    return {
+        "tenant": key.tenant,
+        "kind": key.kind,
+        "window_start": key.window_start,
+        "window_end": key.window_end,
+        "holder": holder,
+        "leased": leased,
+        "spent": spent,
+        "expires_at": expires_at,
+    }

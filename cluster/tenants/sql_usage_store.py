@@ -39,15 +39,17 @@ class SqlUsageStore:
         """Adds each (tenant, model, hour start) -> counts, all in one transaction."""
         if not usage:
             return
+        stmt = self._insert(u)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["tenant", "model", "period_start"],
+            set_={name: u.c[name] + stmt.excluded[name] for name in COUNTERS},
+        )
+        rows = [
+            {"tenant": tenant, "model": model, "period_start": period_start, **counts.as_dict()}
+            for (tenant, model, period_start), counts in usage.items()
+        ]
         with self.engine.begin() as conn:
-            for (tenant, model, period_start), counts in usage.items():
-                stmt = self._insert(u).values(tenant=tenant, model=model, period_start=period_start, **counts.as_dict())
-                conn.execute(
-                    stmt.on_conflict_do_update(
-                        index_elements=["tenant", "model", "period_start"],
-                        set_={name: u.c[name] + stmt.excluded[name] for name in COUNTERS},
-                    )
-                )
+            conn.execute(stmt, rows)
 
     def query(self, tenant: str | None, start: int | None, end: int | None) -> list[dict]:
         """Sums per tenant and model over the hours in [start, end) (all when unset)."""

@@ -82,31 +82,44 @@ class TenantLimiter:
 
     async def admit(self, tenant: TenantConfig, tokens: float) -> Reservation:
         """Spends one request and `tokens` from the tenant's limits, or raises TenantRefusal
-        (nothing spent) with the time until the refusing window resets."""
+        (nothing spent) with the time until the refusing window resets. The common case --
+        every lease has room -- takes no lock and never yields to the event loop (no convoy
+        of clients queueing behind one tenant's lock); only a refill takes the tenant's lock."""
+        needs = self._needs(tenant, tokens, self.clock())
+        if all(window.free() >= need for window, need, _ in needs):
+            return self._spend(tenant, tokens, needs)
         async with self._locks[tenant.name]:
             now = self.clock()
-            cap = tenant.max_requests_in_flight
-            if cap is not None and self.inflight[tenant.name] >= cap:
-                raise TenantRefusal.rate(f"tenant {tenant.name!r} has {cap} requests in flight (its limit)", 1.0)
-            reservation = Reservation(tenant, tokens)
-            try:
-                for kind, need in ((REQUESTS, 1.0), (TOKENS, tokens), (BUDGET, tokens)):
-                    limit = limit_of(tenant, kind)
-                    if limit is None:
-                        continue
-                    window = self.window(tenant, kind, now)
-                    if window.free() < need:
-                        await self._refill(window, need, limit, now)
-                    if window.free() < need:
-                        raise _refusal(tenant, kind, need, limit, window.key.window_end - now)
-                    window.spent += need
-                    reservation.spent.append((window, need))
-            except BaseException:
-                for window, amount in reservation.spent:
-                    window.spent -= amount
-                raise
-            self.inflight[tenant.name] += 1
-            return reservation
+            needs = self._needs(tenant, tokens, now)
+            for window, need, limit in needs:
+                if window.free() < need:
+                    await self._refill(window, need, limit, now)
+            # Checked again after every await, then spent at once (no await in between).
+            needs = self._needs(tenant, tokens, now)
+            for window, need, limit in needs:
+                if window.free() < need:
+                    raise _refusal(tenant, window.key.kind, need, limit, window.key.window_end - now)
+            return self._spend(tenant, tokens, needs)
+
+    def _needs(self, tenant: TenantConfig, tokens: float, now: float) -> list[tuple[LocalWindow, float, int]]:
+        """(window, amount, limit) of each limit the tenant has; refuses past its in-flight cap."""
+        cap = tenant.max_requests_in_flight
+        if cap is not None and self.inflight[tenant.name] >= cap:
+            raise TenantRefusal.rate(f"tenant {tenant.name!r} has {cap} requests in flight (its limit)", 1.0)
+        needs = []
+        for kind, need in ((REQUESTS, 1.0), (TOKENS, tokens), (BUDGET, tokens)):
+            limit = limit_of(tenant, kind)
+            if limit is not None:
+                needs.append((self.window(tenant, kind, now), need, limit))
+        return needs
+
+    def _spend(self, tenant: TenantConfig, tokens: float, needs) -> Reservation:
+        reservation = Reservation(tenant, tokens)
+        for window, need, _ in needs:
+            window.spent += need
+            reservation.spent.append((window, need))
+        self.inflight[tenant.name] += 1
+        return reservation
 
     def settle(self, reservation: Reservation, tokens: float) -> None:
         """The request ended having used `tokens` (weighted): refund the rest of its reservation."""
