@@ -103,3 +103,13 @@ def test_bad_tenants_file_at_startup_is_an_error(tmp_path):
     with pytest.raises(TenantsFileError, match="line 3"):
         TenantGate(ServeConfig(tenants_file=str(path)), engine, "i", TenantMetrics(CollectorRegistry()))
     engine.dispose()
+
+
+def test_serve_refuses_a_malformed_tenants_file_in_one_line_before_starting(tmp_path, capsys):
+    from splitserve.cluster.cli.main import main
+
+    path = tmp_path / "tenants.yaml"
+    path.write_text(f"- name: a\n  api_keys: [{SECRET}]\n  requests_per_minute: -1\n")
+    assert main(["serve", "--tenants-file", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"tenants: {path}: line 3: tenants[0].requests_per_minute" in err and SECRET not in err
