@@ -13,7 +13,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 
-from sqlalchemy import Engine, and_, delete, select, text
+from sqlalchemy import Engine, and_, delete, func, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 
 from splitserve.cluster.state.schema import quota_leases as q
@@ -66,7 +66,7 @@ class SqlQuotaAuthority:
         by_id = {(k.tenant, k.kind, k.window_start): k for k in rows}
         with self.engine.begin() as conn:
             conn.execute(
-                self._upsert_statement(),
+                self._upsert_statement(keep_larger_lease=True),
                 [_row(key, holder, leased, spent, now + ttl) for key, (leased, spent) in rows.items()],
             )
             starts = sorted({k.window_start for k in rows})
@@ -102,12 +102,15 @@ class SqlQuotaAuthority:
     def _upsert(self, conn, key: WindowKey, holder: str, leased: float, spent: float, expires_at: float) -> None:
         conn.execute(self._upsert_statement(), [_row(key, holder, leased, spent, expires_at)])
 
-    def _upsert_statement(self):
+    def _upsert_statement(self, keep_larger_lease: bool = False):
+        """keep_larger_lease: a renewal never shrinks a lease in the store (its snapshot may
+        predate a refill whose caller was cancelled); only release returns capacity."""
         stmt = self._insert(q)
-        return stmt.on_conflict_do_update(
-            index_elements=["tenant", "kind", "window_start", "holder"],
-            set_={name: stmt.excluded[name] for name in ("leased", "spent", "expires_at")},
-        )
+        values = {name: stmt.excluded[name] for name in ("leased", "spent", "expires_at")}
+        if keep_larger_lease:
+            larger = func.greatest if self._postgres else func.max  # SQLite's max(a, b) is scalar
+            values["leased"] = larger(q.c.leased, stmt.excluded.leased)
+        return stmt.on_conflict_do_update(index_elements=["tenant", "kind", "window_start", "holder"], set_=values)
 
 
 def _row(key: WindowKey, holder: str, leased: float, spent: float, expires_at: float) -> dict:

@@ -71,6 +71,10 @@ class TenantLimiter:
         self.windows: dict[WindowKey, LocalWindow] = {}
         self.inflight: dict[str, int] = defaultdict(int)
         self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        # One store call at a time: a renewal that snapshotted `leased` before a refill and
+        # wrote it after would shrink this replica's lease in the store below what it spends
+        # from, and another replica could lease that capacity again (an overshoot).
+        self._store_lock = asyncio.Lock()
 
     def window(self, tenant: TenantConfig, kind: str, now: float | None = None) -> LocalWindow:
         start, end = window_bounds(kind, tenant.budget_period, self.clock() if now is None else now)
@@ -135,9 +139,11 @@ class TenantLimiter:
     async def _refill(self, window: LocalWindow, need: float, limit: float, now: float) -> None:
         want = max(need, math.ceil(limit * self.lease_fraction))
         try:
-            grant = await asyncio.to_thread(
-                self.authority.acquire, window.key, self.holder, window.spent, want, limit, now, self.lease_s
-            )
+            async with self._store_lock:
+                grant = await asyncio.to_thread(
+                    self.authority.acquire, window.key, self.holder, window.spent, want, limit, now, self.lease_s
+                )
+                window.leased, window.others = grant.leased, grant.others
         except Exception as exc:
             if window.fallback_used:
                 return
@@ -146,8 +152,6 @@ class TenantLimiter:
             logger.warning(
                 "tenant %s: the state store is unreachable (%r); leased %g locally", window.key.tenant, exc, want
             )
-            return
-        window.leased, window.others = grant.leased, grant.others
 
     def remaining(self, tenant: TenantConfig, kind: str) -> tuple[int, float] | None:
         """(remaining, seconds to reset) of a limit across all replicas, as this one knows it."""
@@ -160,11 +164,12 @@ class TenantLimiter:
 
     async def sync(self) -> None:
         """Renews every lease, reports spending, learns the others'; forgets ended windows."""
-        now = self.clock()
-        rows = {key: (w.leased, w.spent) for key, w in self.windows.items()}
-        if not rows:
-            return
-        others = await asyncio.to_thread(self.authority.renew, self.holder, rows, now, self.lease_s)
+        async with self._store_lock:
+            now = self.clock()
+            rows = {key: (w.leased, w.spent) for key, w in self.windows.items()}
+            if not rows:
+                return
+            others = await asyncio.to_thread(self.authority.renew, self.holder, rows, now, self.lease_s)
         for key, value in others.items():
             if key in self.windows:
                 self.windows[key].others = value
@@ -172,9 +177,10 @@ class TenantLimiter:
             del self.windows[key]
 
     async def release(self) -> None:
-        rows = {key: (w.leased, w.spent) for key, w in self.windows.items()}
-        if rows:
-            await asyncio.to_thread(self.authority.release, self.holder, rows, self.clock())
+        async with self._store_lock:
+            rows = {key: (w.leased, w.spent) for key, w in self.windows.items()}
+            if rows:
+                await asyncio.to_thread(self.authority.release, self.holder, rows, self.clock())
 
 
 def _refusal(tenant: TenantConfig, kind: str, need: float, limit: int, reset_s: float) -> TenantRefusal:

@@ -150,3 +150,25 @@ def test_in_flight_cap_and_unreachable_store_overshoot_is_one_chunk():
         assert count == 7
 
     asyncio.run(run())
+
+
+def test_a_renewal_snapshotted_before_a_refill_never_shrinks_the_lease(authority):
+    """A stale renewal (its snapshot taken before a refill committed, written after) must not
+    hand this replica's leased capacity to another replica: no overshoot across them."""
+    clock = Clock()
+    acme = tenant(requests_per_minute=20)
+    a = TenantLimiter(authority, "ingress-a", lease_fraction=0.1, clock=clock)
+    b = TenantLimiter(authority, "ingress-b", lease_fraction=1.0, clock=clock)
+
+    async def run():
+        await a.admit(acme, 0)  # a leases 2
+        key = a.window(acme, "requests").key
+        stale = {key: (a.windows[key].leased, a.windows[key].spent)}
+        await a.admit(acme, 0)
+        await a.admit(acme, 0)  # a refilled: leased 4, spent 3
+        authority.renew("ingress-a", stale, clock.now, 15.0)  # the stale snapshot lands late
+        admitted_b = sum([await admitted(b, acme) for _ in range(30)])
+        assert 3 + admitted_b + (a.windows[key].leased - a.windows[key].spent) <= 20
+        assert admitted_b == 16
+
+    asyncio.run(run())

@@ -29,13 +29,15 @@ ADMIN = "sk-admin"
 PROMPT = "Once upon a time"
 BUDGET = 700  # three reservations of prompt + 200 fit, a fourth does not
 TENANTS = [
-    {"name": "rpm", "api_keys": ["sk-rpm"], "requests_per_minute": 3},
+    # rpm0/rpm1, grpc0/grpc1: a fresh tenant per attempt (a burst across a minute boundary
+    # spends in both windows, so the retry needs a tenant that has spent nothing).
+    *({"name": f"rpm{i}", "api_keys": [f"sk-rpm{i}"], "requests_per_minute": 3} for i in range(2)),
     {"name": "free", "api_keys": ["sk-free"]},
     {"name": "counted", "api_keys": ["sk-counted"], "requests_per_minute": 1000, "tokens_per_minute": 100_000},
     {"name": "budget", "api_keys": ["sk-budget"], "budget_tokens": BUDGET, "budget_period": "month"},
     {"name": "narrow", "api_keys": ["sk-narrow"], "models": ["some-other-model"]},
     {"name": "usage", "api_keys": ["sk-usage"], "priority": 1},
-    {"name": "grpc", "api_keys": ["sk-grpc"], "requests_per_minute": 2},
+    *({"name": f"grpc{i}", "api_keys": [f"sk-grpc{i}"], "requests_per_minute": 2} for i in range(2)),
 ]
 
 
@@ -92,12 +94,12 @@ def test_unknown_key_401_and_disallowed_model_404(server, backend):
 
 
 def test_requests_per_minute_hold_and_other_tenant_unaffected(server, backend):
-    for _ in range(2):  # a minute boundary inside the burst resets the window: then once more
+    for attempt in range(2):  # a minute boundary inside the burst resets the window: then once more
         minute = int(time.time() // 60)
         outcomes = []
         for _ in range(5):
             try:
-                complete(server, backend, "sk-rpm")
+                complete(server, backend, f"sk-rpm{attempt}")
                 outcomes.append("ok")
             except openai.RateLimitError as exc:
                 outcomes.append(exc)
@@ -259,11 +261,11 @@ def test_grpc_status_codes_and_ratelimit_metadata(stub, backend):
         with pytest.raises(grpc.RpcError) as refused:
             call(key)
         assert refused.value.code() == code
-    for _ in range(2):  # once more if a minute boundary fell inside
+    for attempt in range(2):  # once more if a minute boundary fell inside
         minute = int(time.time() // 60)
-        heads = [call("sk-grpc") for _ in range(2)]
+        heads = [call(f"sk-grpc{attempt}") for _ in range(2)]
         with pytest.raises(grpc.RpcError) as refused:
-            call("sk-grpc")
+            call(f"sk-grpc{attempt}")
         if int(time.time() // 60) == minute:
             break
     assert [h["x-ratelimit-remaining-requests"] for h in heads] == ["1", "0"]
