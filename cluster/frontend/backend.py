@@ -348,12 +348,14 @@ class ServingBackend:
 async def _metered(chunks: AsyncIterator[StreamChunk], part: TicketPart) -> AsyncIterator[StreamChunk]:
     """chunks, telling part the cached and generated tokens at the end (an error: failed)."""
     part.started()
-    cached = completion = 0
+    cached = completion = received = 0
     failed = False
     try:
         async for chunk in chunks:
             cached = max(cached, chunk.num_cached_tokens)
-            completion = max(completion, chunk.num_output_tokens)
+            # As the response's usage counts them (cluster/frontend/openai/choice.py).
+            received += len(chunk.token_ids)
+            completion = max(completion, chunk.num_output_tokens, received)
             yield chunk
     except RequestError:
         failed = True

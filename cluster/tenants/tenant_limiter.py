@@ -22,6 +22,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from sqlalchemy.exc import SQLAlchemyError
+
 from splitserve.cluster.tenants.quota_window import BUDGET, REQUESTS, TOKENS, window_bounds
 from splitserve.cluster.tenants.sql_quota_authority import SqlQuotaAuthority, WindowKey
 from splitserve.cluster.tenants.tenant_config import TenantConfig
@@ -144,7 +146,7 @@ class TenantLimiter:
                     self.authority.acquire, window.key, self.holder, window.spent, want, limit, now, self.lease_s
                 )
                 window.leased, window.others = grant.leased, grant.others
-        except Exception as exc:
+        except (SQLAlchemyError, OSError) as exc:  # the store, not a bug here, failed
             if window.fallback_used:
                 return
             window.fallback_used = True

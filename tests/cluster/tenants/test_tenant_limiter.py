@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from sqlalchemy.exc import OperationalError
 
 from splitserve.cluster.state.database import open_state_engine
 from splitserve.cluster.tenants.sql_quota_authority import SqlQuotaAuthority
@@ -126,7 +127,7 @@ def test_lost_replica_lease_expires_and_spent_budget_survives_restart(authority)
 def test_in_flight_cap_and_unreachable_store_overshoot_is_one_chunk():
     class Down:
         def acquire(self, *args):
-            raise ConnectionError("store down")
+            raise OperationalError("SELECT", {}, ConnectionError("store down"))
 
     clock = Clock()
     limiter = TenantLimiter(Down(), "ingress-a", lease_fraction=0.1, clock=clock)

@@ -10,6 +10,7 @@ endpoint covers both replicas."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import time
 
 import httpx
@@ -115,43 +116,40 @@ def test_requests_per_minute_hold_across_two_ingresses(server):
 
 
 def test_budget_stops_many_long_streams_across_two_ingresses(server):
-    model = _model(server)
-    body = {
-        "model": model,
-        "prompt": "Once upon a time",
-        "max_tokens": 200,
-        "ignore_eos": True,
-        "stream": True,
-    }
+    """8 long streams at once (ignore_eos: each generates all 200 tokens, so nothing is
+    refunded) against a budget that 3 reservations fill: the reservations stop them at
+    admission, whichever replica each lands on."""
+    body = {"model": _model(server), "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
 
-    def start(_):
-        client = httpx.Client(base_url=server.base_url, timeout=120)
-        stream = client.stream("POST", "/v1/completions", headers={"Authorization": "Bearer sk-budget"}, json=body)
-        response = stream.__enter__()
-        if response.status_code == 200:
-            next(response.iter_lines())  # streaming: the reservation is held
-        return client, stream, response
+    def stream(_):
+        with httpx.Client(base_url=server.base_url, timeout=120) as client:
+            request = {**body, "stream": True, "stream_options": {"include_usage": True}}
+            headers = {"Authorization": "Bearer sk-budget"}
+            with client.stream("POST", "/v1/completions", headers=headers, json=request) as response:
+                if response.status_code != 200:
+                    response.read()
+                    return response.status_code, response.json()["error"]["code"], None
+                events = [line for line in response.iter_lines() if line.startswith("data: {")]
+                return 200, None, json.loads(events[-1][len("data: ") :])["usage"]
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        started = list(pool.map(start, range(8)))
-    statuses = [response.status_code for _, _, response in started]
-    for client, stream, response in started:
-        if response.status_code != 200:
-            assert response.read() and response.json()["error"]["code"] == "insufficient_quota"
-        stream.__exit__(None, None, None)  # a long stream cancelled
-        client.close()
-    # Never past the budget (3 reservations fit); at most one reservation idle per other replica.
-    assert 2 <= statuses.count(200) <= 3, statuses
+        results = list(pool.map(stream, range(8)))
+    admitted = [usage for status, _, usage in results if status == 200]
+    # Never past the budget (3 reservations fit); at most one reservation idle in the other replica.
+    assert 2 <= len(admitted) <= 3, [status for status, _, _ in results]
+    assert all(code == "insufficient_quota" for status, code, _ in results if status != 200)
+    assert sum(u["prompt_tokens"] + u["completion_tokens"] for u in admitted) <= BUDGET
 
     def settled():
         reply = httpx.get(
             f"{server.base_url}/admin/usage", params={"tenant": "budget"}, headers={"Authorization": f"Bearer {ADMIN}"}
         )
         rows = reply.json()["data"]
-        return rows and rows[0]["requests"] == statuses.count(200) and rows[0]
+        return rows and rows[0]["requests"] == len(admitted) and rows[0]
 
     row = wait_until(settled, 60, "both replicas' usage not written")
-    assert row["completion_tokens"] <= 200 * statuses.count(200)
+    assert row["completion_tokens"] == sum(u["completion_tokens"] for u in admitted) == 200 * len(admitted)
+    assert row["prompt_tokens"] == sum(u["prompt_tokens"] for u in admitted)
 
 
 def _model(server) -> str:
