@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -105,9 +106,11 @@ def test_bad_tenants_file_at_startup_is_an_error(tmp_path):
     engine.dispose()
 
 
-def test_serve_refuses_a_malformed_tenants_file_in_one_line_before_starting(tmp_path, capsys):
+def test_serve_refuses_a_malformed_tenants_file_in_one_line_before_starting(tmp_path, capsys, monkeypatch):
     from splitserve.cluster.cli.main import main
 
+    # serve sets Ray's env vars before its checks: keep them out of this process.
+    monkeypatch.setattr(os, "environ", dict(os.environ))
     path = tmp_path / "tenants.yaml"
     path.write_text(f"- name: a\n  api_keys: [{SECRET}]\n  requests_per_minute: -1\n")
     assert main(["serve", "--tenants-file", str(path)]) == 2
