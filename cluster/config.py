@@ -16,6 +16,7 @@ from sqlalchemy.exc import ArgumentError
 
 from splitserve.cluster.default_model import DEFAULT_MODEL_NAME
 from splitserve.cluster.routing.router_config import RouterConfig
+from splitserve.cluster.tenants.tenant_config import TenantConfig, check_unique_names
 from splitserve.engine.config import (
     DEFAULT_NUM_KV_BLOCKS,
     ConfigError,
@@ -309,6 +310,20 @@ class ServeConfig(_Strict):
     """Directory of the state store (batch files and jobs; SQLite); unset: $SPLITSERVE_CACHE/state, default ~/.cache/splitserve/state."""
     state_url: str | None = None
     """Database of the state store instead of state_dir, e.g. postgresql+psycopg://user:pass@host/db (every ingress replica and the controller reach it)."""
+    tenants: list[TenantConfig] = Field(default_factory=list)
+    """Tenants: API keys with rate limits, token budgets, allowed models and a default priority (README: Tenants); api_key, if set, is then the unlimited tenant `operator` (the Batch API's lines run under it)."""
+    tenants_file: str | None = None
+    """A YAML file of tenants (a list, or {tenants: [...]}) added to `tenants`, re-read when it changes (a malformed file keeps the old tenants)."""
+    tenants_reload_s: float = Field(2.0, gt=0)
+    """How often the tenants file (and api_keys_files) is checked for changes: a revoked key is refused within this."""
+    tenant_lease_fraction: float = Field(0.1, gt=0, le=1)
+    """Share of a tenant's limit an ingress replica leases from the state store at a time (fewer round trips vs. capacity idle in other replicas)."""
+    tenant_lease_s: float = Field(15.0, gt=0)
+    """A lease of tenant capacity expires this long after its ingress replica last renewed it (a lost replica's unused capacity returns)."""
+    tenant_sync_s: float = Field(1.0, gt=0)
+    """How often an ingress replica renews its leases and writes its tenants' usage to the state store."""
+    admin_api_key: str | None = None
+    """Key of the admin endpoints (/admin/usage, /admin/reload); unset: they answer 404."""
 
     @property
     def model_id(self) -> str:
@@ -325,6 +340,11 @@ class ServeConfig(_Strict):
             except ArgumentError as e:
                 raise ValueError(f"not a database URL (e.g. postgresql+psycopg://user@host/db): {e}") from None
         return url
+
+    @field_validator("tenants")
+    @classmethod
+    def _check_tenants(cls, tenants: list[TenantConfig]) -> list[TenantConfig]:
+        return check_unique_names(tenants)
 
     @model_validator(mode="after")
     def _check_block_size(self) -> ServeConfig:

@@ -110,6 +110,19 @@ def _check_weight_headers(paths) -> None:
             raise CheckpointError(f"cannot read {path}: {exc}") from None
 
 
+def check_tenants(cfg: ServeConfig) -> None:
+    """The tenants file and every api_keys_file read and valid (an error names the line)."""
+    if not cfg.tenants and not cfg.tenants_file:
+        return
+    from splitserve.cluster.tenants.tenant_directory import TenantDirectory
+    from splitserve.cluster.tenants.tenants_file import TenantsFileError
+
+    try:
+        TenantDirectory.load(cfg.tenants, cfg.tenants_file, cfg.api_key)
+    except TenantsFileError as exc:
+        raise PreflightError(f"tenants: {exc}") from None
+
+
 def check_imports() -> None:
     for name in INGRESS_MODULES:
         try:

@@ -19,7 +19,7 @@ import urllib.request
 import yaml
 
 from splitserve.cluster.cli.front_door import FrontDoor
-from splitserve.cluster.cli.preflight import PreflightError, check_imports, check_model, check_ports
+from splitserve.cluster.cli.preflight import PreflightError, check_imports, check_model, check_ports, check_tenants
 from splitserve.cluster.cli.serve_flags import SERVE_USAGE, ServeFlagsError, add_serve_flags, config_from_args
 
 PROG = "splitserve serve"
@@ -73,6 +73,7 @@ def run_serve(args: argparse.Namespace) -> int:
     front_door_env = _ray_environment(front_door, cfg)
     try:
         try:
+            check_tenants(cfg)
             model_dir = check_model(cfg)
             check_imports()
             if not args.address:

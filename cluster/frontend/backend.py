@@ -18,6 +18,9 @@ from splitserve.cluster.ingress.controller_client import ControllerClient
 from splitserve.cluster.ingress.ingress_reporter import IngressReporter
 from splitserve.cluster.request_error import ErrorKind, RequestError, invalid
 from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.cluster.state.database import open_state_engine, state_database_url
+from splitserve.cluster.tenants.tenant_gate import TenantGate, TicketPart
+from splitserve.cluster.tenants.tenant_metrics import TenantMetrics
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.io.request_validation import validate_prompt
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
@@ -91,8 +94,15 @@ class ServingBackend:
         self.num_inflight = 0  # interactive requests: what max_queued_requests bounds
         self.num_sheddable_inflight = 0  # batch requests, outside that bound
         self._inflight_by_key: dict[str, int] = defaultdict(int)
+        # Tenants (keys with limits, budgets, metering): enforced here, leased from the state store.
+        self.tenants: TenantGate | None = None
+        if cfg.tenants or cfg.tenants_file:
+            engine = open_state_engine(state_database_url(cfg.state_dir, cfg.state_url))
+            self.tenants = TenantGate(cfg, engine, self.ingress_id, TenantMetrics(self.metrics.registry))
 
     async def start(self) -> None:
+        if self.tenants is not None:
+            self.tenants.start()
         await asyncio.gather(self.cluster.start(), asyncio.to_thread(self.grammar.warm))
 
     def _indexed_blocks(self) -> dict[str, int]:
@@ -104,6 +114,8 @@ class ServingBackend:
         return {pool: router.index(pool).num_indexed_host_hashes for pool in (PREFILL, DECODE)}
 
     async def shutdown(self) -> None:
+        if self.tenants is not None:
+            await self.tenants.close()
         self.grammar.close()
         await self.cluster.shutdown()
 
@@ -183,7 +195,21 @@ class ServingBackend:
         return state
 
     # ---- generation ----------------------------------------------------------------------
-    async def generate(
+    def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        label: str | None = None,
+        api_key: str | None = None,
+        timeout_s: float | None = None,
+        tenant_part: TicketPart | None = None,
+    ) -> AsyncIterator[StreamChunk]:
+        """_generate's chunks; tenant_part (one generation of a tenant's admitted request)
+        hears what the generation used when it ends, however it ends."""
+        chunks = self._generate(prompt_token_ids, params, label, api_key, timeout_s)
+        return chunks if tenant_part is None else _metered(chunks, tenant_part)
+
+    async def _generate(
         self,
         prompt_token_ids: list[int],
         params: SamplingParams,
@@ -208,7 +234,7 @@ class ServingBackend:
             await self.check_grammar(params.structured_output, deadline)
         # Per-key fairness is for clients told apart by their API keys; without configured
         # keys every client is "keyless" and only the global queue bounds them.
-        key = (api_key or "") if self.cfg.api_key and not sheddable else None
+        key = (api_key or "") if self.cfg.api_key and self.tenants is None and not sheddable else None
         busy = self._admit_sheddable() if sheddable else ()
         if not sheddable and self.num_inflight >= self.cfg.max_queued_requests:
             self.metrics.requests.labels(ErrorKind.OVERLOADED.value).inc()
@@ -343,6 +369,26 @@ class ServingBackend:
         except Exception as exc:
             logger.warning("merged metrics unavailable (%r); serving this ingress's own", exc)
             return self.metrics.render()
+
+
+async def _metered(chunks: AsyncIterator[StreamChunk], part: TicketPart) -> AsyncIterator[StreamChunk]:
+    """chunks, telling part the cached and generated tokens at the end (an error: failed)."""
+    part.started()
+    cached = completion = received = 0
+    failed = False
+    try:
+        async for chunk in chunks:
+            cached = max(cached, chunk.num_cached_tokens)
+            # As the response's usage counts them (cluster/frontend/openai/choice.py).
+            received += len(chunk.token_ids)
+            completion = max(completion, chunk.num_output_tokens, received)
+            yield chunk
+    except RequestError:
+        failed = True
+        raise
+    finally:
+        await chunks.aclose()
+        part.finished(cached, completion, failed)
 
 
 def default_ingress_id() -> str:

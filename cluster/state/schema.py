@@ -102,6 +102,36 @@ leases = Table(
     Column("expires_at", Float, nullable=False),
 )
 
+# Tenant capacity leased by ingress replicas (cluster/tenants/sql_quota_authority.py): per
+# tenant, limit kind (requests/tokens per minute, budget) and window, what each replica holds
+# (leased) and has used of it (spent). An expired lease counts only what was spent.
+quota_leases = Table(
+    "quota_leases",
+    metadata,
+    Column("tenant", String(64), primary_key=True),
+    Column("kind", String(16), primary_key=True),
+    Column("window_start", BigInteger, primary_key=True),
+    Column("holder", String(128), primary_key=True),
+    Column("window_end", BigInteger, nullable=False, index=True),
+    Column("leased", Float, nullable=False),
+    Column("spent", Float, nullable=False),
+    Column("expires_at", Float, nullable=False),
+)
+
+# Settled usage per tenant, model and hour (period_start: epoch seconds of the UTC hour).
+tenant_usage = Table(
+    "tenant_usage",
+    metadata,
+    Column("tenant", String(64), primary_key=True),
+    Column("model", String(256), primary_key=True),
+    Column("period_start", BigInteger, primary_key=True),
+    Column("requests", BigInteger, nullable=False, default=0),
+    Column("errors", BigInteger, nullable=False, default=0),
+    Column("prompt_tokens", BigInteger, nullable=False, default=0),
+    Column("cached_tokens", BigInteger, nullable=False, default=0),
+    Column("completion_tokens", BigInteger, nullable=False, default=0),
+)
+
 
 def create_schema(engine: Engine) -> None:
     """Creates every missing table, under a lock, so processes starting together do not race."""

@@ -28,9 +28,11 @@ from grpc_reflection.v1alpha import reflection
 
 from splitserve.cluster.frontend.grpc.health import BackendHealthServicer
 from splitserve.cluster.frontend.grpc.messages import generate_response, oneof_conflict, sampling_params_from
+from splitserve.cluster.frontend.http.errors import retry_after
 from splitserve.cluster.frontend.priority_class import resolve_priority
 from splitserve.cluster.frontend.serving_api import GenerationAPI
 from splitserve.cluster.request_error import ErrorKind, RequestError
+from splitserve.cluster.tenants.tenant_refusal import TenantRefusal
 from splitserve.engine.io.sampling_params import InvalidRequestError
 from splitserve.proto import load_stubs
 
@@ -53,6 +55,13 @@ INGRESS_KEY = "x-splitserve-ingress"  # initial and trailing metadata: the ingre
 
 class GrpcFrontendError(RuntimeError):
     """The frontend could not start (address in use, bad host) or was misused."""
+
+
+TENANT_STATUS_CODES = {
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
 
 
 class _Rejection(Exception):
@@ -103,6 +112,14 @@ def _rpc(handler):
             return await handler(self, request, context)
         except _Rejection as exc:
             code, details = exc.code, exc.details
+        except TenantRefusal as exc:
+            # HTTP's status and OpenAI code as gRPC's; the x-ratelimit-* headers as metadata.
+            code, details = TENANT_STATUS_CODES[exc.status], f"{exc.code}: {exc.message}"
+            trailing += list(exc.headers.items())
+            if exc.retry_after_s is not None:
+                trailing.append(("retry-after", retry_after(exc.retry_after_s)))
+                trailing.append((RETRY_PUSHBACK_KEY, str(int(exc.retry_after_s * 1000))))
+            context.set_trailing_metadata(trailing)
         except RequestError as exc:
             code, details = STATUS_CODE_BY_KIND[exc.kind], exc.message
             if exc.retryable:  # gRPC's form of Retry-After, read by clients with a retry policy
@@ -145,6 +162,7 @@ class GrpcFrontend:
         self.ingress_id: str = getattr(backend, "ingress_id", "") or ""
         self._share_port = share_port
         self._api_key: str | None = backend.cfg.api_key or None
+        self._tenants = getattr(backend, "tenants", None)
         self._max_message_bytes: int = backend.cfg.max_body_bytes
         self._health_poll_interval_s = health_poll_interval_s
         self._server: grpc.aio.Server | None = None
@@ -234,6 +252,14 @@ class GrpcFrontend:
         # The client's gRPC deadline becomes the request's (capped by request_timeout_s). Its
         # request_id is a label: echoed back and logged, never a key (the server's id is).
         label = request.request_id or None
+        ticket, metadata = None, [(INGRESS_KEY, self.ingress_id)]
+        if self._tenants is not None:  # admitted against the tenant's limits, settled at the end
+            model = request.model or self.backend.model_name
+            ticket = await self._tenants.admit(api_key, model, len(prompt_token_ids), params.max_tokens or 0)
+            if explicit is None and ticket.priority:  # the tenant's default priority
+                rank = resolve_priority(self.backend.cfg.priority, request.priority_class, ticket.priority)
+                params = dataclasses.replace(params, priority=rank.priority)
+            metadata += list(ticket.headers.items())
         chunks = self.backend.generate(
             prompt_token_ids,
             params,
@@ -241,13 +267,18 @@ class GrpcFrontend:
             api_key=api_key,
             timeout_s=_time_remaining(context),
             sheddable=rank.sheddable,
+            **({} if ticket is None else {"tenant_part": ticket.part(0)}),
         )
-        await context.send_initial_metadata(((INGRESS_KEY, self.ingress_id),))
-        # aclosing: when the client cancels, the CancelledError raised in context.write closes
-        # the backend generator, whose cleanup aborts the request and frees its KV blocks.
-        async with contextlib.aclosing(chunks):
-            async for chunk in chunks:
-                await context.write(generate_response(chunk, label))
+        try:
+            await context.send_initial_metadata(tuple(metadata))
+            # aclosing: when the client cancels, the CancelledError raised in context.write closes
+            # the backend generator, whose cleanup aborts the request and frees its KV blocks.
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    await context.write(generate_response(chunk, label))
+        finally:
+            if ticket is not None:
+                ticket.close()
 
     @_rpc
     async def tokenize(self, request, context: grpc.aio.ServicerContext) -> pb2.TokenizeResponse:
@@ -267,6 +298,10 @@ class GrpcFrontend:
     # ---- request checks ------------------------------------------------------------------
     def _authorize(self, context: grpc.aio.ServicerContext) -> str | None:
         """The caller's API key (None when the deployment has none); rejects a wrong one."""
+        if self._tenants is not None:
+            token = _bearer_token(context.invocation_metadata())
+            self._tenants.authenticate(token)  # TenantRefusal (UNAUTHENTICATED) for no tenant's key
+            return token
         if self._api_key is None:
             return None
         token = _bearer_token(context.invocation_metadata())

@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from splitserve.cluster.frontend.http.access_log import AccessLog, client_request_id
+from splitserve.cluster.frontend.http.admin_routes import add_admin_routes
 from splitserve.cluster.frontend.http.errors import (
     HTTP_STATUS_BY_KIND,
     OpenAIHTTPError,
@@ -64,6 +65,7 @@ from splitserve.cluster.frontend.openai.structured_output import constraint_fiel
 from splitserve.cluster.frontend.priority_class import PRIORITY_CLASS_HEADER, resolve_priority
 from splitserve.cluster.frontend.serving_api import ServingAPI
 from splitserve.cluster.request_error import RequestError
+from splitserve.cluster.tenants.tenant_refusal import TenantRefusal
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -116,6 +118,19 @@ def _install_error_handlers(app: FastAPI) -> None:
         status, error_type = HTTP_STATUS_BY_KIND[exc.kind]
         return error_response(status, exc.message, error_type, exc.param, retry_after_s=exc.retry_after_s)
 
+    @app.exception_handler(TenantRefusal)
+    async def on_tenant_refusal(_: Request, exc: TenantRefusal) -> JSONResponse:
+        extra = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
+        return error_response(
+            exc.status,
+            exc.message,
+            exc.error_type,
+            "model" if exc.status == 404 else None,
+            exc.code,
+            headers={**exc.headers, **extra},
+            retry_after_s=exc.retry_after_s or 1.0,
+        )
+
     @app.exception_handler(OpenAIHTTPError)
     async def on_openai_error(_: Request, exc: OpenAIHTTPError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.error_type, exc.param, exc.code)
@@ -141,6 +156,7 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True, batch=None
     itself, so the Serve app passes False). batch: a cluster.batch.batch_service.BatchService
     that adds the Batch API (/v1/files, /v1/batches); its caller starts its runner."""
     cfg = backend.cfg
+    tenants = getattr(backend, "tenants", None)
     app = FastAPI(
         title="splitserve",
         description="OpenAI-compatible disaggregated LLM serving",
@@ -154,6 +170,7 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True, batch=None
         body_timeout_s=cfg.http_request_timeout_s,
         upload_paths=("/v1/files",) if batch is not None else (),
         max_upload_bytes=cfg.batch.max_file_bytes,
+        authorize_key=None if tenants is None else (lambda key: tenants.directory.lookup(key) is not None),
     )
     app.add_middleware(HeadAsGet)
     # Outermost: logs the guard's refusals (and HEADs as HEAD) too; names the ingress replica.
@@ -161,7 +178,7 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True, batch=None
     _install_error_handlers(app)
     created = int(time.time())
     # Documents the bearer scheme in /openapi.json; RequestGuard enforces it before parsing.
-    auth = [Depends(HTTPBearer(auto_error=False))] if cfg.api_key else []
+    auth = [Depends(HTTPBearer(auto_error=False))] if cfg.api_key or tenants is not None else []
 
     def check_model(model: str) -> None:
         if model != backend.model_name:
@@ -215,6 +232,8 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True, batch=None
     add_tokenize_routes(app, backend, auth, check_model, _ERRORS)
     if batch is not None:
         batch.install(app, auth, _ERRORS)
+    if tenants is not None:
+        add_admin_routes(app, tenants, cfg.admin_api_key)
 
     @app.post("/v1/completions", response_model=CompletionResponse, dependencies=auth, responses=GENERATION_RESPONSES)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
@@ -246,7 +265,7 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True, batch=None
             echo_only=body.echo_only,
             prompt_logprobs_ids=prompts if body.prompt_logprobs is not None else None,
         )
-        return await generate(request, prompts, params, body.n, renderer, body.stream, body.priority)
+        return await generate(request, body.model, prompts, params, body.n, renderer, body.stream, body.priority)
 
     @app.post(
         "/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=auth, responses=GENERATION_RESPONSES
@@ -271,7 +290,7 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True, batch=None
             prompt_logprobs_ids=[prompt_ids] if body.prompt_logprobs is not None else None,
             tool_plan=plan,
         )
-        return await generate(request, [prompt_ids], params, body.n, renderer, body.stream, body.priority)
+        return await generate(request, body.model, [prompt_ids], params, body.n, renderer, body.stream, body.priority)
 
     async def check_constraint(body, params: SamplingParams, plan=None) -> None:
         """The backend's one constraint check (shared with gRPC), naming the request's field."""
@@ -289,6 +308,7 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True, batch=None
 
     async def generate(
         request: Request,
+        model: str,
         prompts: list[list[int]],
         params: SamplingParams,
         n: int,
@@ -297,13 +317,23 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True, batch=None
         priority: int | None,
     ) -> Response:
         """One backend generation per choice (prompt x n), streamed or collected, at the
-        priority of the request's class (header) or its own `priority`."""
-        rank = resolve_priority(cfg.priority, request.headers.get(PRIORITY_CLASS_HEADER), priority)
-        params = dataclasses.replace(params, priority=rank.priority)
-        choices = [(prompt, choice_params(params, i)) for prompt in prompts for i in range(n)]
+        priority of the request's class (header) or its own `priority`, else its tenant's; a
+        tenant's request is admitted first (prompt + max_tokens reserved) and settled when it ends."""
+        class_name = request.headers.get(PRIORITY_CLASS_HEADER)
+        rank = resolve_priority(cfg.priority, class_name, priority)  # a bad class is a 400 before admission
         api_key = bearer_token(request.scope.get("headers", []))
         label = client_request_id(request.scope.get("headers", []))  # the client's own id: a label
         timeout_s = _request_timeout(request)
+        ticket, headers = None, None
+        if tenants is not None:
+            prompt_tokens = sum(map(len, prompts))
+            reserve = prompt_tokens + (params.max_tokens or 0) * len(prompts) * n
+            ticket = await tenants.admit(api_key, model, prompt_tokens, reserve - prompt_tokens)
+            headers = ticket.headers
+            if priority is None and ticket.priority:
+                rank = resolve_priority(cfg.priority, class_name, ticket.priority)
+        params = dataclasses.replace(params, priority=rank.priority)
+        choices = [(prompt, choice_params(params, i)) for prompt in prompts for i in range(n)]
         sources = [
             backend.generate(
                 prompt,
@@ -312,8 +342,9 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True, batch=None
                 api_key=api_key,
                 timeout_s=timeout_s,
                 sheddable=rank.sheddable,
+                **({} if ticket is None else {"tenant_part": ticket.part(index // n)}),
             )
-            for prompt, choice in choices
+            for index, (prompt, choice) in enumerate(choices)
         ]
         handed_off = False
         try:
@@ -322,7 +353,12 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True, batch=None
             rest = merged(sources)
             if stream:
                 handed_off = True
-                return SSEResponse(_stream_events(renderer, firsts, rest), source=rest)
+                return SSEResponse(
+                    _stream_events(renderer, firsts, rest),
+                    source=rest,
+                    headers=headers,
+                    on_close=None if ticket is None else ticket.close,
+                )
             for index, first in enumerate(firsts):
                 if first is not None:
                     renderer.observe(first, index)
@@ -338,11 +374,13 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True, batch=None
                 with anyio.CancelScope(shield=True):
                     await rest.aclose()
             renderer.mark_unfinished()
-            return JSONResponse(renderer.render_response())
+            return JSONResponse(renderer.render_response(), headers=headers)
         finally:
             if not handed_off:
                 with anyio.CancelScope(shield=True):
                     await close_all(sources)
+                if ticket is not None:
+                    ticket.close()
 
     # The served model, the vocabulary's bound and the other rules validation enforces.
     state_bounds_in_openapi(app, backend.model_name, getattr(backend, "vocab_size", None))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -53,13 +54,16 @@ class RequestGuard:
         body_timeout_s: float | None = None,
         upload_paths: tuple[str, ...] = (),
         max_upload_bytes: int = 0,
+        authorize_key: Callable[[str | None], bool] | None = None,
     ):
         """upload_paths: paths whose POST bodies may be up to max_upload_bytes instead (file
-        uploads; the route checks the file itself and answers 400 over its own limit)."""
+        uploads; the route checks the file itself and answers 400 over its own limit).
+        authorize_key: decides on the bearer token instead of api_key (tenants' keys)."""
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
         self.app = app
         self.api_key = api_key
+        self.authorize_key = authorize_key
         self.max_body_bytes = max_body_bytes
         self.protected_prefixes = protected_prefixes
         # A slow client's body (a slowloris: a partial Content-Length or chunked body) must
@@ -70,7 +74,11 @@ class RequestGuard:
         self.max_upload_bytes = max_upload_bytes + 64 * 1024
 
     def _authorized(self, scope: Scope) -> bool:
-        if not self.api_key or not scope["path"].startswith(self.protected_prefixes):
+        if not scope["path"].startswith(self.protected_prefixes):
+            return True
+        if self.authorize_key is not None:
+            return self.authorize_key(bearer_token(scope.get("headers", [])))
+        if not self.api_key:
             return True
         token = bearer_token(scope.get("headers", []))
         return token is not None and hmac.compare_digest(token.encode(), self.api_key.encode())

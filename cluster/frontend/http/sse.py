@@ -9,7 +9,7 @@ generator are closed explicitly, so the request is aborted on its replica right 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 import anyio
 from starlette.responses import StreamingResponse
@@ -60,9 +60,19 @@ class SSEResponse(StreamingResponse):
     """text/event-stream of `events`; `source` (the backend generator feeding them) is closed
     when the response ends for any reason: finished, client disconnect, or error."""
 
-    def __init__(self, events: AsyncIterator[str], source: AsyncGenerator | None = None, status_code: int = 200):
-        super().__init__(events, status_code=status_code, headers=SSE_HEADERS, media_type="text/event-stream")
+    def __init__(
+        self,
+        events: AsyncIterator[str],
+        source: AsyncGenerator | None = None,
+        status_code: int = 200,
+        headers: dict[str, str] | None = None,
+        on_close: Callable[[], None] | None = None,
+    ):
+        """on_close: called once the response is over and its sources are closed."""
+        headers = {**SSE_HEADERS, **(headers or {})}
+        super().__init__(events, status_code=status_code, headers=headers, media_type="text/event-stream")
         self.source = source
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -88,3 +98,5 @@ class SSEResponse(StreamingResponse):
             await aclose()
         if self.source is not None:
             await self.source.aclose()
+        if self.on_close is not None:
+            self.on_close()

@@ -195,12 +195,18 @@ Worker group spec fields of one pool. Call with (dict "root" $ "pool" "prefill")
 {{- default (printf "%s-state" (include "splitserve.fullname" .)) .Values.state.pvc.existingClaim }}
 {{- end }}
 
-{{/* The state store's volume of a Ray pod: none when serve.state_url names a database. */}}
+{{/* The state store's volume of a Ray pod (none when serve.state_url names a database), and
+the tenants' keys Secret when tenantKeys.secretName is set. */}}
 {{- define "splitserve.stateVolume" -}}
 {{- if not .Values.serve.state_url }}
 - name: state
   persistentVolumeClaim:
     claimName: {{ include "splitserve.stateClaimName" . }}
+{{- end }}
+{{- if .Values.tenantKeys.secretName }}
+- name: tenant-keys
+  secret:
+    secretName: {{ .Values.tenantKeys.secretName }}
 {{- end }}
 {{- end }}
 
@@ -209,6 +215,11 @@ Worker group spec fields of one pool. Call with (dict "root" $ "pool" "prefill")
 {{- if not .Values.serve.state_url }}
 - name: state
   mountPath: {{ .Values.serve.state_dir }}
+{{- end }}
+{{- if .Values.tenantKeys.secretName }}
+- name: tenant-keys
+  mountPath: {{ .Values.tenantKeys.mountPath }}
+  readOnly: true
 {{- end }}
 {{- end }}
 

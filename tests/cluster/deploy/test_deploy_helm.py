@@ -71,8 +71,9 @@ def test_rendered_objects_validate(name):
     for obj in objects:
         if obj["apiVersion"] == "ray.io/v1":
             continue  # test_ray_objects_validate_against_the_kuberay_crds
-        if obj["kind"] == "ServiceMonitor":
-            assert obj["apiVersion"] == "monitoring.coreos.com/v1"  # checked further below
+        if obj["kind"] in ("ServiceMonitor", "PrometheusRule"):
+            # checked further below, and in test_deploy_tenants.py
+            assert obj["apiVersion"] == "monitoring.coreos.com/v1"
         else:
             kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
     ray_service = ray_service_of(name)
