@@ -202,11 +202,12 @@ class ServingBackend:
         label: str | None = None,
         api_key: str | None = None,
         timeout_s: float | None = None,
+        sheddable: bool = False,
         tenant_part: TicketPart | None = None,
     ) -> AsyncIterator[StreamChunk]:
         """_generate's chunks; tenant_part (one generation of a tenant's admitted request)
         hears what the generation used when it ends, however it ends."""
-        chunks = self._generate(prompt_token_ids, params, label, api_key, timeout_s)
+        chunks = self._generate(prompt_token_ids, params, label, api_key, timeout_s, sheddable)
         return chunks if tenant_part is None else _metered(chunks, tenant_part)
 
     async def _generate(

@@ -6,7 +6,7 @@ tests/helpers/grpc_client.py)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from splitserve.cluster.config import ServeConfig
@@ -40,8 +40,12 @@ class GenerationAPI(Protocol):
         label: str | None = None,
         api_key: str | None = None,
         timeout_s: float | None = None,
-    ) -> AsyncGenerator[StreamChunk, None]:
-        """Validate, admit, stream; raises RequestError (before the first chunk on refusal)."""
+        sheddable: bool = False,
+        tenant_part: Any = None,
+    ) -> AsyncIterator[StreamChunk]:
+        """Validate, admit, stream; raises RequestError (before the first chunk on refusal).
+        sheddable: batch work (outside the interactive limits); tenant_part: the admitted
+        tenant request's share, settled when the generation ends."""
         ...
 
 

@@ -75,7 +75,9 @@ class FakeBackend:
             raise self.healthy
         return {"ok": self.healthy, "decode_replicas": int(self.healthy)}
 
-    async def generate(self, prompt_token_ids, params, label=None, api_key=None, timeout_s=None, sheddable=False):
+    async def generate(
+        self, prompt_token_ids, params, label=None, api_key=None, timeout_s=None, sheddable=False, tenant_part=None
+    ):
         self.validate(prompt_token_ids, params)
         if self.refusal is not None:
             raise self.refusal

@@ -99,7 +99,9 @@ class FakeBackend:
     async def render_metrics(self) -> bytes:
         return self.metrics.render()
 
-    async def generate(self, prompt_token_ids, params, label=None, api_key=None, timeout_s=None, sheddable=False):
+    async def generate(
+        self, prompt_token_ids, params, label=None, api_key=None, timeout_s=None, sheddable=False, tenant_part=None
+    ):
         self.validate(prompt_token_ids, params)
         request_id = f"fake-{len(self.calls) + 1}"  # the server's own id; label is the client's
         self.calls.append(
