@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 
 import jsonschema
 import pytest
@@ -95,7 +94,7 @@ def test_invalid_schema_is_400_and_leaks_nothing(loop, cluster):
     assert len(ok["token_ids"]) == 4
 
 
-def huge_schema(num_fields: int = 3000) -> dict:
+def huge_schema(num_fields: int = 300) -> dict:
     props = {
         f"f{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1}}}[0-9]{{2,{i % 5 + 3}}}$"}
         for i in range(num_fields)
@@ -103,29 +102,69 @@ def huge_schema(num_fields: int = 3000) -> dict:
     return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
 
 
+# Run inside a replica actor (Ray's __ray_call__). While held, every grammar compile there waits
+# on its worker thread until released: a compile as long as the test needs, on any machine.
+def _hold_compiles(worker) -> None:
+    import threading
+
+    grammar = worker.loop.engine.grammar
+    build, started, release = grammar._build, threading.Event(), threading.Event()
+
+    def held(spec):
+        started.set()
+        release.wait(120)  # a safety net: the test releases it
+        return build(spec)
+
+    grammar._build = held
+    worker.compile_hold = (started, release, build)
+
+
+def _compile_started(worker) -> bool:
+    return worker.compile_hold[0].is_set()
+
+
+def _release_compiles(worker) -> None:
+    _, release, build = worker.compile_hold
+    worker.loop.engine.grammar._build = build
+    release.set()
+
+
 def test_huge_schema_compile_does_not_stall_other_requests(loop, cluster):
     huge = SamplingParams(structured_output=GrammarSpec.json_schema(huge_schema()), max_tokens=4, seed=0)
     plain = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0)
-    events: list[tuple[str, float]] = []
+    replicas = [r for pool in (cluster.prefill_pool, cluster.decode_pool) for r in pool.live_replicas()]
+    compiles_before = {rid: s.engine.grammar_compiles for rid, s in pool_states(loop, cluster).items()}
+    events: list[str] = []
+
+    async def on_replicas(fn) -> list:
+        return await asyncio.gather(*(r.handle.__ray_call__.remote(fn) for r in replicas))
 
     async def first_chunk(name, params, p):
         async for _ in cluster.generate(p, params):
-            events.append((name, time.monotonic()))
+            events.append(name)
             break  # the first chunk is what compile delays
 
     async def go():
+        await on_replicas(_hold_compiles)
         huge_task = asyncio.ensure_future(first_chunk("huge", huge, prompt(3)))
-        await asyncio.sleep(0.1)  # its compile is under way
-        await asyncio.gather(*(first_chunk(f"plain{i}", plain, prompt(10 + i)) for i in range(3)))
-        plain_done = time.monotonic()
+        try:
+            while not any(await on_replicas(_compile_started)):
+                await asyncio.sleep(0.01)
+            # The compile is held open: had it run on an engine loop or an actor's event loop,
+            # these could not stream (and this would time out).
+            await asyncio.gather(*(first_chunk(f"plain{i}", plain, prompt(10 + i)) for i in range(3)))
+            streamed_while_held = list(events)
+        finally:
+            await on_replicas(_release_compiles)
         await huge_task
-        return plain_done
+        return streamed_while_held
 
-    plain_done = loop.run(go(), timeout=120)
-    huge_at = dict(events)["huge"]
-    assert all(name.startswith("plain") for name, _ in events[:3]), events
-    assert huge_at > plain_done
-    # The huge request's grammar was compiled on both replicas, outside their engine loops.
+    streamed_while_held = loop.run(go(), timeout=120)
+    assert sorted(streamed_while_held) == ["plain0", "plain1", "plain2"], streamed_while_held
+    assert events[-1] == "huge", events
+    # The huge request's grammar was compiled once on each replica, outside their engine loops.
     states = pool_states(loop, cluster)
-    assert states["decode-0"].engine.grammar_compile_seconds > 0.2
+    assert {rid: s.engine.grammar_compiles - compiles_before[rid] for rid, s in states.items()} == {
+        rid: 1 for rid in states
+    }
     wait_for_baseline(loop, cluster)
