@@ -5,7 +5,8 @@ Armed from any thread (a worker's inject_fault actor method), fired on the loop 
   recovery sees a batch half computed (KV half written, a prefill's first layer already
   queued to the KV sender) -- the same state a real kernel or transfer failure leaves;
 - hang the next N steps for S seconds each, also mid-forward (a hung prefill or kernel);
-  a loop stop() interrupts the hang;
+  a loop stop() interrupts the hang, and so does arming again (a test switching the fault
+  off ends a hang in progress, so a test can hang a step "until released", on any machine);
 - stop the loop for good: the loop thread raises between steps, outside any step, which is
   the "cannot carry on" path.
 """
@@ -28,7 +29,8 @@ class FaultInjector:
         self._hang_s = 0.0
         self._num_hanging_steps = 0
         self._stop_reason: str | None = None
-        self._interrupt = threading.Event()
+        self._wake = threading.Event()  # ends the hangs claimed under the current arming
+        self._interrupted = False
         self.num_fired = 0
 
     def arm(self, fail_steps: int = 0, hang_s: float = 0.0, hang_steps: int = 1, stop_loop: bool = False) -> None:
@@ -40,6 +42,10 @@ class FaultInjector:
             self._hang_s = hang_s
             self._num_hanging_steps = hang_steps if hang_s > 0 else 0
             self._stop_reason = "injected loop stop" if stop_loop else None
+            wake, self._wake = self._wake, threading.Event()
+            if self._interrupted:
+                self._wake.set()
+        wake.set()  # a hang in progress ends: it was armed under the old setting
 
     @property
     def armed(self) -> bool:
@@ -47,7 +53,9 @@ class FaultInjector:
 
     def interrupt(self) -> None:
         """End a hang now and never hang again (the loop is stopping)."""
-        self._interrupt.set()
+        with self._lock:
+            self._interrupted = True
+            self._wake.set()
 
     # ---- loop thread ---------------------------------------------------------------------
     def check_loop(self) -> None:
@@ -69,6 +77,7 @@ class FaultInjector:
                 self._num_failing_steps -= fail
                 hang_s = self._hang_s if self._num_hanging_steps > 0 else 0.0
                 self._num_hanging_steps -= hang_s > 0
+                wake = self._wake
             if not fail and not hang_s:
                 return inner
 
@@ -79,7 +88,7 @@ class FaultInjector:
                     return
                 if hang_s:
                     self.num_fired += 1
-                    self._interrupt.wait(hang_s)
+                    wake.wait(hang_s)
                 if fail:
                     self.num_fired += 1
                     raise InjectedFault(f"injected step failure ({len(batch.seqs)} requests in the batch)")

@@ -1,6 +1,6 @@
 """The token path on local Ray (CPU, gloo), real actors and sockets: clients' ids are only
-labels (#13 defect 2), a disconnect at any point frees every block on both sides within 1 s
-(defect 3), errors reach clients short (defect 5), a lost ingress connection aborts its requests, and a
+labels (#13 defect 2), a disconnect at any point frees every block on both sides at once (defect 3:
+within a bound relative to the machine's speed at the moment, tests/helpers/cluster.py), errors reach clients short (defect 5), a lost ingress connection aborts its requests, and a
 hung prefill is retried. The token stream's framing: test_token_stream.py.
 Each measured figure is printed (docs/RELIABILITY.md quotes them)."""
 
@@ -25,7 +25,7 @@ from splitserve.proto.messages.poll_reply import PollReply
 from tests.helpers.cluster import (
     LoopHttpServer,
     cluster_config,
-    pool_states,
+    fail_fast_bound_s,
     serving_backend,
     wait_for_baseline,
 )
@@ -34,7 +34,7 @@ from tests.helpers.model import engine_reference
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 pb2, pb2_grpc = load_stubs()
 LEASE_S = 5.0
-FREED_WITHIN_S = 1.0
+HELD_S = 3600.0  # a fault that holds a request where it is until the test switches it off
 SHARED = [(11 * i) % 300 + 40 for i in range(32)]  # a 2-block prefix every prompt here shares
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
@@ -109,12 +109,21 @@ def test_duplicate_grpc_request_ids_are_harmless(loop, cluster, grpc_port, refer
     wait_for_baseline(loop, cluster)
 
 
-# ---- #13 defect 3: a disconnect at any point frees every block within 1 s --------------------
+# ---- #13 defect 3: a disconnect at any point frees every block at once ---------------------
 
 
-def _disconnect(loop, cluster, prompt, params, when) -> tuple[float, str]:
+def _freed_bound_s(cluster) -> float:
+    """How soon a disconnect must have freed everything: fail_fast_bound_s of the slowest
+    replica to answer now (1 s on this box when it is not overloaded)."""
+    replicas = [r for pool in (cluster.prefill_pool, cluster.decode_pool) for r in pool.live_replicas()]
+    return max(fail_fast_bound_s(r.handle) for r in replicas)
+
+
+def _disconnect(loop, cluster, prompt, params, when, then=None) -> tuple[float, str]:
     """Start a request, cancel its consumer once `when` (an async callable getting a
-    first-chunk event) returns, then time until every replica is back to baseline."""
+    first-chunk event) returns, run `then` (async: switch off the fault that held the request
+    there), then time until every replica is back to baseline."""
+    bound_s = _freed_bound_s(cluster)
 
     async def scenario():
         first = asyncio.Event()
@@ -128,11 +137,13 @@ def _disconnect(loop, cluster, prompt, params, when) -> tuple[float, str]:
         assert not task.done(), "the request ended before the disconnect"
         task.cancel()
         cancelled_at = time.monotonic()
+        if then is not None:
+            await then()
         outcome = (await asyncio.gather(task, return_exceptions=True))[0]
         return cancelled_at, type(outcome).__name__
 
     cancelled_at, outcome = loop.run(scenario(), timeout=60)
-    wait_for_baseline(loop, cluster, timeout_s=FREED_WITHIN_S)
+    wait_for_baseline(loop, cluster, timeout_s=bound_s)
     return time.monotonic() - cancelled_at, outcome
 
 
@@ -158,6 +169,41 @@ def _transfer_done(cluster):
     return when
 
 
+def _prefill_step_hung(cluster):
+    """Until a prefill replica's engine step hangs on the armed fault (asked through Ray's
+    __ray_call__: a hung engine loop cannot answer poll)."""
+    replicas = cluster.prefill_pool.live_replicas()
+
+    async def fired() -> int:
+        return sum(await asyncio.gather(*(r.handle.__ray_call__.remote(_faults_fired) for r in replicas)))
+
+    async def when(_first):
+        before = await fired()
+        while await fired() == before:
+            await asyncio.sleep(0.01)
+
+    return when
+
+
+def _faults_fired(worker) -> int:  # runs in the replica
+    return worker.loop.faults.num_fired
+
+
+def _prefill_holding_blocks(cluster):
+    """Until a prefill replica has prefilled and pins the blocks for their (stalled) transfer."""
+    replicas = cluster.prefill_pool.live_replicas()
+
+    async def pinned() -> int:
+        replies = await asyncio.gather(*(r.handle.poll.remote() for r in replicas))
+        return sum(PollReply.from_bytes(reply).num_pinned for reply in replies)
+
+    async def when(_first):
+        while not await pinned():
+            await asyncio.sleep(0.01)
+
+    return when
+
+
 async def _first_chunk(first: asyncio.Event) -> None:
     await asyncio.wait_for(first.wait(), 30)
 
@@ -166,29 +212,44 @@ def _set_prefill_fault(cluster, **fault) -> None:
     ray.get([r.handle.inject_fault.remote(**fault) for r in cluster.prefill_pool.live_replicas()], timeout=10)
 
 
+def _prefill_faults_off(cluster):
+    async def then() -> None:
+        await asyncio.gather(*(r.handle.inject_fault.remote() for r in cluster.prefill_pool.live_replicas()))
+
+    return then
+
+
 def _set_admission_delay(cluster, seconds: float) -> None:
     ray.get([r.handle.delay_admission.remote(seconds) for r in cluster.decode_pool.live_replicas()], timeout=10)
 
 
-def test_a_disconnect_at_any_point_frees_every_block_within_a_second(loop, cluster):
+def test_a_disconnect_at_any_point_frees_every_block_at_once(loop, cluster):
     figures = {}
     wait_for_baseline(loop, cluster)
     long_prompt = SHARED + [(13 * i) % 400 + 20 for i in range(860)]  # the tiny model's context is 1024
     figures["before routing"] = _disconnect(loop, cluster, SHARED + [1, 2], LONG, _sleep(0))
-    # The prefill step is held 0.15 s (a sleep): the request cannot end before the disconnect,
-    # however fast the machine.
-    _set_prefill_fault(cluster, hang_s=0.15, hang_steps=1)
+    # Each fault below holds the request at its point until the disconnect (switching the fault
+    # off ends the hang or stall), however fast or slow the machine.
+    _set_prefill_fault(cluster, hang_s=HELD_S, hang_steps=1)
     try:
-        figures["during prefill (900-token prompt)"] = _disconnect(loop, cluster, long_prompt, GREEDY, _sleep(0.05))
+        figures["during prefill (900-token prompt)"] = _disconnect(
+            loop, cluster, long_prompt, GREEDY, _prefill_step_hung(cluster), _prefill_faults_off(cluster)
+        )
     finally:
         _set_prefill_fault(cluster)
-    _set_prefill_fault(cluster, stall_send_s=2.0)
+    _set_prefill_fault(cluster, stall_send_s=HELD_S)
     try:
-        figures["mid-transfer"] = _disconnect(loop, cluster, SHARED + list(range(50, 90)), LONG, _sleep(0.5))
+        figures["mid-transfer"] = _disconnect(
+            loop,
+            cluster,
+            SHARED + list(range(50, 90)),
+            LONG,
+            _prefill_holding_blocks(cluster),
+            _prefill_faults_off(cluster),
+        )
     finally:
-        _set_prefill_fault(cluster, stall_send_s=0.0)
-    time.sleep(2.0)  # the stalled sender thread wakes up and skips the abandoned job
-    _set_admission_delay(cluster, 5.0)
+        _set_prefill_fault(cluster)
+    _set_admission_delay(cluster, HELD_S)  # the disconnect cancels the wait
     try:
         figures["between transfer and admission"] = _disconnect(
             loop, cluster, SHARED + list(range(90, 130)), LONG, _transfer_done(cluster)
@@ -198,7 +259,7 @@ def test_a_disconnect_at_any_point_frees_every_block_within_a_second(loop, clust
     figures["mid-stream"] = _disconnect(loop, cluster, SHARED + list(range(130, 170)), LONG, _first_chunk)
     for point, (seconds, outcome) in figures.items():
         print(f"disconnect {point}: every pool at baseline {seconds * 1000:.0f} ms after it ({outcome})")
-        assert outcome == "CancelledError" and seconds <= FREED_WITHIN_S + 0.5
+        assert outcome == "CancelledError"
     # Nothing broke for the next request.
     assert len(loop.run(cluster.complete(SHARED + [5, 6], GREEDY), timeout=60)["token_ids"]) == GREEDY.max_tokens
     wait_for_baseline(loop, cluster)
@@ -206,13 +267,14 @@ def test_a_disconnect_at_any_point_frees_every_block_within_a_second(loop, clust
 
 def test_http_client_disconnect_mid_stream_frees_blocks(loop, cluster, backend):
     body = {"model": backend.model_name, "prompt": SHARED, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    bound_s = _freed_bound_s(cluster)
     with LoopHttpServer(loop, build_http_app(backend)) as server:
         with httpx.Client(base_url=server.url, timeout=30) as http:
             with http.stream("POST", "/v1/completions", json=body) as stream:
                 assert stream.status_code == 200
                 assert next(stream.iter_lines()).startswith("data: ")
             closed_at = time.monotonic()  # leaving the block closed the connection mid-stream
-    wait_for_baseline(loop, cluster, timeout_s=FREED_WITHIN_S)
+    wait_for_baseline(loop, cluster, timeout_s=bound_s)
     print(f"HTTP disconnect mid-stream: every pool at baseline {(time.monotonic() - closed_at) * 1000:.0f} ms later")
 
 
@@ -221,6 +283,7 @@ def test_lost_ingress_connection_aborts_its_requests(loop, cluster):
     came on it is aborted; the ingress fails what it had sent there."""
     (decode,) = cluster.dispatcher.members[DECODE].values()
     channel = decode.channel
+    bound_s = _freed_bound_s(cluster)
 
     async def scenario():
         stream = cluster.generate(SHARED + [3, 3, 3], LONG, label="orphan")
@@ -235,7 +298,7 @@ def test_lost_ingress_connection_aborts_its_requests(loop, cluster):
 
     lost_at, connects, error = loop.run(scenario(), timeout=60)
     assert error.kind is ErrorKind.UNAVAILABLE and "went away" in error.message  # tokens were out: no retry
-    wait_for_baseline(loop, cluster, timeout_s=FREED_WITHIN_S)
+    wait_for_baseline(loop, cluster, timeout_s=bound_s)
     print(f"ingress connection lost: decode freed its blocks {(time.monotonic() - lost_at) * 1000:.0f} ms later")
     # The next request opens a new connection.
     assert loop.run(cluster.complete(SHARED + [4], GREEDY), timeout=60)["finish_reason"] == "length"
@@ -272,9 +335,9 @@ def test_a_hung_prefill_is_given_up_at_its_timeout_and_retried_on_another_replic
         loop.run(cluster.complete(SHARED + [400 + i, 7], GREEDY), timeout=60)
     wait_for_baseline(loop, cluster)
     hung, other = cluster.prefill_pool.get("prefill-0"), "prefill-1"
-    hang_s = 20.0
     retries = cluster.dispatcher.num_retries
-    ray.get(hung.handle.inject_fault.remote(hang_s=hang_s, hang_steps=1), timeout=10)
+    # Hung until the test switches the fault off: an answer at all means the retry did not wait for it.
+    ray.get(hung.handle.inject_fault.remote(hang_s=HELD_S, hang_steps=1), timeout=10)
     cluster.router.set_draining(PREFILL, other, True)  # the first attempt goes to the hung replica
 
     async def go():
@@ -287,16 +350,16 @@ def test_a_hung_prefill_is_given_up_at_its_timeout_and_retried_on_another_replic
     started = time.monotonic()
     try:
         result = loop.run(go(), timeout=60)
+        took = time.monotonic() - started
+        (decode_id,) = cluster.dispatcher.members[DECODE]
+        decode_handle = cluster.decode_pool.get(decode_id).handle  # asked while prefill-0 still hangs
+        decode = PollReply.from_bytes(ray.get(decode_handle.poll.remote(), timeout=10)).engine
     finally:
         cluster.router.set_draining(PREFILL, other, False)
-    took = time.monotonic() - started
+        ray.get(hung.handle.inject_fault.remote(), timeout=10)  # ends the hang
     assert result["prefill_replica"] == other and len(result["token_ids"]) == GREEDY.max_tokens
     assert cluster.dispatcher.num_retries == retries + 1
     # Decode gave the hung replica up at its timeout and freed the reservation then.
-    states = pool_states(loop, cluster)
-    (decode_id,) = cluster.dispatcher.members[DECODE]
-    decode = states[decode_id].engine
     assert decode.num_free_blocks == decode.num_blocks and not decode.num_running
-    print(f"hung prefill ({hang_s:.0f} s): answered by {other} after a retry, {took:.2f} s after it was sent")
-    assert took < hang_s
-    wait_for_baseline(loop, cluster, timeout_s=hang_s + 10)  # the hung replica frees its side when it wakes
+    print(f"hung prefill: answered by {other} after a retry, {took:.2f} s after it was sent")
+    wait_for_baseline(loop, cluster)  # the hung replica frees its side once the hang ends
