@@ -10,13 +10,13 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 import typing
 
 import pytest
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from splitserve.cluster.cli import serve as serve_command
 from splitserve.cluster.cli.main import build_parser, main
 from splitserve.cluster.cli.serve_flags import SHORT_FORMS, config_from_args, flag_for, leaf_fields
 from splitserve.cluster.config import ServeConfig
@@ -261,13 +261,18 @@ def _broken_copy(tiny_model: str, tmp_path, breakage: str):
         ("no-weights", "model.safetensors"),
     ],
 )
-def test_model_problems_are_found_before_ray_starts(tiny_model, tmp_path, breakage, message, capsys, scratch_env):
+def test_model_problems_are_found_before_ray_starts(
+    tiny_model, tmp_path, breakage, message, capsys, scratch_env, monkeypatch
+):
     model = str(tmp_path / "nowhere") if breakage == "missing" else _broken_copy(tiny_model, tmp_path, breakage)
-    start = time.monotonic()
+
+    def start_ray(*args, **kwargs):
+        raise AssertionError("serve went on to start Ray")
+
+    monkeypatch.setattr(serve_command, "_serve", start_ray)  # what starts Ray, Serve and the app
     assert main(["serve", model]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"splitserve serve: error: model {model}") and message in err and err.count("\n") == 1
-    assert time.monotonic() - start < 30  # no Ray
 
 
 def test_draft_model_problems_are_found_before_ray_starts(tiny_model, models_root, tmp_path, capsys, scratch_env):
@@ -308,7 +313,6 @@ def test_failed_start_prints_the_root_cause_once(tiny_model, tmp_path):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             ports.append(str(s.getsockname()[1]))
-    start = time.monotonic()
     res = subprocess.run(
         [sys.executable, "-m", "splitserve.cluster.cli", "serve", str(model), "--port", ports[0]]
         + ["--grpc-port", ports[1], "--num-cpus", "4"],
@@ -318,14 +322,12 @@ def test_failed_start_prints_the_root_cause_once(tiny_model, tmp_path):
         cwd=tmp_path,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )
-    elapsed = time.monotonic() - start
     ours = [line for line in res.stderr.splitlines() if line.startswith("splitserve serve: error:")]
     assert res.returncode == 1, res.stdout + res.stderr
     assert ours == [res.stderr.strip().splitlines()[-1]]
     assert "the server failed to start: CheckpointError: weight" in ours[0] and "implies" in ours[0], ours
     # Ray Serve's own tracebacks stay in its log files; one attempt, not Serve's three.
     assert "ServeController" not in res.stderr and "Deploying application" not in res.stderr
-    assert elapsed < 200
 
 
 def test_root_cause_is_the_innermost_exception_line():

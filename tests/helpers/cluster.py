@@ -144,6 +144,7 @@ class LoopHttpServer:
         return f"http://127.0.0.1:{port}"
 
 
+HELD_S = 3600.0  # a chaos fault (hang, stall, delay) that holds a request until the test switches it off
 FAIL_FAST_S = 1.0  # what docs/RELIABILITY.md quotes, on this box when it is not overloaded
 RTTS_PER_FAILURE = 20  # a failure reaches its client in a few actor round trips and one step
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -111,9 +112,12 @@ def test_recv_times_out_when_the_sender_never_sends(local, shared_peer):
     decode = local("decode-timeout")
     _open_as_receiver(decode, shared_peer, "peer-shared", epoch=0)
     started = time.monotonic()
-    with pytest.raises(TransferError, match="recv"):
+    with pytest.raises(TransferError, match="recv") as err:
         decode.recv("peer-shared", [torch.empty(16)], tag=5, timeout_s=1.0)
-    assert 0.9 <= time.monotonic() - started < 3.0
+    assert time.monotonic() - started >= 0.9
+    # It waited the call's 1 s, not the endpoint's PEER_TIMEOUT_S (gloo names the wait it timed out).
+    waited_ms = re.search(r"Timed out waiting (\d+)ms", str(err.value))
+    assert waited_ms and int(waited_ms.group(1)) <= 1000, err.value
     assert not decode.has_pair("peer-shared")  # a failed pair is out of sync: it is closed
     assert decode.stats().num_failures == 1
 
@@ -126,10 +130,9 @@ def test_killed_peer_fails_the_other_side_fast_and_a_restart_reopens_with_a_new_
 
     # Sender side: the peer never posts a recv, so the 16 MB send is in flight when it dies.
     threading.Timer(0.5, peer.kill).start()
-    started = time.monotonic()
-    with pytest.raises(TransferError):
+    with pytest.raises(TransferError) as err:
         prefill.send("peer-kill", [torch.ones(4 << 20)], tag=3, timeout_s=10.0)
-    assert time.monotonic() - started < 5.0
+    assert "Timed out" not in str(err.value)  # it failed on the death, not at its timeout
     assert prefill.peers() == []
 
     restarted = spawn_peer("peer-kill")
@@ -141,10 +144,9 @@ def test_killed_peer_fails_the_other_side_fast_and_a_restart_reopens_with_a_new_
     # Receiver side: this endpoint waits in recv when its sender dies.
     _open_as_receiver(decode, restarted, "peer-kill", epoch=0)
     threading.Timer(0.5, restarted.kill).start()
-    started = time.monotonic()
-    with pytest.raises(TransferError):
+    with pytest.raises(TransferError) as err:
         decode.recv("peer-kill", [torch.empty(1 << 20)], tag=1, timeout_s=10.0)
-    assert time.monotonic() - started < 5.0
+    assert "Timed out" not in str(err.value)
     assert decode.peers() == []
 
 
@@ -166,7 +168,7 @@ def test_close_idle_tears_down_idle_pairs_and_the_peer_notices(local, shared_pee
     assert "decode-idle" in shared_peer.call("peers")["peers"]  # the sender learns on its next op
     shared_peer.post("send", peer_id="decode-idle", specs=BLOCK_MESSAGE, tag=1, timeout_s=3.0)
     result = shared_peer.reply()
-    assert result.get("transfer_error") is True and result["seconds"] < 3.5, result
+    assert result.get("transfer_error") is True and "Timed out" not in result["error"], result
     assert "decode-idle" not in shared_peer.call("peers")["peers"]
 
     _open_as_receiver(decode, shared_peer, "peer-shared", epoch=1)
@@ -178,17 +180,13 @@ def test_close_idle_tears_down_idle_pairs_and_the_peer_notices(local, shared_pee
 
 def test_open_pair_times_out_when_the_peer_never_joins(local):
     prefill = local("prefill-0", timeout_s=1.0)
-    started = time.monotonic()
-    with pytest.raises(TransferError, match="did not join"):
+    with pytest.raises(TransferError, match=r"did not join within 1\.0s"):  # the endpoint's timeout
         prefill.open_pair("decode-9", None, "sender", epoch=0)
-    assert time.monotonic() - started < 3.0
 
     decode = local("decode-9", timeout_s=1.0)
     unused_port = KVTransport("probe", "cpu").address[1]  # its server is gone once collected
-    started = time.monotonic()
-    with pytest.raises(TransferError):
+    with pytest.raises(TransferError, match="no store is listening"):  # refused at once, no wait
         decode.open_pair("prefill-0", ("127.0.0.1", unused_port), "receiver", epoch=0, timeout_s=1.0)
-    assert time.monotonic() - started < 3.0
 
 
 def test_pairs_in_one_process_run_concurrently_from_threads(local):
@@ -285,12 +283,11 @@ def test_closing_a_pair_fails_its_pending_ops_promptly_on_both_sides(local):
     outcomes = {}
 
     def wait(name, op):
-        started = time.monotonic()
         try:
             op.wait(10.0)
             outcomes[name] = "completed"
-        except TransferError:
-            outcomes[name] = time.monotonic() - started
+        except TransferError as exc:
+            outcomes[name] = str(exc)
 
     waiters = [threading.Thread(target=wait, args=item) for item in (("recv", pending_recv), ("send", pending_send))]
     for thread in waiters:
@@ -300,7 +297,8 @@ def test_closing_a_pair_fails_its_pending_ops_promptly_on_both_sides(local):
     for thread in waiters:
         thread.join(timeout=10)
     assert set(outcomes) == {"recv", "send"}
-    assert all(isinstance(seconds, float) and seconds < 2.0 for seconds in outcomes.values()), outcomes
+    # Both failed on the close, not at their 10 s timeout.
+    assert all(outcome != "completed" and "Timed out" not in outcome for outcome in outcomes.values()), outcomes
     assert decode.peers() == [] and prefill.peers() == []
     assert decode.close_pair("prefill-close") is False
 

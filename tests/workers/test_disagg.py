@@ -15,7 +15,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.proto.messages.poll_reply import PollReply
-from tests.helpers.cluster import cluster_config, start_cluster, wait_for_baseline
+from tests.helpers.cluster import HELD_S, cluster_config, start_cluster, wait_for_baseline
 
 pytestmark = pytest.mark.ray
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -170,7 +170,7 @@ def test_decode_killed_mid_transfer_fails_fast_and_frees_prefill_blocks(loop, cl
         time.sleep(0.1)
     (decode_id,) = cluster.router.replica_ids(DECODE)
     decode = cluster.decode_pool.get(decode_id).handle
-    set_stall(cluster, 1.0)
+    set_stall(cluster, HELD_S)  # until the test switches it off: the send waits out the kill
     chosen = []
 
     async def go():
@@ -181,11 +181,9 @@ def test_decode_killed_mid_transfer_fails_fast_and_frees_prefill_blocks(loop, cl
         ray.kill(decode)  # prefill done, its first send stalled
         return await asyncio.wait_for(task, 30)
 
-    start = time.monotonic()
     try:
-        with pytest.raises(RequestError):
+        with pytest.raises(RequestError):  # at the death, not after the stall (it outlasts the test)
             loop.run(go(), timeout=60)
-        assert time.monotonic() - start < 20
     finally:
         set_stall(cluster, 0.0)
     deadline = time.monotonic() + 10

@@ -22,6 +22,7 @@ from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.proto import load_stubs
 from tests.helpers.cluster import (
+    HELD_S,
     LoopHttpServer,
     cluster_config,
     serving_backend,
@@ -168,13 +169,11 @@ def test_failed_kv_sends_are_retried_within_the_budget_or_fail_clearly(loop, clu
 
     # Every prefill replica fails its next send: both attempts fail, the budget (1 retry) is spent.
     set_fault(cluster, fail_sends=1)
-    start = time.monotonic()
     with pytest.raises(RequestError, match="request failed: .*injected send failure") as failed:
         complete(loop, cluster, prompt)
     assert failed.value.kind is ErrorKind.INTERNAL
     assert cluster.dispatcher.num_retries == retries + 1
     wait_for_baseline(loop, cluster, timeout_s=LEASE_S)
-    assert time.monotonic() - start < 3 * LEASE_S
 
     # A bigger budget: both prefill replicas fail, the decode replica then prefills itself.
     cluster.dispatcher.max_retries = 2
@@ -192,9 +191,9 @@ def test_failed_kv_sends_are_retried_within_the_budget_or_fail_clearly(loop, clu
 
 def test_stalled_kv_send_frees_blocks_within_the_lease_and_is_retried(loop, cluster):
     stalled, *others = sorted(r.replica_id for r in cluster.prefill_pool.live_replicas())
-    stall_s = LEASE_S + 1.5
     retries = cluster.dispatcher.num_retries
-    ray.get(cluster.prefill_pool.get(stalled).handle.inject_fault.remote(stall_send_s=stall_s))
+    # Stalled until the test switches it off: an answer at all means the retry did not wait for it.
+    ray.get(cluster.prefill_pool.get(stalled).handle.inject_fault.remote(stall_send_s=HELD_S))
     for rid in others:  # route the first attempt to the stalled replica
         cluster.router.set_draining(PREFILL, rid, True)
     try:
@@ -211,10 +210,8 @@ def test_stalled_kv_send_frees_blocks_within_the_lease_and_is_retried(loop, clus
     assert result["prefill_replica"] is None and len(result["token_ids"]) == GREEDY.max_tokens
     assert cluster.dispatcher.num_retries == retries + 1
     print(f"stalled send: lease {LEASE_S:.0f} s, request answered after retry in {took:.2f} s")
-    assert took < LEASE_S + 6
-    # The stalled attempt's blocks were freed on both sides.
+    # The stalled attempt's blocks were freed on both sides (switching the stall off woke its sender).
     wait_for_baseline(loop, cluster, timeout_s=LEASE_S)
-    time.sleep(max(start + stall_s + 0.5 - time.monotonic(), 0))  # the sender thread wakes up
     assert complete(loop, cluster, PREFIXES[0] + list(range(230, 260)))["prefill_replica"] is not None
     wait_for_baseline(loop, cluster)
 
@@ -301,17 +298,16 @@ def test_grpc_deadline_cancels_the_request_and_frees_blocks(loop, cluster, backe
 
 def test_deadline_during_a_stalled_transfer_fails_without_retry(loop, cluster):
     retries = cluster.dispatcher.num_retries
-    set_fault(cluster, stall_send_s=LEASE_S - 1.0)
+    set_fault(cluster, stall_send_s=HELD_S)  # the transfer cannot finish before the deadline
     try:
 
         async def go():
             stream = cluster.generate(PREFIXES[2] + list(range(100, 120)), GREEDY, deadline=time.time() + 1.0)
             return [chunk async for chunk in stream]
 
-        start = time.monotonic()
         with pytest.raises(RequestError) as exc:
             loop.run(go(), timeout=30)
-        assert exc.value.kind is ErrorKind.DEADLINE and time.monotonic() - start < 4
+        assert exc.value.kind is ErrorKind.DEADLINE
         assert cluster.dispatcher.num_retries == retries  # no retry past the deadline
     finally:
         set_fault(cluster, stall_send_s=0.0)
@@ -337,9 +333,9 @@ def test_decode_killed_mid_stream_ends_the_sse_stream_with_an_error(loop, cluste
             rest = list(events)
             ended = time.monotonic() - killed_at
         print(f"decode killed mid-stream: error event + [DONE] {ended:.2f} s after the kill")
-        assert ended < 5, f"the stream took {ended:.1f} s to end after its decode replica died"
         assert rest[-1] == "[DONE]"
         error = rest[-2]["error"]
+        # 503 for the death (a stream left hanging would end at a deadline: 504), however long it took.
         assert error["code"] == 503 and error["type"] == "server_error" and "request failed" in error["message"]
         retried = [
             r.getMessage()

@@ -23,6 +23,7 @@ from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.proto import load_stubs
 from splitserve.proto.messages.poll_reply import PollReply
 from tests.helpers.cluster import (
+    HELD_S,
     LoopHttpServer,
     cluster_config,
     fail_fast_bound_s,
@@ -34,7 +35,6 @@ from tests.helpers.model import engine_reference
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 pb2, pb2_grpc = load_stubs()
 LEASE_S = 5.0
-HELD_S = 3600.0  # a fault that holds a request where it is until the test switches it off
 SHARED = [(11 * i) % 300 + 40 for i in range(32)]  # a 2-block prefix every prompt here shares
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)

@@ -13,6 +13,7 @@ from splitserve.cluster.ingress.dispatcher import Dispatcher
 from splitserve.cluster.routing.router import DECODE, PREFILL, Router
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.proto import load_stubs
+from splitserve.proto.messages.poll_reply import PollReply
 from tests.helpers.cluster import (
     cluster_config,
     pool_states,
@@ -25,7 +26,6 @@ from tests.helpers.model import engine_reference
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 pb2, pb2_grpc = load_stubs()
 LEASE_S = 5.0
-FREED_WITHIN_S = 1.0
 SHARED = [(11 * i) % 300 + 40 for i in range(32)]  # a 2-block prefix every prompt here shares
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
@@ -87,18 +87,25 @@ def test_a_reader_that_falls_behind_gets_the_queued_steps_as_one_chunk(loop, clu
     prompt = SHARED + [250]
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, logprobs=True)
 
+    decodes = cluster.decode_pool.live_replicas()
+
+    async def decode_busy() -> bool:
+        replies = [PollReply.from_bytes(await r.handle.poll.remote()) for r in decodes]
+        return any(r.engine.num_running or r.engine.num_waiting for r in replies)
+
     async def go():
         chunks = []
         async for chunk in cluster.generate(prompt, params):
             chunks.append(chunk)
             if len(chunks) == 2:
-                await asyncio.sleep(1.0)  # the replica keeps stepping meanwhile
+                while await decode_busy():  # the replica steps the request to its end meanwhile
+                    await asyncio.sleep(0.01)
         return chunks
 
     chunks = loop.run(go(), timeout=120)
     assert [t for c in chunks for t in c.token_ids] == reference(prompt, 60)
     assert all(len(c.logprobs) == len(c.token_ids) for c in chunks)
-    print(f"after a 1 s pause: {[len(c.token_ids) for c in chunks[2:]]} tokens per chunk")
+    print(f"after a pause until decode finished: {[len(c.token_ids) for c in chunks[2:]]} tokens per chunk")
     assert len(chunks[2].token_ids) >= 5
     assert chunks[-1].finished and chunks[-1].num_output_tokens == 60
     assert sum(c.finished for c in chunks) == 1
