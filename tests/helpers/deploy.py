@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 from collections.abc import Iterator
 from functools import cache
@@ -219,6 +220,17 @@ def _merged_set(name: str) -> str:
 
 def merged_values_of(name: str) -> dict[str, Any]:
     return json.loads(_merged_set(name))
+
+
+def serve_app_of(name: str) -> dict[str, Any]:
+    """The one Serve application of the RayService's serveConfigV2."""
+    serve_config = yaml.safe_load(ray_service_of(name)["spec"]["serveConfigV2"])
+    (app,) = serve_config["applications"]
+    return app
+
+
+def pods_for(replicas: int, per_pod: int) -> int:
+    return math.ceil(replicas / per_pod)
 
 
 @cache
