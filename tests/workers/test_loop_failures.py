@@ -7,8 +7,8 @@ ServingBackend, the OpenAI HTTP app (uvicorn, the `openai` client) and the gRPC 
   requests fail fast; requests routed to it before it leaves are retried without spending
   the retry budget; it leaves routing at the next poll; the next 20 requests succeed; /health
   and gRPC health show the lost capacity, /metrics drops its series and counts one replica
-  less -- until the controller's replacement (held back here by its restart backoff: the
-  replica died young) is routable, and health is whole again."""
+  less -- until the controller's replacement (held back by its restart backoff, the replica
+  died young, until the test ends the wait) is routable, and health is whole again."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ from splitserve.proto.messages.handoff import StreamChunk
 from splitserve.proto.messages.poll_reply import PollReply, ReplicaStatus
 from splitserve.proto.messages.request_channel import Failed, FailureKind, Submit
 from tests.helpers.cluster import (
+    HELD_S,
     LoopHttpServer,
     cluster_config,
     fail_fast_bound_s,
@@ -52,7 +53,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-RESTART_BACKOFF_S = 6.0
 
 
 def prompt(n: int, salt: int) -> list[int]:
@@ -62,8 +62,8 @@ def prompt(n: int, salt: int) -> list[int]:
 @pytest.fixture(scope="module")
 def backend(ray_cluster, tiny_model, loop):
     # A replica dying this young is a failed start to the controller: its replacement waits
-    # restart_backoff_s, long enough to see the lost capacity first.
-    controller = {"restart_backoff_s": RESTART_BACKOFF_S, "healthy_after_s": 600.0}
+    # restart_backoff_s -- until the test ends the wait (_replaced), once it saw the lost capacity.
+    controller = {"restart_backoff_s": HELD_S, "restart_backoff_max_s": HELD_S, "healthy_after_s": 600.0}
     cfg = cluster_config(
         tiny_model, num_prefill=2, num_decode=2, policy="round-robin", lease_s=3.0, controller=controller
     )
@@ -364,7 +364,13 @@ def test_a_dead_prefill_loop_leaves_routing_and_its_requests_are_retried(loop, c
 
 
 def _replaced(loop, cluster, server_url: str, pool: str) -> None:
-    """The controller's replacement becomes routable and health is whole again."""
+    """End the pool's restart backoff: the controller's replacement becomes routable and health
+    is whole again."""
+
+    async def end_backoff() -> None:  # on the loop the controller runs on
+        cluster.controller.backoff[pool].next_start_at = float("-inf")
+
+    loop.run(end_backoff(), timeout=10)
     wait_until(lambda: cluster.live_replicas(pool) == 2, 120, f"the {pool} pool was not replenished", 0.2)
     assert httpx.get(f"{server_url}/health", timeout=10).json()["ok"] is True
 
