@@ -168,7 +168,9 @@ def _kill_receiver_during_send(peers: list[helpers.PeerProcess]) -> None:
     shared = {"sharing_strategy": "file_system"}
     sender, receiver = _init(peers, {"sender": {"same_device": "ipc", **shared}, "receiver": shared})
     _connect(sender, receiver)
-    sender.post("send", peer_id="receiver", specs=MESSAGE, tag=2, timeout_s=PEER_TIMEOUT_S)
+    # The send waits for the receiver's acknowledgement: a dead receiver fails it at its own
+    # timeout (1 s here), never later, whatever the endpoint's default.
+    sender.post("send", peer_id="receiver", specs=MESSAGE, tag=2, timeout_s=1.0)
     receiver.kill()  # never posted its receive
     result = sender.reply(timeout_s=PEER_TIMEOUT_S + 10)  # it ends (the reply's wait is a safety net)
     assert result["transfer_error"], result
