@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.control.controller import Controller
+from splitserve.cluster.control.in_process_controller_client import InProcessControllerClient
 from splitserve.cluster.control.worker_pool import Replica, WorkerPool
 from splitserve.cluster.ingress.controller_client import METRICS_TIMEOUT_S, ControllerClient
 from splitserve.cluster.ingress.dispatcher import Dispatcher
@@ -35,7 +36,7 @@ class DisaggCluster:
         model_dir: str,
         poll_interval_s: float = 0.1,
         on_poll=None,
-        controller: ControllerClient | None = None,
+        controller: ControllerClient | InProcessControllerClient | None = None,
         make_report: Callable[[dict[str, int]], bytes] | None = None,
         ingress_id: str | None = None,
         autoscale: bool = False,
