@@ -240,7 +240,7 @@ def _shutdown(ray, serve) -> None:
     and could not), then leave Ray: a local cluster ends with it. serve.shutdown() is not
     used: it kills Serve's controller while its graceful_shutdown task runs, and the raylet
     then logs that task as failed."""
-    from splitserve.cluster.control.worker_pool import app_namespace, reap_namespace
+    from splitserve.cluster.control.worker_pool import app_namespaces, reap_namespace
 
     try:
         if ray.is_initialized() and APP_NAME in serve.status().applications:
@@ -250,7 +250,8 @@ def _shutdown(ray, serve) -> None:
     finally:
         try:
             if ray.is_initialized():  # after the delete: no controller left to restart them
-                reaped = reap_namespace(app_namespace(APP_NAME))
+                # the app's namespace, and each model's where it serves several
+                reaped = [name for ns in app_namespaces(APP_NAME) for name in reap_namespace(ns)]
                 if reaped:
                     print(f"splitserve: removed {len(reaped)} pool actor(s) left running", flush=True)
         except Exception as exc:

@@ -16,23 +16,13 @@ which keeps each ingress's samples per model, and every model's pool series is r
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import re
 
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.control.controller import Controller
 from splitserve.cluster.control.in_process_controller_client import InProcessControllerClient
 from splitserve.cluster.control.metrics_aggregator import MetricsAggregator
-from splitserve.cluster.control.worker_pool import app_namespace
+from splitserve.cluster.control.worker_pool import model_namespace
 from splitserve.cluster.default_model import resolve_model
-
-
-def model_namespace(app_name: str, model_name: str) -> str:
-    """The Ray namespace of one model's pool actors in a deployment of several models: readable
-    (the served name, reduced to safe characters) and unique (a hash of the exact name)."""
-    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", model_name).strip("_")[-48:] or "model"
-    digest = hashlib.sha1(model_name.encode()).hexdigest()[:8]
-    return f"{app_namespace(app_name)}--{slug}-{digest}"
 
 
 class ModelControllers:

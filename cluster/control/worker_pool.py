@@ -12,6 +12,7 @@ exactly what Ray's autoscaler (ray up / KubeRay) scales on.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import re
@@ -31,6 +32,21 @@ logger = logging.getLogger(__name__)
 def app_namespace(app_name: str) -> str:
     """The Ray namespace holding an app's pool actors."""
     return f"splitserve-{app_name}"
+
+
+def model_namespace(app_name: str, model_name: str) -> str:
+    """The Ray namespace of one model's pool actors in a deployment of several models:
+    `<app namespace>--<served name reduced to safe characters>-<hash of the exact name>`."""
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", model_name).strip("_")[-48:] or "model"
+    digest = hashlib.sha1(model_name.encode()).hexdigest()[:8]
+    return f"{app_namespace(app_name)}--{slug}-{digest}"
+
+
+def app_namespaces(app_name: str) -> list[str]:
+    """Every namespace holding live named actors of the app: its own and each model's."""
+    own = app_namespace(app_name)
+    found = {a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)}
+    return sorted(ns for ns in found if ns == own or ns.startswith(own + "--"))
 
 
 def named_actors(namespace: str) -> list[str]:
