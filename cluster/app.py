@@ -84,6 +84,7 @@ class SplitServeIngress:
     """An ingress replica. Serve calls __serve_build_asgi_app__ after the constructor."""
 
     async def __init__(self, cfg_dict: dict, controller_handle):
+        from splitserve.cluster.control.model_controllers import hash_seed_of
         from splitserve.cluster.default_model import resolve_model
         from splitserve.cluster.frontend.backend import ServingBackend
         from splitserve.cluster.frontend.grpc.server import GrpcFrontend
@@ -110,6 +111,7 @@ class SplitServeIngress:
                         resolve_model(one.model),
                         controller=ControllerClient(controller_handle, name),
                         share_with=backends[0] if backends else None,
+                        hash_seed=hash_seed_of(cfg, name),
                     )
                 )
             backend, catalog = backends[0], ModelCatalog.of(*backends)

@@ -69,14 +69,16 @@ class Controller:
         clock: Callable[[], float] = time.monotonic,
         namespace: str | None = None,
         aggregator: MetricsAggregator | None = None,
+        hash_seed: str | None = None,
     ):
         """namespace: where this model's pool actors live (default: the app's); aggregator:
         one shared by the controllers of a deployment's models (ModelControllers), which then
-        keeps each ingress's samples per model."""
+        keeps each ingress's samples per model; hash_seed: the engines' block-hash seed (the
+        model's name where the deployment serves several; its ingresses route with the same)."""
         self.cfg = cfg
         self.clock = clock
         self.model_name = cfg.model_id
-        self.roster = PoolRoster(cfg, model_dir, namespace or app_namespace(app_name))
+        self.roster = PoolRoster(cfg, model_dir, namespace or app_namespace(app_name), hash_seed)
         c = cfg.controller
         self.backoff = {
             p: RestartBackoff(c.restart_backoff_s, c.restart_backoff_max_s, c.healthy_after_s) for p in POOLS

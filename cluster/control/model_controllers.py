@@ -25,6 +25,13 @@ from splitserve.cluster.control.worker_pool import model_namespace
 from splitserve.cluster.default_model import resolve_model
 
 
+def hash_seed_of(cfg: ServeConfig, model_name: str) -> str | None:
+    """The block-hash seed of a model's engines and routers: its served name where the
+    deployment serves several (so equal token ids of two models never hash equal, even in one
+    index); None for a deployment of one model (the unseeded chain, as before)."""
+    return model_name if cfg.models else None
+
+
 class ModelControllers:
     def __init__(self, cfg: ServeConfig, app_name: str, autoscale: bool = True, model_dirs: dict | None = None):
         """model_dirs: {served name: checkpoint directory} already resolved (else resolved here)."""
@@ -41,6 +48,7 @@ class ModelControllers:
                 autoscale=autoscale,
                 namespace=model_namespace(app_name, name) if shared else None,
                 aggregator=self.aggregator if shared else None,
+                hash_seed=hash_seed_of(cfg, name),
             )
 
     @property

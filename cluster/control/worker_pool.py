@@ -217,7 +217,7 @@ class WorkerPool:
             self.remove(replica_id)
 
 
-def engine_config_for(cfg: ServeConfig, pool: EnginePoolConfig, model_dir: str) -> dict:
+def engine_config_for(cfg: ServeConfig, pool: EnginePoolConfig, model_dir: str, hash_seed: str | None = None) -> dict:
     device = cfg.device
     if device == "auto":
         device = "cuda" if pool.resources.num_gpus > 0 else "cpu"
@@ -240,11 +240,13 @@ def engine_config_for(cfg: ServeConfig, pool: EnginePoolConfig, model_dir: str) 
         "engine": pool.engine or cfg.engine,
         "profile": cfg.engine_profile,
         "speed_factor": cfg.speed_factor,
+        "hash_seed": hash_seed,
     }
 
 
-def pools_for(cfg: ServeConfig, model_dir: str, namespace: str) -> dict[str, WorkerPool]:
-    """The prefill and decode pools a ServeConfig describes, in the app's namespace."""
+def pools_for(cfg: ServeConfig, model_dir: str, namespace: str, hash_seed: str | None = None) -> dict[str, WorkerPool]:
+    """The prefill and decode pools a ServeConfig describes, in the app's namespace; hash_seed:
+    their engines' block-hash seed (the model's name where the deployment serves several)."""
     from splitserve.decode.decode_worker import DecodeWorker
     from splitserve.prefill.prefill_worker import PrefillWorker
 
@@ -253,7 +255,7 @@ def pools_for(cfg: ServeConfig, model_dir: str, namespace: str) -> dict[str, Wor
         pools[name] = WorkerPool(
             name,
             worker_cls,
-            engine_config_for(cfg, pool_cfg, model_dir),
+            engine_config_for(cfg, pool_cfg, model_dir, hash_seed),
             pool_cfg.resources,
             namespace,
             transport_host=cfg.transport_host,

@@ -48,11 +48,13 @@ class ServingBackend:
         controller: ControllerClient | InProcessControllerClient | None = None,
         ingress_id: str | None = None,
         share_with: ServingBackend | None = None,
+        hash_seed: str | None = None,
     ):
         """controller: the controller deployment's client (an ingress replica); None: run
         the controller in-process (tests, tools). cluster: a ready-made DisaggCluster.
         share_with: the backend of another model of this ingress replica, whose admission and
-        tenant gate this one shares (one replica-wide queue and one set of tenant leases)."""
+        tenant gate this one shares (one replica-wide queue and one set of tenant leases).
+        hash_seed: the model's block-hash seed, as its engines have it (ModelControllers)."""
         self.cfg = cfg
         # Names this ingress replica: the prefix of its request ids, and the response header
         # / gRPC metadata that says which replica carried a request.
@@ -90,6 +92,7 @@ class ServingBackend:
             make_report=self.reporter.report,
             autoscale=controller is None,
             ingress_id=self.ingress_id,
+            hash_seed=hash_seed,
         )
         host_blocks = self._indexed_host_blocks if cfg.kv_offloading_size > 0 else None
         self.metrics.registry.register(

@@ -18,13 +18,13 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.cluster.config import ServeConfig
-from splitserve.cluster.control.model_controllers import ModelControllers
+from splitserve.cluster.control.model_controllers import ModelControllers, hash_seed_of
 from splitserve.cluster.frontend.backend import ServingBackend
 from splitserve.cluster.frontend.grpc.server import GrpcFrontend
 from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.cluster.frontend.model_catalog import ModelCatalog
 from splitserve.cluster.routing.router import DECODE, PREFILL
-from splitserve.engine.core.block_hash import hash_blocks
+from splitserve.engine.core.block_hash import hash_blocks, root_hash
 from splitserve.proto import load_stubs
 from splitserve.proto.messages.poll_reply import PollReply
 from tests.helpers.cluster import LoopHttpServer, cluster_config, wait_until
@@ -47,7 +47,9 @@ class TwoModels:
         for name, one in cfg.model_deployments():
             first = next(iter(self.backends.values()), None)
             client = self.controllers.client(name)
-            self.backends[name] = ServingBackend(one, one.model, controller=client, share_with=first)
+            self.backends[name] = ServingBackend(
+                one, one.model, controller=client, share_with=first, hash_seed=hash_seed_of(cfg, name)
+            )
         loop.run(_start_all(self.backends.values()), timeout=300)
         self.catalog = ModelCatalog.of(*self.backends.values())
         default = next(iter(self.backends.values()))
@@ -154,7 +156,8 @@ def test_a_prompt_cached_under_one_model_is_never_credited_to_the_other(models, 
     prompt = [7] + PROMPT  # a prompt no other test sends
     alpha_router, beta_router = (models.backends[m].cluster.router for m in ("alpha", "beta"))
     grpc_tokens(stub, "alpha", prompt, 2)
-    hashes = hash_blocks(prompt, 16)
+    hashes = hash_blocks(prompt, 16, root_hash("alpha"))  # the chain alpha's engines and router use
+    assert set(hashes).isdisjoint(hash_blocks(prompt, 16, root_hash("beta")))  # beta's never coincide
     wait_until(lambda: alpha_router.index(DECODE).holders(hashes[0]), 30, "alpha's KV events never indexed the prompt")
     assert not any(beta_router.index(pool).holders(h) for pool in (PREFILL, DECODE) for h in hashes)
     before = prefix_hits(models)
