@@ -140,9 +140,9 @@ class BatchConfig(_Strict):
 
 class ServeConfig(_Strict):
     model: str | None = None
-    """Checkpoint directory; unset: the `small` preset, made once."""
+    """Checkpoint directory; unset: the `small` preset, made once. Given more than once: several models (`models`), one per --model."""
     served_model_name: str | None = None
-    """Model id clients send; unset: the model exactly as given."""
+    """Model id clients send; unset: the model exactly as given. Given more than once: the served name of each --model, by position."""
     max_model_len: int | None = Field(None, ge=1)
     """Context length to serve, prompt + output; unset: the model's."""
     block_size: int = Field(16, ge=1)

@@ -115,7 +115,6 @@ def test_kv_manager_refuses_without_side_effects():
 
 
 def test_a_hash_seed_gives_a_chain_of_its_own_and_sequences_follow_it():
-
     tokens = list(range(32))
     assert root_hash(None) == root_hash("") == ROOT_HASH  # one model: the unseeded chain, as before
     alpha, beta = (hash_blocks(tokens, 16, root_hash(m)) for m in ("alpha", "beta"))
