@@ -249,7 +249,7 @@ class ServeConfig(_Strict):
         out = []
         for entry in self.models:
             name = entry.served_name(self.model_id)
-            merged = deep_merge(base, entry.overrides())
+            merged = deep_merge(base, entry.overrides(), ServeConfig)
             out.append((name, ServeConfig.model_validate({**merged, "served_model_name": name})))
         return out
 
@@ -261,7 +261,9 @@ class ServeConfig(_Strict):
             check_unique_served_names([entry.served_name(self.model_id) for entry in self.models])
             for index, entry in enumerate(self.models):
                 try:
-                    ServeConfig.model_validate(deep_merge(self.model_dump(exclude={"models"}), entry.overrides()))
+                    ServeConfig.model_validate(
+                        deep_merge(self.model_dump(exclude={"models"}), entry.overrides(), ServeConfig)
+                    )
                 except ValidationError as exc:
                     problems = "; ".join(
                         f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg'].removeprefix('Value error, ')}"

@@ -4,7 +4,8 @@ Each entry takes the settings a single model has: its weights, served name, cont
 dtype, quantization, host KV tier, engine, prefill and decode pools (replicas, resources, KV
 cache, autoscaling) and speculative decoding. What an entry leaves unset it inherits from the
 top-level ServeConfig field of the same name; inside `prefill`, `decode` and `speculative`
-only the keys the entry names override the top level's (deep merge). The served name is the
+only the keys the entry names override the top level's (deep merge; a dict of custom
+resources is replaced whole). The served name is the
 one thing never inherited: it is the entry's own (`served_model_name`, else its `model`).
 
 The partial pool settings dump as given (only the keys set), so a config that travels as a
@@ -13,9 +14,9 @@ dict (build_app's args, the Helm values) means the same after the round trip.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
-from pydantic import Field, field_serializer
+from pydantic import BaseModel, Field, field_serializer
 
 from splitserve.cluster.pool_config import DecodePoolConfig, PrefillPoolConfig, StrictConfig
 from splitserve.engine.config import Dtype, EngineKind, Quantization
@@ -75,15 +76,27 @@ class ModelEntryConfig(StrictConfig):
         return self.served_model_name or self.model or default_model
 
 
-def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    """base with over's keys replacing its own, nested dicts merged key by key."""
+def deep_merge(base: dict[str, Any], over: dict[str, Any], model: type[BaseModel]) -> dict[str, Any]:
+    """base with over's keys replacing its own; a field that is itself a settings model (a pool,
+    its resources, its autoscaling) is merged key by key, any other value (a dict of custom
+    resources included) is replaced whole."""
     merged = dict(base)
     for key, value in over.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = deep_merge(merged[key], value)
+        field = model.model_fields.get(key)
+        nested = _settings_model(field.annotation) if field is not None else None
+        if nested is not None and isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value, nested)
         else:
             merged[key] = value
     return merged
+
+
+def _settings_model(annotation: Any) -> type[BaseModel] | None:
+    """The BaseModel class of a field's annotation (X or X | None), else None."""
+    for candidate in (annotation, *get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
 
 
 def check_unique_served_names(names: list[str]) -> list[str]:
