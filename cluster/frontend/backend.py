@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.control.disagg_cluster import DisaggCluster
 from splitserve.cluster.control.in_process_controller_client import InProcessControllerClient
 from splitserve.cluster.frontend.admission import Admission
+from splitserve.cluster.frontend.ingress_identity import check_unicode, default_ingress_id
 from splitserve.cluster.frontend.metrics import GrammarCheckCollector, Metrics, RouterViewCollector
 from splitserve.cluster.frontend.pool_health import pool_health
 from splitserve.cluster.frontend.token_meter import TokenMeter
@@ -21,6 +21,7 @@ from splitserve.cluster.ingress.ingress_reporter import IngressReporter
 from splitserve.cluster.request_error import ErrorKind, RequestError, invalid
 from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.cluster.state.database import open_state_engine, state_database_url
+from splitserve.cluster.tenants.metered_generation import metered
 from splitserve.cluster.tenants.tenant_gate import TenantGate, TicketPart
 from splitserve.cluster.tenants.tenant_metrics import TenantMetrics
 from splitserve.engine.config import ModelConfig
@@ -132,12 +133,12 @@ class ServingBackend:
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str) or not text:
             raise invalid("the prompt is empty")
-        _check_unicode(text)
+        check_unicode(text)
         return self.tokenizer.encode(text)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """/tokenize: like encode, but an empty text is fine."""
-        _check_unicode(text)
+        check_unicode(text)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def render_chat(
@@ -154,7 +155,7 @@ class ServingBackend:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
         except (ValueError, TypeError, KeyError) as exc:
             raise invalid(f"could not apply the chat template: {exc}") from None
-        _check_unicode(text)
+        check_unicode(text)
         # The template writes the special tokens itself; encoding must not add them again.
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
@@ -184,7 +185,7 @@ class ServingBackend:
         """_generate's chunks; tenant_part (one generation of a tenant's admitted request)
         hears what the generation used when it ends, however it ends."""
         chunks = self._generate(prompt_token_ids, params, label, api_key, timeout_s, sheddable)
-        return chunks if tenant_part is None else _metered(chunks, tenant_part)
+        return chunks if tenant_part is None else metered(chunks, tenant_part)
 
     async def _generate(
         self,
@@ -337,42 +338,3 @@ class ServingBackend:
         except Exception as exc:
             logger.warning("merged metrics unavailable (%r); serving this ingress's own", exc)
             return self.metrics.render()
-
-
-async def _metered(chunks: AsyncIterator[StreamChunk], part: TicketPart) -> AsyncIterator[StreamChunk]:
-    """chunks, telling part the cached and generated tokens at the end (an error: failed)."""
-    part.started()
-    cached = completion = received = 0
-    failed = False
-    try:
-        async for chunk in chunks:
-            cached = max(cached, chunk.num_cached_tokens)
-            # As the response's usage counts them (cluster/frontend/openai/choice.py).
-            received += len(chunk.token_ids)
-            completion = max(completion, chunk.num_output_tokens, received)
-            yield chunk
-    except RequestError:
-        failed = True
-        raise
-    finally:
-        await chunks.aclose()
-        part.finished(cached, completion, failed)
-
-
-def default_ingress_id() -> str:
-    """The Serve replica's unique id inside a Serve replica; else a fresh local one."""
-    try:
-        from ray import serve
-
-        return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # not in a Serve replica (tests, the driver API)
-        return f"local{uuid.uuid4().hex[:8]}"
-
-
-def _check_unicode(text: str) -> None:
-    """JSON may escape lone surrogates ("\\ud800"), which are no text: refuse them here, where
-    the tokenizer would otherwise fail with a TypeError (a 500)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise invalid(f"the prompt is not valid Unicode: {exc.reason} at position {exc.start}") from None
