@@ -167,11 +167,24 @@ def test_a_prompt_cached_under_one_model_is_never_credited_to_the_other(models, 
     assert cached == 0  # the same token ids under beta: nothing of alpha's is credited
     after = prefix_hits(models)
     assert after["alpha"] - before["alpha"] >= 32 and after["beta"] == before["beta"]
+    wait_until(lambda: merged_hits(models) == after, 30, "/metrics never showed both models' counts")
     models.baseline()
 
 
 def prefix_hits(models) -> dict[str, float]:
-    """splitserve_prefix_cache_hit_tokens_total by model_name, from the merged /metrics."""
+    """splitserve_prefix_cache_hit_tokens_total by model_name, as each model's backend counts it
+    now (the merged /metrics has other backends' samples as of their last report)."""
+    return {
+        s.labels["model_name"]: s.value
+        for backend in models.backends.values()
+        for family in text_string_to_metric_families(backend.metrics.render().decode())
+        for s in family.samples
+        if s.name == "splitserve_prefix_cache_hit_tokens_total"
+    }
+
+
+def merged_hits(models) -> dict[str, float]:
+    """The same series from the deployment's merged /metrics (every model's, one view)."""
     return {
         s.labels["model_name"]: s.value
         for family in text_string_to_metric_families(client_get(models, "/metrics"))
