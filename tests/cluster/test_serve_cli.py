@@ -379,3 +379,19 @@ def test_duplicate_served_names_are_one_line_errors(capsys):
     # a served name equal to another entry's model path collides too
     with pytest.raises(ValueError, match="two models are served as '/m/a'"):
         ServeConfig.model_validate({"models": [{"model": "/m/a"}, {"model": "/m/b", "served_model_name": "/m/a"}]})
+
+
+def test_serve_resolves_every_models_checkpoint_and_keeps_its_served_name(tiny_model, models_root):
+    from splitserve.cluster.cli.preflight import check_model
+    from splitserve.cluster.cli.serve import _with_resolved_models
+    from tests.helpers.model import make_checkpoint
+
+    other = str(make_checkpoint(models_root, "draft", "qwen2"))
+    relative = os.path.relpath(other)
+    cfg = parse("--model", tiny_model, "--model", relative, "--served-model-name", "alpha", "--max-model-len", "256")
+    dirs = {name: check_model(one) for name, one in cfg.model_deployments()}  # preflight, per model
+    resolved = _with_resolved_models(cfg, dirs)
+    assert [(name, one.model) for name, one in resolved.model_deployments()] == [
+        ("alpha", os.path.abspath(tiny_model)),
+        (relative, os.path.abspath(other)),  # clients keep sending the name as given
+    ]
