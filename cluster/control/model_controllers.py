@@ -29,7 +29,7 @@ def hash_seed_of(cfg: ServeConfig, model_name: str) -> str | None:
     """The block-hash seed of a model's engines and routers: its served name where the
     deployment serves several (so equal token ids of two models never hash equal, even in one
     index); None for a deployment of one model (the unseeded chain, as before)."""
-    return model_name if cfg.models else None
+    return model_name if len(cfg.models) > 1 else None
 
 
 class ModelControllers:
