@@ -1,6 +1,8 @@
 """The splitserve Ray Serve application: a one-replica controller deployment that owns the
-prefill and decode pools, and the `splitserve` ingress deployment (N stateless replicas:
-OpenAI HTTP, gRPC, tokenizer, router, dispatcher) that follows the controller's membership.
+prefill and decode pools (one Controller per model served, cluster/control/model_controllers.py),
+and the `splitserve` ingress deployment (N stateless replicas: OpenAI HTTP, gRPC, and per
+model a tokenizer, router and dispatcher, resolved by name in a ModelCatalog) that follows
+the controller's membership.
 
 `splitserve serve` and the Helm chart's RayService both start it through build_app, from
 the same ServeConfig fields: one source of truth.
@@ -19,6 +21,7 @@ serve` prints, where a lifespan failure would only say "ASGI lifespan startup fa
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -37,8 +40,7 @@ class ControllerDeployment:
     """The controller replica: cluster/control/controller.py's Controller behind a Serve handle."""
 
     async def __init__(self, cfg_dict: dict):
-        from splitserve.cluster.control.controller import Controller
-        from splitserve.cluster.default_model import resolve_model
+        from splitserve.cluster.control.model_controllers import ModelControllers
         from splitserve.cluster.frontend.http.access_log import configure_replica_logging
         from splitserve.cluster.startup_error import StartupError, root_cause
 
@@ -48,35 +50,46 @@ class ControllerDeployment:
         from splitserve.cluster.frontend.http import header_timeout
 
         header_timeout.install(cfg.http_request_timeout_s)
-        self.controller = None
+        self.controllers = None
         try:
-            controller = Controller(cfg, resolve_model(cfg.model), serve.get_replica_context().app_name)
-            await controller.start()  # a fresh start that fails leaves nothing running
+            # One Controller per model (its own pools, autoscaler and KV sizing).
+            controllers = ModelControllers(cfg, serve.get_replica_context().app_name)
+            await controllers.start()  # a fresh start that fails leaves nothing running
         except Exception as exc:
             raise StartupError(root_cause(exc)) from None
-        self.controller = controller
+        self.controllers = controllers
 
-    async def membership(self, seen_version: int, ingress_id: str, report: bytes | None = None, wait_s: float = 0.0):
-        return await self.controller.membership(seen_version, ingress_id, report, wait_s)
+    async def membership(
+        self,
+        seen_version: int,
+        ingress_id: str,
+        report: bytes | None = None,
+        wait_s: float = 0.0,
+        model: str | None = None,
+    ):
+        """model: the served name whose pools the ingress follows (None: the first model)."""
+        return await self.controllers.membership(seen_version, ingress_id, report, wait_s, model)
 
-    async def render_metrics(self, ingress_id: str, families: bytes) -> bytes:
-        return self.controller.render_metrics(ingress_id, families)
+    async def render_metrics(self, ingress_id: str, families: bytes, model: str | None = None) -> bytes:
+        return self.controllers.render_metrics(ingress_id, families, model)
 
     async def __del__(self):
         """The app is deleted (or this replica is stopped by Serve): the pools go with it. A
         controller that is killed instead never gets here, so its pools keep serving."""
-        if self.controller is not None:
-            await self.controller.shutdown()
+        if self.controllers is not None:
+            await self.controllers.shutdown()
 
 
 class SplitServeIngress:
     """An ingress replica. Serve calls __serve_build_asgi_app__ after the constructor."""
 
     async def __init__(self, cfg_dict: dict, controller_handle):
+        from splitserve.cluster.control.model_controllers import hash_seed_of
         from splitserve.cluster.default_model import resolve_model
         from splitserve.cluster.frontend.backend import ServingBackend
         from splitserve.cluster.frontend.grpc.server import GrpcFrontend
         from splitserve.cluster.frontend.http.access_log import configure_replica_logging
+        from splitserve.cluster.frontend.model_catalog import ModelCatalog
         from splitserve.cluster.ingress.controller_client import ControllerClient
         from splitserve.cluster.startup_error import StartupError, root_cause
 
@@ -86,16 +99,29 @@ class SplitServeIngress:
         from splitserve.cluster.frontend.http import header_timeout
 
         header_timeout.install(cfg.http_request_timeout_s)
-        backend = grpc = batch = None
+        backends: list = []
+        grpc = batch = None
         try:
-            model_dir = resolve_model(cfg.model)
-            backend = ServingBackend(cfg, model_dir, controller=ControllerClient(controller_handle))
+            # One backend per model (tokenizer, router and KV index, dispatcher, metrics), all
+            # sharing the first one's admission and tenant gate; the catalog resolves `model`.
+            for name, one in cfg.model_deployments():
+                backends.append(
+                    ServingBackend(
+                        one,
+                        resolve_model(one.model),
+                        controller=ControllerClient(controller_handle, name),
+                        share_with=backends[0] if backends else None,
+                        hash_seed=hash_seed_of(cfg, name),
+                    )
+                )
+            backend, catalog = backends[0], ModelCatalog.of(*backends)
             if cfg.batch.enabled:  # opens the state store: a bad state_url fails the start, in one line
                 from splitserve.cluster.batch.batch_service import BatchService
 
                 batch = BatchService(cfg, backend.ingress_id, backend.metrics.registry, backend.model_name)
-            await backend.start()
-            grpc = GrpcFrontend(backend, share_port=True)  # every ingress replica on a node serves the port
+            await asyncio.gather(*(b.start() for b in backends))
+            # every ingress replica on a node serves the port
+            grpc = GrpcFrontend(backend, share_port=True, catalog=catalog)
             await grpc.start(cfg.grpc_host, cfg.grpc_port)
         except Exception as exc:
             with contextlib.suppress(Exception):  # free what did start; the cause is what matters
@@ -103,16 +129,16 @@ class SplitServeIngress:
                     await batch.stop()
                 if grpc is not None:
                     await grpc.stop(0)
-                if backend is not None:
-                    await backend.shutdown()
+                for b in backends:
+                    await b.shutdown()
             raise StartupError(root_cause(exc)) from None
-        self.backend, self.grpc, self.batch = backend, grpc, batch
+        self.backend, self.backends, self.catalog, self.grpc, self.batch = backend, backends, catalog, grpc, batch
 
     def __serve_build_asgi_app__(self):
         from splitserve.cluster.frontend.http.api import build_http_app
 
         # Serve echoes x-request-id itself
-        http_app = build_http_app(self.backend, echo_request_id=False, batch=self.batch)
+        http_app = build_http_app(self.backend, echo_request_id=False, batch=self.batch, catalog=self.catalog)
 
         @contextlib.asynccontextmanager
         async def lifespan(_app):
@@ -124,7 +150,8 @@ class SplitServeIngress:
                 if self.batch is not None:
                     await self.batch.stop()
                 await self.grpc.stop(5.0)
-                await self.backend.shutdown()
+                for backend in self.backends:
+                    await backend.shutdown()
 
         http_app.router.lifespan_context = lifespan
         http_app.state.backend = self.backend

@@ -10,123 +10,30 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from splitserve.cluster.default_model import DEFAULT_MODEL_NAME
+from splitserve.cluster.model_entry_config import ModelEntryConfig, check_unique_served_names, deep_merge
+from splitserve.cluster.pool_config import (  # noqa: F401 (re-exported: ServeConfig's field types)
+    AutoscalingConfig,
+    DecodeAutoscalingConfig,
+    DecodePoolConfig,
+    EnginePoolConfig,
+    PoolResources,
+    PrefillAutoscalingConfig,
+    PrefillPoolConfig,
+)
+from splitserve.cluster.pool_config import (
+    StrictConfig as _Strict,
+)
 from splitserve.cluster.routing.router_config import RouterConfig
 from splitserve.cluster.tenants.tenant_config import TenantConfig, check_unique_names
-from splitserve.engine.config import (
-    DEFAULT_NUM_KV_BLOCKS,
-    ConfigError,
-    Dtype,
-    EngineKind,
-    KvCacheDtype,
-    Quantization,
-    parse_memory_bytes,
-)
+from splitserve.engine.config import ConfigError, Dtype, EngineKind, Quantization
 from splitserve.engine.sample.grammar_config import GrammarConfig
 from splitserve.engine.simulated.step_time_profile import StepTimeProfile
 from splitserve.engine.spec.speculative_config import SpeculativeConfig
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-
-class PoolResources(_Strict):
-    """What one replica asks Ray for. Custom resources (e.g. {"prefill_gpu": 1}) pin a pool
-    to the node type that advertises them, so prefill and decode land on different GPUs."""
-
-    num_cpus: float = Field(1.0, ge=0)
-    """CPUs per replica."""
-    num_gpus: float = Field(0.0, ge=0)
-    """GPUs per replica (device "auto" runs on CUDA when > 0)."""
-    resources: dict[str, float] = Field(default_factory=dict)
-    """Custom Ray resources per replica, e.g. {"prefill_gpu": 1}."""
-
-
-class AutoscalingConfig(_Strict):
-    enabled: bool = False
-    """Scale this pool between min_replicas and max_replicas from its load."""
-    min_replicas: int = Field(1, ge=0)
-    """Autoscaling floor."""
-    max_replicas: int = Field(1, ge=1)
-    """Autoscaling ceiling."""
-    step: int = Field(1, ge=1)
-    """Replicas added or removed per decision."""
-    upscale_delay_s: float = Field(5.0, ge=0)
-    """How long the load must stay high before a scale-up."""
-    downscale_delay_s: float = Field(30.0, ge=0)
-    """How long the load must stay low before a scale-down."""
-    metrics_stale_s: float = Field(10.0, gt=0)
-    """Replica metrics older than this are not acted on."""
-    interval_s: float = Field(1.0, gt=0)
-    """Seconds between autoscaling decisions."""
-
-    @model_validator(mode="after")
-    def _check_bounds(self) -> AutoscalingConfig:
-        if self.min_replicas > self.max_replicas:
-            raise ValueError("min_replicas must be <= max_replicas")
-        return self
-
-
-class PrefillAutoscalingConfig(AutoscalingConfig):
-    target_queued_tokens_per_replica: int = Field(2048, ge=1)
-    """Queued prompt tokens per prefill replica to aim for."""
-    ttft_target_ms: float = Field(2000.0, gt=0)
-    """p90 time to first token above which prefill scales up."""
-
-
-class DecodeAutoscalingConfig(AutoscalingConfig):
-    target_kv_usage: float = Field(0.8, gt=0, le=1)
-    """KV-cache usage per decode replica to aim for."""
-    target_running_per_replica: int = Field(32, ge=1)
-    """Running sequences per decode replica to aim for."""
-    itl_target_ms: float = Field(200.0, gt=0)
-    """p90 inter-token latency above which decode scales up."""
-
-
-class EnginePoolConfig(_Strict):
-    replicas: int = Field(1, ge=0)
-    """Replicas at start (prefill 0: decode prefills locally)."""
-    resources: PoolResources = Field(default_factory=PoolResources)
-    """What one replica asks Ray for."""
-    num_kv_blocks: int = Field(DEFAULT_NUM_KV_BLOCKS, ge=2)
-    """KV-cache blocks per replica (block_size tokens each)."""
-    kv_cache_dtype: KvCacheDtype = "auto"
-    """KV-cache storage: auto = the model dtype; fp8 (e4m3) or int8 = 1 byte per value plus a float16 scale per token and head. Prefill and decode must agree."""
-    kv_cache_memory_bytes: int | str | None = None
-    """KV-cache bytes per replica, e.g. 4Gi or 500M (K/M/G = 1000^n, Ki/Mi/Gi = 1024^n); sets the block count from the bytes one block takes (scales included) and overrides num_kv_blocks; unset: num_kv_blocks."""
-    max_num_seqs: int = Field(64, ge=1)
-    """Sequences in one running batch."""
-    max_num_batched_tokens: int = Field(2048, ge=16)
-    """Token budget of one engine step (chunked prefill)."""
-    torch_threads: int | None = Field(None, ge=1)
-    """torch threads per replica; unset: its num_cpus."""
-    engine: EngineKind | None = None
-    """This pool's engine (real or simulated); unset: the top-level `engine`."""
-
-    @field_validator("kv_cache_memory_bytes")
-    @classmethod
-    def _parse_kv_cache_memory_bytes(cls, value: int | str | None) -> int | None:
-        if value is None:
-            return None
-        try:
-            return parse_memory_bytes(value)
-        except ConfigError as exc:
-            raise ValueError(str(exc)) from None
-
-
-class PrefillPoolConfig(EnginePoolConfig):
-    autoscaling: PrefillAutoscalingConfig = Field(default_factory=PrefillAutoscalingConfig)
-    """Prefill autoscaling (on queued prompt tokens and TTFT)."""
-
-
-class DecodePoolConfig(EnginePoolConfig):
-    autoscaling: DecodeAutoscalingConfig = Field(default_factory=DecodeAutoscalingConfig)
-    """Decode autoscaling (on KV usage, running sequences and ITL)."""
 
 
 class IngressAutoscalingConfig(_Strict):
@@ -233,9 +140,9 @@ class BatchConfig(_Strict):
 
 class ServeConfig(_Strict):
     model: str | None = None
-    """Checkpoint directory; unset: the `small` preset, made once."""
+    """Checkpoint directory; unset: the `small` preset, made once. Given more than once: several models (`models`), one per --model."""
     served_model_name: str | None = None
-    """Model id clients send; unset: the model exactly as given."""
+    """Model id clients send; unset: the model exactly as given. Given more than once: the served name of each --model, by position."""
     max_model_len: int | None = Field(None, ge=1)
     """Context length to serve, prompt + output; unset: the model's."""
     block_size: int = Field(16, ge=1)
@@ -324,12 +231,46 @@ class ServeConfig(_Strict):
     """How often an ingress replica renews its leases and writes its tenants' usage to the state store."""
     admin_api_key: str | None = None
     """Key of the admin endpoints (/admin/usage, /admin/reload); unset: they answer 404."""
+    models: list[ModelEntryConfig] = Field(default_factory=list)
+    """Several models in one deployment (README: Several models): each entry its own weights, served name, pools, KV sizing, quantization and speculative config; what an entry leaves unset it takes from the top-level fields. Empty: one model, the top-level fields."""
 
     @property
     def model_id(self) -> str:
         """The id clients send as `model`: served_model_name, else the model exactly as given
         (a path stays a path, as in vLLM), else the default model's name."""
         return self.served_model_name or self.model or DEFAULT_MODEL_NAME
+
+    def model_deployments(self) -> list[tuple[str, ServeConfig]]:
+        """(served name, that model's own single-model ServeConfig) for every model served: the
+        `models` entries over the top-level fields, or this config itself when it has none."""
+        if not self.models:
+            return [(self.model_id, self)]
+        base = self.model_dump(exclude={"models", "served_model_name"})
+        out = []
+        for entry in self.models:
+            name = entry.served_name(self.model_id)
+            merged = deep_merge(base, entry.overrides(), ServeConfig)
+            out.append((name, ServeConfig.model_validate({**merged, "served_model_name": name})))
+        return out
+
+    @model_validator(mode="after")
+    def _check_models(self) -> ServeConfig:
+        """Duplicate served names, and an entry whose merged settings do not hold together, are
+        startup errors naming the entry."""
+        if self.models:
+            check_unique_served_names([entry.served_name(self.model_id) for entry in self.models])
+            for index, entry in enumerate(self.models):
+                try:
+                    ServeConfig.model_validate(
+                        deep_merge(self.model_dump(exclude={"models"}), entry.overrides(), ServeConfig)
+                    )
+                except ValidationError as exc:
+                    problems = "; ".join(
+                        f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg'].removeprefix('Value error, ')}"
+                        for e in exc.errors()
+                    )
+                    raise ValueError(f"models[{index}] ({entry.served_name(self.model_id)!r}): {problems}") from None
+        return self
 
     @field_validator("state_url")
     @classmethod

@@ -15,6 +15,7 @@ class ErrorKind(enum.StrEnum):
     """What went wrong, from the client's point of view (what it should do next)."""
 
     INVALID = "invalid"  # the request itself is bad: resending it unchanged fails again
+    NOT_FOUND = "not_found"  # what it names does not exist here (an unknown model)
     OVERLOADED = "overloaded"  # admission refused it (queue or per-key cap full): retry later
     UNAVAILABLE = "unavailable"  # no replica can serve it right now (none ready, one died): retry
     DEADLINE = "deadline"  # it ran past its deadline; whatever it held on the replicas is freed
@@ -25,8 +26,16 @@ class RequestError(Exception):
     """A request-level failure. `kind` decides the status each frontend answers with;
     `retry_after_s` is the back-off a client is told for OVERLOADED / UNAVAILABLE."""
 
-    def __init__(self, kind: ErrorKind, message: str, retry_after_s: float = 1.0, param: str | None = None):
+    def __init__(
+        self,
+        kind: ErrorKind,
+        message: str,
+        retry_after_s: float = 1.0,
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
+        self.code = code  # a machine-readable reason where OpenAI has one (model_not_found)
         self.kind = ErrorKind(kind)
         self.message = message
         self.retry_after_s = retry_after_s

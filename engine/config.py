@@ -240,6 +240,9 @@ class EngineConfig:
     engine: str = "real"
     profile: str | None = None
     speed_factor: float = 1.0
+    # Seeds the block-hash chain (engine/core/block_hash.root_hash): a deployment of several
+    # models gives each its served name, so their prefix hashes never coincide; None: unseeded.
+    hash_seed: str | None = None
 
     def __post_init__(self) -> None:
         from splitserve.engine.sample.grammar_config import GrammarConfig

@@ -18,6 +18,7 @@ from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any, Protocol
 
 from splitserve.engine.config import EngineConfig, ModelConfig
+from splitserve.engine.core.block_hash import root_hash
 from splitserve.engine.core.kv_cache_manager import KVCacheManager
 from splitserve.engine.core.scheduler import ScheduledBatch, Scheduler
 from splitserve.engine.core.sequence import Sequence
@@ -122,7 +123,14 @@ class PagedEngine(KVHandoff, EngineProtocol):
             self.config.num_kv_blocks * self.config.block_size,
         )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        seq = Sequence(rid, prompt_token_ids, params, self.config.block_size, prefill_only=prefill_only)
+        seq = Sequence(
+            rid,
+            prompt_token_ids,
+            params,
+            self.config.block_size,
+            prefill_only=prefill_only,
+            root_hash=root_hash(self.config.hash_seed),
+        )
         if params.structured_output is not None:
             # Compiles on a cache miss: callers on an event loop run this in a worker thread.
             seq.grammar = self.grammar.new_matcher(params.structured_output)

@@ -21,6 +21,7 @@ import yaml
 from splitserve.cluster.cli.front_door import FrontDoor
 from splitserve.cluster.cli.preflight import PreflightError, check_imports, check_model, check_ports, check_tenants
 from splitserve.cluster.cli.serve_flags import SERVE_USAGE, ServeFlagsError, add_serve_flags, config_from_args
+from splitserve.cluster.config import ServeConfig
 
 PROG = "splitserve serve"
 APP_NAME = "splitserve"
@@ -74,17 +75,29 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         try:
             check_tenants(cfg)
-            model_dir = check_model(cfg)
+            model_dirs = {name: check_model(one) for name, one in cfg.model_deployments()}
             check_imports()
             if not args.address:
                 check_ports(cfg)
         except PreflightError as exc:
             return fail(str(exc), 2)
         # The replicas load the resolved directory; clients keep sending the id as the user gave it.
-        cfg = cfg.model_copy(update={"served_model_name": cfg.model_id, "model": os.path.abspath(model_dir)})
+        cfg = _with_resolved_models(cfg, model_dirs)
         return _serve(cfg, args, front_door.controller_options(front_door_env))
     finally:
         front_door.cleanup()
+
+
+def _with_resolved_models(cfg: ServeConfig, model_dirs: dict[str, str]) -> ServeConfig:
+    """cfg with every model's checkpoint as the absolute directory found, its served name kept."""
+    if not cfg.models:
+        (model_dir,) = model_dirs.values()
+        return cfg.model_copy(update={"served_model_name": cfg.model_id, "model": os.path.abspath(model_dir)})
+    entries = [
+        entry.model_copy(update={"served_model_name": name, "model": os.path.abspath(model_dirs[name])})
+        for entry, name in zip(cfg.models, model_dirs)
+    ]
+    return cfg.model_copy(update={"models": entries})
 
 
 def _ray_environment(front_door: FrontDoor, cfg) -> dict[str, str]:
@@ -123,7 +136,8 @@ def _serve(cfg, args: argparse.Namespace, controller_options: dict | None) -> in
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"splitserve: model {cfg.model_id} ({cfg.model})", flush=True)
+    for name, one in cfg.model_deployments():
+        print(f"splitserve: model {name} ({one.model})", flush=True)
     print(f"splitserve: OpenAI HTTP on http://{cfg.http_host}:{cfg.http_port}/v1", flush=True)
     print(f"splitserve: gRPC on {cfg.grpc_host}:{cfg.grpc_port}", flush=True)
     print("splitserve: ready (Ctrl-C to stop)", flush=True)
@@ -226,7 +240,7 @@ def _shutdown(ray, serve) -> None:
     and could not), then leave Ray: a local cluster ends with it. serve.shutdown() is not
     used: it kills Serve's controller while its graceful_shutdown task runs, and the raylet
     then logs that task as failed."""
-    from splitserve.cluster.control.worker_pool import app_namespace, reap_namespace
+    from splitserve.cluster.control.worker_pool import app_namespaces, reap_namespace
 
     try:
         if ray.is_initialized() and APP_NAME in serve.status().applications:
@@ -236,7 +250,8 @@ def _shutdown(ray, serve) -> None:
     finally:
         try:
             if ray.is_initialized():  # after the delete: no controller left to restart them
-                reaped = reap_namespace(app_namespace(APP_NAME))
+                # the app's namespace, and each model's where it serves several
+                reaped = [name for ns in app_namespaces(APP_NAME) for name in reap_namespace(ns)]
                 if reaped:
                     print(f"splitserve: removed {len(reaped)} pool actor(s) left running", flush=True)
         except Exception as exc:

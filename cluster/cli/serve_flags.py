@@ -5,6 +5,8 @@ Every ServeConfig leaf field is a flag named after its path in kebab case (`--ht
 the field's docstring as its help, so a new field needs no edit here. On top of those:
 
 - `MODEL`, positional as in `vllm serve MODEL` (the same as --model);
+- `--model` and `--served-model-name` given more than once: several models (`models`), paired
+  by position;
 - the short forms users know (SHORT_FORMS): `--host`/`--port` (vLLM's names for the HTTP
   address), `--prefill-replicas`, `--router`, `--decode-max-replicas` (which also turns
   autoscaling on), `--max-num-seqs` and `--kv-cache-dtype` (both pools), `--ingress-replicas`,
@@ -129,7 +131,46 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
             metavar=None if _choices(info.annotation) else flag.rsplit("-", 1)[-1].upper(),
             help=f"= {targets}{implied}",
         )
+    for flag in REPEATABLE:  # given more than once: several models (see _models_from_repeats)
+        parser._option_string_actions[flag].__class__ = _RepeatedStore
     parser.set_defaults(serve_flags=source)
+
+
+# `--model A --model B [--served-model-name a --served-model-name b]`: one `models` entry per
+# --model, paired with the --served-model-name at the same position.
+REPEATABLE = ("--model", "--served-model-name")
+
+
+class _RepeatedStore(argparse._StoreAction):
+    """Stores the value, or the list of values when the flag is given again."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        previous = getattr(namespace, self.dest, None)
+        if previous is None or previous is argparse.SUPPRESS:
+            setattr(namespace, self.dest, values)
+        else:
+            setattr(namespace, self.dest, [*(previous if isinstance(previous, list) else [previous]), values])
+
+
+def _models_from_repeats(own: dict[str, Any], model_tag: str | None) -> list[dict[str, Any]] | None:
+    """The `models` list that repeated --model / --served-model-name spell (taken out of own),
+    or None when each was given at most once."""
+    models = own.get("model")
+    names = own.get("served_model_name")
+    models = [] if models is None else models if isinstance(models, list) else [models]
+    names = [] if names is None else names if isinstance(names, list) else [names]
+    if len(models) <= 1 and len(names) <= 1:
+        return None
+    if model_tag is not None:
+        raise ServeFlagsError("MODEL and repeated --model: give every model as --model")
+    if len(names) > len(models):
+        raise ServeFlagsError(
+            f"--served-model-name is given {len(names)} times for {len(models)} models: "
+            "pair each --served-model-name with a --model (by position)"
+        )
+    own.pop("model", None)
+    own.pop("served_model_name", None)
+    return [{"model": m, **({"served_model_name": names[i]} if i < len(names) else {})} for i, m in enumerate(models)]
 
 
 def _choices(annotation) -> tuple[str, ...] | None:
@@ -160,7 +201,12 @@ def _given_values(args: argparse.Namespace) -> dict[str, Any]:
     values = vars(args)
     source: CliSettingsSource = values["serve_flags"]
     own = {k: v for k, v in values.items() if k.split(".")[0] in ServeConfig.model_fields}
+    models = _models_from_repeats(own, values.get("model_tag"))
     given = _flatten(source(parsed_args=own)())  # only what was given: the defaults are left unset
+    if models is not None:
+        if "models" in given:
+            raise ServeFlagsError("give the models either as repeated --model flags or as --models, not both")
+        given["models"] = models
     claimed: dict[str, str] = {path: flag_for(path) for path in given}
 
     def put(path: str, value: Any, flag: str) -> None:
@@ -178,7 +224,7 @@ def _given_values(args: argparse.Namespace) -> dict[str, Any]:
             put(path, _parse_json_if_mapping(fields[path].annotation, text, flag), flag)
         for path, value in short.implies.items():
             put(path, value, flag)
-    if values.get("model_tag") is not None:
+    if values.get("model_tag") is not None and models is None:
         put("model", values["model_tag"], "MODEL")
     return given
 

@@ -67,16 +67,26 @@ class Controller:
         app_name: str,
         autoscale: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        namespace: str | None = None,
+        aggregator: MetricsAggregator | None = None,
+        hash_seed: str | None = None,
     ):
+        """namespace: where this model's pool actors live (default: the app's); aggregator:
+        one shared by the controllers of a deployment's models (ModelControllers), which then
+        keeps each ingress's samples per model; hash_seed: the engines' block-hash seed (the
+        model's name where the deployment serves several; its ingresses route with the same)."""
         self.cfg = cfg
         self.clock = clock
-        self.roster = PoolRoster(cfg, model_dir, app_namespace(app_name))
+        self.model_name = cfg.model_id
+        self.roster = PoolRoster(cfg, model_dir, namespace or app_namespace(app_name), hash_seed)
         c = cfg.controller
         self.backoff = {
             p: RestartBackoff(c.restart_backoff_s, c.restart_backoff_max_s, c.healthy_after_s) for p in POOLS
         }
         self.ingresses = IngressRegistry(c.ingress_timeout_s)
-        self.aggregator = MetricsAggregator()
+        self.aggregator = aggregator or MetricsAggregator()
+        # A shared aggregator hears every model's copy of an ingress's samples: keep them apart.
+        self._shared_metrics = aggregator is not None
         self.ttft_window, self.itl_window = LatencyWindow(), LatencyWindow()
         self.events: BoundedLog[PoolEvent] = BoundedLog(EVENT_LOG_SIZE)
         self.autoscaler = None
@@ -172,8 +182,12 @@ class Controller:
         """The merged /metrics text; families: the calling ingress's current samples."""
         self.roster.refresh_gauges()
         if ingress_id is not None and families:
-            self.aggregator.update(ingress_id, decode_families(families))
+            self.aggregator.update(self.metrics_source(ingress_id), decode_families(families))
         return self.aggregator.render(self.metrics.registry)
+
+    def metrics_source(self, ingress_id: str) -> str:
+        """The aggregator's key of an ingress's samples of this model."""
+        return f"{ingress_id}/{self.model_name}" if self._shared_metrics else ingress_id
 
     def recent_latency_ms(self, pool: str, since: float | None = None) -> float | None:
         """p90 over the ingresses' recent samples: TTFT for prefill, ITL for decode."""
@@ -184,7 +198,7 @@ class Controller:
             for age_s, seconds in samples:
                 window.observe(seconds, now - age_s)
         if report.metrics is not None:
-            self.aggregator.update(ingress_id, report.metrics)
+            self.aggregator.update(self.metrics_source(ingress_id), report.metrics)
 
     # ---- scaling (the autoscaler and the driver API call these) ---------------------------
     async def add_replicas(self, pool: str, num: int = 1, count: bool = True) -> list[Replica]:
@@ -276,7 +290,7 @@ class Controller:
             self._observe(replica, result, now)
         for ingress_id in self.ingresses.expire(now):
             logger.info("ingress %s went silent; retiring its metrics", ingress_id)
-            self.aggregator.retire(ingress_id)
+            self.aggregator.retire(self.metrics_source(ingress_id))
         for pool in POOLS:
             self._replace_missing(pool, now)
         self.roster.refresh_gauges()

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.control.controller import Controller
+from splitserve.cluster.control.in_process_controller_client import InProcessControllerClient
 from splitserve.cluster.control.worker_pool import Replica, WorkerPool
 from splitserve.cluster.ingress.controller_client import METRICS_TIMEOUT_S, ControllerClient
 from splitserve.cluster.ingress.dispatcher import Dispatcher
@@ -35,24 +36,25 @@ class DisaggCluster:
         model_dir: str,
         poll_interval_s: float = 0.1,
         on_poll=None,
-        controller: ControllerClient | None = None,
+        controller: ControllerClient | InProcessControllerClient | None = None,
         make_report: Callable[[dict[str, int]], bytes] | None = None,
         ingress_id: str | None = None,
         autoscale: bool = False,
         membership_wait_s: float = 0.25,
         on_drop: Callable[[str, str], None] | None = None,
+        hash_seed: str | None = None,
     ):
         """controller: the controller deployment's client (an ingress replica); None: run a
         Controller here (autoscale: with its autoscaler). make_report(inflight) -> the
         IngressReport bytes sent with each membership call (default: in-flight counts only).
         on_poll(pool, replica id, PollReply) / on_drop(pool, replica id): this ingress polled a
-        replica / stopped routing to one."""
+        replica / stopped routing to one. hash_seed: the model's block-hash seed (its engines')."""
         self.cfg = cfg
         self.model_dir = model_dir
         # Names this ingress to the controller and prefixes its request ids (unique per ingress).
         ingress_id = ingress_id or uuid.uuid4().hex[:8]
         self.dispatcher = Dispatcher(
-            Router(cfg.router, block_size=cfg.block_size),
+            Router(cfg.router, block_size=cfg.block_size, hash_seed=hash_seed),
             ingress_id=ingress_id,
             max_retries=cfg.max_retries,
             lease_s=cfg.kv_transfer_lease_s,
@@ -67,7 +69,9 @@ class DisaggCluster:
         if controller is None:
             # The actors' namespace carries a per-cluster id, so two can share a Ray cluster.
             self.cluster_id = uuid.uuid4().hex[:8]
-            self.controller = Controller(cfg, model_dir, f"driver-{self.cluster_id}", autoscale=autoscale)
+            self.controller = Controller(
+                cfg, model_dir, f"driver-{self.cluster_id}", autoscale=autoscale, hash_seed=hash_seed
+            )
         self._make_report = make_report or (lambda inflight: IngressReport(inflight=inflight).to_bytes())
         fetch = self.controller.membership if self.controller is not None else controller.membership
         self.follower = MembershipFollower(
@@ -147,7 +151,10 @@ class DisaggCluster:
     async def restart_router(self) -> Router:
         """Replace the router with a fresh one (same config) indexed from every live replica's
         snapshot, as after a router crash; requests keep flowing during the swap."""
-        return await self.dispatcher.rebuild_router(lambda: Router(self.cfg.router, block_size=self.cfg.block_size))
+        seed = self.router.hash_seed
+        return await self.dispatcher.rebuild_router(
+            lambda: Router(self.cfg.router, block_size=self.cfg.block_size, hash_seed=seed)
+        )
 
     async def add_replicas(self, pool: str, num: int = 1) -> list[Replica]:
         """Start replicas, wait until they load, index their snapshot, then route to them."""

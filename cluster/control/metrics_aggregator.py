@@ -12,7 +12,7 @@ rendered alongside.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
@@ -61,10 +61,14 @@ class MetricsAggregator:
                     target[key] = target.get(key, 0.0) + value
 
     def render(
-        self, own: CollectorRegistry | None = None, extra: Iterable[tuple[str, list[MetricFamily]]] = ()
+        self,
+        own: CollectorRegistry | Sequence[CollectorRegistry] | None = None,
+        extra: Iterable[tuple[str, list[MetricFamily]]] = (),
     ) -> bytes:
-        """The merged text exposition. own: the controller's registry; extra: (ingress id,
-        families) fresher than what that ingress last shipped (the one being scraped)."""
+        """The merged text exposition. own: the controller's registry (one per model where a
+        deployment serves several); extra: (ingress id, families) fresher than what that
+        ingress last shipped (the one being scraped)."""
+        owns = [] if own is None else [own] if isinstance(own, CollectorRegistry) else list(own)
         live = dict(self._live)
         for ingress_id, families in extra:
             live[ingress_id] = families
@@ -81,7 +85,7 @@ class MetricsAggregator:
         for retired in self._retired.values():
             for name, samples in retired.items():
                 add(name, samples)
-        for families in [*live.values(), *([families_of(own)] if own is not None else [])]:
+        for families in [*live.values(), *(families_of(registry) for registry in owns)]:
             for family in families:
                 meta.setdefault(family.name, (family.type, family.documentation))
                 add(family.name, _sum_into({}, family.samples))

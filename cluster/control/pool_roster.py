@@ -22,9 +22,9 @@ logger = logging.getLogger(__name__)
 
 
 class PoolRoster:
-    def __init__(self, cfg: ServeConfig, model_dir: str, namespace: str):
+    def __init__(self, cfg: ServeConfig, model_dir: str, namespace: str, hash_seed: str | None = None):
         self.namespace = namespace
-        self.pools: dict[str, WorkerPool] = pools_for(cfg, model_dir, namespace)
+        self.pools: dict[str, WorkerPool] = pools_for(cfg, model_dir, namespace, hash_seed)
         pool_cfgs = {PREFILL: cfg.prefill, DECODE: cfg.decode}
         self.targets = {p: initial_replicas(c.replicas, c.autoscaling) for p, c in pool_cfgs.items()}
         self.floors = {p: replica_floor(c.replicas, c.autoscaling) for p, c in pool_cfgs.items()}

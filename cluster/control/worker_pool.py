@@ -12,6 +12,7 @@ exactly what Ray's autoscaler (ray up / KubeRay) scales on.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import re
@@ -31,6 +32,21 @@ logger = logging.getLogger(__name__)
 def app_namespace(app_name: str) -> str:
     """The Ray namespace holding an app's pool actors."""
     return f"splitserve-{app_name}"
+
+
+def model_namespace(app_name: str, model_name: str) -> str:
+    """The Ray namespace of one model's pool actors in a deployment of several models:
+    `<app namespace>--<served name reduced to safe characters>-<hash of the exact name>`."""
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", model_name).strip("_")[-48:] or "model"
+    digest = hashlib.sha1(model_name.encode()).hexdigest()[:8]
+    return f"{app_namespace(app_name)}--{slug}-{digest}"
+
+
+def app_namespaces(app_name: str) -> list[str]:
+    """Every namespace holding live named actors of the app: its own and each model's."""
+    own = app_namespace(app_name)
+    found = {a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)}
+    return sorted(ns for ns in found if ns == own or ns.startswith(own + "--"))
 
 
 def named_actors(namespace: str) -> list[str]:
@@ -201,7 +217,7 @@ class WorkerPool:
             self.remove(replica_id)
 
 
-def engine_config_for(cfg: ServeConfig, pool: EnginePoolConfig, model_dir: str) -> dict:
+def engine_config_for(cfg: ServeConfig, pool: EnginePoolConfig, model_dir: str, hash_seed: str | None = None) -> dict:
     device = cfg.device
     if device == "auto":
         device = "cuda" if pool.resources.num_gpus > 0 else "cpu"
@@ -224,11 +240,13 @@ def engine_config_for(cfg: ServeConfig, pool: EnginePoolConfig, model_dir: str) 
         "engine": pool.engine or cfg.engine,
         "profile": cfg.engine_profile,
         "speed_factor": cfg.speed_factor,
+        "hash_seed": hash_seed,
     }
 
 
-def pools_for(cfg: ServeConfig, model_dir: str, namespace: str) -> dict[str, WorkerPool]:
-    """The prefill and decode pools a ServeConfig describes, in the app's namespace."""
+def pools_for(cfg: ServeConfig, model_dir: str, namespace: str, hash_seed: str | None = None) -> dict[str, WorkerPool]:
+    """The prefill and decode pools a ServeConfig describes, in the app's namespace; hash_seed:
+    their engines' block-hash seed (the model's name where the deployment serves several)."""
     from splitserve.decode.decode_worker import DecodeWorker
     from splitserve.prefill.prefill_worker import PrefillWorker
 
@@ -237,7 +255,7 @@ def pools_for(cfg: ServeConfig, model_dir: str, namespace: str) -> dict[str, Wor
         pools[name] = WorkerPool(
             name,
             worker_cls,
-            engine_config_for(cfg, pool_cfg, model_dir),
+            engine_config_for(cfg, pool_cfg, model_dir, hash_seed),
             pool_cfg.resources,
             namespace,
             transport_host=cfg.transport_host,

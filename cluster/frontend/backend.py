@@ -6,19 +6,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
-from collections import defaultdict
 from collections.abc import AsyncIterator
 
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.control.disagg_cluster import DisaggCluster
+from splitserve.cluster.control.in_process_controller_client import InProcessControllerClient
+from splitserve.cluster.frontend.admission import Admission
+from splitserve.cluster.frontend.ingress_identity import check_unicode, default_ingress_id
 from splitserve.cluster.frontend.metrics import GrammarCheckCollector, Metrics, RouterViewCollector
+from splitserve.cluster.frontend.pool_health import pool_health
 from splitserve.cluster.frontend.token_meter import TokenMeter
 from splitserve.cluster.ingress.controller_client import ControllerClient
 from splitserve.cluster.ingress.ingress_reporter import IngressReporter
 from splitserve.cluster.request_error import ErrorKind, RequestError, invalid
 from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.cluster.state.database import open_state_engine, state_database_url
+from splitserve.cluster.tenants.metered_generation import metered
 from splitserve.cluster.tenants.tenant_gate import TenantGate, TicketPart
 from splitserve.cluster.tenants.tenant_metrics import TenantMetrics
 from splitserve.engine.config import ModelConfig
@@ -43,11 +46,16 @@ class ServingBackend:
         cfg: ServeConfig,
         model_dir: str,
         cluster: DisaggCluster | None = None,
-        controller: ControllerClient | None = None,
+        controller: ControllerClient | InProcessControllerClient | None = None,
         ingress_id: str | None = None,
+        share_with: ServingBackend | None = None,
+        hash_seed: str | None = None,
     ):
         """controller: the controller deployment's client (an ingress replica); None: run
-        the controller in-process (tests, tools). cluster: a ready-made DisaggCluster."""
+        the controller in-process (tests, tools). cluster: a ready-made DisaggCluster.
+        share_with: the backend of another model of this ingress replica, whose admission and
+        tenant gate this one shares (one replica-wide queue and one set of tenant leases).
+        hash_seed: the model's block-hash seed, as its engines have it (ModelControllers)."""
         self.cfg = cfg
         # Names this ingress replica: the prefix of its request ids, and the response header
         # / gRPC metadata that says which replica carried a request.
@@ -85,23 +93,25 @@ class ServingBackend:
             make_report=self.reporter.report,
             autoscale=controller is None,
             ingress_id=self.ingress_id,
+            hash_seed=hash_seed,
         )
         host_blocks = self._indexed_host_blocks if cfg.kv_offloading_size > 0 else None
         self.metrics.registry.register(
             RouterViewCollector(self.model_name, self.ingress_id, self._indexed_blocks, host_blocks)
         )
         self.metrics.registry.register(GrammarCheckCollector(self.model_name, self.ingress_id, self.grammar.stats))
-        self.num_inflight = 0  # interactive requests: what max_queued_requests bounds
-        self.num_sheddable_inflight = 0  # batch requests, outside that bound
-        self._inflight_by_key: dict[str, int] = defaultdict(int)
+        self.num_inflight = 0  # this model's interactive requests (admission counts every model's)
+        self.num_sheddable_inflight = 0  # this model's batch requests
+        self.admission = share_with.admission if share_with is not None else Admission(cfg)
         # Tenants (keys with limits, budgets, metering): enforced here, leased from the state store.
-        self.tenants: TenantGate | None = None
-        if cfg.tenants or cfg.tenants_file:
+        self._owns_tenants = share_with is None
+        self.tenants: TenantGate | None = share_with.tenants if share_with is not None else None
+        if self._owns_tenants and (cfg.tenants or cfg.tenants_file):
             engine = open_state_engine(state_database_url(cfg.state_dir, cfg.state_url))
             self.tenants = TenantGate(cfg, engine, self.ingress_id, TenantMetrics(self.metrics.registry))
 
     async def start(self) -> None:
-        if self.tenants is not None:
+        if self.tenants is not None and self._owns_tenants:
             self.tenants.start()
         await asyncio.gather(self.cluster.start(), asyncio.to_thread(self.grammar.warm))
 
@@ -114,7 +124,7 @@ class ServingBackend:
         return {pool: router.index(pool).num_indexed_host_hashes for pool in (PREFILL, DECODE)}
 
     async def shutdown(self) -> None:
-        if self.tenants is not None:
+        if self.tenants is not None and self._owns_tenants:
             await self.tenants.close()
         self.grammar.close()
         await self.cluster.shutdown()
@@ -123,12 +133,12 @@ class ServingBackend:
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str) or not text:
             raise invalid("the prompt is empty")
-        _check_unicode(text)
+        check_unicode(text)
         return self.tokenizer.encode(text)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """/tokenize: like encode, but an empty text is fine."""
-        _check_unicode(text)
+        check_unicode(text)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def render_chat(
@@ -145,7 +155,7 @@ class ServingBackend:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
         except (ValueError, TypeError, KeyError) as exc:
             raise invalid(f"could not apply the chat template: {exc}") from None
-        _check_unicode(text)
+        check_unicode(text)
         # The template writes the special tokens itself; encoding must not add them again.
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
@@ -158,41 +168,8 @@ class ServingBackend:
             raise invalid(str(exc)) from None
 
     def health(self) -> dict:
-        """Each pool's live (routable) and expected replica counts and its floor (`min`: its
-        configured replicas, or min_replicas when it autoscales). Not ok while a pool is below
-        its floor or no decode replica serves; `degraded` and `reason` then name the pools.
-        `serving`: requests can be served at all (a decode replica is live; without prefill
-        replicas decode prefills itself) -- what a probe deciding on restarts should read."""
-        cluster = self.cluster
-        pools = {}
-        for pool in (PREFILL, DECODE):
-            live, floor = cluster.live_replicas(pool), cluster.min_replicas[pool]
-            expected = max(cluster.expected_replicas.get(pool, 0), floor)
-            pools[pool] = {
-                "ok": live >= floor,
-                "live": live,
-                "expected": expected,
-                "min": floor,
-                "kv_cache": self.kv_caches[pool],
-            }
-        degraded = [pool for pool, state in pools.items() if not state["ok"]]
-        if not pools[DECODE]["live"] and DECODE not in degraded:
-            degraded.append(DECODE)
-        state = {
-            "ok": not degraded,
-            "serving": pools[DECODE]["live"] > 0,
-            "prefill_replicas": pools[PREFILL]["live"],
-            "decode_replicas": pools[DECODE]["live"],
-            "pools": pools,
-        }
-        if degraded:
-            state["degraded"] = degraded
-            state["reason"] = "; ".join(
-                f"the {pool} pool has {pools[pool]['live']} live replica(s) of {pools[pool]['expected']} expected "
-                f"(min {pools[pool]['min']})"
-                for pool in degraded
-            )
-        return state
+        """This model's pools: see cluster/frontend/pool_health.py."""
+        return pool_health(self.cluster, self.kv_caches)
 
     # ---- generation ----------------------------------------------------------------------
     def generate(
@@ -208,7 +185,7 @@ class ServingBackend:
         """_generate's chunks; tenant_part (one generation of a tenant's admitted request)
         hears what the generation used when it ends, however it ends."""
         chunks = self._generate(prompt_token_ids, params, label, api_key, timeout_s, sheddable)
-        return chunks if tenant_part is None else _metered(chunks, tenant_part)
+        return chunks if tenant_part is None else metered(chunks, tenant_part)
 
     async def _generate(
         self,
@@ -233,16 +210,12 @@ class ServingBackend:
         if params.structured_output is not None:
             self.metrics.structured_requests.labels(params.structured_output.kind).inc()
             await self.check_grammar(params.structured_output, deadline)
-        # Per-key fairness is for clients told apart by their API keys; without configured
-        # keys every client is "keyless" and only the global queue bounds them.
-        key = (api_key or "") if self.cfg.api_key and self.tenants is None and not sheddable else None
         busy = self._admit_sheddable() if sheddable else ()
-        if not sheddable and self.num_inflight >= self.cfg.max_queued_requests:
-            self.metrics.requests.labels(ErrorKind.OVERLOADED.value).inc()
-            raise RequestError(ErrorKind.OVERLOADED, "the server is at capacity; retry later")
-        if key is not None and self._inflight_by_key[key] >= self.cfg.max_requests_per_key:
-            self.metrics.requests.labels(ErrorKind.OVERLOADED.value).inc()
-            raise RequestError(ErrorKind.OVERLOADED, "too many concurrent requests for this API key")
+        try:
+            key = self.admission.admit(api_key, sheddable)
+        except RequestError as exc:
+            self.metrics.requests.labels(exc.kind.value).inc()
+            raise
         # Batch work is not counted against the interactive limits (nor drives autoscaling,
         # unless priority.autoscale_on_batch).
         counted = not sheddable
@@ -251,8 +224,6 @@ class ServingBackend:
             self.num_inflight += 1
         else:
             self.num_sheddable_inflight += 1
-        if key is not None:
-            self._inflight_by_key[key] += 1
         self.metrics.frontend_inflight.set(self.num_inflight)
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
         start = last = time.perf_counter()
@@ -298,10 +269,7 @@ class ServingBackend:
                 self.num_inflight -= 1
             else:
                 self.num_sheddable_inflight -= 1
-            if key is not None:
-                self._inflight_by_key[key] -= 1
-                if not self._inflight_by_key[key]:
-                    del self._inflight_by_key[key]
+            self.admission.release(key, sheddable)
             self.metrics.frontend_inflight.set(self.num_inflight)
             self.metrics.requests.labels(status).inc()
             if status == CANCELLED and not finished:
@@ -370,42 +338,3 @@ class ServingBackend:
         except Exception as exc:
             logger.warning("merged metrics unavailable (%r); serving this ingress's own", exc)
             return self.metrics.render()
-
-
-async def _metered(chunks: AsyncIterator[StreamChunk], part: TicketPart) -> AsyncIterator[StreamChunk]:
-    """chunks, telling part the cached and generated tokens at the end (an error: failed)."""
-    part.started()
-    cached = completion = received = 0
-    failed = False
-    try:
-        async for chunk in chunks:
-            cached = max(cached, chunk.num_cached_tokens)
-            # As the response's usage counts them (cluster/frontend/openai/choice.py).
-            received += len(chunk.token_ids)
-            completion = max(completion, chunk.num_output_tokens, received)
-            yield chunk
-    except RequestError:
-        failed = True
-        raise
-    finally:
-        await chunks.aclose()
-        part.finished(cached, completion, failed)
-
-
-def default_ingress_id() -> str:
-    """The Serve replica's unique id inside a Serve replica; else a fresh local one."""
-    try:
-        from ray import serve
-
-        return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # not in a Serve replica (tests, the driver API)
-        return f"local{uuid.uuid4().hex[:8]}"
-
-
-def _check_unicode(text: str) -> None:
-    """JSON may escape lone surrogates ("\\ud800"), which are no text: refuse them here, where
-    the tokenizer would otherwise fail with a TypeError (a 500)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise invalid(f"the prompt is not valid Unicode: {exc.reason} at position {exc.start}") from None

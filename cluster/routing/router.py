@@ -42,7 +42,7 @@ from splitserve.cluster.routing.index import KVIndex
 from splitserve.cluster.routing.load import LoadReport, PendingClaim, ReplicaLoad
 from splitserve.cluster.routing.router_config import RouterConfig
 from splitserve.cluster.routing.worker_selector import PoolView, WorkerSelector, make_selector
-from splitserve.engine.core.block_hash import hash_blocks
+from splitserve.engine.core.block_hash import hash_blocks, root_hash
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -107,8 +107,10 @@ class Router:
         kv_usage_weight: float = DEFAULT_KV_USAGE_WEIGHT,
         allow_local_prefill_fallback: bool = True,
         selector: WorkerSelector | None = None,
+        hash_seed: str | None = None,
     ):
-        """allow_local_prefill_fallback: with no prefill replica available (e.g. the pool
+        """hash_seed: the block-hash seed of the engines routed to (their model's, where a
+        deployment serves several: engine/core/block_hash.root_hash). allow_local_prefill_fallback: with no prefill replica available (e.g. the pool
         scaled to zero), let the decode replica prefill instead of raising NoReplicaError.
         selector: the scoring policy; None: config.policy's."""
         if block_size < 1:
@@ -117,6 +119,8 @@ class Router:
             raise ValueError("kv_usage_weight must be >= 0")
         self.config = config if config is not None else RouterConfig()
         self.block_size = block_size
+        self.hash_seed = hash_seed
+        self._root_hash = root_hash(hash_seed)
         self.kv_usage_weight = kv_usage_weight
         self.allow_local_prefill_fallback = allow_local_prefill_fallback
         self._rng = random.Random(seed)
@@ -264,7 +268,7 @@ class Router:
             if num_prompt_tokens is not None and num_prompt_tokens != len(token_ids):
                 raise ValueError("num_prompt_tokens disagrees with len(prompt_token_ids)")
             num_prompt_tokens = len(token_ids)
-            hashes = tuple(hash_blocks(token_ids, self.block_size))
+            hashes = tuple(hash_blocks(token_ids, self.block_size, self._root_hash))
         else:
             if num_prompt_tokens is None:
                 raise ValueError("num_prompt_tokens is required with block_hashes")

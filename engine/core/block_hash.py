@@ -1,7 +1,9 @@
 """Chained block hashes over token ids: the one hash every process agrees on.
 
 Algorithm (version 1, fixed; change HASH_VERSION if it ever changes):
-  root        = blake2b(b"splitserve-block-hash-v1", digest_size=8, person=b"splitserve")
+  root        = blake2b(b"splitserve-block-hash-v1", digest_size=8, person=b"splitserve"), or
+                with a seed (the model, where a deployment serves several: equal token ids of
+                two models never hash equal) blake2b(b"splitserve-block-hash-v1\0" || seed)
   block_hash  = blake2b(parent_hash (8 bytes, little-endian)
                         || token ids as little-endian uint32,
                         digest_size=8, person=b"splitserve")
@@ -25,6 +27,11 @@ def _digest(data: bytes) -> int:
 
 
 ROOT_HASH = _digest(b"splitserve-block-hash-v1")
+
+
+def root_hash(seed: str | None = None) -> int:
+    """The chain's root: ROOT_HASH, or one of its own for a seed (a model's served name)."""
+    return ROOT_HASH if not seed else _digest(b"splitserve-block-hash-v1\0" + seed.encode())
 
 
 def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
@@ -54,9 +61,10 @@ def hash_blocks(
     return hashes
 
 
-def extend_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Append hashes for blocks of token_ids that became full since `hashes` was computed."""
-    parent = hashes[-1] if hashes else ROOT_HASH
+def extend_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int, root: int = ROOT_HASH) -> list[int]:
+    """Append hashes for blocks of token_ids that became full since `hashes` was computed
+    (root: the chain's root, root_hash(seed))."""
+    parent = hashes[-1] if hashes else root
     new = hash_blocks(token_ids, block_size, parent, start_block=len(hashes))
     hashes.extend(new)
     return new

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from splitserve.engine.core.block_hash import extend_hashes
+from splitserve.engine.core.block_hash import ROOT_HASH, extend_hashes
 from splitserve.engine.io.sampling_params import SamplingParams
 
 
@@ -25,6 +25,7 @@ class Sequence:
         block_size: int,
         arrival_time: float | None = None,
         prefill_only: bool = False,
+        root_hash: int = ROOT_HASH,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -39,6 +40,7 @@ class Sequence:
         self.num_registered_blocks = 0  # leading full blocks already entered into the prefix cache
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of every full block of token_ids
+        self.root_hash = root_hash  # the chain's root: the engine's model seed (block_hash.root_hash)
         self.output_logprobs: list[float] = []
         # Per output token, when params.top_logprobs: the most likely (token id, logprob) pairs.
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
@@ -94,7 +96,7 @@ class Sequence:
 
     def update_block_hashes(self) -> list[int]:
         """Hash any blocks that became full; returns the new hashes."""
-        return extend_hashes(self.block_hashes, self.token_ids, self.block_size)
+        return extend_hashes(self.block_hashes, self.token_ids, self.block_size, self.root_hash)
 
     def append_token(
         self, token_id: int, logprob: float | None = None, top_logprobs: list[tuple[int, float]] | None = None

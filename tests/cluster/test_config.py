@@ -145,3 +145,36 @@ def test_quantization_is_one_setting_from_cli_yaml_and_generate_to_both_pools():
     assert tuple(generate["quantization"].choices) == QUANTIZATIONS and generate["quantization"].default == "none"
     serve_args = build_parser().parse_args(["serve", "--quantization", "int4"])
     assert config_from_args(serve_args, environ={}).quantization == "int4"
+
+
+def test_model_entries_inherit_the_top_level_and_survive_a_dump():
+    cfg = ServeConfig.model_validate(
+        {
+            "quantization": "int8",
+            "decode": {"replicas": 2, "num_kv_blocks": 128},
+            "models": [
+                {"model": "/m/small", "decode": {"num_kv_blocks": 32}},
+                {"model": "/m/large", "served_model_name": "large", "quantization": "none"},
+            ],
+        }
+    )
+    for config in (cfg, ServeConfig.model_validate(cfg.model_dump())):  # build_app's args round trip
+        (small_name, small), (large_name, large) = config.model_deployments()
+        assert (small_name, small.model_id, large_name, large.model_id) == ("/m/small", "/m/small", "large", "large")
+        assert (small.decode.replicas, small.decode.num_kv_blocks, small.quantization) == (2, 32, "int8")
+        assert (large.decode.replicas, large.decode.num_kv_blocks, large.quantization) == (2, 128, "none")
+        assert not small.models and not large.models
+    one = ServeConfig.model_validate({"model": "/m/a"})
+    assert one.model_deployments() == [("/m/a", one)]  # no list: the top level is the one model
+
+
+def test_a_model_entry_that_does_not_hold_together_names_itself():
+    with pytest.raises(ValueError, match=r"models\[1\] \('b'\).*kv_cache_dtype"):
+        ServeConfig.model_validate(
+            {
+                "models": [
+                    {"model": "/m/a"},
+                    {"model": "/m/b", "served_model_name": "b", "decode": {"kv_cache_dtype": "fp8"}},
+                ]
+            }
+        )

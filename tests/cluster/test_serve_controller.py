@@ -17,9 +17,10 @@ import pytest
 import ray
 
 from splitserve.cluster.app import CONTROLLER_DEPLOYMENT_NAME, build_app
-from splitserve.cluster.control.worker_pool import app_namespace, named_actors
+from splitserve.cluster.control.worker_pool import app_namespace, app_namespaces, model_namespace, named_actors
 from splitserve.proto.messages.membership import MembershipView
 from tests.helpers.cluster import wait_until
+from tests.helpers.model import make_checkpoint
 from tests.helpers.serve_process import ServeProcess, shutdown_serve
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
@@ -118,6 +119,41 @@ def test_deleting_a_serve_app_kills_its_pools(server, tiny_model):
     assert set(named_actors(app_namespace("second"))) == {"decode-0"}
     serve.delete("second")
     assert named_actors(app_namespace("second")) == []  # nothing reaped them but the controller
+    assert set(named_actors(NAMESPACE)) == {"prefill-0", "decode-0"}  # the other app's are untouched
+
+
+def test_an_app_of_two_models_serves_both_by_name_and_deleting_it_kills_both_pools(server, tiny_model, models_root):
+    """`models:` through the real Serve app: one controller deployment with a Controller per
+    model (each model's pool in its own namespace), ingress replicas with a backend per model."""
+    from ray import serve
+
+    beta_dir = str(make_checkpoint(models_root, "draft", "qwen2"))
+    args = {
+        "prefill": {"replicas": 0},
+        "decode": {"num_kv_blocks": 64},
+        "grpc_port": 0,
+        "max_model_len": 256,
+        "models": [
+            {"model": tiny_model, "served_model_name": "alpha"},
+            {"model": beta_dir, "served_model_name": "beta"},
+        ],
+    }
+    serve.run(build_app(args, fail_fast=True), name="two", route_prefix="/two")
+    namespaces = [model_namespace("two", "alpha"), model_namespace("two", "beta")]
+    assert app_namespaces("two") == sorted(namespaces)
+    assert all(named_actors(ns) == ["decode-0"] for ns in namespaces)
+    with httpx.Client(base_url=server.base_url + "/two", timeout=120) as http:
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["alpha", "beta"]
+        for name in ("alpha", "beta"):
+            assert complete(http, name, 0)["model"] == name
+        missing = http.post("/v1/completions", json={"model": "gamma", "prompt": "x", "max_tokens": 2})
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+        health = http.get("/health").json()
+        assert health["ok"] and set(health["models"]) == {"alpha", "beta"}
+        metrics = http.get("/metrics").text  # one merged view: both models' pool series
+        assert 'model_name="alpha"' in metrics and 'model_name="beta"' in metrics
+    serve.delete("two")
+    assert app_namespaces("two") == []  # each model's controller killed its own pool
     assert set(named_actors(NAMESPACE)) == {"prefill-0", "decode-0"}  # the other app's are untouched
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from splitserve.engine.core.block_hash import ROOT_HASH, extend_hashes, hash_block, hash_blocks
+from splitserve.engine.core.block_hash import ROOT_HASH, extend_hashes, hash_block, hash_blocks, root_hash
 from splitserve.engine.core.block_pool import BlockPool, NoFreeBlocksError
 from splitserve.engine.core.kv_cache_manager import KVCacheManager
 from splitserve.engine.core.sequence import Sequence
@@ -112,3 +112,12 @@ def test_kv_manager_refuses_without_side_effects():
     s = Sequence("a", list(range(12)), SamplingParams(), 4)
     assert not kv.allocate_prompt(s, [], 12)
     assert s.block_table == [] and kv.num_free_blocks == 2
+
+
+def test_a_hash_seed_gives_a_chain_of_its_own_and_sequences_follow_it():
+    tokens = list(range(32))
+    assert root_hash(None) == root_hash("") == ROOT_HASH  # one model: the unseeded chain, as before
+    alpha, beta = (hash_blocks(tokens, 16, root_hash(m)) for m in ("alpha", "beta"))
+    assert set(alpha).isdisjoint(beta) and set(alpha).isdisjoint(hash_blocks(tokens, 16))
+    seq = Sequence("r", tokens, SamplingParams(max_tokens=1), 16, root_hash=root_hash("alpha"))
+    assert seq.update_block_hashes() == alpha

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2
 
+from splitserve.cluster.frontend.model_catalog import ModelCatalog
 from splitserve.cluster.frontend.serving_api import GenerationAPI
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,9 @@ class BackendHealthServicer(grpc_health.aio.HealthServicer):
     the backend; a polling task keeps Watch streams current; enter_graceful_shutdown() pins
     everything to NOT_SERVING."""
 
-    def __init__(self, backend: GenerationAPI, service_names: Iterable[str], poll_interval_s: float = 2.0):
+    def __init__(
+        self, backend: GenerationAPI | ModelCatalog, service_names: Iterable[str], poll_interval_s: float = 2.0
+    ):
         super().__init__()
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s!r}")

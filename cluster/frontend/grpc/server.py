@@ -29,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 from splitserve.cluster.frontend.grpc.health import BackendHealthServicer
 from splitserve.cluster.frontend.grpc.messages import generate_response, oneof_conflict, sampling_params_from
 from splitserve.cluster.frontend.http.errors import retry_after
+from splitserve.cluster.frontend.model_catalog import ModelCatalog
 from splitserve.cluster.frontend.priority_class import resolve_priority
 from splitserve.cluster.frontend.serving_api import GenerationAPI
 from splitserve.cluster.request_error import ErrorKind, RequestError
@@ -44,6 +45,7 @@ OWNED_BY = "splitserve"
 # The one table from a RequestError's kind to a gRPC status code.
 STATUS_CODE_BY_KIND: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     ErrorKind.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     ErrorKind.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -155,10 +157,19 @@ def _address(host: str, port: int) -> str:
 
 
 class GrpcFrontend:
-    def __init__(self, backend: GenerationAPI, health_poll_interval_s: float = 2.0, share_port: bool = False):
+    def __init__(
+        self,
+        backend: GenerationAPI,
+        health_poll_interval_s: float = 2.0,
+        share_port: bool = False,
+        catalog: ModelCatalog | None = None,
+    ):
         """share_port: SO_REUSEPORT, so every ingress replica on a node serves the one port
-        (the kernel spreads connections); otherwise a busy port fails start()."""
+        (the kernel spreads connections); otherwise a busy port fails start(). catalog: every
+        model name served, each request's `model` resolved there (default: just `backend`);
+        backend is the default model (a request with no model) and holds the settings."""
         self.backend = backend
+        self.catalog = catalog or ModelCatalog.of(backend)  # type: ignore[arg-type]
         self.ingress_id: str = getattr(backend, "ingress_id", "") or ""
         self._share_port = share_port
         self._api_key: str | None = backend.cfg.api_key or None
@@ -181,7 +192,7 @@ class GrpcFrontend:
             ]
         )
         server.add_generic_rpc_handlers((self._service_handler(),))
-        health = BackendHealthServicer(self.backend, [SERVICE_NAME], self._health_poll_interval_s)
+        health = BackendHealthServicer(self.catalog, [SERVICE_NAME], self._health_poll_interval_s)
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         reflection.enable_server_reflection([SERVICE_NAME, grpc_health.SERVICE_NAME, reflection.SERVICE_NAME], server)
         try:
@@ -237,7 +248,7 @@ class GrpcFrontend:
     @_rpc
     async def generate(self, request, context: grpc.aio.ServicerContext) -> None:
         api_key = self._authorize(context)
-        self._check_model(request.model)
+        api = self._resolve(request.model)
         try:  # before tokenizing: a bad parameter costs nothing
             params = sampling_params_from(request)
             explicit = request.priority if request.HasField("priority") else None
@@ -247,20 +258,20 @@ class GrpcFrontend:
             raise _Rejection(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         # The same constraint check HTTP runs (bounds, isolated compile), before tokenizing.
         if params.structured_output is not None:
-            await self.backend.check_constraint(params.structured_output, request.WhichOneof("structured_output"))
-        prompt_token_ids = await self._prompt_token_ids(request)
+            await api.check_constraint(params.structured_output, request.WhichOneof("structured_output"))
+        prompt_token_ids = await self._prompt_token_ids(api, request)
         # The client's gRPC deadline becomes the request's (capped by request_timeout_s). Its
         # request_id is a label: echoed back and logged, never a key (the server's id is).
         label = request.request_id or None
         ticket, metadata = None, [(INGRESS_KEY, self.ingress_id)]
         if self._tenants is not None:  # admitted against the tenant's limits, settled at the end
-            model = request.model or self.backend.model_name
+            model = request.model or api.model_name
             ticket = await self._tenants.admit(api_key, model, len(prompt_token_ids), params.max_tokens or 0)
             if explicit is None and ticket.priority:  # the tenant's default priority
                 rank = resolve_priority(self.backend.cfg.priority, request.priority_class, ticket.priority)
                 params = dataclasses.replace(params, priority=rank.priority)
             metadata += list(ticket.headers.items())
-        chunks = self.backend.generate(
+        chunks = api.generate(
             prompt_token_ids,
             params,
             label=label,
@@ -283,17 +294,20 @@ class GrpcFrontend:
     @_rpc
     async def tokenize(self, request, context: grpc.aio.ServicerContext) -> pb2.TokenizeResponse:
         self._authorize(context)
-        self._check_model(request.model)
+        api = self._resolve(request.model)
         if not request.text:
             raise _Rejection(grpc.StatusCode.INVALID_ARGUMENT, "text is empty")
-        token_ids = await asyncio.to_thread(self.backend.encode, request.text)
-        return pb2.TokenizeResponse(token_ids=token_ids, count=len(token_ids), max_model_len=self.backend.max_model_len)
+        token_ids = await asyncio.to_thread(api.encode, request.text)
+        return pb2.TokenizeResponse(token_ids=token_ids, count=len(token_ids), max_model_len=api.max_model_len)
 
     @_rpc
     async def models(self, request, context: grpc.aio.ServicerContext) -> pb2.ModelsResponse:
         self._authorize(context)
-        card = pb2.ModelCard(id=self.backend.model_name, max_model_len=self.backend.max_model_len, owned_by=OWNED_BY)
-        return pb2.ModelsResponse(models=[card])
+        cards = [
+            pb2.ModelCard(id=name, max_model_len=api.max_model_len, owned_by=OWNED_BY)
+            for name, api in self.catalog.items()
+        ]
+        return pb2.ModelsResponse(models=cards)
 
     # ---- request checks ------------------------------------------------------------------
     def _authorize(self, context: grpc.aio.ServicerContext) -> str | None:
@@ -313,19 +327,16 @@ class GrpcFrontend:
             raise _Rejection(grpc.StatusCode.UNAUTHENTICATED, "invalid API key")
         return token
 
-    def _check_model(self, model: str) -> None:
-        if model and model != self.backend.model_name:
-            raise _Rejection(
-                grpc.StatusCode.NOT_FOUND,
-                f"model {model!r} is not served here; this server serves {self.backend.model_name!r}",
-            )
+    def _resolve(self, model: str):
+        """The API serving `model` (empty: the default model); NOT_FOUND for an unknown one."""
+        return self.catalog.resolve(model) if model else self.backend
 
-    async def _prompt_token_ids(self, request) -> list[int]:
+    async def _prompt_token_ids(self, api, request) -> list[int]:
         kind = request.WhichOneof("prompt")
         if kind == "text":
             if not request.text:
                 raise _Rejection(grpc.StatusCode.INVALID_ARGUMENT, "prompt text is empty")
-            return await asyncio.to_thread(self.backend.encode, request.text)  # off the event loop
+            return await asyncio.to_thread(api.encode, request.text)  # off the event loop
         if kind == "token_ids":
             if not request.token_ids.ids:
                 raise _Rejection(grpc.StatusCode.INVALID_ARGUMENT, "prompt token_ids is empty")

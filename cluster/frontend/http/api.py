@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP frontend: build_http_app(backend) -> FastAPI.
+"""The OpenAI-compatible HTTP frontend: build_http_app(backend, catalog=...) -> FastAPI.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE with `stream: true`;
 several prompts and n > 1 fan out into one generation per choice), the Batch API (/v1/files,
@@ -7,7 +7,8 @@ POST /tokenize, POST /detokenize, GET /version (vLLM's shapes), GET /health, GET
 GET /metrics, and FastAPI's /openapi.json; HEAD works wherever GET does. A generation request
 may carry `x-request-timeout: SECONDS` (capped by request_timeout_s; past it: 504). Every error is
 OpenAI's {"error": {"message", "type", "param", "code"}}; no traceback ever reaches a client.
-`backend` is a ServingAPI (cluster/frontend/serving_api.py): ServingBackend, or a test double.
+`backend` is a ServingAPI (cluster/frontend/serving_api.py): ServingBackend, or a test double;
+each request's `model` is resolved in a ModelCatalog (an unknown one: 404 model_not_found).
 """
 
 from __future__ import annotations
@@ -20,26 +21,24 @@ import uuid
 
 import anyio
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPBearer
-from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from splitserve.cluster.frontend.http.access_log import AccessLog, client_request_id
 from splitserve.cluster.frontend.http.admin_routes import add_admin_routes
+from splitserve.cluster.frontend.http.error_handlers import install_error_handlers
 from splitserve.cluster.frontend.http.errors import (
     HTTP_STATUS_BY_KIND,
     OpenAIHTTPError,
-    error_response,
-    retry_after,
 )
 from splitserve.cluster.frontend.http.fanout import close_all, first_chunks, merged
 from splitserve.cluster.frontend.http.guard import RequestGuard, bearer_token
 from splitserve.cluster.frontend.http.head import HeadAsGet
+from splitserve.cluster.frontend.http.model_routes import add_model_routes
 from splitserve.cluster.frontend.http.openapi_bounds import state_bounds_in_openapi
-from splitserve.cluster.frontend.http.sse import ClientDisconnected, SSEResponse, run_until_disconnected
+from splitserve.cluster.frontend.http.sse import SSEResponse, run_until_disconnected
 from splitserve.cluster.frontend.http.tokenize_routes import add_tokenize_routes, splitserve_version
+from splitserve.cluster.frontend.model_catalog import ModelCatalog
 from splitserve.cluster.frontend.openai.completion_renderer import CompletionRenderer
 from splitserve.cluster.frontend.openai.protocol import (
     ChatCompletionRequest,
@@ -57,16 +56,13 @@ from splitserve.cluster.frontend.openai.responses import (
     ChatCompletionResponse,
     CompletionResponse,
     ErrorResponse,
-    ModelCard,
-    ModelList,
     error_body,
 )
 from splitserve.cluster.frontend.openai.structured_output import constraint_field
 from splitserve.cluster.frontend.priority_class import PRIORITY_CLASS_HEADER, resolve_priority
 from splitserve.cluster.frontend.serving_api import ServingAPI
 from splitserve.cluster.request_error import RequestError
-from splitserve.cluster.tenants.tenant_refusal import TenantRefusal
-from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
+from splitserve.engine.io.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -75,87 +71,18 @@ TIMEOUT_HEADER = "x-request-timeout"
 GENERATION_RESPONSES = {200: {"content": {"text/event-stream": {}}}, **_ERRORS}
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """One readable message (and the offending parameter) from FastAPI's validation errors."""
-    errors = exc.errors()
-    first = errors[0] if errors else {}
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    if first.get("type") == "json_invalid":
-        detail = (first.get("ctx") or {}).get("error", "malformed JSON")
-        return f"the request body is not valid JSON: {detail}", None
-    if not loc:
-        return "the request body must be a JSON object (Content-Type: application/json)", None
-    # A value matching no branch of a union fails every branch; errors other than "wrong
-    # type" (too long, out of range...) come from the branch the client meant, so show those.
-    specific = [e for e in errors if not str(e.get("type", "")).endswith("_type")]
-    details = []
-    for err in (specific or errors)[:3]:
-        where = ".".join(str(p) for p in err.get("loc", ()) if not _is_union_branch(p))
-        details.append(f"{where}: {err.get('msg')}")
-    return "invalid request: " + "; ".join(dict.fromkeys(details)), loc[0]
-
-
-def _is_union_branch(part) -> bool:
-    """pydantic names union branches in error locations ("list[constrained-int]", "str")."""
-    return part == "body" or (
-        isinstance(part, str)
-        and ("[" in part or "-" in part or part in ("str", "int", "float", "bool", "list", "dict"))
-    )
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
-        return error_response(400, message, "invalid_request_error", param)
-
-    @app.exception_handler(InvalidRequestError)
-    async def on_invalid_request(_: Request, exc: InvalidRequestError) -> JSONResponse:
-        return error_response(400, str(exc), "invalid_request_error", getattr(exc, "param", None))
-
-    @app.exception_handler(RequestError)
-    async def on_request_error(_: Request, exc: RequestError) -> JSONResponse:
-        status, error_type = HTTP_STATUS_BY_KIND[exc.kind]
-        return error_response(status, exc.message, error_type, exc.param, retry_after_s=exc.retry_after_s)
-
-    @app.exception_handler(TenantRefusal)
-    async def on_tenant_refusal(_: Request, exc: TenantRefusal) -> JSONResponse:
-        extra = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
-        return error_response(
-            exc.status,
-            exc.message,
-            exc.error_type,
-            "model" if exc.status == 404 else None,
-            exc.code,
-            headers={**exc.headers, **extra},
-            retry_after_s=exc.retry_after_s or 1.0,
-        )
-
-    @app.exception_handler(OpenAIHTTPError)
-    async def on_openai_error(_: Request, exc: OpenAIHTTPError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.error_type, exc.param, exc.code)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return error_response(exc.status_code, str(exc.detail), error_type, headers=exc.headers)
-
-    @app.exception_handler(ClientDisconnected)
-    async def on_client_gone(_: Request, __: ClientDisconnected) -> Response:
-        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
-
-    # Starlette re-raises after this response is sent, so the server logs the traceback.
-    @app.exception_handler(Exception)
-    async def on_unexpected(_: Request, __: Exception) -> JSONResponse:
-        return error_response(500, "internal server error", "server_error")
-
-
-def build_http_app(backend: ServingAPI, echo_request_id: bool = True, batch=None) -> FastAPI:
+def build_http_app(
+    backend: ServingAPI, echo_request_id: bool = True, batch=None, catalog: ModelCatalog | None = None
+) -> FastAPI:
     """The OpenAI-compatible FastAPI app in front of `backend` (see the module docstring).
+    catalog: every model name served, each request's `model` resolved there (default: just
+    `backend`, under its model_name); backend is then the default model, whose cfg (the
+    deployment's settings), tenant gate and ingress id the app uses.
     echo_request_id: answer a client's x-request-id with the same header (Ray Serve does it
     itself, so the Serve app passes False). batch: a cluster.batch.batch_service.BatchService
     that adds the Batch API (/v1/files, /v1/batches); its caller starts its runner."""
     cfg = backend.cfg
+    catalog = catalog or ModelCatalog.of(backend)
     tenants = getattr(backend, "tenants", None)
     app = FastAPI(
         title="splitserve",
@@ -175,61 +102,11 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True, batch=None
     app.add_middleware(HeadAsGet)
     # Outermost: logs the guard's refusals (and HEADs as HEAD) too; names the ingress replica.
     app.add_middleware(AccessLog, ingress_id=getattr(backend, "ingress_id", None), echo_request_id=echo_request_id)
-    _install_error_handlers(app)
-    created = int(time.time())
+    install_error_handlers(app)
     # Documents the bearer scheme in /openapi.json; RequestGuard enforces it before parsing.
     auth = [Depends(HTTPBearer(auto_error=False))] if cfg.api_key or tenants is not None else []
-
-    def check_model(model: str) -> None:
-        if model != backend.model_name:
-            raise OpenAIHTTPError(
-                404,
-                f"the model {model!r} does not exist; this server serves {backend.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
-
-    def model_card() -> ModelCard:
-        return ModelCard(id=backend.model_name, created=created, max_model_len=backend.max_model_len)
-
-    def health_state() -> dict:
-        try:
-            return dict(backend.health())
-        except Exception:
-            logger.exception("health check failed")
-            return {"ok": False, "serving": False, "error": "health check failed"}
-
-    def health_response(state: dict, ok: bool) -> JSONResponse:
-        if ok:
-            return JSONResponse(state)
-        return JSONResponse(state, status_code=503, headers={"Retry-After": retry_after(1.0)})
-
-    @app.get("/health", responses={503: {"description": "a pool is below its floor, or no decode replica is live"}})
-    async def health() -> JSONResponse:
-        """Every pool at or above its floor; the body gives each pool's live/expected/min."""
-        state = health_state()
-        return health_response(state, bool(state.get("ok")))
-
-    @app.get("/ready", responses={503: {"description": "no decode replica is live: nothing can be served"}})
-    async def ready() -> JSONResponse:
-        """Requests can be served at all, degraded or not (the readiness probe's endpoint)."""
-        state = health_state()
-        return health_response(state, bool(state.get("serving", state.get("ok"))))
-
-    @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
-    async def metrics() -> Response:
-        return Response(await backend.render_metrics(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models", response_model=ModelList, dependencies=auth, responses=_ERRORS)
-    async def list_models() -> ModelList:
-        return ModelList(data=[model_card()])
-
-    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, dependencies=auth, responses=_ERRORS)
-    async def get_model(model_id: str) -> ModelCard:
-        check_model(model_id)
-        return model_card()
-
-    add_tokenize_routes(app, backend, auth, check_model, _ERRORS)
+    add_model_routes(app, catalog, auth, _ERRORS)
+    add_tokenize_routes(app, catalog, auth, _ERRORS)
     if batch is not None:
         batch.install(app, auth, _ERRORS)
     if tenants is not None:
@@ -237,24 +114,20 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True, batch=None
 
     @app.post("/v1/completions", response_model=CompletionResponse, dependencies=auth, responses=GENERATION_RESPONSES)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        check_model(body.model)
+        api = catalog.resolve(body.model)
         body.check_supported()  # before any prompt is tokenized
         # Off the event loop: it also serves every other stream of this replica.
-        prompts = [
-            await asyncio.to_thread(backend.encode, p) if isinstance(p, str) else list(p) for p in body.prompts()
-        ]
-        params = build_sampling_params(body, max(map(len, prompts)), backend.max_model_len)
-        await check_constraint(body, params)
+        prompts = [await asyncio.to_thread(api.encode, p) if isinstance(p, str) else list(p) for p in body.prompts()]
+        params = build_sampling_params(body, max(map(len, prompts)), api.max_model_len)
+        await check_constraint(api, body, params)
         for prompt in prompts:  # every prompt is checked before anything is decoded or started
-            backend.validate(prompt, params)
-        echoes = (
-            [p if isinstance(p, str) else backend.tokenizer.decode(p) for p in body.prompts()] if body.echo else None
-        )
+            api.validate(prompt, params)
+        echoes = [p if isinstance(p, str) else api.tokenizer.decode(p) for p in body.prompts()] if body.echo else None
         renderer = CompletionRenderer(
             f"cmpl-{uuid.uuid4().hex}",
-            body.model,
+            api.model_name,  # the name that answers
             int(time.time()),
-            backend.tokenizer,
+            api.tokenizer,
             params.logprobs,
             body.include_usage,
             prompt_lengths=[len(p) for p in prompts],
@@ -265,24 +138,24 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True, batch=None
             echo_only=body.echo_only,
             prompt_logprobs_ids=prompts if body.prompt_logprobs is not None else None,
         )
-        return await generate(request, body.model, prompts, params, body.n, renderer, body.stream, body.priority)
+        return await generate(request, api, body.model, prompts, params, body.n, renderer, body.stream, body.priority)
 
     @app.post(
         "/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=auth, responses=GENERATION_RESPONSES
     )
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-        check_model(body.model)
+        api = catalog.resolve(body.model)
         body.check_supported()
-        prompt_ids = await asyncio.to_thread(backend.render_chat, body.template_messages(), tools=body.template_tools())
-        params = build_sampling_params(body, len(prompt_ids), backend.max_model_len)
+        prompt_ids = await asyncio.to_thread(api.render_chat, body.template_messages(), tools=body.template_tools())
+        params = build_sampling_params(body, len(prompt_ids), api.max_model_len)
         plan = body.tool_call_plan()
-        await check_constraint(body, params, plan)
-        backend.validate(prompt_ids, params)
+        await check_constraint(api, body, params, plan)
+        api.validate(prompt_ids, params)
         renderer = ChatRenderer(
             f"chatcmpl-{uuid.uuid4().hex}",
-            body.model,
+            api.model_name,  # the name that answers
             int(time.time()),
-            backend.tokenizer,
+            api.tokenizer,
             params.logprobs,
             body.include_usage,
             prompt_lengths=[len(prompt_ids)],
@@ -290,9 +163,11 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True, batch=None
             prompt_logprobs_ids=[prompt_ids] if body.prompt_logprobs is not None else None,
             tool_plan=plan,
         )
-        return await generate(request, body.model, [prompt_ids], params, body.n, renderer, body.stream, body.priority)
+        return await generate(
+            request, api, body.model, [prompt_ids], params, body.n, renderer, body.stream, body.priority
+        )
 
-    async def check_constraint(body, params: SamplingParams, plan=None) -> None:
+    async def check_constraint(api: ServingAPI, body, params: SamplingParams, plan=None) -> None:
         """The backend's one constraint check (shared with gRPC), naming the request's field."""
         if params.structured_output is None:
             return
@@ -304,10 +179,11 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True, batch=None
                 if tool.function.parameters is not None
             }
         field = constraint_field(body, None if plan is None else plan.grammar) or "structured_outputs"
-        await backend.check_constraint(params.structured_output, field, parts)
+        await api.check_constraint(params.structured_output, field, parts)
 
     async def generate(
         request: Request,
+        api: ServingAPI,
         model: str,
         prompts: list[list[int]],
         params: SamplingParams,
@@ -335,7 +211,7 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True, batch=None
         params = dataclasses.replace(params, priority=rank.priority)
         choices = [(prompt, choice_params(params, i)) for prompt in prompts for i in range(n)]
         sources = [
-            backend.generate(
+            api.generate(
                 prompt,
                 choice,
                 label=label,
@@ -382,8 +258,12 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True, batch=None
                 if ticket is not None:
                     ticket.close()
 
-    # The served model, the vocabulary's bound and the other rules validation enforces.
-    state_bounds_in_openapi(app, backend.model_name, getattr(backend, "vocab_size", None))
+    # The served models (every catalog name), the vocabulary's bound and the other rules validation enforces.
+    def smallest_vocab() -> int | None:  # a token id valid for every model
+        sizes = [v for _, api in catalog.items() if (v := getattr(api, "vocab_size", None)) is not None]
+        return min(sizes) if sizes else None
+
+    state_bounds_in_openapi(app, catalog.served, smallest_vocab)
     return app
 
 

@@ -12,6 +12,7 @@ from splitserve.cluster.request_error import ErrorKind
 # The one table from a RequestError's kind to HTTP: (status, OpenAI error type).
 HTTP_STATUS_BY_KIND: dict[ErrorKind, tuple[int, str]] = {
     ErrorKind.INVALID: (400, "invalid_request_error"),
+    ErrorKind.NOT_FOUND: (404, "invalid_request_error"),
     ErrorKind.OVERLOADED: (429, "rate_limit_error"),
     ErrorKind.UNAVAILABLE: (503, "server_error"),
     ErrorKind.DEADLINE: (504, "timeout_error"),

@@ -1,7 +1,7 @@
 """/openapi.json states what validation enforces, so clients generated from it and fuzzers in
-positive mode (schemathesis) send nothing the server then refuses: the served model as the
-only `model`, token ids and top_k bounded by the served vocabulary, non-empty constraint
-strings and lists, best_of 1, and the relations JSON Schema can express (top_logprobs needs
+positive mode (schemathesis) send nothing the server then refuses: the served models (every
+name in the ModelCatalog) as the only `model` values, token ids and top_k bounded by the
+served vocabulary, non-empty constraint strings and lists, best_of 1, and the relations JSON Schema can express (top_logprobs needs
 logprobs, tool_choice needs tools, prompt_logprobs not with stream).
 
 Where the documented schema is narrower than what is accepted (a schema given as a JSON string,
@@ -13,6 +13,7 @@ not stated: JSON Schema cannot compare fields, and schemathesis cannot generate 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
@@ -34,24 +35,28 @@ NON_EMPTY_STRING = {"type": "string", "minLength": 1}
 CHOICES = {"type": "array", "items": NON_EMPTY_STRING, "minItems": 1, "maxItems": MAX_CHOICES}
 
 
-def state_bounds_in_openapi(app: FastAPI, model_name: str, vocab_size: int | None) -> None:
+def state_bounds_in_openapi(
+    app: FastAPI, model_names: Callable[[], list[str]], vocab_size: Callable[[], int | None]
+) -> None:
+    """model_names, vocab_size: read when /openapi.json is first built (names registered after
+    the app was made are listed too)."""
     base_openapi = app.openapi
 
     def openapi() -> dict:
         if app.openapi_schema is None:
-            bound_schema(base_openapi(), model_name, vocab_size)
+            bound_schema(base_openapi(), model_names(), vocab_size())
         return app.openapi_schema
 
     app.openapi = openapi
 
 
-def bound_schema(schema: dict, model_name: str, vocab_size: int | None) -> None:
+def bound_schema(schema: dict, model_names: list[str], vocab_size: int | None) -> None:
     components = schema["components"]["schemas"]
     _walk(components, vocab_size)
     for name in MODEL_FIELDS:
         if name in components:
             components[name]["properties"]["model"] = _nullable_like(
-                components[name]["properties"]["model"], {"type": "string", "enum": [model_name]}
+                components[name]["properties"]["model"], {"type": "string", "enum": list(model_names)}
             )
     for name in GENERATION:
         props = components[name]["properties"]

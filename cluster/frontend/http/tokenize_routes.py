@@ -7,12 +7,12 @@ guards /tokenize and /detokenize like /v1/ (RequestGuard); /version is public.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
 
 from fastapi import FastAPI
 
+from splitserve.cluster.frontend.model_catalog import ModelCatalog
 from splitserve.cluster.frontend.openai.tokenize_protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -32,13 +32,15 @@ def splitserve_version() -> str:
         return "0.0.0+unknown"
 
 
-def add_tokenize_routes(
-    app: FastAPI, backend: ServingAPI, auth: list, check_model: Callable[[str], None], errors: dict
-) -> None:
+def add_tokenize_routes(app: FastAPI, catalog: ModelCatalog, auth: list, errors: dict) -> None:
+    """/tokenize and /detokenize with the tokenizer of the request's `model` (none: the default)."""
+
+    def resolve(model: str | None) -> ServingAPI:
+        return catalog.default if model is None else catalog.resolve(model)
+
     @app.post("/tokenize", response_model=TokenizeResponse, dependencies=auth, responses=errors)
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
-        if body.model is not None:
-            check_model(body.model)
+        backend = resolve(body.model)
         if isinstance(body, TokenizeChatRequest):
             messages = [m.to_template_dict() for m in body.messages]
             ids = backend.render_chat(
@@ -51,8 +53,7 @@ def add_tokenize_routes(
 
     @app.post("/detokenize", response_model=DetokenizeResponse, dependencies=auth, responses=errors)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        if body.model is not None:
-            check_model(body.model)
+        backend = resolve(body.model)
         vocab_size = backend.tokenizer.vocab_size
         for token in body.tokens:
             if token >= vocab_size:

@@ -58,6 +58,36 @@ def test_serve_gpu_yaml_is_a_gpu_serve_config():
         assert pool_cfg.autoscaling.min_replicas < pool_cfg.autoscaling.max_replicas
 
 
+def test_two_models_land_on_their_own_gpu_node_types():
+    """serve-gpu-two-models.yaml on aws-gpu.yaml: every pool of each model asks for a custom
+    resource exactly one node type advertises, that node type fits a replica and can hold the
+    pool's ceiling, no node type hosts two models, and every node downloads both models."""
+    raw = deploy.load_yaml(deploy.DEPLOY_DIR / "serve-gpu-two-models.yaml")
+    deployments = ServeConfig.model_validate(raw).model_deployments()
+    assert [name for name, _ in deployments] == ["small", "large"]
+    config = _prepared_ray_config("aws-gpu.yaml")
+    node_types = config["available_node_types"]
+    owner: dict[str, str] = {}
+    for name, cfg in deployments:
+        assert cfg.device == "cuda" and not cfg.models
+        for pool in POOLS:
+            pool_cfg = getattr(cfg, pool)
+            if not (pool_cfg.replicas or pool_cfg.autoscaling.enabled):
+                continue  # this model has no such pool (decode prefills locally)
+            hosts = [t for t, spec in node_types.items() if set(pool_cfg.resources.resources) & set(spec["resources"])]
+            assert len(hosts) == 1, (name, pool, hosts)
+            spec = node_types[hosts[0]]
+            assert _replicas_per_node(spec["resources"], pool_cfg) >= 1
+            assert (
+                spec["max_workers"] * _replicas_per_node(spec["resources"], pool_cfg)
+                >= pool_cfg.autoscaling.max_replicas
+            )
+            assert owner.setdefault(hosts[0], name) == name, f"{hosts[0]} hosts two models"
+        for commands in (config["head_setup_commands"], config["worker_setup_commands"]):
+            assert f"local_dir='{cfg.model}'" in "\n".join(commands)
+    assert len(set(owner.values())) == 2
+
+
 def _replicas_per_node(node_resources: dict[str, float], pool_cfg) -> int:
     request = {"CPU": pool_cfg.resources.num_cpus, "GPU": pool_cfg.resources.num_gpus, **pool_cfg.resources.resources}
     return min(int(node_resources.get(k, 0) // v) for k, v in request.items() if v > 0)

@@ -116,6 +116,29 @@ def test_serve_config_v2_args_are_the_serve_values(name):
     }
 
 
+def test_a_models_list_renders_into_the_apps_args_with_per_model_resources():
+    models = [
+        {
+            "model": "/models/small",
+            "served_model_name": "small",
+            "decode": {"resources": {"resources": {"small_gpu": 1}}},
+        },
+        {"model": "/models/large", "served_model_name": "large", "quantization": "fp8"},
+    ]
+    manifests = deploy.render_chart({"serve": {"models": models}})
+    ray_service = next(o for o in deploy.rendered_objects(manifests) if o["kind"] == "RayService")
+    (app,) = yaml.safe_load(ray_service["spec"]["serveConfigV2"])["applications"]
+    cfg = ServeConfig.model_validate(app["args"])
+    deployments = dict(cfg.model_deployments())
+    assert list(deployments) == ["small", "large"]
+    assert deployments["small"].decode.resources.resources == {"small_gpu": 1}
+    assert deployments["large"].quantization == "fp8"
+    assert (
+        deployments["large"].decode.resources
+        == ServeConfig.model_validate(deploy.merged_values()["serve"]).decode.resources
+    )
+
+
 @pytest.mark.parametrize("name", VALUE_SETS)
 def test_serve_config_v2_imports_the_app(name):
     from splitserve.cluster import app as app_module

@@ -26,6 +26,7 @@ BAD_VALUES = {
     "zero haproxy threads": {"frontDoor": {"haproxyThreads": 0}},
     "unknown speculative method": {"serve": {"speculative": {"method": "medusa"}}},
     "zero speculative tokens": {"serve": {"speculative": {"num_speculative_tokens": 0}}},
+    "unknown model entry field": {"serve": {"models": [{"model": "/m/a", "num_gpus": 1}]}},
 }
 
 

@@ -1,0 +1,68 @@
+"""ModelCatalog (names -> ServingAPI, 404 model_not_found) and the replica-wide Admission
+that every model's backend shares, on plain objects (the cluster test is
+tests/cluster/test_several_models.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.cluster.config import ServeConfig
+from splitserve.cluster.frontend.admission import Admission
+from splitserve.cluster.frontend.model_catalog import MODEL_NOT_FOUND, ModelCatalog
+from splitserve.cluster.request_error import ErrorKind, RequestError
+
+
+class _Model:
+    """Just what the catalog reads of a ServingAPI."""
+
+    def __init__(self, name: str, ok: bool = True):
+        self.model_name, self.max_model_len, self._ok = name, 128, ok
+
+    def health(self) -> dict:
+        pools = {"decode": {"ok": self._ok, "live": int(self._ok)}}
+        state = {"ok": self._ok, "serving": self._ok, "pools": pools}
+        return state if self._ok else {**state, "reason": "the decode pool has 0 live replica(s)"}
+
+
+def test_resolve_register_and_served_in_order():
+    small, large = _Model("small"), _Model("large")
+    catalog = ModelCatalog.of(small, large)
+    alias = _Model("large")  # e.g. an alias object of the other helper's router
+    catalog.register("auto", alias)
+    assert catalog.served() == ["small", "large", "auto"]
+    assert catalog.resolve("large") is large and catalog.resolve("auto") is alias and catalog.default is small
+    with pytest.raises(RequestError) as refused:
+        catalog.resolve("gamma")
+    error = refused.value
+    assert (error.kind, error.code, error.param) == (ErrorKind.NOT_FOUND, MODEL_NOT_FOUND, "model")
+    assert "'gamma'" in error.message and "'small', 'large', 'auto'" in error.message
+    for name in ("small", "auto", ""):
+        with pytest.raises(ValueError):
+            catalog.register(name, small)
+
+
+def test_health_is_the_model_s_own_for_one_and_per_model_for_several():
+    one = ModelCatalog.of(_Model("small"))
+    assert one.health() == _Model("small").health()  # a deployment of one model: as before
+    two = ModelCatalog.of(_Model("small"), _Model("large", ok=False))
+    state = two.health()
+    assert not state["ok"] and state["serving"]  # one model down: degraded, still serving
+    assert state["degraded"] == ["large"] and state["reason"].startswith("large: ")
+    assert set(state["models"]) == {"small", "large"}
+    assert set(state["pools"]) == {"small/decode", "large/decode"}
+
+
+def test_admission_is_one_queue_for_every_model():
+    admission = Admission(ServeConfig(max_queued_requests=2, api_key="sk-op", max_requests_per_key=1))
+    keys = [admission.admit("sk-a", sheddable=False), admission.admit("sk-b", sheddable=False)]
+    with pytest.raises(RequestError) as full:
+        admission.admit("sk-c", sheddable=False)  # whatever model it asks for
+    assert full.value.kind == ErrorKind.OVERLOADED
+    batch = admission.admit("sk-c", sheddable=True)  # batch work is outside the queue
+    admission.release(keys[0], sheddable=False)
+    with pytest.raises(RequestError, match="this API key"):
+        admission.admit("sk-b", sheddable=False)  # its key is at max_requests_per_key
+    admission.release(admission.admit("sk-a", sheddable=False), sheddable=False)
+    admission.release(keys[1], sheddable=False)
+    admission.release(batch, sheddable=True)
+    assert (admission.num_inflight, admission.num_sheddable_inflight) == (0, 0)
