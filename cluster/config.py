@@ -15,6 +15,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from splitserve.cluster.default_model import DEFAULT_MODEL_NAME
+from splitserve.cluster.routing.model_route_config import AliasTarget, ModelRouteConfig, check_model_routes
 from splitserve.cluster.routing.router_config import RouterConfig
 from splitserve.cluster.tenants.tenant_config import TenantConfig, check_unique_names
 from splitserve.engine.config import (
@@ -324,6 +325,10 @@ class ServeConfig(_Strict):
     """How often an ingress replica renews its leases and writes its tenants' usage to the state store."""
     admin_api_key: str | None = None
     """Key of the admin endpoints (/admin/usage, /admin/reload); unset: they answer 404."""
+    aliases: dict[str, AliasTarget] = Field(default_factory=dict)
+    """Served names that point at a model ({"chat": "m1"}) or split traffic by weight between models ({"chat": {"m1": 0.9, "m2": 0.1}}, canary / A-B); the response's `model` and the x-splitserve-model header say which answered (README: Model routing)."""
+    model_routes: list[ModelRouteConfig] = Field(default_factory=list)
+    """Virtual models (e.g. `auto`) whose policy picks a served model per request: rules, cascade (small first, large when its confidence is low) or scorer (README: Model routing)."""
 
     @property
     def model_id(self) -> str:
@@ -345,6 +350,16 @@ class ServeConfig(_Strict):
     @classmethod
     def _check_tenants(cls, tenants: list[TenantConfig]) -> list[TenantConfig]:
         return check_unique_names(tenants)
+
+    @model_validator(mode="after")
+    def _check_model_routes(self) -> ServeConfig:
+        """A route or alias naming a model that is not served is a startup error naming both."""
+        check_model_routes(self.served_model_names(), self.aliases, self.model_routes)
+        return self
+
+    def served_model_names(self) -> set[str]:
+        """The model ids served by a real model (aliases and routes point at these)."""
+        return {self.model_id}
 
     @model_validator(mode="after")
     def _check_block_size(self) -> ServeConfig:

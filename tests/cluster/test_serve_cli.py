@@ -20,6 +20,8 @@ from pydantic import BaseModel, ValidationError
 from splitserve.cluster.cli.main import build_parser, main
 from splitserve.cluster.cli.serve_flags import SHORT_FORMS, config_from_args, flag_for, leaf_fields
 from splitserve.cluster.config import ServeConfig
+from splitserve.cluster.default_model import DEFAULT_MODEL_NAME
+from splitserve.cluster.routing.model_route_config import ModelRouteConfig, RouteRule
 from splitserve.cluster.tenants.tenant_config import TenantConfig
 
 
@@ -60,6 +62,15 @@ KNOWN_VALID = {
     "state_url": "sqlite:////tmp/splitserve-cli-test/state.db",
     # every field spelled out, as ServeConfig dumps it, so the round trip compares like with like
     "tenants": [TenantConfig(name="acme", api_keys=["sk-acme-test"], requests_per_minute=60).model_dump()],
+    # A config with one model: aliases and routes can only name that one (the default model's
+    # id, also when every field is set at once: served_model_name is then that id too).
+    "served_model_name": DEFAULT_MODEL_NAME,
+    "aliases": {"latest": DEFAULT_MODEL_NAME},
+    "model_routes": [
+        ModelRouteConfig(
+            name="auto", policy="rules", default=DEFAULT_MODEL_NAME, rules=[RouteRule(target=DEFAULT_MODEL_NAME)]
+        ).model_dump()
+    ],
 }
 AGREEING = {"prefill.kv_cache_dtype": "decode.kv_cache_dtype", "decode.kv_cache_dtype": "prefill.kv_cache_dtype"}
 
