@@ -208,7 +208,7 @@ class ServingBackend:
         """_generate's chunks; tenant_part (one generation of a tenant's admitted request)
         hears what the generation used when it ends, however it ends."""
         chunks = self._generate(prompt_token_ids, params, label, api_key, timeout_s, sheddable)
-        return chunks if tenant_part is None else _metered(chunks, tenant_part)
+        return chunks if tenant_part is None else metered(chunks, tenant_part)
 
     async def _generate(
         self,
@@ -372,7 +372,7 @@ class ServingBackend:
             return self.metrics.render()
 
 
-async def _metered(chunks: AsyncIterator[StreamChunk], part: TicketPart) -> AsyncIterator[StreamChunk]:
+async def metered(chunks: AsyncIterator[StreamChunk], part: TicketPart) -> AsyncIterator[StreamChunk]:
     """chunks, telling part the cached and generated tokens at the end (an error: failed)."""
     part.started()
     cached = completion = received = 0

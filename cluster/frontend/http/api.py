@@ -40,6 +40,8 @@ from splitserve.cluster.frontend.http.head import HeadAsGet
 from splitserve.cluster.frontend.http.openapi_bounds import state_bounds_in_openapi
 from splitserve.cluster.frontend.http.sse import ClientDisconnected, SSEResponse, run_until_disconnected
 from splitserve.cluster.frontend.http.tokenize_routes import add_tokenize_routes, splitserve_version
+from splitserve.cluster.frontend.model_router.request_features import RequestFeatures
+from splitserve.cluster.frontend.model_router.route_binding import bind_route, decision_of
 from splitserve.cluster.frontend.openai.completion_renderer import CompletionRenderer
 from splitserve.cluster.frontend.openai.protocol import (
     ChatCompletionRequest,
@@ -290,7 +292,9 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True, batch=None
             prompt_logprobs_ids=[prompt_ids] if body.prompt_logprobs is not None else None,
             tool_plan=plan,
         )
-        return await generate(request, body.model, [prompt_ids], params, body.n, renderer, body.stream, body.priority)
+        return await generate(
+            request, body.model, [prompt_ids], params, body.n, renderer, body.stream, body.priority, bool(body.tools)
+        )
 
     async def check_constraint(body, params: SamplingParams, plan=None) -> None:
         """The backend's one constraint check (shared with gRPC), naming the request's field."""
@@ -315,6 +319,7 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True, batch=None
         renderer: ResponseRenderer,
         stream: bool,
         priority: int | None,
+        tools: bool = False,
     ) -> Response:
         """One backend generation per choice (prompt x n), streamed or collected, at the
         priority of the request's class (header) or its own `priority`, else its tenant's; a
@@ -334,8 +339,12 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True, batch=None
                 rank = resolve_priority(cfg.priority, class_name, ticket.priority)
         params = dataclasses.replace(params, priority=rank.priority)
         choices = [(prompt, choice_params(params, i)) for prompt in prompts for i in range(n)]
+        # An alias or virtual model binds the request (all its choices) to a served model.
+        tenant = None if ticket is None else ticket.tenant.name
+        features = RequestFeatures(prompts[0], params, len(choices), tenant, dict(request.headers), tools)
+        binding = bind_route(backend, features)
         sources = [
-            backend.generate(
+            binding.generate(
                 prompt,
                 choice,
                 label=label,
@@ -350,6 +359,10 @@ def build_http_app(backend: ServingAPI, echo_request_id: bool = True, batch=None
         try:
             # Refusals (400/429/503) come before the first chunk, so they still get a status code.
             firsts = await run_until_disconnected(request.receive, first_chunks(sources))
+            decision = decision_of(binding)  # made by now: a cascade decides before its first chunk
+            if decision is not None:
+                headers = {**(headers or {}), **decision.headers()}
+                renderer.answered_by(decision.target)
             rest = merged(sources)
             if stream:
                 handed_off = True
