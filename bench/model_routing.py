@@ -134,8 +134,14 @@ def main(argv: list[str] | None = None) -> int:
             f"rules (prompt <= {rule.max_prompt_tokens} tokens: small)", evaluation, rules, *fixed_cost, base["loglik"]
         )
     )
+    split = []
     for share, threshold in thresholds.items():
         kept = [m.confidence >= threshold for m in evaluation]
+        easy_kept = statistics.fmean(k for k, m in zip(kept, evaluation) if m.kind == "easy")
+        hard_up = statistics.fmean(not k for k, m in zip(kept, evaluation) if m.kind == "hard")
+        split.append(
+            f"threshold {threshold:.3f}: {easy_kept:.0%} of easy prompts kept small, {hard_up:.0%} of hard ones escalated"
+        )
         rows.append(
             evaluate(
                 f"cascade, threshold {threshold:.3f} ({share:.0%} large on calibration)",
@@ -167,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['policy']} | {r['quality']:.1%} | {r['loglik']:.3f} | {r['accepted']:.0%} | {r['small_share']:.0%} | "
             f"{r['compute'] / 1e6:.1f} M ({r['compute'] / base['compute']:.0%}) | {r['ttft_ms']:.1f} |"
         )
+    lines += ["", "Cascade by kind: " + "; ".join(split) + "."]
     text = "\n".join(lines) + "\n"
     if args.out:
         Path(args.out).write_text(text)
