@@ -172,8 +172,9 @@ def test_the_cascade_escalates_exactly_below_the_threshold_and_never_streams_ret
     if escalated:
         assert served["small"].closed_request_ids == [small_call["request_id"]]  # aborted after the window
         assert not served["large"].calls[0]["params"].logprobs  # the client's own params
-    text = generate_latest(metrics.registry).decode()
-    assert f'splitserve_model_route_escalations_total{{route="auto"}} {float(escalated)}' in text or not escalated
+    decisions = metrics.decisions.labels("auto", resp.headers[MODEL_HEADER], resp.headers[REASON_HEADER])
+    assert decisions._value.get() == 1.0
+    assert metrics.escalations.labels("auto")._value.get() == float(escalated)
 
 
 @pytest.mark.parametrize(
@@ -200,3 +201,18 @@ def test_a_route_over_models_with_different_tokenizers_is_refused(served, tmp_pa
     other = FakeBackend(Tokenizer.from_pretrained(write_random_checkpoint(tmp_path / "draft", preset="draft")))
     with pytest.raises(ValueError, match="models 'small' and 'other' have different tokenizers"):
         build_model_routes({"mix": {"small": 1, "other": 1}}, [], {**served, "other": other}, ModelRouteMetrics())
+
+
+def test_rules_match_tenants_and_tools_and_every_set_condition():
+    from splitserve.cluster.frontend.model_router.rules_route import matches
+    from splitserve.cluster.routing.model_route_config import RouteRule
+
+    plain = RequestFeatures([1, 2, 3], SamplingParams(max_tokens=4))
+    assert matches(RouteRule(target="m"), plain)  # no condition: matches anything
+    team = RouteRule(target="m", tenants=["team-a"])
+    assert matches(team, RequestFeatures([1], SamplingParams(), tenant="team-a"))
+    assert not matches(team, RequestFeatures([1], SamplingParams(), tenant="team-b")) and not matches(team, plain)
+    tools = RouteRule(target="m", tools=True)
+    assert matches(tools, RequestFeatures([1], SamplingParams(), tools=True)) and not matches(tools, plain)
+    both = RouteRule(target="m", max_prompt_tokens=3, max_max_tokens=3)  # all must hold
+    assert not matches(both, plain) and matches(both, RequestFeatures([1, 2, 3], SamplingParams(max_tokens=3)))
