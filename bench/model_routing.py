@@ -18,7 +18,10 @@ aborted small window included); TTFT = the time to the first token the client se
 cascade: the small model's whole window, plus the large model's TTFT when it escalates),
 measured per prompt on the colocated engine, one request at a time.
 
-  python -m splitserve.bench.model_routing --out bench/results/model_routing.md
+With --cluster, the cascade at the first threshold also runs end to end through two real
+in-process clusters (bench/model_routing_cluster.py).
+
+  python -m splitserve.bench.model_routing --cluster --out /tmp/model_routing.md
 """
 
 from __future__ import annotations
@@ -86,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--large-shares", default="0.3,0.4,0.5", help="calibration targets (share of large calls)")
     parser.add_argument("--timing-repeats", type=int, default=3)
+    parser.add_argument(
+        "--cluster", action="store_true", help="also run the cascade through two real in-process clusters"
+    )
     parser.add_argument("--out", help="write the markdown table here (default: stdout)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -174,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['compute'] / 1e6:.1f} M ({r['compute'] / base['compute']:.0%}) | {r['ttft_ms']:.1f} |"
         )
     lines += ["", "Cascade by kind: " + "; ".join(split) + "."]
+    if args.cluster:
+        from splitserve.bench.model_routing_cluster import through_cluster
+
+        first_threshold = next(iter(thresholds.values()))
+        lines += ["", *through_cluster(small_dir, large_dir, evaluation, first_threshold, window, answer)]
     text = "\n".join(lines) + "\n"
     if args.out:
         Path(args.out).write_text(text)
