@@ -90,6 +90,7 @@ class SplitServeIngress:
         from splitserve.cluster.frontend.grpc.server import GrpcFrontend
         from splitserve.cluster.frontend.http.access_log import configure_replica_logging
         from splitserve.cluster.frontend.model_catalog import ModelCatalog
+        from splitserve.cluster.frontend.model_router.model_route_set import register_model_routes
         from splitserve.cluster.ingress.controller_client import ControllerClient
         from splitserve.cluster.startup_error import StartupError, root_cause
 
@@ -115,6 +116,8 @@ class SplitServeIngress:
                     )
                 )
             backend, catalog = backends[0], ModelCatalog.of(*backends)
+            # Aliases and virtual models resolve to the served models' backends.
+            register_model_routes(catalog, cfg, backend.metrics.registry)
             if cfg.batch.enabled:  # opens the state store: a bad state_url fails the start, in one line
                 from splitserve.cluster.batch.batch_service import BatchService
 

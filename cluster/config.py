@@ -28,6 +28,7 @@ from splitserve.cluster.pool_config import (  # noqa: F401 (re-exported: ServeCo
 from splitserve.cluster.pool_config import (
     StrictConfig as _Strict,
 )
+from splitserve.cluster.routing.model_route_config import AliasTarget, ModelRouteConfig, check_model_routes
 from splitserve.cluster.routing.router_config import RouterConfig
 from splitserve.cluster.tenants.tenant_config import TenantConfig, check_unique_names
 from splitserve.engine.config import ConfigError, Dtype, EngineKind, Quantization
@@ -233,6 +234,10 @@ class ServeConfig(_Strict):
     """Key of the admin endpoints (/admin/usage, /admin/reload); unset: they answer 404."""
     models: list[ModelEntryConfig] = Field(default_factory=list)
     """Several models in one deployment (README: Several models): each entry its own weights, served name, pools, KV sizing, quantization and speculative config; what an entry leaves unset it takes from the top-level fields. Empty: one model, the top-level fields."""
+    aliases: dict[str, AliasTarget] = Field(default_factory=dict)
+    """Served names that point at a model ({"chat": "m1"}) or split traffic by weight between models ({"chat": {"m1": 0.9, "m2": 0.1}}, canary / A-B); the response's `model` and the x-splitserve-model header say which answered (README: Model routing)."""
+    model_routes: list[ModelRouteConfig] = Field(default_factory=list)
+    """Virtual models (e.g. `auto`) whose policy picks a served model per request: rules, cascade (small first, large when its confidence is low) or scorer (README: Model routing)."""
 
     @property
     def model_id(self) -> str:
@@ -245,7 +250,8 @@ class ServeConfig(_Strict):
         `models` entries over the top-level fields, or this config itself when it has none."""
         if not self.models:
             return [(self.model_id, self)]
-        base = self.model_dump(exclude={"models", "served_model_name"})
+        # Aliases and routes belong to the deployment (they name several models), not to one model.
+        base = self.model_dump(exclude={"models", "served_model_name", "aliases", "model_routes"})
         out = []
         for entry in self.models:
             name = entry.served_name(self.model_id)
@@ -286,6 +292,18 @@ class ServeConfig(_Strict):
     @classmethod
     def _check_tenants(cls, tenants: list[TenantConfig]) -> list[TenantConfig]:
         return check_unique_names(tenants)
+
+    @model_validator(mode="after")
+    def _check_model_routes(self) -> ServeConfig:
+        """A route or alias naming a model that is not served is a startup error naming both."""
+        check_model_routes(self.served_model_names(), self.aliases, self.model_routes)
+        return self
+
+    def served_model_names(self) -> set[str]:
+        """The model ids served by a real model (aliases and routes point at these)."""
+        if not self.models:
+            return {self.model_id}
+        return {entry.served_name(self.model_id) for entry in self.models}
 
     @model_validator(mode="after")
     def _check_block_size(self) -> ServeConfig:

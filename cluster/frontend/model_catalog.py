@@ -22,6 +22,7 @@ MODEL_NOT_FOUND = "model_not_found"  # OpenAI's error code for an unknown model
 class ModelCatalog:
     def __init__(self) -> None:
         self._apis: dict[str, ServingAPI] = {}
+        self._routed: set[str] = set()  # aliases and virtual models: listed, not health-checked
 
     @classmethod
     def of(cls, *apis: ServingAPI) -> ModelCatalog:
@@ -31,14 +32,17 @@ class ModelCatalog:
             catalog.register(api.model_name, api)
         return catalog
 
-    def register(self, name: str, api: ServingAPI) -> None:
+    def register(self, name: str, api: ServingAPI, routed: bool = False) -> None:
         """Serve `api` under `name`. ValueError if the name is empty or already taken (a config
-        error: two things answering to one name)."""
+        error: two things answering to one name). routed: an alias or virtual model, which
+        /v1/models lists but /health leaves out (its targets are there already)."""
         if not name:
             raise ValueError("a served model name must not be empty")
         if name in self._apis:
             raise ValueError(f"the model name {name!r} is already served; give each model, alias or route its own name")
         self._apis[name] = api
+        if routed:
+            self._routed.add(name)
 
     def resolve(self, name: str) -> ServingAPI:
         """The ServingAPI serving `name`; RequestError(NOT_FOUND, param "model", code
@@ -71,9 +75,10 @@ class ModelCatalog:
         """One model: its health, as it is. Several: `ok` when every model is, `serving` when any
         can serve, `models` each one's state, and `pools` keyed "<model>/<pool>" (the gRPC
         health service names of the pools)."""
-        if len(self._apis) == 1:
+        served = {name: api for name, api in self._apis.items() if name not in self._routed}
+        if len(served) == 1:
             return dict(self.default.health())
-        models = {name: dict(api.health()) for name, api in self._apis.items()}
+        models = {name: dict(api.health()) for name, api in served.items()}
         degraded = [name for name, state in models.items() if not state.get("ok")]
         state: dict[str, Any] = {
             "ok": not degraded,

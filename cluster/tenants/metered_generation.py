@@ -3,14 +3,14 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 
 from splitserve.cluster.request_error import RequestError
 from splitserve.cluster.tenants.tenant_gate import TicketPart
 from splitserve.proto.messages.handoff import StreamChunk
 
 
-async def metered(chunks: AsyncGenerator[StreamChunk, None], part: TicketPart) -> AsyncIterator[StreamChunk]:
+async def metered(chunks: AsyncIterator[StreamChunk], part: TicketPart) -> AsyncIterator[StreamChunk]:
     """chunks, telling part the cached and generated tokens at the end (an error: failed)."""
     part.started()
     cached = completion = received = 0
@@ -26,5 +26,7 @@ async def metered(chunks: AsyncGenerator[StreamChunk, None], part: TicketPart) -
         failed = True
         raise
     finally:
-        await chunks.aclose()
+        aclose = getattr(chunks, "aclose", None)  # a generator's cleanup aborts the request
+        if aclose is not None:
+            await aclose()
         part.finished(cached, completion, failed)

@@ -21,6 +21,7 @@ from splitserve.cluster.cli.main import build_parser, main
 from splitserve.cluster.cli.serve_flags import SHORT_FORMS, config_from_args, flag_for, leaf_fields
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.model_entry_config import ModelEntryConfig
+from splitserve.cluster.routing.model_route_config import ModelRouteConfig, RouteRule
 from splitserve.cluster.tenants.tenant_config import TenantConfig
 
 
@@ -65,6 +66,11 @@ KNOWN_VALID = {
     "models": [
         ModelEntryConfig.model_validate(m).model_dump()
         for m in ({"model": "/m/small", "decode": {"replicas": 2}}, {"model": "/m/large", "served_model_name": "big"})
+    ],
+    # aliases and routes name served models: here the models list's
+    "aliases": {"latest": "big"},
+    "model_routes": [
+        ModelRouteConfig(name="auto", policy="rules", default="big", rules=[RouteRule(target="/m/small")]).model_dump()
     ],
 }
 AGREEING = {"prefill.kv_cache_dtype": "decode.kv_cache_dtype", "decode.kv_cache_dtype": "prefill.kv_cache_dtype"}

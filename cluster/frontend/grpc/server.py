@@ -30,6 +30,8 @@ from splitserve.cluster.frontend.grpc.health import BackendHealthServicer
 from splitserve.cluster.frontend.grpc.messages import generate_response, oneof_conflict, sampling_params_from
 from splitserve.cluster.frontend.http.errors import retry_after
 from splitserve.cluster.frontend.model_catalog import ModelCatalog
+from splitserve.cluster.frontend.model_router.request_features import RequestFeatures
+from splitserve.cluster.frontend.model_router.route_binding import bind_route, decision_of
 from splitserve.cluster.frontend.priority_class import resolve_priority
 from splitserve.cluster.frontend.serving_api import GenerationAPI
 from splitserve.cluster.request_error import ErrorKind, RequestError
@@ -271,7 +273,11 @@ class GrpcFrontend:
                 rank = resolve_priority(self.backend.cfg.priority, request.priority_class, ticket.priority)
                 params = dataclasses.replace(params, priority=rank.priority)
             metadata += list(ticket.headers.items())
-        chunks = api.generate(
+        # An alias or virtual model binds the request to a served model (metadata as HTTP's headers).
+        tenant = None if ticket is None else ticket.tenant.name
+        headers = {key: value for key, value in context.invocation_metadata() or () if isinstance(value, str)}
+        binding = bind_route(api, RequestFeatures(prompt_token_ids, params, 1, tenant, headers))
+        chunks = binding.generate(
             prompt_token_ids,
             params,
             label=label,
@@ -281,10 +287,17 @@ class GrpcFrontend:
             **({} if ticket is None else {"tenant_part": ticket.part(0)}),
         )
         try:
-            await context.send_initial_metadata(tuple(metadata))
             # aclosing: when the client cancels, the CancelledError raised in context.write closes
             # the backend generator, whose cleanup aborts the request and frees its KV blocks.
             async with contextlib.aclosing(chunks):
+                first = None
+                if binding is not api:  # routed: the model is known at its first chunk
+                    first = await anext(chunks, None)
+                    decision = decision_of(binding)
+                    metadata += [] if decision is None else list(decision.headers().items())
+                await context.send_initial_metadata(tuple(metadata))
+                if first is not None:
+                    await context.write(generate_response(first, label))
                 async for chunk in chunks:
                     await context.write(generate_response(chunk, label))
         finally:

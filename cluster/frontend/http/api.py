@@ -39,6 +39,8 @@ from splitserve.cluster.frontend.http.openapi_bounds import state_bounds_in_open
 from splitserve.cluster.frontend.http.sse import SSEResponse, run_until_disconnected
 from splitserve.cluster.frontend.http.tokenize_routes import add_tokenize_routes, splitserve_version
 from splitserve.cluster.frontend.model_catalog import ModelCatalog
+from splitserve.cluster.frontend.model_router.request_features import RequestFeatures
+from splitserve.cluster.frontend.model_router.route_binding import bind_route, decision_of
 from splitserve.cluster.frontend.openai.completion_renderer import CompletionRenderer
 from splitserve.cluster.frontend.openai.protocol import (
     ChatCompletionRequest,
@@ -164,7 +166,16 @@ def build_http_app(
             tool_plan=plan,
         )
         return await generate(
-            request, api, body.model, [prompt_ids], params, body.n, renderer, body.stream, body.priority
+            request,
+            api,
+            body.model,
+            [prompt_ids],
+            params,
+            body.n,
+            renderer,
+            body.stream,
+            body.priority,
+            bool(body.tools),
         )
 
     async def check_constraint(api: ServingAPI, body, params: SamplingParams, plan=None) -> None:
@@ -191,6 +202,7 @@ def build_http_app(
         renderer: ResponseRenderer,
         stream: bool,
         priority: int | None,
+        tools: bool = False,
     ) -> Response:
         """One backend generation per choice (prompt x n), streamed or collected, at the
         priority of the request's class (header) or its own `priority`, else its tenant's; a
@@ -210,8 +222,12 @@ def build_http_app(
                 rank = resolve_priority(cfg.priority, class_name, ticket.priority)
         params = dataclasses.replace(params, priority=rank.priority)
         choices = [(prompt, choice_params(params, i)) for prompt in prompts for i in range(n)]
+        # An alias or virtual model binds the request (all its choices) to a served model.
+        tenant = None if ticket is None else ticket.tenant.name
+        features = RequestFeatures(prompts[0], params, len(choices), tenant, dict(request.headers), tools)
+        binding = bind_route(api, features)
         sources = [
-            api.generate(
+            binding.generate(
                 prompt,
                 choice,
                 label=label,
@@ -226,6 +242,10 @@ def build_http_app(
         try:
             # Refusals (400/429/503) come before the first chunk, so they still get a status code.
             firsts = await run_until_disconnected(request.receive, first_chunks(sources))
+            decision = decision_of(binding)  # made by now: a cascade decides before its first chunk
+            if decision is not None:
+                headers = {**(headers or {}), **decision.headers()}
+                renderer.answered_by(decision.target)
             rest = merged(sources)
             if stream:
                 handed_off = True

@@ -82,6 +82,12 @@ class ResponseRenderer(ABC):
         self._envelope = chunk_envelope(request_id, self.chunk_object, created, model)
         self.prompt_logprobs_ids = prompt_logprobs_ids
 
+    def answered_by(self, model: str) -> None:
+        """The served model that answers (an alias or virtual model picked it): the `model`
+        of every chunk and of the response. Before the first event is rendered."""
+        self.model = model
+        self._envelope = chunk_envelope(self.request_id, self.chunk_object, self.created, model)
+
     # ---- accumulation --------------------------------------------------------------------
     def observe(self, chunk: StreamChunk, index: int = 0) -> None:
         self.choices[index].observe(chunk)

@@ -1,0 +1,55 @@
+"""RouteBinding: one request bound to the served model its route picked; bind_route(api, features)
+is what the frontends call (a plain model's api binds to itself, without a decision)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from splitserve.cluster.frontend.model_router.model_route_metrics import ModelRouteMetrics
+from splitserve.cluster.frontend.model_router.request_features import RequestFeatures
+from splitserve.cluster.frontend.model_router.route_decision import RouteDecision
+from splitserve.cluster.frontend.serving_api import GenerationAPI
+from splitserve.cluster.tenants.metered_generation import metered
+from splitserve.engine.io.sampling_params import SamplingParams
+from splitserve.proto.messages.handoff import StreamChunk
+
+
+class RouteBinding:
+    """A request whose model is known before it starts (alias, rules, scorer, and the
+    cascade's direct cases): every choice goes to `target`; the decision is recorded once."""
+
+    def __init__(self, target: GenerationAPI, decision: RouteDecision, metrics: ModelRouteMetrics):
+        self.target = target
+        self.decision: RouteDecision | None = decision
+        self.metrics = metrics
+        self._recorded = False
+
+    def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        label: str | None = None,
+        api_key: str | None = None,
+        timeout_s: float | None = None,
+        sheddable: bool = False,
+        tenant_part: Any = None,
+    ) -> AsyncIterator[StreamChunk]:
+        if not self._recorded and self.decision is not None:
+            self._recorded = True
+            self.metrics.record(self.decision, label)
+        chunks = self.target.generate(prompt_token_ids, params, label, api_key, timeout_s, sheddable)
+        return chunks if tenant_part is None else metered(chunks, tenant_part)
+
+
+def bind_route(api: Any, features: RequestFeatures) -> Any:
+    """What to call generate on for one request: a routed model (alias, virtual model) binds
+    the request to a served model; a served model is its own. Read decision_of(binding) after
+    the first chunk: a cascade decides only then."""
+    bind = getattr(api, "bind", None)
+    return api if bind is None else bind(features)
+
+
+def decision_of(binding: Any) -> RouteDecision | None:
+    """The binding's decision once made (after its first chunk), None for a served model."""
+    return getattr(binding, "decision", None)
