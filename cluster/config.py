@@ -139,6 +139,11 @@ class BatchConfig(_Strict):
     """Finished batches and their input, output and error files are deleted this long after the batch was created."""
 
 
+# Fields of the deployment, not of one model: a models entry's own config leaves them out
+# (aliases and routes name several models).
+DEPLOYMENT_WIDE = {"models", "aliases", "model_routes"}
+
+
 class ServeConfig(_Strict):
     model: str | None = None
     """Checkpoint directory; unset: the `small` preset, made once. Given more than once: several models (`models`), one per --model."""
@@ -250,8 +255,7 @@ class ServeConfig(_Strict):
         `models` entries over the top-level fields, or this config itself when it has none."""
         if not self.models:
             return [(self.model_id, self)]
-        # Aliases and routes belong to the deployment (they name several models), not to one model.
-        base = self.model_dump(exclude={"models", "served_model_name", "aliases", "model_routes"})
+        base = self.model_dump(exclude=DEPLOYMENT_WIDE | {"served_model_name"})
         out = []
         for entry in self.models:
             name = entry.served_name(self.model_id)
@@ -268,7 +272,7 @@ class ServeConfig(_Strict):
             for index, entry in enumerate(self.models):
                 try:
                     ServeConfig.model_validate(
-                        deep_merge(self.model_dump(exclude={"models"}), entry.overrides(), ServeConfig)
+                        deep_merge(self.model_dump(exclude=DEPLOYMENT_WIDE), entry.overrides(), ServeConfig)
                     )
                 except ValidationError as exc:
                     problems = "; ".join(

@@ -20,6 +20,7 @@ from splitserve.cluster.cli import serve as serve_command
 from splitserve.cluster.cli.main import build_parser, main
 from splitserve.cluster.cli.serve_flags import SHORT_FORMS, config_from_args, flag_for, leaf_fields
 from splitserve.cluster.config import ServeConfig
+from splitserve.cluster.default_model import DEFAULT_MODEL_NAME
 from splitserve.cluster.model_entry_config import ModelEntryConfig
 from splitserve.cluster.routing.model_route_config import ModelRouteConfig, RouteRule
 from splitserve.cluster.tenants.tenant_config import TenantConfig
@@ -65,12 +66,18 @@ KNOWN_VALID = {
     # an entry's pool settings dump as given (only the keys set), which the round trip keeps
     "models": [
         ModelEntryConfig.model_validate(m).model_dump()
-        for m in ({"model": "/m/small", "decode": {"replicas": 2}}, {"model": "/m/large", "served_model_name": "big"})
+        for m in (
+            {"model": "/m/small", "served_model_name": DEFAULT_MODEL_NAME, "decode": {"replicas": 2}},
+            {"model": "/m/large", "served_model_name": "big"},
+        )
     ],
-    # aliases and routes name served models: here the models list's
-    "aliases": {"latest": "big"},
+    # Aliases and routes name a served model: the default model's name is one alone (no models
+    # list) and with every field set at once (the models list serves it too).
+    "aliases": {"latest": DEFAULT_MODEL_NAME},
     "model_routes": [
-        ModelRouteConfig(name="auto", policy="rules", default="big", rules=[RouteRule(target="/m/small")]).model_dump()
+        ModelRouteConfig(
+            name="auto", policy="rules", default=DEFAULT_MODEL_NAME, rules=[RouteRule(target=DEFAULT_MODEL_NAME)]
+        ).model_dump()
     ],
 }
 AGREEING = {"prefill.kv_cache_dtype": "decode.kv_cache_dtype", "decode.kv_cache_dtype": "prefill.kv_cache_dtype"}
