@@ -137,15 +137,19 @@ def test_an_app_of_two_models_serves_both_by_name_and_deleting_it_kills_both_poo
             {"model": tiny_model, "served_model_name": "alpha"},
             {"model": beta_dir, "served_model_name": "beta"},
         ],
+        "aliases": {"latest": "beta"},  # registered in every ingress's catalog next to the models
     }
     serve.run(build_app(args, fail_fast=True), name="two", route_prefix="/two")
     namespaces = [model_namespace("two", "alpha"), model_namespace("two", "beta")]
     assert app_namespaces("two") == sorted(namespaces)
     assert all(named_actors(ns) == ["decode-0"] for ns in namespaces)
     with httpx.Client(base_url=server.base_url + "/two", timeout=120) as http:
-        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["alpha", "beta"]
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["alpha", "beta", "latest"]
         for name in ("alpha", "beta"):
             assert complete(http, name, 0)["model"] == name
+        via_alias = http.post("/v1/completions", json={"model": "latest", "prompt": "hello", "max_tokens": 2})
+        assert via_alias.status_code == 200 and via_alias.json()["model"] == "beta"
+        assert via_alias.headers["x-splitserve-model"] == "beta"
         missing = http.post("/v1/completions", json={"model": "gamma", "prompt": "x", "max_tokens": 2})
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
         health = http.get("/health").json()
