@@ -34,7 +34,13 @@ from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.proto import load_stubs
 from splitserve.proto.messages.request_channel import ChannelError, Submit, decode_to_decode, encode_frame
 from tests.helpers.cluster import LoopHttpServer, cluster_config, serving_backend, wait_for_baseline, wait_until
-from tests.helpers.hostile_cases import MALFORMED_GRPC, deep_gbnf_chain, deep_json, raw_completion_cases
+from tests.helpers.hostile_cases import (
+    HOSTILE_GRPC,
+    HOSTILE_HTTP,
+    MALFORMED_GRPC,
+    POSITIVE_REFUSALS,
+    raw_completion_cases,
+)
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 API_KEY = "sk-hostile-test"
@@ -50,21 +56,6 @@ FUZZ_EXAMPLES = {
 MIN_FUZZ_CASES = 1000
 FUZZ_SEED = int(os.environ.get("SPLITSERVE_FUZZ_SEED", "20240611"))
 pb2, pb2_grpc = load_stubs()
-# Refusals of schema-valid requests that /openapi.json cannot state: they depend on state (the
-# model's length, this test's 4-block KV cache), compare two fields, or judge the language
-# inside a string (a regex, grammar or schema that does not parse or compile).
-POSITIVE_REFUSALS = (
-    "exceeds the model's context",  # state: prompt + max_tokens vs the model's length
-    "KV cache",  # state: the pools' cache size
-    "min_tokens must be",  # relational: min_tokens <= max_tokens
-    "prompts x n",  # relational: prompts x n <= 128
-    "give one output constraint",  # relational: two constraint fields at once
-    "tool function names must be unique",  # relational: across the tools list
-    "which is not among the tools",  # relational: tool_choice vs tools
-    "invalid ",  # a regex / grammar / schema string that does not compile
-    "can never be satisfied",  # a schema or grammar no output matches
-    "grammar.max_",  # a constraint over a configured bound
-)
 
 
 @pytest.fixture(scope="module")
@@ -359,34 +350,6 @@ def test_secure_defaults_and_no_pickle_from_clients():
 
 # ---- hostile constraints: refused up front, the ingress and its streams unharmed -----------
 
-HOSTILE_HTTP = [
-    ("/v1/completions", {"guided_grammar": deep_gbnf_chain(10_000)}, "guided_grammar", "max_rules"),
-    ("/v1/completions", {"guided_json": deep_json(10_000)}, "guided_json", "levels deep"),
-    ("/v1/completions", {"structured_outputs": {"json": "[" * 10_000 + "]" * 10_000}}, "structured_outputs", "deep"),
-    ("/v1/completions", {"guided_regex": "a{1000000}"}, "guided_regex", "max_regex_repeat"),
-    (
-        "/v1/chat/completions",
-        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
-        "response_format",
-        "never be satisfied",
-    ),
-    (
-        "/v1/chat/completions",
-        {
-            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}],
-            "tool_choice": "required",
-        },
-        "tools[0].function.parameters",
-        "never be satisfied",
-    ),
-    ("/v1/completions", {"guided_regex": "[^\\s\\S]"}, "guided_regex", "never be satisfied"),
-]
-HOSTILE_GRPC = [
-    (pb2.GenerateRequest(text="x", grammar=deep_gbnf_chain(10_000)), "grammar", "max_rules"),
-    (pb2.GenerateRequest(text="x", json_schema=deep_json(10_000)), "json_schema", "levels deep"),
-    (pb2.GenerateRequest(text="x", regex="a{1000000}"), "regex", "max_regex_repeat"),
-    (pb2.GenerateRequest(text="x", json_schema='{"$ref": "#"}'), "json_schema", "never be satisfied"),
-]
 SAFETY_S = 30.0  # a refusal is expected in milliseconds; this only keeps a hang from hanging the suite
 STREAM_TOKENS = 30
 
