@@ -1,4 +1,4 @@
-"""Hand-written hostile requests for tests/cluster/frontend/test_hostile_input.py."""
+"""Hand-written hostile requests for the hostile-input tests (tests/cluster/frontend/hostile/)."""
 
 from __future__ import annotations
 
