@@ -143,6 +143,49 @@ def run_workload(base_url: str, model: str, duration_s: float, threads: int, sam
     return {"rss_samples": samples, "counts": counts, "errors": errors[:20], "num_errors": len(errors)}
 
 
+def rss_summary(samples: list, warmup_s: float) -> dict[str, dict[str, float]]:
+    """Per role, MiB: at the first sample, at the end of warm-up (the first sample at or past
+    warmup_s), the most after it, and at the end; growth_after_warmup is the most minus the
+    warm-up value (what a stated bound is checked against)."""
+    warm = next((rss for t, rss in samples if t >= warmup_s), samples[-1][1])
+    out = {}
+    for role in samples[0][1]:
+        after = [rss[role] for t, rss in samples if t >= warmup_s] or [warm[role]]
+        out[role] = {
+            "start": samples[0][1][role],
+            "after_warmup": warm[role],
+            "max_after_warmup": max(after),
+            "end": samples[-1][1][role],
+            "growth_after_warmup": round(max(after) - warm[role], 1),
+        }
+    return out
+
+
+def plot_rss(samples: list, path: str, warmup_s: float, bound_mib: float | None = None) -> None:
+    """One line per role: RSS growth since the first sample (MiB), the warm-up shaded, the
+    stated bound (growth after warm-up) dashed above each role's warm-up value."""
+    from splitserve.bench.plots import plt
+
+    figure, axis = plt.subplots(figsize=(8, 4.5))
+    minutes = [t / 60 for t, _ in samples]
+    summary = rss_summary(samples, warmup_s)
+    for role in samples[0][1]:
+        first = samples[0][1][role]
+        (line,) = axis.plot(minutes, [rss[role] - first for _, rss in samples], label=f"{role} ({first:.0f} MiB at 0)")
+        if bound_mib is not None:
+            limit = summary[role]["after_warmup"] - first + bound_mib
+            axis.hlines(limit, warmup_s / 60, minutes[-1], colors=line.get_color(), linestyles="dashed", linewidth=0.8)
+    axis.axvspan(0, warmup_s / 60, color="0.92", label="warm-up")
+    axis.set_xlabel("minutes into the mixed hostile workload")
+    axis.set_ylabel("RSS growth since the first sample (MiB)")
+    title = "Worker RSS, mixed hostile workload (1P+1D, CPU)"
+    axis.set_title(title + (f"\ndashed: the bound, warm-up value + {bound_mib:g} MiB" if bound_mib is not None else ""))
+    axis.legend(loc="upper left", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="checkpoint directory (default: the `small` preset, random weights)")
@@ -153,7 +196,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--server-args", default="", help="more `splitserve serve` flags, e.g. '--grammar.cache-size 32'"
     )
+    parser.add_argument("--warmup-s", type=float, default=300.0, help="RSS growth is measured from here on")
+    parser.add_argument("--plot", help="draw the RSS curve to this PNG")
+    parser.add_argument("--bound-mib", type=float, help="the stated bound on growth after warm-up (drawn dashed)")
+    parser.add_argument(
+        "--from-results", help="a results JSON this bench printed: summarize (and --plot) it, run nothing"
+    )
     args = parser.parse_args(argv)
+    if args.from_results:
+        with open(args.from_results) as f:
+            samples = json.load(f)["rss_samples"]
+        print(json.dumps(rss_summary(samples, args.warmup_s), indent=1))
+        if args.plot:
+            plot_rss(samples, args.plot, args.warmup_s, args.bound_mib)
+        return 0
     model = args.model
     if model is None:
         from splitserve.engine.builtin_models.make_model import write_random_checkpoint
@@ -178,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         result.update(run_workload(served, model_id, args.duration_s, args.threads, args.sample_every_s, server.pid))
         result["health_after"] = httpx.get(f"{served}/health", timeout=10).json()
     result["command"] = " ".join(["python -m splitserve.bench.hostile_input", *(argv or sys.argv[1:])])
+    result["rss_summary"] = rss_summary(result["rss_samples"], args.warmup_s)
+    if args.plot:
+        plot_rss(result["rss_samples"], args.plot, args.warmup_s, args.bound_mib)
     print(json.dumps(result, indent=1, default=str))
     return 0
 

@@ -3,11 +3,12 @@ with the header-timeout protocol): every case gets the answer the server promise
 
 from __future__ import annotations
 
+import json
 import tempfile
 
 import pytest
 
-from splitserve.bench.hostile_input import rss_by_role
+from splitserve.bench.hostile_input import main, plot_rss, rss_by_role, rss_summary
 from splitserve.bench.hostile_workload import HOSTILE_EXTRAS, Workload
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.frontend.http.api import build_http_app
@@ -46,3 +47,26 @@ def test_rss_by_role_names_every_role():
     import os
 
     assert set(rss_by_role(os.getpid())) == {"decode", "prefill", "ingress", "grammar workers"}
+
+
+def test_rss_summary_measures_growth_from_the_end_of_warm_up(tmp_path):
+    samples = [
+        (0.0, {"decode": 400.0}),
+        (60.0, {"decode": 450.0}),
+        (120.0, {"decode": 460.0}),
+        (180.0, {"decode": 455.0}),
+    ]
+    summary = rss_summary(samples, warmup_s=60.0)["decode"]
+    assert summary == {
+        "start": 400.0,
+        "after_warmup": 450.0,
+        "max_after_warmup": 460.0,
+        "end": 455.0,
+        "growth_after_warmup": 10.0,
+    }
+    plot_rss(samples, str(tmp_path / "rss.png"), warmup_s=60.0, bound_mib=32.0)
+    assert (tmp_path / "rss.png").read_bytes().startswith(b"\x89PNG")
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"rss_samples": samples}))
+    assert main(["--from-results", str(results), "--warmup-s", "60", "--plot", str(tmp_path / "again.png")]) == 0
+    assert (tmp_path / "again.png").is_file()
