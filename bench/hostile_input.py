@@ -8,7 +8,11 @@ The mix (bench/hostile_workload.py): ordinary completions, JSON schemas no earli
 used (grammar cache churn), the hostile constraints of issue #28 (10,000-deep GBNF chain and
 JSON, `a{1000000}`, `{"$ref": "#"}`, tools referring to themselves, empty languages),
 streams cancelled mid-way, half-sent requests (closed by the server's request timeout) and
-garbage bodies. Results print as JSON; bench/results/hostile_input.md is the write-up.
+garbage bodies; over gRPC (unless --no-grpc) ordinary and hostile-constraint Generate calls,
+cancelled streams, and calls whose request message never comes. Results print as JSON;
+bench/results/hostile_input.md is the write-up.
+
+  python -m splitserve.bench.hostile_input --duration-s 1800 --sample-every-s 5 --plot rss.png --bound-mib 32
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ ROLES = {
 }
 DEFAULT_SERVER = (
     "{python} -m splitserve.cluster.cli.main serve --model {model} --http-port {port} --grpc-port {grpc_port} "
-    "--prefill-replicas 1 --decode-replicas 1 --num-cpus 4 --http-request-timeout-s {request_timeout}"
+    "--prefill-replicas 1 --decode-replicas 1 --num-cpus 4 --http-request-timeout-s {request_timeout} "
+    "--grpc.request-timeout-s {request_timeout}"
 )
 
 
@@ -109,9 +114,20 @@ def isolation_cost(model_dir: str, cold: int = 20, cached: int = 2000) -> dict[s
     }
 
 
-def run_workload(base_url: str, model: str, duration_s: float, threads: int, sample_every_s: float, pid: int) -> dict:
-    workloads = [Workload(base_url, model, seed=i) for i in range(threads)]
-    for case in ("normal", "distinct_schema", "hostile_constraint", "tool_ref_cycle", "cancelled_stream"):
+def run_workload(
+    base_url: str,
+    model: str,
+    duration_s: float,
+    threads: int,
+    sample_every_s: float,
+    pid: int,
+    grpc_target: str | None = None,
+) -> dict:
+    workloads = [Workload(base_url, model, seed=i, grpc_target=grpc_target) for i in range(threads)]
+    warm_up = ["normal", "distinct_schema", "hostile_constraint", "tool_ref_cycle", "cancelled_stream"]
+    if grpc_target is not None:
+        warm_up += ["grpc_normal", "grpc_hostile", "grpc_cancelled_stream"]
+    for case in warm_up:
         getattr(workloads[0], case)()  # warm-up: every path once before the first sample
     samples = [(0.0, rss_by_role(pid))]
     errors: list[str] = []
@@ -192,10 +208,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration-s", type=float, default=180.0)
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--sample-every-s", type=float, default=20.0)
-    parser.add_argument("--request-timeout-s", type=float, default=5.0, help="the server's http_request_timeout_s")
+    parser.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=5.0,
+        help="the server's http_request_timeout_s and grpc.request_timeout_s",
+    )
     parser.add_argument(
         "--server-args", default="", help="more `splitserve serve` flags, e.g. '--grammar.cache-size 32'"
     )
+    parser.add_argument("--no-grpc", action="store_true", help="HTTP cases only (no gRPC calls in the mix)")
     parser.add_argument("--warmup-s", type=float, default=300.0, help="RSS growth is measured from here on")
     parser.add_argument("--plot", help="draw the RSS curve to this PNG")
     parser.add_argument("--bound-mib", type=float, help="the stated bound on growth after warm-up (drawn dashed)")
@@ -216,11 +238,12 @@ def main(argv: list[str] | None = None) -> int:
 
         model = str(write_random_checkpoint(tempfile.mkdtemp(prefix="hostile-model-"), preset="small"))
     result = {"commit": source_commit(), "isolation_cost": isolation_cost(model)}
+    grpc_port = find_free_port()
     command = DEFAULT_SERVER.format(
         python=sys.executable,
         model=model,
         port="{port}",
-        grpc_port=find_free_port(),
+        grpc_port=grpc_port,
         request_timeout=args.request_timeout_s,
     )
     if args.server_args:
@@ -231,7 +254,10 @@ def main(argv: list[str] | None = None) -> int:
 
         model_id = httpx.get(f"{served}/v1/models", timeout=10).json()["data"][0]["id"]
         result["server_pid_before"] = server.pid
-        result.update(run_workload(served, model_id, args.duration_s, args.threads, args.sample_every_s, server.pid))
+        grpc_target = None if args.no_grpc else f"127.0.0.1:{grpc_port}"
+        result.update(
+            run_workload(served, model_id, args.duration_s, args.threads, args.sample_every_s, server.pid, grpc_target)
+        )
         result["health_after"] = httpx.get(f"{served}/health", timeout=10).json()
     result["command"] = " ".join(["python -m splitserve.bench.hostile_input", *(argv or sys.argv[1:])])
     result["rss_summary"] = rss_summary(result["rss_samples"], args.warmup_s)
