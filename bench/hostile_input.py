@@ -8,7 +8,11 @@ The mix (bench/hostile_workload.py): ordinary completions, JSON schemas no earli
 used (grammar cache churn), the hostile constraints of issue #28 (10,000-deep GBNF chain and
 JSON, `a{1000000}`, `{"$ref": "#"}`, tools referring to themselves, empty languages),
 streams cancelled mid-way, half-sent requests (closed by the server's request timeout) and
-garbage bodies. Results print as JSON; bench/results/hostile_input.md is the write-up.
+garbage bodies; over gRPC (unless --no-grpc) ordinary and hostile-constraint Generate calls,
+cancelled streams, and calls whose request message never comes. Results print as JSON;
+bench/results/hostile_input.md is the write-up.
+
+  python -m splitserve.bench.hostile_input --duration-s 1800 --sample-every-s 5 --plot rss.png --bound-mib 32
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ ROLES = {
 }
 DEFAULT_SERVER = (
     "{python} -m splitserve.cluster.cli.main serve --model {model} --http-port {port} --grpc-port {grpc_port} "
-    "--prefill-replicas 1 --decode-replicas 1 --num-cpus 4 --http-request-timeout-s {request_timeout}"
+    "--prefill-replicas 1 --decode-replicas 1 --num-cpus 4 --http-request-timeout-s {request_timeout} "
+    "--grpc.request-timeout-s {request_timeout}"
 )
 
 
@@ -109,9 +114,20 @@ def isolation_cost(model_dir: str, cold: int = 20, cached: int = 2000) -> dict[s
     }
 
 
-def run_workload(base_url: str, model: str, duration_s: float, threads: int, sample_every_s: float, pid: int) -> dict:
-    workloads = [Workload(base_url, model, seed=i) for i in range(threads)]
-    for case in ("normal", "distinct_schema", "hostile_constraint", "tool_ref_cycle", "cancelled_stream"):
+def run_workload(
+    base_url: str,
+    model: str,
+    duration_s: float,
+    threads: int,
+    sample_every_s: float,
+    pid: int,
+    grpc_target: str | None = None,
+) -> dict:
+    workloads = [Workload(base_url, model, seed=i, grpc_target=grpc_target) for i in range(threads)]
+    warm_up = ["normal", "distinct_schema", "hostile_constraint", "tool_ref_cycle", "cancelled_stream"]
+    if grpc_target is not None:
+        warm_up += ["grpc_normal", "grpc_hostile", "grpc_cancelled_stream"]
+    for case in warm_up:
         getattr(workloads[0], case)()  # warm-up: every path once before the first sample
     samples = [(0.0, rss_by_role(pid))]
     errors: list[str] = []
@@ -143,28 +159,91 @@ def run_workload(base_url: str, model: str, duration_s: float, threads: int, sam
     return {"rss_samples": samples, "counts": counts, "errors": errors[:20], "num_errors": len(errors)}
 
 
+def rss_summary(samples: list, warmup_s: float) -> dict[str, dict[str, float]]:
+    """Per role, MiB: at the first sample, at the end of warm-up (the first sample at or past
+    warmup_s), the most after it, and at the end; growth_after_warmup is the most minus the
+    warm-up value (what a stated bound is checked against)."""
+    warm = next((rss for t, rss in samples if t >= warmup_s), samples[-1][1])
+    out = {}
+    for role in samples[0][1]:
+        after = [rss[role] for t, rss in samples if t >= warmup_s] or [warm[role]]
+        out[role] = {
+            "start": samples[0][1][role],
+            "after_warmup": warm[role],
+            "max_after_warmup": max(after),
+            "end": samples[-1][1][role],
+            "growth_after_warmup": round(max(after) - warm[role], 1),
+        }
+    return out
+
+
+def plot_rss(samples: list, path: str, warmup_s: float, bound_mib: float | None = None) -> None:
+    """One line per role: RSS growth since the first sample (MiB), the warm-up shaded, the
+    stated bound (growth after warm-up) dashed above each role's warm-up value."""
+    from splitserve.bench.plots import plt
+
+    figure, axis = plt.subplots(figsize=(8, 4.5))
+    minutes = [t / 60 for t, _ in samples]
+    summary = rss_summary(samples, warmup_s)
+    for role in samples[0][1]:
+        first = samples[0][1][role]
+        (line,) = axis.plot(minutes, [rss[role] - first for _, rss in samples], label=f"{role} ({first:.0f} MiB at 0)")
+        if bound_mib is not None:
+            limit = summary[role]["after_warmup"] - first + bound_mib
+            axis.hlines(limit, warmup_s / 60, minutes[-1], colors=line.get_color(), linestyles="dashed", linewidth=0.8)
+    axis.axvspan(0, warmup_s / 60, color="0.92", label="warm-up")
+    axis.set_xlabel("minutes into the mixed hostile workload")
+    axis.set_ylabel("RSS growth since the first sample (MiB)")
+    title = "Worker RSS, mixed hostile workload (1P+1D, CPU)"
+    axis.set_title(title + (f"\ndashed: the bound, warm-up value + {bound_mib:g} MiB" if bound_mib is not None else ""))
+    axis.legend(loc="upper left", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="checkpoint directory (default: the `small` preset, random weights)")
     parser.add_argument("--duration-s", type=float, default=180.0)
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--sample-every-s", type=float, default=20.0)
-    parser.add_argument("--request-timeout-s", type=float, default=5.0, help="the server's http_request_timeout_s")
+    parser.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=5.0,
+        help="the server's http_request_timeout_s and grpc.request_timeout_s",
+    )
     parser.add_argument(
         "--server-args", default="", help="more `splitserve serve` flags, e.g. '--grammar.cache-size 32'"
     )
+    parser.add_argument("--no-grpc", action="store_true", help="HTTP cases only (no gRPC calls in the mix)")
+    parser.add_argument("--warmup-s", type=float, default=300.0, help="RSS growth is measured from here on")
+    parser.add_argument("--plot", help="draw the RSS curve to this PNG")
+    parser.add_argument("--bound-mib", type=float, help="the stated bound on growth after warm-up (drawn dashed)")
+    parser.add_argument(
+        "--from-results", help="a results JSON this bench printed: summarize (and --plot) it, run nothing"
+    )
     args = parser.parse_args(argv)
+    if args.from_results:
+        with open(args.from_results) as f:
+            samples = json.load(f)["rss_samples"]
+        print(json.dumps(rss_summary(samples, args.warmup_s), indent=1))
+        if args.plot:
+            plot_rss(samples, args.plot, args.warmup_s, args.bound_mib)
+        return 0
     model = args.model
     if model is None:
         from splitserve.engine.builtin_models.make_model import write_random_checkpoint
 
         model = str(write_random_checkpoint(tempfile.mkdtemp(prefix="hostile-model-"), preset="small"))
     result = {"commit": source_commit(), "isolation_cost": isolation_cost(model)}
+    grpc_port = find_free_port()
     command = DEFAULT_SERVER.format(
         python=sys.executable,
         model=model,
         port="{port}",
-        grpc_port=find_free_port(),
+        grpc_port=grpc_port,
         request_timeout=args.request_timeout_s,
     )
     if args.server_args:
@@ -175,9 +254,15 @@ def main(argv: list[str] | None = None) -> int:
 
         model_id = httpx.get(f"{served}/v1/models", timeout=10).json()["data"][0]["id"]
         result["server_pid_before"] = server.pid
-        result.update(run_workload(served, model_id, args.duration_s, args.threads, args.sample_every_s, server.pid))
+        grpc_target = None if args.no_grpc else f"127.0.0.1:{grpc_port}"
+        result.update(
+            run_workload(served, model_id, args.duration_s, args.threads, args.sample_every_s, server.pid, grpc_target)
+        )
         result["health_after"] = httpx.get(f"{served}/health", timeout=10).json()
     result["command"] = " ".join(["python -m splitserve.bench.hostile_input", *(argv or sys.argv[1:])])
+    result["rss_summary"] = rss_summary(result["rss_samples"], args.warmup_s)
+    if args.plot:
+        plot_rss(result["rss_samples"], args.plot, args.warmup_s, args.bound_mib)
     print(json.dumps(result, indent=1, default=str))
     return 0
 

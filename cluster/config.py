@@ -15,6 +15,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from splitserve.cluster.default_model import DEFAULT_MODEL_NAME
+from splitserve.cluster.grpc_connection_config import GrpcConnectionConfig
 from splitserve.cluster.model_entry_config import ModelEntryConfig, check_unique_served_names, deep_merge
 from splitserve.cluster.pool_config import (  # noqa: F401 (re-exported: ServeConfig's field types)
     AutoscalingConfig,
@@ -190,6 +191,8 @@ class ServeConfig(_Strict):
     """gRPC address."""
     grpc_port: int = Field(50051, ge=0, le=65535)
     """gRPC port."""
+    grpc: GrpcConnectionConfig = Field(default_factory=GrpcConnectionConfig)
+    """gRPC connection limits: handshake and request-message timeout, idle timeout, keepalive, caps."""
     api_key: str | None = None
     """Require 'Authorization: Bearer KEY' (env SPLITSERVE_API_KEY)."""
     max_queued_requests: int = Field(256, ge=1)

@@ -1,4 +1,4 @@
-"""Hand-written hostile requests for tests/cluster/frontend/test_hostile_input.py."""
+"""Hand-written hostile requests for the hostile-input tests (tests/cluster/frontend/hostile/)."""
 
 from __future__ import annotations
 
@@ -122,3 +122,56 @@ def hostile_constraints() -> dict:
         ),
         "%json self-reference": (GrammarSpec("grammar", 'start: x\nx: %json {"$ref": "#"}'), "never be satisfied"),
     }
+
+
+# Refusals of schema-valid requests that /openapi.json cannot state: they depend on state (the
+# model's length, this test's 4-block KV cache), compare two fields, or judge the language
+# inside a string (a regex, grammar or schema that does not parse or compile).
+POSITIVE_REFUSALS = (
+    "exceeds the model's context",  # state: prompt + max_tokens vs the model's length
+    "KV cache",  # state: the pools' cache size
+    "min_tokens must be",  # relational: min_tokens <= max_tokens
+    "prompts x n",  # relational: prompts x n <= 128
+    "give one output constraint",  # relational: two constraint fields at once
+    "tool function names must be unique",  # relational: across the tools list
+    "which is not among the tools",  # relational: tool_choice vs tools
+    "invalid ",  # a regex / grammar / schema string that does not compile
+    "can never be satisfied",  # a schema or grammar no output matches
+    "grammar.max_",  # a constraint over a configured bound
+)
+
+
+def _pb2():
+    from splitserve.proto import load_stubs
+
+    return load_stubs()[0]
+
+
+HOSTILE_HTTP = [
+    ("/v1/completions", {"guided_grammar": deep_gbnf_chain(10_000)}, "guided_grammar", "max_rules"),
+    ("/v1/completions", {"guided_json": deep_json(10_000)}, "guided_json", "levels deep"),
+    ("/v1/completions", {"structured_outputs": {"json": "[" * 10_000 + "]" * 10_000}}, "structured_outputs", "deep"),
+    ("/v1/completions", {"guided_regex": "a{1000000}"}, "guided_regex", "max_regex_repeat"),
+    (
+        "/v1/chat/completions",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
+        "response_format",
+        "never be satisfied",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}],
+            "tool_choice": "required",
+        },
+        "tools[0].function.parameters",
+        "never be satisfied",
+    ),
+    ("/v1/completions", {"guided_regex": "[^\\s\\S]"}, "guided_regex", "never be satisfied"),
+]
+HOSTILE_GRPC = [
+    (_pb2().GenerateRequest(text="x", grammar=deep_gbnf_chain(10_000)), "grammar", "max_rules"),
+    (_pb2().GenerateRequest(text="x", json_schema=deep_json(10_000)), "json_schema", "levels deep"),
+    (_pb2().GenerateRequest(text="x", regex="a{1000000}"), "regex", "max_regex_repeat"),
+    (_pb2().GenerateRequest(text="x", json_schema='{"$ref": "#"}'), "json_schema", "never be satisfied"),
+]

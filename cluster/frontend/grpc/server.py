@@ -28,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 
 from splitserve.cluster.frontend.grpc.health import BackendHealthServicer
 from splitserve.cluster.frontend.grpc.messages import generate_response, oneof_conflict, sampling_params_from
+from splitserve.cluster.frontend.grpc.request_arrival import RequestArrivalTimeout
 from splitserve.cluster.frontend.http.errors import retry_after
 from splitserve.cluster.frontend.model_catalog import ModelCatalog
 from splitserve.cluster.frontend.model_router.request_features import RequestFeatures
@@ -187,11 +188,15 @@ class GrpcFrontend:
         """Listen on host:port (0: a free port) and serve; returns the bound port."""
         if self._server is not None:
             raise GrpcFrontendError(f"the gRPC frontend is already serving on port {self.port}")
+        limits = self.backend.cfg.grpc  # slow, idle and too many clients (cluster/grpc_connection_config.py)
         server = grpc.aio.server(
+            interceptors=[RequestArrivalTimeout(limits.request_timeout_s)],
             options=[
                 ("grpc.max_receive_message_length", self._max_message_bytes),
                 ("grpc.so_reuseport", 1 if self._share_port else 0),
-            ]
+                *limits.server_options(),
+            ],
+            maximum_concurrent_rpcs=limits.max_concurrent_rpcs,
         )
         server.add_generic_rpc_handlers((self._service_handler(),))
         health = BackendHealthServicer(self.catalog, [SERVICE_NAME], self._health_poll_interval_s)
