@@ -18,6 +18,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from splitserve.cluster.frontend.openai.unsupported import UNSUPPORTED_PARAMETERS
 from splitserve.engine.sample.grammar_spec import MAX_CHOICES
 
 GENERATION = ("CompletionRequest", "ChatCompletionRequest")
@@ -78,6 +79,10 @@ def bound_schema(schema: dict, model_names: list[str], vocab_size: int | None) -
         # cannot generate from `not`, and `dependencies` across these fields defeats it too.
         components[name]["dependencies"] = {}
         components[name]["dependencies"]["prompt_logprobs"] = {"properties": {"stream": {"const": False}}}
+        # Unimplemented parameters ride in the open extra fields; stated here with the only
+        # values accepted (a client generating arbitrary extras must not pick these names).
+        for param, (neutral, reason) in UNSUPPORTED_PARAMETERS.items():
+            props.setdefault(param, {"enum": list(neutral), "description": f"not supported: {reason}"})
     completion = components["CompletionRequest"]["properties"]
     completion["best_of"] = _optional(
         {"type": "integer", "enum": [1], "description": "1 (or equal to n): every generated choice is returned"}
