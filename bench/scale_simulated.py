@@ -137,9 +137,9 @@ async def measure(
         out["idle_polls_per_s"] = (probe.polls - polls0) / (time.monotonic() - t0)
         out["probe_round_ms_p50"] = pct(probe.probe_s, 50) * 1e3
         out["probe_round_ms_p99"] = pct(probe.probe_s, 99) * 1e3
-        await cluster.dispatcher.stop_polling()
+        await cluster.dispatcher.stop_following()
         out["idle_cpu_share_no_ingress_poll"] = await cpu_share(idle_s)
-        cluster.dispatcher.start_polling()
+        cluster.dispatcher.start_following()
         view_start = time.perf_counter()
         for _ in range(20):
             view = cluster.controller.view().to_bytes()
