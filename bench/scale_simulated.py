@@ -261,6 +261,36 @@ async def measure_mode(
     await asyncio.sleep(1.0)  # the cancelled requests' blocks go back
 
 
+def frame_cost_us(frames: int = 20000) -> dict:
+    """An ingress's CPU per pushed frame, in process (no sockets, no load): decode one
+    ReplicaState (a busy replica's: load figures and one KV event of 2 blocks) and apply it
+    as PushedState does (events to the index, load to the router). Median of 20 batches."""
+    from splitserve.cluster.routing.load import LoadReport
+    from splitserve.proto.messages.engine_stats import EngineStats
+    from splitserve.proto.messages.kv_events import REMOVED, STORED, KVEvent
+    from splitserve.proto.messages.poll_reply import PollReply, TransferTotals
+    from splitserve.proto.messages.request_channel import ReplicaState, encode_frame
+
+    router = Router(ServeConfig().router, block_size=16)
+    router.add_replica(DECODE, "d", (0, []))
+    stats = EngineStats(3000, 4096, 0.27, 48, 3, 900, 0, 123456, 654321, kv_block_bytes=2 << 20)
+    bodies = []
+    for seq in range(1, frames + 1):
+        kind = STORED if seq % 2 else REMOVED  # stored then removed again: the index stays small
+        hashes = (seq // 2 * 2 + 1, seq // 2 * 2 + 2)
+        reply = PollReply([KVEvent(seq, kind, hashes)], stats, 0, 48, TransferTotals(seq, seq << 20, 0.1))
+        bodies.append(encode_frame(ReplicaState(seq, reply))[4:])
+    batches = []
+    for b in range(20):
+        start = time.perf_counter()
+        for body in bodies[b * frames // 20 : (b + 1) * frames // 20]:
+            frame = request_channel_client.decode_to_ingress(body)
+            router.apply_events(DECODE, "d", frame.reply.events)
+            router.update_load(DECODE, "d", LoadReport.from_poll(frame.reply))
+        batches.append((time.perf_counter() - start) / (frames // 20) * 1e6)
+    return {"frame_cost_us": statistics.median(batches), "frame_bytes": len(bodies[-1])}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint directory (tokenizer + config.json; default: small)")
@@ -272,7 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-s", type=float, default=8.0, help="load before the window opens")
     parser.add_argument("--modes", default="poll,push", help="replica_state.updates modes, each on the same cluster")
     parser.add_argument("--out", required=True, help="JSON lines, one per size and mode")
+    parser.add_argument("--frame-cost", action="store_true", help="only print an ingress's CPU per pushed frame")
     args = parser.parse_args(argv)
+    if args.frame_cost:
+        print(json.dumps(frame_cost_us()))
+        return 0
     from splitserve.cluster.default_model import resolve_model
 
     model = resolve_model(args.model)

@@ -91,7 +91,7 @@ class PushedState:
             resync, member.needs_resync = member.needs_resync, False
             if not self.replicas.apply_now(pool, member, reply, resync):
                 member.resyncing = True  # before the task runs: later frames wait for the snapshot
-                self._spawn(self._resync(pool, member))
+                self._spawn(self.resync(pool, member))
 
     def flush_all(self) -> None:
         for pool, members in self.replicas.members.items():
@@ -99,8 +99,9 @@ class PushedState:
                 if member.pending:
                     self.flush(pool, member)
 
-    async def _resync(self, pool: str, member: Member) -> None:
-        """One snapshot of the replica, then the frames held meanwhile."""
+    async def resync(self, pool: str, member: Member) -> None:
+        """One snapshot of the replica, then the frames held meanwhile (the caller has set
+        member.resyncing, so frames arriving from then on wait)."""
         from splitserve.cluster.ingress.routed_replicas import REPLICA_GONE
 
         replicas, rid = self.replicas, member.info.replica_id
@@ -116,18 +117,18 @@ class PushedState:
             member.needs_resync = True
         finally:
             member.resyncing = False
-        if replicas.members[pool].get(rid) is member:
-            self.flush(pool, member)
+        if replicas.members[pool].get(rid) is member and not replicas.reading_view_now():
+            self.flush(pool, member)  # else reading_view flushes when it ends
 
     def _on_lost(self, pool: str, member: Member) -> None:
         """The subscribed connection ended: poll once (is it dead?), then subscribe again."""
         self._spawn(self._check(pool, member))
 
     async def _check(self, pool: str, member: Member) -> None:
+        # Not under the view lock: a hung replica must not hold every other replica's frames.
         replicas = self.replicas
         self.num_fallback_polls += 1
-        async with replicas.reading_view():
-            await replicas.poll_replica(pool, member)
+        await replicas.poll_replica(pool, member)
         if replicas.following and replicas.members[pool].get(member.info.replica_id) is member:
             await self.subscribe(pool, member)
 
@@ -167,8 +168,7 @@ class PushedState:
 
     async def _check_without_subscribing(self, pool: str, member: Member) -> None:
         self.num_fallback_polls += 1
-        async with self.replicas.reading_view():
-            await self.replicas.poll_replica(pool, member)
+        await self.replicas.poll_replica(pool, member)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

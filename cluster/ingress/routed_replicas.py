@@ -251,21 +251,12 @@ class RoutedReplicas:
             return
         await self.apply_state(pool, member, poll)
 
-    async def apply_state(self, pool: str, member: Member, reply: PollReply, resync: bool = False) -> bool:
-        """Apply a replica's reply (polled or pushed): events, load, or that it stopped. resync:
-        frames were lost, take a snapshot whatever the events say. False: it needs a resync
-        (done here when awaited from a poll; see PushedState for pushes)."""
-        rid = member.info.replica_id
-        if not self.apply_now(pool, member, reply, resync):
-            try:
-                snapshot = await asyncio.wait_for(member.handle.snapshot.remote(), 10)
-            except REPLICA_GONE:
-                self.drop_dead(pool, rid, "is dead")
-                return False
-            if self.members[pool].get(rid) is member:
-                self.router.resync(pool, rid, snapshot)
-            return False
-        return True
+    async def apply_state(self, pool: str, member: Member, reply: PollReply) -> None:
+        """Apply a polled reply: events, load, or that it stopped; a replica whose index
+        needs it is resynced from one snapshot (pushed frames wait meanwhile)."""
+        if not self.apply_now(pool, member, reply) and not member.resyncing:
+            member.resyncing = True
+            await self.pushed.resync(pool, member)
 
     def apply_now(self, pool: str, member: Member, reply: PollReply, resync: bool = False) -> bool:
         """The synchronous part of apply_state; False: the replica's index needs a snapshot."""
