@@ -283,6 +283,8 @@ class RoutedReplicas:
     async def close(self) -> None:
         """Stop following and close every request channel."""
         await self.stop_following()
+        for task in self.pushed.tasks:  # resyncs and fallback polls: nobody needs them now
+            task.cancel()
         for members in self.members.values():
             for member in members.values():
                 if member.channel is not None:
