@@ -36,7 +36,9 @@ def cluster(ray_cluster, tiny_model, loop):
         num_decode=2,
         policy="kv",
         num_blocks=256,
-        replica_state={"heartbeat_s": 0.5},
+        # Default heartbeat (1 s): a replica is "silent" after 3 s, far from the 0.1 s between
+        # frames while requests run, so a lost frame is seen as a jump, not a resubscription.
+        replica_state={"heartbeat_s": 1.0},
         controller={"probe_interval_s": 0.2},
         **SIMULATED,
     )
