@@ -96,6 +96,25 @@ class ControllerConfig(_Strict):
         return self
 
 
+class ReplicaStateConfig(_Strict):
+    """How every ingress follows each replica's KV events and load (its router's view)."""
+
+    updates: Literal["push", "poll"] = "push"
+    """push: each replica pushes its KV events and load to the subscribed ingresses over their request channel (coalesced, on change); poll: each ingress polls each replica every poll_interval_s (a Ray call each; cost grows with replicas x ingresses)."""
+    push_interval_s: float = Field(0.1, gt=0)
+    """A replica pushes what changed at most this often (KV events and load are coalesced in between)."""
+    heartbeat_s: float = Field(1.0, gt=0)
+    """A replica with nothing new pushes a heartbeat this often; after 3 missed ones the ingress polls it instead."""
+    poll_interval_s: float = Field(0.1, gt=0)
+    """Seconds between an ingress's polls of every replica (updates: poll)."""
+
+    @model_validator(mode="after")
+    def _check_heartbeat(self) -> ReplicaStateConfig:
+        if self.heartbeat_s < self.push_interval_s:
+            raise ValueError("heartbeat_s must be >= push_interval_s")
+        return self
+
+
 class PriorityConfig(_Strict):
     """Priority classes: `interactive` (the default) and `batch` (the Batch API's lines, or a
     request with the header x-splitserve-priority-class: batch). A request's `priority`
@@ -183,6 +202,8 @@ class ServeConfig(_Strict):
     """The ingress replicas (HTTP, gRPC, routing)."""
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
     """The controller of the prefill and decode pools."""
+    replica_state: ReplicaStateConfig = Field(default_factory=ReplicaStateConfig)
+    """How each ingress follows the replicas' KV events and load: pushed (default) or polled."""
     http_host: str = "127.0.0.1"
     """OpenAI HTTP address (0.0.0.0: all interfaces)."""
     http_port: int = Field(8000, ge=0, le=65535)

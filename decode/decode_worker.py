@@ -1,5 +1,5 @@
 """DecodeWorker (a Ray actor): takes requests from the ingresses over its request channel
-(decode/request_channel_server.py), reserves blocks for each prompt, pulls the ones it lacks from a
+(engine/replica_channel_server.py), reserves blocks for each prompt, pulls the ones it lacks from a
 prefill replica over torch.distributed, then runs the request in its continuous batch. With
 no prefill replica named it prefills locally (conditional disaggregation, colocated mode).
 
@@ -23,13 +23,13 @@ import time
 from dataclasses import dataclass
 
 from splitserve.decode.prefill_client import PrefillClient, PrefillFailedError, ReplicaBusyError, short_error
-from splitserve.decode.request_channel_server import IngressConnection, RequestChannelServer
 from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.engine_errors import EngineLoopStopped, EngineStepError
 from splitserve.engine.engine_worker import EngineWorker
 from splitserve.engine.io.block_reservation import BlockReservation
 from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.io.sampling_params import SamplingParams
+from splitserve.engine.replica_channel_server import IngressConnection
 from splitserve.kvtransfer.kv_link import open_replica_link
 from splitserve.proto.messages.handoff import StreamChunk
 from splitserve.proto.messages.poll_reply import TransferTotals
@@ -58,6 +58,8 @@ class DecodeWorker(EngineWorker):
         torch_threads: int | None = None,
         reserve_timeout_s: float = 30.0,
         namespace: str | None = None,
+        state_push_interval_s: float = 0.1,
+        state_heartbeat_s: float = 1.0,
     ):
         super().__init__(
             replica_id,
@@ -67,31 +69,19 @@ class DecodeWorker(EngineWorker):
             torch_threads,
             namespace=namespace,
             open_transport=open_replica_link,
+            state_push_interval_s=state_push_interval_s,
+            state_heartbeat_s=state_heartbeat_s,
         )
         self.reserve_timeout_s = reserve_timeout_s
         self.prefill = PrefillClient(replica_id, self.transport, namespace, transfer_timeout_s)
         self._requests: dict[str, _Request] = {}
         self._outputs: list[tuple[str, RequestOutput | Exception]] = []  # loop thread: since the last flush
-        self._event_loop: asyncio.AbstractEventLoop | None = None
-        self._channel: RequestChannelServer | None = None
-        self._channel_lock = asyncio.Lock()
         self.admission_delay_s = 0.0  # chaos testing: see delay_admission
         self.start_loop(flush_outputs=self._flush_outputs)
 
     # ---- the request channel -------------------------------------------------------------
-    async def ready(self) -> str:
-        await self.channel_address()
-        return self.replica_id
-
-    async def channel_address(self) -> tuple[str, int]:
-        """Where ingresses connect (ReplicaInfo.channel_address); the server starts on first call."""
-        async with self._channel_lock:
-            if self._channel is None:
-                self._event_loop = asyncio.get_running_loop()
-                channel = RequestChannelServer(self.replica_id, self._on_submit, self._on_abort, self._on_close)
-                await channel.start(self.host)
-                self._channel = channel
-        return self._channel.address
+    def _request_callbacks(self):
+        return self._on_submit, self._on_abort, self._on_close
 
     def _on_submit(self, conn: IngressConnection, submit: Submit) -> None:
         rid = submit.request_id
@@ -209,8 +199,8 @@ class DecodeWorker(EngineWorker):
     def _flush_outputs(self) -> None:
         """Engine loop thread, once per step that produced outputs: one hand-over for all."""
         items, self._outputs = self._outputs, []
-        if items and self._event_loop is not None:
-            self._event_loop.call_soon_threadsafe(self._send_outputs, items)
+        if items and self.event_loop is not None:
+            self.event_loop.call_soon_threadsafe(self._send_outputs, items)
 
     def _send_outputs(self, items: list[tuple[str, RequestOutput | Exception]]) -> None:
         """Actor event loop: group a step's outputs by connection; one write per connection."""
@@ -285,8 +275,3 @@ class DecodeWorker(EngineWorker):
         """A prefill replica left, or closed its side of the pair (epoch: the one it closed;
         a newer pair is kept): drop ours too."""
         self.prefill.forget_peer(prefill_id, epoch)
-
-    async def shutdown(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
-        await super().shutdown()

@@ -26,13 +26,18 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import msgspec
+
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine_errors import EngineLoopStopped
 from splitserve.engine.engine_factory import build_engine
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.engine_protocol import EngineProtocol, LayerHookFactory
+from splitserve.engine.replica_channel_server import IngressConnection, ReplicaChannelServer
+from splitserve.engine.state_publisher import StatePublisher
 from splitserve.proto.messages.kv_events import KVEvent
 from splitserve.proto.messages.poll_reply import PollReply, ReplicaStatus, TransferTotals
+from splitserve.proto.messages.request_channel import Submit
 
 
 class PeerTransport(Protocol):
@@ -62,6 +67,8 @@ class EngineWorker:
         namespace: str | None = None,
         *,
         open_transport: OpenTransport,
+        state_push_interval_s: float = 0.1,
+        state_heartbeat_s: float = 1.0,
     ):
         config = EngineConfig(**engine_config)
         if torch_threads and config.engine == "real":
@@ -77,6 +84,10 @@ class EngineWorker:
         # Recent KV events for the ingresses that follow this replica, each from its own
         # position (poll's since_seq); one that fell behind the log resyncs from snapshot().
         self.events: deque[KVEvent] = deque(maxlen=event_log_size)
+        self.publisher = StatePublisher(self._read_state, self.events_after, state_push_interval_s, state_heartbeat_s)
+        self._channel: ReplicaChannelServer | None = None
+        self._channel_lock = asyncio.Lock()
+        self.event_loop: asyncio.AbstractEventLoop | None = None
 
     def start_loop(self, layer_hook: LayerHookFactory | None = None, after_step=None, flush_outputs=None) -> None:
         """Start the engine thread; a subclass calls it once its own state (which the hooks
@@ -95,11 +106,24 @@ class EngineWorker:
 
     # ---- actor methods -------------------------------------------------------------------
     async def ready(self) -> str:
+        await self.channel_address()
         return self.replica_id
 
-    async def channel_address(self) -> tuple[str, int] | None:
-        """Where ingresses send requests (a decode replica's request channel); None here."""
-        return None
+    async def channel_address(self) -> tuple[str, int]:
+        """Where ingresses connect (ReplicaInfo.channel_address): for pushed state, and on a
+        decode replica for requests; the server starts on first call."""
+        async with self._channel_lock:
+            if self._channel is None:
+                self.event_loop = asyncio.get_running_loop()  # the actor's: where channel writes happen
+                channel = ReplicaChannelServer(self.replica_id, *self._request_callbacks(), self.publisher.subscribe)
+                await channel.start(self.host)
+                self._channel = channel
+        assert self._channel.address is not None  # set by start()
+        return self._channel.address
+
+    def _request_callbacks(self) -> tuple[Callable[[IngressConnection, Submit], None] | None, Any, Any]:
+        """(on_submit, on_abort, on_close) for the channel; a replica that takes no requests: None."""
+        return None, None, None
 
     async def probe(self) -> bytes:
         """Load and health without KV events, for the controller (the events are the
@@ -112,6 +136,14 @@ class EngineWorker:
         controller's probe) asks for no events. Events older than the log are gone: the
         follower sees a sequence gap and resyncs from snapshot()."""
 
+        state = await self._read_state()
+        if since_seq is not None and state.is_serving:
+            state = msgspec.structs.replace(state, events=self.events_after(since_seq))
+        return state.to_bytes()
+
+    async def _read_state(self) -> PollReply:
+        """Load and health (no events), having moved the engine's new KV events into the log."""
+
         def collect(engine: EngineProtocol):
             self.events.extend(engine.take_events())  # the one reader of the engine's events
             return engine.stats(), self.num_pinned()
@@ -119,14 +151,14 @@ class EngineWorker:
         try:
             stats, num_pinned = await asyncio.wrap_future(self.loop.call(collect))
         except EngineLoopStopped:
-            return (await self._stopped_reply()).to_bytes()
+            return await self._stopped_reply()
         return PollReply(
-            events=self.events_after(since_seq),
+            events=[],
             engine=stats,
             num_pinned=num_pinned,
             num_active=self.num_active,
             transfer=self.transfer_totals(),
-        ).to_bytes()
+        )
 
     def events_after(self, since_seq: int | None) -> list[KVEvent]:
         if since_seq is None or not self.events or self.events[-1].seq <= since_seq:
@@ -155,14 +187,24 @@ class EngineWorker:
         await asyncio.to_thread(self.transport.close_pair, peer_id, epoch)
 
     async def inject_fault(
-        self, fail_steps: int = 0, hang_s: float = 0.0, hang_steps: int = 1, stop_loop: bool = False
+        self,
+        fail_steps: int = 0,
+        hang_s: float = 0.0,
+        hang_steps: int = 1,
+        stop_loop: bool = False,
+        skip_state_frames: int = 0,
     ) -> None:
         """Chaos testing, in the engine loop's real code paths (engine/fault_injector.py): the
         next fail_steps steps raise mid-forward; the next hang_steps steps hang hang_s seconds
-        mid-forward; stop_loop stops the loop for good. Each call sets every fault (what it
-        does not name is switched off)."""
+        mid-forward; stop_loop stops the loop for good; the next skip_state_frames pushed
+        state frames reach no subscriber (as for one that fell behind). Each call sets every
+        fault (what it does not name is switched off)."""
         self.loop.inject_faults(fail_steps=fail_steps, hang_s=hang_s, hang_steps=hang_steps, stop_loop=stop_loop)
+        self.publisher.frames_to_skip = skip_state_frames
 
     async def shutdown(self) -> None:
+        await self.publisher.stop()
+        if self._channel is not None:
+            await self._channel.close()
         self.loop.stop()
         self.transport.close()

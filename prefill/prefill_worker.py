@@ -35,6 +35,8 @@ class PrefillWorker(EngineWorker):
         transfer_timeout_s: float = 20.0,
         torch_threads: int | None = None,
         namespace: str | None = None,
+        state_push_interval_s: float = 0.1,
+        state_heartbeat_s: float = 1.0,
     ):
         super().__init__(
             replica_id,
@@ -44,6 +46,8 @@ class PrefillWorker(EngineWorker):
             torch_threads,
             namespace=namespace,
             open_transport=open_replica_link,
+            state_push_interval_s=state_push_interval_s,
+            state_heartbeat_s=state_heartbeat_s,
         )
         self.sender = make_sender(self.transport, self.engine.kv_cache)
         self._jobs: dict[str, SendJob] = {}

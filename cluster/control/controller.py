@@ -2,7 +2,8 @@
 
 It starts the pools (named, detached actors in the app's namespace, cluster/control/
 worker_pool.py), re-adopts the live ones after a restart (same actors, no reload), probes
-every replica for health and load, replaces replicas that died or whose engine loop stopped
+every replica for health and load (reading what each replica pushes to it, replica_state_feed.py,
+and calling probe() only for a replica with no fresh push), replaces replicas that died or whose engine loop stopped
 until each pool is back at its target (with a per-pool exponential backoff against restart
 storms, cluster/control/restart_backoff.py), runs the autoscaler and drains replicas.
 
@@ -30,6 +31,7 @@ from splitserve.cluster.control.ingress_registry import IngressRegistry
 from splitserve.cluster.control.metrics_aggregator import MetricsAggregator
 from splitserve.cluster.control.pool_roster import PoolRoster
 from splitserve.cluster.control.replica_probe import ProbeResult, probe
+from splitserve.cluster.control.replica_state_feed import ReplicaStateFeed
 from splitserve.cluster.control.restart_backoff import RestartBackoff
 from splitserve.cluster.control.worker_pool import Replica, WorkerPool, app_namespace
 from splitserve.cluster.routing.load import LoadReport
@@ -94,6 +96,11 @@ class Controller:
             self.autoscaler = Autoscaler(self, cfg, self.metrics, latency_source=self.recent_latency_ms)
         self._reconciler: asyncio.Task | None = None
         self._last_idle_sweep = clock()
+        self.state_feed = None  # with replica_state.updates "poll", every round probes every replica
+        if cfg.replica_state.updates == "push":
+            self.state_feed = ReplicaStateFeed(
+                f"controller-{app_name}", c.probe_interval_s, cfg.replica_state.heartbeat_s
+            )
 
     # The roster's books, as the autoscaler, the driver API and tests read them.
     namespace = property(lambda self: self.roster.namespace)
@@ -127,6 +134,8 @@ class Controller:
         if self.autoscaler is not None:
             await self.autoscaler.stop()
         await self.pause()
+        if self.state_feed is not None:
+            await self.state_feed.close()
         await self.roster.cancel_tasks()
         # The ingresses stop routing to the pools before they go (a second at most: an
         # ingress that does not answer is going away too).
@@ -284,7 +293,9 @@ class Controller:
     async def reconcile_once(self) -> None:
         """Probe every replica, drop the dead, retire silent ingresses, start what is missing."""
         live = [r for pool in self.pools.values() for r in pool.live_replicas()]
-        results = await asyncio.gather(*(probe(r) for r in live))
+        results = await asyncio.gather(*(self._probe(r) for r in live))
+        if self.state_feed is not None:
+            await self.state_feed.retain({r.replica_id for r in live})
         now = self.clock()
         for replica, result in zip(live, results):
             self._observe(replica, result, now)
@@ -297,6 +308,14 @@ class Controller:
         if now - self._last_idle_sweep > IDLE_PAIR_S / 4:
             self._last_idle_sweep = now
             await self.close_idle_pairs(IDLE_PAIR_S)
+
+    async def _probe(self, replica: Replica) -> ProbeResult:
+        """Its pushed state if fresh, else one probe() call."""
+        if self.state_feed is not None:
+            pushed = await self.state_feed.result(replica)
+            if pushed is not None:
+                return pushed
+        return await probe(replica)
 
     def _observe(self, replica: Replica, result: ProbeResult, now: float) -> None:
         pool = replica.pool

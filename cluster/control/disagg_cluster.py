@@ -34,7 +34,7 @@ class DisaggCluster:
         self,
         cfg: ServeConfig,
         model_dir: str,
-        poll_interval_s: float = 0.1,
+        poll_interval_s: float | None = None,
         on_poll=None,
         controller: ControllerClient | InProcessControllerClient | None = None,
         make_report: Callable[[dict[str, int]], bytes] | None = None,
@@ -47,8 +47,9 @@ class DisaggCluster:
         """controller: the controller deployment's client (an ingress replica); None: run a
         Controller here (autoscale: with its autoscaler). make_report(inflight) -> the
         IngressReport bytes sent with each membership call (default: in-flight counts only).
-        on_poll(pool, replica id, PollReply) / on_drop(pool, replica id): this ingress polled a
-        replica / stopped routing to one. hash_seed: the model's block-hash seed (its engines')."""
+        on_poll(pool, replica id, PollReply) / on_drop(pool, replica id): this ingress applied a
+        replica's state (polled or pushed) / stopped routing to one. poll_interval_s: overrides
+        cfg.replica_state.poll_interval_s. hash_seed: the model's block-hash seed (its engines')."""
         self.cfg = cfg
         self.model_dir = model_dir
         # Names this ingress to the controller and prefixes its request ids (unique per ingress).
@@ -60,9 +61,11 @@ class DisaggCluster:
             lease_s=cfg.kv_transfer_lease_s,
             layerwise=cfg.layerwise_transfer,
             request_timeout_s=cfg.request_timeout_s,
-            poll_interval_s=poll_interval_s,
+            poll_interval_s=poll_interval_s or cfg.replica_state.poll_interval_s,
             on_poll=on_poll,
             on_drop=on_drop,
+            state_updates=cfg.replica_state.updates,
+            heartbeat_s=cfg.replica_state.heartbeat_s,
         )
         self.client = controller
         self.controller: Controller | None = None
@@ -140,7 +143,7 @@ class DisaggCluster:
             await self.controller.start()
         await self.follower.wait_for_view(membership_timeout_s)
         self.follower.start()
-        self.dispatcher.start_polling()
+        self.dispatcher.start_following()
 
     async def shutdown(self) -> None:
         await self.follower.stop()

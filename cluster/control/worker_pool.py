@@ -102,6 +102,8 @@ class WorkerPool:
         transfer_timeout_s: float = 20.0,
         torch_threads: int | None = None,
         start_timeout_s: float = 300.0,
+        state_push_interval_s: float = 0.1,
+        state_heartbeat_s: float = 1.0,
     ):
         self.pool = pool
         self.remote_cls = ray.remote(worker_cls)
@@ -112,6 +114,7 @@ class WorkerPool:
         self.transfer_timeout_s = transfer_timeout_s
         self.torch_threads = torch_threads
         self.start_timeout_s = start_timeout_s
+        self.state_push = {"state_push_interval_s": state_push_interval_s, "state_heartbeat_s": state_heartbeat_s}
         self.replicas: dict[str, Replica] = {}
         self._ids = itertools.count()
         self._name = re.compile(rf"^{re.escape(pool)}-(\d+)$")
@@ -142,6 +145,7 @@ class WorkerPool:
             transport_host=self.transport_host,
             transfer_timeout_s=self.transfer_timeout_s,
             torch_threads=self.torch_threads,
+            **self.state_push,
             namespace=self.namespace,
         )
         replica = Replica(replica_id, self.pool, handle, actor_id=handle._actor_id.hex())
@@ -261,5 +265,7 @@ def pools_for(cfg: ServeConfig, model_dir: str, namespace: str, hash_seed: str |
             transport_host=cfg.transport_host,
             transfer_timeout_s=cfg.kv_transfer_lease_s,
             torch_threads=pool_cfg.torch_threads or max(1, int(pool_cfg.resources.num_cpus)),
+            state_push_interval_s=cfg.replica_state.push_interval_s,
+            state_heartbeat_s=cfg.replica_state.heartbeat_s,
         )
     return pools

@@ -17,6 +17,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Literal
 
 from splitserve.cluster.ingress.request_channel_client import ChannelClosed
 from splitserve.cluster.ingress.routed_replicas import Member, RoutedReplicas
@@ -64,8 +65,12 @@ class Dispatcher(RoutedReplicas):
         poll_interval_s: float = 0.1,
         on_poll: Callable[[str, str, PollReply], None] | None = None,
         on_drop: Callable[[str, str], None] | None = None,
+        state_updates: Literal["push", "poll"] = "push",
+        heartbeat_s: float = 1.0,
     ):
-        super().__init__(router, ingress_id or uuid.uuid4().hex[:8], poll_interval_s, on_poll, on_drop)
+        super().__init__(
+            router, ingress_id or uuid.uuid4().hex[:8], poll_interval_s, on_poll, on_drop, state_updates, heartbeat_s
+        )
         self.max_retries = max_retries
         self.layerwise = layerwise
         self.lease_s = lease_s

@@ -1,10 +1,13 @@
-"""RequestChannelClient: an ingress's one connection to one decode replica's request channel
+"""RequestChannelClient: an ingress's one connection to one replica's request channel
 (proto/messages/request_channel.py), opened on first use and again after it broke.
 
-submit() registers a request and sends its Submit; the reader task fans each TokenBatch out
-to the requests' queues (StreamChunk items), and a Failed to its request. abort() sends an
-Abort for a request still open. When the connection ends, every open request's queue gets a
-ChannelClosed: the dispatcher retries it elsewhere if nothing streamed yet.
+submit() registers a request and sends its Submit (decode replicas); the reader task fans each
+TokenBatch out to the requests' queues (StreamChunk items), and a Failed to its request.
+abort() sends an Abort for a request still open. When the connection ends, every open
+request's queue gets a ChannelClosed: the dispatcher retries it elsewhere if nothing streamed
+yet. subscribe() asks the replica (either pool) to push its state: each ReplicaState frame
+goes to on_state, and on_lost is called once when a subscribed connection ends without
+close() (the replica died, or the channel broke).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Callable
 
 from splitserve.proto.messages.handoff import StreamChunk
 from splitserve.proto.messages.request_channel import (
@@ -20,8 +24,11 @@ from splitserve.proto.messages.request_channel import (
     ChannelError,
     Failed,
     Hello,
+    ReplicaState,
     Submit,
+    Subscribe,
     TokenBatch,
+    Unsubscribe,
     Welcome,
     check_version,
     decode_to_ingress,
@@ -51,6 +58,10 @@ class RequestChannelClient:
         self.num_connects = 0
         self.num_frames = 0  # TokenBatch frames received: one per engine step with output for us
         self.num_chunks = 0
+        self.on_state: Callable[[ReplicaState], None] | None = None
+        self.on_lost: Callable[[], None] | None = None
+        self.subscribed = False
+        self.num_states = 0  # ReplicaState frames received
 
     @property
     def num_open(self) -> int:
@@ -69,9 +80,30 @@ class RequestChannelClient:
         if self._streams.pop(request_id, None) is not None and self._writer is not None:
             self._writer.write(encode_frame(Abort(request_id)))
 
+    async def subscribe(
+        self,
+        since_seq: int,
+        on_state: Callable[[ReplicaState], None],
+        on_lost: Callable[[], None],
+        events: bool = True,
+        interval_s: float = 0.0,
+    ) -> None:
+        """Have the replica push its state (connecting if need be); ChannelClosed if
+        unreachable. events False: load and health only, every interval_s (Subscribe)."""
+        self.on_state, self.on_lost = on_state, on_lost
+        writer = await self._connected()
+        self.subscribed = True
+        writer.write(encode_frame(Subscribe(since_seq, events, interval_s)))
+
+    def unsubscribe(self) -> None:
+        if self.subscribed and self._writer is not None:
+            self._writer.write(encode_frame(Unsubscribe()))
+        self.subscribed = False
+
     async def close(self) -> None:
         """Close for good: open requests fail with ChannelClosed; decode aborts them."""
         self._closed = True
+        self.subscribed = False
         writer, task = self._writer, self._reader_task
         self._lost(ChannelClosed(f"the ingress dropped decode replica {self.replica_id}"))
         if writer is not None:
@@ -123,7 +155,11 @@ class RequestChannelClient:
         try:
             while (body := await read_frame(reader)) is not None:
                 message = decode_to_ingress(body)
-                if isinstance(message, TokenBatch):
+                if isinstance(message, ReplicaState):
+                    self.num_states += 1
+                    if self.subscribed and self.on_state is not None:
+                        self.on_state(message)
+                elif isinstance(message, TokenBatch):
                     self.num_frames += 1
                     self.num_chunks += len(message.chunks)
                     for chunk in message.chunks:
@@ -147,6 +183,10 @@ class RequestChannelClient:
             writer.close()
         if self._writer is writer:
             self._lost(ChannelClosed(f"decode replica {self.replica_id} went away ({reason})"))
+            if self.subscribed and not self._closed:
+                self.subscribed = False
+                if self.on_lost is not None:
+                    self.on_lost()
 
     def _lost(self, error: ChannelClosed) -> None:
         self._writer, self._reader_task = None, None

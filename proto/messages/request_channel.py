@@ -1,8 +1,15 @@
-"""The decode request channel: what an ingress and a decode replica say to each other over the
-one TCP connection the ingress keeps to that replica. No Ray call per request or per token.
+"""The request channel: what an ingress and a replica say to each other over the one TCP
+connection the ingress keeps to that replica. No Ray call per request, per token, or per poll.
 
-    ingress -> decode   Hello (once), Submit, Abort
-    decode -> ingress   Welcome (once), TokenBatch (one per engine step), Failed
+    ingress -> replica  Hello (once), Submit, Abort (decode only), Subscribe, Unsubscribe
+    replica -> ingress  Welcome (once), TokenBatch (one per engine step), Failed (decode only),
+                        ReplicaState (pushed KV events and load, both pools)
+
+A decode replica takes requests and pushes its state; a prefill replica only pushes its state
+(its channel refuses a Submit). ReplicaState frames are numbered per replica (`seq`, one
+counter for all of its subscribers): an ingress that sees a jump lost frames (the replica
+skips a subscriber that stopped reading) and resyncs from one snapshot; the KV events inside
+keep their own per-replica numbers, as in a poll reply.
 
 A frame is a 4-byte big-endian length and one msgspec msgpack message of a tagged union, so
 a frame of another kind or a malformed one is refused with a clear ChannelError. The
@@ -24,8 +31,9 @@ import msgspec
 
 from splitserve.proto.messages.codec import MessageError
 from splitserve.proto.messages.handoff import StreamChunk
+from splitserve.proto.messages.poll_reply import PollReply
 
-CHANNEL_VERSION = 1
+CHANNEL_VERSION = 2  # 2: Subscribe, Unsubscribe, ReplicaState
 MAX_FRAME_BYTES = 64 << 20  # a prompt of a few million tokens; anything bigger is garbage
 _HEADER = struct.Struct("!I")
 M = TypeVar("M")
@@ -90,8 +98,32 @@ class Failed(msgspec.Struct, tag="failed", forbid_unknown_fields=True):
     message: str  # short and client-safe: no traceback, path or pid
 
 
-ToDecode = Hello | Submit | Abort
-ToIngress = Welcome | TokenBatch | Failed
+class Subscribe(msgspec.Struct, tag="subscribe", forbid_unknown_fields=True):
+    """Push this replica's state to me: at once (the KV events after since_seq still in the
+    replica's log, and its load), then whenever it changes, at most every push interval, and
+    at least every heartbeat. Sent again, it restarts from since_seq."""
+
+    since_seq: int  # the last KV event the ingress's index holds (its snapshot's, at first)
+    # False: load and health only, no KV events, one frame every interval_s whether or not
+    # anything changed (the controller's subscription: it needs no events, and seconds-scale).
+    events: bool = True
+    interval_s: float = 0.0
+
+
+class Unsubscribe(msgspec.Struct, tag="unsubscribe", forbid_unknown_fields=True):
+    """Stop pushing state on this connection (requests keep flowing)."""
+
+
+class ReplicaState(msgspec.Struct, tag="state", forbid_unknown_fields=True):
+    """A replica's pushed state: the KV events since its last frame (to this subscriber) and
+    its current load and health, in the same PollReply a poll answers."""
+
+    seq: int  # frame number, one counter per replica, +1 per frame it pushes
+    reply: PollReply
+
+
+ToDecode = Hello | Submit | Abort | Subscribe | Unsubscribe
+ToIngress = Welcome | TokenBatch | Failed | ReplicaState
 
 _encoder = msgspec.msgpack.Encoder()
 _to_decode: msgspec.msgpack.Decoder[ToDecode] = msgspec.msgpack.Decoder(ToDecode)

@@ -29,9 +29,12 @@ def test_fit_recovers_a_known_step_model():
     assert per_context >= 0
 
 
-def row(n: int, tokens_per_s: float) -> dict:
+def row(n: int, tokens_per_s: float, mode: str = "poll") -> dict:
     return {
         "decode": n,
+        "mode": mode,
+        "idle_push_cpu_share": 0.001,
+        "push_cpu_share_loaded": 0.004,
         "prefill": max(1, n // 4),
         "start_s": 1.0,
         "sim_tokens_per_s": tokens_per_s,
@@ -51,9 +54,11 @@ def row(n: int, tokens_per_s: float) -> dict:
 
 
 def test_scale_report_table_and_plot(tmp_path):
-    rows = [row(1, 600.0), row(4, 2400.0), row(16, 7200.0), {"decode": 64, "skipped": "memory"}]
+    rows = [row(1, 600.0), row(1, 500.0, "push"), row(4, 2400.0), row(4, 2000.0, "push"), row(16, 7200.0)]
+    rows.append({"decode": 64, "skipped": "memory"})
     lines = table(rows)
-    assert "| 16 | 4 | 1 | 7200 | 0.75 |" in lines[4]
-    assert "skipped: memory" in lines[5]
+    assert "| 16 | 4 | poll | 1 | 7200 | 0.75 |" in lines[6]
+    assert "| 4 | 1 | push | 1 | 2000 | 1.00 |" in lines[5] and "0.10% / 0.40%" in lines[5]  # vs push's n=1
+    assert "skipped: memory" in lines[7]
     plot(rows, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 1000

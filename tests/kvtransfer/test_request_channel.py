@@ -11,8 +11,8 @@ from collections import deque
 import pytest
 
 from splitserve.cluster.ingress.request_channel_client import ChannelClosed, RequestChannelClient
-from splitserve.decode.request_channel_server import RequestChannelServer
 from splitserve.engine.engine_worker import EngineWorker
+from splitserve.engine.replica_channel_server import ReplicaChannelServer
 from splitserve.proto.messages.handoff import StreamChunk
 from splitserve.proto.messages.kv_events import STORED, KVEvent
 from splitserve.proto.messages.request_channel import (
@@ -66,7 +66,7 @@ class Recorder:
         self.closed: list[set[str]] = []
         self.conns = []
 
-    def server(self, replica_id: str = "decode-0") -> RequestChannelServer:
+    def server(self, replica_id: str = "decode-0") -> ReplicaChannelServer:
         def on_submit(conn, submit):
             self.conns.append(conn)
             conn.request_ids.add(submit.request_id)
@@ -76,7 +76,7 @@ class Recorder:
             conn.request_ids.discard(rid)
             self.aborts.append(rid)
 
-        return RequestChannelServer(
+        return ReplicaChannelServer(
             replica_id, on_submit, on_abort, lambda conn: self.closed.append(set(conn.request_ids))
         )
 

@@ -293,7 +293,7 @@ def test_a_dead_decode_loop_leaves_routing_and_its_requests_are_retried(loop, cl
     victim = cluster.decode_pool.get("decode-1")
     # It stays routed while we send requests to it: this ingress does not poll, the controller
     # does not probe (it would drop it from the view first).
-    loop.run(cluster.dispatcher.stop_polling())
+    loop.run(cluster.dispatcher.stop_following())
     loop.run(cluster.controller.pause())
     cluster.dispatcher.max_retries = 0  # a dead replica must not need the budget
     try:
@@ -336,7 +336,7 @@ def test_a_dead_prefill_loop_leaves_routing_and_its_requests_are_retried(loop, c
     caplog.set_level(logging.WARNING, logger="splitserve.cluster.ingress.dispatcher")
     url, grpc_port = frontends
     victim = cluster.prefill_pool.get("prefill-1")
-    loop.run(cluster.dispatcher.stop_polling())
+    loop.run(cluster.dispatcher.stop_following())
     loop.run(cluster.controller.pause())
     cluster.dispatcher.max_retries = 0
     try:
@@ -390,8 +390,8 @@ def resume_controller(loop, cluster) -> None:
 
 
 def resume_polling(loop, cluster) -> None:
-    async def start() -> None:  # start_polling needs the cluster's running loop
-        cluster.dispatcher.start_polling()
+    async def start() -> None:  # start_following needs the cluster's running loop
+        cluster.dispatcher.start_following()
 
     loop.run(start(), timeout=10)
 

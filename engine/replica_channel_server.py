@@ -1,9 +1,14 @@
-"""RequestChannelServer: the decode replica's end of the request channel (proto/messages/request_channel.py).
+"""ReplicaChannelServer: a replica's end of the request channel (proto/messages/request_channel.py).
 
-An asyncio TCP server on the actor's event loop. Each ingress connects once and sends a
-Hello; every later frame is a Submit or an Abort, handed to the worker's callbacks in the
-order it arrived. When a connection ends -- the ingress closed it, died, or sent garbage --
-the worker's on_close aborts every request that came on it.
+An asyncio TCP server on the actor's event loop, in every replica of both pools. Each ingress
+connects once and sends a Hello; every later frame is a Submit or an Abort (decode replicas
+only: a prefill replica's server has no on_submit and refuses them) or a Subscribe /
+Unsubscribe, handed to the worker's callbacks in the order it arrived. When a connection
+ends -- the ingress closed it, died, or sent garbage -- the worker's on_close aborts every
+request that came on it, and it stops getting pushed state.
+
+It lives in engine/ because both workers run one (prefill/ and decode/ never import each
+other); it knows nothing of the engine.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from splitserve.proto.messages.request_channel import (
     ChannelError,
     Hello,
     Submit,
+    Subscribe,
+    Unsubscribe,
     Welcome,
     check_version,
     decode_to_decode,
@@ -31,6 +38,9 @@ HANDSHAKE_TIMEOUT_S = 10.0
 # An ingress that stops reading (hung, not dead) must not grow this replica's memory without
 # bound: past this much unsent output its connection is closed and its requests aborted.
 MAX_UNSENT_BYTES = 64 << 20
+# Pushed state is skipped (not queued) for an ingress with this much unsent: it sees the frame
+# numbers jump once it reads again, and resyncs from one snapshot.
+MAX_STATE_BACKLOG_BYTES = 1 << 20
 
 
 class IngressConnection:
@@ -41,6 +51,7 @@ class IngressConnection:
         self.writer = writer
         self.request_ids: set[str] = set()
         self.closed = False
+        self.subscribed = False  # it gets this replica's pushed state (ReplicaState frames)
 
     def send(self, data: bytes) -> None:
         """Queue bytes for the ingress (one write per engine step); dropped once closed."""
@@ -52,22 +63,33 @@ class IngressConnection:
             self.writer.transport.abort()  # the reader sees the close and aborts its requests
             self.closed = True
 
+    def send_state(self, frame: bytes) -> bool:
+        """Queue one pushed state frame unless the ingress is that far behind; False: skipped."""
+        if self.closed or self.writer.transport.get_write_buffer_size() > MAX_STATE_BACKLOG_BYTES:
+            return False
+        self.writer.write(frame)
+        return True
+
     def close(self) -> None:
         if not self.closed:
             self.closed = True
             self.writer.close()
 
 
-class RequestChannelServer:
+class ReplicaChannelServer:
     def __init__(
         self,
         replica_id: str,
-        on_submit: Callable[[IngressConnection, Submit], None],
-        on_abort: Callable[[IngressConnection, str], None],
-        on_close: Callable[[IngressConnection], None],
+        on_submit: Callable[[IngressConnection, Submit], None] | None,
+        on_abort: Callable[[IngressConnection, str], None] | None,
+        on_close: Callable[[IngressConnection], None] | None,
+        on_subscribe: Callable[[IngressConnection, Subscribe], None] | None = None,
     ):
+        """on_submit / on_abort None: this replica takes no requests (a prefill replica).
+        on_subscribe(conn, Subscribe): push state to conn (the worker's StatePublisher)."""
         self.replica_id = replica_id
         self.on_submit, self.on_abort, self.on_close = on_submit, on_abort, on_close
+        self.on_subscribe = on_subscribe
         self.connections: set[IngressConnection] = set()
         self._server: asyncio.Server | None = None
         self.address: tuple[str, int] | None = None
@@ -102,10 +124,15 @@ class RequestChannelServer:
         try:
             while (body := await read_frame(reader)) is not None:
                 message = decode_to_decode(body)
-                if isinstance(message, Submit):
+                if isinstance(message, Submit) and self.on_submit is not None:
                     self.on_submit(conn, message)
-                elif isinstance(message, Abort):
+                elif isinstance(message, Abort) and self.on_abort is not None:
                     self.on_abort(conn, message.request_id)
+                elif isinstance(message, Subscribe) and self.on_subscribe is not None:
+                    conn.subscribed = True
+                    self.on_subscribe(conn, message)
+                elif isinstance(message, Unsubscribe):
+                    conn.subscribed = False
                 else:
                     raise ChannelError(f"unexpected {type(message).__name__} after the handshake")
         except (ChannelError, ConnectionError) as exc:
@@ -115,7 +142,8 @@ class RequestChannelServer:
         finally:
             self.connections.discard(conn)
             conn.close()
-            self.on_close(conn)
+            if self.on_close is not None:
+                self.on_close(conn)
 
     @staticmethod
     async def _handshake(reader: asyncio.StreamReader) -> Hello:
