@@ -159,6 +159,8 @@ class PagedEngine(KVHandoff, EngineProtocol):
         """Stop a request and free all it holds (blocks, a reservation, detokenizer state).
         Unknown or finished ids are ignored."""
         self.release_reservation(request_id)
+        if self.pipeline is not None:
+            self.pipeline.drop(request_id)
         self.scheduler.abort(request_id)
         self._forget(request_id)
         self.outputs.forget(request_id)

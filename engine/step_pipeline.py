@@ -11,7 +11,10 @@ A step's timeline (docs/ARCHITECTURE.md draws it with the synchronous one):
     loop thread:    [schedule N+1 | prepare N+1][forward + sample N+1     ][join][update N+1]
     output thread:                              [outputs N, deliver, flush]
 
-What must precede the next forward stays on the loop thread, in the synchronous step's order:
+Unlike vLLM's AsyncScheduler, N+1 is not scheduled with placeholders before N's tokens exist:
+scheduling and input preparation stay in front of the forward, and in exchange nothing needs
+correcting for grammar masks, penalties, token-level stops or preemption. What must precede
+the next forward stays on the loop thread, in the synchronous step's order:
 the scheduler's update (tokens appended, EOS / stop tokens / max_tokens / grammar termination
 checked, blocks cached), so N+1 is scheduled knowing every token-level stop, and grammar masks,
 penalties and seeded generators see exactly the state they see without overlap. What N+1
@@ -73,6 +76,11 @@ class StepPipeline:
     def clear(self) -> None:
         """Forget the pending outputs (the engine aborted every request)."""
         self._pending, self._pending_batch = [], None
+
+    def drop(self, request_id: str) -> None:
+        """An aborted request's pending output is never built: nothing reaches it past the abort."""
+        if any(seq.request_id == request_id for seq in self._pending):
+            self._pending = [seq for seq in self._pending if seq.request_id != request_id]
 
     def step(self, layer_hook: LayerHookFactory | None = None, deliver: Deliver | None = None) -> list[RequestOutput]:
         """Run the next step while the last one's outputs are built; with deliver they are
@@ -148,14 +156,10 @@ class StepPipeline:
         self, seqs: list[Sequence], batch: ScheduledBatch | None, deliver: Deliver | None
     ) -> list[RequestOutput]:
         """The outputs of a step's requests (output thread, or the loop thread when nothing
-        runs). A request aborted since it got its tokens has none. A failure fails the batch."""
+        runs). A failure fails the batch."""
         engine = self.engine
         try:
-            outputs = [
-                engine._prefilled_output(seq) if seq.prefill_only else engine._emit_output(seq)
-                for seq in seqs
-                if seq.finish_reason != "abort"
-            ]
+            outputs = [engine._prefilled_output(s) if s.prefill_only else engine._emit_output(s) for s in seqs]
         except Exception as exc:
             assert batch is not None
             raise EngineStepError(f"engine step failed: {exc!r}", engine._fail_batch(batch)) from exc
