@@ -61,8 +61,16 @@ Deliver = Callable[[list[RequestOutput]], None]
 
 
 class StepPipeline:
+    # Fewest pending outputs worth handing to the output thread. On CPU the hand-over (a
+    # thread wake-up, the GIL shared with the forward's Python) costs about what a few
+    # requests' output work hides: bench/results/overlap.md measured overlap losing at batch
+    # 1-8 and gaining from 32. Smaller steps' outputs are built before the next step, as
+    # without overlap. On a GPU the forward runs on the device: every step overlaps.
+    CPU_MIN_OUTPUTS = 16
+
     def __init__(self, engine: PagedEngine):
         self.engine = engine
+        self.min_outputs = 1 if str(engine.config.device).startswith("cuda") else self.CPU_MIN_OUTPUTS
         self._output_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-outputs")
         # The last step's requests that received tokens, whose outputs are not built yet.
         self._pending: list[Sequence] = []
@@ -96,9 +104,13 @@ class StepPipeline:
         engine = self.engine
         pending, pending_batch = self._pending, self._pending_batch
         self.clear()
+        before: list[RequestOutput] = []
+        if pending and len(pending) < self.min_outputs:  # too few to pay for the hand-over
+            before = self._outputs(pending, pending_batch, deliver)
+            pending = []
         batch = engine.scheduler.schedule()
         if batch.is_empty:  # nothing to overlap with: the last step's outputs, here and now
-            return self._outputs(pending, pending_batch, deliver) if pending else []
+            return before + (self._outputs(pending, pending_batch, deliver) if pending else [])
         try:
             prepared = engine.runner.prepare(batch)
             on_layer_done = layer_hook(batch) if layer_hook is not None else None
@@ -150,7 +162,7 @@ class StepPipeline:
                 outputs_error = exc if outputs_error is None else _merged(outputs_error, exc)
         if outputs_error is not None:
             raise outputs_error
-        return outputs
+        return before + outputs
 
     def _outputs(
         self, seqs: list[Sequence], batch: ScheduledBatch | None, deliver: Deliver | None
