@@ -16,6 +16,9 @@
                 bandwidth, load vs recompute per block, multi-turn greedy identical with the tier
   8 quant       the quantized matmuls: fp8 (W8A8, torch._scaled_mm), int8 and int4 vs bf16 at
                 batch 1/64/256, correctness and speed (bench/gpu_check_quant.py)
+  9 overlap     async scheduling: decode step time with and without overlap at batch 1/8/64/256,
+                forward vs host ms per step, the overlap achieved, greedy tokens identical
+                (bench/gpu_check_overlap.py)
 
 Each item is pass, fail, missed (a speed target not met) or info. OUT_DIR/gpu_check.md and
 gpu_check.json are rewritten after every check, so a run cut short still leaves its report; the
@@ -50,6 +53,7 @@ CHECKS = {
     "kv_quant": "6. fp8 KV attention vs the bf16 kernel",
     "offload": "7. Host KV tier (kv_offloading_size)",
     "quant": "8. Quantized matmuls (fp8, int8) vs bf16",
+    "overlap": "9. Async scheduling: step time with and without overlap",
 }
 STATUSES = ("pass", "fail", "missed", "info")
 
@@ -186,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         gpu_check_kv_quant,
         gpu_check_offload,
         gpu_check_ops,
+        gpu_check_overlap,
         gpu_check_quant,
         gpu_check_throughput,
         gpu_check_transfer,
@@ -204,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             "kv_quant": lambda: gpu_check_kv_quant.check_fp8_kv(device, args.tiny),
             "offload": lambda: gpu_check_offload.check_offload(device, args.tiny, work),
             "quant": lambda: gpu_check_quant.check_quant(device, args.tiny),
+            "overlap": lambda: gpu_check_overlap.check_overlap(device, args.tiny, work),
         }
         for name in [n for n in CHECKS if n in args.only.split(",")]:
             check_started = time.monotonic()

@@ -255,7 +255,9 @@ class EngineLoop:
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step(self.faults.wrap(self.layer_hook))
+            # Outputs go to the sinks through _deliver_outputs: with async scheduling, on the
+            # engine's output thread while the next step's forward runs (no command runs then).
+            self.engine.step(self.faults.wrap(self.layer_hook), self._deliver_outputs)
         except EngineStepError as exc:
             self.num_failed_steps += 1
             self._num_consecutive_failures += 1
@@ -275,9 +277,12 @@ class EngineLoop:
                 ) from exc
             return
         self._num_consecutive_failures = 0
+
+    def _deliver_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
             self._deliver(sink, out, out.request_id)
+        self._flush()
 
     def _deliver(self, sink: Sink | None, item: RequestOutput | Exception, request_id: str) -> None:
         if sink is None:

@@ -91,8 +91,14 @@ class EngineProtocol(Protocol):
     # ---- stepping ------------------------------------------------------------------------
     def has_unfinished(self) -> bool: ...
 
-    def step(self, layer_hook: LayerHookFactory | None = None) -> list[RequestOutput]:
-        """Schedule a batch, run it, post-process it; EngineStepError fails only that batch."""
+    def step(
+        self,
+        layer_hook: LayerHookFactory | None = None,
+        deliver: Callable[[list[RequestOutput]], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Schedule a batch, run it, post-process it; EngineStepError fails only that batch.
+        With deliver, the outputs go to it (with async scheduling on another thread, while the
+        next step's forward runs) and [] is returned."""
         ...
 
     # ---- prefix cache and load, for the router -------------------------------------------

@@ -4,6 +4,7 @@ colocated engine and the workers touch tensors."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -12,9 +13,22 @@ from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.ops.attention_metadata import AttentionMetadata
 from splitserve.engine.ops.kv_cache import KVCache
 from splitserve.engine.sample.grammar_mask import GrammarMask
-from splitserve.engine.sample.prompt_logprobs import PromptLogprobs
+from splitserve.engine.sample.prompt_logprobs import PromptLogprobs, PromptRows
 from splitserve.engine.sample.sampler import SampledToken, Sampler
 from splitserve.engine.spec.rejection_sampler import RejectionSampler
+
+
+class PreparedStep(NamedTuple):
+    """What prepare() builds for run(): the step's tensors and which rows sample."""
+
+    batch: ScheduledBatch
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    rows: list[int]  # hidden-state rows whose logits are computed
+    seqs: list[Sequence]  # the sequences those rows sample for, in order
+    seq_drafts: list[list[int]]
+    prompt_rows: list[PromptRows]
 
 
 class ModelRunner:
@@ -81,14 +95,11 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(
-        self, batch: ScheduledBatch, on_layer_done: Callable[[int], None] | None = None
-    ) -> dict[str, SampledToken | list[SampledToken]]:
-        """Run one step; returns the sampled token for each sequence that reached its end. In a
-        batch with drafts every such sequence gets the list of tokens it emits instead: its
-        accepted draft tokens and one more (spec/rejection_sampler.py)."""
+    def prepare(self, batch: ScheduledBatch) -> PreparedStep | None:
+        """A step's tensors and row plan, built from the sequences (the engine loop's thread:
+        with async scheduling they change while the previous step's forward runs)."""
         if batch.is_empty:
-            return {}
+            return None
         drafts = batch.draft_token_ids
         input_ids, positions, meta, last_index = self.build_metadata(batch.seqs, batch.num_new_tokens, drafts)
         rows, seqs, seq_drafts = [], [], []
@@ -97,14 +108,28 @@ class ModelRunner:
                 rows.extend(range(idx - num_draft, idx + 1))  # a verifying sequence: k + 1 rows
                 seqs.append(seq)
                 seq_drafts.append(drafts.get(seq.request_id, []))
+        # Prompt chunks of requests asking for prompt log-probabilities: every position, not
+        # only the last. Recorded on the sequence after the forward (a chunk samples no token).
+        prompt_rows = PromptLogprobs.plan(batch.seqs, batch.num_new_tokens, last_index)
+        return PreparedStep(batch, input_ids, positions, meta, rows, seqs, seq_drafts, prompt_rows)
+
+    @torch.inference_mode()
+    def run(
+        self, step: PreparedStep | None, on_layer_done: Callable[[int], None] | None = None
+    ) -> dict[str, SampledToken | list[SampledToken]]:
+        """Run a prepared step (the forward thread, with async scheduling); returns the sampled
+        token for each sequence that reached its end. In a batch with drafts every such sequence
+        gets the list of tokens it emits instead: its accepted draft tokens and one more
+        (spec/rejection_sampler.py)."""
+        if step is None:
+            return {}
+        batch, rows, seqs, seq_drafts = step.batch, step.rows, step.seqs, step.seq_drafts
+        drafts = batch.draft_token_ids
         # Constrained rows' masks are computed during the forward (each draft row its own).
         self.grammar_mask.start(seqs, seq_drafts if drafts else None)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, on_layer_done=on_layer_done)
-        # Prompt chunks of requests asking for prompt log-probabilities: every position, not
-        # only the last. Recorded on the sequence here (a chunk samples no token to carry them).
-        prompt_rows = PromptLogprobs.plan(batch.seqs, batch.num_new_tokens, last_index)
-        if prompt_rows:
-            self.prompt_logprobs.record(hidden, prompt_rows)
+        hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta, on_layer_done=on_layer_done)
+        if step.prompt_rows:
+            self.prompt_logprobs.record(hidden, step.prompt_rows)
         if not rows:
             return {}
         if len(rows) == hidden.shape[0]:
@@ -122,6 +147,12 @@ class ModelRunner:
         # The scheduler advances each grammar by the tokens its request emits.
         results = self.sampler.sample(logits, seqs)
         return {s.request_id: r for s, r in zip(seqs, results)}
+
+    def execute(
+        self, batch: ScheduledBatch, on_layer_done: Callable[[int], None] | None = None
+    ) -> dict[str, SampledToken | list[SampledToken]]:
+        """prepare + run, one step on the calling thread (the synchronous step)."""
+        return self.run(self.prepare(batch), on_layer_done)
 
     def forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)

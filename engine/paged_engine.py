@@ -31,6 +31,8 @@ from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingPa
 from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.engine.kv_handoff import KVHandoff
 from splitserve.engine.sample.grammar_compiler import GrammarCompiler
+from splitserve.engine.step_pipeline import Deliver, StepPipeline
+from splitserve.engine.step_timing import StepTiming
 from splitserve.proto.messages.engine_stats import EngineStats
 from splitserve.proto.messages.kv_events import KVEvent
 
@@ -42,6 +44,12 @@ class StepRunner(Protocol):
     """What computes a scheduled batch: ModelRunner, or the simulated engine's runner."""
 
     def execute(self, batch: ScheduledBatch, on_layer_done: Callable[[int], None] | None = None) -> dict: ...
+
+    # execute split in two for async scheduling (engine/step_pipeline.py): prepare reads the
+    # sequences before the previous step's outputs are built beside run.
+    def prepare(self, batch: ScheduledBatch) -> Any: ...
+
+    def run(self, prepared: Any, on_layer_done: Callable[[int], None] | None = None) -> dict: ...
 
     def forget(self, request_id: str) -> None: ...
 
@@ -95,6 +103,9 @@ class PagedEngine(KVHandoff, EngineProtocol):
         self._ids = itertools.count()
         self._reserved: dict[str, Sequence] = {}  # request id -> sequence holding reserved blocks
         self.num_steps = 0
+        self.timing = StepTiming()
+        # Async scheduling: outputs built beside the next forward (engine/step_pipeline.py).
+        self.pipeline = StepPipeline(self) if config.async_scheduling and speculator is None else None
 
     # ---- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -156,6 +167,8 @@ class PagedEngine(KVHandoff, EngineProtocol):
         """Stop a request and free all it holds (blocks, a reservation, detokenizer state).
         Unknown or finished ids are ignored."""
         self.release_reservation(request_id)
+        if self.pipeline is not None:
+            self.pipeline.drop(request_id)
         self.scheduler.abort(request_id)
         self._forget(request_id)
         self.outputs.forget(request_id)
@@ -169,19 +182,36 @@ class PagedEngine(KVHandoff, EngineProtocol):
     def abort_all(self) -> list[str]:
         """Abort every request and reservation (the engine is being given up): every block
         goes back to the pool. Returns the ids aborted."""
+        if self.pipeline is not None:
+            self.pipeline.clear()  # outputs not built yet: their requests are aborted now
         request_ids = list(dict.fromkeys([*self.scheduler.requests, *self._reserved]))
         for request_id in request_ids:
             self.abort(request_id)
         return request_ids
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or (self.pipeline is not None and self.pipeline.busy)
 
     # ---- stepping ------------------------------------------------------------------------
-    def step(self, layer_hook: LayerHookFactory | None = None) -> list[RequestOutput]:
+    def step(self, layer_hook: LayerHookFactory | None = None, deliver: Deliver | None = None) -> list[RequestOutput]:
         """Schedule a batch, run it, post-process it. If anything in between raises, every
         request of the batch is failed (see _fail_batch) and EngineStepError is raised; the
-        engine stays consistent and the next step serves the others."""
+        engine stays consistent and the next step serves the others. With deliver, outputs
+        are handed to it (and [] returned). With async scheduling (StepPipeline) they are the
+        previous step's, built (and delivered) while this step's forward runs."""
+        if self.pipeline is not None:
+            return self.pipeline.step(layer_hook, deliver)
+        entered = self.timing.step_entered()
+        try:
+            outputs = self._step_sync(layer_hook)
+        finally:
+            self.timing.step_exited(entered, self.has_unfinished())
+        if deliver is None:
+            return outputs
+        deliver(outputs)
+        return []
+
+    def _step_sync(self, layer_hook: LayerHookFactory | None) -> list[RequestOutput]:
         speculator = self.speculator
         batch = self.scheduler.schedule(speculator.lookahead(self.scheduler.running) if speculator else None)
         if batch.is_empty:
@@ -191,11 +221,14 @@ class PagedEngine(KVHandoff, EngineProtocol):
             if speculator is not None:
                 speculator.fill(batch)
             on_layer_done = layer_hook(batch) if layer_hook is not None else None
+            forward_start = time.perf_counter()
             sampled = self.runner.execute(batch, on_layer_done)
-            seconds = time.perf_counter() - start
+            end = time.perf_counter()
+            self.timing.forward(forward_start, end)
+            self.timing.waited(end - forward_start)
             advanced = self.scheduler.update(batch, sampled)
             if speculator is not None:
-                speculator.record(batch, sampled, seconds)
+                speculator.record(batch, sampled, end - start)
             outputs = [self._prefilled_output(seq) if seq.prefill_only else self._emit_output(seq) for seq in advanced]
         except Exception as exc:
             failed = self._fail_batch(batch)
@@ -278,6 +311,8 @@ class PagedEngine(KVHandoff, EngineProtocol):
             **self._host_tier_stats(),
             **self.grammar.stats(),
             **self.runner.stats(),
+            **self.timing.stats(),
+            async_scheduling=self.pipeline is not None,
             **(self.speculator.stats() if self.speculator is not None else {}),
         )
 

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from splitserve.cluster.control.host_tier_metrics import HostTierMetrics
 from splitserve.cluster.control.spec_decode_metrics import SpecDecodeMetrics
+from splitserve.cluster.control.step_timing_metrics import StepTimingMetrics
 from splitserve.cluster.metric_families import ModelFamilies
 from splitserve.proto.messages.poll_reply import PollReply
 
@@ -51,6 +52,7 @@ class PoolMetrics:
         )
         self.spec_decode = SpecDecodeMetrics(f.counter, f.gauge)
         self.host_tier = HostTierMetrics(f.counter, f.gauge)
+        self.step_timing = StepTimingMetrics(f.counter, f.gauge)
         # Every family labelled by replica: forget_replica removes a replica's series from each.
         self.per_replica = (self.kv_usage, self.kv_blocks, self.kv_block_bytes, self.grammar_cache_entries)
         self._last_transfer: dict[str, tuple[float, float]] = {}
@@ -81,6 +83,7 @@ class PoolMetrics:
             self._last_grammar[(replica_id, stat)] = value
         self.spec_decode.observe(pool, replica_id, poll.engine)
         self.host_tier.observe(pool, replica_id, poll.engine)
+        self.step_timing.observe(pool, replica_id, poll.engine)
         if pool == "decode":
             transfer = poll.transfer
             prev_bytes, prev_secs = self._last_transfer.get(replica_id, (0.0, 0.0))
@@ -107,6 +110,7 @@ class PoolMetrics:
             del self._last_grammar[key]
         self.spec_decode.forget_replica(replica_id)
         self.host_tier.forget_replica(pool, replica_id)
+        self.step_timing.forget_replica(replica_id)
 
     def render(self) -> bytes:
         """These series only (the merged view: MetricsAggregator)."""

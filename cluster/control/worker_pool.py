@@ -238,6 +238,7 @@ def engine_config_for(cfg: ServeConfig, pool: EnginePoolConfig, model_dir: str, 
         "quantization": cfg.quantization,
         "device": device,
         "kv_offloading_size": cfg.kv_offloading_size,
+        "async_scheduling": cfg.async_scheduling,
         # Only decode speculates; prefill replicas sample one token per request.
         "speculative": cfg.speculative.model_dump() if pool is cfg.decode else None,
         "grammar": cfg.grammar.model_dump(),

@@ -56,6 +56,13 @@ class SimulatedRunner:
         context = sum(seq.num_computed_tokens + n for seq, n in zip(batch.seqs, batch.num_new_tokens))
         return self.profile.step_s(new_tokens, context)
 
+    def prepare(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """Nothing to build: run() reads the batch (async scheduling's loop-thread half)."""
+        return batch
+
+    def run(self, batch: ScheduledBatch, on_layer_done: Callable[[int], None] | None = None) -> dict:
+        return self.execute(batch, on_layer_done)
+
     def execute(self, batch: ScheduledBatch, on_layer_done: Callable[[int], None] | None = None) -> dict:
         if batch.is_empty:
             return {}

@@ -54,5 +54,13 @@ class EngineStats(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     spec_accepted_tokens: int = 0
     spec_emitted_tokens: int = 0
     spec_k_histogram: list[int] = msgspec.field(default_factory=list)
+    # Step timing since start (engine/step_timing.py): whether async scheduling is on, steps
+    # timed, seconds in forward passes, the engine loop's host work around them, and the part
+    # of that host work the forward passes waited for (overlap = 1 - exposed / host).
+    async_scheduling: bool = False
+    num_timed_steps: int = 0
+    step_forward_seconds: float = 0.0
+    step_host_seconds: float = 0.0
+    step_exposed_host_seconds: float = 0.0
     # Preemptions since start by the preempted request's priority (SamplingParams.priority).
     preemptions_by_priority: dict[int, int] = msgspec.field(default_factory=dict)

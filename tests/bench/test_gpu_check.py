@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
-CHECKS = ["parity", "kernels", "bandwidth", "throughput", "transfer", "kv_quant", "offload", "quant"]
+CHECKS = ["parity", "kernels", "bandwidth", "throughput", "transfer", "kv_quant", "offload", "quant", "overlap"]
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +64,13 @@ def test_cpu_dry_run_passes_every_check(dry_run):
         for batch in (1, 64, 256):
             assert items[("quant", f"{scheme} batch {batch}")]["status"] == "pass"
     assert "emulated" in items[("quant", "fp8 path")]["note"]
+    # Async scheduling: both modes decode the same greedy tokens; the timing split is reported.
+    for batch in (1, 8):
+        overlap = items[("overlap", f"decode batch {batch}")]
+        assert overlap["status"] == "info", overlap
+        numbers = overlap["numbers"]
+        assert numbers["overlap_ms_per_step"] > 0 and numbers["sync_ms_per_step"] > 0
+        assert numbers["overlap_forward_ms"] > 0 and numbers["sync_host_ms"] > 0
 
 
 def test_report_is_markdown_with_every_check(dry_run):
@@ -79,6 +86,7 @@ def test_report_is_markdown_with_every_check(dry_run):
         "fp8 KV attention",
         "Host KV tier",
         "Quantized matmuls",
+        "Async scheduling",
     ):
         assert f"{title}" in text
     assert "| llama fp32 logits | pass |" in text

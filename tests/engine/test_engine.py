@@ -15,6 +15,8 @@ from splitserve.engine.model.loader import CheckpointError
 from tests.helpers.cli import run_cli
 from tests.helpers.model import make_checkpoint
 
+BOTH_SCHEDULINGS = True  # every engine test runs with async scheduling and without (conftest.py)
+
 GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 
 

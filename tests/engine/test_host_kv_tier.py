@@ -14,6 +14,8 @@ from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.ops.host_kv_cache import num_host_blocks
 from tests.engine.test_worker_api import BS, assert_baseline, finish_all, hand_off
 
+BOTH_SCHEDULINGS = True  # every engine test runs with async scheduling and without (conftest.py)
+
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 TIER_GIB = 0.002  # ~250 blocks of the tiny model's 8 KiB: holds the whole workload
 SYSTEM = [(5 * i) % 300 + 40 for i in range(24)]

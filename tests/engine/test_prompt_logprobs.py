@@ -13,6 +13,8 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
 
+BOTH_SCHEDULINGS = True  # every engine test runs with async scheduling and without (conftest.py)
+
 TOL = 1e-4
 PROMPT = [(37 * i) % 500 + 5 for i in range(70)]  # 5 blocks of 16; 5 chunks at a 16-token budget
 

@@ -16,6 +16,8 @@ from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sample.logits_processing import LogitsProcessing, flat_keys
 from splitserve.engine.sample.sampler import Sampler
 
+BOTH_SCHEDULINGS = True  # every engine test runs with async scheduling and without (conftest.py)
+
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 
 

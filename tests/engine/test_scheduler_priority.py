@@ -16,6 +16,8 @@ from splitserve.engine.core.sequence import Sequence, SequenceStatus
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
 
+BOTH_SCHEDULINGS = True  # every engine test runs with async scheduling and without (conftest.py)
+
 pytestmark = pytest.mark.timeout(120)
 BS = 4
 BATCH, INTERACTIVE = 10, 0

@@ -16,6 +16,8 @@ from splitserve.engine.sample.grammar_spec import GrammarSpec
 from splitserve.engine.simulated.simulated_engine import SimulatedEngine
 from splitserve.engine.simulated.step_time_profile import KVLinkProfile, StepTimeProfile
 
+BOTH_SCHEDULINGS = True  # every engine test runs with async scheduling and without (conftest.py)
+
 PROMPT = list(range(20, 84))  # four full blocks
 # Tolerance of the timing tests: the median measured step is within 25% (+ 5 ms of timer
 # slack) of the profile's prediction, and no step is shorter than predicted. The wait *is* the

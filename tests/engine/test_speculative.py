@@ -14,6 +14,8 @@ from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.spec.ngram_proposer import NgramProposer
 from tests.helpers.model import make_checkpoint
 
+BOTH_SCHEDULINGS = True  # every engine test runs with async scheduling and without (conftest.py)
+
 FIXED_NGRAM = {"method": "ngram", "policy": "fixed", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 GREEDY = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
 # Mixed lengths: one block, several blocks, a repetitive one the n-gram proposer matches at once.

@@ -19,6 +19,8 @@ from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
 
+BOTH_SCHEDULINGS = True  # every engine test runs with async scheduling and without (conftest.py)
+
 BS = 16
 HELD_S = 3600.0  # a hang the test ends (arming again, or stopping the loop), never waits out
 

@@ -19,6 +19,8 @@ from splitserve.engine.sample.grammar_spec import GrammarSpec
 from splitserve.engine.sample.token_bitmask import allocate_token_bitmask, apply_token_bitmask_
 from splitserve.engine.testing.json_schemas import MAX_INSTANCE_TOKENS, SCHEMAS
 
+BOTH_SCHEDULINGS = True  # every engine test runs with async scheduling and without (conftest.py)
+
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 

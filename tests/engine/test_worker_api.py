@@ -13,6 +13,8 @@ from splitserve.engine.llm_engine import LLMEngine
 from splitserve.proto.messages.engine_stats import EngineStats
 from splitserve.proto.messages.kv_events import STORED
 
+BOTH_SCHEDULINGS = True  # every engine test runs with async scheduling and without (conftest.py)
+
 BS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
