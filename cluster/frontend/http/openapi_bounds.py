@@ -79,6 +79,9 @@ def bound_schema(schema: dict, model_names: list[str], vocab_size: int | None) -
         # cannot generate from `not`, and `dependencies` across these fields defeats it too.
         components[name]["dependencies"] = {}
         components[name]["dependencies"]["prompt_logprobs"] = {"properties": {"stream": {"const": False}}}
+        if "priority" in props:  # SamplingParams refuses what does not fit 32 bits
+            int32 = {"type": "integer", "minimum": -(2**31), "maximum": 2**31 - 1}
+            props["priority"] = {**props["priority"], "anyOf": [int32, {"type": "null"}]}
         # Unimplemented parameters ride in the open extra fields; stated here with the only
         # values accepted (a client generating arbitrary extras must not pick these names).
         for param, (neutral, reason) in UNSUPPORTED_PARAMETERS.items():
