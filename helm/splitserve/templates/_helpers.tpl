@@ -60,23 +60,109 @@ Call with (list replicas replicasPerPod).
 {{- end }}
 
 {{/*
-Worker group spec fields of one pool. Call with (dict "root" $ "pool" "prefill").
+The worker groups: one per pool (prefill, decode) of serve; with serve.models, one per pool of
+each model instead, named "<model slug>-<pool>", each with that model's merged pool settings
+(splitserve.modelPool) and its pods' settings from modelWorkerGroups.<served name>.<pool> over
+workerGroups.<pool>. A model pool with no replicas at all (replicas 0, not autoscaling) gets
+no group.
+*/}}
+{{- define "splitserve.workerGroups" -}}
+{{- $root := . }}
+{{- $serve := .Values.serve }}
+{{- if $serve.models }}
+{{- $seen := dict }}
+{{- range $entry := $serve.models }}
+{{- $topId := $serve.served_model_name | default $serve.model | default "" }}
+{{- $served := $entry.served_model_name | default $entry.model | default $topId | toString }}
+{{- $slug := include "splitserve.modelSlug" $served }}
+{{- if hasKey $seen $slug }}
+{{- fail (printf "serve.models: two models are served as %q; give each a distinct served_model_name" $served) }}
+{{- end }}
+{{- $_ := set $seen $slug true }}
+{{- $podValues := index ($root.Values.modelWorkerGroups | default dict) $served | default dict }}
+{{- range $poolName := list "prefill" "decode" }}
+{{- $pool := include "splitserve.modelPool" (dict "base" (index $serve $poolName) "over" (index $entry $poolName)) | fromJson }}
+{{- $group := deepCopy (index $root.Values.workerGroups $poolName) }}
+{{- range $key, $value := (index $podValues $poolName | default dict) }}
+{{- $_ := set $group $key $value }}
+{{- end }}
+{{- $autoscaling := $pool.autoscaling | default dict }}
+{{- if or $autoscaling.enabled (gt ($pool.replicas | int) 0) }}
+{{ include "splitserve.workerGroup" (dict "root" $root "poolName" $poolName "pool" $pool "group" $group "groupName" (printf "%s-%s" $slug $poolName) "model" $slug) | trim }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- else }}
+{{- range $poolName := list "prefill" "decode" }}
+{{ include "splitserve.workerGroup" (dict "root" $root "poolName" $poolName "pool" (index $serve $poolName) "group" (index $root.Values.workerGroups $poolName) "groupName" $poolName) | trim }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+A served name as a DNS label of at most 48 characters (room for "-prefill"): lowercase
+[a-z0-9-]; a name that does not fit as is gets 7 hex digits of its sha256, so two served names
+never share a slug.
+*/}}
+{{- define "splitserve.modelSlug" -}}
+{{- $name := . | toString }}
+{{- $slug := regexReplaceAll "[^a-z0-9-]+" (lower $name) "-" | trimAll "-" }}
+{{- if or (ne $slug $name) (gt (len $slug) 48) }}
+{{- $slug = printf "%s-%s" ($slug | trunc 40 | trimSuffix "-") (sha256sum $name | trunc 7) | trimPrefix "-" }}
+{{- end }}
+{{- $slug }}
+{{- end }}
+
+{{/*
+One model's pool settings, as JSON: serve.<pool> with the model entry's <pool> over it, the way
+ServeConfig.model_deployments() merges them (model_entry_config.deep_merge): each key the entry
+gives replaces the top level's, except resources and autoscaling, merged key by key; the custom
+resources dict (resources.resources) is replaced whole; a null is not given. Sprig's
+mergeOverwrite would merge that dict too and skips false and 0, hence the explicit loops.
+Call with (dict "base" serve.<pool> "over" entry.<pool>).
+*/}}
+{{- define "splitserve.modelPool" -}}
+{{- $merged := deepCopy (.base | default dict) }}
+{{- range $key, $value := (.over | default dict) }}
+{{- $current := index $merged $key }}
+{{- if kindIs "invalid" $value }}
+{{- else if and (has $key (list "resources" "autoscaling")) (kindIs "map" $value) (kindIs "map" $current) }}
+{{- $inner := deepCopy $current }}
+{{- range $k, $v := $value }}
+{{- if not (kindIs "invalid" $v) }}
+{{- $_ := set $inner $k $v }}
+{{- end }}
+{{- end }}
+{{- $_ := set $merged $key $inner }}
+{{- else }}
+{{- $_ := set $merged $key $value }}
+{{- end }}
+{{- end }}
+{{- toJson $merged }}
+{{- end }}
+
+{{/*
+Worker group spec fields of one pool: pool (its serve settings), poolName, group (its
+workerGroups settings), groupName, and model (the model's slug, with serve.models).
 */}}
 {{- define "splitserve.workerGroup" -}}
 {{- $root := .root }}
-{{- $poolName := .pool }}
-{{- $pool := index $root.Values.serve $poolName }}
-{{- $group := index $root.Values.workerGroups $poolName }}
+{{- $poolName := .poolName }}
+{{- $pool := .pool }}
+{{- $group := .group }}
 {{- $perPod := $group.replicasPerPod | int }}
 {{- $autoscaling := $pool.autoscaling | default dict }}
-{{- $replicas := $pool.replicas | default 1 | int }}
+{{- $replicas := 1 }}
+{{- if hasKey $pool "replicas" }}
+{{- $replicas = $pool.replicas | int }}
+{{- end }}
 {{- $minReplicas := $replicas }}
 {{- $maxReplicas := $replicas }}
 {{- if $autoscaling.enabled }}
-{{- $minReplicas = $autoscaling.min_replicas | default 1 | int }}
+{{- $minReplicas = (hasKey $autoscaling "min_replicas" | ternary $autoscaling.min_replicas 1) | int }}
 {{- $maxReplicas = $autoscaling.max_replicas | default 1 | int }}
 {{- if gt $minReplicas $maxReplicas }}
-{{- fail (printf "serve.%s.autoscaling.min_replicas (%d) must be <= max_replicas (%d)" $poolName $minReplicas $maxReplicas) }}
+{{- fail (printf "%s: autoscaling.min_replicas (%d) must be <= max_replicas (%d)" .groupName $minReplicas $maxReplicas) }}
 {{- end }}
 {{- end }}
 {{- $minPods := include "splitserve.podsFor" (list $minReplicas $perPod) | int }}
@@ -93,7 +179,7 @@ Worker group spec fields of one pool. Call with (dict "root" $ "pool" "prefill")
 {{- end }}
 {{- /* The derived resources win over a user-given rayStartParams.resources. */}}
 {{- $rayStartParams = merge $rayStartParams (deepCopy ($group.rayStartParams | default dict)) }}
-- groupName: {{ $poolName }}
+- groupName: {{ .groupName }}
   {{- if $root.Values.rayAutoscaler.enabled }}
   replicas: {{ $minPods }}
   minReplicas: {{ $minPods }}
@@ -113,6 +199,9 @@ Worker group spec fields of one pool. Call with (dict "root" $ "pool" "prefill")
       labels:
         {{- include "splitserve.selectorLabels" $root | nindent 8 }}
         app.kubernetes.io/component: {{ $poolName }}
+        {{- with .model }}
+        splitserve.io/model: {{ . }}
+        {{- end }}
       {{- with $group.podAnnotations }}
       annotations:
         {{- toYaml . | nindent 8 }}
