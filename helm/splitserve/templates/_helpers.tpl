@@ -118,7 +118,8 @@ One model's pool settings, as JSON: serve.<pool> with the model entry's <pool> o
 ServeConfig.model_deployments() merges them (model_entry_config.deep_merge): each key the entry
 gives replaces the top level's, except resources and autoscaling, merged key by key; the custom
 resources dict (resources.resources) is replaced whole; a null is not given. Sprig's
-mergeOverwrite would merge that dict too and skips false and 0, hence the explicit loops.
+mergeOverwrite would merge that dict too (a model would keep the top level's custom resources
+beside its own and land on either's nodes), hence the explicit loops.
 Call with (dict "base" serve.<pool> "over" entry.<pool>).
 */}}
 {{- define "splitserve.modelPool" -}}
