@@ -78,7 +78,7 @@ no group.
 {{- if hasKey $seen $slug }}
 {{- fail (printf "serve.models: two models are served as %q; give each a distinct served_model_name" $served) }}
 {{- end }}
-{{- $_ := set $seen $slug true }}
+{{- $_ := set $seen $slug $served }}
 {{- $podValues := index ($root.Values.modelWorkerGroups | default dict) $served | default dict }}
 {{- range $poolName := list "prefill" "decode" }}
 {{- $pool := include "splitserve.modelPool" (dict "base" (index $serve $poolName) "over" (index $entry $poolName)) | fromJson }}
@@ -92,7 +92,16 @@ no group.
 {{- end }}
 {{- end }}
 {{- end }}
+{{- $served := values $seen }}
+{{- range $key := keys ($root.Values.modelWorkerGroups | default dict) | sortAlpha }}
+{{- if not (has $key $served) }}
+{{- fail (printf "modelWorkerGroups.%s: no model in serve.models is served as %q (served: %s)" $key $key (join ", " (sortAlpha $served))) }}
+{{- end }}
+{{- end }}
 {{- else }}
+{{- if $root.Values.modelWorkerGroups }}
+{{- fail "modelWorkerGroups is set but serve.models is empty: set workerGroups instead" }}
+{{- end }}
 {{- range $poolName := list "prefill" "decode" }}
 {{ include "splitserve.workerGroup" (dict "root" $root "poolName" $poolName "pool" (index $serve $poolName) "group" (index $root.Values.workerGroups $poolName) "groupName" $poolName) | trim }}
 {{- end }}

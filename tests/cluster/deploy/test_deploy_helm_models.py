@@ -178,3 +178,31 @@ def test_two_models_served_under_one_name_fail_the_render():
     models = [{"model": "/models/x", "served_model_name": "x"}, {"model": "/models/y", "served_model_name": "x"}]
     with pytest.raises(Exception, match="two models are served as"):
         deploy.render_chart({"serve": {"models": models}})
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            {"serve": {"models": [{"model": "/m/x", "served_model_name": "x"}]}, "modelWorkerGroups": {"y": {}}},
+            r"modelWorkerGroups.y: no model in serve.models is served as \"y\" \(served: x\)",
+        ),
+        ({"modelWorkerGroups": {"x": {}}}, "modelWorkerGroups is set but serve.models is empty"),
+    ],
+)
+def test_model_worker_groups_must_name_a_served_model(values, message):
+    """A typo in a served name would otherwise leave that model on the default pods unnoticed."""
+    with pytest.raises(Exception, match=message):
+        deploy.render_chart(values)
+
+
+def test_a_pool_without_replicas_gets_no_pods():
+    """prefill replicas 0 (decode prefills locally) and autoscaling floors of 0 size the pool
+    groups at 0 pods, also without serve.models."""
+    serve = {
+        "prefill": {"replicas": 0, "autoscaling": {"enabled": False}},
+        "decode": {"autoscaling": {"enabled": True, "min_replicas": 0, "max_replicas": 3}},
+    }
+    prefill, decode = _groups({"serve": serve})
+    assert (prefill["groupName"], prefill["minReplicas"], prefill["maxReplicas"]) == ("prefill", 0, 0)
+    assert (decode["groupName"], decode["minReplicas"], decode["maxReplicas"]) == ("decode", 0, 3)
