@@ -141,7 +141,7 @@ def stats_of(loop: EngineLoop):
     return loop.call(lambda e: e.stats()).result(10)
 
 
-def test_the_loop_fails_only_the_batch_and_serves_on(tiny_model):
+def test_the_loop_fails_only_the_batch_and_serves_on(tiny_model, scheduling):
     reference = engine_for(tiny_model).generate([prompt(20, s) for s in range(5)], greedy(8))
     loop = EngineLoop(engine_for(tiny_model, max_num_seqs=2), name="t").start()
     got = Collector()
@@ -155,8 +155,10 @@ def test_the_loop_fails_only_the_batch_and_serves_on(tiny_model):
         armed = {rid: len(got.tokens(rid)) for rid in ("r0", "r1")}  # counted once the fault is armed
         got.wait("r0", "r1")
         # They failed at the next step: at most the step already under way when the fault was
-        # armed gave them a token more (counted in steps, not seconds: any machine's speed).
-        assert all(len(got.tokens(rid)) - armed[rid] <= 1 for rid in armed), (armed, got.outputs)
+        # armed gave them a token more (counted in steps, not seconds: any machine's speed);
+        # with async scheduling also the step before it, whose outputs were still in flight.
+        slack = 2 if scheduling == "async" else 1
+        assert all(len(got.tokens(rid)) - armed[rid] <= slack for rid in armed), (armed, got.outputs)
         for rid in ("r0", "r1"):
             assert isinstance(got.errors[rid], EngineStepError)
             assert "t: engine step failed" in str(got.errors[rid]) and "injected step failure" in str(got.errors[rid])

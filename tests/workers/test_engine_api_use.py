@@ -38,6 +38,10 @@ ENGINE_IMPORTS = {
     "splitserve.engine.engine_loop": {"EngineLoop"},
     "splitserve.engine.engine_errors": {"EngineLoopStopped", "EngineStepError"},
     "splitserve.engine.engine_worker": {"EngineWorker"},  # the workers' base (engine/ sits below both)
+    # The request channel's replica side and the pushed-state publisher: worker plumbing that
+    # sits in engine/ so the workers' shared base can hold it; neither touches the engine.
+    "splitserve.engine.replica_channel_server": {"IngressConnection", "ReplicaChannelServer"},
+    "splitserve.engine.state_publisher": {"StatePublisher"},
     "splitserve.engine.engine_protocol": {"EngineProtocol", "LayerHookFactory"},
     "splitserve.engine.engine_factory": {"build_engine"},
     "splitserve.engine.core.scheduler": {"ScheduledBatch"},  # what a layer hook is given
