@@ -2,7 +2,7 @@
 ServingBackend, the OpenAI HTTP app (uvicorn, the `openai` client) and the gRPC frontend.
 
 - An injected step failure, on decode and on prefill, fails only the requests of that batch,
-  with a clear error within 1 s; the others finish; the loop serves on; pools at baseline.
+  with a clear error, at the step that failed; the others finish; the loop serves on; pools at baseline.
 - A loop that cannot carry on: the replica reports itself dead and releases its blocks; its
   requests fail fast; requests routed to it before it leaves are retried without spending
   the retry budget; it leaves routing at the next poll; the next 20 requests succeed; /health
@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import threading
 import time
 
 import grpc
@@ -28,16 +27,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from splitserve.cluster.frontend.grpc.health import READY_SERVICE, pool_service_name
 from splitserve.cluster.frontend.grpc.server import GrpcFrontend
 from splitserve.cluster.frontend.http.api import build_http_app
-from splitserve.cluster.ingress.request_channel_client import RequestChannelClient
 from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.decode.decode_worker import PrefillFailedError
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine_errors import EngineLoopStopped, EngineStepError
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
-from splitserve.proto.messages.handoff import StreamChunk
 from splitserve.proto.messages.poll_reply import PollReply, ReplicaStatus
-from splitserve.proto.messages.request_channel import Failed, FailureKind, Submit
+from tests.helpers.channel_stream import ChannelStream
 from tests.helpers.cluster import (
     HELD_S,
     LoopHttpServer,
@@ -90,63 +87,6 @@ def reference(tiny_model):
     return lambda ids, params=GREEDY: engine.generate([ids], params)[0].token_ids
 
 
-class Stream:
-    """One request sent straight to a decode replica over its request channel (as an ingress
-    does), consumed on the cluster's loop: its chunks, when it ended, and how (a Failed frame
-    becomes the error the replica reported)."""
-
-    def __init__(self, loop, handle, request_id: str, ids: list[int], params: SamplingParams, prefill=None):
-        self.chunks: list[StreamChunk] = []
-        self.error: BaseException | None = None
-        self.ended_at: float | None = None
-        self.done = threading.Event()
-        replica_id = ray.get(handle.ready.remote(), timeout=30)
-        address = ray.get(handle.channel_address.remote(), timeout=30)
-        submit = Submit(request_id, ids, params.to_dict(), None if prefill is None else prefill.replica_id)
-
-        # Held here: a channel's reader and the tasks waiting on it only reference each other.
-        self.channel = channel = RequestChannelClient(replica_id, address, f"test-{request_id}")
-
-        async def consume() -> None:
-            try:
-                queue = await channel.submit(submit)
-                while True:
-                    item = await queue.get()
-                    if not isinstance(item, StreamChunk):
-                        raise _as_error(item)
-                    self.chunks.append(item)
-                    if item.finished:
-                        break
-            except BaseException as exc:
-                self.error = exc
-            finally:
-                self.ended_at = time.monotonic()
-                self.done.set()
-                await channel.close()
-
-        asyncio.run_coroutine_threadsafe(consume(), loop.loop)
-
-    def wait(self, timeout_s: float = 60.0) -> Stream:
-        assert self.done.wait(timeout_s), "the stream never ended"
-        return self
-
-    @property
-    def token_ids(self) -> list[int]:
-        return [t for c in self.chunks for t in c.token_ids]
-
-
-def _as_error(item) -> BaseException:
-    if not isinstance(item, Failed):
-        return item  # ChannelClosed
-    if item.kind is FailureKind.STEP_FAILED:
-        return EngineStepError(item.message)
-    if item.kind is FailureKind.REPLICA_DEAD:
-        return EngineLoopStopped(item.message)
-    if item.kind.value.startswith("prefill"):
-        return PrefillFailedError(item.message, item.kind)
-    return RuntimeError(f"{item.kind}: {item.message}")
-
-
 def poll(handle) -> PollReply:
     return PollReply.from_bytes(ray.get(handle.poll.remote(), timeout=10))
 
@@ -156,9 +96,9 @@ def poll(handle) -> PollReply:
 
 def test_step_failure_on_decode_fails_its_batch_and_the_loop_serves_on(loop, cluster, reference):
     decode = cluster.decode_pool.get("decode-0").handle
-    running = [Stream(loop, decode, f"long-{i}", prompt(20, i), LONG) for i in range(2)]
+    running = [ChannelStream(loop, decode, f"long-{i}", prompt(20, i), LONG) for i in range(2)]
     wait_until(lambda: all(s.chunks for s in running), 30, "the long requests did not start")
-    waiting = [Stream(loop, decode, f"short-{i}", prompt(20, 10 + i), GREEDY) for i in range(2)]
+    waiting = [ChannelStream(loop, decode, f"short-{i}", prompt(20, 10 + i), GREEDY) for i in range(2)]
     wait_until(lambda: poll(decode).engine.num_waiting == 2, 10, "the short requests are not queued")
     bound_s = fail_fast_bound_s(decode)
     armed = time.monotonic()
@@ -172,7 +112,7 @@ def test_step_failure_on_decode_fails_its_batch_and_the_loop_serves_on(loop, clu
     assert took < bound_s
     for i, stream in enumerate(waiting):  # not in that batch: they run next, unharmed
         assert stream.wait().error is None and stream.token_ids == reference(prompt(20, 10 + i))
-    after = Stream(loop, decode, "after", prompt(20, 20), GREEDY).wait()  # the loop serves on
+    after = ChannelStream(loop, decode, "after", prompt(20, 20), GREEDY).wait()  # the loop serves on
     assert after.error is None and after.token_ids == reference(prompt(20, 20))
     assert poll(decode).is_serving
     wait_for_baseline(loop, cluster)
@@ -181,13 +121,13 @@ def test_step_failure_on_decode_fails_its_batch_and_the_loop_serves_on(loop, clu
 def test_step_failure_on_prefill_fails_its_batch_and_the_loop_serves_on(loop, cluster, reference):
     decode = cluster.decode_pool.get("decode-0").handle
     prefill = cluster.prefill_pool.get("prefill-0")
-    warm = Stream(loop, decode, "warm", prompt(40, 30), GREEDY, prefill).wait()  # opens the pair
+    warm = ChannelStream(loop, decode, "warm", prompt(40, 30), GREEDY, prefill).wait()  # opens the pair
     assert warm.error is None
     ray.get(prefill.handle.inject_fault.remote(fail_steps=1))
     bound_s = fail_fast_bound_s(prefill.handle)
     started = time.monotonic()
     # One prompt per prefill step (max_num_seqs 1): the first step fails one of them only.
-    streams = [Stream(loop, decode, f"p-{i}", prompt(40, 31 + i), GREEDY, prefill) for i in range(2)]
+    streams = [ChannelStream(loop, decode, f"p-{i}", prompt(40, 31 + i), GREEDY, prefill) for i in range(2)]
     for stream in streams:
         stream.wait()
     failed = [s for s in streams if s.error is not None]
@@ -199,7 +139,7 @@ def test_step_failure_on_prefill_fails_its_batch_and_the_loop_serves_on(loop, cl
     assert took < bound_s
     ok = next(s for s in streams if s.error is None)
     assert ok.token_ids == reference(prompt(40, 31 + streams.index(ok)))
-    again = Stream(loop, decode, "p-again", prompt(40, 31 + streams.index(failed[0])), GREEDY, prefill).wait()
+    again = ChannelStream(loop, decode, "p-again", prompt(40, 31 + streams.index(failed[0])), GREEDY, prefill).wait()
     assert again.error is None and again.token_ids == reference(prompt(40, 31 + streams.index(failed[0])))
     assert poll(prefill.handle).is_serving
     wait_for_baseline(loop, cluster)
@@ -297,7 +237,7 @@ def test_a_dead_decode_loop_leaves_routing_and_its_requests_are_retried(loop, cl
     loop.run(cluster.controller.pause())
     cluster.dispatcher.max_retries = 0  # a dead replica must not need the budget
     try:
-        holding = Stream(loop, victim.handle, "holding", prompt(40, 50), LONG)  # holds blocks when it dies
+        holding = ChannelStream(loop, victim.handle, "holding", prompt(40, 50), LONG)  # holds blocks when it dies
         wait_until(lambda: holding.chunks, 30, "the request on the victim did not start")
         bound_s = fail_fast_bound_s(victim.handle)
         stopped_at = time.monotonic()
