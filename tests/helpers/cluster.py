@@ -159,3 +159,11 @@ def fail_fast_bound_s(handle) -> float:
         ray.get(handle.poll.remote(), timeout=10)
         rtts.append(time.monotonic() - start)
     return max(FAIL_FAST_S, RTTS_PER_FAILURE * sorted(rtts)[1])  # the median of three
+
+
+def slow_decode(loop, backend, hang_s: float) -> None:
+    """Every decode step hangs hang_s (0: none): a floor under a stream's duration (never a
+    ceiling), so a state in the middle of some work lasts long enough to be seen."""
+    (replica,) = backend.cluster.decode_pool.live_replicas()
+    hang_steps = 10**6 if hang_s else 0
+    ray.get(replica.handle.inject_fault.remote(hang_s=hang_s, hang_steps=hang_steps), timeout=30)

@@ -22,7 +22,14 @@ from tests.helpers.batch_api import (
     start_service,
     wait_for_status,
 )
-from tests.helpers.cluster import LoopHttpServer, cluster_config, serving_backend, wait_for_baseline, wait_until
+from tests.helpers.cluster import (
+    LoopHttpServer,
+    cluster_config,
+    serving_backend,
+    slow_decode,
+    wait_for_baseline,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 SHARED = "Summarize the following note in one line. Note: "  # batch jobs often share a prompt
@@ -183,21 +190,27 @@ def test_a_runner_killed_mid_batch_is_replaced_and_each_custom_id_appears_once(s
     model = backend.model_name
     lines = [completion_line(f"r{i}", model, SHARED + f"row {i}", max_tokens=24) for i in range(12)]
     uploaded = client.files.create(file=jsonl(lines), purpose="batch")
-    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
-    wait_until(
-        lambda: first.runner.inflight and first.store.get_batch(batch.id).completed >= 1,
-        240,
-        "the first runner never had a line done and another in flight",
-    )
+    # Each decode step at least 50 ms: a line lasts >= 24 steps, so "one line done and another
+    # in flight" lasts far longer than the poll below on any machine (a floor, not a ceiling).
+    slow_decode(loop, backend, 0.05)
+    try:
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+        wait_until(
+            lambda: first.runner.inflight and first.store.get_batch(batch.id).completed >= 1,
+            240,
+            "the first runner never had a line done and another in flight",
+        )
 
-    async def kill(service):
-        service._task.cancel()
-        tasks = list(service.runner.inflight.values())
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(service._task, *tasks, return_exceptions=True)
+        async def kill(service):
+            service._task.cancel()
+            tasks = list(service.runner.inflight.values())
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(service._task, *tasks, return_exceptions=True)
 
-    loop.run(kill(first))
+        loop.run(kill(first))  # still slowed: the kill lands while lines run
+    finally:
+        slow_decode(loop, backend, 0.0)
     second = BatchService(cfg, "ingress-b", CollectorRegistry(), model)
     build_http_app(backend, batch=second)
     start_service(loop, second)

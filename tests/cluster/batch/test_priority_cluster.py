@@ -16,7 +16,6 @@ import time
 
 import httpx
 import pytest
-import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.cluster.frontend.http.api import build_http_app
@@ -27,6 +26,7 @@ from tests.helpers.cluster import (
     cluster_config,
     pool_states,
     serving_backend,
+    slow_decode,
     wait_for_baseline,
     wait_until,
 )
@@ -91,13 +91,6 @@ class Stream:
 
 def body(backend, prompt: str, max_tokens: int, **extra) -> dict:
     return {"model": backend.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
-
-
-def slow_decode(loop, backend, hang_s: float) -> None:
-    """Every decode step hangs hang_s: a floor under a batch stream's duration (never a ceiling)."""
-    (replica,) = backend.cluster.decode_pool.live_replicas()
-    hang_steps = 10**6 if hang_s else 0
-    ray.get(replica.handle.inject_fault.remote(hang_s=hang_s, hang_steps=hang_steps), timeout=30)
 
 
 def test_interactive_preempts_batch_work_within_the_idle_bound(http, backend, loop):
