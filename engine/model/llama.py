@@ -16,7 +16,9 @@ from splitserve.engine.model.rope import RotaryEmbedding
 from splitserve.engine.ops.attention import make_decode_plan
 from splitserve.engine.ops.attention_metadata import AttentionMetadata
 from splitserve.engine.ops.kv_cache import KVCache
+from splitserve.engine.ops.onednn_packed_weight import OneDnnPackedWeight
 from splitserve.engine.quant.layerwise_quantizer import LayerwiseQuantizer
+from splitserve.engine.quant.quantize import linear
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Buffers some older checkpoints carry; recomputed here, never loaded.
@@ -93,7 +95,24 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]. A normal tensor (no_grad, not inference
         mode) so that samplers may modify it in place."""
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()
+
+    def pack_matmul_weights(self) -> int:
+        """Reorder the full-precision matmul weights for oneDNN (engine/ops/onednn_packed_weight.py),
+        once the checkpoint is loaded; quantized weights and a tied lm_head (it is also the
+        embedding table, which must stay a plain tensor) are left as they are. Returns how many
+        weights were packed."""
+        owners = [(layer, name) for layer in self._layer_list for name in DecoderLayer.LINEAR_WEIGHTS]
+        if not self.config.tie_word_embeddings:
+            owners.append((self, "lm_head"))
+        count = 0
+        for owner, name in owners:
+            packed = OneDnnPackedWeight.pack(getattr(owner, name))
+            if packed is not None:
+                delattr(owner, name)  # a registered Parameter cannot be overwritten by a module
+                setattr(owner, name, packed)
+                count += 1
+        return count
 
     def _weight_targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
         targets = {

@@ -10,6 +10,7 @@ from splitserve.engine.config import DTYPES, QUANTIZATIONS, ModelConfig
 from splitserve.engine.model.checkpoint import CheckpointError, iterate_weights, require_model_dir, weight_files
 from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.ops.kv_cache import DTYPE_BY_NAME
+from splitserve.engine.ops.onednn_packed_weight import cpu_matmul
 from splitserve.engine.quant.prequantized_weights import prequantized_weights
 
 __all__ = ["CheckpointError", "load_model"]
@@ -21,7 +22,9 @@ def load_model(
     """Read config.json and the safetensors weights (single file or sharded) of model_dir.
 
     dtype defaults to the checkpoint's; quantization (none|int8|fp8|int4) quantizes the
-    decoder layers' matmul weights one by one as they are read (engine/quant). Raises CheckpointError for a missing directory or
+    decoder layers' matmul weights one by one as they are read (engine/quant). On CPU the
+    full-precision matmul weights are then packed for oneDNN (engine/ops/onednn_packed_weight.py;
+    SPLITSERVE_CPU_MATMUL=blas keeps them plain). Raises CheckpointError for a missing directory or
     file, a missing/unexpected/misshapen weight, and ConfigError (a ValueError) for a config
     splitserve cannot run, e.g. an unsupported architecture.
     """
@@ -46,5 +49,7 @@ def load_model(
     weight_files(root)  # fail on missing weight files before allocating the model
     model = LlamaForCausalLM(config, dtype=DTYPE_BY_NAME[config.dtype], device=device, quantization=quantization)
     model.load_weights(weights)
+    if torch.device(device).type == "cpu" and cpu_matmul() == "onednn":
+        model.pack_matmul_weights()
     model.eval()
     return model, config

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.engine.ops.onednn_packed_weight import OneDnnPackedWeight
 from splitserve.engine.quant.fp8_weight import Fp8Weight
 from splitserve.engine.quant.int4_weight import Int4Weight
 from splitserve.engine.quant.int8_weight import Int8Weight
@@ -39,9 +40,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
 
 
 def weight_bytes(module: nn.Module) -> int:
-    """Bytes of every parameter and buffer, each storage counted once (tied weights share one)."""
+    """Bytes of every parameter and buffer, each storage counted once (tied weights share one),
+    and of every oneDNN-packed weight (an opaque tensor, neither parameter nor buffer)."""
     seen: set[int] = set()
-    total = 0
+    total = sum(m.nbytes() for m in module.modules() if isinstance(m, OneDnnPackedWeight))
     for tensor in [*module.parameters(), *module.buffers()]:
         if tensor.is_meta or tensor.untyped_storage().data_ptr() in seen:
             continue
