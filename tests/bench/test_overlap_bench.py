@@ -1,9 +1,13 @@
-"""bench/overlap.py on the tiny model, splitserve only: both step modes run every cell, decode
-the same greedy tokens (the run raises otherwise) and the tables carry every column."""
+"""bench/overlap.py on the tiny model, splitserve only: both step modes and the BLAS baseline
+run every cell, the modes decode the same greedy tokens (the run raises otherwise) and the
+tables carry every column."""
 
 from __future__ import annotations
 
+import os
+
 from splitserve.bench import overlap
+from splitserve.engine.ops.onednn_packed_weight import CPU_MATMUL_ENV
 
 
 def test_shared_prefix_prompts_share_three_quarters():
@@ -18,7 +22,9 @@ def test_shared_prefix_prompts_share_three_quarters():
 def test_a_small_run_reports_both_modes(tiny_model, tmp_path):
     out = tmp_path / "overlap.md"
     argv = ["--model", tiny_model, "--batch-sizes", "1,3", "--max-tokens", "5", "--prompt-len", "16", "--repeats", "1"]
+    before = os.environ.get(CPU_MATMUL_ENV)
     assert overlap.main([*argv, "--out", str(out)]) == 0
+    assert os.environ.get(CPU_MATMUL_ENV) == before  # the blas engine's switch does not outlive its load
     text = out.read_text()
     for workload in ("**shared-prefix**", "**distinct**"):
         assert workload in text
@@ -26,5 +32,6 @@ def test_a_small_run_reports_both_modes(tiny_model, tmp_path):
     assert len(rows) == 4
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert float(cells[1].replace(",", "")) > 0 and float(cells[2].replace(",", "")) > 0
-        assert cells[3].endswith("x") and "%" in cells[-1]
+        assert all(float(cells[i].replace(",", "")) > 0 for i in (1, 2, 3))  # blas, sync, overlap tok/s
+        assert cells[4].endswith("x") and cells[5].endswith("x") and "%" in cells[-1]
+        assert len(cells[6].split(" / ")) == 3  # CPU per token of sync, overlap and blas
