@@ -25,7 +25,7 @@ class IncrementalDetokenizer:
         self._num_context = len(context)
         self._prefix_offset = 0
         self._read_offset = len(context)
-        self._text_parts: list[str] = []
+        self._text = ""  # appended to, never rebuilt: a join per token made a request O(n^2)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -34,7 +34,7 @@ class IncrementalDetokenizer:
     @property
     def text(self) -> str:
         """All text emitted so far (excludes a held-back incomplete character)."""
-        return "".join(self._text_parts)
+        return self._text
 
     def _decode(self, start: int, end: int | None = None) -> str:
         return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip_special)
@@ -62,5 +62,5 @@ class IncrementalDetokenizer:
         delta = new_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        self._text_parts.append(delta)
+        self._text += delta
         return delta
