@@ -254,6 +254,7 @@ class EngineLoop:
             self._release_everything()
 
     def _step(self) -> None:
+        completed = self.engine.num_steps
         try:
             # Outputs go to the sinks through _deliver_outputs: with async scheduling, on the
             # engine's output thread while the next step's forward runs (no command runs then).
@@ -276,7 +277,8 @@ class EngineLoop:
                     f"{self._num_consecutive_failures} engine steps failed in a row; the last: {exc.__cause__!r}"
                 ) from exc
             return
-        self._num_consecutive_failures = 0
+        if self.engine.num_steps > completed:  # a forward succeeded (async scheduling: not every call takes one in)
+            self._num_consecutive_failures = 0
 
     def _deliver_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
