@@ -27,7 +27,7 @@ from splitserve.engine.core.sequence import SequenceStatus
 class InFlightStep:
     """A submitted step: its batch, the blocks its forward writes (one extra reference each,
     so a request ending meanwhile cannot hand them to anyone else before the forward is done),
-    its result (sampled tokens, forward start, forward end: perf_counter seconds), and the event
+    its result (ForwardThread._run's), and the event
     the loop thread sets once the scheduler holds its tokens (or gave up on them)."""
 
     batch: ScheduledBatch
@@ -65,15 +65,26 @@ class ForwardThread:
         step.future = self._executor.submit(self._run, prepared, on_layer_done, previous)
         return step
 
-    def _run(self, prepared: Any, on_layer_done: Any, previous: InFlightStep | None) -> tuple[dict, float, float]:
+    def _run(
+        self, prepared: Any, on_layer_done: Any, previous: InFlightStep | None
+    ) -> tuple[dict, float, float, float]:
+        """(sampled tokens, forward start, end, seconds of it spent waiting for the loop
+        thread to take the previous step's tokens in: host work the forward waited for)."""
         last_tokens, before_sampling = None, None
+        stalled = [0.0]
         if previous is not None:  # it ran before this one on this thread: done
             if previous.future.exception() is None:
                 last_tokens = previous.future.result()[0]
-            before_sampling = previous.updated.wait
+            updated = previous.updated
+
+            def before_sampling() -> None:
+                waiting_from = time.perf_counter()
+                updated.wait()
+                stalled[0] = time.perf_counter() - waiting_from
+
         start = time.perf_counter()
         sampled = self.runner.run(prepared, on_layer_done, last_tokens, before_sampling)
-        return sampled, start, time.perf_counter()
+        return sampled, start, time.perf_counter(), stalled[0]
 
     def close(self) -> None:
         self._executor.shutdown(wait=False)

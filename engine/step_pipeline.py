@@ -142,7 +142,7 @@ class StepPipeline:
     ) -> InFlightStep | None:
         """Schedule, prepare and submit the next step (last: the step still running before it)."""
         engine = self.engine
-        batch = engine.scheduler.schedule()
+        batch = engine.scheduler.schedule(ahead=last is not None)
         if batch.is_empty:
             return None
         try:
@@ -159,14 +159,14 @@ class StepPipeline:
         engine = self.engine
         waited_from = time.perf_counter()
         try:
-            sampled, start, end = step.future.result()
+            sampled, start, end, stalled = step.future.result()
         except Exception as exc:
             errors.append(self._failed(step.batch, exc))
             return []
         finally:
             engine.timing.waited(time.perf_counter() - waited_from)
             self._release(step)
-        engine.timing.forward(start, end)
+        engine.timing.forward(start, end, stalled)
         try:
             advanced = engine.scheduler.update(step.batch, sampled)
         except Exception as exc:

@@ -60,12 +60,15 @@ class StepTiming:
         self.host_seconds += seconds
 
     # ---- forward passes ----------------------------------------------------------------------
-    def forward(self, start: float, end: float) -> None:
-        """A forward pass ran from start to end (perf_counter seconds, any thread)."""
+    def forward(self, start: float, end: float, stalled: float = 0.0) -> None:
+        """A forward pass ran from start to end (perf_counter seconds, any thread), of which
+        stalled seconds waiting for host work (async scheduling: its sampling waited for the
+        loop thread to take the previous step's tokens in): exposed, not forward."""
         if self._forward_end is not None:
             self.exposed_host_seconds += max(start - self._forward_end, 0.0)
         self._forward_end = end
-        self.forward_seconds += end - start
+        self.forward_seconds += end - start - stalled
+        self.exposed_host_seconds += stalled
         self.num_steps += 1
 
     def stats(self) -> dict[str, float | int]:

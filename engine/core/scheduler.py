@@ -109,40 +109,48 @@ class Scheduler:
             self.requests.pop(seq.request_id, None)
 
     # ---- scheduling ----------------------------------------------------------------------
-    def schedule(self, lookahead: dict[str, int] | None = None) -> ScheduledBatch:
+    def schedule(self, lookahead: dict[str, int] | None = None, ahead: bool = False) -> ScheduledBatch:
         """The next step's batch. lookahead: request id -> draft tokens to reserve slots for
         (speculative decoding; decoding sequences only). Lookahead comes last: it takes only
         the token budget and free blocks left once running and newly admitted sequences have
-        theirs, so speculation never preempts a sequence or delays an admission."""
+        theirs, so speculation never preempts a sequence or delays an admission.
+
+        ahead: async scheduling's step scheduled while another one runs. It preempts nobody
+        (a preempted request loses the step in flight, and would again the next time): where
+        the blocks run out, the rest wait for a step scheduled once the tokens are in."""
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         # Higher priority first, admission order among equals (a stable sort): the budget goes
         # to them first, and pop() below preempts the lowest priority, newest first.
         self.running.sort(key=lambda s: s.params.priority)
         idx = 0
+        blocked = False
         while idx < len(self.running) and budget > 0:
             seq = self.running[idx]
             num_new = min(seq.num_tokens_with_placeholders - seq.num_computed_tokens, budget)
             if num_new <= 0 or self._ends_in_flight(seq):  # async scheduling only: nothing to run
                 idx += 1
                 continue
-            preempted_self = False
+            stop = False
             while not self.kv.allocate_slots(seq, num_new):
+                if ahead:
+                    stop = blocked = True
+                    break
                 victim = self.running.pop()
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is seq:
-                    preempted_self = True
+                    stop = True
                     break
-            if preempted_self:
+            if stop:
                 break
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
             batch.num_draft_tokens.append(0)
             budget -= num_new
             idx += 1
-        if not batch.preempted:
-            budget = self._admit_waiting(batch, budget)
+        if not batch.preempted and not blocked:
+            budget = self._admit_waiting(batch, budget, ahead)
         if lookahead:
             self._reserve_lookahead(batch, lookahead, budget)
         return batch
@@ -171,10 +179,10 @@ class Scheduler:
             seq.num_output_placeholders += placeholder
             batch.placeholders.append(placeholder)
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> int:
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, ahead: bool = False) -> int:
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if len(self.running) >= self.max_num_seqs and not self._preempt_for(seq, batch):
+            if len(self.running) >= self.max_num_seqs and (ahead or not self._preempt_for(seq, batch)):
                 break
             # Prompt log-probabilities need every prompt position's logits: such a request reads
             # no cached blocks until they are all computed (it recomputes a cached prefix; its
@@ -182,7 +190,7 @@ class Scheduler:
             cached = [] if seq.needs_prompt_logprobs else self.kv.find_cached_blocks(seq)
             num_new = min(seq.num_tokens - len(cached) * self.kv.block_size, budget)
             if not self.kv.allocate_prompt(seq, cached, num_new):
-                if self._preempt_for(seq, batch):
+                if not ahead and self._preempt_for(seq, batch):
                     budget = self.max_num_batched_tokens - batch.num_tokens
                     continue
                 break
