@@ -115,9 +115,10 @@ class Scheduler:
         the token budget and free blocks left once running and newly admitted sequences have
         theirs, so speculation never preempts a sequence or delays an admission.
 
-        ahead: async scheduling's step scheduled while another one runs. It preempts nobody
-        (a preempted request loses the step in flight, and would again the next time): where
-        the blocks run out, the rest wait for a step scheduled once the tokens are in."""
+        ahead: async scheduling's step scheduled while another one runs. A running request
+        that cannot grow preempts nobody (a preempted request loses the step in flight, and
+        among equals would again the next time): it and those after it wait for a step
+        scheduled once the tokens are in. A waiting request still preempts lower priorities."""
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         # Higher priority first, admission order among equals (a stable sort): the budget goes
@@ -150,7 +151,7 @@ class Scheduler:
             budget -= num_new
             idx += 1
         if not batch.preempted and not blocked:
-            budget = self._admit_waiting(batch, budget, ahead)
+            budget = self._admit_waiting(batch, budget)
         if lookahead:
             self._reserve_lookahead(batch, lookahead, budget)
         return batch
@@ -179,10 +180,10 @@ class Scheduler:
             seq.num_output_placeholders += placeholder
             batch.placeholders.append(placeholder)
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int, ahead: bool = False) -> int:
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> int:
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if len(self.running) >= self.max_num_seqs and (ahead or not self._preempt_for(seq, batch)):
+            if len(self.running) >= self.max_num_seqs and not self._preempt_for(seq, batch):
                 break
             # Prompt log-probabilities need every prompt position's logits: such a request reads
             # no cached blocks until they are all computed (it recomputes a cached prefix; its
@@ -190,7 +191,7 @@ class Scheduler:
             cached = [] if seq.needs_prompt_logprobs else self.kv.find_cached_blocks(seq)
             num_new = min(seq.num_tokens - len(cached) * self.kv.block_size, budget)
             if not self.kv.allocate_prompt(seq, cached, num_new):
-                if not ahead and self._preempt_for(seq, batch):
+                if self._preempt_for(seq, batch):
                     budget = self.max_num_batched_tokens - batch.num_tokens
                     continue
                 break
