@@ -51,6 +51,7 @@ grammars), whose tokens the loop thread appends only while no sampling of theirs
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -70,10 +71,25 @@ Deliver = Callable[[list[RequestOutput]], None]
 
 
 class StepPipeline:
+    # Fewest requests (running and waiting) worth a forward thread on CPU. Below it the
+    # hand-over (a thread wake-up each way per step) costs more than the host work it hides
+    # (measured at batch 1 on the bench preset): such steps run the synchronous step, and the
+    # pipeline drains into it. On a GPU every step goes ahead.
+    CPU_MIN_REQUESTS = 4
+    # The interpreter's GIL switch interval on CPU (default 5 ms): the loop thread's Python
+    # (taking a step in, outputs) holds the GIL until it blocks or this much time passed, while
+    # the forward thread needs it between torch ops; at 5 ms each step's forward waited about
+    # as long as the host work it was meant to hide. Only ever lowered; the whole process's.
+    CPU_SWITCH_INTERVAL_S = 0.0002
+
     def __init__(self, engine: PagedEngine):
         self.engine = engine
         self.forward = ForwardThread(engine.runner)
         self._in_flight: InFlightStep | None = None
+        on_gpu = str(engine.config.device).startswith("cuda")
+        self.min_requests = 1 if on_gpu else self.CPU_MIN_REQUESTS
+        if not on_gpu and sys.getswitchinterval() > self.CPU_SWITCH_INTERVAL_S:
+            sys.setswitchinterval(self.CPU_SWITCH_INTERVAL_S)
 
     @property
     def busy(self) -> bool:
@@ -111,9 +127,18 @@ class StepPipeline:
             timing.step_exited(entered, self.engine.has_unfinished())
 
     def _step(self, layer_hook: LayerHookFactory | None, deliver: Deliver | None) -> list[RequestOutput]:
+        engine = self.engine
+        scheduler = engine.scheduler
+        small = len(scheduler.running) + len(scheduler.waiting) < self.min_requests
         last, self._in_flight = self._in_flight, None
+        if last is None and small:  # too few requests to pay for the forward thread
+            outputs = engine._step_sync(layer_hook)
+            if deliver is None:
+                return outputs
+            deliver(outputs)
+            return []
         errors: list[EngineStepError] = []
-        following = self._launch(layer_hook, last, errors)  # ahead, while last's forward runs
+        following = None if small else self._launch(layer_hook, last, errors)  # ahead, while last runs
         if last is None:
             self._in_flight = following
             _raise(errors)
@@ -126,7 +151,7 @@ class StepPipeline:
         prefilled = [seq for seq in advanced if seq.prefill_only]
         if prefilled:  # at once: its sink starts the KV transfer or pins the blocks for it
             outputs += self._outputs(prefilled, last.batch, deliver, errors)
-        if following is None:  # nothing could go ahead: schedule knowing last's tokens
+        if following is None and not small:  # nothing could go ahead: schedule knowing last's tokens
             following = self._launch(layer_hook, None, errors)
         outputs += self._outputs([s for s in advanced if not s.prefill_only], last.batch, deliver, errors)
         self._forget_finished(last.batch)

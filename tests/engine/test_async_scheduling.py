@@ -13,7 +13,16 @@ from splitserve.engine.engine_errors import EngineStepError
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.step_pipeline import StepPipeline
 from tests.engine.test_step_failures import Collector
+
+
+@pytest.fixture(scope="module", autouse=True)
+def every_step_goes_ahead():
+    """These small batches go ahead too (on CPU only steps with >= 4 requests do by default)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(StepPipeline, "CPU_MIN_REQUESTS", 1)
+        yield
 
 
 def engine_for(model_dir: str, async_scheduling: bool, **kw) -> LLMEngine:
@@ -22,7 +31,7 @@ def engine_for(model_dir: str, async_scheduling: bool, **kw) -> LLMEngine:
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_model) -> dict[str, LLMEngine]:
+def engines(tiny_model, every_step_goes_ahead) -> dict[str, LLMEngine]:
     return {"async": engine_for(tiny_model, True), "sync": engine_for(tiny_model, False)}
 
 

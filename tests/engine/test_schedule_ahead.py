@@ -16,8 +16,15 @@ from splitserve.engine.core.sequence import SequenceStatus
 from splitserve.engine.engine_errors import EngineStepError
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.step_pipeline import StepPipeline
 
 BS = 16
+
+
+@pytest.fixture(autouse=True)
+def every_step_goes_ahead(monkeypatch):
+    """These small batches go ahead too (on CPU only steps with >= 4 requests do by default)."""
+    monkeypatch.setattr(StepPipeline, "CPU_MIN_REQUESTS", 1)
 
 
 def engine_for(model_dir: str, async_scheduling: bool = True, **kw) -> LLMEngine:
@@ -223,4 +230,37 @@ def test_a_failed_forward_fails_only_its_batch(tiny_model):
     tokens = run_all(engine)
     reference = engine_for(tiny_model, False).generate([prompt(18, 3)], long)[0].token_ids
     assert tokens == {"c": reference}
+    assert_baseline(engine)
+
+
+def test_few_requests_step_synchronously_on_cpu(tiny_model, monkeypatch):
+    """Below CPU_MIN_REQUESTS requests a step runs the synchronous step on the loop thread;
+    from it on, steps go ahead on the forward thread; the pipeline drains back as they end."""
+    monkeypatch.setattr(StepPipeline, "CPU_MIN_REQUESTS", 3)
+    engine = engine_for(tiny_model)
+    threads: list[str] = []
+
+    def hook(batch):
+        return lambda layer: threads.append(threading.current_thread().name) if layer == 0 else None
+
+    params = [greedy(6 + 4 * i, ignore_eos=True) for i in range(4)]
+    for i in (0, 1):
+        engine.add_request(prompt_token_ids=prompt(12, i), params=params[i], request_id=f"r{i}")
+    tokens: dict[str, list[int]] = {}
+    for _ in range(2):
+        for out in engine.step(hook):
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert not engine.pipeline.busy
+    assert threads == [threading.current_thread().name] * 2  # on the loop thread, in sequence
+    for i in (2, 3):
+        engine.add_request(prompt_token_ids=prompt(12, i), params=params[i], request_id=f"r{i}")
+    engine.step(hook)
+    assert engine.pipeline.busy  # submitted to the forward thread
+    while engine.has_unfinished():
+        for out in engine.step(hook):
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert threads[2].startswith("engine-forward")
+    assert threads[-1] == threading.current_thread().name  # r3 ended alone: synchronous again
+    reference = engine_for(tiny_model, False).generate([prompt(12, i) for i in range(4)], params)
+    assert [tokens[f"r{i}"] for i in range(4)] == [o.token_ids for o in reference]
     assert_baseline(engine)
