@@ -85,6 +85,3 @@ class ForwardThread:
         start = time.perf_counter()
         sampled = self.runner.run(prepared, on_layer_done, last_tokens, before_sampling)
         return sampled, start, time.perf_counter(), stalled[0]
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=False)

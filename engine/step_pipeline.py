@@ -37,7 +37,11 @@ takes that step's tokens in and builds its outputs while the next one runs:
   full until N's finished requests free blocks), N+1 is scheduled once N's tokens are in, in
   the synchronous order, and still runs while N's outputs are built.
 - Speculative decoding steps synchronously (PagedEngine builds no pipeline for it): drafts are
-  proposed from the previous step's accepted tokens, which a placeholder does not have.
+  proposed from the previous step's accepted tokens, which a placeholder does not have. On
+  CPU, so do steps with fewer than CPU_MIN_REQUESTS requests (the pipeline drains into them).
+- A step scheduled ahead preempts no running request (Scheduler.schedule(ahead=True)): the
+  victim would lose the step in flight, and among equals again the next time. Where blocks
+  run out the rest wait for the step scheduled once N is taken in, which preempts as ever.
 - Failures: a failed forward (or prepare) fails its own batch, an EngineStepError as a failed
   synchronous step; the step scheduled behind it reads token 0 for its placeholder rows, whose
   requests that failure failed, and serves the others. A failure taking N's tokens in or
@@ -46,7 +50,9 @@ takes that step's tokens in and builds its outputs while the next one runs:
 
 Threads: only the loop thread touches the scheduler, the block pool and the outputs; the
 forward thread reads the sequences its prepared step samples for (parameters, output tokens,
-grammars), whose tokens the loop thread appends only while no sampling of theirs runs.
+grammars), whose tokens the loop thread appends only while no sampling of theirs runs. On CPU
+they share the GIL (torch releases it inside its ops); CPU_SWITCH_INTERVAL_S says why the
+interpreter's switch interval is lowered.
 """
 
 from __future__ import annotations
