@@ -17,6 +17,7 @@ from splitserve.engine.engine_errors import EngineStepError
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.step_pipeline import StepPipeline
+from splitserve.engine.step_timing import StepTiming
 
 BS = 16
 
@@ -264,3 +265,10 @@ def test_few_requests_step_synchronously_on_cpu(tiny_model, monkeypatch):
     reference = engine_for(tiny_model, False).generate([prompt(12, i) for i in range(4)], params)
     assert [tokens[f"r{i}"] for i in range(4)] == [o.token_ids for o in reference]
     assert_baseline(engine)
+
+
+def test_a_forward_waiting_for_the_update_counts_as_exposed_host_work():
+    timing = StepTiming()
+    timing.forward(10.0, 11.0)
+    timing.forward(11.0, 12.0, stalled=0.25)  # queued behind the first: no gap, but it waited
+    assert timing.forward_seconds == 1.75 and timing.exposed_host_seconds == 0.25
