@@ -146,7 +146,11 @@ class StepPipeline:
             deliver(outputs)
             return []
         errors: list[EngineStepError] = []
-        following = None if small else self._launch(layer_hook, last, errors)  # ahead, while last runs
+        try:
+            following = None if small else self._launch(layer_hook, last, errors)  # ahead, while last runs
+        except BaseException:
+            self._in_flight = last  # outside any batch (the loop stops): clear() still waits for it
+            raise
         if last is None:
             self._in_flight = following
             _raise(errors)
