@@ -51,13 +51,15 @@ takes that step's tokens in and builds its outputs while the next one runs:
 Threads: only the loop thread touches the scheduler, the block pool and the outputs; the
 forward thread reads the sequences its prepared step samples for (parameters, output tokens,
 grammars), whose tokens the loop thread appends only while no sampling of theirs runs. On CPU
-they share the GIL (torch releases it inside its ops); CPU_SWITCH_INTERVAL_S says why the
-interpreter's switch interval is lowered.
+they share the GIL: torch releases it inside its ops, but a forward made of many short ops
+needs it back after each, and waits whenever the loop thread runs Python (up to the
+interpreter's switch interval, 5 ms). So on CPU the overlap gains little: the host work moves
+into the forward's time (see docs/ARCHITECTURE.md); a process split (vLLM's EngineCore and
+worker) or a free-threaded interpreter is what would make it pay there.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -82,13 +84,6 @@ class StepPipeline:
     # (measured at batch 1 on the bench preset): such steps run the synchronous step, and the
     # pipeline drains into it. On a GPU every step goes ahead.
     CPU_MIN_REQUESTS = 4
-    # The interpreter's GIL switch interval on CPU (default 5 ms): the loop thread's Python
-    # (taking a step in, outputs) holds the GIL until it blocks or this much time passed, while
-    # the forward thread needs it between torch ops, so the next forward waited behind the
-    # host work it was meant to hide (bench preset, batch 32, a shared 2-core machine: the gap
-    # between two forwards 0.7 ms at p90 with 5 ms, 0.1 ms with 0.2 ms). Only ever lowered;
-    # it is the whole process's.
-    CPU_SWITCH_INTERVAL_S = 0.0002
 
     def __init__(self, engine: PagedEngine):
         self.engine = engine
@@ -96,8 +91,6 @@ class StepPipeline:
         self._in_flight: InFlightStep | None = None
         on_gpu = str(engine.config.device).startswith("cuda")
         self.min_requests = 1 if on_gpu else self.CPU_MIN_REQUESTS
-        if not on_gpu and sys.getswitchinterval() > self.CPU_SWITCH_INTERVAL_S:
-            sys.setswitchinterval(self.CPU_SWITCH_INTERVAL_S)
 
     @property
     def busy(self) -> bool:
