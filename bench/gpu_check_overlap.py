@@ -93,7 +93,11 @@ def check_overlap(device: torch.device, tiny: bool, work_dir: Path) -> dict:
         )
         for mode, on in MODES.items()
     }
-    items = [item("model", "info", "check 4's random Llama, bf16; one step in flight, outputs on a second thread")]
+    items = [
+        item(
+            "model", "info", "check 4's random Llama, bf16; the next step scheduled ahead, forwards on a forward thread"
+        )
+    ]
     with torch.inference_mode():
         for batch in batches:
             results = {mode: _decode(engine, batch, prompt_len, steps, seed=batch) for mode, engine in engines.items()}

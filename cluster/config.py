@@ -234,7 +234,7 @@ class ServeConfig(_Strict):
     layerwise_transfer: bool = True
     """Send each layer's KV as soon as it is computed."""
     async_scheduling: bool = True
-    """Async scheduling: each engine step runs while a second thread builds and delivers the previous step's outputs (detokenization, stop strings), hiding that host work behind the forward pass (on CPU for steps with 16+ outputs); speculative decoding always steps synchronously. Off: the synchronous step."""
+    """Async scheduling: the next engine step is scheduled and prepared while one runs on a forward thread (placeholders for its tokens), and its outputs are built while the next runs, hiding that host work behind the forward pass (on CPU with 4+ requests); speculative decoding always steps synchronously. Off: the synchronous step."""
     kv_transfer_lease_s: float = Field(20.0, gt=0)
     """How long prefill pins a request's KV blocks without an ack, and the KV transfer timeout."""
     request_timeout_s: float = Field(600.0, gt=0)

@@ -230,9 +230,9 @@ class EngineConfig:
     quantization: str = "none"  # none|int8|fp8|int4, the matmul weights (also the draft model's)
     device: str = "cpu"
     seed: int = 0
-    # Async scheduling (engine/step_pipeline.py): the next step is scheduled and its forward
-    # started before this step's outputs are built and delivered. Speculative decoding steps
-    # synchronously whatever this says.
+    # Async scheduling (engine/step_pipeline.py): the next step is scheduled and submitted
+    # while one runs on the forward thread, with placeholders for its tokens. Speculative
+    # decoding steps synchronously whatever this says.
     async_scheduling: bool = True
     # Speculative decoding (engine/spec): a SpeculativeConfig, or its dict (how Ray ships it).
     speculative: Any = None

@@ -1,8 +1,10 @@
 """Runs an engine (EngineProtocol: LLMEngine or SimulatedEngine) in a background thread so an
 asyncio actor stays responsive.
 
-Only the loop thread touches the engine (scheduler, block pool, cache). Other threads hand it
-work with call() and receive outputs through per-request sinks, called on the loop thread.
+Only the loop thread touches the engine (scheduler, block pool, cache); with async
+scheduling the engine's forward thread runs the forward passes meanwhile (engine/step_pipeline.py).
+Other threads hand it work with call() and receive outputs through per-request sinks, called
+on the loop thread.
 A worker that buffers what its sinks get passes `flush_outputs`: it is called once after every
 step (and every batch of commands) that delivered something, so the worker hands a whole
 step's outputs to its event loop in one go instead of one hand-over per token.
@@ -254,9 +256,10 @@ class EngineLoop:
             self._release_everything()
 
     def _step(self) -> None:
+        completed = self.engine.num_steps
         try:
-            # Outputs go to the sinks through _deliver_outputs: with async scheduling, on the
-            # engine's output thread while the next step's forward runs (no command runs then).
+            # Outputs go to the sinks through _deliver_outputs (this thread): with async
+            # scheduling while the next step's forward runs on the engine's forward thread.
             self.engine.step(self.faults.wrap(self.layer_hook), self._deliver_outputs)
         except EngineStepError as exc:
             self.num_failed_steps += 1
@@ -276,7 +279,8 @@ class EngineLoop:
                     f"{self._num_consecutive_failures} engine steps failed in a row; the last: {exc.__cause__!r}"
                 ) from exc
             return
-        self._num_consecutive_failures = 0
+        if self.engine.num_steps > completed:  # a forward succeeded (async scheduling: not every call takes one in)
+            self._num_consecutive_failures = 0
 
     def _deliver_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -35,6 +35,9 @@ class EngineProtocol(Protocol):
     # What the KV transport reads (prefill) and writes (decode): the paged KV tensors of the
     # real engine, the block geometry alone of the simulated one.
     kv_cache: Any
+    # Steps whose forward completed and whose tokens were taken in (with async scheduling a
+    # step() call may only submit one).
+    num_steps: int
 
     @property
     def device(self) -> Any:

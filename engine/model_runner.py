@@ -29,6 +29,9 @@ class PreparedStep(NamedTuple):
     seqs: list[Sequence]  # the sequences those rows sample for, in order
     seq_drafts: list[list[int]]
     prompt_rows: list[PromptRows]
+    # Async scheduling: (input row, request id) of decode rows whose input token the step in
+    # flight is still sampling; run() fills them in from that step's tokens.
+    placeholders: list[tuple[int, str]]
 
 
 class ModelRunner:
@@ -63,7 +66,8 @@ class ModelRunner:
             table = seq.block_table
             draft = drafts.get(seq.request_id) if drafts else None
             if n == 1:  # a decode step: skip the slicing and ranges of the general case
-                input_ids.append(seq.token_ids[start])
+                # Past the known tokens: a placeholder (async scheduling), filled in by run().
+                input_ids.append(seq.token_ids[start] if start < len(seq.token_ids) else 0)
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             elif draft:
@@ -104,34 +108,54 @@ class ModelRunner:
         input_ids, positions, meta, last_index = self.build_metadata(batch.seqs, batch.num_new_tokens, drafts)
         rows, seqs, seq_drafts = [], [], []
         for seq, n, num_draft, idx in zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens, last_index):
-            if seq.num_computed_tokens + n - num_draft == seq.num_tokens:
+            if seq.num_computed_tokens + n - num_draft == seq.num_tokens_with_placeholders:
                 rows.extend(range(idx - num_draft, idx + 1))  # a verifying sequence: k + 1 rows
                 seqs.append(seq)
                 seq_drafts.append(drafts.get(seq.request_id, []))
+        placeholders = [
+            (idx, seq.request_id)
+            for seq, idx in zip(batch.seqs, last_index)
+            if seq.num_computed_tokens >= seq.num_tokens
+        ]
         # Prompt chunks of requests asking for prompt log-probabilities: every position, not
         # only the last. Recorded on the sequence after the forward (a chunk samples no token).
         prompt_rows = PromptLogprobs.plan(batch.seqs, batch.num_new_tokens, last_index)
-        return PreparedStep(batch, input_ids, positions, meta, rows, seqs, seq_drafts, prompt_rows)
+        return PreparedStep(batch, input_ids, positions, meta, rows, seqs, seq_drafts, prompt_rows, placeholders)
 
     @torch.inference_mode()
     def run(
-        self, step: PreparedStep | None, on_layer_done: Callable[[int], None] | None = None
+        self,
+        step: PreparedStep | None,
+        on_layer_done: Callable[[int], None] | None = None,
+        previous: dict[str, SampledToken | list[SampledToken]] | None = None,
+        before_sampling: Callable[[], None] | None = None,
     ) -> dict[str, SampledToken | list[SampledToken]]:
         """Run a prepared step (the forward thread, with async scheduling); returns the sampled
         token for each sequence that reached its end. In a batch with drafts every such sequence
         gets the list of tokens it emits instead: its accepted draft tokens and one more
-        (spec/rejection_sampler.py)."""
+        (spec/rejection_sampler.py).
+
+        Async scheduling, a step scheduled while the one before it ran: previous is that
+        step's result (None if it failed), whose tokens become the placeholder rows' inputs;
+        before_sampling returns once the scheduler holds those tokens, so masks, penalties and
+        seeds see every token the synchronous step's sampling sees."""
         if step is None:
             return {}
         batch, rows, seqs, seq_drafts = step.batch, step.rows, step.seqs, step.seq_drafts
         drafts = batch.draft_token_ids
-        # Constrained rows' masks are computed during the forward (each draft row its own).
-        self.grammar_mask.start(seqs, seq_drafts if drafts else None)
+        if step.placeholders:
+            self._fill_placeholders(step, previous or {})
+        if before_sampling is None:
+            # Constrained rows' masks are computed during the forward (each draft row its own).
+            self.grammar_mask.start(seqs, seq_drafts if drafts else None)
         hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta, on_layer_done=on_layer_done)
         if step.prompt_rows:
             self.prompt_logprobs.record(hidden, step.prompt_rows)
         if not rows:
             return {}
+        if before_sampling is not None:  # the grammars hold the last step's tokens from here
+            before_sampling()
+            self.grammar_mask.start(seqs)
         if len(rows) == hidden.shape[0]:
             selected = hidden
         else:
@@ -147,6 +171,15 @@ class ModelRunner:
         # The scheduler advances each grammar by the tokens its request emits.
         results = self.sampler.sample(logits, seqs)
         return {s.request_id: r for s, r in zip(seqs, results)}
+
+    @staticmethod
+    def _fill_placeholders(step: PreparedStep, previous: dict[str, SampledToken | list[SampledToken]]) -> None:
+        """The placeholder rows' inputs: the tokens the step before sampled. A request missing
+        there (its step failed) gets token 0: it was failed too, and its row is discarded."""
+        rows = torch.tensor([row for row, _ in step.placeholders], device=step.input_ids.device)
+        tokens = [previous.get(request_id, (0,)) for _, request_id in step.placeholders]
+        ids = [token[0] if isinstance(token, tuple) else 0 for token in tokens]
+        step.input_ids.index_copy_(0, rows, torch.tensor(ids, dtype=step.input_ids.dtype, device=rows.device))
 
     def execute(
         self, batch: ScheduledBatch, on_layer_done: Callable[[int], None] | None = None

@@ -46,10 +46,18 @@ class StepRunner(Protocol):
     def execute(self, batch: ScheduledBatch, on_layer_done: Callable[[int], None] | None = None) -> dict: ...
 
     # execute split in two for async scheduling (engine/step_pipeline.py): prepare reads the
-    # sequences before the previous step's outputs are built beside run.
+    # sequences on the loop thread, run computes on the forward thread while they move on.
+    # previous: the result of the step still running when this one was scheduled (its
+    # placeholder rows' tokens); before_sampling waits until the scheduler holds those tokens.
     def prepare(self, batch: ScheduledBatch) -> Any: ...
 
-    def run(self, prepared: Any, on_layer_done: Callable[[int], None] | None = None) -> dict: ...
+    def run(
+        self,
+        prepared: Any,
+        on_layer_done: Callable[[int], None] | None = None,
+        previous: dict | None = None,
+        before_sampling: Callable[[], None] | None = None,
+    ) -> dict: ...
 
     def forget(self, request_id: str) -> None: ...
 
@@ -104,7 +112,7 @@ class PagedEngine(KVHandoff, EngineProtocol):
         self._reserved: dict[str, Sequence] = {}  # request id -> sequence holding reserved blocks
         self.num_steps = 0
         self.timing = StepTiming()
-        # Async scheduling: outputs built beside the next forward (engine/step_pipeline.py).
+        # Async scheduling: the next step scheduled while one runs (engine/step_pipeline.py).
         self.pipeline = StepPipeline(self) if config.async_scheduling and speculator is None else None
 
     # ---- requests ------------------------------------------------------------------------
@@ -167,11 +175,11 @@ class PagedEngine(KVHandoff, EngineProtocol):
         """Stop a request and free all it holds (blocks, a reservation, detokenizer state).
         Unknown or finished ids are ignored."""
         self.release_reservation(request_id)
-        if self.pipeline is not None:
-            self.pipeline.drop(request_id)
         self.scheduler.abort(request_id)
         self._forget(request_id)
         self.outputs.forget(request_id)
+        if self.pipeline is not None:
+            self.pipeline.drop_dead()  # a step in flight for aborted requests only: waited for
 
     def _forget(self, request_id: str) -> None:
         """Drop the per-request state the runner and the speculator keep."""
@@ -183,7 +191,7 @@ class PagedEngine(KVHandoff, EngineProtocol):
         """Abort every request and reservation (the engine is being given up): every block
         goes back to the pool. Returns the ids aborted."""
         if self.pipeline is not None:
-            self.pipeline.clear()  # outputs not built yet: their requests are aborted now
+            self.pipeline.clear()  # the forward in flight is waited for; its requests are aborted now
         request_ids = list(dict.fromkeys([*self.scheduler.requests, *self._reserved]))
         for request_id in request_ids:
             self.abort(request_id)
@@ -198,7 +206,7 @@ class PagedEngine(KVHandoff, EngineProtocol):
         request of the batch is failed (see _fail_batch) and EngineStepError is raised; the
         engine stays consistent and the next step serves the others. With deliver, outputs
         are handed to it (and [] returned). With async scheduling (StepPipeline) they are the
-        previous step's, built (and delivered) while this step's forward runs."""
+        outputs of the step submitted before, built (and delivered) while the next one runs."""
         if self.pipeline is not None:
             return self.pipeline.step(layer_hook, deliver)
         entered = self.timing.step_entered()

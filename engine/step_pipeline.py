@@ -1,98 +1,125 @@
-"""StepPipeline: async scheduling. The engine's host work overlaps the forward pass: step N+1
-is scheduled and its inputs prepared as soon as step N's tokens are in the scheduler, and while
-N+1's forward pass runs (on the engine loop's thread, as in the synchronous step) a second
-thread, the output thread, builds step N's outputs (detokenization, stop strings) and delivers
-and flushes them. Design after vLLM's async scheduling (`--async-scheduling`: the next step is
-scheduled before the previous one's outputs are processed) and SGLang's overlap scheduler
-(`event_loop_overlap`: a step's results are processed while the next batch runs).
+"""StepPipeline: async scheduling, after vLLM's AsyncScheduler (`--async-scheduling`: step N+1
+is scheduled while step N runs, with an output placeholder for each token N samples) and
+SGLang's overlap scheduler (`event_loop_overlap`, its FutureMap resolving placeholder ids
+before the next forward). The forward passes run on a forward thread (engine/forward_thread.py)
+in order; the engine loop's thread schedules and prepares the next step while one runs, then
+takes that step's tokens in and builds its outputs while the next one runs:
 
-A step's timeline (docs/ARCHITECTURE.md draws it with the synchronous one):
+    loop thread:    [sched N+1 | prep N+1][wait N][update N][outputs N, deliver, flush][commands][sched N+2 | prep N+2] ...
+    forward thread: [forward N                   ][forward N+1              ...      (sample N+1 after update N)][forward N+2
+                                                  ^ N+1 queued behind N: the forward never waits for host work
 
-    loop thread:    [schedule N+1 | prepare N+1][forward + sample N+1     ][join][update N+1]
-    output thread:                              [outputs N, deliver, flush]
+- Scheduling ahead (Scheduler.commit): a submitted batch's positions count as computed at
+  once, and each request it samples for holds a placeholder (`num_output_placeholders`) for
+  that token, so N+1 is scheduled past them: N's decode rows continue with one more position
+  each, a prompt's next chunk follows its last (a chunk needs no placeholder: its tokens are
+  known). A request whose last token N samples (max_tokens, the context length) is not
+  scheduled again. A prefill-only request (disaggregated prefill) gets no placeholder: it is
+  not scheduled past its prompt, and its one output is delivered as soon as N is taken in,
+  before any later command (decode's ack) may release its blocks.
+- Placeholder rows (engine/model_runner.py): N+1's decode row of a request N samples for is
+  built with input token 0; on the forward thread, just before N+1's forward, it is filled in
+  from N's result (an index fill of the input ids). N+1's sampling waits until the loop thread
+  has taken N's tokens in (update N): grammar masks (computed after the forward then), penalties,
+  logit_bias, min_tokens, logprobs and seeded generators see exactly the synchronous step's
+  state, so greedy output is identical and seeded sampling reproducible.
+- Correcting for ends: a request that ends in N (EOS, a stop token, max_tokens, a grammar's end
+  in update N; a stop string while building N's outputs; an abort or a failure) while N+1 has
+  its row: the row is computed and discarded (Scheduler.update skips requests no longer
+  running as the batch scheduled them), nothing past its end is emitted. A preempted request
+  (while scheduling N+1 with N in flight) gets nothing from N and recomputes. Blocks: each
+  submitted forward holds an extra reference on the blocks it writes until it is taken in,
+  so a request ending meanwhile frees its blocks to the pool only once no forward can still
+  write them; the prefix cache enters a block only once its KV is written (update N caches up
+  to N's positions, not N+1's). A step whose every row died (all its requests ended) is waited
+  for at once, so an idle engine holds nothing.
+- When nothing can be scheduled ahead (e.g. all running requests end in N, or the pool is
+  full until N's finished requests free blocks), N+1 is scheduled once N's tokens are in, in
+  the synchronous order, and still runs while N's outputs are built.
+- Speculative decoding steps synchronously (PagedEngine builds no pipeline for it): drafts are
+  proposed from the previous step's accepted tokens, which a placeholder does not have. On
+  CPU, so do steps with fewer than CPU_MIN_REQUESTS requests (the pipeline drains into them).
+- A step scheduled ahead preempts no running request (Scheduler.schedule(ahead=True)): the
+  victim would lose the step in flight, and among equals again the next time. Where blocks
+  run out the rest wait for the step scheduled once N is taken in, which preempts as ever.
+- Failures: a failed forward (or prepare) fails its own batch, an EngineStepError as a failed
+  synchronous step; the step scheduled behind it reads token 0 for its placeholder rows, whose
+  requests that failure failed, and serves the others. A failure taking N's tokens in or
+  building its outputs fails N's batch. The error is raised by the loop thread's step that
+  took the failed step in, once the other batch was carried on.
 
-Unlike vLLM's AsyncScheduler, N+1 is not scheduled with placeholders before N's tokens exist:
-scheduling and input preparation stay in front of the forward, and in exchange nothing needs
-correcting for grammar masks, penalties, token-level stops or preemption. What must precede
-the next forward stays on the loop thread, in the synchronous step's order:
-the scheduler's update (tokens appended, EOS / stop tokens / max_tokens / grammar termination
-checked, blocks cached), so N+1 is scheduled knowing every token-level stop, and grammar masks,
-penalties and seeded generators see exactly the state they see without overlap. What N+1
-assumes is that N's requests were not ended by the output work that runs beside it: a stop
-string found while detokenizing N (or a failure building N's outputs). Such a request finishes
-at once, its output ending there; N+1's row for it is discarded (Scheduler.update skips
-requests that are no longer running), so nothing past its end is ever emitted. Its blocks go
-back to the pool during N+1's forward, which may still write them: harmless, since nothing
-allocates blocks until the loop thread is back (no step, command or transfer runs meanwhile).
-
-A prefill-only request's one output (disaggregated prefill) is not deferred: its sink starts
-the KV transfer or pins the blocks for it, which must happen before a later command (the decode
-side's ack) may release them.
-
-Threads: the output thread touches the engine only between the loop thread's prepare and join,
-while the loop thread runs the forward pass, which reads the sequences' tokens and parameters
-(sampling, penalties, grammar masks) but changes none of them; torch releases the GIL inside
-its ops, where the output thread's Python runs. Speculative decoding steps synchronously (a
-stop string inside a run of accepted drafts truncates a sequence the verification reads).
-
-Failures: a failed forward fails N+1's batch; a failure building N's outputs fails N's batch
-(its requests in N+1 are aborted, their rows discarded); each raises EngineStepError as a failed
-synchronous step does, after the other batch was carried on.
+Threads: only the loop thread touches the scheduler, the block pool and the outputs; the
+forward thread reads the sequences its prepared step samples for (parameters, output tokens,
+grammars), whose tokens the loop thread appends only while no sampling of theirs runs. On CPU
+they share the GIL: torch releases it inside its ops, but a forward made of many short ops
+needs it back after each, and waits whenever the loop thread runs Python (up to the
+interpreter's switch interval, 5 ms). So on CPU the overlap gains little: the host work moves
+into the forward's time (see docs/ARCHITECTURE.md); a process split (vLLM's EngineCore and
+worker) or a free-threaded interpreter is what would make it pay there.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from splitserve.engine.core.scheduler import ScheduledBatch
+from splitserve.engine.core.scheduled_batch import ScheduledBatch
 from splitserve.engine.core.sequence import Sequence, SequenceStatus
 from splitserve.engine.engine_errors import EngineStepError
 from splitserve.engine.engine_protocol import LayerHookFactory
+from splitserve.engine.forward_thread import ForwardThread, InFlightStep
 from splitserve.engine.io.request_output import RequestOutput
 
 if TYPE_CHECKING:
     from splitserve.engine.paged_engine import PagedEngine
 
-# Hands a step's outputs over (the engine loop's sinks and flush), on the output thread.
+# Hands a step's outputs over (the engine loop's sinks and flush), on the loop thread.
 Deliver = Callable[[list[RequestOutput]], None]
 
 
 class StepPipeline:
-    # Fewest pending outputs worth handing to the output thread. On CPU the hand-over (a
-    # thread wake-up, the GIL shared with the forward's Python) costs about what a few
-    # requests' output work hides: bench/results/overlap.md measured overlap losing at batch
-    # 1-8 and gaining from 32. Smaller steps' outputs are built before the next step, as
-    # without overlap. On a GPU the forward runs on the device: every step overlaps.
-    CPU_MIN_OUTPUTS = 16
+    # Fewest requests (running and waiting) worth a forward thread on CPU. Below it the
+    # hand-over (a thread wake-up each way per step) costs more than the host work it hides
+    # (measured at batch 1 on the bench preset): such steps run the synchronous step, and the
+    # pipeline drains into it. On a GPU every step goes ahead.
+    CPU_MIN_REQUESTS = 4
 
     def __init__(self, engine: PagedEngine):
         self.engine = engine
-        self.min_outputs = 1 if str(engine.config.device).startswith("cuda") else self.CPU_MIN_OUTPUTS
-        self._output_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-outputs")
-        # The last step's requests that received tokens, whose outputs are not built yet.
-        self._pending: list[Sequence] = []
-        self._pending_batch: ScheduledBatch | None = None
+        self.forward = ForwardThread(engine.runner)
+        self._in_flight: InFlightStep | None = None
+        on_gpu = str(engine.config.device).startswith("cuda")
+        self.min_requests = 1 if on_gpu else self.CPU_MIN_REQUESTS
 
     @property
     def busy(self) -> bool:
-        """A step's outputs are still to be built."""
-        return bool(self._pending)
+        """A step is submitted whose tokens are not taken in yet."""
+        return self._in_flight is not None
 
     def clear(self) -> None:
-        """Forget the pending outputs (the engine aborted every request)."""
-        self._pending, self._pending_batch = [], None
+        """Wait for the step in flight and forget it (the engine aborts every request)."""
+        step, self._in_flight = self._in_flight, None
+        if step is not None:
+            self._discard(step)
 
-    def drop(self, request_id: str) -> None:
-        """An aborted request's pending output is never built: nothing reaches it past the abort."""
-        if any(seq.request_id == request_id for seq in self._pending):
-            self._pending = [seq for seq in self._pending if seq.request_id != request_id]
+    def drop_dead(self) -> None:
+        """After an abort: if no request of the step in flight is left, wait for it now, so
+        its blocks are back in the pool once the engine has nothing left to run."""
+        if self._in_flight is not None and not self._in_flight.live_rows():
+            step, self._in_flight = self._in_flight, None
+            self._discard(step)
+
+    def _discard(self, step: InFlightStep) -> None:
+        """Wait for a step none of whose tokens is needed, and release what it holds."""
+        step.updated.set()  # nothing is behind it
+        step.future.exception()  # waits; a failure fails nobody: its requests have all ended
+        self._release(step)
+        self._forget_finished(step.batch)
 
     def step(self, layer_hook: LayerHookFactory | None = None, deliver: Deliver | None = None) -> list[RequestOutput]:
-        """Run the next step while the last one's outputs are built; with deliver they are
-        handed to it on the output thread (and [] returned), otherwise returned."""
+        """Submit the next step, then take the one in flight in: its outputs are handed to
+        deliver (and [] returned), or returned."""
         timing = self.engine.timing
         entered = timing.step_entered()
         try:
@@ -102,131 +129,132 @@ class StepPipeline:
 
     def _step(self, layer_hook: LayerHookFactory | None, deliver: Deliver | None) -> list[RequestOutput]:
         engine = self.engine
-        pending, pending_batch = self._pending, self._pending_batch
-        self.clear()
-        before: list[RequestOutput] = []
-        if pending and len(pending) < self.min_outputs:  # too few to pay for the hand-over
-            before = self._outputs(pending, pending_batch, deliver)
-            pending = []
-        batch = engine.scheduler.schedule()
-        if batch.is_empty:  # nothing to overlap with: the last step's outputs, here and now
-            return before + (self._outputs(pending, pending_batch, deliver) if pending else [])
+        scheduler = engine.scheduler
+        small = len(scheduler.running) + len(scheduler.waiting) < self.min_requests
+        last, self._in_flight = self._in_flight, None
+        if last is None and small:  # too few requests to pay for the forward thread
+            outputs = engine._step_sync(layer_hook)
+            if deliver is None:
+                return outputs
+            deliver(outputs)
+            return []
+        errors: list[EngineStepError] = []
+        try:
+            following = None if small else self._launch(layer_hook, last, errors)  # ahead, while last runs
+        except BaseException:
+            self._in_flight = last  # outside any batch (the loop stops): clear() still waits for it
+            raise
+        if last is None:
+            self._in_flight = following
+            _raise(errors)
+            return []
+        try:
+            advanced = self._take_in(last, errors)
+        finally:
+            last.updated.set()  # the step behind it may sample now
+        outputs = []
+        prefilled = [seq for seq in advanced if seq.prefill_only]
+        if prefilled:  # at once: its sink starts the KV transfer or pins the blocks for it
+            outputs += self._outputs(prefilled, last.batch, deliver, errors)
+        if following is None and not small:  # nothing could go ahead: schedule knowing last's tokens
+            following = self._launch(layer_hook, None, errors)
+        outputs += self._outputs([s for s in advanced if not s.prefill_only], last.batch, deliver, errors)
+        self._forget_finished(last.batch)
+        if following is not None and not following.live_rows():
+            self._discard(following)  # every request it computes for has ended
+            following = None
+        self._in_flight = following
+        _raise(errors)
+        return outputs
+
+    def _launch(
+        self, layer_hook: LayerHookFactory | None, last: InFlightStep | None, errors: list[EngineStepError]
+    ) -> InFlightStep | None:
+        """Schedule, prepare and submit the next step (last: the step still running before it)."""
+        engine = self.engine
+        batch = engine.scheduler.schedule(ahead=last is not None)
+        if batch.is_empty:
+            return None
         try:
             prepared = engine.runner.prepare(batch)
             on_layer_done = layer_hook(batch) if layer_hook is not None else None
         except Exception as exc:
-            outputs_error = self._run_outputs(pending, pending_batch, deliver)
-            raise self._failed(batch, exc, outputs_error) from exc
-        job: Future | None = None
-        if pending:
-            job = self._output_thread.submit(self._outputs_beside, pending, pending_batch, deliver)
-        start = time.perf_counter()
+            errors.append(self._failed(batch, exc))
+            return None
+        engine.scheduler.commit(batch)
+        return self.forward.submit(batch, prepared, self._pin(batch), on_layer_done, last)
+
+    def _take_in(self, step: InFlightStep, errors: list[EngineStepError]) -> list[Sequence]:
+        """Wait for step's forward and hand its tokens to the scheduler; the requests that got one."""
+        engine = self.engine
+        waited_from = time.perf_counter()
         try:
-            sampled = engine.runner.run(prepared, on_layer_done)
+            sampled, start, end, stalled = step.future.result()
         except Exception as exc:
-            outputs_error = self._join(job)
-            raise self._failed(batch, exc, outputs_error) from exc
-        end = time.perf_counter()
-        engine.timing.forward(start, end)
-        engine.timing.waited(end - start)
-        outputs: list[RequestOutput] = []
-        outputs_error = None
-        if job is not None and job.cancel():
-            # The output thread never got a core during the forward (a busy machine): build
-            # the outputs here rather than wait for it to be scheduled.
-            job = None
-            try:
-                outputs = self._outputs(pending, pending_batch, deliver)
-            except EngineStepError as exc:
-                outputs_error = exc
-        if job is not None:
-            try:
-                outputs = job.result()
-            except EngineStepError as exc:
-                outputs_error = exc
-            engine.timing.waited(time.perf_counter() - end)  # the output thread's time, counted there
-        self._forget_finished(batch)
+            errors.append(self._failed(step.batch, exc))
+            return []
+        finally:
+            engine.timing.waited(time.perf_counter() - waited_from)
+            self._release(step)
+        engine.timing.forward(start, end, stalled)
         try:
-            advanced = engine.scheduler.update(batch, sampled)
+            advanced = engine.scheduler.update(step.batch, sampled)
         except Exception as exc:
-            raise self._failed(batch, exc, outputs_error) from exc
-        self._pending, self._pending_batch = [s for s in advanced if not s.prefill_only], batch
+            errors.append(self._failed(step.batch, exc))
+            return []
         engine.num_steps += 1
-        prefilled = [s for s in advanced if s.prefill_only]
-        if prefilled:
-            # A prefill's one output goes out now, as without overlap: its sink starts the KV
-            # transfer or pins the blocks for it, before any command (an ack) may release them.
-            try:
-                outputs = outputs + self._outputs(prefilled, batch, deliver)
-            except EngineStepError as exc:
-                outputs_error = exc if outputs_error is None else _merged(outputs_error, exc)
-        if outputs_error is not None:
-            raise outputs_error
-        return before + outputs
+        return advanced
 
     def _outputs(
-        self, seqs: list[Sequence], batch: ScheduledBatch | None, deliver: Deliver | None
+        self, seqs: list[Sequence], batch: ScheduledBatch, deliver: Deliver | None, errors: list[EngineStepError]
     ) -> list[RequestOutput]:
-        """The outputs of a step's requests (output thread, or the loop thread when nothing
-        runs). A failure fails the batch."""
+        """The outputs of a step's requests; a failure fails the batch."""
+        if not seqs:
+            return []
         engine = self.engine
         try:
             outputs = [engine._prefilled_output(s) if s.prefill_only else engine._emit_output(s) for s in seqs]
         except Exception as exc:
-            assert batch is not None
-            raise EngineStepError(f"engine step failed: {exc!r}", engine._fail_batch(batch)) from exc
+            errors.append(self._failed(batch, exc))
+            return []
         if deliver is None:
             return outputs
         deliver(outputs)
         return []
 
-    def _outputs_beside(
-        self, seqs: list[Sequence], batch: ScheduledBatch | None, deliver: Deliver | None
-    ) -> list[RequestOutput]:
-        """_outputs on the output thread, timed as host work beside the forward."""
-        started = time.perf_counter()
-        try:
-            return self._outputs(seqs, batch, deliver)
-        finally:
-            self.engine.timing.beside(time.perf_counter() - started)
+    def _pin(self, batch: ScheduledBatch) -> list[int]:
+        """One more reference on each block the batch's forward writes (Scheduler.commit set starts)."""
+        assert batch.starts is not None
+        size = self.engine.config.block_size
+        pins = []
+        for seq, start, num_new in zip(batch.seqs, batch.starts, batch.num_new_tokens):
+            pins.extend(seq.block_table[start // size : (start + num_new - 1) // size + 1])
+        self.engine.kv.pool.touch(pins)
+        return pins
 
-    def _run_outputs(
-        self, seqs: list[Sequence], batch: ScheduledBatch | None, deliver: Deliver | None
-    ) -> EngineStepError | None:
-        """The pending outputs when the next step failed before its forward: delivered (or
-        dropped when nobody delivers: the step raises), and their failure, if any."""
-        if not seqs:
-            return None
-        try:
-            self._outputs(seqs, batch, deliver)
-        except EngineStepError as exc:
-            return exc
-        return None
-
-    @staticmethod
-    def _join(job: Future | None) -> EngineStepError | None:
-        if job is None:
-            return None
-        try:
-            job.result()
-        except EngineStepError as exc:
-            return exc
-        return None
+    def _release(self, step: InFlightStep) -> None:
+        pins, step.pins = step.pins, []
+        if pins:
+            self.engine.kv.pool.free(pins)
 
     def _forget_finished(self, batch: ScheduledBatch) -> None:
-        """Requests of the batch that finished while its forward ran (a stop string, a failed
-        output): drop what the forward recreated for them (a seeded generator)."""
+        """Requests of the batch that ended while its forward ran: drop what the forward
+        recreated for them (a seeded generator)."""
         for seq in batch.seqs:
             if seq.status is SequenceStatus.FINISHED:
                 self.engine._forget(seq.request_id)
 
-    def _failed(self, batch: ScheduledBatch, exc: Exception, outputs_error: EngineStepError | None) -> EngineStepError:
-        """Fail batch; with the previous step's output failure, one error naming both batches."""
+    def _failed(self, batch: ScheduledBatch, exc: Exception) -> EngineStepError:
         self._forget_finished(batch)
         error = EngineStepError(f"engine step failed: {exc!r}", self.engine._fail_batch(batch))
-        return error if outputs_error is None else _merged(outputs_error, error)
+        error.__cause__ = exc  # raised later (_raise), from the cause
+        return error
 
 
-def _merged(first: EngineStepError, second: EngineStepError) -> EngineStepError:
-    """One error failing both batches' requests (a step's outputs and the next step failed)."""
-    return EngineStepError(str(second), list(dict.fromkeys([*first.request_ids, *second.request_ids])))
+def _raise(errors: list[EngineStepError]) -> None:
+    """One error failing every failed batch's requests (a step and the one behind it)."""
+    if not errors:
+        return
+    request_ids = list(dict.fromkeys(rid for error in errors for rid in error.request_ids))
+    error = EngineStepError(str(errors[-1]), request_ids)
+    raise error from errors[-1].__cause__

@@ -8,11 +8,12 @@ pass had to wait for.
 - exposed host: the gaps between one forward's end and the next one's start while the engine
   had work (and before a busy period's first forward, after its last); the forward passes, or
   the outputs, wait for this part. Synchronous stepping exposes all host work;
-  async scheduling (engine/step_pipeline.py) only what must precede the next forward.
+  async scheduling (engine/step_pipeline.py) only what the forward thread waits for.
 - overlap = 1 - exposed / host: the share of host work hidden behind forward passes.
 
-Recorded on the engine loop thread, and (beside) on async scheduling's output thread while the
-loop thread runs a forward pass; torch-free.
+Recorded on the engine loop thread; with async scheduling a forward pass runs on the forward
+thread and is recorded when the loop thread takes it in, less the time its sampling waited for
+the loop thread (exposed host work). torch-free.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ class StepTiming:
         return now
 
     def waited(self, seconds: float) -> None:
-        """step() spent this long in a forward pass, or waiting for host work another thread
-        counts (beside): not the loop thread's own host work."""
+        """step() spent this long in a forward pass, or waiting for the forward thread's:
+        not the loop thread's own host work."""
         self._waited += seconds
 
     def step_exited(self, entered: float, busy: bool) -> None:
@@ -55,17 +56,16 @@ class StepTiming:
                 self.exposed_host_seconds += max(now - self._forward_end, 0.0)
             self._forward_end = None  # idle: the next forward waits for requests, not host work
 
-    def beside(self, seconds: float) -> None:
-        """Host work another thread did beside a forward pass (async scheduling's outputs)."""
-        self.host_seconds += seconds
-
     # ---- forward passes ----------------------------------------------------------------------
-    def forward(self, start: float, end: float) -> None:
-        """A forward pass ran from start to end (perf_counter seconds, any thread)."""
+    def forward(self, start: float, end: float, stalled: float = 0.0) -> None:
+        """A forward pass ran from start to end (perf_counter seconds, any thread), of which
+        stalled seconds waiting for host work (async scheduling: its sampling waited for the
+        loop thread to take the previous step's tokens in): exposed, not forward."""
         if self._forward_end is not None:
             self.exposed_host_seconds += max(start - self._forward_end, 0.0)
         self._forward_end = end
-        self.forward_seconds += end - start
+        self.forward_seconds += end - start - stalled
+        self.exposed_host_seconds += stalled
         self.num_steps += 1
 
     def stats(self) -> dict[str, float | int]:

@@ -157,9 +157,12 @@ class KVCacheManager:
             self.pool.free(seq.block_table[keep:])
             del seq.block_table[keep:]
 
-    def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Enter every full, computed block of seq into the prefix cache (emits KV events)."""
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+    def cache_computed_blocks(self, seq: Sequence, num_computed: int | None = None) -> None:
+        """Enter every full, computed block of seq into the prefix cache (emits KV events).
+        num_computed: the tokens whose KV is written (default seq.num_computed_tokens; less
+        when a step already counted is still running, async scheduling)."""
+        num_computed = seq.num_computed_tokens if num_computed is None else num_computed
+        num_full = min(num_computed // self.block_size, len(seq.block_table))
         if num_full <= seq.num_registered_blocks:
             return
         seq.update_block_hashes()

@@ -17,62 +17,15 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from splitserve.engine.core.kv_cache_manager import KVCacheManager
+from splitserve.engine.core.scheduled_batch import ScheduledBatch
 from splitserve.engine.core.sequence import Sequence, SequenceStatus
 
+__all__ = ["ScheduledBatch", "Scheduler"]
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ScheduledBatch:
-    seqs: list[Sequence] = field(default_factory=list)
-    # Per sequence: tokens this step computes, draft tokens included.
-    num_new_tokens: list[int] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    # Speculative decoding: per sequence, how many of its new tokens are draft tokens (after
-    # its last real token); their ids by request id. The scheduler reserves slots for the
-    # lookahead it was given; the speculator then fills in the drafts it found (maybe fewer).
-    num_draft_tokens: list[int] = field(default_factory=list)
-    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    # A draft model's distributions its draft tokens were sampled from (request id -> a
-    # [k, vocab] tensor; opaque here), for rejection sampling. Absent: a point mass (n-gram).
-    draft_probs: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.seqs
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    def set_draft(self, index: int, token_ids: list[int], probs: Any = None) -> None:
-        """Sequence index's draft for this step (at most the lookahead scheduled for it), and
-        the distributions it was sampled from when a draft model sampled it."""
-        if len(token_ids) > self.num_draft_tokens[index]:
-            raise ValueError(f"draft of {len(token_ids)} tokens, {self.num_draft_tokens[index]} slots reserved")
-        self.num_new_tokens[index] -= self.num_draft_tokens[index] - len(token_ids)
-        self.num_draft_tokens[index] = len(token_ids)
-        seq = self.seqs[index]
-        self.draft_probs.pop(seq.request_id, None)
-        if token_ids:
-            self.draft_token_ids[seq.request_id] = list(token_ids)
-            if probs is not None:
-                self.draft_probs[seq.request_id] = probs[: len(token_ids)]
-        else:
-            self.draft_token_ids.pop(seq.request_id, None)
-
-    def request_ids_computing_last_token(self) -> list[str]:
-        """Requests whose every token is computed once this step ran: a prompt's final chunk,
-        or a decode step (the prefill worker sends a prompt's KV as its final chunk computes)."""
-        return [
-            seq.request_id
-            for seq, num_new, num_draft in zip(self.seqs, self.num_new_tokens, self.num_draft_tokens)
-            if seq.num_computed_tokens + num_new - num_draft == seq.num_tokens
-        ]
 
 
 class Scheduler:
@@ -138,6 +91,7 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.num_output_placeholders = 0
         self.kv.free(seq)
         self.requests.pop(seq.request_id, None)
 
@@ -155,40 +109,76 @@ class Scheduler:
             self.requests.pop(seq.request_id, None)
 
     # ---- scheduling ----------------------------------------------------------------------
-    def schedule(self, lookahead: dict[str, int] | None = None) -> ScheduledBatch:
+    def schedule(self, lookahead: dict[str, int] | None = None, ahead: bool = False) -> ScheduledBatch:
         """The next step's batch. lookahead: request id -> draft tokens to reserve slots for
         (speculative decoding; decoding sequences only). Lookahead comes last: it takes only
         the token budget and free blocks left once running and newly admitted sequences have
-        theirs, so speculation never preempts a sequence or delays an admission."""
+        theirs, so speculation never preempts a sequence or delays an admission.
+
+        ahead: async scheduling's step scheduled while another one runs. A running request
+        that cannot grow preempts nobody (a preempted request loses the step in flight, and
+        among equals would again the next time): it and those after it wait for a step
+        scheduled once the tokens are in. A waiting request still preempts lower priorities."""
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         # Higher priority first, admission order among equals (a stable sort): the budget goes
         # to them first, and pop() below preempts the lowest priority, newest first.
         self.running.sort(key=lambda s: s.params.priority)
         idx = 0
+        blocked = False
         while idx < len(self.running) and budget > 0:
             seq = self.running[idx]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            preempted_self = False
+            num_new = min(seq.num_tokens_with_placeholders - seq.num_computed_tokens, budget)
+            if num_new <= 0 or self._ends_in_flight(seq):  # async scheduling only: nothing to run
+                idx += 1
+                continue
+            stop = False
             while not self.kv.allocate_slots(seq, num_new):
+                if ahead:
+                    stop = blocked = True
+                    break
                 victim = self.running.pop()
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is seq:
-                    preempted_self = True
+                    stop = True
                     break
-            if preempted_self:
+            if stop:
                 break
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
             batch.num_draft_tokens.append(0)
             budget -= num_new
             idx += 1
-        if not batch.preempted:
+        if not batch.preempted and not blocked:
             budget = self._admit_waiting(batch, budget)
         if lookahead:
             self._reserve_lookahead(batch, lookahead, budget)
         return batch
+
+    def _ends_in_flight(self, seq: Sequence) -> bool:
+        """The step in flight samples seq's last token (max_tokens or the context length):
+        nothing of it is scheduled ahead (vLLM's AsyncScheduler skips these too)."""
+        placeholders = seq.num_output_placeholders
+        return placeholders > 0 and (
+            seq.num_output_tokens + placeholders >= seq.params.max_tokens
+            or seq.num_tokens_with_placeholders >= self.max_model_len
+        )
+
+    def commit(self, batch: ScheduledBatch) -> None:
+        """Async scheduling (engine/step_pipeline.py): the batch is submitted, its positions
+        count as computed now (so the next step is scheduled past them), and each sequence it
+        samples for holds a placeholder for that token until update() appends it."""
+        assert not batch.draft_token_ids, "speculative decoding steps synchronously"
+        batch.starts = [seq.num_computed_tokens for seq in batch.seqs]
+        batch.preemptions = [seq.num_preemptions for seq in batch.seqs]
+        batch.placeholders = []
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            samples = seq.num_computed_tokens + num_new == seq.num_tokens_with_placeholders
+            seq.num_computed_tokens += num_new
+            placeholder = samples and not seq.prefill_only  # a prefill-only one stops there
+            seq.num_output_placeholders += placeholder
+            batch.placeholders.append(placeholder)
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> int:
         while self.waiting and budget > 0:
@@ -257,6 +247,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
         seq.num_computed_tokens = 0
+        seq.num_output_placeholders = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -276,12 +267,23 @@ class Scheduler:
         against the stop conditions; a stop drops the rest. Only the accepted tokens' KV
         counts as computed, and the slots reserved past them are given back."""
         advanced = []
-        for seq, num_new, num_draft in zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens):
+        starts = batch.starts
+        committed = starts is not None
+        for index, (seq, num_new, num_draft) in enumerate(
+            zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens)
+        ):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
+            if starts is not None:  # async scheduling: its computed count moved when it was submitted
+                if seq.num_preemptions != batch.preemptions[index]:
+                    continue  # preempted (maybe readmitted) since: it recomputes
+                start = starts[index]
+                seq.num_output_placeholders -= batch.placeholders[index]
+            else:
+                start = seq.num_computed_tokens
             num_real = num_new - num_draft
-            if seq.num_computed_tokens < seq.num_prompt_tokens:
-                self.num_computed_prompt_tokens += min(num_real, seq.num_prompt_tokens - seq.num_computed_tokens)
+            if start < seq.num_prompt_tokens:
+                self.num_computed_prompt_tokens += min(num_real, seq.num_prompt_tokens - start)
             result = sampled.get(seq.request_id)
             tokens = result if isinstance(result, list) else [] if result is None else [result]
             reason = None
@@ -292,9 +294,13 @@ class Scheduler:
                     reason = self.check_stop(seq)
                     if reason is not None:
                         break
-            # The real tokens' KV, and each accepted draft token's (the last emitted token is new).
-            seq.num_computed_tokens = min(seq.num_computed_tokens + num_real + max(len(tokens) - 1, 0), seq.num_tokens)
-            self.kv.cache_computed_blocks(seq)
+            if committed:  # only the KV this batch wrote: a later step may still be running
+                self.kv.cache_computed_blocks(seq, start + num_real)
+            else:
+                # The real tokens' KV, and each accepted draft token's (the last emitted token is new).
+                n = seq.num_computed_tokens + num_real + max(len(tokens) - 1, 0)
+                seq.num_computed_tokens = min(n, seq.num_tokens)
+                self.kv.cache_computed_blocks(seq)
             if not tokens:
                 continue
             advanced.append(seq)
@@ -303,7 +309,7 @@ class Scheduler:
                 seq.status = SequenceStatus.PREFILLED
             elif reason is not None:
                 self.finish(seq, reason)
-            else:
+            elif not committed:
                 self.kv.trim_slots(seq)  # slots reserved for rejected (or unproposed) drafts go back
         return advanced
 

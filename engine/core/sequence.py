@@ -36,6 +36,11 @@ class Sequence:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
+        # Async scheduling (engine/step_pipeline.py): tokens a submitted step will sample for
+        # this request, not appended yet. num_computed_tokens already counts the positions
+        # such a step computes; the next step's decode row reads its placeholder's token on
+        # the forward thread. Always 0 with the synchronous step.
+        self.num_output_placeholders = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (first admission)
         self.num_registered_blocks = 0  # leading full blocks already entered into the prefix cache
         self.block_table: list[int] = []
@@ -64,6 +69,10 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.token_ids) + self.num_output_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:

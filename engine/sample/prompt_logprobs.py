@@ -39,12 +39,10 @@ class PromptLogprobs:
             if not seq.needs_prompt_logprobs:
                 continue
             start = seq.num_computed_tokens
+            # With async scheduling the chunk before may still be running: record() checks
+            # for gaps, in forward order.
             low = max(start, len(seq.prompt_logprobs))
             high = min(start + n, seq.num_prompt_tokens - 1)
-            if low != len(seq.prompt_logprobs):  # a gap: such requests never read cached blocks
-                raise RuntimeError(
-                    f"{seq.request_id}: prompt position {low} computed before {len(seq.prompt_logprobs)}"
-                )
             if low < high:
                 plans.append((seq, last - n + 1 + low - start, low, high - low))
         return plans
@@ -52,6 +50,12 @@ class PromptLogprobs:
     def record(self, hidden: torch.Tensor, plans: list[PromptRows]) -> None:
         """Score the planned rows of hidden [tokens, H] and append the results to their sequences."""
         for seq, first_row, position, num_rows in plans:
+            have = len(seq.prompt_logprobs)
+            if have < position:  # a gap: such requests never read cached blocks
+                raise RuntimeError(f"{seq.request_id}: prompt position {position} computed before {have}")
+            if have > position:  # recorded since the plan (a recompute after a preemption)
+                skip = min(have - position, num_rows)
+                first_row, position, num_rows = first_row + skip, position + skip, num_rows - skip
             k = seq.params.prompt_logprobs
             for offset in range(0, num_rows, ROWS_PER_SLICE):
                 count = min(ROWS_PER_SLICE, num_rows - offset)

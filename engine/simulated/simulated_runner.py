@@ -25,6 +25,9 @@ from splitserve.engine.core.scheduler import ScheduledBatch
 from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.simulated.step_time_profile import StepTimeProfile
 
+# What prepare() reads for run(): the profile's seconds, and (sequence, position) per token sampled.
+SimulatedStep = tuple[float, list[tuple[Sequence, int]]]
+
 
 class SimulatedRunner:
     def __init__(
@@ -56,17 +59,30 @@ class SimulatedRunner:
         context = sum(seq.num_computed_tokens + n for seq, n in zip(batch.seqs, batch.num_new_tokens))
         return self.profile.step_s(new_tokens, context)
 
-    def prepare(self, batch: ScheduledBatch) -> ScheduledBatch:
-        """Nothing to build: run() reads the batch (async scheduling's loop-thread half)."""
-        return batch
-
-    def run(self, batch: ScheduledBatch, on_layer_done: Callable[[int], None] | None = None) -> dict:
-        return self.execute(batch, on_layer_done)
-
-    def execute(self, batch: ScheduledBatch, on_layer_done: Callable[[int], None] | None = None) -> dict:
+    def prepare(self, batch: ScheduledBatch) -> SimulatedStep | None:
+        """The step's profile seconds and which sequences sample the token at which position,
+        read on the loop thread (with async scheduling the sequences move on while it runs)."""
         if batch.is_empty:
+            return None
+        samples = [
+            (seq, seq.num_computed_tokens + n)
+            for seq, n in zip(batch.seqs, batch.num_new_tokens)
+            if seq.num_computed_tokens + n == seq.num_tokens_with_placeholders  # reached its end: it samples
+        ]
+        return self.predict_s(batch), samples
+
+    def run(
+        self,
+        step: SimulatedStep | None,
+        on_layer_done: Callable[[int], None] | None = None,
+        previous: dict | None = None,
+        before_sampling: Callable[[], None] | None = None,
+    ) -> dict:
+        """The profile's wait, then the tokens. previous and before_sampling (async scheduling)
+        are not needed: a token depends on its request's prompt and position only."""
+        if step is None:
             return {}
-        simulated_s = self.predict_s(batch)
+        simulated_s, samples = step
         wall_s = simulated_s * self.speed_factor
         start = time.perf_counter()
         if on_layer_done is None:
@@ -78,14 +94,13 @@ class SimulatedRunner:
         self.step_times.append((wall_s, time.perf_counter() - start))
         self.num_steps += 1
         self.simulated_seconds += simulated_s
-        sampled = {}
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if seq.num_computed_tokens + n == seq.num_tokens:  # reached its end: it samples
-                sampled[seq.request_id] = self._sample(seq)
-        return sampled
+        return {seq.request_id: self._sample(seq, position) for seq, position in samples}
 
-    def _sample(self, seq: Sequence) -> tuple[int, float | None, list[tuple[int, float]] | None]:
-        token = self.token_at(seq, seq.num_tokens)
+    def execute(self, batch: ScheduledBatch, on_layer_done: Callable[[int], None] | None = None) -> dict:
+        return self.run(self.prepare(batch), on_layer_done)
+
+    def _sample(self, seq: Sequence, position: int) -> tuple[int, float | None, list[tuple[int, float]] | None]:
+        token = self.token_at(seq, position)
         params = seq.params
         logprob = self.logprob if params.logprobs else None
         top = None

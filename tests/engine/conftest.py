@@ -1,6 +1,6 @@
 """Engine tests over both step modes: a test module that sets `BOTH_SCHEDULINGS = True` runs
 every test that builds an engine from `tiny_model` twice, once with async scheduling (the
-default, every step overlapped however small) and once with the synchronous step
+default, every step scheduled ahead however small) and once with the synchronous step
 (`--no-async-scheduling`). Its module-scoped engines are built once per mode: `tiny_model`
 depends on the mode."""
 
@@ -35,8 +35,8 @@ def scheduling(request):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(EngineConfig, "__post_init__", forced)
-        # Every step overlaps, however few requests it has (CPU defaults to >= 16 outputs).
-        patch.setattr(StepPipeline, "CPU_MIN_OUTPUTS", 1)
+        # Every step goes ahead, however few requests it has (CPU defaults to >= 4).
+        patch.setattr(StepPipeline, "CPU_MIN_REQUESTS", 1)
         yield mode
 
 

@@ -17,21 +17,21 @@ from splitserve.engine.step_pipeline import StepPipeline
 from tests.engine.test_step_failures import Collector
 
 
+@pytest.fixture(scope="module", autouse=True)
+def every_step_goes_ahead():
+    """These small batches go ahead too (on CPU only steps with >= 4 requests do by default)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(StepPipeline, "CPU_MIN_REQUESTS", 1)
+        yield
+
+
 def engine_for(model_dir: str, async_scheduling: bool, **kw) -> LLMEngine:
     kw.setdefault("num_kv_blocks", 64)
     return LLMEngine(EngineConfig(model=model_dir, async_scheduling=async_scheduling, **kw))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def every_step_overlaps():
-    """These small batches overlap too (on CPU only steps with >= 16 outputs do by default)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(StepPipeline, "CPU_MIN_OUTPUTS", 1)
-        yield
-
-
 @pytest.fixture(scope="module")
-def engines(tiny_model, every_step_overlaps) -> dict[str, LLMEngine]:
+def engines(tiny_model, every_step_goes_ahead) -> dict[str, LLMEngine]:
     return {"async": engine_for(tiny_model, True), "sync": engine_for(tiny_model, False)}
 
 
@@ -180,20 +180,3 @@ def test_the_loop_delivers_from_the_output_thread_and_reports_timing(tiny_model)
     assert [got.tokens(f"r{i}") for i in range(3)] == [o.token_ids for o in reference]
     assert stats.num_free_blocks == stats.num_blocks and stats.async_scheduling
     assert stats.num_timed_steps > 0 and stats.step_forward_seconds > 0 and stats.step_host_seconds > 0
-
-
-def test_small_steps_build_their_outputs_before_the_next_step_on_cpu(tiny_model, monkeypatch):
-    """Below CPU_MIN_OUTPUTS pending outputs the output thread is not used: the outputs are
-    built before the next step is scheduled, as without overlap, and nothing changes."""
-    monkeypatch.setattr(StepPipeline, "CPU_MIN_OUTPUTS", 4)
-    engine = engine_for(tiny_model, True)
-    assert engine.pipeline.min_outputs == 4
-    used = []
-    submit = engine.pipeline._output_thread.submit
-    engine.pipeline._output_thread.submit = lambda *a, **kw: used.append(len(a[1])) or submit(*a, **kw)
-    # The batch shrinks as requests end (max_tokens 3..7): steps with 5, 4, 3, 2 and 1 outputs.
-    greedy = [SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True) for i in range(5)]
-    got = outputs_of(engine, [prompt(6, i) for i in range(5)], greedy)
-    assert used and min(used) >= 4  # only steps with 4+ outputs went to the output thread
-    assert got == outputs_of(engine_for(tiny_model, False), [prompt(6, i) for i in range(5)], greedy)
-    assert_baseline(engine)
