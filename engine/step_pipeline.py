@@ -54,8 +54,10 @@ grammars), whose tokens the loop thread appends only while no sampling of theirs
 they share the GIL: torch releases it inside its ops, but a forward made of many short ops
 needs it back after each, and waits whenever the loop thread runs Python (up to the
 interpreter's switch interval, 5 ms). So on CPU the overlap gains little: the host work moves
-into the forward's time (see docs/ARCHITECTURE.md); a process split (vLLM's EngineCore and
-worker) or a free-threaded interpreter is what would make it pay there.
+into the forward's time, and served it measured slower than the synchronous step (see
+docs/ARCHITECTURE.md): CPU engines build no pipeline unless async_scheduling is set true
+(engine/config.py, async_scheduling_pays). A process split (vLLM's EngineCore and worker) or
+a free-threaded interpreter is what would make it pay there.
 """
 
 from __future__ import annotations

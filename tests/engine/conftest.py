@@ -1,7 +1,7 @@
 """Engine tests over both step modes: a test module that sets `BOTH_SCHEDULINGS = True` runs
-every test that builds an engine from `tiny_model` twice, once with async scheduling (the
-default, every step scheduled ahead however small) and once with the synchronous step
-(`--no-async-scheduling`). Its module-scoped engines are built once per mode: `tiny_model`
+every test that builds an engine from `tiny_model` twice, once with async scheduling (forced
+on, as a GPU engine runs by default; every step scheduled ahead however small) and once with
+the synchronous step (`--no-async-scheduling`, a CPU engine's default). Its module-scoped engines are built once per mode: `tiny_model`
 depends on the mode."""
 
 from __future__ import annotations

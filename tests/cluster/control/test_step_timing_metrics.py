@@ -54,8 +54,19 @@ def test_an_engines_step_timing_becomes_pool_series(tiny_model, async_scheduling
 
 
 def test_the_switch_reaches_the_engines(tmp_path):
-    for value in (True, False):
+    for value in (True, False, None):
         cfg = ServeConfig(async_scheduling=value)
         for pool in (cfg.prefill, cfg.decode):
-            assert EngineConfig(**engine_config_for(cfg, pool, str(tmp_path)))
+            engine_config = EngineConfig(**engine_config_for(cfg, pool, str(tmp_path)))
             assert engine_config_for(cfg, pool, str(tmp_path))["async_scheduling"] is value
+            # Unset: where it pays, which a CPU engine is not (bench/results/overlap.md).
+            assert engine_config.async_scheduling is (False if value is None else value)
+
+
+def test_unset_async_scheduling_is_on_for_cuda_and_off_for_cpu(tiny_model):
+    assert ServeConfig().async_scheduling is None
+    assert EngineConfig(model=tiny_model, device="cuda").async_scheduling is True
+    assert EngineConfig(model=tiny_model, device="cuda:1", async_scheduling=False).async_scheduling is False
+    assert EngineConfig(model=tiny_model, device="cpu", async_scheduling=True).async_scheduling is True
+    cpu = LLMEngine(EngineConfig(model=tiny_model, num_kv_blocks=32))
+    assert cpu.config.async_scheduling is False and cpu.pipeline is None and not cpu.stats().async_scheduling
