@@ -14,7 +14,7 @@ declare -A CMD=(
   [disagg]="$SERVE --prefill-replicas 1 --decode-replicas 1 --prefill-num-cpus 1 --decode-num-cpus 1"
   [disagg-cd512]="$SERVE --prefill-replicas 1 --decode-replicas 1 --prefill-num-cpus 1 --decode-num-cpus 1 --local-prefill-threshold 512"
   [colocated]="$SERVE --prefill-replicas 0 --decode-replicas 2 --decode-num-cpus 1"
-  [colocated-chunk512]="$SERVE --prefill-replicas 0 --decode-replicas 2 --decode-num-cpus 1 --config $OUT/chunk512.yaml"
+  [colocated-chunk512]="$SERVE --prefill-replicas 0 --decode-replicas 2 --decode-num-cpus 1 --decode.max-num-batched-tokens 512"
 )
 ORDER=(disagg colocated disagg-cd512 colocated-chunk512)
 BENCH="--workload mixed --num-requests 36 --short-len 128 --long-len 2048 --long-fraction 0.1 --length-jitter 0.25
