@@ -66,6 +66,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from splitserve.engine.config import async_scheduling_pays
 from splitserve.engine.core.scheduled_batch import ScheduledBatch
 from splitserve.engine.core.sequence import Sequence, SequenceStatus
 from splitserve.engine.engine_errors import EngineStepError
@@ -91,8 +92,8 @@ class StepPipeline:
         self.engine = engine
         self.forward = ForwardThread(engine.runner)
         self._in_flight: InFlightStep | None = None
-        on_gpu = str(engine.config.device).startswith("cuda")
-        self.min_requests = 1 if on_gpu else self.CPU_MIN_REQUESTS
+        # Where the overlap pays (a GPU) every step goes ahead; a CPU engine got here forced on.
+        self.min_requests = 1 if async_scheduling_pays(engine.config.device) else self.CPU_MIN_REQUESTS
 
     @property
     def busy(self) -> bool:

@@ -267,14 +267,14 @@ class Scheduler:
         against the stop conditions; a stop drops the rest. Only the accepted tokens' KV
         counts as computed, and the slots reserved past them are given back."""
         advanced = []
-        starts = batch.starts
-        committed = starts is not None
+        committed = batch.starts is not None
+        starts = batch.starts or []
         for index, (seq, num_new, num_draft) in enumerate(
             zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens)
         ):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
-            if starts is not None:  # async scheduling: its computed count moved when it was submitted
+            if committed:  # async scheduling: its computed count moved when it was submitted
                 if seq.num_preemptions != batch.preemptions[index]:
                     continue  # preempted (maybe readmitted) since: it recomputes
                 start = starts[index]
