@@ -10,6 +10,7 @@ import torch
 
 from splitserve.engine.core.scheduler import ScheduledBatch
 from splitserve.engine.core.sequence import Sequence
+from splitserve.engine.model.scripted_decode import decode_plan_applies
 from splitserve.engine.ops.attention_metadata import AttentionMetadata
 from splitserve.engine.ops.kv_cache import KVCache
 from splitserve.engine.sample.grammar_mask import GrammarMask
@@ -32,6 +33,10 @@ class PreparedStep(NamedTuple):
     # Async scheduling: (input row, request id) of decode rows whose input token the step in
     # flight is still sampling; run() fills them in from that step's tokens.
     placeholders: list[tuple[int, str]]
+    # A CPU decode step whose every row samples greedily with nothing changing its logits: the
+    # placeholder fill, forward and argmax run as one TorchScript call without the GIL
+    # (engine/model/scripted_decode.py). Then the placeholder rows as a tensor, built here.
+    greedy_fill_rows: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -46,6 +51,11 @@ class ModelRunner:
         self.grammar_mask = GrammarMask(model.config.vocab_size)
         self.verifier = RejectionSampler(self.sampler)
         self.prompt_logprobs = PromptLogprobs(model.compute_logits)
+
+    @property
+    def scripted_decode(self):
+        """The model's scripted CPU decode (engine/model/scripted_decode.py), where it has one."""
+        return getattr(self.model, "_scripted_decode", None)
 
     def build_metadata(
         self, seqs: list[Sequence], num_new_tokens: list[int], drafts: dict[str, list[int]] | None = None
@@ -120,7 +130,22 @@ class ModelRunner:
         # Prompt chunks of requests asking for prompt log-probabilities: every position, not
         # only the last. Recorded on the sequence after the forward (a chunk samples no token).
         prompt_rows = PromptLogprobs.plan(batch.seqs, batch.num_new_tokens, last_index)
-        return PreparedStep(batch, input_ids, positions, meta, rows, seqs, seq_drafts, prompt_rows, placeholders)
+        greedy_fill_rows = None
+        if self._scripted_greedy_step_applies(meta, seqs, drafts, prompt_rows):
+            greedy_fill_rows = torch.tensor([row for row, _ in placeholders], dtype=torch.int64, device=self.device)
+        return PreparedStep(
+            batch, input_ids, positions, meta, rows, seqs, seq_drafts, prompt_rows, placeholders, greedy_fill_rows
+        )
+
+    def _scripted_greedy_step_applies(self, meta, seqs: list[Sequence], drafts, prompt_rows) -> bool:
+        if self.scripted_decode is None or drafts or prompt_rows or len(seqs) != meta.num_seqs:
+            return False
+        if not decode_plan_applies(meta, self.kv_cache):
+            return False
+        return all(
+            s.grammar is None and s.params.is_greedy and not s.params.logprobs and not s.params.processes_logits
+            for s in seqs
+        )
 
     @torch.inference_mode()
     def run(
@@ -142,6 +167,8 @@ class ModelRunner:
         if step is None:
             return {}
         batch, rows, seqs, seq_drafts = step.batch, step.rows, step.seqs, step.seq_drafts
+        if step.greedy_fill_rows is not None and on_layer_done is None:  # the call has no per-layer hook
+            return self._run_scripted_greedy(step, previous or {}, before_sampling)
         drafts = batch.draft_token_ids
         if step.placeholders:
             self._fill_placeholders(step, previous or {})
@@ -172,14 +199,33 @@ class ModelRunner:
         results = self.sampler.sample(logits, seqs)
         return {s.request_id: r for s, r in zip(seqs, results)}
 
+    def _run_scripted_greedy(
+        self, step: PreparedStep, previous: dict, before_sampling: Callable[[], None] | None
+    ) -> dict[str, SampledToken | list[SampledToken]]:
+        """run() as one scripted call: what the forward thread does with the GIL is building
+        the fill tokens and reading the argmax back. Nothing it samples depends on the
+        scheduler's state, so it need not wait for before_sampling to compute; it still waits
+        (the step timing's stall) before returning, as every sampled step does."""
+        fill_ids = torch.tensor(self._placeholder_tokens(step, previous), dtype=torch.int64, device=self.device)
+        tokens = self.scripted_decode.greedy_step(
+            step.input_ids, step.positions, self.kv_cache, step.meta, step.greedy_fill_rows, fill_ids
+        ).tolist()
+        if before_sampling is not None:
+            before_sampling()
+        return {s.request_id: (token, None, None) for s, token in zip(step.seqs, tokens)}
+
     @staticmethod
-    def _fill_placeholders(step: PreparedStep, previous: dict[str, SampledToken | list[SampledToken]]) -> None:
+    def _placeholder_tokens(step: PreparedStep, previous: dict[str, SampledToken | list[SampledToken]]) -> list[int]:
         """The placeholder rows' inputs: the tokens the step before sampled. A request missing
         there (its step failed) gets token 0: it was failed too, and its row is discarded."""
-        rows = torch.tensor([row for row, _ in step.placeholders], device=step.input_ids.device)
         tokens = [previous.get(request_id, (0,)) for _, request_id in step.placeholders]
-        ids = [token[0] if isinstance(token, tuple) else 0 for token in tokens]
-        step.input_ids.index_copy_(0, rows, torch.tensor(ids, dtype=step.input_ids.dtype, device=rows.device))
+        return [token[0] if isinstance(token, tuple) else 0 for token in tokens]
+
+    @classmethod
+    def _fill_placeholders(cls, step: PreparedStep, previous: dict[str, SampledToken | list[SampledToken]]) -> None:
+        rows = torch.tensor([row for row, _ in step.placeholders], device=step.input_ids.device)
+        ids = torch.tensor(cls._placeholder_tokens(step, previous), dtype=step.input_ids.dtype, device=rows.device)
+        step.input_ids.index_copy_(0, rows, ids)
 
     def execute(
         self, batch: ScheduledBatch, on_layer_done: Callable[[int], None] | None = None

@@ -13,6 +13,7 @@ from splitserve.engine.config import ModelConfig
 from splitserve.engine.model.checkpoint import CheckpointError
 from splitserve.engine.model.layers import DecoderLayer, rms_norm
 from splitserve.engine.model.rope import RotaryEmbedding
+from splitserve.engine.model.scripted_decode import ScriptedDecodeForward, decode_plan_applies
 from splitserve.engine.ops.attention import make_decode_plan
 from splitserve.engine.ops.attention_metadata import AttentionMetadata
 from splitserve.engine.ops.kv_cache import KVCache
@@ -58,6 +59,8 @@ class LlamaForCausalLM(nn.Module):
             )
         self.rotary = RotaryEmbedding(config, dtype, device)
         self._layer_list = list(self.layers)  # plain list: cheaper to iterate in the hot loop
+        # Set by use_scripted_decode (engine/model/scripted_decode.py) once the weights are final.
+        self._scripted_decode: ScriptedDecodeForward | None = None
         self.quantizer = (
             None
             if quantization == "none"
@@ -83,6 +86,9 @@ class LlamaForCausalLM(nn.Module):
         on_layer_done(i) runs as soon as layer i's K/V is in the cache, so a KV sender can ship
         layer i while later layers compute.
         """
+        if on_layer_done is None and self._scripted_decode is not None and decode_plan_applies(meta, kv_cache):
+            # CPU decode: the same ops as below as one TorchScript call, which holds no GIL.
+            return self._scripted_decode(input_ids, positions, kv_cache, meta)
         hidden = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.cos_sin(positions)
         # Block tables are the same for every layer: index them once per step.
@@ -90,6 +96,12 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self._layer_list):
             hidden = layer(hidden, cos, sin, kv_cache.key_cache(i), kv_cache.value_cache(i), meta, on_layer_done, plan)
         return rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
+
+    def use_scripted_decode(self) -> bool:
+        """Run CPU pure-decode steps as one TorchScript call (engine/model/scripted_decode.py),
+        where this model's weights allow it. Call once the weights are loaded (and packed)."""
+        self._scripted_decode = ScriptedDecodeForward.build(self)
+        return self._scripted_decode is not None
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -109,6 +121,7 @@ class LlamaForCausalLM(nn.Module):
         for owner, name in owners:
             packed = OneDnnPackedWeight.pack(getattr(owner, name))
             if packed is not None:
+                self._scripted_decode = None  # holds the weights it was built with
                 delattr(owner, name)  # a registered Parameter cannot be overwritten by a module
                 setattr(owner, name, packed)
                 count += 1

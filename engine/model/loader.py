@@ -9,6 +9,7 @@ import torch
 from splitserve.engine.config import DTYPES, QUANTIZATIONS, ModelConfig
 from splitserve.engine.model.checkpoint import CheckpointError, iterate_weights, require_model_dir, weight_files
 from splitserve.engine.model.llama import LlamaForCausalLM
+from splitserve.engine.model.scripted_decode import cpu_decode_forward
 from splitserve.engine.ops.kv_cache import DTYPE_BY_NAME
 from splitserve.engine.ops.onednn_packed_weight import cpu_matmul
 from splitserve.engine.quant.prequantized_weights import prequantized_weights
@@ -24,7 +25,9 @@ def load_model(
     dtype defaults to the checkpoint's; quantization (none|int8|fp8|int4) quantizes the
     decoder layers' matmul weights one by one as they are read (engine/quant). On CPU the
     full-precision matmul weights are then packed for oneDNN (engine/ops/onednn_packed_weight.py;
-    SPLITSERVE_CPU_MATMUL=blas keeps them plain). Raises CheckpointError for a missing directory or
+    SPLITSERVE_CPU_MATMUL=blas keeps them plain), and its decode steps run as one TorchScript
+    call (engine/model/scripted_decode.py; SPLITSERVE_CPU_DECODE_FORWARD=eager keeps the eager
+    forward). Raises CheckpointError for a missing directory or
     file, a missing/unexpected/misshapen weight, and ConfigError (a ValueError) for a config
     splitserve cannot run, e.g. an unsupported architecture.
     """
@@ -51,5 +54,7 @@ def load_model(
     model.load_weights(weights)
     if torch.device(device).type == "cpu" and cpu_matmul() == "onednn":
         model.pack_matmul_weights()
+    if torch.device(device).type == "cpu" and cpu_decode_forward() == "scripted":
+        model.use_scripted_decode()
     model.eval()
     return model, config

@@ -1,0 +1,165 @@
+"""DecodeGraph: the CPU pure-decode forward pass (and a greedy step's argmax) as a TorchScript
+module, op for op the eager model's (engine/model/layers.py, rope.py, ops/attention.py's
+write_kv, ops/sparse_decode.py, engine/model_runner.py's placeholder fill, compute_logits and
+the sampler's argmax): the same kernels in the same order, so the same bits.
+
+Why a module and a `pinned` list: TorchScript runs a graph with the GIL released, but torch
+(2.10+) needs the GIL whenever C++ drops the last reference it holds to a tensor that has a
+Python object (TensorImpl::decref_pyobject). The graph's inputs are such tensors, so each
+input's last use inside the graph would wait for the GIL, and with the engine loop's thread
+running Python that wait is up to a switch interval each time. Here the weights, norms and
+cache planes are module attributes, and the caller puts each step's input tensors in `pinned`
+before the call: a reference that outlives the graph, so nothing in it drops a last one.
+See engine/model/scripted_decode.py for when it runs.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, packed: bool, bias: torch.Tensor | None) -> torch.Tensor:
+    # engine/quant/quantize.py's linear: a packed weight multiplies, then the bias is added.
+    if packed:
+        no_scalars: list[int | float | complex | None] = []
+        out = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", no_scalars, "")
+    else:
+        out = F.linear(x, weight, None)
+    if bias is not None:
+        out = out.add_(bias)
+    return out
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # RotaryEmbedding.apply
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    torch.mul(x1, cos, out=out[..., :half]).sub_(x2 * sin)
+    torch.mul(x2, cos, out=out[..., half:]).add_(x1 * sin)
+    return out
+
+
+class DecodeGraph(nn.Module):
+    norms: list[torch.Tensor]  # each layer's input and post-attention norm
+    weights: list[torch.Tensor]  # each layer's qkv, o, gate_up and down weight (plain or packed)
+    biases: list[torch.Tensor | None]  # each layer's qkv bias
+    key_caches: list[torch.Tensor]
+    value_caches: list[torch.Tensor]
+    pinned: list[torch.Tensor]  # the running step's inputs (module docstring)
+
+    def __init__(self, model, packed: bool, lm_head: torch.Tensor, lm_head_packed: bool):
+        super().__init__()
+        config = model.config
+        layers = model._layer_list
+        self.embed = model.embed_tokens.data
+        self.cos_table = model.rotary.cos_half
+        self.sin_table = model.rotary.sin_half
+        self.final_norm = model.final_norm.data
+        self.lm_head = lm_head
+        self.norms = [n.data for layer in layers for n in (layer.input_norm, layer.post_attention_norm)]
+        self.weights = [
+            w.packed if packed else w.data
+            for layer in layers
+            for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)
+        ]
+        self.biases = [None if layer.qkv_bias is None else layer.qkv_bias.data for layer in layers]
+        self.key_caches = []
+        self.value_caches = []
+        self.pinned = []
+        self.packed = packed
+        self.lm_head_packed = lm_head_packed
+        self.eps = float(config.rms_norm_eps)
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(config.head_dim)
+        self.intermediate_size = int(config.intermediate_size)
+        self.scale = float(layers[0].scale)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        max_context_len: int,
+    ) -> torch.Tensor:
+        """LlamaForCausalLM.forward for one decode token per sequence: final hidden states."""
+        num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        inter, eps, packed = self.intermediate_size, self.eps, self.packed
+        hidden = F.embedding(input_ids, self.embed)
+        cos = self.cos_table.index_select(0, positions)
+        sin = self.sin_table.index_select(0, positions)
+        num_blocks_total, block_size = self.key_caches[0].shape[0], self.key_caches[0].shape[1]
+        device = block_tables.device
+        # SparseDecodePlan: the cache rows each query head reads, shared by every layer.
+        batch = block_tables.shape[0]
+        length = max_context_len
+        num_blocks = (length + block_size - 1) // block_size
+        slots = block_tables[:, :num_blocks].long()[:, :, None] * block_size + torch.arange(block_size, device=device)
+        slots = slots.view(batch, num_blocks * block_size)[:, :length]
+        padding = torch.arange(length, device=device)[None, :] >= context_lens[:, None]
+        slots = slots.masked_fill(padding, 0)
+        kv_head_of = torch.div(torch.arange(num_heads, device=device), num_heads // num_kv_heads, rounding_mode="floor")
+        rows = (slots[:, None, :] * num_kv_heads + kv_head_of[None, :, None]).reshape(batch * num_heads, length)
+        padding = padding[:, None, :].expand(batch, num_heads, length).reshape(batch * num_heads, length)
+        num_entries = batch * num_heads * length
+        crow = torch.arange(0, num_entries + 1, length, device=device)
+        cols = rows.view(-1)
+        zeros = torch.zeros(cols.numel(), dtype=hidden.dtype, device=device)
+        num_rows = num_blocks_total * block_size * num_kv_heads
+        bag_offsets = torch.arange(0, num_entries, length, device=device)  # F.embedding_bag's, for 2-D input
+
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        num_tokens = hidden.shape[0]
+        flat = [num_blocks_total * block_size, num_kv_heads, head_dim]
+        for i in range(len(self.key_caches)):
+            key_cache, value_cache = self.key_caches[i], self.value_caches[i]
+            x = torch.rms_norm(hidden, [hidden.shape[1]], self.norms[2 * i], eps)
+            qkv = _linear(x, self.weights[4 * i], packed, self.biases[i])
+            qk = qkv[:, : q_size + kv_size].view(num_tokens, num_heads + num_kv_heads, head_dim)
+            qk = _rotate(qk, cos, sin)
+            q, k = qk[:, :num_heads], qk[:, num_heads:]
+            v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
+            key_cache.view(flat).index_copy_(0, slot_mapping, k)  # write_kv
+            value_cache.view(flat).index_copy_(0, slot_mapping, v)
+            # SparseDecodePlan.attend; torch.sparse_csr_tensor(check_invariants=False) is this op.
+            pattern = torch.ops.aten._sparse_csr_tensor_unsafe(
+                crow, cols, zeros, [rows.shape[0], num_rows], dtype=hidden.dtype
+            )
+            keys = key_cache.view(num_rows, head_dim).t()
+            scores = torch.ops.aten.sparse_sampled_addmm(
+                pattern, q.reshape(-1, head_dim), keys, beta=0.0, alpha=self.scale
+            )
+            probs = scores.values().view(rows.shape).masked_fill_(padding, float("-inf")).softmax(-1)
+            values = value_cache.view(num_rows, head_dim)
+            attn = torch.embedding_bag(values, cols, bag_offsets, False, 0, False, probs.reshape(-1), False, None)[0]
+            hidden = _linear(attn.reshape(num_tokens, q_size), self.weights[4 * i + 1], packed, None).add_(hidden)
+            x = torch.rms_norm(hidden, [hidden.shape[1]], self.norms[2 * i + 1], eps)
+            gate_up = _linear(x, self.weights[4 * i + 2], packed, None)
+            act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+            hidden = _linear(act, self.weights[4 * i + 3], packed, None).add_(hidden)
+        return torch.rms_norm(hidden, [hidden.shape[1]], self.final_norm, eps)
+
+    @torch.jit.export
+    def greedy_step(
+        self,
+        fill_rows: torch.Tensor,
+        fill_ids: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        max_context_len: int,
+    ) -> torch.Tensor:
+        """A whole all-greedy decode step: the placeholder fill (fill_ids into rows fill_rows),
+        the forward, compute_logits and the sampler's argmax; each row's token."""
+        if fill_rows.numel() > 0:
+            input_ids.index_copy_(0, fill_rows, fill_ids)
+        hidden = self.forward(input_ids, positions, slot_mapping, block_tables, context_lens, max_context_len)
+        logits = _linear(hidden, self.lm_head, self.lm_head_packed, None).float()
+        return logits.max(dim=-1).indices

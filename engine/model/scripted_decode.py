@@ -1,0 +1,118 @@
+"""The CPU pure-decode step as one TorchScript call, so that it runs without the GIL.
+
+Why: with async scheduling the forward runs on the forward thread while the loop thread
+schedules the next step in Python (engine/step_pipeline.py). An eager forward is ~10 torch
+calls per layer, and torch releases the GIL only inside each call: between calls the forward
+thread must take the GIL back, and waits while the loop thread holds it (up to a switch
+interval, 5 ms by default, each time). TorchScript's interpreter runs a whole graph with the GIL
+released (torch/csrc/jit/python/pybind_utils.h, runAndInsertCall), and DecodeGraph
+(engine/model/decode_graph.py) keeps it from needing the GIL midway.
+
+It covers what the decode pool and the colocated engine run in steady state: a pure-decode
+batch of two or more sequences on CPU in float32, with plain or oneDNN-packed weights and an
+unquantized cache. Where every row samples greedily with nothing changing its logits, the
+placeholder fill, forward, logits and argmax are one call (ModelRunner's greedy step);
+otherwise the forward is, and sampling runs as before. Everything else (prefill, quantized
+weights or KV, one sequence, a KV sender's per-layer hook, CUDA) runs the eager forward.
+SPLITSERVE_CPU_DECODE_FORWARD=eager turns it off (the benchmark's A/B switch).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+import torch
+
+from splitserve.engine.model.decode_graph import DecodeGraph
+from splitserve.engine.ops.onednn_packed_weight import OneDnnPackedWeight
+
+logger = logging.getLogger(__name__)
+
+
+# SPLITSERVE_CPU_DECODE_FORWARD=eager keeps the eager forward (the benchmark's A/B switch).
+CPU_DECODE_FORWARD_ENV = "SPLITSERVE_CPU_DECODE_FORWARD"
+CPU_DECODE_FORWARDS = ("scripted", "eager")
+
+
+def cpu_decode_forward() -> str:
+    """The configured CPU decode forward; ValueError naming the choices."""
+    value = os.environ.get(CPU_DECODE_FORWARD_ENV, "scripted").strip().lower() or "scripted"
+    if value not in CPU_DECODE_FORWARDS:
+        raise ValueError(f"{CPU_DECODE_FORWARD_ENV} must be one of {', '.join(CPU_DECODE_FORWARDS)}, got {value!r}")
+    return value
+
+
+def decode_plan_applies(meta, kv_cache) -> bool:
+    """A step the scripted forward runs: one new token for each of two or more sequences, over
+    an unquantized float32 CPU cache (attention.make_decode_plan's condition)."""
+    return (
+        meta.is_pure_decode
+        and meta.num_seqs >= 2
+        and not kv_cache.quantized
+        and kv_cache.dtype == torch.float32
+        and kv_cache.device.type == "cpu"
+    )
+
+
+class ScriptedDecodeForward:
+    """A model's DecodeGraph, scripted; build() returns None where the model's weights are not
+    all plain float32 tensors or all oneDNN-packed, or TorchScript cannot compile it."""
+
+    def __init__(self, graph: torch.jit.ScriptModule, num_layers: int):
+        self.graph = graph
+        self.num_layers = num_layers
+        self._kv_cache = None  # the KVCache whose planes the graph holds
+
+    @classmethod
+    def build(cls, model) -> ScriptedDecodeForward | None:
+        if model.dtype != torch.float32 or model.device.type != "cpu" or not model._layer_list:
+            return None
+        weights = [getattr(layer, n) for layer in model._layer_list for n in layer.LINEAR_WEIGHTS]
+        if all(isinstance(w, OneDnnPackedWeight) for w in weights):
+            packed = True
+        elif all(isinstance(w, torch.Tensor) and w.dtype == torch.float32 and not w.is_meta for w in weights):
+            packed = False
+        else:
+            return None
+        head = model.lm_head
+        if isinstance(head, OneDnnPackedWeight):
+            lm_head, lm_head_packed = head.packed, True
+        elif isinstance(head, torch.Tensor):
+            lm_head, lm_head_packed = head.data, False
+        else:
+            return None
+        try:
+            with warnings.catch_warnings():
+                # torch 2.10+ marks torch.jit deprecated for torch.compile / torch.export. Neither
+                # gives a call that runs without the GIL and without a compile per process that
+                # takes minutes on two cores; TorchScript does, and torch still ships it.
+                warnings.simplefilter("ignore", DeprecationWarning)
+                graph = torch.jit.script(DecodeGraph(model, packed, lm_head, lm_head_packed))
+        except (RuntimeError, AttributeError, ValueError) as exc:  # a torch whose TorchScript cannot take it
+            logger.warning("CPU decode steps run eagerly: TorchScript failed (%s)", exc)
+            return None
+        return cls(graph, len(model._layer_list))
+
+    def __call__(self, input_ids, positions, kv_cache, meta) -> torch.Tensor:
+        """LlamaForCausalLM.forward's final hidden states."""
+        step = self._step_inputs(input_ids, positions, kv_cache, meta)
+        return self.graph(*step, meta.max_context_len)
+
+    def greedy_step(
+        self, input_ids, positions, kv_cache, meta, fill_rows: torch.Tensor, fill_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Each row's argmax token (int64 [B]) for a step whose every row samples greedily with
+        nothing changing its logits; fill_rows/fill_ids: the placeholder rows and their tokens."""
+        step = self._step_inputs(input_ids, positions, kv_cache, meta, fill_rows, fill_ids)
+        return self.graph.greedy_step(fill_rows, fill_ids, *step, meta.max_context_len)
+
+    def _step_inputs(self, input_ids, positions, kv_cache, meta, *more: torch.Tensor) -> list[torch.Tensor]:
+        if self._kv_cache is not kv_cache:
+            self.graph.key_caches = [kv_cache.key_cache(i) for i in range(self.num_layers)]
+            self.graph.value_caches = [kv_cache.value_cache(i) for i in range(self.num_layers)]
+            self._kv_cache = kv_cache
+        step = [input_ids, positions, meta.slot_mapping, meta.block_tables, meta.context_lens]
+        self.graph.pinned = step + list(more)  # DecodeGraph's docstring: why
+        return step
