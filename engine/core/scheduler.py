@@ -118,7 +118,9 @@ class Scheduler:
         ahead: async scheduling's step scheduled while another one runs. A running request
         that cannot grow preempts nobody (a preempted request loses the step in flight, and
         among equals would again the next time): it and those after it wait for a step
-        scheduled once the tokens are in. A waiting request still preempts lower priorities."""
+        scheduled once the tokens are in. A waiting request still preempts lower priorities.
+        A waiting request whose next uncached block a step in flight is writing is admitted one
+        step later, from the prefix cache, instead of computing that block again."""
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         # Higher priority first, admission order among equals (a stable sort): the budget goes
@@ -151,7 +153,7 @@ class Scheduler:
             budget -= num_new
             idx += 1
         if not batch.preempted and not blocked:
-            budget = self._admit_waiting(batch, budget)
+            budget = self._admit_waiting(batch, budget, self._in_flight_block_hashes() if ahead else None)
         if lookahead:
             self._reserve_lookahead(batch, lookahead, budget)
         return batch
@@ -180,7 +182,20 @@ class Scheduler:
             seq.num_output_placeholders += placeholder
             batch.placeholders.append(placeholder)
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> int:
+    def _in_flight_block_hashes(self) -> set[int]:
+        """Async scheduling: the full blocks steps in flight are writing (counted computed by
+        commit, entered into the prefix cache only once written), by hash."""
+        hashes: set[int] = set()
+        if not self.waiting or not self.kv.pool.enable_caching:
+            return hashes
+        for seq in self.running:
+            num_full = seq.num_computed_tokens // self.kv.block_size
+            if num_full > seq.num_registered_blocks:
+                seq.update_block_hashes()
+                hashes.update(seq.block_hashes[seq.num_registered_blocks : num_full])
+        return hashes
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, in_flight: set[int] | None = None) -> int:
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if len(self.running) >= self.max_num_seqs and not self._preempt_for(seq, batch):
@@ -189,6 +204,8 @@ class Scheduler:
             # no cached blocks until they are all computed (it recomputes a cached prefix; its
             # own blocks still enter the cache, where another copy is not there already).
             cached = [] if seq.needs_prompt_logprobs else self.kv.find_cached_blocks(seq)
+            if in_flight and not seq.needs_prompt_logprobs and self._next_block_in_flight(seq, cached, in_flight):
+                break  # it and those behind it wait a step, in order
             num_new = min(seq.num_tokens - len(cached) * self.kv.block_size, budget)
             if not self.kv.allocate_prompt(seq, cached, num_new):
                 if self._preempt_for(seq, batch):
@@ -205,6 +222,12 @@ class Scheduler:
             batch.num_draft_tokens.append(0)
             budget -= num_new
         return budget
+
+    def _next_block_in_flight(self, seq: Sequence, cached: list[int], in_flight: set[int]) -> bool:
+        hashes = seq.block_hashes  # find_cached_blocks brought them up to date
+        return len(cached) < min(len(hashes), (seq.num_tokens - 1) // self.kv.block_size) and (
+            hashes[len(cached)] in in_flight
+        )
 
     def _reserve_lookahead(self, batch: ScheduledBatch, lookahead: dict[str, int], budget: int) -> None:
         for index, seq in enumerate(batch.seqs):

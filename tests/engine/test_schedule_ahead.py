@@ -14,6 +14,7 @@ import pytest
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.core.sequence import SequenceStatus
 from splitserve.engine.engine_errors import EngineStepError
+from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.step_pipeline import StepPipeline
@@ -71,6 +72,20 @@ def record_discarded(engine: LLMEngine) -> list[str]:
 
     engine.scheduler.update = recording
     return discarded
+
+
+def record_scheduled_tokens(engine: LLMEngine) -> list[int]:
+    """The tokens every scheduled batch computes."""
+    counts: list[int] = []
+    schedule = engine.scheduler.schedule
+
+    def recording(*args, **kwargs):
+        batch = schedule(*args, **kwargs)
+        counts.append(sum(batch.num_new_tokens))
+        return batch
+
+    engine.scheduler.schedule = recording
+    return counts
 
 
 def run_all(engine: LLMEngine) -> dict[str, list[int]]:
@@ -272,3 +287,34 @@ def test_a_forward_waiting_for_the_update_counts_as_exposed_host_work():
     timing.forward(10.0, 11.0)
     timing.forward(11.0, 12.0, stalled=0.25)  # queued behind the first: no gap, but it waited
     assert timing.forward_seconds == 1.75 and timing.exposed_host_seconds == 0.25
+
+
+def test_a_prefix_the_step_in_flight_writes_is_reused_not_recomputed(tiny_model):
+    """Two waves of requests on one prompt prefix: the first wave's forward writes the prefix
+    blocks while the second wave waits. Scheduled ahead, the second wave waits one step for
+    them to enter the prefix cache and reuses them, as the synchronous step does; the tokens are
+    the synchronous ones."""
+    shared = prompt(4 * BS, 1)
+    first = [shared + prompt(5, 10 + i) for i in range(4)]
+    second = [shared + prompt(7, 20 + i) for i in range(4)]
+    params = greedy(6, ignore_eos=True)
+    outputs, computed = {}, {}
+    for mode in (False, True):
+        engine = engine_for(tiny_model, mode, max_num_batched_tokens=4 * (4 * BS + 5))
+        batches = record_scheduled_tokens(engine)
+        for i, ids in enumerate(first):
+            engine.add_request(prompt_token_ids=ids, params=params, request_id=f"a{i}")
+        engine.step()  # the first wave's prompts are scheduled (and, ahead, still running)
+        for i, ids in enumerate(second):
+            engine.add_request(prompt_token_ids=ids, params=params, request_id=f"b{i}")
+        outs: dict[str, RequestOutput] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                outs[out.request_id] = out
+        outputs[mode] = {rid: out.token_ids for rid, out in outs.items()}
+        computed[mode] = sum(batches)
+        assert all(outs[f"b{i}"].num_cached_tokens == 4 * BS for i in range(4)), mode
+        assert engine.kv.num_free_blocks == engine.config.num_kv_blocks
+        assert not mode or not engine.pipeline.busy
+    assert outputs[True] == outputs[False]
+    assert computed[True] == computed[False]  # no prefix token computed twice
