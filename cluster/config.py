@@ -234,7 +234,7 @@ class ServeConfig(_Strict):
     layerwise_transfer: bool = True
     """Send each layer's KV as soon as it is computed."""
     async_scheduling: bool | None = None
-    """Async scheduling: the next engine step is scheduled and prepared while one runs on a forward thread (placeholders for its tokens), and its outputs are built while the next runs, hiding that host work behind the forward pass; speculative decoding always steps synchronously. Unset: on where it pays, a CUDA device; on CPU the synchronous step (there the overlap shares one GIL with the forward and measured slower). true forces it on, false off."""
+    """Async scheduling: the next engine step is scheduled and prepared while one runs on a forward thread (placeholders for its tokens), and its outputs are built while the next runs, hiding that host work behind the forward pass; speculative decoding always steps synchronously. Unset: on where it pays: a CUDA device, and a CPU decode replica whose decode steps run as one TorchScript call that holds no GIL (fp32, unquantized weights and KV); otherwise (a CPU prefill replica, quantized or bf16 on CPU) the synchronous step, as an eager forward shares the GIL with the host work and measured slower. true forces it on, false off."""
     kv_transfer_lease_s: float = Field(20.0, gt=0)
     """How long prefill pins a request's KV blocks without an ack, and the KV transfer timeout."""
     request_timeout_s: float = Field(600.0, gt=0)

@@ -37,11 +37,13 @@ class ConfigError(ValueError):
     """A model directory or configuration value that splitserve cannot use."""
 
 
-def async_scheduling_pays(device: str) -> bool:
-    """Where async scheduling is on unless configured: a CUDA device. On CPU the forward thread
-    needs the GIL back after every torch op, so the host work it was meant to hide delays it
-    instead (bench/results/overlap.md measured the overlap slower there)."""
-    return str(device).startswith("cuda")
+def async_scheduling_pays(device: str, scripted_decode: bool = False) -> bool:
+    """Where async scheduling is on unless configured: a CUDA device, and a CPU engine whose
+    decode steps run as one TorchScript call that holds no GIL (scripted_decode:
+    engine/model/scripted_decode.py; an fp32 unquantized model and cache). An eager CPU forward
+    needs the GIL back after every torch op, so the host work the overlap was meant to hide
+    delays it instead (bench/results/overlap.md measured it slower there)."""
+    return str(device).startswith("cuda") or scripted_decode
 
 
 def parse_memory_bytes(value: int | str, name: str = "kv_cache_memory_bytes") -> int:
@@ -262,8 +264,8 @@ class EngineConfig:
         from splitserve.engine.sample.grammar_config import GrammarConfig
         from splitserve.engine.spec.speculative_config import SpeculativeConfig
 
-        if self.async_scheduling is None:
-            self.async_scheduling = async_scheduling_pays(self.device)
+        if self.async_scheduling is None and async_scheduling_pays(self.device):
+            self.async_scheduling = True  # on CPU it depends on the model: PagedEngine decides
 
         if self.grammar is None or isinstance(self.grammar, dict):
             try:

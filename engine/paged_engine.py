@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any, Protocol
 
-from splitserve.engine.config import EngineConfig, ModelConfig
+from splitserve.engine.config import EngineConfig, ModelConfig, async_scheduling_pays
 from splitserve.engine.core.block_hash import root_hash
 from splitserve.engine.core.kv_cache_manager import KVCacheManager
 from splitserve.engine.core.scheduler import ScheduledBatch, Scheduler
@@ -113,6 +113,9 @@ class PagedEngine(KVHandoff, EngineProtocol):
         self.num_steps = 0
         self.timing = StepTiming()
         # Async scheduling: the next step scheduled while one runs (engine/step_pipeline.py).
+        if config.async_scheduling is None:  # unset on CPU: on where the decode step is scripted
+            scripted = getattr(runner, "scripted_decode", None) is not None and config.kv_cache_dtype == "auto"
+            config.async_scheduling = async_scheduling_pays(config.device, scripted)
         self.pipeline = StepPipeline(self) if config.async_scheduling and speculator is None else None
 
     # ---- requests ------------------------------------------------------------------------

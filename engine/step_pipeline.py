@@ -31,7 +31,8 @@ takes that step's tokens in and builds its outputs while the next one runs:
   submitted forward holds an extra reference on the blocks it writes until it is taken in,
   so a request ending meanwhile frees its blocks to the pool only once no forward can still
   write them; the prefix cache enters a block only once its KV is written (update N caches up
-  to N's positions, not N+1's). A step whose every row died (all its requests ended) is waited
+  to N's positions, not N+1's). So a waiting request whose next uncached block N is writing
+  is admitted one step later, from the prefix cache, rather than computing it again. A step whose every row died (all its requests ended) is waited
   for at once, so an idle engine holds nothing.
 - When nothing can be scheduled ahead (e.g. all running requests end in N, or the pool is
   full until N's finished requests free blocks), N+1 is scheduled once N's tokens are in, in
@@ -51,22 +52,22 @@ takes that step's tokens in and builds its outputs while the next one runs:
 Threads: only the loop thread touches the scheduler, the block pool and the outputs; the
 forward thread reads the sequences its prepared step samples for (parameters, output tokens,
 grammars), whose tokens the loop thread appends only while no sampling of theirs runs. On CPU
-they share the GIL: torch releases it inside its ops, but a forward made of many short ops
-needs it back after each, and waits whenever the loop thread runs Python (up to the
-interpreter's switch interval, 5 ms). So on CPU the overlap gains little: the host work moves
-into the forward's time, and served it measured slower than the synchronous step (see
-docs/ARCHITECTURE.md): CPU engines build no pipeline unless async_scheduling is set true
-(engine/config.py, async_scheduling_pays). A process split (vLLM's EngineCore and worker) or
-a free-threaded interpreter is what would make it pay there.
+they share the GIL: torch releases it inside each op, so an eager forward made of many short
+ops needs it back after each one and waits whenever the loop thread runs Python. A CPU decode
+step therefore runs as one TorchScript call that holds no GIL (engine/model/scripted_decode.py),
+and async scheduling is on by default only where it does (engine/config.py,
+async_scheduling_pays). The forward thread still takes the GIL to enter and leave that call;
+on CPU the pipeline lowers the interpreter's switch interval (CPU_SWITCH_INTERVAL) so that it
+waits at most that long for the loop thread to let go.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from splitserve.engine.config import async_scheduling_pays
 from splitserve.engine.core.scheduled_batch import ScheduledBatch
 from splitserve.engine.core.sequence import Sequence, SequenceStatus
 from splitserve.engine.engine_errors import EngineStepError
@@ -87,13 +88,20 @@ class StepPipeline:
     # (measured at batch 1 on the bench preset): such steps run the synchronous step, and the
     # pipeline drains into it. On a GPU every step goes ahead.
     CPU_MIN_REQUESTS = 4
+    # Seconds a thread waiting for the GIL gives the holder before asking it to let go (Python's
+    # default is 5 ms, as long as a whole decode step here). Measured on the bench preset at
+    # batch 8-64, 0.5 ms was as fast or faster than 5 ms and 0.2 ms (bench/results/overlap.md).
+    CPU_SWITCH_INTERVAL = 0.0005
 
     def __init__(self, engine: PagedEngine):
         self.engine = engine
         self.forward = ForwardThread(engine.runner)
         self._in_flight: InFlightStep | None = None
-        # Where the overlap pays (a GPU) every step goes ahead; a CPU engine got here forced on.
-        self.min_requests = 1 if async_scheduling_pays(engine.config.device) else self.CPU_MIN_REQUESTS
+        on_gpu = str(engine.config.device).startswith("cuda")
+        # On a GPU every step goes ahead; on CPU steps from CPU_MIN_REQUESTS requests on.
+        self.min_requests = 1 if on_gpu else self.CPU_MIN_REQUESTS
+        if not on_gpu and sys.getswitchinterval() > self.CPU_SWITCH_INTERVAL:
+            sys.setswitchinterval(self.CPU_SWITCH_INTERVAL)  # process-wide; only ever lowered
 
     @property
     def busy(self) -> bool:

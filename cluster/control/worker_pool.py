@@ -225,6 +225,11 @@ def engine_config_for(cfg: ServeConfig, pool: EnginePoolConfig, model_dir: str, 
     device = cfg.device
     if device == "auto":
         device = "cuda" if pool.resources.num_gpus > 0 else "cpu"
+    async_scheduling = cfg.async_scheduling
+    if async_scheduling is None and pool is cfg.prefill and not device.startswith("cuda"):
+        # Unset, a CPU engine overlaps where its decode steps are scripted (engine/config.py,
+        # async_scheduling_pays); a prefill replica's steps are prompt chunks, run eagerly.
+        async_scheduling = False
     return {
         "model": model_dir,
         "block_size": cfg.block_size,
@@ -238,7 +243,7 @@ def engine_config_for(cfg: ServeConfig, pool: EnginePoolConfig, model_dir: str, 
         "quantization": cfg.quantization,
         "device": device,
         "kv_offloading_size": cfg.kv_offloading_size,
-        "async_scheduling": cfg.async_scheduling,
+        "async_scheduling": async_scheduling,
         # Only decode speculates; prefill replicas sample one token per request.
         "speculative": cfg.speculative.model_dump() if pool is cfg.decode else None,
         "grammar": cfg.grammar.model_dump(),

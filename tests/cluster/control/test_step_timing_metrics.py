@@ -58,15 +58,29 @@ def test_the_switch_reaches_the_engines(tmp_path):
         cfg = ServeConfig(async_scheduling=value)
         for pool in (cfg.prefill, cfg.decode):
             engine_config = EngineConfig(**engine_config_for(cfg, pool, str(tmp_path)))
-            assert engine_config_for(cfg, pool, str(tmp_path))["async_scheduling"] is value
-            # Unset: where it pays, which a CPU engine is not (bench/results/overlap.md).
-            assert engine_config.async_scheduling is (False if value is None else value)
+            # Unset on CPU: the decode engine decides once its model is loaded (where its decode
+            # steps are scripted); a prefill replica's prompt chunks run eagerly, synchronously.
+            unset = False if pool is cfg.prefill else None
+            assert engine_config_for(cfg, pool, str(tmp_path))["async_scheduling"] is (
+                unset if value is None else value
+            )
+            assert engine_config.async_scheduling is (unset if value is None else value)
 
 
-def test_unset_async_scheduling_is_on_for_cuda_and_off_for_cpu(tiny_model):
+def test_unset_async_scheduling_is_on_for_cuda_and_for_a_scripted_cpu_decode(tiny_model, monkeypatch):
     assert ServeConfig().async_scheduling is None
     assert EngineConfig(model=tiny_model, device="cuda").async_scheduling is True
     assert EngineConfig(model=tiny_model, device="cuda:1", async_scheduling=False).async_scheduling is False
     assert EngineConfig(model=tiny_model, device="cpu", async_scheduling=True).async_scheduling is True
+    assert EngineConfig(model=tiny_model, device="cpu").async_scheduling is None  # the engine decides
+    # fp32, unquantized: the decode step is one TorchScript call (engine/model/scripted_decode.py).
     cpu = LLMEngine(EngineConfig(model=tiny_model, num_kv_blocks=32))
-    assert cpu.config.async_scheduling is False and cpu.pipeline is None and not cpu.stats().async_scheduling
+    assert cpu.runner.scripted_decode is not None
+    assert cpu.config.async_scheduling is True and cpu.pipeline is not None and cpu.stats().async_scheduling
+    # An eager decode forward (quantized weights or KV, bf16, the switch) steps synchronously.
+    for kw in ({"quantization": "int8"}, {"kv_cache_dtype": "fp8"}, {"dtype": "bfloat16"}):
+        eager = LLMEngine(EngineConfig(model=tiny_model, num_kv_blocks=32, **kw))
+        assert eager.config.async_scheduling is False and eager.pipeline is None, kw
+    monkeypatch.setenv("SPLITSERVE_CPU_DECODE_FORWARD", "eager")
+    eager = LLMEngine(EngineConfig(model=tiny_model, num_kv_blocks=32))
+    assert eager.runner.scripted_decode is None and eager.pipeline is None
