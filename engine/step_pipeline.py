@@ -84,10 +84,11 @@ Deliver = Callable[[list[RequestOutput]], None]
 
 class StepPipeline:
     # Fewest requests (running and waiting) worth a forward thread on CPU. Below it the
-    # hand-over (a thread wake-up each way per step) costs more than the host work it hides
-    # (measured at batch 1 on the bench preset): such steps run the synchronous step, and the
-    # pipeline drains into it. On a GPU every step goes ahead.
-    CPU_MIN_REQUESTS = 4
+    # hand-over (a thread wake-up each way per step, the GIL taken back twice) costs about what
+    # the host work it hides saves: measured on the bench preset, decode steps ahead ran 0.95x
+    # the synchronous step at 8 requests, 0.97x at 12 and 1.14x at 16. Smaller steps run the
+    # synchronous step, and the pipeline drains into it. On a GPU every step goes ahead.
+    CPU_MIN_REQUESTS = 16
     # Seconds a thread waiting for the GIL gives the holder before asking it to let go (Python's
     # default is 5 ms, as long as a whole decode step here). Measured on the bench preset at
     # batch 8-64, 0.5 ms was as fast or faster than 5 ms and 0.2 ms (bench/results/overlap.md).
