@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.engine.model.rope import rotate
+
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, packed: bool, bias: torch.Tensor | None) -> torch.Tensor:
     # engine/quant/quantize.py's linear: a packed weight multiplies, then the bias is added.
@@ -27,18 +29,6 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, packed: bool, bias: torch.Ten
         out = F.linear(x, weight, None)
     if bias is not None:
         out = out.add_(bias)
-    return out
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # RotaryEmbedding.apply
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    cos = cos.unsqueeze(1)
-    sin = sin.unsqueeze(1)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    torch.mul(x1, cos, out=out[..., :half]).sub_(x2 * sin)
-    torch.mul(x2, cos, out=out[..., half:]).add_(x1 * sin)
     return out
 
 
@@ -121,7 +111,7 @@ class DecodeGraph(nn.Module):
             x = torch.rms_norm(hidden, [hidden.shape[1]], self.norms[2 * i], eps)
             qkv = _linear(x, self.weights[4 * i], packed, self.biases[i])
             qk = qkv[:, : q_size + kv_size].view(num_tokens, num_heads + num_kv_heads, head_dim)
-            qk = _rotate(qk, cos, sin)
+            qk = rotate(qk, cos, sin)
             q, k = qk[:, :num_heads], qk[:, num_heads:]
             v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
             key_cache.view(flat).index_copy_(0, slot_mapping, k)  # write_kv

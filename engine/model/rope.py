@@ -35,6 +35,23 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, inv_freq_llama)
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] (any strides) by cos/sin [T, D/2]; returns a new [T, H, D] tensor.
+
+    out[:h] = x1*cos - x2*sin and out[h:] = x2*cos + x1*sin is HF's
+    x*cat(cos,cos) + rotate_half(x)*cat(sin,sin) computed without the cat. TorchScript
+    compiles it as it is (the scripted decode step).
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    torch.mul(x1, cos, out=out[..., :half]).sub_(x2 * sin)
+    torch.mul(x2, cos, out=out[..., half:]).add_(x1 * sin)
+    return out
+
+
 class RotaryEmbedding:
     """cos/sin tables for every position up to max_position_embeddings, looked up by position id."""
 
@@ -51,18 +68,5 @@ class RotaryEmbedding:
         """[T, D/2] cos and sin for int64 positions [T]."""
         return self.cos_half.index_select(0, positions), self.sin_half.index_select(0, positions)
 
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate x [T, H, D] (any strides) by cos/sin [T, D/2]; returns a new [T, H, D] tensor.
-
-        out[:h] = x1*cos - x2*sin and out[h:] = x2*cos + x1*sin is HF's
-        x*cat(cos,cos) + rotate_half(x)*cat(sin,sin) computed without the cat.
-        """
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        cos = cos.unsqueeze(1)
-        sin = sin.unsqueeze(1)
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        torch.mul(x1, cos, out=out[..., :half]).sub_(x2 * sin)
-        torch.mul(x2, cos, out=out[..., half:]).add_(x1 * sin)
-        return out
+    # The eager forward and the scripted decode step (engine/model/decode_graph.py) both call it.
+    apply = staticmethod(rotate)
