@@ -70,7 +70,9 @@ def add_batch_routes(app: FastAPI, store: BatchStore, cfg: ServeConfig, auth: li
         )
         stored = [BatchLine(x.line_no, x.custom_id, x.body) for x in lines]
         await asyncio.to_thread(store.create_batch, record, stored)
-        return JSONResponse(batch_object(await existing_batch(record.id)))
+        # The batch as created (OpenAI answers `validating`), not read back: a runner may already
+        # have moved it on.
+        return JSONResponse(batch_object(record))
 
     @app.get("/v1/batches/{batch_id}", dependencies=auth, responses=errors)
     async def retrieve_batch(batch_id: str) -> JSONResponse:
