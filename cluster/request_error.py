@@ -10,6 +10,16 @@ from __future__ import annotations
 
 import enum
 
+ECHO_CHARS = 100  # the most of a client's value an error message repeats back
+
+
+def echoed(value: str) -> str:
+    """value as an error message quotes it: repr'd, and cut to ECHO_CHARS (a 10 KB name would
+    otherwise come back whole in every refusal and log line)."""
+    if len(value) <= ECHO_CHARS:
+        return repr(value)
+    return f"{value[:ECHO_CHARS]!r}... ({len(value)} characters)"
+
 
 class ErrorKind(enum.StrEnum):
     """What went wrong, from the client's point of view (what it should do next)."""

@@ -20,7 +20,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from splitserve.cluster.batch.batch_metrics import BatchMetrics
-from splitserve.cluster.batch.line_executor import RETRY_LATER
+from splitserve.cluster.batch.line_executor import retry_later
 from splitserve.cluster.batch.openai_objects import new_file_id, result_line
 from splitserve.cluster.config import BatchConfig
 from splitserve.cluster.state.batch_store import BatchStore
@@ -41,7 +41,8 @@ from splitserve.cluster.state.records import (
 logger = logging.getLogger(__name__)
 LEASE = "batch-runner"
 RETENTION_EVERY_S = 60.0
-Execute = Callable[[str, BatchLine], Awaitable[LineResult]]
+# Runs one line of the batch as the batch's owner (line_executor.LineExecutor.run).
+Execute = Callable[[BatchRecord, BatchLine], Awaitable[LineResult]]
 
 
 class BatchRunner:
@@ -128,14 +129,14 @@ class BatchRunner:
 
     async def _run_line(self, batch: BatchRecord, line: BatchLine) -> None:
         try:
-            result = await self.execute(batch.endpoint, line)
+            result = await self.execute(batch, line)
         except asyncio.CancelledError:
             raise
         except Exception:
             logger.exception("batch %s line %r failed to run; it runs again later", batch.id, line.custom_id)
             self._shrink()
             return
-        if result.status_code in RETRY_LATER:
+        if retry_later(result):
             self._shrink()
             if self.metrics:
                 self.metrics.line_retries.inc()
@@ -177,8 +178,8 @@ class BatchRunner:
         results = await asyncio.to_thread(self.store.results, batch.id)
         created = int(now)
         expires = batch.created_at + int(self.cfg.retention_s)
-        output = _result_file(f"{batch.id}_output.jsonl", [r for r in results if r.ok], created, expires)
-        error = _result_file(f"{batch.id}_error.jsonl", [r for r in results if not r.ok], created, expires)
+        output = _result_file(f"{batch.id}_output.jsonl", [r for r in results if r.ok], created, expires, batch.owner)
+        error = _result_file(f"{batch.id}_error.jsonl", [r for r in results if not r.ok], created, expires, batch.owner)
         finished = await asyncio.to_thread(
             self.store.finish_batch, batch.id, from_statuses, to_status, created, output, error
         )
@@ -191,8 +192,11 @@ class BatchRunner:
             logger.info("batch %s and its files deleted by the retention policy", batch_id)
 
 
-def _result_file(name: str, results: list[LineResult], created: int, expires: int) -> tuple[FileRecord, bytes] | None:
+def _result_file(
+    name: str, results: list[LineResult], created: int, expires: int, owner: str
+) -> tuple[FileRecord, bytes] | None:
+    """An output or error file, the batch owner's as the batch is."""
     if not results:
         return None
     content = "".join(json.dumps(result_line(r), separators=(",", ":")) + "\n" for r in results).encode()
-    return FileRecord(new_file_id(), "batch_output", name, len(content), created, expires), content
+    return FileRecord(new_file_id(), "batch_output", name, len(content), created, expires, owner), content

@@ -15,6 +15,7 @@ from splitserve.cluster.batch.batch_runner import BatchRunner
 from splitserve.cluster.batch.file_routes import add_file_routes
 from splitserve.cluster.batch.line_executor import LineExecutor
 from splitserve.cluster.config import ServeConfig
+from splitserve.cluster.frontend.http.caller import Callers
 from splitserve.cluster.state.database import open_state_engine, state_database_url
 from splitserve.cluster.state.sql_batch_store import SqlBatchStore
 
@@ -32,11 +33,12 @@ class BatchService:
         self.executor: LineExecutor | None = None
         self._task: asyncio.Task | None = None
 
-    def install(self, app: FastAPI, auth: list, errors: dict) -> None:
-        """Adds the routes to app; the runner runs lines through app itself."""
-        add_file_routes(app, self.store, self.cfg, auth, errors)
-        add_batch_routes(app, self.store, self.cfg, auth, errors)
-        self.executor = LineExecutor(app, self.cfg.api_key)
+    def install(self, app: FastAPI, auth: list, errors: dict, callers: Callers) -> None:
+        """Adds the routes to app (each scoped to its caller's objects); the runner runs lines
+        through app itself, each as its batch's owner."""
+        add_file_routes(app, self.store, self.cfg, auth, errors, callers)
+        add_batch_routes(app, self.store, self.cfg, auth, errors, callers)
+        self.executor = LineExecutor(app)
         self.runner = BatchRunner(self.store, self.cfg.batch, self.executor.run, self.holder, self.metrics)
 
     def start(self) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from splitserve.cluster.frontend.serving_api import ServingAPI
-from splitserve.cluster.request_error import ErrorKind, RequestError
+from splitserve.cluster.request_error import ErrorKind, RequestError, echoed
 
 MODEL_NOT_FOUND = "model_not_found"  # OpenAI's error code for an unknown model
 
@@ -51,7 +51,7 @@ class ModelCatalog:
         if api is None:
             raise RequestError(
                 ErrorKind.NOT_FOUND,
-                f"the model {name!r} does not exist; this server serves {', '.join(map(repr, self._apis))}",
+                f"the model {echoed(name)} does not exist; this server serves {', '.join(map(repr, self._apis))}",
                 param="model",
                 code=MODEL_NOT_FOUND,
             )

@@ -1,7 +1,9 @@
 """The interface of the Batch API's persistent state; `SqlBatchStore` implements it.
 
 Every method is one transaction: a process killed during a call leaves the store as it was
-before the call or after it.
+before the call or after it. `owner` scopes a read or a delete to one owner's files and
+batches (another owner's are as if they did not exist); None: every owner's (the runner, the
+admin key).
 """
 
 from __future__ import annotations
@@ -17,18 +19,20 @@ class BatchStore(ABC):
     def put_file(self, record: FileRecord, content: bytes) -> None: ...
 
     @abstractmethod
-    def get_file(self, file_id: str) -> FileRecord | None: ...
+    def get_file(self, file_id: str, owner: str | None = None) -> FileRecord | None: ...
 
     @abstractmethod
-    def file_content(self, file_id: str) -> bytes | None: ...
+    def file_content(self, file_id: str, owner: str | None = None) -> bytes | None: ...
 
     @abstractmethod
-    def list_files(self, purpose: str | None, after: str | None, limit: int, newest_first: bool) -> list[FileRecord]:
+    def list_files(
+        self, purpose: str | None, after: str | None, limit: int, newest_first: bool, owner: str | None = None
+    ) -> list[FileRecord]:
         """Files ordered by creation; after: the id of the last file of the previous page."""
 
     @abstractmethod
-    def delete_file(self, file_id: str) -> bool:
-        """True when the file existed."""
+    def delete_file(self, file_id: str, owner: str | None = None) -> bool:
+        """True when the file existed (and was owner's)."""
 
     # --- batches ---
     @abstractmethod
@@ -36,10 +40,10 @@ class BatchStore(ABC):
         """The batch and all its lines, or nothing."""
 
     @abstractmethod
-    def get_batch(self, batch_id: str) -> BatchRecord | None: ...
+    def get_batch(self, batch_id: str, owner: str | None = None) -> BatchRecord | None: ...
 
     @abstractmethod
-    def list_batches(self, after: str | None, limit: int) -> list[BatchRecord]:
+    def list_batches(self, after: str | None, limit: int, owner: str | None = None) -> list[BatchRecord]:
         """Newest first; after: the id of the last batch of the previous page."""
 
     @abstractmethod

@@ -30,6 +30,7 @@ class FileRecord:
     bytes: int
     created_at: int
     expires_at: int | None = None
+    owner: str = ""  # the tenant that uploaded it ("" without tenants)
 
 
 @dataclass(frozen=True)
@@ -72,3 +73,4 @@ class BatchRecord:
     timestamps: dict[str, int | None] = field(default_factory=dict)
     completed: int = 0  # lines with an ok result
     failed: int = 0  # lines with an error result
+    owner: str = ""  # the tenant that created it, and that its lines run as ("" without tenants)

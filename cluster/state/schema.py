@@ -11,6 +11,7 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     Column,
+    DefaultClause,
     Engine,
     Float,
     ForeignKey,
@@ -20,6 +21,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    inspect,
     text,
 )
 
@@ -38,6 +40,9 @@ files = Table(
     Column("created_at", BigInteger, nullable=False, index=True),
     Column("expires_at", BigInteger, nullable=True),
     Column("content", LargeBinary, nullable=False),
+    # The tenant whose key uploaded it (a batch's output and error files: the batch's owner); ""
+    # without tenants. Another owner's file is answered as one that does not exist.
+    Column("owner", String(64), nullable=False, server_default="", index=True),
 )
 
 # One batch job; status moves only by compare-and-set (SqlBatchStore.transition).
@@ -63,6 +68,8 @@ batches = Table(
     Column("total", Integer, nullable=False),
     Column("metadata", JSON),
     Column("errors", JSON),
+    # The tenant whose key created it; its lines run as that tenant (files.owner's rules).
+    Column("owner", String(64), nullable=False, server_default="", index=True),
 )
 
 # The input lines of a batch, copied in at create (the input file may be deleted later).
@@ -134,8 +141,30 @@ tenant_usage = Table(
 
 
 def create_schema(engine: Engine) -> None:
-    """Creates every missing table, under a lock, so processes starting together do not race."""
+    """Creates every missing table, and every missing column of a table a previous version
+    created, under a lock, so processes starting together do not race."""
     with engine.begin() as conn:
         if engine.dialect.name == "postgresql":
             conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _SCHEMA_LOCK_KEY})
         metadata.create_all(conn, checkfirst=True)
+        _add_missing_columns(conn)
+
+
+def _add_missing_columns(conn) -> None:
+    """A store written before a column existed gets it with its server default (e.g. files and
+    batches from before ownership belong to the owner "", the deployment without tenants)."""
+    inspector = inspect(conn)
+    for table in metadata.sorted_tables:
+        present = {c["name"] for c in inspector.get_columns(table.name)}
+        for column in table.columns:
+            if column.name in present:
+                continue
+            server_default = column.server_default
+            if not isinstance(server_default, DefaultClause) and not column.nullable:
+                raise RuntimeError(f"the state store's {table.name} lacks {column.name}, which has no default")
+            kind = column.type.compile(dialect=conn.dialect)
+            default = f" DEFAULT '{server_default.arg}'" if isinstance(server_default, DefaultClause) else ""
+            null = "" if column.nullable else " NOT NULL"
+            conn.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{column.name}" {kind}{default}{null}'))
+            if column.index:
+                conn.execute(text(f"CREATE INDEX ix_{table.name}_{column.name} ON {table.name} ({column.name})"))

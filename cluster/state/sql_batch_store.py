@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from sqlalchemy import Engine, Integer, delete, func, or_, select, tuple_, update
+from sqlalchemy import Engine, Integer, and_, delete, func, or_, select, true, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from splitserve.cluster.state.batch_store import BatchStore
@@ -19,7 +19,20 @@ from splitserve.cluster.state.records import (
 )
 from splitserve.cluster.state.schema import batch_lines, batch_results, batches, files, leases
 
-_FILE_COLUMNS = (files.c.id, files.c.purpose, files.c.filename, files.c.bytes, files.c.created_at, files.c.expires_at)
+_FILE_COLUMNS = (
+    files.c.id,
+    files.c.purpose,
+    files.c.filename,
+    files.c.bytes,
+    files.c.created_at,
+    files.c.expires_at,
+    files.c.owner,
+)
+
+
+def _owned(table, owner: str | None):
+    """The condition that a row is owner's (None: anyone's)."""
+    return true() if owner is None else table.c.owner == owner
 
 
 class SqlBatchStore(BatchStore):
@@ -33,17 +46,19 @@ class SqlBatchStore(BatchStore):
         with self.engine.begin() as conn:
             conn.execute(files.insert().values(**_file_values(record), content=content))
 
-    def get_file(self, file_id: str) -> FileRecord | None:
+    def get_file(self, file_id: str, owner: str | None = None) -> FileRecord | None:
         with self.engine.connect() as conn:
-            row = conn.execute(select(*_FILE_COLUMNS).where(files.c.id == file_id)).first()
+            row = conn.execute(select(*_FILE_COLUMNS).where(files.c.id == file_id, _owned(files, owner))).first()
         return FileRecord(*row) if row else None
 
-    def file_content(self, file_id: str) -> bytes | None:
+    def file_content(self, file_id: str, owner: str | None = None) -> bytes | None:
         with self.engine.connect() as conn:
-            return conn.execute(select(files.c.content).where(files.c.id == file_id)).scalar()
+            return conn.execute(select(files.c.content).where(files.c.id == file_id, _owned(files, owner))).scalar()
 
-    def list_files(self, purpose: str | None, after: str | None, limit: int, newest_first: bool) -> list[FileRecord]:
-        query = select(*_FILE_COLUMNS)
+    def list_files(
+        self, purpose: str | None, after: str | None, limit: int, newest_first: bool, owner: str | None = None
+    ) -> list[FileRecord]:
+        query = select(*_FILE_COLUMNS).where(_owned(files, owner))
         if purpose:
             query = query.where(files.c.purpose == purpose)
         key = tuple_(files.c.created_at, files.c.id)
@@ -56,9 +71,9 @@ class SqlBatchStore(BatchStore):
             rows = conn.execute(query.order_by(*order).limit(limit)).all()
         return [FileRecord(*row) for row in rows]
 
-    def delete_file(self, file_id: str) -> bool:
+    def delete_file(self, file_id: str, owner: str | None = None) -> bool:
         with self.engine.begin() as conn:
-            return conn.execute(delete(files).where(files.c.id == file_id)).rowcount > 0
+            return conn.execute(delete(files).where(files.c.id == file_id, _owned(files, owner))).rowcount > 0
 
     # --- batches ---
     def create_batch(self, record: BatchRecord, lines: list[BatchLine]) -> None:
@@ -73,17 +88,17 @@ class SqlBatchStore(BatchStore):
                     ],
                 )
 
-    def get_batch(self, batch_id: str) -> BatchRecord | None:
-        records = self._select_batches(batches.c.id == batch_id)
+    def get_batch(self, batch_id: str, owner: str | None = None) -> BatchRecord | None:
+        records = self._select_batches(and_(batches.c.id == batch_id, _owned(batches, owner)))
         return records[0] if records else None
 
-    def list_batches(self, after: str | None, limit: int) -> list[BatchRecord]:
-        condition = None
+    def list_batches(self, after: str | None, limit: int, owner: str | None = None) -> list[BatchRecord]:
+        condition = _owned(batches, owner)
         if after:
             with self.engine.connect() as conn:
                 anchor = conn.execute(select(batches.c.created_at, batches.c.id).where(batches.c.id == after)).first()
             if anchor is not None:
-                condition = tuple_(batches.c.created_at, batches.c.id) < tuple_(*anchor)
+                condition = and_(condition, tuple_(batches.c.created_at, batches.c.id) < tuple_(*anchor))
         return self._select_batches(condition, newest_first=True, limit=limit)
 
     def count_batches(self) -> dict[str, int]:
@@ -246,6 +261,7 @@ def _file_values(record: FileRecord) -> dict:
         "bytes": record.bytes,
         "created_at": record.created_at,
         "expires_at": record.expires_at,
+        "owner": record.owner,
     }
 
 
@@ -263,6 +279,7 @@ def _batch_values(record: BatchRecord) -> dict:
         "errors": record.errors,
         "output_file_id": record.output_file_id,
         "error_file_id": record.error_file_id,
+        "owner": record.owner,
     }
 
 
@@ -284,4 +301,5 @@ def _batch_record(row) -> BatchRecord:
         timestamps={column: row[column] for column in STATUS_TIMESTAMP.values()},
         completed=int(completed),
         failed=int(done) - int(completed),
+        owner=row["owner"],
     )

@@ -98,6 +98,7 @@ class TenantGate:
         self.meter = UsageMeter(self.usage_store)
         self.metrics = metrics
         self.clock = clock
+        self.metrics.last_reload.set(clock())
         self._task: asyncio.Task | None = None
 
     # ---- admission ----------------------------------------------------------------------
@@ -109,7 +110,17 @@ class TenantGate:
 
     async def admit(self, key: str | None, model: str, prompt_tokens: int, max_tokens: int) -> TenantTicket:
         """Raises TenantRefusal (with the tenant's x-ratelimit headers once it is known)."""
-        tenant = self.authenticate(key)
+        return await self._admit(self.authenticate(key), model, prompt_tokens, max_tokens)
+
+    async def admit_tenant(self, name: str, model: str, prompt_tokens: int, max_tokens: int) -> TenantTicket:
+        """admit for the tenant itself, not a key of it (a Batch API line runs as its batch's
+        owner): refused as a revoked key is once the tenant is no longer configured."""
+        tenant = self.directory.tenants.get(name)
+        if tenant is None:
+            raise TenantRefusal.tenant_removed(name)
+        return await self._admit(tenant, model, prompt_tokens, max_tokens)
+
+    async def _admit(self, tenant: TenantConfig, model: str, prompt_tokens: int, max_tokens: int) -> TenantTicket:
         if not tenant.allows_model(model):
             self.metrics.requests.labels(tenant.name, "model_not_allowed").inc()
             raise TenantRefusal.model_not_allowed(model)
@@ -160,11 +171,21 @@ class TenantGate:
     def reload(self) -> None:
         """Re-reads the tenants file and keys files; on an error keeps the old tenants and
         raises TenantsFileError (naming the file and line)."""
-        directory = TenantDirectory.load(self.cfg.tenants, self.cfg.tenants_file, self.cfg.api_key)
+        try:
+            directory = TenantDirectory.load(self.cfg.tenants, self.cfg.tenants_file, self.cfg.api_key)
+        except Exception as exc:
+            self.metrics.reload_errors.inc()
+            if isinstance(exc, TenantsFileError):
+                raise
+            # A reader's bug must not leave the reload loop dead, nor /admin/reload a 500.
+            raise TenantsFileError(f"{self.cfg.tenants_file}: cannot be read: {exc!r}") from exc
         self.directory = directory
+        self.metrics.last_reload.set(self.clock())
         logger.info("tenants reloaded: %d tenants", len(directory))
 
     def reload_if_changed(self) -> None:
+        """Reloads when a watched file changed; an unusable file is logged and counted once per
+        change (the next change is tried again), and the old tenants stay."""
         stamps = file_stamps(watched_files(self.cfg.tenants, self.cfg.tenants_file, self.directory))
         if stamps == self._stamps:
             return
@@ -175,14 +196,20 @@ class TenantGate:
             logger.error("tenants file not reloaded, keeping the previous tenants: %s", exc)
 
     async def tick(self) -> None:
+        """One pass of the background loop: reload, renew leases, write usage, update gauges.
+        Each stage's failure is logged and counted, and never stops the stages after it."""
         self.reload_if_changed()
-        try:
-            await self.limiter.sync()
-            await asyncio.to_thread(self.meter.flush)
-        except Exception as exc:
-            logger.warning("tenant sync with the state store failed (%r); retrying next tick", exc)
+        for stage, work in (("leases", self.limiter.sync), ("usage", self._flush_usage)):
+            try:
+                await work()
+            except Exception as exc:
+                self.metrics.sync_errors.labels(stage).inc()
+                logger.warning("tenant %s sync with the state store failed (%r); retrying next tick", stage, exc)
         for tenant in self.directory.tenants.values():
             self._update_budget_gauge(tenant)
+
+    async def _flush_usage(self) -> None:
+        await asyncio.to_thread(self.meter.flush)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -191,7 +218,10 @@ class TenantGate:
         interval = min(self.cfg.tenant_sync_s, self.cfg.tenants_reload_s)
         while True:
             await asyncio.sleep(interval)
-            await self.tick()
+            try:
+                await self.tick()
+            except Exception:  # whatever it was, the next tick runs (a revoked key must still go)
+                logger.exception("tenant tick failed; the next one runs in %.3g s", interval)
 
     async def close(self) -> None:
         if self._task is not None:

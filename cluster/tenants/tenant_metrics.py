@@ -25,3 +25,19 @@ class TenantMetrics:
             ["tenant"],
             registry=registry,
         )
+        self.last_reload = Gauge(
+            "splitserve_tenants_last_reload_timestamp_seconds",
+            "When this ingress replica last read the tenants (at start-up or on a change) without an error.",
+            registry=registry,
+        )
+        self.reload_errors = Counter(
+            "splitserve_tenants_reload_errors",
+            "Reloads of the tenants (a changed file, /admin/reload) that failed; the previous tenants stayed.",
+            registry=registry,
+        )
+        self.sync_errors = Counter(
+            "splitserve_tenant_sync_errors",
+            "Failed tenant syncs with the state store, by stage (leases, usage), each retried next tick.",
+            ["stage"],
+            registry=registry,
+        )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from splitserve.cluster.request_error import echoed
+
 
 class TenantRefusal(Exception):
     def __init__(self, status: int, code: str, error_type: str, message: str, retry_after_s: float | None = None):
@@ -23,10 +25,14 @@ class TenantRefusal(Exception):
         return cls(401, "invalid_api_key", "invalid_request_error", "invalid or missing API key")
 
     @classmethod
+    def tenant_removed(cls, name: str) -> TenantRefusal:
+        return cls(401, "invalid_api_key", "invalid_request_error", f"the tenant {name!r} is no longer configured")
+
+    @classmethod
     def model_not_allowed(cls, model: str) -> TenantRefusal:
         return cls(
             404,
             "model_not_found",
             "invalid_request_error",
-            f"the model {model!r} does not exist or you do not have access to it",
+            f"the model {echoed(model)} does not exist or you do not have access to it",
         )

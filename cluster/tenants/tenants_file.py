@@ -49,6 +49,9 @@ def parse_tenants_yaml(text: str, source: str = "<tenants>") -> list[TenantConfi
         items_node = _child(root, "tenants")
     if data is None:
         return []
+    if not isinstance(data, list):
+        line = items_node.start_mark.line + 1 if items_node is not None else 1
+        raise TenantsFileError(f"{source}: line {line}: tenants must be a list, got {type(data).__name__}")
     try:
         return check_unique_names(_TENANTS.validate_python(data))
     except ValidationError as exc:
@@ -61,8 +64,8 @@ def parse_tenants_yaml(text: str, source: str = "<tenants>") -> list[TenantConfi
                 break
             node = child
         line = node.start_mark.line + 1 if node is not None else 1
-        field = ".".join(str(p) for p in loc[1:]) or "tenant"
-        raise TenantsFileError(f"{source}: line {line}: tenants[{loc[0]}].{field}: {error['msg']}") from None
+        where = f"tenants[{loc[0]}].{'.'.join(str(p) for p in loc[1:]) or 'tenant'}" if loc else "tenants"
+        raise TenantsFileError(f"{source}: line {line}: {where}: {error['msg']}") from None
     except ValueError as exc:
         raise TenantsFileError(f"{source}: {exc}") from None
 

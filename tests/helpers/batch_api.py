@@ -51,3 +51,42 @@ def read_lines(client, file_id: str | None) -> list[dict]:
     if file_id is None:
         return []
     return [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
+
+
+class TenantIngress:
+    """One ingress replica without Ray: the real HTTP app, TenantGate, BatchService (runner
+    started) and state store on state_url, over a scripted FakeBackend, served by uvicorn on
+    127.0.0.1. Closing it and opening another on the same state_url is a restart."""
+
+    def __init__(self, cfg, tokenizer, holder: str = "ingress-a"):
+        from prometheus_client import CollectorRegistry
+
+        from splitserve.cluster.frontend.http.api import build_http_app
+        from splitserve.cluster.state.database import open_state_engine, state_database_url
+        from splitserve.cluster.tenants.tenant_gate import TenantGate
+        from splitserve.cluster.tenants.tenant_metrics import TenantMetrics
+        from tests.helpers.cluster import LoopHttpServer, LoopThread
+        from tests.helpers.http_api import FakeBackend
+
+        self.loop = LoopThread()
+        self.backend = FakeBackend(tokenizer, cfg)
+        self.registry = CollectorRegistry()
+        self.engine = open_state_engine(state_database_url(cfg.state_dir, cfg.state_url))
+        self.backend.tenants = TenantGate(cfg, self.engine, holder, TenantMetrics(self.registry))
+        self.service = BatchService(cfg, holder, self.registry, self.backend.model_name)
+        self.app = build_http_app(self.backend, batch=self.service)
+        self.server = LoopHttpServer(self.loop, self.app).__enter__()
+        start_service(self.loop, self.service)
+        self.url = self.server.url
+
+    def client(self, key: str):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=60)
+
+    def close(self) -> None:
+        self.loop.run(self.service.stop())
+        self.loop.run(self.backend.tenants.close())
+        self.server.__exit__(None, None, None)
+        self.engine.dispose()
+        self.loop.stop()

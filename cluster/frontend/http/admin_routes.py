@@ -2,7 +2,8 @@
 
 - GET /admin/usage?tenant=&start=&end= — settled usage per tenant and model summed over the
   UTC hours in [start, end) (epoch seconds; both optional), from the state store, so it covers
-  every ingress replica (each writes within tenant_sync_s; this one first writes its own).
+  every ingress replica (each writes within tenant_sync_s; this one first writes its own). A
+  value out of range or malformed is a 400 naming the parameter.
 - POST /admin/reload — re-reads the tenants file and keys files now: 200 with the tenant count,
   or 400 naming the file and line (the old tenants stay).
 """
@@ -12,12 +13,16 @@ from __future__ import annotations
 import asyncio
 import hmac
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 
 from splitserve.cluster.frontend.http.errors import OpenAIHTTPError
 from splitserve.cluster.frontend.http.guard import bearer_token
 from splitserve.cluster.tenants.tenants_file import TenantsFileError
+
+# The last second of year 9999: any later "epoch second" is a client's mistake (and past it the
+# store's 64-bit columns overflow).
+MAX_EPOCH_S = 253_402_300_799
 
 
 def add_admin_routes(app: FastAPI, gate, admin_api_key: str | None) -> None:
@@ -30,18 +35,21 @@ def add_admin_routes(app: FastAPI, gate, admin_api_key: str | None) -> None:
                 401, "the admin endpoints need 'Authorization: Bearer <admin_api_key>'", code="invalid_api_key"
             )
 
-    @app.get("/admin/usage", include_in_schema=False)
-    async def usage(request: Request, tenant: str | None = None, start: int | None = None, end: int | None = None):
-        check_admin(request)
+    # A dependency, so who asks is checked before what is asked (a stranger gets 401, not 400).
+    @app.get("/admin/usage", include_in_schema=False, dependencies=[Depends(check_admin)])
+    async def usage(
+        tenant: str | None = Query(None, min_length=1, max_length=64),
+        start: int | None = Query(None, ge=0, le=MAX_EPOCH_S),
+        end: int | None = Query(None, ge=0, le=MAX_EPOCH_S),
+    ):
         if start is not None and end is not None and end <= start:
             raise OpenAIHTTPError(400, f"end ({end}) must be after start ({start})", param="end")
         await asyncio.to_thread(gate.meter.flush)
         rows = await asyncio.to_thread(gate.usage_store.query, tenant, start, end)
         return JSONResponse({"object": "list", "data": rows, "start": start, "end": end})
 
-    @app.post("/admin/reload", include_in_schema=False)
-    async def reload(request: Request):
-        check_admin(request)
+    @app.post("/admin/reload", include_in_schema=False, dependencies=[Depends(check_admin)])
+    async def reload():
         try:
             await asyncio.to_thread(gate.reload)
         except TenantsFileError as exc:

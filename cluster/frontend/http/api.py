@@ -26,13 +26,15 @@ from fastapi.security import HTTPBearer
 
 from splitserve.cluster.frontend.http.access_log import AccessLog, client_request_id
 from splitserve.cluster.frontend.http.admin_routes import add_admin_routes
+from splitserve.cluster.frontend.http.allowed_methods import AllowedMethods
+from splitserve.cluster.frontend.http.caller import Callers
 from splitserve.cluster.frontend.http.error_handlers import install_error_handlers
 from splitserve.cluster.frontend.http.errors import (
     HTTP_STATUS_BY_KIND,
     OpenAIHTTPError,
 )
 from splitserve.cluster.frontend.http.fanout import close_all, first_chunks, merged
-from splitserve.cluster.frontend.http.guard import RequestGuard, bearer_token
+from splitserve.cluster.frontend.http.guard import RequestGuard
 from splitserve.cluster.frontend.http.head import HeadAsGet
 from splitserve.cluster.frontend.http.model_routes import add_model_routes
 from splitserve.cluster.frontend.http.openapi_bounds import state_bounds_in_openapi
@@ -86,6 +88,7 @@ def build_http_app(
     cfg = backend.cfg
     catalog = catalog or ModelCatalog.of(backend)
     tenants = getattr(backend, "tenants", None)
+    callers = Callers(cfg.api_key, tenants, cfg.admin_api_key)
     app = FastAPI(
         title="splitserve",
         description="OpenAI-compatible disaggregated LLM serving",
@@ -99,9 +102,10 @@ def build_http_app(
         body_timeout_s=cfg.http_request_timeout_s,
         upload_paths=("/v1/files",) if batch is not None else (),
         max_upload_bytes=cfg.batch.max_file_bytes,
-        authorize_key=None if tenants is None else (lambda key: tenants.directory.lookup(key) is not None),
+        authorize=callers.authorized,
     )
     app.add_middleware(HeadAsGet)
+    app.add_middleware(AllowedMethods, routes=lambda: app.routes)
     # Outermost: logs the guard's refusals (and HEADs as HEAD) too; names the ingress replica.
     app.add_middleware(AccessLog, ingress_id=getattr(backend, "ingress_id", None), echo_request_id=echo_request_id)
     install_error_handlers(app)
@@ -110,7 +114,7 @@ def build_http_app(
     add_model_routes(app, catalog, auth, _ERRORS)
     add_tokenize_routes(app, catalog, auth, _ERRORS)
     if batch is not None:
-        batch.install(app, auth, _ERRORS)
+        batch.install(app, auth, _ERRORS, callers)
     if tenants is not None:
         add_admin_routes(app, tenants, cfg.admin_api_key)
 
@@ -206,17 +210,22 @@ def build_http_app(
     ) -> Response:
         """One backend generation per choice (prompt x n), streamed or collected, at the
         priority of the request's class (header) or its own `priority`, else its tenant's; a
-        tenant's request is admitted first (prompt + max_tokens reserved) and settled when it ends."""
+        tenant's request (a batch line: its batch owner's) is admitted first (prompt +
+        max_tokens reserved) and settled when it ends."""
         class_name = request.headers.get(PRIORITY_CLASS_HEADER)
         rank = resolve_priority(cfg.priority, class_name, priority)  # a bad class is a 400 before admission
-        api_key = bearer_token(request.scope.get("headers", []))
+        caller = callers.of(request.scope)
+        api_key = caller.api_key
         label = client_request_id(request.scope.get("headers", []))  # the client's own id: a label
         timeout_s = _request_timeout(request)
         ticket, headers = None, None
         if tenants is not None:
             prompt_tokens = sum(map(len, prompts))
             reserve = prompt_tokens + (params.max_tokens or 0) * len(prompts) * n
-            ticket = await tenants.admit(api_key, model, prompt_tokens, reserve - prompt_tokens)
+            if caller.batch_line:
+                ticket = await tenants.admit_tenant(caller.owner, model, prompt_tokens, reserve - prompt_tokens)
+            else:
+                ticket = await tenants.admit(api_key, model, prompt_tokens, reserve - prompt_tokens)
             headers = ticket.headers
             if priority is None and ticket.priority:
                 rank = resolve_priority(cfg.priority, class_name, ticket.priority)

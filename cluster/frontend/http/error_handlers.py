@@ -14,12 +14,14 @@ from splitserve.cluster.request_error import RequestError
 from splitserve.cluster.tenants.tenant_refusal import TenantRefusal
 from splitserve.engine.io.sampling_params import InvalidRequestError
 
+_WHERE = ("body", "query", "path", "header", "cookie")  # where a parameter was, not its name
+
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """One readable message (and the offending parameter) from FastAPI's validation errors."""
     errors = exc.errors()
     first = errors[0] if errors else {}
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    loc = [str(part) for part in first.get("loc", ()) if part not in _WHERE]
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "malformed JSON")
         return f"the request body is not valid JSON: {detail}", None
@@ -30,7 +32,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     specific = [e for e in errors if not str(e.get("type", "")).endswith("_type")]
     details = []
     for err in (specific or errors)[:3]:
-        where = ".".join(str(p) for p in err.get("loc", ()) if not _is_union_branch(p))
+        where = ".".join(str(p) for p in err.get("loc", ()) if not _is_union_branch(p) and p not in _WHERE)
         details.append(f"{where}: {err.get('msg')}")
     return "invalid request: " + "; ".join(dict.fromkeys(details)), loc[0]
 

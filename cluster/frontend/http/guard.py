@@ -54,16 +54,17 @@ class RequestGuard:
         body_timeout_s: float | None = None,
         upload_paths: tuple[str, ...] = (),
         max_upload_bytes: int = 0,
-        authorize_key: Callable[[str | None], bool] | None = None,
+        authorize: Callable[[Scope], bool] | None = None,
     ):
         """upload_paths: paths whose POST bodies may be up to max_upload_bytes instead (file
         uploads; the route checks the file itself and answers 400 over its own limit).
-        authorize_key: decides on the bearer token instead of api_key (tenants' keys)."""
+        authorize: decides on a protected path's request instead of api_key (tenants' keys,
+        the admin key, batch lines: cluster/frontend/http/caller.py)."""
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
         self.app = app
         self.api_key = api_key
-        self.authorize_key = authorize_key
+        self.authorize = authorize
         self.max_body_bytes = max_body_bytes
         self.protected_prefixes = protected_prefixes
         # A slow client's body (a slowloris: a partial Content-Length or chunked body) must
@@ -76,8 +77,8 @@ class RequestGuard:
     def _authorized(self, scope: Scope) -> bool:
         if not scope["path"].startswith(self.protected_prefixes):
             return True
-        if self.authorize_key is not None:
-            return self.authorize_key(bearer_token(scope.get("headers", [])))
+        if self.authorize is not None:
+            return self.authorize(scope)
         if not self.api_key:
             return True
         token = bearer_token(scope.get("headers", []))
@@ -92,6 +93,10 @@ class RequestGuard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        if sum(name.lower() == b"authorization" for name, _ in scope.get("headers", [])) > 1:
+            # Two credentials: which one counts would be a guess, and a proxy may add one.
+            await send_error(send, 400, "send one Authorization header, not several", "invalid_request_error")
             return
         if not self._authorized(scope):
             await send_error(

@@ -30,10 +30,12 @@ class CascadeRoute(RoutedModel):
         """Why the request skips the small model, or None when it cascades."""
         if features.choices > 1:
             return "direct:choices"
-        if features.structured_output:
-            return "direct:structured_output"
+        # Tools first: declaring tools also sets a grammar (the tool-call format), so a request
+        # with tools is a tools request, whatever else it constrains.
         if features.tools:
             return "direct:tools"
+        if features.structured_output:
+            return "direct:structured_output"
         return None
 
     def bind(self, features: RequestFeatures) -> RouteBinding | CascadeBinding:

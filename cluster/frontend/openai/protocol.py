@@ -247,7 +247,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), BeforeValidator(_integral_float_to_int)] | None = (
         Field(None, description="with logprobs: this many most likely alternatives per token")
     )
-    tools: list[ToolParam] | None = None
+    tools: list[ToolParam] | None = Field(None, min_length=1)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
 

@@ -195,3 +195,44 @@ def test_missing_postgres_skips_naming_the_package_or_fails_when_required(monkey
     monkeypatch.setenv(postgres.REQUIRE_ENV, "1")
     with pytest.raises(pytest.fail.Exception, match="SPLITSERVE_REQUIRE_POSTGRES=1 requires them"):
         postgres.skip_or_fail_without_postgres()
+
+
+def test_owners_scope_every_read_and_delete(store):
+    for owner in ("team-a", "team-c"):
+        store.put_file(FileRecord(f"file-{owner}", "batch", "in.jsonl", 1, 1, owner=owner), b"x")
+        store.create_batch(_owned_batch(owner), [])
+    assert [f.id for f in store.list_files(None, None, 10, True, owner="team-a")] == ["file-team-a"]
+    assert {f.id for f in store.list_files(None, None, 10, True)} == {"file-team-a", "file-team-c"}  # None: all
+    assert store.get_file("file-team-c", owner="team-a") is None and store.file_content("file-team-c", "team-a") is None
+    assert store.get_file("file-team-c", owner="team-c").owner == "team-c"
+    assert not store.delete_file("file-team-c", owner="team-a") and store.get_file("file-team-c") is not None
+    assert store.get_batch("batch_team-c", owner="team-a") is None
+    assert store.get_batch("batch_team-c", owner="team-c").owner == "team-c"
+    assert [b.id for b in store.list_batches(None, 10, owner="team-c")] == ["batch_team-c"]
+
+
+def _owned_batch(owner: str) -> BatchRecord:
+    return BatchRecord(f"batch_{owner}", "/v1/completions", "file-x", "24h", VALIDATING, 1, 100, 1, owner=owner)
+
+
+def test_a_store_from_before_owners_gets_the_column_and_keeps_its_rows(state_url):
+    engine = open_state_engine(state_url)
+    with engine.begin() as conn:  # the tables as the previous version created them
+        for table in ("files", "batches"):
+            conn.execute(sa.text(f"DROP INDEX ix_{table}_owner"))
+            conn.execute(sa.text(f"ALTER TABLE {table} DROP COLUMN owner"))
+        conn.execute(
+            sa.text(
+                "INSERT INTO files (id, purpose, filename, bytes, created_at, content) "
+                "VALUES ('file-old', 'batch', 'old.jsonl', 1, 1, :content)"
+            ),
+            {"content": b"x"},
+        )
+    engine.dispose()
+    engine = open_state_engine(state_url)  # the new version starts on it
+    store = SqlBatchStore(engine)
+    assert store.get_file("file-old", owner="").owner == ""  # the deployment without tenants
+    store.put_file(FileRecord("file-new", "batch", "n.jsonl", 1, 2, owner="team-a"), b"y")
+    assert store.get_file("file-new", owner="team-a") is not None
+    engine.dispose()
+    open_state_engine(state_url).dispose()  # and again: nothing left to add

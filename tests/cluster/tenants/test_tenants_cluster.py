@@ -18,9 +18,11 @@ import openai
 import pytest
 import yaml
 
+from splitserve.cluster.batch.batch_service import BatchService
 from splitserve.cluster.frontend.grpc.server import GrpcFrontend
 from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.proto import load_stubs
+from tests.helpers.batch_api import completion_line, jsonl, read_lines, start_service, wait_for_status
 from tests.helpers.cluster import LoopHttpServer, cluster_config, serving_backend, wait_for_baseline, wait_until
 
 pb2, pb2_grpc = load_stubs()
@@ -38,7 +40,9 @@ TENANTS = [
     {"name": "narrow", "api_keys": ["sk-narrow"], "models": ["some-other-model"]},
     {"name": "usage", "api_keys": ["sk-usage"], "priority": 1},
     *({"name": f"grpc{i}", "api_keys": [f"sk-grpc{i}"], "requests_per_minute": 2} for i in range(2)),
+    {"name": "batch-budget", "api_keys": ["sk-batch"], "budget_tokens": 1},  # set from the prompt's length below
 ]
+BATCH_LINES, BATCH_TOKENS, BATCH_FIT = 6, 8, 3  # lines of which BATCH_FIT fit the budget
 
 
 @pytest.fixture(scope="module")
@@ -50,15 +54,25 @@ def tenants_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def backend(ray_cluster, tiny_model, loop, tmp_path_factory, tenants_file):
+    from splitserve.engine.io.tokenizer import Tokenizer
+
+    # Each batch line costs its prompt + BATCH_TOKENS exactly (ignore_eos): BATCH_FIT of them,
+    # and half of another, fit the budget.
+    line_cost = len(Tokenizer.from_pretrained(tiny_model).encode(PROMPT)) + BATCH_TOKENS
+    tenants = [
+        {**t, "budget_tokens": int((BATCH_FIT + 0.5) * line_cost)} if t["name"] == "batch-budget" else t
+        for t in TENANTS
+    ]
     cfg = cluster_config(
         tiny_model,
         num_blocks=64,
-        tenants=TENANTS,
+        tenants=tenants,
         tenants_file=str(tenants_file),
         tenants_reload_s=0.2,
         tenant_sync_s=0.2,
         admin_api_key=ADMIN,
         state_dir=str(tmp_path_factory.mktemp("state")),
+        batch={"poll_interval_s": 0.05, "lease_s": 1.0, "max_concurrency": 4},
     )
     with serving_backend(loop, cfg, tiny_model) as serving:
         yield serving
@@ -66,8 +80,11 @@ def backend(ray_cluster, tiny_model, loop, tmp_path_factory, tenants_file):
 
 @pytest.fixture(scope="module")
 def server(loop, backend):
-    with LoopHttpServer(loop, build_http_app(backend)) as srv:
+    service = BatchService(backend.cfg, "ingress-a", backend.metrics.registry, backend.model_name)
+    with LoopHttpServer(loop, build_http_app(backend, batch=service)) as srv:
+        start_service(loop, service)
         yield srv
+        loop.run(service.stop())
 
 
 @pytest.fixture(scope="module")
@@ -231,6 +248,35 @@ def test_revoked_by_reload_and_malformed_file_keeps_old(server, backend, tenants
     wait_until(revoked, 30, "the revoked key still works")  # reloaded by polling, no admin call
     complete(server, backend, "sk-new")
     assert http.post("/admin/reload").status_code == 401
+
+
+def test_a_batch_runs_as_its_tenant_and_stops_at_its_budget(server, backend, loop):
+    """The lines are admitted and billed as team requests would be: BATCH_FIT complete, the
+    rest fail with insufficient_quota (final, not retried), the counts add up, and the usage
+    is the tenant's."""
+    batch_client = client(server, "sk-batch")
+    lines = [
+        completion_line(f"b{i}", backend.model_name, PROMPT, max_tokens=BATCH_TOKENS, ignore_eos=True)
+        for i in range(BATCH_LINES)
+    ]
+    uploaded = batch_client.files.create(file=jsonl(lines), purpose="batch")
+    batch = batch_client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+    done = wait_for_status(batch_client, batch.id)
+    counts = done.request_counts
+    assert (done.status, counts.total, counts.completed, counts.failed) == ("completed", 6, BATCH_FIT, 3), done
+    output, errors = read_lines(batch_client, done.output_file_id), read_lines(batch_client, done.error_file_id)
+    assert sorted(x["custom_id"] for x in output + errors) == sorted(x["custom_id"] for x in lines)
+    for error in errors:
+        assert error["response"]["status_code"] == 429
+        assert error["response"]["body"]["error"]["code"] == "insufficient_quota"
+    wait_for_baseline(loop, backend.cluster)
+
+    def billed():
+        row = _usage(server, "batch-budget")
+        return row if row and row["requests"] == BATCH_FIT else None
+
+    row = wait_until(billed, 30, "the batch's usage was not written under its tenant")
+    assert row["model"] == backend.model_name and row["completion_tokens"] == BATCH_FIT * BATCH_TOKENS
 
 
 def test_metrics_per_tenant_without_keys(http):
