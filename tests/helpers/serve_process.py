@@ -102,6 +102,14 @@ class ServeProcess:
         self.log.close()
         return self.proc.returncode
 
+    def kill(self) -> int:
+        """SIGKILL to the whole process group: no handler runs, nothing is released or written."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+        self.log.close()
+        return self.proc.returncode
+
 
 def shutdown_serve(timeout_s: float = 60.0) -> None:
     """serve.shutdown() on the session's Ray cluster, then wait until Serve's own actors (its

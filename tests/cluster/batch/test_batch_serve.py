@@ -1,11 +1,13 @@
 """Batch jobs as Serve runs them: `splitserve serve --address` into this session's Ray cluster,
-two ingress replicas, 1 prefill + 1 decode, state in a SQLite store under --state-dir.
+two ingress replicas, 1 prefill + 1 decode, state in a SQLite store under --state-dir, tenants
+on: every job is the tenant `batcher`'s and its lines run as that tenant.
 
 - Killing the ingress replica that holds the runner lease mid-batch: the other one takes the
   lease, resumes the job, and every custom_id appears exactly once.
 - Killing the controller mid-batch does not touch the job.
-- Ctrl-C on `splitserve serve` mid-batch and a new `splitserve serve` on the same state
-  directory: the job resumes and completes, each custom_id once.
+- SIGKILL to `splitserve serve` mid-batch (nothing released: the runner lease must expire),
+  Serve taken down, and a new `splitserve serve` on the same state directory: the job resumes
+  and completes, each custom_id once, as the tenant (its usage is the tenant's).
 
 Every decode step is slowed (a fault injected into decode, 40 ms a step) so each job is
 certainly still running when the kill comes: that bounds a job's duration from below, never
@@ -16,9 +18,11 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import openai
 import pytest
 import ray
+import yaml
 
 from splitserve.cluster.app import CONTROLLER_DEPLOYMENT_NAME, DEPLOYMENT_NAME
 from splitserve.cluster.control.worker_pool import app_namespace
@@ -26,16 +30,21 @@ from splitserve.cluster.state.database import open_state_engine, state_database_
 from splitserve.cluster.state.sql_batch_store import SqlBatchStore
 from tests.helpers.batch_api import completion_line, jsonl, read_lines, wait_for_status
 from tests.helpers.cluster import wait_until
-from tests.helpers.serve_process import ServeProcess
+from tests.helpers.serve_process import ServeProcess, shutdown_serve
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 APP = "splitserve"
 NAMESPACE = app_namespace(APP)
 LINES, TOKENS = 16, 48
 STEP_HANG_S = 0.04
+TENANT_KEY, ADMIN = "sk-batcher", "sk-admin"
 
 
 def serve(tiny_model, workdir, state_dir) -> ServeProcess:
+    config = workdir / "tenants.yaml"
+    config.write_text(
+        yaml.safe_dump({"tenants": [{"name": "batcher", "api_keys": [TENANT_KEY]}], "admin_api_key": ADMIN})
+    )
     return ServeProcess(
         tiny_model,
         workdir / "serve.log",
@@ -51,6 +60,8 @@ def serve(tiny_model, workdir, state_dir) -> ServeProcess:
         "256",
         "--state-dir",
         str(state_dir),
+        "--config",
+        str(config),
         "--batch.lease-s",
         "2",
         "--batch.poll-interval-s",
@@ -83,7 +94,7 @@ def server(ray_cluster, tiny_model, tmp_path_factory, state_dir):
 
 
 def client_of(proc: ServeProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="unused", max_retries=2, timeout=120)
+    return openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key=TENANT_KEY, max_retries=2, timeout=120)
 
 
 def slow_decode(hang_s: float) -> None:
@@ -169,16 +180,24 @@ def test_a_restart_on_the_same_state_dir_resumes_the_job(server, store, tiny_mod
     slow_decode(STEP_HANG_S)
     batch, lines = start_job(client, model, "restart")
     wait_mid_job(store, batch.id)
-    server["proc"].stop()  # Ctrl-C: the app and its pools go away
-    from ray import serve as ray_serve
-
-    ray_serve.shutdown()  # Serve itself too, so the next `serve` binds its own HTTP port
+    server["proc"].kill()  # SIGKILL: no lease released, no usage flushed, nothing cleaned up
+    shutdown_serve()  # the app and its pools go too, so the next `serve` starts its own
     stopped = store.get_batch(batch.id)
     assert stopped.status == "in_progress" and stopped.completed < stopped.total
+    assert stopped.owner == "batcher"
     started = time.monotonic()
     server["proc"] = serve(tiny_model, tmp_path_factory.mktemp("serve-batch-again"), state_dir)
     client = client_of(server["proc"])
     assert_each_custom_id_once(client, batch.id, lines)
+    usage = httpx.get(
+        f"{server['proc'].base_url}/admin/usage",
+        params={"tenant": "batcher"},
+        headers={"Authorization": f"Bearer {ADMIN}"},
+        timeout=60,
+    ).json()["data"]
+    # At least the lines run after the restart are billed to the tenant (what the killed
+    # process had not yet written is lost with it, as a crash loses any unflushed meter).
+    assert usage and usage[0]["requests"] >= stopped.total - stopped.completed
     print(
         f"resumed after restart: {stopped.completed}/{stopped.total} done before, finished {time.monotonic() - started:.0f} s after"
     )
