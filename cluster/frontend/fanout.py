@@ -21,8 +21,9 @@ async def first_chunks(sources: list[AsyncGenerator]) -> list:
     try:
         done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         for task in done:
-            if task.exception() is not None:
-                raise task.exception()
+            failure = task.exception()
+            if failure is not None:
+                raise failure
         return [task.result() for task in tasks]
     finally:
         for task in tasks:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from splitserve.cluster.request_error import echoed
 
+# The one wording of a refused key, HTTP's guard and both frontends' tenant checks alike.
+UNKNOWN_KEY_MESSAGE = "invalid or missing API key; send 'Authorization: Bearer <key>'"
+
 
 class TenantRefusal(Exception):
     def __init__(self, status: int, code: str, error_type: str, message: str, retry_after_s: float | None = None):
@@ -22,7 +25,7 @@ class TenantRefusal(Exception):
 
     @classmethod
     def unknown_key(cls) -> TenantRefusal:
-        return cls(401, "invalid_api_key", "invalid_request_error", "invalid or missing API key")
+        return cls(401, "invalid_api_key", "invalid_request_error", UNKNOWN_KEY_MESSAGE)
 
     @classmethod
     def tenant_removed(cls, name: str) -> TenantRefusal:

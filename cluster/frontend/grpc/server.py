@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import hmac
 import logging
@@ -31,9 +30,7 @@ from splitserve.cluster.frontend.grpc.messages import generate_response, oneof_c
 from splitserve.cluster.frontend.grpc.request_arrival import RequestArrivalTimeout
 from splitserve.cluster.frontend.http.errors import retry_after
 from splitserve.cluster.frontend.model_catalog import ModelCatalog
-from splitserve.cluster.frontend.model_router.request_features import RequestFeatures
-from splitserve.cluster.frontend.model_router.route_binding import bind_route, decision_of
-from splitserve.cluster.frontend.priority_class import resolve_priority
+from splitserve.cluster.frontend.model_service import GenerationRequest, ModelService
 from splitserve.cluster.frontend.serving_api import GenerationAPI
 from splitserve.cluster.request_error import ErrorKind, RequestError
 from splitserve.cluster.tenants.tenant_refusal import TenantRefusal
@@ -173,6 +170,7 @@ class GrpcFrontend:
         backend is the default model (a request with no model) and holds the settings."""
         self.backend = backend
         self.catalog = catalog or ModelCatalog.of(backend)  # type: ignore[arg-type]
+        self.service = ModelService(self.catalog, backend)
         self.ingress_id: str = getattr(backend, "ingress_id", "") or ""
         self._share_port = share_port
         self._api_key: str | None = backend.cfg.api_key or None
@@ -254,51 +252,43 @@ class GrpcFrontend:
     # ---- RPCs ----------------------------------------------------------------------------
     @_rpc
     async def generate(self, request, context: grpc.aio.ServicerContext) -> None:
+        """The GenerateRequest to ModelService (validation, priority, tenant admission, routing),
+        its chunks written as they come; the metadata carries the tenant's and the route's headers."""
         api_key = self._authorize(context)
-        api = self._resolve(request.model)
+        api = self.service.resolve(request.model)
         try:  # before tokenizing: a bad parameter costs nothing
             params = sampling_params_from(request)
-            explicit = request.priority if request.HasField("priority") else None
-            rank = resolve_priority(self.backend.cfg.priority, request.priority_class, explicit)
-            params = dataclasses.replace(params, priority=rank.priority)
         except InvalidRequestError as exc:
             raise _Rejection(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         # The same constraint check HTTP runs (bounds, isolated compile), before tokenizing.
         if params.structured_output is not None:
             await api.check_constraint(params.structured_output, request.WhichOneof("structured_output"))
-        prompt_token_ids = await self._prompt_token_ids(api, request)
         # The client's gRPC deadline becomes the request's (capped by request_timeout_s). Its
         # request_id is a label: echoed back and logged, never a key (the server's id is).
         label = request.request_id or None
-        ticket, metadata = None, [(INGRESS_KEY, self.ingress_id)]
-        if self._tenants is not None:  # admitted against the tenant's limits, settled at the end
-            model = request.model or api.model_name
-            ticket = await self._tenants.admit(api_key, model, len(prompt_token_ids), params.max_tokens or 0)
-            if explicit is None and ticket.priority:  # the tenant's default priority
-                rank = resolve_priority(self.backend.cfg.priority, request.priority_class, ticket.priority)
-                params = dataclasses.replace(params, priority=rank.priority)
-            metadata += list(ticket.headers.items())
-        # An alias or virtual model binds the request to a served model (metadata as HTTP's headers).
-        tenant = None if ticket is None else ticket.tenant.name
-        headers = {key: value for key, value in context.invocation_metadata() or () if isinstance(value, str)}
-        binding = bind_route(api, RequestFeatures(prompt_token_ids, params, 1, tenant, headers))
-        chunks = binding.generate(
-            prompt_token_ids,
-            params,
-            label=label,
-            api_key=api_key,
-            timeout_s=_time_remaining(context),
-            sheddable=rank.sheddable,
-            **({} if ticket is None else {"tenant_part": ticket.part(0)}),
+        generation = await self.service.generate(
+            GenerationRequest(
+                model=request.model,
+                prompts=[await self._prompt_token_ids(api, request)],
+                params=params,
+                api_key=api_key,
+                label=label,
+                timeout_s=_time_remaining(context),
+                priority_class=request.priority_class,
+                priority=request.priority if request.HasField("priority") else None,
+                headers={key: value for key, value in context.invocation_metadata() or () if isinstance(value, str)},
+            )
         )
+        [chunks] = generation.sources
+        metadata = [(INGRESS_KEY, self.ingress_id), *generation.headers.items()]
         try:
             # aclosing: when the client cancels, the CancelledError raised in context.write closes
             # the backend generator, whose cleanup aborts the request and frees its KV blocks.
             async with contextlib.aclosing(chunks):
                 first = None
-                if binding is not api:  # routed: the model is known at its first chunk
+                if generation.routed:  # the model is known at its first chunk
                     first = await anext(chunks, None)
-                    decision = decision_of(binding)
+                    decision = generation.decision
                     metadata += [] if decision is None else list(decision.headers().items())
                 await context.send_initial_metadata(tuple(metadata))
                 if first is not None:
@@ -306,13 +296,12 @@ class GrpcFrontend:
                 async for chunk in chunks:
                     await context.write(generate_response(chunk, label))
         finally:
-            if ticket is not None:
-                ticket.close()
+            generation.settle()
 
     @_rpc
     async def tokenize(self, request, context: grpc.aio.ServicerContext) -> pb2.TokenizeResponse:
         self._authorize(context)
-        api = self._resolve(request.model)
+        api = self.service.resolve(request.model)
         if not request.text:
             raise _Rejection(grpc.StatusCode.INVALID_ARGUMENT, "text is empty")
         token_ids = await asyncio.to_thread(api.encode, request.text)
@@ -344,10 +333,6 @@ class GrpcFrontend:
         if not hmac.compare_digest(token.encode(), self._api_key.encode()):
             raise _Rejection(grpc.StatusCode.UNAUTHENTICATED, "invalid API key")
         return token
-
-    def _resolve(self, model: str):
-        """The API serving `model` (empty: the default model); NOT_FOUND for an unknown one."""
-        return self.catalog.resolve(model) if model else self.backend
 
     async def _prompt_token_ids(self, api, request) -> list[int]:
         kind = request.WhichOneof("prompt")

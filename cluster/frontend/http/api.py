@@ -14,16 +14,17 @@ each request's `model` is resolved in a ModelCatalog (an unknown one: 404 model_
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Callable
 
 import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPBearer
 
+from splitserve.cluster.frontend.fanout import first_chunks, merged
 from splitserve.cluster.frontend.http.access_log import AccessLog, client_request_id
 from splitserve.cluster.frontend.http.admin_routes import add_admin_routes
 from splitserve.cluster.frontend.http.allowed_methods import AllowedMethods
@@ -33,7 +34,6 @@ from splitserve.cluster.frontend.http.errors import (
     HTTP_STATUS_BY_KIND,
     OpenAIHTTPError,
 )
-from splitserve.cluster.frontend.http.fanout import close_all, first_chunks, merged
 from splitserve.cluster.frontend.http.guard import RequestGuard
 from splitserve.cluster.frontend.http.head import HeadAsGet
 from splitserve.cluster.frontend.http.model_routes import add_model_routes
@@ -41,14 +41,12 @@ from splitserve.cluster.frontend.http.openapi_bounds import state_bounds_in_open
 from splitserve.cluster.frontend.http.sse import SSEResponse, run_until_disconnected
 from splitserve.cluster.frontend.http.tokenize_routes import add_tokenize_routes, splitserve_version
 from splitserve.cluster.frontend.model_catalog import ModelCatalog
-from splitserve.cluster.frontend.model_router.request_features import RequestFeatures
-from splitserve.cluster.frontend.model_router.route_binding import bind_route, decision_of
+from splitserve.cluster.frontend.model_service import GenerationRequest, ModelService
 from splitserve.cluster.frontend.openai.completion_renderer import CompletionRenderer
 from splitserve.cluster.frontend.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     build_sampling_params,
-    choice_params,
 )
 from splitserve.cluster.frontend.openai.render import (
     SSE_DONE,
@@ -63,7 +61,7 @@ from splitserve.cluster.frontend.openai.responses import (
     error_body,
 )
 from splitserve.cluster.frontend.openai.structured_output import constraint_field
-from splitserve.cluster.frontend.priority_class import PRIORITY_CLASS_HEADER, resolve_priority
+from splitserve.cluster.frontend.priority_class import PRIORITY_CLASS_HEADER
 from splitserve.cluster.frontend.serving_api import ServingAPI
 from splitserve.cluster.request_error import RequestError
 from splitserve.engine.io.sampling_params import SamplingParams
@@ -89,6 +87,7 @@ def build_http_app(
     catalog = catalog or ModelCatalog.of(backend)
     tenants = getattr(backend, "tenants", None)
     callers = Callers(cfg.api_key, tenants, cfg.admin_api_key)
+    service = ModelService(catalog, backend)
     app = FastAPI(
         title="splitserve",
         description="OpenAI-compatible disaggregated LLM serving",
@@ -126,25 +125,28 @@ def build_http_app(
         prompts = [await asyncio.to_thread(api.encode, p) if isinstance(p, str) else list(p) for p in body.prompts()]
         params = build_sampling_params(body, max(map(len, prompts)), api.max_model_len)
         await check_constraint(api, body, params)
-        for prompt in prompts:  # every prompt is checked before anything is decoded or started
-            api.validate(prompt, params)
-        echoes = [p if isinstance(p, str) else api.tokenizer.decode(p) for p in body.prompts()] if body.echo else None
-        renderer = CompletionRenderer(
-            f"cmpl-{uuid.uuid4().hex}",
-            api.model_name,  # the name that answers
-            int(time.time()),
-            api.tokenizer,
-            params.logprobs,
-            body.include_usage,
-            prompt_lengths=[len(p) for p in prompts],
-            n=body.n,
-            echoes=echoes,
-            num_top_logprobs=params.top_logprobs,
-            echo_token_ids=prompts if params.prompt_logprobs is not None else None,
-            echo_only=body.echo_only,
-            prompt_logprobs_ids=prompts if body.prompt_logprobs is not None else None,
-        )
-        return await generate(request, api, body.model, prompts, params, body.n, renderer, body.stream, body.priority)
+
+        def renderer() -> CompletionRenderer:  # once the prompts are validated: echo decodes them
+            echoes = (
+                [p if isinstance(p, str) else api.tokenizer.decode(p) for p in body.prompts()] if body.echo else None
+            )
+            return CompletionRenderer(
+                f"cmpl-{uuid.uuid4().hex}",
+                api.model_name,  # the name that answers
+                int(time.time()),
+                api.tokenizer,
+                params.logprobs,
+                body.include_usage,
+                prompt_lengths=[len(p) for p in prompts],
+                n=body.n,
+                echoes=echoes,
+                num_top_logprobs=params.top_logprobs,
+                echo_token_ids=prompts if params.prompt_logprobs is not None else None,
+                echo_only=body.echo_only,
+                prompt_logprobs_ids=prompts if body.prompt_logprobs is not None else None,
+            )
+
+        return await answer(request, generation_request(request, body, prompts, params), renderer, body.stream)
 
     @app.post(
         "/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=auth, responses=GENERATION_RESPONSES
@@ -156,31 +158,23 @@ def build_http_app(
         params = build_sampling_params(body, len(prompt_ids), api.max_model_len)
         plan = body.tool_call_plan()
         await check_constraint(api, body, params, plan)
-        api.validate(prompt_ids, params)
-        renderer = ChatRenderer(
-            f"chatcmpl-{uuid.uuid4().hex}",
-            api.model_name,  # the name that answers
-            int(time.time()),
-            api.tokenizer,
-            params.logprobs,
-            body.include_usage,
-            prompt_lengths=[len(prompt_ids)],
-            n=body.n,
-            prompt_logprobs_ids=[prompt_ids] if body.prompt_logprobs is not None else None,
-            tool_plan=plan,
-        )
-        return await generate(
-            request,
-            api,
-            body.model,
-            [prompt_ids],
-            params,
-            body.n,
-            renderer,
-            body.stream,
-            body.priority,
-            bool(body.tools),
-        )
+
+        def renderer() -> ChatRenderer:
+            return ChatRenderer(
+                f"chatcmpl-{uuid.uuid4().hex}",
+                api.model_name,  # the name that answers
+                int(time.time()),
+                api.tokenizer,
+                params.logprobs,
+                body.include_usage,
+                prompt_lengths=[len(prompt_ids)],
+                n=body.n,
+                prompt_logprobs_ids=[prompt_ids] if body.prompt_logprobs is not None else None,
+                tool_plan=plan,
+            )
+
+        parsed = generation_request(request, body, [prompt_ids], params, tools=bool(body.tools))
+        return await answer(request, parsed, renderer, body.stream)
 
     async def check_constraint(api: ServingAPI, body, params: SamplingParams, plan=None) -> None:
         """The backend's one constraint check (shared with gRPC), naming the request's field."""
@@ -196,62 +190,39 @@ def build_http_app(
         field = constraint_field(body, None if plan is None else plan.grammar) or "structured_outputs"
         await api.check_constraint(params.structured_output, field, parts)
 
-    async def generate(
-        request: Request,
-        api: ServingAPI,
-        model: str,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        n: int,
-        renderer: ResponseRenderer,
-        stream: bool,
-        priority: int | None,
-        tools: bool = False,
-    ) -> Response:
-        """One backend generation per choice (prompt x n), streamed or collected, at the
-        priority of the request's class (header) or its own `priority`, else its tenant's; a
-        tenant's request (a batch line: its batch owner's) is admitted first (prompt +
-        max_tokens reserved) and settled when it ends."""
-        class_name = request.headers.get(PRIORITY_CLASS_HEADER)
-        rank = resolve_priority(cfg.priority, class_name, priority)  # a bad class is a 400 before admission
+    def generation_request(
+        request: Request, body, prompts: list[list[int]], params: SamplingParams, tools: bool = False
+    ) -> GenerationRequest:
+        """The HTTP request as ModelService takes it (a batch line runs as its batch's tenant)."""
         caller = callers.of(request.scope)
-        api_key = caller.api_key
-        label = client_request_id(request.scope.get("headers", []))  # the client's own id: a label
-        timeout_s = _request_timeout(request)
-        ticket, headers = None, None
-        if tenants is not None:
-            prompt_tokens = sum(map(len, prompts))
-            reserve = prompt_tokens + (params.max_tokens or 0) * len(prompts) * n
-            if caller.batch_line:
-                ticket = await tenants.admit_tenant(caller.owner, model, prompt_tokens, reserve - prompt_tokens)
-            else:
-                ticket = await tenants.admit(api_key, model, prompt_tokens, reserve - prompt_tokens)
-            headers = ticket.headers
-            if priority is None and ticket.priority:
-                rank = resolve_priority(cfg.priority, class_name, ticket.priority)
-        params = dataclasses.replace(params, priority=rank.priority)
-        choices = [(prompt, choice_params(params, i)) for prompt in prompts for i in range(n)]
-        # An alias or virtual model binds the request (all its choices) to a served model.
-        tenant = None if ticket is None else ticket.tenant.name
-        features = RequestFeatures(prompts[0], params, len(choices), tenant, dict(request.headers), tools)
-        binding = bind_route(api, features)
-        sources = [
-            binding.generate(
-                prompt,
-                choice,
-                label=label,
-                api_key=api_key,
-                timeout_s=timeout_s,
-                sheddable=rank.sheddable,
-                **({} if ticket is None else {"tenant_part": ticket.part(index // n)}),
-            )
-            for index, (prompt, choice) in enumerate(choices)
-        ]
+        return GenerationRequest(
+            model=body.model,
+            prompts=prompts,
+            params=params,
+            n=body.n,
+            api_key=caller.api_key,
+            run_as=caller.owner if caller.batch_line and tenants is not None else None,
+            label=client_request_id(request.scope.get("headers", [])),  # the client's own id: a label
+            timeout_s=_request_timeout(request),
+            priority_class=request.headers.get(PRIORITY_CLASS_HEADER),
+            priority=body.priority,
+            headers=dict(request.headers),
+            tools=tools,
+        )
+
+    async def answer(
+        request: Request, parsed: GenerationRequest, make_renderer: Callable[[], ResponseRenderer], stream: bool
+    ) -> Response:
+        """ModelService runs the request (validation, priority, tenant admission, routing, one
+        generation per choice); its chunks are streamed or collected into the response."""
+        generation = await service.generate(parsed)
+        sources, headers = generation.sources, generation.headers or None
         handed_off = False
         try:
+            renderer = make_renderer()
             # Refusals (400/429/503) come before the first chunk, so they still get a status code.
             firsts = await run_until_disconnected(request.receive, first_chunks(sources))
-            decision = decision_of(binding)  # made by now: a cascade decides before its first chunk
+            decision = generation.decision  # made by now: a cascade decides before its first chunk
             if decision is not None:
                 headers = {**(headers or {}), **decision.headers()}
                 renderer.answered_by(decision.target)
@@ -262,7 +233,7 @@ def build_http_app(
                     _stream_events(renderer, firsts, rest),
                     source=rest,
                     headers=headers,
-                    on_close=None if ticket is None else ticket.close,
+                    on_close=generation.settle,
                 )
             for index, first in enumerate(firsts):
                 if first is not None:
@@ -282,10 +253,7 @@ def build_http_app(
             return JSONResponse(renderer.render_response(), headers=headers)
         finally:
             if not handed_off:
-                with anyio.CancelScope(shield=True):
-                    await close_all(sources)
-                if ticket is not None:
-                    ticket.close()
+                await generation.close()
 
     # The served models (every catalog name), the vocabulary's bound and the other rules validation enforces.
     def smallest_vocab() -> int | None:  # a token id valid for every model

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from splitserve.cluster.frontend.openai.responses import error_body
+from splitserve.cluster.tenants.tenant_refusal import UNKNOWN_KEY_MESSAGE
 
 
 async def send_error(
@@ -102,7 +103,7 @@ class RequestGuard:
             await send_error(
                 send,
                 401,
-                "invalid or missing API key; send 'Authorization: Bearer <key>'",
+                UNKNOWN_KEY_MESSAGE,
                 "invalid_request_error",
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
