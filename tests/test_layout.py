@@ -63,7 +63,7 @@ def test_architecture_names_nothing_that_is_not_there():
 @pytest.fixture
 def planted(tmp_path):
     """A copy of the source tree and the doc that a self-test may break."""
-    for package in ("engine", "kvtransfer", "prefill", "decode", "cluster", "proto"):
+    for package in ("engine", "kvtransfer", "runtime", "prefill", "decode", "cluster", "proto"):
         shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "docs").mkdir()
     shutil.copy(DOC, tmp_path / "docs" / "ARCHITECTURE.md")

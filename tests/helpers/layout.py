@@ -9,21 +9,22 @@ import re
 from functools import cached_property
 from pathlib import Path
 
-PACKAGES = ("engine", "kvtransfer", "prefill", "decode", "cluster", "proto", "bench")
+PACKAGES = ("engine", "kvtransfer", "runtime", "prefill", "decode", "cluster", "proto", "bench")
 # The message package is its own area: the bottom layer, which every other package may import.
 MESSAGES = "proto.messages"
 # What each area may import from splitserve (besides itself):
-# cluster -> prefill/decode -> kvtransfer -> engine -> proto.messages; proto (the gRPC API) is
-# for cluster only; bench sits on top.
+# cluster -> prefill/decode -> runtime -> kvtransfer -> engine -> proto.messages; proto (the gRPC
+# API) is for cluster only; bench sits on top.
 ALLOWED = {
     MESSAGES: set(),
     "proto": set(),
     "engine": {MESSAGES},
     "kvtransfer": {"engine", MESSAGES},
-    "prefill": {"kvtransfer", "engine", MESSAGES},
-    "decode": {"kvtransfer", "engine", MESSAGES},
-    "cluster": {"prefill", "decode", "kvtransfer", "engine", "proto", MESSAGES},
-    "bench": {"cluster", "prefill", "decode", "kvtransfer", "engine", "proto", MESSAGES},
+    "runtime": {"kvtransfer", "engine", MESSAGES},
+    "prefill": {"runtime", "kvtransfer", "engine", MESSAGES},
+    "decode": {"runtime", "kvtransfer", "engine", MESSAGES},
+    "cluster": {"prefill", "decode", "runtime", "kvtransfer", "engine", "proto", MESSAGES},
+    "bench": {"cluster", "prefill", "decode", "runtime", "kvtransfer", "engine", "proto", MESSAGES},
 }
 TORCH_FREE = ("engine/core", "cluster/routing", "proto/messages", "engine/simulated")
 HEAVY = ("torch", "triton")
