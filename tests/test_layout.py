@@ -130,7 +130,7 @@ def test_the_checker_catches_a_cluster_cycle(planted):
 
 
 def test_the_checker_catches_shipped_code_importing_test_code(planted):
-    _append(planted / "cluster" / "default_model.py", "\nfrom splitserve.engine.testing import json_schemas\n")
+    _append(planted / "cluster" / "default_model.py", "\nfrom tests.helpers.model import make_checkpoint\n")
     assert SourceTree(planted).test_only_imports()
 
 
