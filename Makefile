@@ -34,7 +34,7 @@ lint: install typecheck
 
 # mypy (pyproject.toml [tool.mypy]): the packages install as splitserve.<folder>, so mypy reads
 # them through links under build/typecheck/splitserve/.
-TYPECHECK_PACKAGES := engine kvtransfer prefill decode cluster proto
+TYPECHECK_PACKAGES := engine kvtransfer runtime prefill decode cluster proto
 typecheck: install
 	@mkdir -p build/typecheck/splitserve
 	@for p in $(TYPECHECK_PACKAGES); do ln -sfn ../../../$$p build/typecheck/splitserve/$$p; done

@@ -12,7 +12,7 @@ from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
-TOP_LEVEL = ("engine", "prefill", "decode", "kvtransfer", "cluster", "proto", "bench")
+TOP_LEVEL = ("engine", "runtime", "prefill", "decode", "kvtransfer", "cluster", "proto", "bench")
 
 packages, package_dir = [], {}
 for top in TOP_LEVEL:

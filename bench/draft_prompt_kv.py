@@ -45,7 +45,7 @@ def measure(draft_dir: str, lengths=LENGTHS, repeats: int = 5) -> list[dict]:
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.core.sequence import Sequence
     from splitserve.engine.io.sampling_params import SamplingParams
-    from splitserve.engine.spec.draft_model_proposer import DraftModelProposer
+    from splitserve.engine.speculative.draft_model_proposer import DraftModelProposer
 
     torch.set_num_threads(1)
     block_size = 16

@@ -1,6 +1,6 @@
 """Per-token grammar mask cost of xgrammar and llguidance, side by side, on this machine.
 
-Both libraries run the same five JSON schemas (splitserve.engine.testing.json_schemas) in one
+Both libraries run the same five JSON schemas (splitserve.bench.json_schemas) in one
 process, interleaved per configuration, at batch 1 and batch 32, with two vocabularies: the
 `bench` checkpoint's tokenizer and a 32 000-token byte-level BPE trained here on the Python
 standard library's sources (a realistic vocabulary size; cached under ~/.cache/splitserve).
@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 
 from splitserve.bench import MissingBenchDependency, source_commit
-from splitserve.engine.sample.token_bitmask import apply_token_bitmask_
-from splitserve.engine.testing.json_schemas import SCHEMAS
+from splitserve.bench.json_schemas import SCHEMAS
+from splitserve.engine.structured_output.token_bitmask import apply_token_bitmask_
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "grammar_mask_cost.md"
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "splitserve"
@@ -293,7 +293,7 @@ def render(results: dict[str, dict], command: str, commit: str, num_threads: int
         "",
         "Per-token cost = median per step of (fill masks + apply one bitmask op to the logits + accept",
         "the sampled tokens) / batch; CPU us/token = process CPU time (all threads) / tokens, the mean.",
-        "Seeded random logits, five JSON schemas (engine/testing/json_schemas.py),",
+        "Seeded random logits, five JSON schemas (bench/json_schemas.py),",
         "compact JSON (no free whitespace). `invalid` counts finished instances that json.loads +",
         "jsonschema reject. Compile: cold = first compile + matcher, cached = what a repeated schema",
         "costs (xgrammar: compiler cache hit + matcher; llguidance: deep copy of a cached matcher).",

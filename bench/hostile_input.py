@@ -28,8 +28,8 @@ import time
 
 from splitserve.bench import require_extra, source_commit
 from splitserve.bench.hostile_workload import Workload
+from splitserve.bench.json_schemas import SCHEMAS
 from splitserve.bench.managed_server import ManagedServer, find_free_port
-from splitserve.engine.testing.json_schemas import SCHEMAS
 
 psutil = require_extra("psutil")
 
@@ -63,7 +63,7 @@ def rss_by_role(root_pid: int) -> dict[str, float]:
 
 
 def _specs(count: int, salt: str):
-    from splitserve.engine.sample.grammar_spec import GrammarSpec
+    from splitserve.engine.structured_output.grammar_spec import GrammarSpec
 
     base = list(SCHEMAS.values())
     return [GrammarSpec.json_schema({**base[i % len(base)], "title": f"{salt}-{i}"}) for i in range(count)]
@@ -74,10 +74,10 @@ def isolation_cost(model_dir: str, cold: int = 20, cached: int = 2000) -> dict[s
     (bounds + a compile in an isolated worker process; a cached verdict)."""
     from splitserve.engine.config import ModelConfig
     from splitserve.engine.io.tokenizer import Tokenizer
-    from splitserve.engine.sample.grammar_compiler import GrammarCompiler
-    from splitserve.engine.sample.grammar_config import GrammarConfig
-    from splitserve.engine.sample.grammar_limits import check_limits
-    from splitserve.engine.sample.isolated_grammar_checker import IsolatedGrammarChecker
+    from splitserve.engine.structured_output.grammar_compiler import GrammarCompiler
+    from splitserve.engine.structured_output.grammar_config import GrammarConfig
+    from splitserve.engine.structured_output.grammar_limits import check_limits
+    from splitserve.engine.structured_output.isolated_grammar_checker import IsolatedGrammarChecker
 
     tokenizer, config = Tokenizer.from_pretrained(model_dir), ModelConfig.from_pretrained(model_dir)
     facts = (tokenizer.to_json(), config.vocab_size, tokenizer.eos_token_ids or config.eos_token_ids)

@@ -12,7 +12,7 @@ import threading
 import grpc
 import httpx
 
-from splitserve.engine.testing.json_schemas import SCHEMAS
+from splitserve.bench.json_schemas import SCHEMAS
 from splitserve.proto import load_stubs
 
 pb2, pb2_grpc = load_stubs()

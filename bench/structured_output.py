@@ -2,7 +2,7 @@
 schema at each concurrency, plus grammar compile time (cold, and once cached).
 
 For each concurrency C it sends N chat requests (the five schemas of
-engine/testing/json_schemas.py in turn, seeded sampling) with response_format json_schema
+bench/json_schemas.py in turn, seeded sampling) with response_format json_schema
 and records each request's completion tokens; then the same prompts and seeds without a
 schema, each with max_tokens = its constrained twin's token count and ignore_eos, so both
 runs generate exactly the same number of tokens and differ only by the grammar. Repeats
@@ -27,8 +27,8 @@ from pathlib import Path
 import httpx
 
 from splitserve.bench import source_commit
+from splitserve.bench.json_schemas import MAX_INSTANCE_TOKENS, SCHEMAS
 from splitserve.bench.managed_server import ManagedServer, find_free_port
-from splitserve.engine.testing.json_schemas import MAX_INSTANCE_TOKENS, SCHEMAS
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "structured_output.md"
 NAMES = list(SCHEMAS)
@@ -85,8 +85,8 @@ def scrape(base_url: str) -> dict[str, float]:
 def compile_times(model_dir: str, repeats: int = 300) -> dict[str, float]:
     from splitserve.engine.config import ModelConfig
     from splitserve.engine.io.tokenizer import Tokenizer
-    from splitserve.engine.sample.grammar_compiler import GrammarCompiler
-    from splitserve.engine.sample.grammar_spec import GrammarSpec
+    from splitserve.engine.structured_output.grammar_compiler import GrammarCompiler
+    from splitserve.engine.structured_output.grammar_spec import GrammarSpec
 
     tokenizer = Tokenizer.from_pretrained(model_dir)
     config = ModelConfig.from_pretrained(model_dir)

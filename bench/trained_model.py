@@ -37,10 +37,10 @@ from pathlib import Path
 import torch
 
 from splitserve.bench import source_commit
+from splitserve.bench.prompt_lookup import ngram_hit_rate
 from splitserve.engine.builtin_models.corpus import PASSAGES
 from splitserve.engine.builtin_models.make_model import TRAINING_FILE, ModelSpec, write_checkpoint
 from splitserve.engine.builtin_models.model_cache import cached_checkpoint
-from splitserve.engine.testing.prompt_lookup import ngram_hit_rate
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "trained_model.md"
 KINDS = ("continue", "quote", "shuffled quote")

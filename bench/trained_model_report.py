@@ -113,7 +113,7 @@ def render(result: dict, png_name: str) -> str:
         "ignored; `continue` = a passage's first 24 tokens, `quote` = 64 tokens of a passage, "
         '"\\n\\n" and its first 4 tokens again, `shuffled quote` = the same with corpus words in a '
         "random order. **n-gram hit rate**: the next token equals the prompt-lookup guess (longest "
-        "recent match of the last 3..1 tokens in prompt + output; `engine/testing/prompt_lookup.py`). "
+        "recent match of the last 3..1 tokens in prompt + output; `bench/prompt_lookup.py`). "
         "**exact**: the token equals the reference at the same position (the passage's real "
         "continuation / the quoted text). **corpus 4-grams**: share of the output's token 4-grams "
         "found in the corpus.",

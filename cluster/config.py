@@ -33,9 +33,9 @@ from splitserve.cluster.routing.model_route_config import AliasTarget, ModelRout
 from splitserve.cluster.routing.router_config import RouterConfig
 from splitserve.cluster.tenants.tenant_config import TenantConfig, check_unique_names
 from splitserve.engine.config import ConfigError, Dtype, EngineKind, Quantization
-from splitserve.engine.sample.grammar_config import GrammarConfig
 from splitserve.engine.simulated.step_time_profile import StepTimeProfile
-from splitserve.engine.spec.speculative_config import SpeculativeConfig
+from splitserve.engine.speculative.speculative_config import SpeculativeConfig
+from splitserve.engine.structured_output.grammar_config import GrammarConfig
 
 
 class IngressAutoscalingConfig(_Strict):

@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field, field_serializer
 
 from splitserve.cluster.pool_config import DecodePoolConfig, PrefillPoolConfig, StrictConfig
 from splitserve.engine.config import Dtype, EngineKind, Quantization
-from splitserve.engine.spec.speculative_config import SpeculativeConfig
+from splitserve.engine.speculative.speculative_config import SpeculativeConfig
 
 # Fields of an entry that override ServeConfig's fields of the same name when set.
 INHERITED = (

@@ -1,5 +1,5 @@
 """DecodeWorker (a Ray actor): takes requests from the ingresses over its request channel
-(engine/replica_channel_server.py), reserves blocks for each prompt, pulls the ones it lacks from a
+(runtime/replica_channel_server.py), reserves blocks for each prompt, pulls the ones it lacks from a
 prefill replica over torch.distributed, then runs the request in its continuous batch. With
 no prefill replica named it prefills locally (conditional disaggregation, colocated mode).
 
@@ -25,15 +25,15 @@ from dataclasses import dataclass
 from splitserve.decode.prefill_client import PrefillClient, PrefillFailedError, ReplicaBusyError, short_error
 from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.engine_errors import EngineLoopStopped, EngineStepError
-from splitserve.engine.engine_worker import EngineWorker
 from splitserve.engine.io.block_reservation import BlockReservation
 from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.io.sampling_params import SamplingParams
-from splitserve.engine.replica_channel_server import IngressConnection
 from splitserve.kvtransfer.kv_link import open_replica_link
 from splitserve.proto.messages.handoff import StreamChunk
 from splitserve.proto.messages.poll_reply import TransferTotals
 from splitserve.proto.messages.request_channel import Failed, FailureKind, Submit, TokenBatch, encode_frame
+from splitserve.runtime.engine_worker import EngineWorker
+from splitserve.runtime.replica_channel_server import IngressConnection
 
 logger = logging.getLogger(__name__)
 

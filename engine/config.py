@@ -246,9 +246,9 @@ class EngineConfig:
     # there the forward thread and the host work share one GIL and the overlap measured slower
     # (bench/results/overlap.md). __post_init__ resolves it to a bool.
     async_scheduling: bool | None = None
-    # Speculative decoding (engine/spec): a SpeculativeConfig, or its dict (how Ray ships it).
+    # Speculative decoding (engine/speculative): a SpeculativeConfig, or its dict (how Ray ships it).
     speculative: Any = None
-    # Structured-output bounds and cache size (engine/sample/grammar_config.py), or their dict.
+    # Structured-output bounds and cache size (engine/structured_output/grammar_config.py), or their dict.
     grammar: Any = None
     # "real" runs the model; "simulated" (engine/simulated) replaces the forward by a wait from
     # the step-time profile (a YAML/JSON file; None: the shipped CPU-fitted one), slowed
@@ -261,8 +261,8 @@ class EngineConfig:
     hash_seed: str | None = None
 
     def __post_init__(self) -> None:
-        from splitserve.engine.sample.grammar_config import GrammarConfig
-        from splitserve.engine.spec.speculative_config import SpeculativeConfig
+        from splitserve.engine.speculative.speculative_config import SpeculativeConfig
+        from splitserve.engine.structured_output.grammar_config import GrammarConfig
 
         if self.async_scheduling is None and async_scheduling_pays(self.device):
             self.async_scheduling = True  # on CPU it depends on the model: PagedEngine decides

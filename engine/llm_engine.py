@@ -26,7 +26,7 @@ from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.ops.host_kv_cache import HostKVCache, num_host_blocks
 from splitserve.engine.ops.kv_cache import KVCache
 from splitserve.engine.paged_engine import PagedEngine
-from splitserve.engine.spec.speculator import Speculator
+from splitserve.engine.speculative.speculator import Speculator
 
 __all__ = ["LLMEngine", "LayerHookFactory"]
 

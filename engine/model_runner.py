@@ -13,10 +13,10 @@ from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.model.scripted_decode import decode_plan_applies
 from splitserve.engine.ops.attention_metadata import AttentionMetadata
 from splitserve.engine.ops.kv_cache import KVCache
-from splitserve.engine.sample.grammar_mask import GrammarMask
 from splitserve.engine.sample.prompt_logprobs import PromptLogprobs, PromptRows
 from splitserve.engine.sample.sampler import SampledToken, Sampler
-from splitserve.engine.spec.rejection_sampler import RejectionSampler
+from splitserve.engine.speculative.rejection_sampler import RejectionSampler
+from splitserve.engine.structured_output.grammar_mask import GrammarMask
 
 
 class PreparedStep(NamedTuple):

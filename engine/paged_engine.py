@@ -30,14 +30,14 @@ from splitserve.engine.io.request_validation import validate_prompt
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.engine.kv_handoff import KVHandoff
-from splitserve.engine.sample.grammar_compiler import GrammarCompiler
 from splitserve.engine.step_pipeline import Deliver, StepPipeline
 from splitserve.engine.step_timing import StepTiming
+from splitserve.engine.structured_output.grammar_compiler import GrammarCompiler
 from splitserve.proto.messages.engine_stats import EngineStats
 from splitserve.proto.messages.kv_events import KVEvent
 
 if TYPE_CHECKING:  # the speculator may load a draft model (torch): the real engine builds it
-    from splitserve.engine.spec.speculator import Speculator
+    from splitserve.engine.speculative.speculator import Speculator
 
 
 class StepRunner(Protocol):
@@ -106,7 +106,7 @@ class PagedEngine(KVHandoff, EngineProtocol):
         )
         self.runner = runner
         self.outputs = OutputProcessor(tokenizer)
-        # Speculative decoding (engine/spec): drafts verified inside the continuous batch.
+        # Speculative decoding (engine/speculative): drafts verified inside the continuous batch.
         self.speculator = speculator
         self._ids = itertools.count()
         self._reserved: dict[str, Sequence] = {}  # request id -> sequence holding reserved blocks

@@ -14,7 +14,6 @@ import time
 from splitserve.engine.core.scheduler import ScheduledBatch
 from splitserve.engine.engine_errors import EngineStepError
 from splitserve.engine.engine_protocol import EngineProtocol
-from splitserve.engine.engine_worker import EngineWorker
 from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.kvtransfer.errors import TransferAbortedError
@@ -22,6 +21,7 @@ from splitserve.kvtransfer.kv_link import make_sender, open_replica_link
 from splitserve.kvtransfer.send_job import SendJob
 from splitserve.proto.messages.handoff import Handoff, PrefillResult
 from splitserve.proto.messages.poll_reply import TransferTotals
+from splitserve.runtime.engine_worker import EngineWorker
 
 logger = logging.getLogger(__name__)
 

@@ -63,7 +63,7 @@ def test_architecture_names_nothing_that_is_not_there():
 @pytest.fixture
 def planted(tmp_path):
     """A copy of the source tree and the doc that a self-test may break."""
-    for package in ("engine", "kvtransfer", "prefill", "decode", "cluster", "proto"):
+    for package in ("engine", "kvtransfer", "runtime", "prefill", "decode", "cluster", "proto"):
         shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "docs").mkdir()
     shutil.copy(DOC, tmp_path / "docs" / "ARCHITECTURE.md")
@@ -130,7 +130,7 @@ def test_the_checker_catches_a_cluster_cycle(planted):
 
 
 def test_the_checker_catches_shipped_code_importing_test_code(planted):
-    _append(planted / "cluster" / "default_model.py", "\nfrom splitserve.engine.testing import json_schemas\n")
+    _append(planted / "cluster" / "default_model.py", "\nfrom tests.helpers.model import make_checkpoint\n")
     assert SourceTree(planted).test_only_imports()
 
 

@@ -8,7 +8,7 @@ import sys
 import typing
 
 from splitserve.engine.config import DEFAULT_NUM_KV_BLOCKS, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
-from splitserve.engine.spec.speculative_config import SpeculativeConfig
+from splitserve.engine.speculative.speculative_config import SpeculativeConfig
 
 SPECULATIVE_PREFIX = "speculative."
 

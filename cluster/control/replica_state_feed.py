@@ -3,7 +3,7 @@ of one probe() Ray call per replica per probe interval.
 
 The controller subscribes on each replica's request channel, like an ingress, but for load and
 health alone (no KV events), one frame every probe_interval_s
-(engine/state_publisher.py). A round then reads the latest frame of each replica: a frame
+(runtime/state_publisher.py). A round then reads the latest frame of each replica: a frame
 that says the engine loop stopped is a dead replica (killed and replaced, as a probe
 answering so); a replica with no fresh frame -- not subscribed yet, its connection broke (its
 actor died?), or nothing for STALE_INTERVALS intervals -- is probed as before

@@ -29,9 +29,9 @@ from splitserve.engine.io.request_validation import validate_prompt
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.engine.kv_cache_sizing import kv_cache_summary
-from splitserve.engine.sample.grammar_limits import check_schema
-from splitserve.engine.sample.grammar_spec import GrammarSpec
-from splitserve.engine.sample.isolated_grammar_checker import IsolatedGrammarChecker
+from splitserve.engine.structured_output.grammar_limits import check_schema
+from splitserve.engine.structured_output.grammar_spec import GrammarSpec
+from splitserve.engine.structured_output.isolated_grammar_checker import IsolatedGrammarChecker
 from splitserve.proto.messages.handoff import StreamChunk
 from splitserve.proto.messages.ingress_report import encode_families, families_of
 

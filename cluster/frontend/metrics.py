@@ -109,7 +109,7 @@ class RouterViewCollector(Collector):
 
 
 class GrammarCheckCollector(Collector):
-    """The ingress's isolated grammar check (engine/sample/isolated_grammar_checker.py), read
+    """The ingress's isolated grammar check (engine/structured_output/isolated_grammar_checker.py), read
     at collect time: splitserve_grammar_verdict_cache_entries{ingress} (bounded by
     grammar.cache_size), and counters of cache hits and misses, refusals, and compile workers
     lost to a crash or a timeout."""

@@ -1,7 +1,7 @@
 """PushedState: how one ingress follows its replicas' pushed state (state_updates "push").
 
 Each replica pushes ReplicaState frames (its KV events since its last frame, its load and
-health) over the request channel this ingress keeps to it (engine/state_publisher.py). Here:
+health) over the request channel this ingress keeps to it (runtime/state_publisher.py). Here:
 - subscribe(): once a replica is indexed from its snapshot, ask it to push from the
   snapshot's sequence number on (it first sends the events after it still in its log);
 - a frame is applied at once (RoutedReplicas.apply_now: events to the router's index, load,

@@ -63,7 +63,7 @@ class Sequence:
         self.queue_seconds: float | None = None  # arrival -> first scheduled (vLLM's queue time)
         self.num_preemptions = 0
         self.first_admitted = False
-        # A GrammarMatcher (engine/sample) when the output is constrained; opaque here.
+        # A GrammarMatcher (engine/structured_output) when the output is constrained; opaque here.
         self.grammar = None
 
     @property

@@ -39,7 +39,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     min_tokens: int = 0  # EOS and stop tokens are masked (stop strings ignored) until this many
-    # A GrammarSpec (engine/sample/grammar_spec.py) the output must match; a dict on the wire.
+    # A GrammarSpec (engine/structured_output/grammar_spec.py) the output must match; a dict on the wire.
     structured_output: Any = None
     # False opts this request out of speculative decoding (where the engine speculates).
     speculative_decoding: bool = True
@@ -49,7 +49,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.structured_output is not None:
-            from splitserve.engine.sample.grammar_spec import GrammarSpec  # it imports this module
+            from splitserve.engine.structured_output.grammar_spec import GrammarSpec  # it imports this module
 
             self.structured_output = GrammarSpec.from_dict(self.structured_output)
         self._check_basic()

@@ -33,7 +33,7 @@ class EngineStats(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     host_loads: int = 0
     host_load_seconds: float = 0.0
     host_save_seconds: float = 0.0
-    # Structured output, since start (engine/sample): grammars compiled and cache hits, compile
+    # Structured output, since start (engine/structured_output): grammars compiled and cache hits, compile
     # seconds, steps that masked logits, rows masked, seconds those steps waited for and
     # applied masks, seconds computing masks (overlapped with the forward pass).
     grammar_compiles: int = 0
@@ -45,7 +45,7 @@ class EngineStats(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     grammar_masked_rows: int = 0
     grammar_mask_seconds: float = 0.0
     grammar_fill_seconds: float = 0.0
-    # Speculative decoding, since start (engine/spec): the method ("none" when off), drafts
+    # Speculative decoding, since start (engine/speculative): the method ("none" when off), drafts
     # verified, draft tokens proposed and accepted, tokens emitted by verify steps (accepted +
     # one each), and per k the decoding sequence-steps the policy chose k for (0: none).
     spec_method: str = "none"

@@ -8,13 +8,13 @@ from __future__ import annotations
 import psutil
 import pytest
 
+from splitserve.bench.json_schemas import SCHEMAS
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.io.tokenizer import Tokenizer
-from splitserve.engine.sample.grammar_compiler import GrammarCompiler
-from splitserve.engine.sample.grammar_config import GrammarConfig
-from splitserve.engine.sample.grammar_spec import GrammarSpec
-from splitserve.engine.sample.isolated_grammar_checker import IsolatedGrammarChecker
-from splitserve.engine.testing.json_schemas import SCHEMAS
+from splitserve.engine.structured_output.grammar_compiler import GrammarCompiler
+from splitserve.engine.structured_output.grammar_config import GrammarConfig
+from splitserve.engine.structured_output.grammar_spec import GrammarSpec
+from splitserve.engine.structured_output.isolated_grammar_checker import IsolatedGrammarChecker
 
 CACHE_SIZE = 16
 BEYOND = 20 * CACHE_SIZE  # distinct grammars compiled after the cache is full

@@ -1,4 +1,4 @@
-"""Grammar bounds before llguidance (engine/sample/grammar_limits.py, schema_satisfiable.py),
+"""Grammar bounds before llguidance (engine/structured_output/grammar_limits.py, schema_satisfiable.py),
 the compiler's empty-language refusal, and the ingress's isolated compile pool: a worker
 that really dies (os.abort) costs one request, the pool recovers, this process lives on."""
 
@@ -11,13 +11,18 @@ import pytest
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.io.sampling_params import InvalidRequestError
 from splitserve.engine.io.tokenizer import Tokenizer
-from splitserve.engine.sample.grammar_compiler import GrammarCompiler
-from splitserve.engine.sample.grammar_config import GrammarConfig
-from splitserve.engine.sample.grammar_limits import GrammarLimitError, check_limits, reference_depth, regex_repeat_bound
-from splitserve.engine.sample.grammar_spec import GrammarSpec
-from splitserve.engine.sample.grammar_worker import CRASH_MARKER_ENV
-from splitserve.engine.sample.isolated_grammar_checker import IsolatedGrammarChecker
-from splitserve.engine.sample.schema_satisfiable import unsatisfiable_reason
+from splitserve.engine.structured_output.grammar_compiler import GrammarCompiler
+from splitserve.engine.structured_output.grammar_config import GrammarConfig
+from splitserve.engine.structured_output.grammar_limits import (
+    GrammarLimitError,
+    check_limits,
+    reference_depth,
+    regex_repeat_bound,
+)
+from splitserve.engine.structured_output.grammar_spec import GrammarSpec
+from splitserve.engine.structured_output.grammar_worker import CRASH_MARKER_ENV
+from splitserve.engine.structured_output.isolated_grammar_checker import IsolatedGrammarChecker
+from splitserve.engine.structured_output.schema_satisfiable import unsatisfiable_reason
 from tests.helpers.hostile_cases import deep_gbnf_chain, deep_json, hostile_constraints
 
 CONFIG = GrammarConfig()

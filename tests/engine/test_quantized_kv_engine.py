@@ -102,7 +102,7 @@ def test_speculative_decoding_over_fp8_kv_keeps_greedy_output(tiny_model, engine
 
 
 def test_structured_output_over_fp8_kv_is_valid_json(engines):
-    from splitserve.engine.sample.grammar_spec import GrammarSpec
+    from splitserve.engine.structured_output.grammar_spec import GrammarSpec
 
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     params = SamplingParams(structured_output=GrammarSpec.json_schema(schema), max_tokens=40, temperature=0)

@@ -12,9 +12,9 @@ from splitserve.engine.config import ConfigError, EngineConfig
 from splitserve.engine.engine_factory import build_engine
 from splitserve.engine.engine_protocol import EngineProtocol
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
-from splitserve.engine.sample.grammar_spec import GrammarSpec
 from splitserve.engine.simulated.simulated_engine import SimulatedEngine
 from splitserve.engine.simulated.step_time_profile import KVLinkProfile, StepTimeProfile
+from splitserve.engine.structured_output.grammar_spec import GrammarSpec
 
 BOTH_SCHEDULINGS = True  # every engine test runs with async scheduling and without (conftest.py)
 

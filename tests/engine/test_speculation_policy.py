@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from splitserve.engine.spec.speculation_policy import MARGIN, PROBE_BUDGET, PROBE_INTERVAL, SpeculationPolicy
-from splitserve.engine.spec.speculative_config import SpeculativeConfig
-from splitserve.engine.spec.step_cost_model import StepCostModel
+from splitserve.engine.speculative.speculation_policy import MARGIN, PROBE_BUDGET, PROBE_INTERVAL, SpeculationPolicy
+from splitserve.engine.speculative.speculative_config import SpeculativeConfig
+from splitserve.engine.speculative.step_cost_model import StepCostModel
 
 
 def policy(**kw) -> SpeculationPolicy:

@@ -11,7 +11,7 @@ import pytest
 from splitserve.engine.config import ConfigError, EngineConfig
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
-from splitserve.engine.spec.ngram_proposer import NgramProposer
+from splitserve.engine.speculative.ngram_proposer import NgramProposer
 from tests.helpers.model import make_checkpoint
 
 BOTH_SCHEDULINGS = True  # every engine test runs with async scheduling and without (conftest.py)
@@ -237,8 +237,8 @@ def test_abort_mid_speculation_returns_every_block(tiny_model):
 def test_constrained_requests_verify_each_draft_row_under_its_own_mask(tiny_model):
     import json
 
-    from splitserve.engine.sample.grammar_spec import GrammarSpec
-    from splitserve.engine.testing.json_schemas import MAX_INSTANCE_TOKENS, SCHEMAS
+    from splitserve.bench.json_schemas import MAX_INSTANCE_TOKENS, SCHEMAS
+    from splitserve.engine.structured_output.grammar_spec import GrammarSpec
 
     names = list(SCHEMAS)[:3]
     prompts = [f"Give me a {name} as JSON:" for name in names] + ["plain text next to them"]

@@ -12,12 +12,12 @@ import jsonschema
 import pytest
 import torch
 
+from splitserve.bench.json_schemas import MAX_INSTANCE_TOKENS, SCHEMAS
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
-from splitserve.engine.sample.grammar_spec import GrammarSpec
-from splitserve.engine.sample.token_bitmask import allocate_token_bitmask, apply_token_bitmask_
-from splitserve.engine.testing.json_schemas import MAX_INSTANCE_TOKENS, SCHEMAS
+from splitserve.engine.structured_output.grammar_spec import GrammarSpec
+from splitserve.engine.structured_output.token_bitmask import allocate_token_bitmask, apply_token_bitmask_
 
 BOTH_SCHEDULINGS = True  # every engine test runs with async scheduling and without (conftest.py)
 

@@ -18,7 +18,7 @@ from splitserve.engine.builtin_models.make_model import write_random_checkpoint
 from splitserve.engine.io.request_validation import validate_prompt
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.io.tokenizer import Tokenizer
-from splitserve.engine.sample.grammar_limits import check_limits, check_schema
+from splitserve.engine.structured_output.grammar_limits import check_limits, check_schema
 from splitserve.proto.messages.handoff import StreamChunk
 
 MODEL_NAME = "tiny-test"

@@ -1,7 +1,7 @@
-"""The workers use the engine through its API only: parse prefill/, decode/ and their shared
-base, and fail on any engine attribute outside EngineProtocol (engine/engine_protocol.py), any EngineLoop attribute
-outside its API, any engine import outside the allowed names, and any underscore attribute of
-an object other than the worker itself."""
+"""The workers use the engine through its API only: parse prefill/, decode/ and the replica
+runtime they share (runtime/), and fail on any engine attribute outside EngineProtocol
+(engine/engine_protocol.py), any EngineLoop attribute outside its API, any engine import outside
+the allowed names, and any underscore attribute of an object other than the worker itself."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from splitserve.engine.engine_protocol import EngineProtocol, protocol_members
 from splitserve.engine.llm_engine import LLMEngine
 
 REPO = Path(__file__).resolve().parents[2]
-WORKER_SOURCES = sorted([*REPO.glob("prefill/*.py"), *REPO.glob("decode/*.py"), REPO / "engine/engine_worker.py"])
+WORKER_SOURCES = sorted([*REPO.glob("prefill/*.py"), *REPO.glob("decode/*.py"), *REPO.glob("runtime/*.py")])
 
 # The workers' engine API is the EngineProtocol: every name it declares, nothing else.
 LLM_ENGINE_API = protocol_members()
@@ -37,11 +37,6 @@ ENGINE_IMPORTS = {
     "splitserve.engine.config": {"EngineConfig"},
     "splitserve.engine.engine_loop": {"EngineLoop"},
     "splitserve.engine.engine_errors": {"EngineLoopStopped", "EngineStepError"},
-    "splitserve.engine.engine_worker": {"EngineWorker"},  # the workers' base (engine/ sits below both)
-    # The request channel's replica side and the pushed-state publisher: worker plumbing that
-    # sits in engine/ so the workers' shared base can hold it; neither touches the engine.
-    "splitserve.engine.replica_channel_server": {"IngressConnection", "ReplicaChannelServer"},
-    "splitserve.engine.state_publisher": {"StatePublisher"},
     "splitserve.engine.engine_protocol": {"EngineProtocol", "LayerHookFactory"},
     "splitserve.engine.engine_factory": {"build_engine"},
     "splitserve.engine.core.scheduler": {"ScheduledBatch"},  # what a layer hook is given
@@ -123,7 +118,7 @@ def violations(source: str, filename: str = "<source>") -> list[str]:
 
 
 def test_workers_use_only_the_engine_api():
-    assert {p.parent.name for p in WORKER_SOURCES} == {"prefill", "decode", "engine"}
+    assert {p.parent.name for p in WORKER_SOURCES} == {"prefill", "decode", "runtime"}
     found = []
     used = set()
     for path in WORKER_SOURCES:

@@ -98,7 +98,7 @@ def test_local_prefill_with_a_prefix_cache_hit_matches_colocated(loop, serving, 
 
 
 def test_prompt_logprobs_and_structured_output_over_both_prefill_paths(loop, serving, colocated):
-    from splitserve.engine.sample.grammar_spec import GrammarSpec
+    from splitserve.engine.structured_output.grammar_spec import GrammarSpec
 
     cluster = serving.cluster
     prompt = [(13 * i) % 200 + 50 for i in range(40)]

@@ -12,10 +12,10 @@ import re
 import jsonschema
 import pytest
 
+from splitserve.bench.json_schemas import MAX_INSTANCE_TOKENS, SCHEMAS
 from splitserve.cluster.request_error import ErrorKind, RequestError
 from splitserve.engine.io.sampling_params import SamplingParams
-from splitserve.engine.sample.grammar_spec import GrammarSpec
-from splitserve.engine.testing.json_schemas import MAX_INSTANCE_TOKENS, SCHEMAS
+from splitserve.engine.structured_output.grammar_spec import GrammarSpec
 from tests.helpers.cluster import cluster_config, pool_states, start_cluster, wait_for_baseline
 
 pytestmark = pytest.mark.ray

@@ -5,7 +5,7 @@ StreamChunk -> GenerateResponse."""
 from __future__ import annotations
 
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
-from splitserve.engine.sample.grammar_spec import GrammarSpec
+from splitserve.engine.structured_output.grammar_spec import GrammarSpec
 from splitserve.proto import load_stubs
 from splitserve.proto.messages.handoff import StreamChunk
 

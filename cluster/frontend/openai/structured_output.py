@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from splitserve.engine.io.sampling_params import InvalidRequestError
-from splitserve.engine.sample.grammar_spec import GrammarSpec
+from splitserve.engine.structured_output.grammar_spec import GrammarSpec
 
 
 class _Model(BaseModel):

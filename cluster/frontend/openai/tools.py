@@ -19,7 +19,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from splitserve.engine.io.sampling_params import InvalidRequestError
-from splitserve.engine.sample.grammar_spec import GrammarSpec
+from splitserve.engine.structured_output.grammar_spec import GrammarSpec
 
 TOOL_CALL_BEGIN, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 # A function without `parameters` takes none: its arguments are exactly {}.

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from splitserve.bench.json_schemas import PERSON, WEATHER_TOOL
 from splitserve.cluster.frontend.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -14,8 +15,7 @@ from splitserve.cluster.frontend.openai.protocol import (
     build_sampling_params,
 )
 from splitserve.cluster.frontend.openai.tool_call_output import ToolCallOutput
-from splitserve.engine.sample.grammar_spec import GrammarSpec
-from splitserve.engine.testing.json_schemas import PERSON, WEATHER_TOOL
+from splitserve.engine.structured_output.grammar_spec import GrammarSpec
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

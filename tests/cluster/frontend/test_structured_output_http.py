@@ -14,10 +14,10 @@ import httpx
 import jsonschema
 import pytest
 
+from splitserve.bench.json_schemas import MAX_INSTANCE_TOKENS, SCHEMAS, WEATHER_TOOL
 from splitserve.cluster.frontend.backend import ServingBackend
 from splitserve.cluster.frontend.grpc.server import GrpcFrontend
 from splitserve.cluster.frontend.http.api import build_http_app
-from splitserve.engine.testing.json_schemas import MAX_INSTANCE_TOKENS, SCHEMAS, WEATHER_TOOL
 from splitserve.proto import load_stubs
 from tests.helpers.cluster import LoopHttpServer, cluster_config, wait_for_baseline
 

@@ -1,7 +1,7 @@
 """How often a model's greedy output agrees with prompt-lookup (n-gram) guesses.
 
 The guess for the next token is the n-gram proposer's first draft token
-(engine/spec/ngram_proposer.py); the hit rate of a model's own greedy output against it says
+(engine/speculative/ngram_proposer.py); the hit rate of a model's own greedy output against it says
 how much such a proposer could be accepted. Pure Python, no torch.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from splitserve.engine.spec.ngram_proposer import NgramProposer
+from splitserve.engine.speculative.ngram_proposer import NgramProposer
 
 
 def prompt_lookup_guess(tokens: Sequence[int], max_n: int = 3, min_n: int = 1) -> int | None:

@@ -20,9 +20,9 @@ from typing import Any
 
 from splitserve.engine.core.scheduler import ScheduledBatch
 from splitserve.engine.core.sequence import Sequence, SequenceStatus
-from splitserve.engine.spec.ngram_proposer import NgramProposer
-from splitserve.engine.spec.speculation_policy import SpeculationPolicy
-from splitserve.engine.spec.speculative_config import SpeculativeConfig
+from splitserve.engine.speculative.ngram_proposer import NgramProposer
+from splitserve.engine.speculative.speculation_policy import SpeculationPolicy
+from splitserve.engine.speculative.speculative_config import SpeculativeConfig
 
 
 class Speculator:
@@ -54,7 +54,7 @@ class Speculator:
             return None
         draft = None
         if config.method == "draft":
-            from splitserve.engine.spec.draft_model_proposer import DraftModelProposer  # torch
+            from splitserve.engine.speculative.draft_model_proposer import DraftModelProposer  # torch
 
             draft = DraftModelProposer(config.draft_model, engine_config, vocab_size)
         return cls(config, draft)

@@ -1,8 +1,8 @@
-"""The isolated grammar-compile process (`python -m splitserve.engine.sample.grammar_worker`):
-compiles one grammar at a time for the ingress's IsolatedGrammarChecker and answers whether
-it is valid. A crash of llguidance's native code here (a segfault, an abort, an allocation
-past RLIMIT_AS) ends this process only; the checker refuses that one request and starts a
-fresh worker.
+"""The isolated grammar-compile process
+(`python -m splitserve.engine.structured_output.grammar_worker`): compiles one grammar at a
+time for the ingress's IsolatedGrammarChecker and answers whether it is valid. A crash of
+llguidance's native code here (a segfault, an abort, an allocation past RLIMIT_AS) ends this
+process only; the checker refuses that one request and starts a fresh worker.
 
 Wire format, both ways: a 4-byte big-endian length, then JSON. First the parent sends
 {"tokenizer_json", "vocab_size", "eos_token_ids", "memory_mb"} and the child answers
@@ -56,8 +56,8 @@ def main() -> None:
     import llguidance
 
     from splitserve.engine.io.sampling_params import InvalidRequestError
-    from splitserve.engine.sample.grammar_compiler import compile_grammar
-    from splitserve.engine.sample.grammar_spec import GrammarSpec
+    from splitserve.engine.structured_output.grammar_compiler import compile_grammar
+    from splitserve.engine.structured_output.grammar_spec import GrammarSpec
 
     tokenizer = llguidance.LLTokenizer(
         init["tokenizer_json"], n_vocab=init["vocab_size"], eos_token=init["eos_token_ids"]

@@ -1,10 +1,11 @@
 """IsolatedGrammarChecker: the ingress's check of a new constraint, compiled in a small pool
-of separate processes (engine/sample/grammar_worker.py) with a timeout and a memory cap, so a
-native crash or a runaway compile in llguidance costs one request a 400 and nothing else.
+of separate processes (engine/structured_output/grammar_worker.py) with a timeout and a
+memory cap, so a native crash or a runaway compile in llguidance costs one request a 400 and
+nothing else.
 
-The static bounds (engine/sample/grammar_limits.py) run here first, in-process: they are
-cheap and refuse the known crashers before any worker sees them. Verdicts (valid, or the
-refusal's message, crashes included: a hostile grammar crashes a worker once, not once per
+The static bounds (engine/structured_output/grammar_limits.py) run here first, in-process:
+they are cheap and refuse the known crashers before any worker sees them. Verdicts (valid, or
+the refusal's message, crashes included: a hostile grammar crashes a worker once, not once per
 retry) are cached per spec (LRU, GrammarConfig.cache_size); the ingress never needs the
 compiled grammar itself, the replicas compile their own copies.
 
@@ -23,10 +24,10 @@ import time
 from collections import OrderedDict
 
 from splitserve.engine.io.sampling_params import InvalidRequestError
-from splitserve.engine.sample.grammar_config import GrammarConfig
-from splitserve.engine.sample.grammar_limits import check_limits
-from splitserve.engine.sample.grammar_spec import GrammarSpec
-from splitserve.engine.sample.grammar_worker import read_frame, write_frame
+from splitserve.engine.structured_output.grammar_config import GrammarConfig
+from splitserve.engine.structured_output.grammar_limits import check_limits
+from splitserve.engine.structured_output.grammar_spec import GrammarSpec
+from splitserve.engine.structured_output.grammar_worker import read_frame, write_frame
 
 STARTUP_TIMEOUT_S = 120.0  # interpreter + llguidance + the tokenizer (~1 s for 128k tokens)
 
@@ -40,7 +41,7 @@ class GrammarWorkerProcess:
 
     def __init__(self, init: dict, env: dict[str, str] | None = None):
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "splitserve.engine.sample.grammar_worker"],
+            [sys.executable, "-m", "splitserve.engine.structured_output.grammar_worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,

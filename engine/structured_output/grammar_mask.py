@@ -19,7 +19,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from splitserve.engine.sample.token_bitmask import allocate_token_bitmask, apply_token_bitmask_, bitmask_words
+from splitserve.engine.structured_output.token_bitmask import (
+    allocate_token_bitmask,
+    apply_token_bitmask_,
+    bitmask_words,
+)
 
 
 class GrammarMask:

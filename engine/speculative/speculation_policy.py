@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import math
 
-from splitserve.engine.spec.speculative_config import SpeculativeConfig
-from splitserve.engine.spec.step_cost_model import StepCostModel
+from splitserve.engine.speculative.speculative_config import SpeculativeConfig
+from splitserve.engine.speculative.step_cost_model import StepCostModel
 
 PRIOR_WEIGHT = 4.0  # pseudo-tries of the pool's rate in a request's acceptance estimate
 INITIAL_POOL_ACCEPTANCE = 0.5  # the pool's prior ...

@@ -7,7 +7,7 @@ many ingresses follow it) and, if anything changed -- new KV events, or a load o
 figure -- encodes one frame and writes the same bytes to every subscriber. With nothing
 changed it still sends a heartbeat every heartbeat_s, so a replica that stops pushing is
 noticed. Frames are numbered (one counter per replica); a subscriber too far behind to take
-one (engine/replica_channel_server.py: MAX_STATE_BACKLOG_BYTES) is skipped and sees the
+one (runtime/replica_channel_server.py: MAX_STATE_BACKLOG_BYTES) is skipped and sees the
 numbers jump, and resyncs from a snapshot. A new subscriber first gets the events after its
 own position still in the replica's event log, then the shared frames. A subscriber that asked
 for no events (the controller) gets the load and health alone, every interval it asked for.
@@ -25,10 +25,10 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 
-from splitserve.engine.replica_channel_server import IngressConnection
 from splitserve.proto.messages.kv_events import KVEvent
 from splitserve.proto.messages.poll_reply import PollReply
 from splitserve.proto.messages.request_channel import ReplicaState, Subscribe, encode_frame
+from splitserve.runtime.replica_channel_server import IngressConnection
 
 logger = logging.getLogger(__name__)
 

@@ -4,10 +4,10 @@ the pairs with the other pool, and the control methods the ingress calls on ever
 (ready, channel_address, poll, snapshot, forget_peer, shutdown, inject_fault) and the
 controller's probe.
 
-It lives in engine/, the layer below both workers (prefill/ and decode/ never import each
+It lives in runtime/, the layer below both workers (prefill/ and decode/ never import each
 other), and holds no KV data plane: each worker hands in `open_transport`
 (kvtransfer/kv_link.py's open_replica_link: the real transport over torch.distributed, or the
-simulated engine's timed one), so the engine imports no kvtransfer.
+simulated engine's timed one), so which transport a replica opens is the worker's choice.
 
 A replica whose engine loop stopped for good has released every block and fails every call
 with EngineLoopStopped; its poll() and probe() then answer a PollReply with status
@@ -33,11 +33,11 @@ from splitserve.engine.engine_errors import EngineLoopStopped
 from splitserve.engine.engine_factory import build_engine
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.engine_protocol import EngineProtocol, LayerHookFactory
-from splitserve.engine.replica_channel_server import IngressConnection, ReplicaChannelServer
-from splitserve.engine.state_publisher import StatePublisher
 from splitserve.proto.messages.kv_events import KVEvent
 from splitserve.proto.messages.poll_reply import PollReply, ReplicaStatus, TransferTotals
 from splitserve.proto.messages.request_channel import Submit
+from splitserve.runtime.replica_channel_server import IngressConnection, ReplicaChannelServer
+from splitserve.runtime.state_publisher import StatePublisher
 
 
 class PeerTransport(Protocol):

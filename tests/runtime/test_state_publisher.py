@@ -13,11 +13,11 @@ import msgspec
 import pytest
 
 from splitserve.cluster.ingress.request_channel_client import ChannelClosed, RequestChannelClient
-from splitserve.engine.replica_channel_server import ReplicaChannelServer
-from splitserve.engine.state_publisher import StatePublisher
 from splitserve.proto.messages.kv_events import STORED, KVEvent
 from splitserve.proto.messages.poll_reply import PollReply, TransferTotals
 from splitserve.proto.messages.request_channel import ReplicaState, Submit
+from splitserve.runtime.replica_channel_server import ReplicaChannelServer
+from splitserve.runtime.state_publisher import StatePublisher
 from tests.helpers.engine_stats import STATS
 
 pytestmark = pytest.mark.timeout(30)

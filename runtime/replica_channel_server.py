@@ -7,7 +7,7 @@ Unsubscribe, handed to the worker's callbacks in the order it arrived. When a co
 ends -- the ingress closed it, died, or sent garbage -- the worker's on_close aborts every
 request that came on it, and it stops getting pushed state.
 
-It lives in engine/ because both workers run one (prefill/ and decode/ never import each
+It lives in runtime/ because both workers run one (prefill/ and decode/ never import each
 other); it knows nothing of the engine.
 """
 

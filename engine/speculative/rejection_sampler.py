@@ -26,7 +26,7 @@ import torch
 
 from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.sample.sampler import SampledToken, Sampler
-from splitserve.engine.spec.verify_row import VerifyRow
+from splitserve.engine.speculative.verify_row import VerifyRow
 
 # (sequence, its draft tokens, the proposer's distributions [len(draft), vocab] or None for a point mass)
 VerifyGroup = tuple[Sequence, list[int], torch.Tensor | None]

@@ -1,7 +1,7 @@
 """Static bounds on a constraint, checked in Python before any grammar reaches llguidance
 (whose native code can crash or run away on hostile input): GBNF / Lark rule count and
 rule-reference depth, JSON nesting depth, regex repetition bounds, and JSON schemas that no
-value can satisfy ($ref cycles without an exit, engine/sample/schema_satisfiable.py).
+value can satisfy ($ref cycles without an exit, engine/structured_output/schema_satisfiable.py).
 
 Every refusal is a GrammarLimitError naming the limit (its GrammarConfig field); the frontend
 prefixes the request field. Nothing here recurses deeper than the configured limits.
@@ -14,9 +14,9 @@ import re
 from typing import Any
 
 from splitserve.engine.io.sampling_params import InvalidRequestError
-from splitserve.engine.sample.grammar_config import GrammarConfig
-from splitserve.engine.sample.grammar_spec import GrammarSpec
-from splitserve.engine.sample.schema_satisfiable import unsatisfiable_reason
+from splitserve.engine.structured_output.grammar_config import GrammarConfig
+from splitserve.engine.structured_output.grammar_spec import GrammarSpec
+from splitserve.engine.structured_output.schema_satisfiable import unsatisfiable_reason
 
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _BRACKET = re.compile(r"[\[\]{}]")

@@ -5,7 +5,7 @@ Why llguidance and not xgrammar: bench/results/grammar_mask_cost.md. In short, x
 masks are cheaper to compute on this machine, but its JSON-schema strings with minLength /
 maxLength admit raw control characters and broken UTF-8 (an open upstream bug), so outputs
 are not valid by construction; llguidance's were valid in every run, and its mask cost is
-hidden behind the model's forward pass (engine/sample/grammar_mask.py).
+hidden behind the model's forward pass (engine/structured_output/grammar_mask.py).
 
 Thread-safe: workers compile on a worker thread, never on the engine loop thread (llguidance
 drops the GIL while it builds a grammar, so the loop keeps stepping).
@@ -21,10 +21,10 @@ from collections import OrderedDict
 from concurrent.futures import Future
 
 from splitserve.engine.io.sampling_params import InvalidRequestError
-from splitserve.engine.sample.grammar_config import GrammarConfig
-from splitserve.engine.sample.grammar_limits import check_limits
-from splitserve.engine.sample.grammar_matcher import GrammarMatcher
-from splitserve.engine.sample.grammar_spec import GrammarSpec
+from splitserve.engine.structured_output.grammar_config import GrammarConfig
+from splitserve.engine.structured_output.grammar_limits import check_limits
+from splitserve.engine.structured_output.grammar_matcher import GrammarMatcher
+from splitserve.engine.structured_output.grammar_spec import GrammarSpec
 
 DEFAULT_CACHE_SIZE = GrammarConfig().cache_size
 # Compact JSON: a free-whitespace grammar would let a weak model emit whitespace forever.

@@ -11,8 +11,6 @@ from collections import deque
 import pytest
 
 from splitserve.cluster.ingress.request_channel_client import ChannelClosed, RequestChannelClient
-from splitserve.engine.engine_worker import EngineWorker
-from splitserve.engine.replica_channel_server import ReplicaChannelServer
 from splitserve.proto.messages.handoff import StreamChunk
 from splitserve.proto.messages.kv_events import STORED, KVEvent
 from splitserve.proto.messages.request_channel import (
@@ -31,6 +29,8 @@ from splitserve.proto.messages.request_channel import (
     encode_frame,
     read_frame,
 )
+from splitserve.runtime.engine_worker import EngineWorker
+from splitserve.runtime.replica_channel_server import ReplicaChannelServer
 
 pytestmark = pytest.mark.timeout(30)
 

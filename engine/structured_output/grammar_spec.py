@@ -1,7 +1,7 @@
 """What a constrained request asks its output to match: a JSON schema, any JSON object, a
 regex, one of a list of choices, or a Lark / GBNF grammar. A small value object that travels
 inside SamplingParams (msgpack-friendly: plain strings and lists), checked on construction.
-Compiling it is the grammar compiler's job (engine/sample/grammar_compiler.py)."""
+Compiling it is the grammar compiler's job (engine/structured_output/grammar_compiler.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve.engine.io.sampling_params import InvalidRequestError
-from splitserve.engine.sample.grammar_config import HARD_MAX_JSON_DEPTH
+from splitserve.engine.structured_output.grammar_config import HARD_MAX_JSON_DEPTH
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 1 << 20  # a grammar larger than the HTTP body limit is an error anyway
@@ -84,7 +84,7 @@ class GrammarSpec:
 def _loads(text: str, what: str) -> Any:
     # json.loads recurses: a 10,000-deep '{"a":{"a":...' would be a RecursionError (a 500).
     # Count the nesting first, without recursion; GrammarConfig.max_schema_depth is tighter.
-    from splitserve.engine.sample.grammar_limits import json_depth
+    from splitserve.engine.structured_output.grammar_limits import json_depth
 
     if isinstance(text, str) and json_depth(text, HARD_MAX_JSON_DEPTH) > HARD_MAX_JSON_DEPTH:
         raise InvalidRequestError(
