@@ -59,11 +59,11 @@ serve: install
 # The GPU path in one run on a CUDA machine, no venv and no network: torch, triton, transformers,
 # safetensors and tokenizers must be importable by $(GPU_PY). See bench/README.md.
 gpu-check:
-	$(GPU_PY) bench/gpu_check.py $(GPU_CHECK_OUT)
+	$(GPU_PY) bench/gpu_check/gpu_check.py $(GPU_CHECK_OUT)
 
 # The same checks at tiny sizes on CPU, Triton interpreted (CI runs this in tests/bench).
 gpu-check-cpu: install
-	$(BIN)/python bench/gpu_check.py $(GPU_CHECK_CPU_OUT) --device cpu --tiny
+	$(BIN)/python bench/gpu_check/gpu_check.py $(GPU_CHECK_CPU_OUT) --device cpu --tiny
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

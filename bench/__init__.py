@@ -8,9 +8,12 @@ the server: modules import them through require_extra, which names the extra whe
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from types import ModuleType
 
 INSTALL_HINT = "pip install 'splitserve[bench]'"
+# The committed write-ups (bench/results/), where the benchmarks in the folders below write by default.
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 class MissingBenchDependency(ImportError):
@@ -34,7 +37,6 @@ def source_commit() -> str:
     """'Commit: <sha>' of the checkout the benchmark runs from, for the header of a committed
     result; '(with uncommitted changes)' when tracked files differ from it."""
     import subprocess
-    from pathlib import Path
 
     def git(*args: str) -> str:
         root = Path(__file__).resolve().parents[1]

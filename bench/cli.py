@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from splitserve.bench import MissingBenchDependency
 from splitserve.bench.cli_arguments import add_bench_arguments
 from splitserve.bench.cli_plan import build_plan
-from splitserve.bench.records import ServerConfig, ServerConfigError, WorkloadError
+from splitserve.bench.loadgen.records import ServerConfig, ServerConfigError, WorkloadError
 
-# bench.compare (httpx, tqdm, psutil) and bench.report (matplotlib) load inside run_bench, so
+# loadgen.compare (httpx, tqdm, psutil) and loadgen.report (matplotlib) load inside run_bench, so
 # wiring the parser into the main CLI keeps `splitserve --help` fast and working without the
 # `bench` extra.
 
@@ -65,9 +65,9 @@ def run_bench(args: argparse.Namespace) -> int:
     """0 when every configuration ran and answered at least one request; 1 otherwise; 2 for bad
     arguments or a missing `bench` extra."""
     try:  # before anything runs: a missing `bench` extra must not surface after the benchmark
-        from splitserve.bench.client import PromptTextRenderer
-        from splitserve.bench.compare import run_comparison
-        from splitserve.bench.report import render_markdown, write_reports
+        from splitserve.bench.loadgen.client import PromptTextRenderer
+        from splitserve.bench.loadgen.compare import run_comparison
+        from splitserve.bench.loadgen.report import render_markdown, write_reports
     except MissingBenchDependency as exc:
         print(f"splitserve bench: error: {exc}", file=sys.stderr)
         return 2

@@ -7,9 +7,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from splitserve.bench.metrics import ITL_STATISTICS
-from splitserve.bench.records import DEFAULT_BASE_URL, ENDPOINT_PATHS, PROMPT_FORMATS
-from splitserve.bench.workloads import WORKLOAD_KINDS
+from splitserve.bench.loadgen.metrics import ITL_STATISTICS
+from splitserve.bench.loadgen.records import DEFAULT_BASE_URL, ENDPOINT_PATHS, PROMPT_FORMATS
+from splitserve.bench.loadgen.workloads import WORKLOAD_KINDS
 
 # Defaults the flags cannot carry themselves: they depend on --workload (cli_plan.py applies them).
 DEFAULT_CONCURRENCY = 8

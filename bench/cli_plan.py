@@ -1,5 +1,5 @@
 """Parsed `splitserve bench` flags -> the Workload and the BenchPlan (loads, client options, SLO,
-servers' timeouts) that bench/compare.py runs."""
+servers' timeouts) that bench/loadgen/compare.py runs."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import argparse
 import json
 from typing import TYPE_CHECKING
 
-from splitserve.bench.arrivals import build_load_points, parse_concurrencies, parse_rates
 from splitserve.bench.cli_arguments import DEFAULT_CONCURRENCY, DEFAULT_MIXED_REQUESTS, DEFAULT_QUOTE_REQUESTS
-from splitserve.bench.metrics import SloTarget
-from splitserve.bench.quote_workload import QuoteWorkload
-from splitserve.bench.records import ClientOptions, LoadPoint, WorkloadError
-from splitserve.bench.trace_workload import TraceWorkload, load_mooncake_trace
-from splitserve.bench.workloads import (
+from splitserve.bench.loadgen.arrivals import build_load_points, parse_concurrencies, parse_rates
+from splitserve.bench.loadgen.metrics import SloTarget
+from splitserve.bench.loadgen.quote_workload import QuoteWorkload
+from splitserve.bench.loadgen.records import ClientOptions, LoadPoint, WorkloadError
+from splitserve.bench.loadgen.trace_workload import TraceWorkload, load_mooncake_trace
+from splitserve.bench.loadgen.workloads import (
     MixedLengthWorkload,
     MultiTurnWorkload,
     PrefixRepetitionWorkload,
@@ -22,9 +22,9 @@ from splitserve.bench.workloads import (
 )
 
 if TYPE_CHECKING:
-    from splitserve.bench.compare import BenchPlan
+    from splitserve.bench.loadgen.compare import BenchPlan
 
-# bench.compare (httpx, tqdm, psutil) loads inside build_plan: see bench/cli.py.
+# loadgen.compare (httpx, tqdm, psutil) loads inside build_plan: see bench/cli.py.
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
@@ -67,7 +67,7 @@ def build_workload(args: argparse.Namespace) -> Workload:
 
 
 def build_plan(args: argparse.Namespace) -> BenchPlan:
-    from splitserve.bench.compare import BenchPlan
+    from splitserve.bench.loadgen.compare import BenchPlan
 
     workload = build_workload(args)
     default = LoadPoint() if args.workload == "trace" else LoadPoint(concurrency=DEFAULT_CONCURRENCY)

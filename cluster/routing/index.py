@@ -1,6 +1,6 @@
 """KVIndex: which replica holds which chained KV block hash, fed by BlockPool KV events.
 
-Layout (chosen for speed, see bench/router_microbench.py):
+Layout (chosen for speed, see bench/control_plane/router_microbench.py):
   * every replica gets a slot number; the global index maps block hash -> int bitmask of
     the slots holding it, so one prompt walk intersects candidate sets with a single `&`
     per block instead of building Python sets;

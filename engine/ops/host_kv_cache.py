@@ -4,7 +4,7 @@ KVCache (the torch side of engine/core/host_block_pool.py; a KVBlockMover).
 Layout: host[slot] is one block for every layer, contiguous ([num_slots, 2 * num_layers,
 block_numel]), so saving or loading a block is one copy of num_layers * 2 * block_numel
 elements instead of 2 * num_layers small ones (vLLM measured the contiguous unit 4-5x faster;
-bench/kv_offload_copy.py measures it here). The device KVCache stays layer-major.
+bench/kv_transfer/kv_offload_copy.py measures it here). The device KVCache stays layer-major.
 
 On CUDA the host tensor is pinned and the copies run on a side stream: a save waits for the
 work already queued (the evicted block's KV is final), then copies each block device->host

@@ -4,7 +4,7 @@ Symmetric quantization: x ~= q * scale with scale = amax(|x| over head_dim) / qm
 for float8_e4m3fn and 127 for int8. Writes quantize as they store; reads dequantize.
 
 Why per (token, head) and not per (block, head): measured on the trained small model's real
-activations (bench/kv_quant_granularity.py, bench/results/kv_cache_quantization.md), it has the
+activations (bench/quantization/kv_quant_granularity.py, bench/results/kv_cache_quantization.md), it has the
 lower attention error -- int8 0.0104 vs 0.0128 relative, fp8 0.047 vs 0.050 (fp8's 3-bit
 mantissa dominates its error, whatever the scale) -- for 2 bytes per head_dim values (3 % more
 bytes at head_dim 64), and per-block's figure is its best case: a token's scale is fixed when

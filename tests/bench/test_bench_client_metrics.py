@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from splitserve.bench.client import BenchClient
-from splitserve.bench.metrics import (
+from splitserve.bench.loadgen.client import BenchClient
+from splitserve.bench.loadgen.metrics import (
     LatencySummary,
     SloTarget,
     compute_goodput,
@@ -18,8 +18,8 @@ from splitserve.bench.metrics import (
     request_itl_ms,
     slo_attainment,
 )
-from splitserve.bench.metrics_scraper import parse_replica_values
-from splitserve.bench.records import (
+from splitserve.bench.loadgen.metrics_scraper import parse_replica_values
+from splitserve.bench.loadgen.records import (
     DEADLINE_ERROR,
     BenchRequest,
     ClientOptions,
@@ -27,7 +27,7 @@ from splitserve.bench.records import (
     RequestRecord,
     RunResult,
 )
-from splitserve.bench.workloads import (
+from splitserve.bench.loadgen.workloads import (
     MultiTurnWorkload,
     PrefixRepetitionWorkload,
     VocabRange,

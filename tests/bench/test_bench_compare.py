@@ -16,8 +16,8 @@ import psutil
 import pytest
 
 from splitserve.bench.cli import add_bench_parser, run_bench
-from splitserve.bench.managed_server import ManagedServer, ServerStartError, _group_has_live_members
-from splitserve.bench.records import (
+from splitserve.bench.loadgen.managed_server import ManagedServer, ServerStartError, _group_has_live_members
+from splitserve.bench.loadgen.records import (
     ServerConfig,
     ServerConfigError,
 )

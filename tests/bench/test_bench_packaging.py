@@ -91,11 +91,11 @@ def test_a_run_without_the_extra_stops_before_sending_and_names_the_extra(tmp_pa
 @pytest.mark.parametrize(
     ("module", "blocked", "args"),
     [
-        ("splitserve.bench.report", "matplotlib", ["--help"]),
-        ("splitserve.bench.process_cpu_profile", "psutil", ["--help"]),
+        ("splitserve.bench.loadgen.report", "matplotlib", ["--help"]),
+        ("splitserve.bench.serving.process_cpu_profile", "psutil", ["--help"]),
         # Plots only at the end of a run: the check comes first (tiny arguments in case it did not).
         (
-            "splitserve.bench.kv_transfer",
+            "splitserve.bench.kv_transfer.kv_transfer",
             "matplotlib",
             ["--presets", "tiny", "--lengths", "16", "--pair-reps", "1", "--raw-iters", "1", "--skip-actors"],
         ),

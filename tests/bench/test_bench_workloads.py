@@ -10,21 +10,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from splitserve.bench.arrivals import (
+from splitserve.bench.loadgen.arrivals import (
     apply_load,
     build_load_points,
     parse_concurrencies,
     parse_rates,
     poisson_arrival_offsets,
 )
-from splitserve.bench.client import PromptTextRenderer, token_id_to_word
-from splitserve.bench.records import (
+from splitserve.bench.loadgen.client import PromptTextRenderer, token_id_to_word
+from splitserve.bench.loadgen.records import (
     BenchRequest,
     LoadPoint,
     WorkloadError,
 )
-from splitserve.bench.trace_workload import TraceWorkload, load_mooncake_trace
-from splitserve.bench.workloads import (
+from splitserve.bench.loadgen.trace_workload import TraceWorkload, load_mooncake_trace
+from splitserve.bench.loadgen.workloads import (
     MixedLengthWorkload,
     MultiTurnWorkload,
     PrefixRepetitionWorkload,

@@ -1,9 +1,9 @@
-"""bench/draft_prompt_kv.py at toy size: times the draft's local prompt pass, sizes its KV,
+"""bench/kv_transfer/draft_prompt_kv.py at toy size: times the draft's local prompt pass, sizes its KV,
 and reads the KV path's rate from the committed transfer results."""
 
 from __future__ import annotations
 
-from splitserve.bench.draft_prompt_kv import kv_path_gbps, main, measure
+from splitserve.bench.kv_transfer.draft_prompt_kv import kv_path_gbps, main, measure
 
 
 def test_measures_the_local_prefill_and_reads_the_transfer_rate(tiny_model, tmp_path):

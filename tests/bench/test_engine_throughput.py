@@ -1,4 +1,4 @@
-"""bench/engine_throughput.py end to end on the tiny model, with a stand-in `vllm` package that
+"""bench/engine/engine_throughput.py end to end on the tiny model, with a stand-in `vllm` package that
 wraps splitserve's own engine, so the subprocess protocol, the ratios and the output agreement
 are checked without vLLM installed."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.bench.engine_throughput import main
-from splitserve.bench.engine_throughput_report import KEPT_SECTION, write_report
-from splitserve.bench.vllm_engine_process import VllmProcessError
+from splitserve.bench.engine.engine_throughput import main
+from splitserve.bench.engine.engine_throughput_report import KEPT_SECTION, write_report
+from splitserve.bench.engine.vllm_engine_process import VllmProcessError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -159,7 +159,7 @@ def test_bad_arguments_exit_with_usage(argv, capsys):
 
 def test_help_runs_as_a_module():
     proc = subprocess.run(
-        [sys.executable, "-m", "splitserve.bench.engine_throughput", "--help"],
+        [sys.executable, "-m", "splitserve.bench.engine.engine_throughput", "--help"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

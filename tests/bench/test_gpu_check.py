@@ -1,4 +1,4 @@
-"""bench/gpu_check.py: the CPU dry run of the GPU checks (tiny sizes, Triton interpreted) passes,
+"""bench/gpu_check/gpu_check.py: the CPU dry run of the GPU checks (tiny sizes, Triton interpreted) passes,
 so the script a lent GPU runs cannot rot; and it runs without an installed splitserve."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "gpu_check.py"
+SCRIPT = ROOT / "bench" / "gpu_check" / "gpu_check.py"
 CHECKS = ["parity", "kernels", "bandwidth", "throughput", "transfer", "kv_quant", "offload", "quant", "overlap"]
 
 
@@ -107,8 +107,8 @@ def test_bad_arguments_are_refused_before_any_work(tmp_path):
 def test_imports_splitserve_from_the_repository_without_an_install(tmp_path):
     """-S drops site-packages (and the editable install): the script maps the folders itself."""
     code = (
-        f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import gpu_check; "
-        "import splitserve.engine.config as c, splitserve.kvtransfer.kv_channel as k, splitserve.bench.gpu_check as g; "
+        f"import sys; sys.path.insert(0, {str(SCRIPT.parent)!r}); import gpu_check; "
+        "import splitserve.engine.config as c, splitserve.kvtransfer.kv_channel as k, splitserve.bench.gpu_check.gpu_check as g; "
         "print(gpu_check.SPLITSERVE_SOURCE, c.__file__, k.__file__, g.__file__)"
     )
     completed = subprocess.run(

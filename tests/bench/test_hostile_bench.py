@@ -1,4 +1,4 @@
-"""bench/hostile_input.py's request mix against the real HTTP app (fake backend, real uvicorn
+"""bench/serving/hostile_input.py's request mix against the real HTTP app (fake backend, real uvicorn
 with the header-timeout protocol): every case gets the answer the server promises."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import tempfile
 
 import pytest
 
-from splitserve.bench.hostile_input import main, plot_rss, rss_by_role, rss_summary
-from splitserve.bench.hostile_workload import HOSTILE_EXTRAS, HOSTILE_GRPC_EXTRAS, Workload
+from splitserve.bench.serving.hostile_input import main, plot_rss, rss_by_role, rss_summary
+from splitserve.bench.serving.hostile_workload import HOSTILE_EXTRAS, HOSTILE_GRPC_EXTRAS, Workload
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.cluster.frontend.http.header_timeout import with_timeout

@@ -1,4 +1,4 @@
-"""bench/kv_quant_granularity.py: the per-token vs per-block comparison measures what it says --
+"""bench/quantization/kv_quant_granularity.py: the per-token vs per-block comparison measures what it says --
 an outlier token costs a per-block scale precision for the whole block, not a per-token one --
 and the capture hook records the engine's own attention inputs."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.bench.kv_quant_granularity import (
+from splitserve.bench.quantization.kv_quant_granularity import (
     attention_errors,
     bytes_per_value,
     captured_attention_inputs,

@@ -1,4 +1,4 @@
-"""bench/overlap.py on the tiny model, splitserve only: both step modes and the BLAS baseline
+"""bench/engine/overlap.py on the tiny model, splitserve only: both step modes and the BLAS baseline
 run every cell, the modes decode the same greedy tokens (the run raises otherwise) and the
 tables carry every column."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from splitserve.bench import overlap
+from splitserve.bench.engine import overlap
 from splitserve.engine.ops.onednn_packed_weight import CPU_MATMUL_ENV
 
 

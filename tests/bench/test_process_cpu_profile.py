@@ -1,11 +1,20 @@
-"""splitserve.bench.process_cpu_profile: CPU seconds of a command's process tree, by role."""
+"""splitserve.bench.serving.process_cpu_profile: CPU seconds of a command's process tree, by role."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-from splitserve.bench.process_cpu_profile import OTHERS, Idle, ThreadSplit, _py_spy, _role, main, profile, render
+from splitserve.bench.serving.process_cpu_profile import (
+    OTHERS,
+    Idle,
+    ThreadSplit,
+    _py_spy,
+    _role,
+    main,
+    profile,
+    render,
+)
 
 BURN = "import time\nend = time.process_time() + 0.4\nwhile time.process_time() < end: pass\n"
 

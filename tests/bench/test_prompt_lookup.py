@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.bench.prompt_lookup import ngram_hit_rate, prompt_lookup_guess
+from splitserve.bench.models.prompt_lookup import ngram_hit_rate, prompt_lookup_guess
 
 
 def test_guess_follows_the_longest_most_recent_match():

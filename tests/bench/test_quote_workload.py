@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.bench.quote_workload import QuoteWorkload
-from splitserve.bench.records import WorkloadError
+from splitserve.bench.loadgen.quote_workload import QuoteWorkload
+from splitserve.bench.loadgen.records import WorkloadError
 
 
 def test_quote_prompts_repeat_their_cue(tiny_model):

@@ -1,4 +1,4 @@
-"""splitserve.bench.report's pooled report: repeats of one (config, load) pool their records and seconds."""
+"""splitserve.bench.loadgen.report's pooled report: repeats of one (config, load) pool their records and seconds."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from splitserve.bench.metrics import SloTarget, compute_run_metrics
-from splitserve.bench.records import LoadPoint, RequestRecord, RunResult
-from splitserve.bench.report import load_points, main, render_pooled, sustained_goodput
+from splitserve.bench.loadgen.metrics import SloTarget, compute_run_metrics
+from splitserve.bench.loadgen.records import LoadPoint, RequestRecord, RunResult
+from splitserve.bench.loadgen.report import load_points, main, render_pooled, sustained_goodput
 
 
 def _record(i: int, ttft_s: float, gap_s: float, tokens: int = 4) -> RequestRecord:
@@ -94,7 +94,7 @@ def test_sustained_goodput_stops_at_the_first_failing_rate():
 
 
 def test_pooled_plot_gets_pooled_and_per_repeat_values_in_table_order(tmp_path, monkeypatch):
-    from splitserve.bench import plots, report
+    from splitserve.bench.loadgen import plots, report
 
     first, second = tmp_path / "a.json", tmp_path / "b.json"
     # "slow" appears first in the files but only at the higher rate: it still comes first.

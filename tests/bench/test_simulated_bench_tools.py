@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from splitserve.bench.fit_step_profile import fit
-from splitserve.bench.scale_simulated_report import plot, table
+from splitserve.bench.control_plane.fit_step_profile import fit
+from splitserve.bench.control_plane.scale_simulated_report import plot, table
 
 
 def test_fit_recovers_a_known_step_model():

@@ -1,10 +1,10 @@
-"""bench/trained_model.py end to end at toy size: trains, evaluates and writes its report."""
+"""bench/models/trained_model.py end to end at toy size: trains, evaluates and writes its report."""
 
 from __future__ import annotations
 
 import json
 
-from splitserve.bench.trained_model import main
+from splitserve.bench.models.trained_model import main
 
 
 def test_trained_model_bench_writes_its_report(tmp_path):
@@ -12,7 +12,7 @@ def test_trained_model_bench_writes_its_report(tmp_path):
     argv = ["--target-preset", "bench", "--target-steps", "2", "--draft-steps", "2", "--max-new-tokens", "3"]
     assert main([*argv, "--fresh", "--out", str(out)]) == 0
     text = out.read_text()
-    assert "python -m splitserve.bench.trained_model --target-preset bench" in text
+    assert "python -m splitserve.bench.models.trained_model --target-preset bench" in text
     assert "| target (bench) | trained 2 steps |" in text and "| draft (draft) | random |" in text
     assert (tmp_path / "trained_loss.png").stat().st_size > 0
     result = json.loads((tmp_path / "trained.json").read_text())

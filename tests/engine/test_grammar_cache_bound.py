@@ -8,7 +8,7 @@ from __future__ import annotations
 import psutil
 import pytest
 
-from splitserve.bench.json_schemas import SCHEMAS
+from splitserve.bench.serving.json_schemas import SCHEMAS
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.engine.structured_output.grammar_compiler import GrammarCompiler

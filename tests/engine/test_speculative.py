@@ -237,7 +237,7 @@ def test_abort_mid_speculation_returns_every_block(tiny_model):
 def test_constrained_requests_verify_each_draft_row_under_its_own_mask(tiny_model):
     import json
 
-    from splitserve.bench.json_schemas import MAX_INSTANCE_TOKENS, SCHEMAS
+    from splitserve.bench.serving.json_schemas import MAX_INSTANCE_TOKENS, SCHEMAS
     from splitserve.engine.structured_output.grammar_spec import GrammarSpec
 
     names = list(SCHEMAS)[:3]

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import torch
 
-from splitserve.bench.json_schemas import MAX_INSTANCE_TOKENS, SCHEMAS
+from splitserve.bench.serving.json_schemas import MAX_INSTANCE_TOKENS, SCHEMAS
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.llm_engine import LLMEngine

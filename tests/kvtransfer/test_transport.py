@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from splitserve.bench.raw_bandwidth import measure_gloo_bandwidth
+from splitserve.bench.kv_transfer.raw_bandwidth import measure_gloo_bandwidth
 from splitserve.kvtransfer import KVTransport, TransferError, TransportUsageError, resolve_host
 from tests.helpers import transport as helpers
 from tests.helpers.block_transfer import recv_blocks, send_blocks

@@ -12,7 +12,7 @@ import re
 import jsonschema
 import pytest
 
-from splitserve.bench.json_schemas import MAX_INSTANCE_TOKENS, SCHEMAS
+from splitserve.bench.serving.json_schemas import MAX_INSTANCE_TOKENS, SCHEMAS
 from splitserve.cluster.request_error import ErrorKind, RequestError
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.structured_output.grammar_spec import GrammarSpec

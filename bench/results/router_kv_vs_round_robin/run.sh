@@ -33,7 +33,7 @@ BENCH="--workload prefix-repetition --num-prefixes 12 --prefix-len 1024 --suffix
   --ttft-slo-ms 1000 --itl-slo-ms 100 --no-progress"
 run() {  # repeat name
   echo "== repeat $1 $2 $(date +%T) $(cut -d' ' -f1-3 /proc/loadavg)"
-  .venv/bin/python -m splitserve.bench.process_cpu_profile --out "$OUT/${TAG}rep$1-$2.cpu.md" -- \
+  .venv/bin/python -m splitserve.bench.serving.process_cpu_profile --out "$OUT/${TAG}rep$1-$2.cpu.md" -- \
     .venv/bin/splitserve bench $BENCH --seed "$1" --out "$OUT/${TAG}rep$1-$2" --compare "$2=${CMD[$2]}"
 }
 for ((rep = FIRST_REPEAT; rep < REPEATS; rep++)); do

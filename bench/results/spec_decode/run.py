@@ -29,7 +29,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.bench import require_extra
-from splitserve.bench.managed_server import ManagedServer
+from splitserve.bench.loadgen.managed_server import ManagedServer
 
 psutil = require_extra("psutil")
 

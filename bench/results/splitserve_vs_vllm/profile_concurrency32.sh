@@ -22,7 +22,7 @@ declare -A CMD=([splitserve-1t]="$SS --prefill-replicas 0 --decode-num-cpus 1" [
                 [splitserve-1p1d]="$SS --prefill-replicas 1 --prefill-num-cpus 1 --decode-num-cpus 1")
 for name in ${CONFIGS:-splitserve-1t vllm-1t splitserve-1p1d splitserve-2t vllm-2t}; do
   echo "== $name $(date +%T) $(cut -d' ' -f1-3 /proc/loadavg)"
-  .venv/bin/python -m splitserve.bench.process_cpu_profile --out "$OUT/$PREFIX-$name.cpu.md" \
+  .venv/bin/python -m splitserve.bench.serving.process_cpu_profile --out "$OUT/$PREFIX-$name.cpu.md" \
     --idle-s "$IDLE_S" --threads "worker \(engine\)" --threads "ingress replica" --threads "API server" \
     --server "${CMD[$name]}" --server-log "/tmp/$PREFIX-$name.server.log" -- \
     .venv/bin/splitserve bench --url {url} --workload mixed --num-requests 96 --short-len 128 --long-fraction 0 \

@@ -34,7 +34,7 @@ for ((rep = FIRST_REPEAT; rep < REPEATS; rep++)); do
   for ((i = 0; i < ${#ORDER[@]}; i++)); do
     name=${ORDER[$(( rep % 2 == 0 ? i : ${#ORDER[@]} - 1 - i ))]}
     echo "== repeat $rep $name $(date +%T) $(cut -d' ' -f1-3 /proc/loadavg)"
-    .venv/bin/python -m splitserve.bench.process_cpu_profile --out "$OUT/rep$rep-$name.cpu.md" -- \
+    .venv/bin/python -m splitserve.bench.serving.process_cpu_profile --out "$OUT/rep$rep-$name.cpu.md" -- \
       .venv/bin/splitserve bench $BENCH --seed "$rep" --out "$OUT/rep$rep-$name" --compare "$name=${CMD[$name]}"
   done
 done

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from splitserve.bench.json_schemas import PERSON, WEATHER_TOOL
+from splitserve.bench.serving.json_schemas import PERSON, WEATHER_TOOL
 from splitserve.cluster.frontend.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

@@ -14,7 +14,7 @@ import httpx
 import jsonschema
 import pytest
 
-from splitserve.bench.json_schemas import MAX_INSTANCE_TOKENS, SCHEMAS, WEATHER_TOOL
+from splitserve.bench.serving.json_schemas import MAX_INSTANCE_TOKENS, SCHEMAS, WEATHER_TOOL
 from splitserve.cluster.frontend.backend import ServingBackend
 from splitserve.cluster.frontend.grpc.server import GrpcFrontend
 from splitserve.cluster.frontend.http.api import build_http_app

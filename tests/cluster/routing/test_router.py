@@ -274,7 +274,7 @@ def test_router_modules_do_not_import_torch():
 
 
 def test_router_microbench_runs_small(capsys):
-    from splitserve.bench.router_microbench import main
+    from splitserve.bench.control_plane.router_microbench import main
 
     assert (
         main(

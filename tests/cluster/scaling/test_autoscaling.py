@@ -10,7 +10,7 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.bench.autoscale_load import ClosedLoopLoad
+from splitserve.bench.control_plane.autoscale_load import ClosedLoopLoad
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.control.pool_metrics import PoolMetrics
 from splitserve.cluster.routing.router import DECODE, PREFILL
