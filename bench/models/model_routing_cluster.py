@@ -16,6 +16,7 @@ from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.frontend.model_router.cascade_route import CascadeRoute
 from splitserve.cluster.frontend.model_router.model_route_metrics import ModelRouteMetrics
 from splitserve.cluster.frontend.model_router.request_features import RequestFeatures
+from splitserve.cluster.frontend.serving_api import ChoiceRequest
 from splitserve.cluster.routing.model_route_config import ModelRouteConfig
 from splitserve.engine.io.sampling_params import SamplingParams
 
@@ -48,7 +49,7 @@ async def _run(small_dir, large_dir, prompts, threshold, window, max_tokens):
             apis = (backends["large"], backends["small"], route.bind(RequestFeatures(ids, params)))
             for policy, api in zip(POLICIES, apis):
                 start, first, tokens = time.perf_counter(), None, []
-                async for chunk in api.generate(ids, params):
+                async for chunk in api.generate(ChoiceRequest(ids, params)):
                     first = first if first is not None else time.perf_counter() - start
                     tokens += chunk.token_ids
                 results[policy].append((first, tokens, getattr(api, "decision", None)))

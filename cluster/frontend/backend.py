@@ -15,14 +15,14 @@ from splitserve.cluster.frontend.admission import Admission
 from splitserve.cluster.frontend.ingress_identity import check_unicode, default_ingress_id
 from splitserve.cluster.frontend.metrics import GrammarCheckCollector, Metrics, RouterViewCollector
 from splitserve.cluster.frontend.pool_health import pool_health
+from splitserve.cluster.frontend.serving_api import ChoiceRequest
 from splitserve.cluster.frontend.token_meter import TokenMeter
 from splitserve.cluster.ingress.controller_client import ControllerClient
 from splitserve.cluster.ingress.ingress_reporter import IngressReporter
 from splitserve.cluster.request_error import ErrorKind, RequestError, invalid
 from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.cluster.state.database import open_state_engine, state_database_url
-from splitserve.cluster.tenants.metered_generation import metered
-from splitserve.cluster.tenants.tenant_gate import TenantGate, TicketPart
+from splitserve.cluster.tenants.tenant_gate import TenantGate
 from splitserve.cluster.tenants.tenant_metrics import TenantMetrics
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.io.request_validation import validate_prompt
@@ -172,30 +172,11 @@ class ServingBackend:
         return pool_health(self.cluster, self.kv_caches)
 
     # ---- generation ----------------------------------------------------------------------
-    def generate(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        label: str | None = None,
-        api_key: str | None = None,
-        timeout_s: float | None = None,
-        sheddable: bool = False,
-        tenant_part: TicketPart | None = None,
-    ) -> AsyncIterator[StreamChunk]:
-        """_generate's chunks; tenant_part (one generation of a tenant's admitted request)
-        hears what the generation used when it ends, however it ends."""
-        chunks = self._generate(prompt_token_ids, params, label, api_key, timeout_s, sheddable)
-        return chunks if tenant_part is None else metered(chunks, tenant_part)
+    def generate(self, choice: ChoiceRequest) -> AsyncIterator[StreamChunk]:
+        """_generate's chunks, metered for the choice's tenant part (if any) however they end."""
+        return choice.metered(self._generate(choice))
 
-    async def _generate(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        label: str | None = None,
-        api_key: str | None = None,
-        timeout_s: float | None = None,
-        sheddable: bool = False,
-    ) -> AsyncIterator[StreamChunk]:
+    async def _generate(self, choice: ChoiceRequest) -> AsyncIterator[StreamChunk]:
         """Validate, admit, stream. Raises RequestError (before the first chunk on refusal).
         sheddable (batch work): outside the interactive limits, and only to decode replicas
         with headroom (priority.batch_max_kv_usage / batch_max_running_fraction), else 429.
@@ -203,6 +184,13 @@ class ServingBackend:
         request fails with kind DEADLINE and its KV blocks are freed. label: the client's own
         id for the request (gRPC request_id, HTTP x-request-id), only logged: the chunks carry
         the server's request id, which is unique."""
+        prompt_token_ids, params, label, timeout_s = (
+            choice.prompt_token_ids,
+            choice.params,
+            choice.label,
+            choice.timeout_s,
+        )
+        sheddable = choice.sheddable
         self.validate(prompt_token_ids, params)
         if timeout_s is not None and not timeout_s > 0:
             raise invalid(f"the request timeout must be a positive number of seconds, got {timeout_s!r}")
@@ -212,7 +200,7 @@ class ServingBackend:
             await self.check_grammar(params.structured_output, deadline)
         busy = self._admit_sheddable() if sheddable else ()
         try:
-            key = self.admission.admit(api_key, sheddable)
+            key = self.admission.admit(choice.api_key, sheddable)
         except RequestError as exc:
             self.metrics.requests.labels(exc.kind.value).inc()
             raise

@@ -23,7 +23,7 @@ from splitserve.cluster.frontend.model_router.route_binding import bind_route, d
 from splitserve.cluster.frontend.model_router.route_decision import RouteDecision
 from splitserve.cluster.frontend.openai.protocol import choice_params
 from splitserve.cluster.frontend.priority_class import RequestPriority, resolve_priority
-from splitserve.cluster.frontend.serving_api import GenerationAPI
+from splitserve.cluster.frontend.serving_api import ChoiceRequest, GenerationAPI
 from splitserve.cluster.request_error import invalid
 from splitserve.cluster.tenants.tenant_gate import TenantTicket
 from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
@@ -114,13 +114,15 @@ class ModelService:
             binding = bind_route(api, features)
             sources = [
                 binding.generate(
-                    prompt,
-                    choice,
-                    label=request.label,
-                    api_key=request.api_key,
-                    timeout_s=request.timeout_s,
-                    sheddable=rank.sheddable,
-                    **({} if ticket is None else {"tenant_part": ticket.part(index // request.n)}),
+                    ChoiceRequest(
+                        prompt,
+                        choice,
+                        request.label,
+                        request.api_key,
+                        request.timeout_s,
+                        rank.sheddable,
+                        None if ticket is None else ticket.part(index // request.n),
+                    )
                 )
                 for index, (prompt, choice) in enumerate(choices)
             ]

@@ -6,13 +6,42 @@ tests/helpers/grpc_client.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from splitserve.cluster.config import ServeConfig
+from splitserve.cluster.tenants.metered_generation import metered
+from splitserve.cluster.tenants.tenant_gate import TicketPart
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.proto.messages.handoff import StreamChunk
+
+
+@dataclass(frozen=True)
+class ChoiceRequest:
+    """One generation of an API request (one choice of one prompt), as each layer below the
+    ModelService passes it whole: a route binding, a cascade, the backend."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    label: str | None = None  # the client's own id for the request: only logged
+    api_key: str | None = None  # per-key admission (without tenants)
+    timeout_s: float | None = None  # the client's deadline, capped by request_timeout_s
+    sheddable: bool = False  # batch work: outside the interactive limits, only where there is headroom
+    tenant_part: TicketPart | None = None  # the tenant request's share, settled when it ends
+
+    def metered(self, chunks: AsyncIterator[StreamChunk]) -> AsyncIterator[StreamChunk]:
+        """chunks, telling the tenant part what they used when they end (however they end)."""
+        return chunks if self.tenant_part is None else metered(chunks, self.tenant_part)
+
+    def unmetered(self) -> ChoiceRequest:
+        """The same generation for the layer below, which must not meter it a second time."""
+        return self if self.tenant_part is None else dataclasses.replace(self, tenant_part=None)
+
+    def with_params(self, params: SamplingParams) -> ChoiceRequest:
+        return dataclasses.replace(self, params=params)
 
 
 class GenerationAPI(Protocol):
@@ -33,19 +62,8 @@ class GenerationAPI(Protocol):
         """`ok`, `serving` and per-pool replica counts (see ServingBackend.health)."""
         ...
 
-    def generate(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        label: str | None = None,
-        api_key: str | None = None,
-        timeout_s: float | None = None,
-        sheddable: bool = False,
-        tenant_part: Any = None,
-    ) -> AsyncIterator[StreamChunk]:
-        """Validate, admit, stream; raises RequestError (before the first chunk on refusal).
-        sheddable: batch work (outside the interactive limits); tenant_part: the admitted
-        tenant request's share, settled when the generation ends."""
+    def generate(self, choice: ChoiceRequest) -> AsyncIterator[StreamChunk]:
+        """Validate, admit, stream; raises RequestError (before the first chunk on refusal)."""
         ...
 
 

@@ -12,7 +12,7 @@ import grpc
 
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.frontend.grpc.server import GrpcFrontend
-from splitserve.cluster.frontend.serving_api import GenerationAPI
+from splitserve.cluster.frontend.serving_api import ChoiceRequest, GenerationAPI
 from splitserve.cluster.request_error import invalid
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.proto.messages.handoff import StreamChunk
@@ -75,9 +75,12 @@ class FakeBackend:
             raise self.healthy
         return {"ok": self.healthy, "decode_replicas": int(self.healthy)}
 
-    async def generate(
-        self, prompt_token_ids, params, label=None, api_key=None, timeout_s=None, sheddable=False, tenant_part=None
-    ):
+    def generate(self, choice: ChoiceRequest):
+        return choice.metered(self._generate(choice))
+
+    async def _generate(self, choice: ChoiceRequest):
+        prompt_token_ids, params, label, api_key = choice.prompt_token_ids, choice.params, choice.label, choice.api_key
+        sheddable = choice.sheddable
         self.validate(prompt_token_ids, params)
         if self.refusal is not None:
             raise self.refusal

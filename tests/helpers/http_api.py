@@ -12,7 +12,7 @@ import uvicorn
 
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.frontend.metrics import Metrics
-from splitserve.cluster.frontend.serving_api import ServingAPI
+from splitserve.cluster.frontend.serving_api import ChoiceRequest, ServingAPI
 from splitserve.cluster.request_error import ErrorKind, RequestError, invalid
 from splitserve.engine.builtin_models.make_model import write_random_checkpoint
 from splitserve.engine.io.request_validation import validate_prompt
@@ -99,9 +99,13 @@ class FakeBackend:
     async def render_metrics(self) -> bytes:
         return self.metrics.render()
 
-    async def generate(
-        self, prompt_token_ids, params, label=None, api_key=None, timeout_s=None, sheddable=False, tenant_part=None
-    ):
+    def generate(self, choice: ChoiceRequest):
+        """The scripted chunks, metered for a tenant's request as the real backend's are."""
+        return choice.metered(self._generate(choice))
+
+    async def _generate(self, choice: ChoiceRequest):
+        prompt_token_ids, params, label = choice.prompt_token_ids, choice.params, choice.label
+        api_key, timeout_s, sheddable = choice.api_key, choice.timeout_s, choice.sheddable
         self.validate(prompt_token_ids, params)
         request_id = f"fake-{len(self.calls) + 1}"  # the server's own id; label is the client's
         self.calls.append(

@@ -12,15 +12,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import AsyncIterator
-from typing import Any
 
 import msgspec
 
 from splitserve.cluster.frontend.model_router.model_route_metrics import ModelRouteMetrics
 from splitserve.cluster.frontend.model_router.route_decision import RouteDecision
-from splitserve.cluster.frontend.serving_api import GenerationAPI
-from splitserve.cluster.tenants.metered_generation import metered
-from splitserve.engine.io.sampling_params import SamplingParams
+from splitserve.cluster.frontend.serving_api import ChoiceRequest, GenerationAPI
 from splitserve.proto.messages.handoff import StreamChunk
 
 
@@ -47,31 +44,14 @@ class CascadeBinding:
         self.metrics = metrics
         self.decision: RouteDecision | None = None  # set before the first chunk is yielded
 
-    def generate(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        label: str | None = None,
-        api_key: str | None = None,
-        timeout_s: float | None = None,
-        sheddable: bool = False,
-        tenant_part: Any = None,
-    ) -> AsyncIterator[StreamChunk]:
-        chunks = self._cascade(prompt_token_ids, params, label, api_key, timeout_s, sheddable)
-        return chunks if tenant_part is None else metered(chunks, tenant_part)
+    def generate(self, choice: ChoiceRequest) -> AsyncIterator[StreamChunk]:
+        return choice.metered(self._cascade(choice.unmetered()))
 
-    async def _cascade(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        label: str | None,
-        api_key: str | None,
-        timeout_s: float | None,
-        sheddable: bool,
-    ) -> AsyncIterator[StreamChunk]:
+    async def _cascade(self, choice: ChoiceRequest) -> AsyncIterator[StreamChunk]:
+        params, label = choice.params, choice.label
         client_logprobs = params.logprobs
         small_params = params if client_logprobs else dataclasses.replace(params, logprobs=True)
-        small = self.small.generate(prompt_token_ids, small_params, label, api_key, timeout_s, sheddable)
+        small = self.small.generate(choice.with_params(small_params))
         try:
             held: StreamChunk | None = None
             async for chunk in small:
@@ -82,7 +62,7 @@ class CascadeBinding:
             if confidence < self.threshold:
                 await _close(small)  # aborts the small request; its KV blocks are freed
                 self._decide(self.large_name, "escalated", confidence, label)
-                large = self.large.generate(prompt_token_ids, params, label, api_key, timeout_s, sheddable)
+                large = self.large.generate(choice)
                 try:
                     async for chunk in large:
                         yield chunk

@@ -9,9 +9,7 @@ from typing import Any
 from splitserve.cluster.frontend.model_router.model_route_metrics import ModelRouteMetrics
 from splitserve.cluster.frontend.model_router.request_features import RequestFeatures
 from splitserve.cluster.frontend.model_router.route_decision import RouteDecision
-from splitserve.cluster.frontend.serving_api import GenerationAPI
-from splitserve.cluster.tenants.metered_generation import metered
-from splitserve.engine.io.sampling_params import SamplingParams
+from splitserve.cluster.frontend.serving_api import ChoiceRequest, GenerationAPI
 from splitserve.proto.messages.handoff import StreamChunk
 
 
@@ -25,21 +23,11 @@ class RouteBinding:
         self.metrics = metrics
         self._recorded = False
 
-    def generate(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        label: str | None = None,
-        api_key: str | None = None,
-        timeout_s: float | None = None,
-        sheddable: bool = False,
-        tenant_part: Any = None,
-    ) -> AsyncIterator[StreamChunk]:
+    def generate(self, choice: ChoiceRequest) -> AsyncIterator[StreamChunk]:
         if not self._recorded and self.decision is not None:
             self._recorded = True
-            self.metrics.record(self.decision, label)
-        chunks = self.target.generate(prompt_token_ids, params, label, api_key, timeout_s, sheddable)
-        return chunks if tenant_part is None else metered(chunks, tenant_part)
+            self.metrics.record(self.decision, choice.label)
+        return choice.metered(self.target.generate(choice.unmetered()))
 
 
 def bind_route(api: Any, features: RequestFeatures) -> Any:

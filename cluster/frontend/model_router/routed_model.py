@@ -12,7 +12,7 @@ from typing import Any
 
 from splitserve.cluster.frontend.model_router.model_route_metrics import ModelRouteMetrics
 from splitserve.cluster.frontend.model_router.request_features import RequestFeatures
-from splitserve.cluster.frontend.serving_api import ServingAPI
+from splitserve.cluster.frontend.serving_api import ChoiceRequest, ServingAPI
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.proto.messages.handoff import StreamChunk
 
@@ -66,20 +66,10 @@ class RoutedModel(ABC):
     async def render_metrics(self) -> bytes:
         return await self.primary.render_metrics()
 
-    def generate(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        label: str | None = None,
-        api_key: str | None = None,
-        timeout_s: float | None = None,
-        sheddable: bool = False,
-        tenant_part: Any = None,
-    ) -> AsyncIterator[StreamChunk]:
-        """One generation routed on what the prompt and params alone say (frontends that know
-        the request's header, tenant and choices call bind_route first)."""
-        binding = self.bind(RequestFeatures(prompt_token_ids, params))
-        return binding.generate(prompt_token_ids, params, label, api_key, timeout_s, sheddable, tenant_part)
+    def generate(self, choice: ChoiceRequest) -> AsyncIterator[StreamChunk]:
+        """One generation routed on what the prompt and params alone say (the ModelService,
+        which knows the request's headers, tenant and choices, calls bind_route first)."""
+        return self.bind(RequestFeatures(choice.prompt_token_ids, choice.params)).generate(choice)
 
 
 def _check_one_tokenizer(name: str, targets: dict[str, ServingAPI]) -> None:

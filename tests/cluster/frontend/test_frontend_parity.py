@@ -27,9 +27,9 @@ pytestmark = [pytest.mark.timeout(120)]
 KEY, BUDGET_KEY = "sk-open", "sk-budget"  # BUDGET_KEY: the frontend's own budget tenant (-http, -grpc)
 PROMPT = [5, 6, 7, 8]
 RESERVED = len(PROMPT) + 16  # a request of the default max_tokens reserves prompt + 16
-# The scripted backend reports no usage, so each request settles to its prompt: 3 requests
-# (spent 4, 8, 12) fit under 30 with a reservation of 20 each, the 4th (12 + 20) does not.
-BUDGET = 30
+# Each request settles to its prompt + the scripted reply (4 + 13 tokens): 3 requests (spent
+# 0, 17, 34 when admitted) fit under 60 with a reservation of 20 each, the 4th (51 + 20) does not.
+BUDGET = 60
 # name -> (request fields, the key); the fields are spelled once and sent both ways.
 CASES = {
     "plain": ({"max_tokens": 5}, KEY),

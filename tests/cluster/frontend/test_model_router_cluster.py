@@ -21,6 +21,7 @@ from splitserve.cluster.frontend.model_router.model_route_metrics import ModelRo
 from splitserve.cluster.frontend.model_router.model_route_set import build_model_routes
 from splitserve.cluster.frontend.model_router.request_features import RequestFeatures
 from splitserve.cluster.frontend.model_router.route_decision import MODEL_HEADER, REASON_HEADER
+from splitserve.cluster.frontend.serving_api import ChoiceRequest
 from splitserve.cluster.routing.model_route_config import ModelRouteConfig
 from splitserve.engine.builtin_models.corpus import PASSAGES
 from splitserve.engine.builtin_models.model_cache import cached_checkpoint
@@ -72,7 +73,7 @@ def prompts(tokenizer) -> dict[str, list[int]]:
 
 async def collect(api, prompt, params) -> tuple[list[int], list[float]]:
     tokens, logprobs = [], []
-    async for chunk in api.generate(prompt, params):
+    async for chunk in api.generate(ChoiceRequest(prompt, params)):
         tokens += chunk.token_ids
         logprobs += chunk.logprobs
     return tokens, logprobs
@@ -144,7 +145,7 @@ def test_the_threshold_boundary_is_exact(served, measured, loop):
     async def run(threshold):
         binding = cascade(served, threshold).bind(RequestFeatures(prompt, SamplingParams(**GREEDY)))
         tokens = []
-        async for chunk in binding.generate(prompt, SamplingParams(**GREEDY)):
+        async for chunk in binding.generate(ChoiceRequest(prompt, SamplingParams(**GREEDY))):
             tokens += chunk.token_ids
         return binding.decision, tokens
 
