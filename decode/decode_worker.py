@@ -163,20 +163,7 @@ class DecodeWorker(EngineWorker):
                 first = await self.prefill.fetch(seq, submit, self._reserve, self.engine.kv_cache)
                 if self.admission_delay_s:
                     await asyncio.sleep(self.admission_delay_s)
-                await asyncio.wrap_future(
-                    self.loop.admit_prefilled(
-                        rid,
-                        first.first_token,
-                        first.first_logprob,
-                        first.num_cached_tokens,
-                        sink,
-                        first.first_top_logprobs,
-                        first.queue_seconds,
-                        first.prompt_logprobs,
-                        first.prompt_top_logprobs,
-                        first.prompt_ranks,
-                    )
-                )
+                await asyncio.wrap_future(self.loop.admit_prefilled(rid, first, sink))
             admitted = not req.aborted
         except asyncio.CancelledError:
             pass  # aborted: the ingress said so, or its connection closed

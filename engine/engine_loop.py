@@ -35,6 +35,7 @@ from splitserve.engine.fault_injector import FaultInjector
 from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.proto.messages.engine_stats import EngineStats
+from splitserve.proto.messages.handoff import PrefillResult
 
 __all__ = ["EngineLoop", "EngineLoopStopped", "EngineStepError", "Sink"]
 
@@ -157,34 +158,12 @@ class EngineLoop:
 
         return self.call(add)
 
-    def admit_prefilled(
-        self,
-        request_id: str,
-        first_token: int,
-        first_logprob: float | None,
-        num_cached_tokens: int,
-        sink: Sink,
-        first_top_logprobs: list[tuple[int, float]] | None = None,
-        queue_seconds: float | None = None,
-        prompt_logprobs: list[float] | None = None,
-        prompt_top_logprobs: list[list[tuple[int, float]]] | None = None,
-        prompt_ranks: list[int] | None = None,
-    ) -> Future:
+    def admit_prefilled(self, request_id: str, first: PrefillResult, sink: Sink) -> Future:
         """EngineProtocol.admit_prefilled on the loop thread: its first output and every later one
         go to sink."""
 
         def admit(engine: EngineProtocol) -> None:
-            out = engine.admit_prefilled(
-                request_id,
-                first_token,
-                first_logprob,
-                num_cached_tokens,
-                first_top_logprobs,
-                queue_seconds,
-                prompt_logprobs,
-                prompt_top_logprobs,
-                prompt_ranks,
-            )
+            out = engine.admit_prefilled(request_id, first)
             if not out.finished:
                 self._sinks[request_id] = sink
             self._delivered = True

@@ -22,6 +22,7 @@ from splitserve.engine.io.block_reservation import BlockReservation
 from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.proto.messages.engine_stats import EngineStats
+from splitserve.proto.messages.handoff import PrefillResult
 from splitserve.proto.messages.kv_events import KVEvent
 
 # Given the batch about to run, returns a per-layer callback (or None) for that step. The
@@ -78,18 +79,7 @@ class EngineProtocol(Protocol):
 
     def release_reservation(self, request_id: str) -> None: ...
 
-    def admit_prefilled(
-        self,
-        request_id: str,
-        first_token: int,
-        first_logprob: float | None,
-        num_cached_tokens: int,
-        first_top_logprobs: list[tuple[int, float]] | None = None,
-        queue_seconds: float | None = None,
-        prompt_logprobs: list[float] | None = None,
-        prompt_top_logprobs: list[list[tuple[int, float]]] | None = None,
-        prompt_ranks: list[int] | None = None,
-    ) -> RequestOutput: ...
+    def admit_prefilled(self, request_id: str, first: PrefillResult) -> RequestOutput: ...
 
     # ---- stepping ------------------------------------------------------------------------
     def has_unfinished(self) -> bool: ...

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from splitserve.engine.core.sequence import Sequence, SequenceStatus
 from splitserve.engine.io.block_reservation import BlockReservation
 from splitserve.engine.io.request_output import RequestOutput
+from splitserve.proto.messages.handoff import PrefillResult
 
 
 class KVHandoff:
@@ -57,27 +58,17 @@ class KVHandoff:
         if seq is not None:
             self.kv.free(seq)
 
-    def admit_prefilled(
-        self,
-        request_id: str,
-        first_token: int,
-        first_logprob: float | None,
-        num_cached_tokens: int,
-        first_top_logprobs: list[tuple[int, float]] | None = None,
-        queue_seconds: float | None = None,
-        prompt_logprobs: list[float] | None = None,
-        prompt_top_logprobs: list[list[tuple[int, float]]] | None = None,
-        prompt_ranks: list[int] | None = None,
-    ) -> RequestOutput:
+    def admit_prefilled(self, request_id: str, first: PrefillResult) -> RequestOutput:
         """The reserved prompt's KV is in place: append the first token (sampled by the prefill
         replica, with its top alternatives when asked for), check the stop conditions, join the
         running batch, and return the first output, post-processed exactly like a step's.
-        queue_seconds: how long the prompt waited in the prefill replica's queue.
-        prompt_logprobs, prompt_top_logprobs, prompt_ranks: what the prefill replica computed
-        for a request with SamplingParams.prompt_logprobs (Sequence.prompt_logprobs)."""
+        first: the prefill replica's result, whole: the first token (its logprob and top
+        alternatives), the cached prompt tokens, the queue time, and for a request with
+        SamplingParams.prompt_logprobs the prompt's log-probabilities, alternatives and ranks."""
         seq = self._reserved[request_id]
+        first_token = first.first_token
         if seq.params.prompt_logprobs is not None:
-            self._check_prompt_logprobs(seq, prompt_logprobs, prompt_top_logprobs, prompt_ranks)
+            self._check_prompt_logprobs(seq, first.prompt_logprobs, first.prompt_top_logprobs, first.prompt_ranks)
         # A constrained request's grammar state crosses as the tokens the prefill replica
         # accepted (the first token): replay it into this replica's matcher.
         if seq.grammar is not None and not seq.grammar.accept_token(first_token):
@@ -89,15 +80,15 @@ class KVHandoff:
             )
         if seq.params.prompt_logprobs is not None:
             seq.add_prompt_logprobs(
-                [float(lp) for lp in prompt_logprobs],
-                [[(int(t), float(lp)) for t, lp in top] for top in prompt_top_logprobs or ()],
-                [int(rank) for rank in prompt_ranks],
+                [float(lp) for lp in first.prompt_logprobs],
+                [[(int(t), float(lp)) for t, lp in top] for top in first.prompt_top_logprobs],
+                [int(rank) for rank in first.prompt_ranks],
             )
         seq.num_computed_tokens = seq.num_prompt_tokens
-        seq.num_cached_tokens = num_cached_tokens
-        seq.queue_seconds = queue_seconds
-        top = [(int(t), float(lp)) for t, lp in first_top_logprobs or ()] if seq.params.top_logprobs else None
-        seq.append_token(first_token, first_logprob if seq.params.logprobs else None, top)
+        seq.num_cached_tokens = first.num_cached_tokens
+        seq.queue_seconds = first.queue_seconds
+        top = [(int(t), float(lp)) for t, lp in first.first_top_logprobs] if seq.params.top_logprobs else None
+        seq.append_token(first_token, first.first_logprob if seq.params.logprobs else None, top)
         reason = self.scheduler.check_stop(seq)
         self.scheduler.add_prefilled(seq)  # also enters its received full blocks into the cache
         del self._reserved[request_id]  # only now: until here, abort() still frees its blocks

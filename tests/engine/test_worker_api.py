@@ -11,6 +11,7 @@ from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.proto.messages.engine_stats import EngineStats
+from splitserve.proto.messages.handoff import PrefillResult
 from splitserve.proto.messages.kv_events import STORED
 
 BOTH_SCHEDULINGS = True  # every engine test runs with async scheduling and without (conftest.py)
@@ -54,8 +55,17 @@ def hand_off(prefill: LLMEngine, decode: LLMEngine, ids, params, request_id) -> 
     src_ids = prefill.prompt_block_ids(request_id, reservation.block_indices)
     decode.kv_cache.kv[:, :, reservation.block_ids] = prefill.kv_cache.kv[:, :, src_ids]
     prefill.release_prefilled(request_id)
-    logprob = first.new_logprobs[0] if first.new_logprobs else None
-    out = decode.admit_prefilled(request_id, first.new_token_ids[0], logprob, first.num_cached_tokens)
+    result = PrefillResult(
+        request_id=request_id,
+        first_token=first.new_token_ids[0],
+        first_logprob=first.new_logprobs[0] if first.new_logprobs else None,
+        num_cached_tokens=first.num_cached_tokens,
+        num_blocks_sent=len(reservation.block_indices),
+        num_bytes_sent=0,
+        prefill_seconds=0.0,
+        transfer_seconds=0.0,
+    )
+    out = decode.admit_prefilled(request_id, result)
     return out, reservation.block_indices
 
 
