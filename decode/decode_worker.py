@@ -34,6 +34,7 @@ from splitserve.proto.messages.poll_reply import TransferTotals
 from splitserve.proto.messages.request_channel import Failed, FailureKind, Submit, TokenBatch, encode_frame
 from splitserve.runtime.engine_worker import EngineWorker
 from splitserve.runtime.replica_channel_server import IngressConnection
+from splitserve.runtime.worker_config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -49,31 +50,10 @@ class _Request:
 
 
 class DecodeWorker(EngineWorker):
-    def __init__(
-        self,
-        replica_id: str,
-        engine_config: dict,
-        transport_host: str = "127.0.0.1",
-        transfer_timeout_s: float = 20.0,
-        torch_threads: int | None = None,
-        reserve_timeout_s: float = 30.0,
-        namespace: str | None = None,
-        state_push_interval_s: float = 0.1,
-        state_heartbeat_s: float = 1.0,
-    ):
-        super().__init__(
-            replica_id,
-            engine_config,
-            transport_host,
-            transfer_timeout_s,
-            torch_threads,
-            namespace=namespace,
-            open_transport=open_replica_link,
-            state_push_interval_s=state_push_interval_s,
-            state_heartbeat_s=state_heartbeat_s,
-        )
-        self.reserve_timeout_s = reserve_timeout_s
-        self.prefill = PrefillClient(replica_id, self.transport, namespace, transfer_timeout_s)
+    def __init__(self, replica_id: str, worker: WorkerConfig):
+        super().__init__(replica_id, worker, open_transport=open_replica_link)
+        self.reserve_timeout_s = worker.reserve_timeout_s
+        self.prefill = PrefillClient(replica_id, self.transport, worker.namespace, worker.transfer_timeout_s)
         self._requests: dict[str, _Request] = {}
         self._outputs: list[tuple[str, RequestOutput | Exception]] = []  # loop thread: since the last flush
         self.admission_delay_s = 0.0  # chaos testing: see delay_admission

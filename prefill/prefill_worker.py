@@ -22,33 +22,14 @@ from splitserve.kvtransfer.send_job import SendJob
 from splitserve.proto.messages.handoff import Handoff, PrefillResult
 from splitserve.proto.messages.poll_reply import TransferTotals
 from splitserve.runtime.engine_worker import EngineWorker
+from splitserve.runtime.worker_config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
 
 class PrefillWorker(EngineWorker):
-    def __init__(
-        self,
-        replica_id: str,
-        engine_config: dict,
-        transport_host: str = "127.0.0.1",
-        transfer_timeout_s: float = 20.0,
-        torch_threads: int | None = None,
-        namespace: str | None = None,
-        state_push_interval_s: float = 0.1,
-        state_heartbeat_s: float = 1.0,
-    ):
-        super().__init__(
-            replica_id,
-            engine_config,
-            transport_host,
-            transfer_timeout_s,
-            torch_threads,
-            namespace=namespace,
-            open_transport=open_replica_link,
-            state_push_interval_s=state_push_interval_s,
-            state_heartbeat_s=state_heartbeat_s,
-        )
+    def __init__(self, replica_id: str, worker: WorkerConfig):
+        super().__init__(replica_id, worker, open_transport=open_replica_link)
         self.sender = make_sender(self.transport, self.engine.kv_cache)
         self._jobs: dict[str, SendJob] = {}
         self._send_indices: dict[str, list[int]] = {}

@@ -38,6 +38,7 @@ from splitserve.proto.messages.poll_reply import PollReply, ReplicaStatus, Trans
 from splitserve.proto.messages.request_channel import Submit
 from splitserve.runtime.replica_channel_server import IngressConnection, ReplicaChannelServer
 from splitserve.runtime.state_publisher import StatePublisher
+from splitserve.runtime.worker_config import WorkerConfig
 
 
 class PeerTransport(Protocol):
@@ -56,35 +57,26 @@ OpenTransport = Callable[[str, str, EngineProtocol, float], tuple[str, PeerTrans
 class EngineWorker:
     loop: EngineLoop  # set by start_loop, which each worker calls at the end of its constructor
 
-    def __init__(
-        self,
-        replica_id: str,
-        engine_config: dict,
-        transport_host: str = "127.0.0.1",
-        transfer_timeout_s: float = 20.0,
-        torch_threads: int | None = None,
-        event_log_size: int = 4096,
-        namespace: str | None = None,
-        *,
-        open_transport: OpenTransport,
-        state_push_interval_s: float = 0.1,
-        state_heartbeat_s: float = 1.0,
-    ):
-        config = EngineConfig(**engine_config)
-        if torch_threads and config.engine == "real":
+    def __init__(self, replica_id: str, worker: WorkerConfig, open_transport: OpenTransport):
+        config = EngineConfig(**worker.engine_config)
+        if worker.torch_threads and config.engine == "real":
             import torch  # the real engine's: a simulated replica never imports torch
 
-            torch.set_num_threads(torch_threads)
+            torch.set_num_threads(worker.torch_threads)
         self.replica_id = replica_id
-        self.namespace = namespace  # the app's Ray namespace: where the peer replicas are named
+        self.namespace = worker.namespace
         self.engine: EngineProtocol = build_engine(config)
-        self.host, self.transport = open_transport(transport_host, replica_id, self.engine, transfer_timeout_s)
-        self.transfer_timeout_s = transfer_timeout_s
+        self.host, self.transport = open_transport(
+            worker.transport_host, replica_id, self.engine, worker.transfer_timeout_s
+        )
+        self.transfer_timeout_s = worker.transfer_timeout_s
         self.num_active = 0  # see PollReply.num_active
         # Recent KV events for the ingresses that follow this replica, each from its own
         # position (poll's since_seq); one that fell behind the log resyncs from snapshot().
-        self.events: deque[KVEvent] = deque(maxlen=event_log_size)
-        self.publisher = StatePublisher(self._read_state, self.events_after, state_push_interval_s, state_heartbeat_s)
+        self.events: deque[KVEvent] = deque(maxlen=worker.event_log_size)
+        self.publisher = StatePublisher(
+            self._read_state, self.events_after, worker.state_push_interval_s, worker.state_heartbeat_s
+        )
         self._channel: ReplicaChannelServer | None = None
         self._channel_lock = asyncio.Lock()
         self.event_loop: asyncio.AbstractEventLoop | None = None

@@ -30,6 +30,7 @@ from splitserve.kvtransfer.wire_layout import ascending_run_start
 from splitserve.prefill.prefill_worker import PrefillWorker
 from splitserve.proto.messages.handoff import PrefillResult
 from splitserve.proto.messages.request_channel import Submit
+from splitserve.runtime.worker_config import WorkerConfig
 
 NUM_KV_BLOCKS = 1024  # ServeConfig's default pool size
 LEASE_S = 20.0
@@ -107,11 +108,8 @@ def run_actor_path(
         WorkerPool(
             name,
             cls,
-            engine_config,
+            WorkerConfig(engine_config, namespace, torch_threads=1, transfer_timeout_s=LEASE_S),
             PoolResources(num_cpus=1),
-            namespace,
-            torch_threads=1,
-            transfer_timeout_s=LEASE_S,
         )
         for name, cls in ((PREFILL, TimedPrefillWorker), (DECODE, TimedDecodeWorker))
     ]

@@ -25,6 +25,7 @@ import ray
 from splitserve.cluster.config import EnginePoolConfig, PoolResources, ServeConfig
 from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.proto.messages.membership import ReplicaInfo
+from splitserve.runtime.worker_config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -95,26 +96,20 @@ class WorkerPool:
         self,
         pool: str,
         worker_cls: type,
-        engine_config: dict,
+        worker: WorkerConfig,
         resources: PoolResources,
-        namespace: str,
-        transport_host: str = "127.0.0.1",
-        transfer_timeout_s: float = 20.0,
-        torch_threads: int | None = None,
         start_timeout_s: float = 300.0,
-        state_push_interval_s: float = 0.1,
-        state_heartbeat_s: float = 1.0,
     ):
+        """worker: what every replica actor of the pool is built from (its namespace is the app's)."""
+        if worker.namespace is None:
+            raise ValueError(f"the {pool} pool's WorkerConfig needs the app's namespace")
         self.pool = pool
         self.remote_cls = ray.remote(worker_cls)
-        self.engine_config = dict(engine_config)
+        self.worker = worker
+        self.engine_config = dict(worker.engine_config)
         self.resources = resources
-        self.namespace = namespace
-        self.transport_host = transport_host
-        self.transfer_timeout_s = transfer_timeout_s
-        self.torch_threads = torch_threads
+        self.namespace: str = worker.namespace
         self.start_timeout_s = start_timeout_s
-        self.state_push = {"state_push_interval_s": state_push_interval_s, "state_heartbeat_s": state_heartbeat_s}
         self.replicas: dict[str, Replica] = {}
         self._ids = itertools.count()
         self._name = re.compile(rf"^{re.escape(pool)}-(\d+)$")
@@ -139,15 +134,7 @@ class WorkerPool:
     def start_replica(self) -> Replica:
         """Create one actor (non-blocking); wait for ready() before routing to it."""
         replica_id = f"{self.pool}-{next(self._ids)}"
-        handle = self.remote_cls.options(**self._options(replica_id)).remote(
-            replica_id,
-            self.engine_config,
-            transport_host=self.transport_host,
-            transfer_timeout_s=self.transfer_timeout_s,
-            torch_threads=self.torch_threads,
-            **self.state_push,
-            namespace=self.namespace,
-        )
+        handle = self.remote_cls.options(**self._options(replica_id)).remote(replica_id, self.worker)
         replica = Replica(replica_id, self.pool, handle, actor_id=handle._actor_id.hex())
         self.replicas[replica_id] = replica
         return replica
@@ -262,16 +249,14 @@ def pools_for(cfg: ServeConfig, model_dir: str, namespace: str, hash_seed: str |
 
     pools = {}
     for name, worker_cls, pool_cfg in ((PREFILL, PrefillWorker, cfg.prefill), (DECODE, DecodeWorker, cfg.decode)):
-        pools[name] = WorkerPool(
-            name,
-            worker_cls,
-            engine_config_for(cfg, pool_cfg, model_dir, hash_seed),
-            pool_cfg.resources,
-            namespace,
+        worker = WorkerConfig(
+            engine_config=engine_config_for(cfg, pool_cfg, model_dir, hash_seed),
+            namespace=namespace,
             transport_host=cfg.transport_host,
             transfer_timeout_s=cfg.kv_transfer_lease_s,
             torch_threads=pool_cfg.torch_threads or max(1, int(pool_cfg.resources.num_cpus)),
             state_push_interval_s=cfg.replica_state.push_interval_s,
             state_heartbeat_s=cfg.replica_state.heartbeat_s,
         )
+        pools[name] = WorkerPool(name, worker_cls, worker, pool_cfg.resources)
     return pools
