@@ -93,9 +93,9 @@ def install_in_fresh_venv(root: Path, wheel: Path) -> FreshVenv:
     spec would pull a CUDA build), then the wheel with its dependencies and no extras."""
     venv = FreshVenv(root / "venv")
     _run([sys.executable, "-m", "venv", str(venv.root)], root)
-    # --no-compile: byte-compiling all of torch and ray up front costs ~30 s of CPU; what the
-    # server imports is compiled on first import instead.
-    pip = [str(venv.python), "-m", "pip", "install", "-q", "--no-compile", "--disable-pip-version-check"]
+    # pip byte-compiles what it installs (~10 s here): without it, the server's processes (the
+    # CLI, Ray's agents, each replica) all compile torch and ray at once as they start, ~90 s more.
+    pip = [str(venv.python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     _run([*pip, "torch==2.13.0"], root, timeout_s=900)
     _run([*pip, str(wheel)], root, timeout_s=900)
     return venv
