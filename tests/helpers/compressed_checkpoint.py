@@ -2,10 +2,12 @@
 llm-compressor calls to save): a transformers model, the library's quantization config for a
 preset scheme applied, weight scales from its own calculate_qparams on min/max (what
 llm-compressor's data-free min-max observer computes for weight-only and dynamic schemes),
-compressed by ModelCompressor and saved with the config it writes."""
+compressed by ModelCompressor and saved with the config it writes. And transformers' own FP8
+layout (`quant_method: "fp8"`), per tensor."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -60,4 +62,27 @@ def write_compressed_checkpoint(source: Path, out_dir: Path, preset: str) -> Pat
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         if (source / name).is_file():
             shutil.copy(source / name, out_dir / name)
+    return out_dir
+
+
+def write_hf_fp8_checkpoint(source: Path, out_dir: Path) -> Path:
+    """`source` (one model.safetensors) with each decoder projection's weight in e4m3 and one
+    `weight_scale_inv` per tensor (amax / 448), as transformers' FP8 quantizer stores it."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = {}
+    for name, w in load_file(str(source / "model.safetensors")).items():
+        if name.endswith("_proj.weight"):
+            scale = w.abs().amax().reshape(1) / 448
+            tensors[name], tensors[name + "_scale_inv"] = (w / scale).to(torch.float8_e4m3fn), scale
+        else:
+            tensors[name] = w
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"))
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": None}
+    (out_dir / "config.json").write_text(json.dumps(config))
+    for path in source.iterdir():
+        if path.name not in ("model.safetensors", "config.json"):
+            shutil.copy(path, out_dir / path.name)
     return out_dir

@@ -28,15 +28,17 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 class ServeProcess:
     def __init__(
         self,
-        model: str,
+        model: str | None,
         log_path: Path,
         *extra: str,
         startup_timeout_s: float = 240.0,
         python: str | Path = sys.executable,
         env: dict[str, str] | None = None,
+        console_script: Path | None = None,
     ):
-        """`python -m splitserve.cluster.cli serve MODEL *extra` with cwd = log_path's folder;
-        `python`/`env` run another installation (tests/helpers/wheel.py)."""
+        """`python -m splitserve.cluster.cli serve MODEL *extra` with cwd = log_path's folder
+        (model None: the models are --model flags in extra); `python`/`env` run another
+        installation (tests/helpers/wheel.py), `console_script` its `splitserve` instead."""
         cwd = log_path.parent
         if cwd.resolve().is_relative_to(REPO_ROOT):
             raise ValueError(f"start splitserve serve outside the repository, not in {cwd}")
@@ -44,12 +46,11 @@ class ServeProcess:
         self.grpc_port = free_port()
         self.base_url = f"http://127.0.0.1:{self.http_port}"
         self.log_path = log_path
+        launcher = [str(console_script)] if console_script else [str(python), "-m", "splitserve.cluster.cli"]
         cmd = [
-            str(python),
-            "-m",
-            "splitserve.cluster.cli",
+            *launcher,
             "serve",
-            model,
+            *([model] if model is not None else []),
             "--http-port",
             str(self.http_port),
             "--grpc-port",

@@ -1,7 +1,9 @@
-"""Install this checkout the way a user does: build a wheel (not editable), `pip install
---no-deps --target DIR` it, and run it with an interpreter that has the project's
-dependencies but not its editable install, so every `splitserve.*` import can only come
-from DIR (on PYTHONPATH).
+"""Install this checkout the way a user does: build a wheel (not editable), then either
+`pip install --no-deps --target DIR` it and run it with an interpreter that has the project's
+dependencies but not its editable install, so every `splitserve.*` import can only come from
+DIR (on PYTHONPATH) (install_wheel); or install it, dependencies and all but no extras, into a
+fresh venv, so a module missing from `[project] dependencies` is missing there too
+(install_in_fresh_venv).
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ def _run(cmd: list[str], cwd: Path, timeout_s: float = 300) -> None:
         raise RuntimeError(f"{' '.join(cmd)} failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
 
 
-def install_wheel(root: Path) -> InstalledWheel:
-    """Build, install and isolate under `root` (a folder outside the repository)."""
-    src, dist, site_dir, venv = root / "src", root / "dist", root / "site", root / "venv"
+def build_wheel(root: Path) -> Path:
+    """The wheel of this checkout, built under `root` (a folder outside the repository)."""
+    src, dist = root / "src", root / "dist"
     # A copy, so the build's build/ and *.egg-info never land in the checkout.
     shutil.copytree(REPO_ROOT, src, ignore=shutil.ignore_patterns(*_NOT_SOURCE))
     # No build isolation: the build requirements (setuptools, grpcio-tools) are installed.
@@ -47,6 +49,13 @@ def install_wheel(root: Path) -> InstalledWheel:
         root,
     )
     (wheel,) = dist.glob("splitserve-*.whl")
+    return wheel
+
+
+def install_wheel(root: Path) -> InstalledWheel:
+    """Build, install and isolate under `root` (a folder outside the repository)."""
+    site_dir, venv = root / "site", root / "venv"
+    wheel = build_wheel(root)
     _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site_dir), str(wheel)], root)
     # A venv whose one .pth line adds this venv's site-packages as a plain path: .pth files
     # there (the editable install's finder among them) are not run, so no splitserve.
@@ -57,3 +66,36 @@ def install_wheel(root: Path) -> InstalledWheel:
     ).strip()
     Path(purelib, "splitserve-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return InstalledWheel(wheel, site_dir, python)
+
+
+@dataclass(frozen=True)
+class FreshVenv:
+    """A venv with only what `pip install splitserve` (no extras) puts there."""
+
+    root: Path
+
+    @property
+    def bin(self) -> Path:
+        return self.root / "bin"
+
+    @property
+    def python(self) -> Path:
+        return self.bin / "python"
+
+    def env(self) -> dict[str, str]:
+        """The environment of a shell with this venv activated, nothing of the checkout's."""
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+        return {**env, "VIRTUAL_ENV": str(self.root), "PATH": f"{self.bin}{os.pathsep}{env.get('PATH', '')}"}
+
+
+def install_in_fresh_venv(root: Path, wheel: Path) -> FreshVenv:
+    """`python -m venv`, then torch first, pinned exactly as pyproject.toml says to (a looser
+    spec would pull a CUDA build), then the wheel with its dependencies and no extras."""
+    venv = FreshVenv(root / "venv")
+    _run([sys.executable, "-m", "venv", str(venv.root)], root)
+    # pip byte-compiles what it installs (~10 s here): without it, the server's processes (the
+    # CLI, Ray's agents, each replica) all compile torch and ray at once as they start, ~90 s more.
+    pip = [str(venv.python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    _run([*pip, "torch==2.13.0"], root, timeout_s=900)
+    _run([*pip, str(wheel)], root, timeout_s=900)
+    return venv
