@@ -18,9 +18,9 @@ import anyio
 
 from splitserve.cluster.frontend.fanout import close_all
 from splitserve.cluster.frontend.model_catalog import ModelCatalog
+from splitserve.cluster.frontend.model_router.model_route_decision import ModelRouteDecision
 from splitserve.cluster.frontend.model_router.request_features import RequestFeatures
 from splitserve.cluster.frontend.model_router.route_binding import bind_route, decision_of
-from splitserve.cluster.frontend.model_router.route_decision import RouteDecision
 from splitserve.cluster.frontend.openai.protocol import choice_params
 from splitserve.cluster.frontend.priority_class import RequestPriority, resolve_priority
 from splitserve.cluster.frontend.serving_api import ChoiceRequest, GenerationAPI
@@ -67,7 +67,7 @@ class Generation:
         self.headers: dict[str, str] = dict(ticket.headers) if ticket is not None else {}
 
     @property
-    def decision(self) -> RouteDecision | None:
+    def decision(self) -> ModelRouteDecision | None:
         """Known after the first chunk (a cascade decides only then); None for a served model."""
         return decision_of(self.binding)
 

@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
+from splitserve.cluster.frontend.model_router.model_route_decision import ModelRouteDecision
 from splitserve.cluster.frontend.model_router.model_route_metrics import ModelRouteMetrics
-from splitserve.cluster.frontend.model_router.route_decision import RouteDecision
 from splitserve.cluster.frontend.serving_api import ChoiceRequest, GenerationAPI
 from splitserve.proto.messages.handoff import StreamChunk
 
@@ -42,7 +42,7 @@ class CascadeBinding:
         (self.small_name, self.small), (self.large_name, self.large) = small, large
         self.window_tokens, self.threshold = window_tokens, threshold
         self.metrics = metrics
-        self.decision: RouteDecision | None = None  # set before the first chunk is yielded
+        self.decision: ModelRouteDecision | None = None  # set before the first chunk is yielded
 
     def generate(self, choice: ChoiceRequest) -> AsyncIterator[StreamChunk]:
         return choice.metered(self._cascade(choice.unmetered()))
@@ -78,7 +78,7 @@ class CascadeBinding:
             await _close(small)
 
     def _decide(self, target: str, reason: str, confidence: float, label: str | None) -> None:
-        self.decision = RouteDecision(self.route, target, reason, confidence)
+        self.decision = ModelRouteDecision(self.route, target, reason, confidence)
         self.metrics.record(self.decision, label)
 
 

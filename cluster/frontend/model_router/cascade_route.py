@@ -9,10 +9,10 @@ work the large model is for)."""
 from __future__ import annotations
 
 from splitserve.cluster.frontend.model_router.cascade_binding import CascadeBinding
+from splitserve.cluster.frontend.model_router.model_route_decision import ModelRouteDecision
 from splitserve.cluster.frontend.model_router.model_route_metrics import ModelRouteMetrics
 from splitserve.cluster.frontend.model_router.request_features import RequestFeatures
 from splitserve.cluster.frontend.model_router.route_binding import RouteBinding
-from splitserve.cluster.frontend.model_router.route_decision import RouteDecision
 from splitserve.cluster.frontend.model_router.routed_model import RoutedModel
 from splitserve.cluster.frontend.serving_api import ServingAPI
 from splitserve.cluster.routing.model_route_config import ModelRouteConfig
@@ -41,7 +41,7 @@ class CascadeRoute(RoutedModel):
     def bind(self, features: RequestFeatures) -> RouteBinding | CascadeBinding:
         reason = self.direct_reason(features)
         if reason is not None:
-            decision = RouteDecision(self.name, self.large, reason)
+            decision = ModelRouteDecision(self.name, self.large, reason)
             return RouteBinding(self.targets[self.large], decision, self.metrics)
         return CascadeBinding(
             self.name,

@@ -9,7 +9,7 @@ import logging
 
 from prometheus_client import CollectorRegistry, Counter
 
-from splitserve.cluster.frontend.model_router.route_decision import RouteDecision
+from splitserve.cluster.frontend.model_router.model_route_decision import ModelRouteDecision
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class ModelRouteMetrics:
             registry=self.registry,
         )
 
-    def record(self, decision: RouteDecision, label: str | None = None) -> None:
+    def record(self, decision: ModelRouteDecision, label: str | None = None) -> None:
         self.decisions.labels(decision.route, decision.target, decision.reason).inc()
         if decision.escalated:
             self.escalations.labels(decision.route).inc()

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from splitserve.cluster.frontend.model_router.model_route_decision import ModelRouteDecision
 from splitserve.cluster.frontend.model_router.model_route_metrics import ModelRouteMetrics
 from splitserve.cluster.frontend.model_router.request_features import RequestFeatures
-from splitserve.cluster.frontend.model_router.route_decision import RouteDecision
 from splitserve.cluster.frontend.serving_api import ChoiceRequest, GenerationAPI
 from splitserve.proto.messages.handoff import StreamChunk
 
@@ -17,9 +17,9 @@ class RouteBinding:
     """A request whose model is known before it starts (alias, rules, scorer, and the
     cascade's direct cases): every choice goes to `target`; the decision is recorded once."""
 
-    def __init__(self, target: GenerationAPI, decision: RouteDecision, metrics: ModelRouteMetrics):
+    def __init__(self, target: GenerationAPI, decision: ModelRouteDecision, metrics: ModelRouteMetrics):
         self.target = target
-        self.decision: RouteDecision | None = decision
+        self.decision: ModelRouteDecision | None = decision
         self.metrics = metrics
         self._recorded = False
 
@@ -38,6 +38,6 @@ def bind_route(api: Any, features: RequestFeatures) -> Any:
     return api if bind is None else bind(features)
 
 
-def decision_of(binding: Any) -> RouteDecision | None:
+def decision_of(binding: Any) -> ModelRouteDecision | None:
     """The binding's decision once made (after its first chunk), None for a served model."""
     return getattr(binding, "decision", None)

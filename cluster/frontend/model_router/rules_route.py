@@ -3,10 +3,10 @@ a header, structured output, tools) picks the model; none matching: the default.
 
 from __future__ import annotations
 
+from splitserve.cluster.frontend.model_router.model_route_decision import ModelRouteDecision
 from splitserve.cluster.frontend.model_router.model_route_metrics import ModelRouteMetrics
 from splitserve.cluster.frontend.model_router.request_features import RequestFeatures
 from splitserve.cluster.frontend.model_router.route_binding import RouteBinding
-from splitserve.cluster.frontend.model_router.route_decision import RouteDecision
 from splitserve.cluster.frontend.model_router.routed_model import RoutedModel
 from splitserve.cluster.frontend.serving_api import ServingAPI
 from splitserve.cluster.routing.model_route_config import ModelRouteConfig, RouteRule
@@ -20,11 +20,11 @@ class RulesRoute(RoutedModel):
         self.rules = list(config.rules)
         self.default = config.default
 
-    def pick(self, features: RequestFeatures) -> RouteDecision:
+    def pick(self, features: RequestFeatures) -> ModelRouteDecision:
         for index, rule in enumerate(self.rules):
             if matches(rule, features):
-                return RouteDecision(self.name, rule.target, f"rule:{index}")
-        return RouteDecision(self.name, self.default, "default")
+                return ModelRouteDecision(self.name, rule.target, f"rule:{index}")
+        return ModelRouteDecision(self.name, self.default, "default")
 
     def bind(self, features: RequestFeatures) -> RouteBinding:
         decision = self.pick(features)

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import random
 
+from splitserve.cluster.frontend.model_router.model_route_decision import ModelRouteDecision
 from splitserve.cluster.frontend.model_router.model_route_metrics import ModelRouteMetrics
 from splitserve.cluster.frontend.model_router.request_features import RequestFeatures
 from splitserve.cluster.frontend.model_router.route_binding import RouteBinding
-from splitserve.cluster.frontend.model_router.route_decision import RouteDecision
 from splitserve.cluster.frontend.model_router.routed_model import RoutedModel
 from splitserve.cluster.frontend.serving_api import ServingAPI
 
@@ -32,4 +32,4 @@ class WeightedAlias(RoutedModel):
 
     def bind(self, features: RequestFeatures) -> RouteBinding:
         model = self.rng.choices(self.models, self.weights)[0]
-        return RouteBinding(self.targets[model], RouteDecision(self.name, model, self.reason), self.metrics)
+        return RouteBinding(self.targets[model], ModelRouteDecision(self.name, model, self.reason), self.metrics)

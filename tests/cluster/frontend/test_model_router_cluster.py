@@ -17,10 +17,10 @@ from splitserve.cluster.frontend.backend import ServingBackend
 from splitserve.cluster.frontend.grpc.server import GrpcFrontend
 from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.cluster.frontend.model_router.cascade_binding import confidence_of
+from splitserve.cluster.frontend.model_router.model_route_decision import MODEL_HEADER, REASON_HEADER
 from splitserve.cluster.frontend.model_router.model_route_metrics import ModelRouteMetrics
 from splitserve.cluster.frontend.model_router.model_route_set import build_model_routes
 from splitserve.cluster.frontend.model_router.request_features import RequestFeatures
-from splitserve.cluster.frontend.model_router.route_decision import MODEL_HEADER, REASON_HEADER
 from splitserve.cluster.frontend.serving_api import ChoiceRequest
 from splitserve.cluster.routing.model_route_config import ModelRouteConfig
 from splitserve.engine.builtin_models.corpus import PASSAGES

@@ -1,4 +1,4 @@
-"""RouteDecision: which served model answered a routed request, and why.
+"""ModelRouteDecision: which served model answered a routed request, and why.
 
 It reaches the client as the response's `model` field and the x-splitserve-model /
 x-splitserve-route-reason headers (gRPC: initial metadata), the operator as a log line and
@@ -13,7 +13,7 @@ REASON_HEADER = "x-splitserve-route-reason"
 
 
 @dataclass
-class RouteDecision:
+class ModelRouteDecision:
     route: str  # the alias or virtual model the client asked for
     target: str  # the served model that answers
     reason: str  # weight, rule:<i>, default, score, confident, escalated, direct:<why>
