@@ -1,6 +1,7 @@
 """The layout holds: imports flow one way, the torch-free parts stay torch-free, cluster's parts
-import each other without cycles, shipped code imports no test code, and docs/ARCHITECTURE.md
-names every module by its full path and names nothing that is not there. The rules live in
+import each other without cycles, shipped code imports no test code, every package folder has a
+README.md that names each of its modules and no module that is not there, and docs/ARCHITECTURE.md
+links every top-level folder's README and names nothing that is not there. The rules live in
 tests/helpers/layout.py; each self-test below plants a violation in a temporary tree and checks
 that it is caught."""
 
@@ -47,9 +48,19 @@ def test_shipped_code_imports_no_test_code():
     assert not TREE.test_only_imports()
 
 
-def test_architecture_names_every_module_by_its_full_path():
-    missing = TREE.undocumented(DOC)
-    assert not missing, f"docs/ARCHITECTURE.md does not name: {missing}"
+def test_every_package_folder_has_a_readme():
+    assert not TREE.folders_without_readme()
+
+
+@pytest.mark.parametrize("folder", TREE.package_folders, ids=lambda p: str(p.relative_to(REPO)))
+def test_folder_readme_names_its_modules_and_nothing_that_is_not_there(folder):
+    readme = folder.relative_to(REPO) / "README.md"
+    assert not TREE.unnamed_modules(folder), f"{readme} does not name {TREE.unnamed_modules(folder)}"
+    assert not TREE.readme_dead_entries(folder), f"{readme} names what is not there: {TREE.readme_dead_entries(folder)}"
+
+
+def test_architecture_links_every_top_level_readme():
+    assert not TREE.unlinked_readmes(DOC), f"docs/ARCHITECTURE.md does not link {TREE.unlinked_readmes(DOC)}"
 
 
 def test_architecture_names_nothing_that_is_not_there():
@@ -134,19 +145,56 @@ def test_the_checker_catches_shipped_code_importing_test_code(planted):
     assert SourceTree(planted).test_only_imports()
 
 
-def test_the_checker_catches_an_unnamed_module_and_a_dead_doc_entry(planted):
+def test_the_checker_catches_a_dead_doc_entry(planted):
     doc = planted / "docs" / "ARCHITECTURE.md"
     before = set(SourceTree(planted).missing_doc_targets(doc))  # tests/, helm/ are not copied
-    (planted / "engine" / "core" / "planted_module.py").write_text('"""A module the doc does not name."""\n')
     _append(doc, "\n- `engine/core/gone.py`, `gone.py`, `engine/gone/`, [gone](gone_research.md)\n")
-    tree = SourceTree(planted)
-    assert tree.undocumented(doc) == ["engine/core/planted_module.py"]
-    assert [m for m in tree.missing_doc_targets(doc) if m not in before] == [
+    assert [m for m in SourceTree(planted).missing_doc_targets(doc) if m not in before] == [
         "engine/core/gone.py",
         "gone.py",
         "engine/gone/",
         "gone_research.md",
     ]
+
+
+def test_the_checker_catches_an_unnamed_module_and_a_dead_readme_entry(planted):
+    core = planted / "engine" / "core"
+    tree = SourceTree(planted)
+    assert tree.unnamed_modules(core) == [] and tree.readme_dead_entries(core) == []
+    (core / "planted_module.py").write_text('"""A module the README does not name."""\n')
+    # block_pool.py named only by a longer name does not count; gone.py, sub/gone.py, a dead link do
+    text = (core / "README.md").read_text().replace("`block_pool.py`", "`old_block_pool.py`")
+    (core / "README.md").write_text(text + "\n- `gone.py`, `sub/gone.py` — [gone](gone.md)\n")
+    tree = SourceTree(planted)
+    assert tree.unnamed_modules(core) == ["block_pool.py", "planted_module.py"]
+    assert tree.readme_dead_entries(core) == ["old_block_pool.py", "gone.py", "sub/gone.py", "gone.md"]
+
+
+def test_the_checker_catches_a_module_named_in_another_folders_readme(planted):
+    """A module named by bare file name counts only in its own folder's README."""
+    before = set(SourceTree(planted).readme_dead_entries(planted / "engine"))  # tests/ is not copied
+    text = (planted / "engine" / "README.md").read_text()
+    (planted / "engine" / "README.md").write_text(text.replace("`engine_loop.py`", "`core/engine_loop.py`"))
+    (planted / "engine" / "core" / "README.md").write_text(
+        (planted / "engine" / "core" / "README.md").read_text() + "\n- `engine_loop.py` — the engine loop\n"
+    )
+    tree = SourceTree(planted)
+    assert tree.unnamed_modules(planted / "engine") == ["engine_loop.py"]
+    assert [m for m in tree.readme_dead_entries(planted / "engine") if m not in before] == ["core/engine_loop.py"]
+    assert tree.readme_dead_entries(planted / "engine" / "core") == ["engine_loop.py"]
+
+
+def test_the_checker_catches_a_folder_without_readme_and_an_unlinked_one(planted):
+    doc = planted / "docs" / "ARCHITECTURE.md"
+    assert SourceTree(planted).folders_without_readme() == []
+    (planted / "engine" / "core" / "README.md").unlink()
+    (planted / "engine" / "planted").mkdir()
+    (planted / "engine" / "planted" / "__init__.py").write_text("")
+    (planted / "engine" / "planted" / "x.py").write_text("")
+    assert SourceTree(planted).folders_without_readme() == ["engine/core", "engine/planted"]
+    assert SourceTree(planted).unlinked_readmes(doc) == []
+    doc.write_text(doc.read_text().replace("(../kvtransfer/README.md)", "(../kvtransfer/)"))
+    assert SourceTree(planted).unlinked_readmes(doc) == ["kvtransfer/README.md"]
 
 
 def test_a_simulated_replica_never_imports_torch(tiny_model):

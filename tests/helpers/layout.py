@@ -32,6 +32,13 @@ HEAVY = ("torch", "triton")
 # (PEP 562 __getattr__): each value counts as an import of that package.
 LAZY_EXPORT_MAPS = ("_EXPORTS",)
 TEST_CODE = "tests"  # the test suite (tests/helpers/ ...): importable from a checkout, never installed
+README = "README.md"  # each package folder's: what the folder is for, its layer, a line per module
+PLUMBING = ("__init__.py", "__main__.py")
+# A backticked path or file name in a doc (`engine/core/x.py`, `gone.py`, `cluster/deploy/`) and
+# a relative link's target ([x](GPU.md#anchor) -> GPU.md).
+_DOC_PATH = re.compile(r"`([A-Za-z0-9_./-]+(?:\.(?:py|proto|md|yaml|toml)|/))`")
+_MODULE_PATH = re.compile(r"`([A-Za-z0-9_./-]+\.py)`")
+_LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -200,12 +207,45 @@ class SourceTree:
             if m == TEST_CODE or m.startswith(TEST_CODE + ".")
         ]
 
-    def undocumented(self, doc: Path) -> list[str]:
-        """Modules the doc does not name in backticks by their full repo path."""
+    @cached_property
+    def package_folders(self) -> list[Path]:
+        """Every folder of modules that is a package (has an `__init__.py`): each has a README.
+        The run scripts under bench/results/ are not a package; their write-ups describe them."""
+        return sorted({p.parent for p in self.files if (p.parent / "__init__.py").is_file()})
+
+    def folders_without_readme(self) -> list[str]:
+        return [f.relative_to(self.root).as_posix() for f in self.package_folders if not (f / README).is_file()]
+
+    def unnamed_modules(self, folder: Path) -> list[str]:
+        """The folder's modules its README does not name in backticks by file name (the
+        package plumbing, `__init__.py` and `__main__.py`, aside)."""
+        text = (folder / README).read_text()
+        modules = sorted(p.name for p in folder.glob("*.py") if p in self.files and p.name not in PLUMBING)
+        return [name for name in modules if f"`{name}`" not in text]
+
+    def readme_dead_entries(self, folder: Path) -> list[str]:
+        """What the folder's README names that is not there: a module by bare file name
+        (`name.py`) that is not in the folder, a module path (`sub/x.py`, `engine/x.py`) neither
+        below the folder nor the repo root, a relative link to nothing."""
+        doc = folder / README
         text = doc.read_text()
-        files = [p for p in self.files if p.name not in ("__init__.py", "__main__.py")]
+        missing = []
+        for path in _MODULE_PATH.findall(text):
+            if "/" in path:
+                found = (folder / path).is_file() or (self.root / path).is_file()
+            else:
+                found = (folder / path).is_file()
+            if not found:
+                missing.append(path)
+        return missing + _dead_links(doc, text)
+
+    def unlinked_readmes(self, doc: Path) -> list[str]:
+        """Top-level folders whose README.md the doc does not link."""
+        linked = {(doc.parent / link).resolve() for link in _LINK.findall(doc.read_text())}
         return [
-            p.relative_to(self.root).as_posix() for p in files if f"`{p.relative_to(self.root).as_posix()}`" not in text
+            f"{package}/{README}"
+            for package in PACKAGES
+            if (self.root / package).is_dir() and (self.root / package / README).resolve() not in linked
         ]
 
     def missing_doc_targets(self, doc: Path) -> list[str]:
@@ -213,7 +253,7 @@ class SourceTree:
         `cluster/deploy/`) or file name, a relative link ([x](GPU.md))."""
         text = doc.read_text()
         missing = []
-        for path in re.findall(r"`([A-Za-z0-9_./-]+(?:\.(?:py|proto|md|yaml|toml)|/))`", text):
+        for path in _DOC_PATH.findall(text):
             if path.endswith("/"):
                 found = (self.root / path).is_dir()
             elif "/" in path:
@@ -224,7 +264,8 @@ class SourceTree:
                 found = any(p.name == path for p in self.files)
             if not found:
                 missing.append(path)
-        for link in re.findall(r"\]\(([^)\s#]+)(?:#[^)]*)?\)", text):
-            if "://" not in link and not (doc.parent / link).exists():
-                missing.append(link)
-        return missing
+        return missing + _dead_links(doc, text)
+
+
+def _dead_links(doc: Path, text: str) -> list[str]:
+    return [link for link in _LINK.findall(text) if "://" not in link and not (doc.parent / link).exists()]
