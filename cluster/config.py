@@ -250,7 +250,7 @@ class ServeConfig(_Strict):
     state_url: str | None = None
     """Database of the state store instead of state_dir, e.g. postgresql+psycopg://user:pass@host/db (every ingress replica and the controller reach it)."""
     tenants: list[TenantConfig] = Field(default_factory=list)
-    """Tenants: API keys with rate limits, token budgets, allowed models and a default priority (README: Tenants); api_key, if set, is then the unlimited tenant `operator` (the Batch API's lines run under it)."""
+    """Tenants: API keys with rate limits, token budgets, allowed models and a default priority (docs/FEATURES.md: Tenants); api_key, if set, is then the unlimited tenant `operator` (the Batch API's lines run under it)."""
     tenants_file: str | None = None
     """A YAML file of tenants (a list, or {tenants: [...]}) added to `tenants`, re-read when it changes (a malformed file keeps the old tenants)."""
     tenants_reload_s: float = Field(2.0, gt=0)
@@ -264,11 +264,11 @@ class ServeConfig(_Strict):
     admin_api_key: str | None = None
     """Key of the admin endpoints (/admin/usage, /admin/reload); unset: they answer 404."""
     models: list[ModelEntryConfig] = Field(default_factory=list)
-    """Several models in one deployment (README: Several models): each entry its own weights, served name, pools, KV sizing, quantization and speculative config; what an entry leaves unset it takes from the top-level fields. Empty: one model, the top-level fields."""
+    """Several models in one deployment (docs/FEATURES.md: Several models): each entry its own weights, served name, pools, KV sizing, quantization and speculative config; what an entry leaves unset it takes from the top-level fields. Empty: one model, the top-level fields."""
     aliases: dict[str, AliasTarget] = Field(default_factory=dict)
-    """Served names that point at a model ({"chat": "m1"}) or split traffic by weight between models ({"chat": {"m1": 0.9, "m2": 0.1}}, canary / A-B); the response's `model` and the x-splitserve-model header say which answered (README: Model routing)."""
+    """Served names that point at a model ({"chat": "m1"}) or split traffic by weight between models ({"chat": {"m1": 0.9, "m2": 0.1}}, canary / A-B); the response's `model` and the x-splitserve-model header say which answered (docs/FEATURES.md: Model routing)."""
     model_routes: list[ModelRouteConfig] = Field(default_factory=list)
-    """Virtual models (e.g. `auto`) whose policy picks a served model per request: rules, cascade (small first, large when its confidence is low) or scorer (README: Model routing)."""
+    """Virtual models (e.g. `auto`) whose policy picks a served model per request: rules, cascade (small first, large when its confidence is low) or scorer (docs/FEATURES.md: Model routing)."""
 
     @property
     def model_id(self) -> str:

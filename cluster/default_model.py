@@ -8,7 +8,6 @@ so `make serve`, make-model and the benches pay for it once per machine.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -16,13 +15,11 @@ from splitserve.engine.builtin_models.model_spec import ModelSpec
 
 DEFAULT_TRAIN_STEPS = 300
 DEFAULT_SPEC = ModelSpec(preset="small", arch="llama", seed=0, train_steps=DEFAULT_TRAIN_STEPS)
-# Without transformers (the `train` extra) the default cannot be trained; serve random weights.
-UNTRAINED_FALLBACK_SPEC = ModelSpec(preset="small", arch="llama", seed=0)
 
 
 def default_model_spec() -> ModelSpec:
-    if importlib.util.find_spec("transformers") is None:
-        return UNTRAINED_FALLBACK_SPEC
+    """DEFAULT_SPEC (read at call time: tests swap in a smaller one). It trains in transformers'
+    model classes, which every install has (a dependency, since the default must be trained)."""
     return DEFAULT_SPEC
 
 
@@ -44,13 +41,7 @@ def resolve_model(model: str | None) -> str:
     from splitserve.engine.builtin_models.model_cache import cached_checkpoint
 
     spec = default_model_spec()
-    if spec is UNTRAINED_FALLBACK_SPEC:
-        print(
-            "splitserve: transformers is not installed (pip install 'splitserve[train]'), "
-            "so the default model has random weights",
-            file=sys.stderr,
-        )
-    elif not (default_model_dir() / "config.json").is_file():
+    if not (default_model_dir() / "config.json").is_file():
         print(
             f"splitserve: training the default model ({spec.name}, {spec.train_steps} steps on CPU), "
             "once per machine; it is cached for later runs",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
@@ -16,7 +15,6 @@ from splitserve.engine.builtin_models.make_model import TRAINING_FILE, ModelSpec
 def tiny_defaults(tmp_path, monkeypatch):
     monkeypatch.setenv(model_cache.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(default_model, "DEFAULT_SPEC", ModelSpec("tiny", "llama", seed=0, train_steps=2))
-    monkeypatch.setattr(default_model, "UNTRAINED_FALLBACK_SPEC", ModelSpec("tiny", "llama", seed=0))
     return tmp_path
 
 
@@ -35,14 +33,3 @@ def test_the_default_is_trained_once_and_then_cached(tiny_defaults, monkeypatch,
     monkeypatch.setattr("splitserve.engine.builtin_models.make_model.write_checkpoint", must_not_write)
     assert default_model.resolve_model(None) == path
     assert capsys.readouterr().err == ""
-
-
-def test_without_transformers_the_default_has_random_weights(tiny_defaults, monkeypatch, capsys):
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real_find_spec(name, *a)
-    )
-    path = default_model.resolve_model(None)
-    assert path.endswith("tiny-llama")
-    assert not (default_model.default_model_dir() / TRAINING_FILE).exists()
-    assert "random weights" in capsys.readouterr().err

@@ -1,5 +1,5 @@
 """What `pip install splitserve` (no extras) gives a user serves every checkpoint format the
-README lists. A fresh venv gets torch==2.13.0 and then the built wheel with its dependencies
+docs/FEATURES.md lists (Quantization). A fresh venv gets torch==2.13.0 and then the built wheel with its dependencies
 only; its `splitserve serve`, started outside the repository, serves a plain checkpoint,
 compressed-tensors FP8_DYNAMIC, W8A16 and W4A16 (what llm-compressor writes) and an HF fp8 one
 side by side, and each answers a completion through the openai client with the text this

@@ -1,6 +1,6 @@
 """Parameters OpenAI or vLLM clients may send that splitserve does not implement, each with
 the reason. A request that sets one to anything but its neutral value gets a 400 naming it,
-never a 200 that silently ignores it. README.md lists the same table."""
+never a 200 that silently ignores it. docs/FEATURES.md lists the same table."""
 
 from __future__ import annotations
 
