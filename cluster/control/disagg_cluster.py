@@ -21,6 +21,7 @@ from splitserve.cluster.control.worker_pool import Replica, WorkerPool
 from splitserve.cluster.ingress.controller_client import METRICS_TIMEOUT_S, ControllerClient
 from splitserve.cluster.ingress.dispatcher import Dispatcher
 from splitserve.cluster.ingress.membership_follower import MembershipFollower
+from splitserve.cluster.routing.batch_headroom import BatchHeadroom
 from splitserve.cluster.routing.router import DECODE, PREFILL, Router
 from splitserve.cluster.scaling.policy import replica_floor
 from splitserve.engine.io.sampling_params import SamplingParams
@@ -55,7 +56,7 @@ class DisaggCluster:
         # Names this ingress to the controller and prefixes its request ids (unique per ingress).
         ingress_id = ingress_id or uuid.uuid4().hex[:8]
         self.dispatcher = Dispatcher(
-            Router(cfg.router, block_size=cfg.block_size, hash_seed=hash_seed),
+            self._new_router(hash_seed),
             ingress_id=ingress_id,
             max_retries=cfg.max_retries,
             lease_s=cfg.kv_transfer_lease_s,
@@ -155,9 +156,15 @@ class DisaggCluster:
         """Replace the router with a fresh one (same config) indexed from every live replica's
         snapshot, as after a router crash; requests keep flowing during the swap."""
         seed = self.router.hash_seed
-        return await self.dispatcher.rebuild_router(
-            lambda: Router(self.cfg.router, block_size=self.cfg.block_size, hash_seed=seed)
-        )
+        return await self.dispatcher.rebuild_router(lambda: self._new_router(seed))
+
+    def _new_router(self, hash_seed: str | None) -> Router:
+        """The router of this model's pools; batch work goes only where there is headroom
+        (priority.batch_max_kv_usage, batch_max_running_fraction of decode's max_num_seqs)."""
+        priority = self.cfg.priority
+        max_running = max(1, int(priority.batch_max_running_fraction * self.cfg.decode.max_num_seqs))
+        headroom = BatchHeadroom(priority.batch_max_kv_usage, max_running)
+        return Router(self.cfg.router, block_size=self.cfg.block_size, hash_seed=hash_seed, batch_headroom=headroom)
 
     async def add_replicas(self, pool: str, num: int = 1) -> list[Replica]:
         """Start replicas, wait until they load, index their snapshot, then route to them."""
@@ -190,10 +197,11 @@ class DisaggCluster:
         deadline: float | None = None,
         on_route=None,
         exclude_decode=(),
+        sheddable: bool = False,
     ) -> AsyncIterator[StreamChunk]:
         """The dispatcher's stream of the request's chunks (see Dispatcher.generate); label:
         the client's own id, only logged."""
-        return self.dispatcher.generate(prompt_token_ids, params, label, deadline, on_route, exclude_decode)
+        return self.dispatcher.generate(prompt_token_ids, params, label, deadline, on_route, exclude_decode, sheddable)
 
     async def complete(self, prompt_token_ids: list[int], params: SamplingParams, label: str | None = None) -> dict:
         """Run one request to the end and collect it."""

@@ -178,8 +178,8 @@ class ServingBackend:
 
     async def _generate(self, choice: ChoiceRequest) -> AsyncIterator[StreamChunk]:
         """Validate, admit, stream. Raises RequestError (before the first chunk on refusal).
-        sheddable (batch work): outside the interactive limits, and only to decode replicas
-        with headroom (priority.batch_max_kv_usage / batch_max_running_fraction), else 429.
+        sheddable (batch work): outside the interactive limits, and routed only to decode
+        replicas with headroom (the router's BatchHeadroom), else 429.
         timeout_s: the client's own deadline, capped by request_timeout_s; past it the
         request fails with kind DEADLINE and its KV blocks are freed. label: the client's own
         id for the request (gRPC request_id, HTTP x-request-id), only logged: the chunks carry
@@ -198,7 +198,6 @@ class ServingBackend:
         if params.structured_output is not None:
             self.metrics.structured_requests.labels(params.structured_output.kind).inc()
             await self.check_grammar(params.structured_output, deadline)
-        busy = self._admit_sheddable() if sheddable else ()
         try:
             key = self.admission.admit(choice.api_key, sheddable)
         except RequestError as exc:
@@ -221,7 +220,7 @@ class ServingBackend:
         meter = TokenMeter(self.metrics)
         try:
             async for chunk in self.cluster.generate(
-                prompt_token_ids, params, label, deadline=deadline, on_route=self._on_route, exclude_decode=busy
+                prompt_token_ids, params, label, deadline=deadline, on_route=self._on_route, sheddable=sheddable
             ):
                 now = time.perf_counter()
                 gap = None
@@ -284,19 +283,6 @@ class ServingBackend:
         if spec is not None:
             deadline = deadline or time.time() + self.cfg.request_timeout_s
             await self.check_grammar(spec, deadline, field)
-
-    def _admit_sheddable(self) -> set[str]:
-        """The decode replicas batch work must avoid (no headroom); 429 when that is all of them."""
-        pc = self.cfg.priority
-        max_running = max(1, int(pc.batch_max_running_fraction * self.cfg.decode.max_num_seqs))
-        router = self.cluster.router
-        busy = router.replicas_without_headroom(DECODE, pc.batch_max_kv_usage, max_running)
-        if set(router.replica_ids(DECODE, include_draining=False)) <= busy:
-            self.metrics.requests.labels(ErrorKind.OVERLOADED.value).inc()
-            raise RequestError(
-                ErrorKind.OVERLOADED, "no decode replica has headroom for batch work; retry later", retry_after_s=1.0
-            )
-        return busy
 
     async def check_grammar(self, spec: GrammarSpec, deadline: float, field: str | None = None) -> None:
         """Check a request's grammar (a cached verdict, or an isolated compile) on a worker thread:

@@ -22,7 +22,7 @@ from typing import Literal
 from splitserve.cluster.ingress.request_channel_client import ChannelClosed
 from splitserve.cluster.ingress.routed_replicas import Member, RoutedReplicas
 from splitserve.cluster.request_error import ErrorKind, RequestError
-from splitserve.cluster.routing.router import DECODE, PREFILL, NoReplicaError, RouteDecision, Router
+from splitserve.cluster.routing.router import DECODE, PREFILL, NoHeadroomError, NoReplicaError, RouteDecision, Router
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.proto.messages.handoff import StreamChunk
 from splitserve.proto.messages.poll_reply import PollReply
@@ -108,8 +108,10 @@ class Dispatcher(RoutedReplicas):
         deadline: float | None = None,
         on_route: Callable | None = None,
         exclude_decode: Iterable[str] = (),
+        sheddable: bool = False,
     ) -> AsyncIterator[StreamChunk]:
-        """Stream a request's chunks (never on the decode replicas in exclude_decode). Retries (at most max_retries times, on other replicas)
+        """Stream a request's chunks (never on the decode replicas in exclude_decode; sheddable
+        batch work only where the router's batch headroom admits it, else OVERLOADED). Retries (at most max_retries times, on other replicas)
         only while no chunk has reached the caller; raises RequestError (kind DEADLINE once
         `deadline` (time.time(); default now + request_timeout_s) passes). However it ends --
         finished, failed, deadline, or the caller closing this generator -- the replicas free
@@ -125,8 +127,13 @@ class Dispatcher(RoutedReplicas):
                 raise deadline_exceeded(timeout_s)
             try:
                 decision = self.router.route(
-                    prompt_token_ids, exclude_prefill=exclude[PREFILL], exclude_decode=exclude[DECODE]
+                    prompt_token_ids,
+                    exclude_prefill=exclude[PREFILL],
+                    exclude_decode=exclude[DECODE],
+                    sheddable=sheddable,
                 )
+            except NoHeadroomError as exc:
+                raise RequestError(ErrorKind.OVERLOADED, str(exc), retry_after_s=1.0) from None
             except NoReplicaError as exc:
                 raise RequestError(ErrorKind.UNAVAILABLE, str(exc)) from None
             decode = self.members[DECODE].get(decision.decode_replica)

@@ -38,6 +38,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from splitserve.cluster.routing.batch_headroom import BatchHeadroom
 from splitserve.cluster.routing.index import KVIndex
 from splitserve.cluster.routing.load import LoadReport, PendingClaim, ReplicaLoad
 from splitserve.cluster.routing.router_config import RouterConfig
@@ -59,6 +60,14 @@ class NoReplicaError(RuntimeError):
     def __init__(self, pool: str):
         super().__init__(f"no available {pool} replica")
         self.pool = pool
+
+
+class NoHeadroomError(NoReplicaError):
+    """Every live decode replica is past the batch-headroom thresholds: sheddable work must wait."""
+
+    def __init__(self, pool: str):
+        super().__init__(pool)
+        self.args = (f"no {pool} replica has headroom for batch work; retry later",)
 
 
 class UnknownReplicaError(KeyError):
@@ -108,11 +117,13 @@ class Router:
         allow_local_prefill_fallback: bool = True,
         selector: WorkerSelector | None = None,
         hash_seed: str | None = None,
+        batch_headroom: BatchHeadroom | None = None,
     ):
         """hash_seed: the block-hash seed of the engines routed to (their model's, where a
         deployment serves several: engine/core/block_hash.root_hash). allow_local_prefill_fallback: with no prefill replica available (e.g. the pool
         scaled to zero), let the decode replica prefill instead of raising NoReplicaError.
-        selector: the scoring policy; None: config.policy's."""
+        selector: the scoring policy; None: config.policy's. batch_headroom: where sheddable
+        work may go (None: anywhere)."""
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         if kv_usage_weight < 0:
@@ -120,6 +131,7 @@ class Router:
         self.config = config if config is not None else RouterConfig()
         self.block_size = block_size
         self.hash_seed = hash_seed
+        self.batch_headroom = batch_headroom or BatchHeadroom()
         self._root_hash = root_hash(hash_seed)
         self.kv_usage_weight = kv_usage_weight
         self.allow_local_prefill_fallback = allow_local_prefill_fallback
@@ -197,11 +209,8 @@ class Router:
     def replicas_without_headroom(self, pool: str, max_kv_usage: float, max_running: int) -> set[Hashable]:
         """Replicas at or above either threshold (KV usage as last reported; running requests
         including those routed since): where sheddable (batch) work must not go."""
-        return {
-            rid
-            for rid, load in self._loads[pool].items()
-            if load.report.kv_usage >= max_kv_usage or load.effective_running >= max_running
-        }
+        headroom = BatchHeadroom(max_kv_usage, max_running)
+        return {rid for rid, load in self._loads[pool].items() if not headroom.admits(load)}
 
     def decision_counts(self) -> dict[str, int]:
         """Decisions so far by reason (for the "router decisions by reason" counter)."""
@@ -216,13 +225,20 @@ class Router:
         block_hashes: Sequence[int] | None = None,
         exclude_prefill: Iterable[Hashable] = (),
         exclude_decode: Iterable[Hashable] = (),
+        sheddable: bool = False,
     ) -> RouteDecision:
         """Pick replicas for one prompt, given its token ids or its block hashes (then
-        num_prompt_tokens is required). exclude_*: replicas to skip, e.g. on a retry."""
+        num_prompt_tokens is required). exclude_*: replicas to skip, e.g. on a retry.
+        sheddable (batch work): only to decode replicas the batch headroom admits, else
+        NoHeadroomError."""
         hashes, num_tokens = self._prompt_hashes(prompt_token_ids, num_prompt_tokens, block_hashes)
         decode_cands = self._candidates(DECODE, exclude_decode)
         if not decode_cands:
             raise NoReplicaError(DECODE)
+        if sheddable:
+            decode_cands = [load for load in decode_cands if self.batch_headroom.admits(load)]
+            if not decode_cands:
+                raise NoHeadroomError(DECODE)
         prefill_cands = self._candidates(PREFILL, exclude_prefill)
         selector = self.selector
         picked = selector.select(self._view(DECODE, decode_cands), hashes, num_tokens)

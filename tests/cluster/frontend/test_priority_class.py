@@ -1,7 +1,7 @@
 """Priority classes at the front doors (fake backends): the header / gRPC field names the class,
 `priority` overrides its default, batch is sheddable, an unknown class is a 400 /
 INVALID_ARGUMENT, and policy fcfs makes every request equal. The router names the replicas
-without headroom for batch work."""
+without headroom for batch work, and routes batch work only to replicas with headroom."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from splitserve.cluster.config import PriorityConfig, ServeConfig
 from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.cluster.frontend.priority_class import PRIORITY_CLASS_HEADER, resolve_priority
 from splitserve.cluster.routing.load import LoadReport
-from splitserve.cluster.routing.router import DECODE, Router
+from splitserve.cluster.routing.batch_headroom import BatchHeadroom
+from splitserve.cluster.routing.router import DECODE, NoHeadroomError, Router
 from tests.helpers.http_api import MODEL_NAME, FakeBackend
 
 
@@ -96,3 +97,19 @@ def test_router_names_replicas_without_headroom():
     assert router.replicas_without_headroom(DECODE, max_kv_usage=0.7, max_running=4) == {"d1", "d2"}
     router.load(DECODE, "d0").add_pending(0)  # routed since its report: counts as running
     assert router.replicas_without_headroom(DECODE, max_kv_usage=0.7, max_running=2) == {"d0", "d1", "d2"}
+
+
+def test_the_router_sends_batch_work_only_where_there_is_headroom():
+    router = Router(block_size=16, batch_headroom=BatchHeadroom(max_kv_usage=0.7, max_running=4))
+    for rid in ("d0", "d1", "d2"):
+        router.add_replica(DECODE, rid)
+    router.update_load(DECODE, "d0", LoadReport(num_running=1, kv_usage=0.2))
+    router.update_load(DECODE, "d1", LoadReport(num_running=1, kv_usage=0.9))
+    router.update_load(DECODE, "d2", LoadReport(num_running=8, kv_usage=0.1))
+    prompt = list(range(40))
+    for _ in range(3):  # each pick adds to d0's running count: 1 + 3 stays below 4
+        decision = router.route(prompt, sheddable=True)
+        assert decision.decode_replica == "d0"
+    with pytest.raises(NoHeadroomError, match="headroom for batch work"):
+        router.route(prompt, sheddable=True)  # d0 now runs 4 (its report's 1 + 3 routed since)
+    assert router.route(prompt).decode_replica in ("d0", "d1", "d2")  # interactive work goes anywhere
