@@ -12,6 +12,7 @@ exactly what Ray's autoscaler (ray up / KubeRay) scales on.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import logging
@@ -105,14 +106,19 @@ class WorkerPool:
             raise ValueError(f"the {pool} pool's WorkerConfig needs the app's namespace")
         self.pool = pool
         self.remote_cls = ray.remote(worker_cls)
-        self.worker = worker
-        self.engine_config = dict(worker.engine_config)
+        # Its own copy of the engine config: what the pool's next replica starts with (a test
+        # may change it to make starts fail).
+        self.worker = dataclasses.replace(worker, engine_config=dict(worker.engine_config))
         self.resources = resources
         self.namespace: str = worker.namespace
         self.start_timeout_s = start_timeout_s
         self.replicas: dict[str, Replica] = {}
         self._ids = itertools.count()
         self._name = re.compile(rf"^{re.escape(pool)}-(\d+)$")
+
+    @property
+    def engine_config(self) -> dict:
+        return self.worker.engine_config
 
     def _options(self, replica_id: str) -> dict:
         opts = {
