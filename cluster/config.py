@@ -17,6 +17,11 @@ from sqlalchemy.exc import ArgumentError
 from splitserve.cluster.default_model import DEFAULT_MODEL_NAME
 from splitserve.cluster.grpc_connection_config import GrpcConnectionConfig
 from splitserve.cluster.model_entry_config import ModelEntryConfig, check_unique_served_names, deep_merge
+from splitserve.cluster.model_route_config import (
+    AliasTarget,
+    ModelRouteConfig,
+    check_model_routes,
+)
 from splitserve.cluster.pool_config import (  # noqa: F401 (re-exported: ServeConfig's field types)
     AutoscalingConfig,
     DecodeAutoscalingConfig,
@@ -29,7 +34,6 @@ from splitserve.cluster.pool_config import (  # noqa: F401 (re-exported: ServeCo
 from splitserve.cluster.pool_config import (
     StrictConfig as _Strict,
 )
-from splitserve.cluster.routing.model_route_config import AliasTarget, ModelRouteConfig, check_model_routes
 from splitserve.cluster.routing.router_config import RouterConfig
 from splitserve.cluster.tenants.tenant_config import TenantConfig, check_unique_names
 from splitserve.engine.config import ConfigError, Dtype, EngineKind, Quantization

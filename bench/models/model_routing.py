@@ -36,11 +36,16 @@ from pathlib import Path
 import torch
 
 from splitserve.bench import source_commit
-from splitserve.cluster.cli.route_calibration import PromptMeasure, measure, pick_threshold, reference_prompts
 from splitserve.cluster.default_model import DEFAULT_SPEC
 from splitserve.cluster.frontend.model_router.request_features import RequestFeatures
+from splitserve.cluster.frontend.model_router.route_calibration import (
+    PromptMeasure,
+    measure,
+    pick_threshold,
+    reference_prompts,
+)
 from splitserve.cluster.frontend.model_router.rules_route import matches
-from splitserve.cluster.routing.model_route_config import RouteRule
+from splitserve.cluster.model_route_config import RouteRule
 from splitserve.engine.builtin_models.model_cache import cached_checkpoint
 from splitserve.engine.builtin_models.model_spec import ModelSpec
 from splitserve.engine.io.sampling_params import SamplingParams

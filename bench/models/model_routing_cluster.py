@@ -11,13 +11,13 @@ import statistics
 import time
 from pathlib import Path
 
-from splitserve.cluster.cli.route_calibration import PromptMeasure
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.frontend.model_router.cascade_route import CascadeRoute
 from splitserve.cluster.frontend.model_router.model_route_metrics import ModelRouteMetrics
 from splitserve.cluster.frontend.model_router.request_features import RequestFeatures
+from splitserve.cluster.frontend.model_router.route_calibration import PromptMeasure
 from splitserve.cluster.frontend.serving_api import ChoiceRequest
-from splitserve.cluster.routing.model_route_config import ModelRouteConfig
+from splitserve.cluster.model_route_config import ModelRouteConfig
 from splitserve.engine.io.sampling_params import SamplingParams
 
 POLICIES = ("always-large", "always-small", "cascade")

@@ -42,7 +42,12 @@ def add_calibrate_route_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_calibrate_route(args: argparse.Namespace) -> int:
-    from splitserve.cluster.cli.route_calibration import measure, pick_threshold, reference_prompts, route_snippet
+    from splitserve.cluster.frontend.model_router.route_calibration import (
+        measure,
+        pick_threshold,
+        reference_prompts,
+        route_snippet,
+    )
     from splitserve.engine.llm_engine import LLMEngine
 
     shares = args.large_share or [0.3]

@@ -7,8 +7,8 @@ import pytest
 import yaml
 
 from splitserve.cluster.cli.main import main
-from splitserve.cluster.cli.route_calibration import measure, pick_threshold, reference_prompts
-from splitserve.cluster.routing.model_route_config import ModelRouteConfig
+from splitserve.cluster.frontend.model_router.route_calibration import measure, pick_threshold, reference_prompts
+from splitserve.cluster.model_route_config import ModelRouteConfig
 from splitserve.engine.builtin_models.model_cache import cached_checkpoint
 from splitserve.engine.builtin_models.model_spec import ModelSpec
 from splitserve.engine.llm_engine import LLMEngine

@@ -22,7 +22,7 @@ from splitserve.cluster.cli.serve_flags import SHORT_FORMS, config_from_args, fl
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.default_model import DEFAULT_MODEL_NAME
 from splitserve.cluster.model_entry_config import ModelEntryConfig
-from splitserve.cluster.routing.model_route_config import ModelRouteConfig, RouteRule
+from splitserve.cluster.model_route_config import ModelRouteConfig, RouteRule
 from splitserve.cluster.tenants.tenant_config import TenantConfig
 
 

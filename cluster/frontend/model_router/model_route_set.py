@@ -13,7 +13,7 @@ from splitserve.cluster.frontend.model_router.rules_route import RulesRoute
 from splitserve.cluster.frontend.model_router.scorer_route import ScorerRoute
 from splitserve.cluster.frontend.model_router.weighted_alias import WeightedAlias
 from splitserve.cluster.frontend.serving_api import ServingAPI
-from splitserve.cluster.routing.model_route_config import AliasTarget, ModelRouteConfig, alias_weights
+from splitserve.cluster.model_route_config import AliasTarget, ModelRouteConfig, alias_weights
 
 
 def build_model_routes(

@@ -9,7 +9,7 @@ from splitserve.cluster.frontend.model_router.request_features import RequestFea
 from splitserve.cluster.frontend.model_router.route_binding import RouteBinding
 from splitserve.cluster.frontend.model_router.routed_model import RoutedModel
 from splitserve.cluster.frontend.serving_api import ServingAPI
-from splitserve.cluster.routing.model_route_config import ModelRouteConfig, RouteRule
+from splitserve.cluster.model_route_config import ModelRouteConfig, RouteRule
 
 
 class RulesRoute(RoutedModel):

@@ -10,7 +10,7 @@ from splitserve.cluster.frontend.model_router.route_binding import RouteBinding
 from splitserve.cluster.frontend.model_router.route_scorer import RouteScorer, load_scorer
 from splitserve.cluster.frontend.model_router.routed_model import RoutedModel
 from splitserve.cluster.frontend.serving_api import ServingAPI
-from splitserve.cluster.routing.model_route_config import ModelRouteConfig
+from splitserve.cluster.model_route_config import ModelRouteConfig
 
 
 class ScorerRoute(RoutedModel):

@@ -22,7 +22,7 @@ from splitserve.cluster.frontend.model_router.model_route_metrics import ModelRo
 from splitserve.cluster.frontend.model_router.model_route_set import build_model_routes
 from splitserve.cluster.frontend.model_router.request_features import RequestFeatures
 from splitserve.cluster.frontend.serving_api import ChoiceRequest
-from splitserve.cluster.routing.model_route_config import ModelRouteConfig
+from splitserve.cluster.model_route_config import ModelRouteConfig
 from splitserve.engine.builtin_models.corpus import PASSAGES
 from splitserve.engine.builtin_models.model_cache import cached_checkpoint
 from splitserve.engine.builtin_models.model_spec import ModelSpec

@@ -18,7 +18,7 @@ from splitserve.cluster.frontend.model_router.model_route_metrics import ModelRo
 from splitserve.cluster.frontend.model_router.model_route_set import build_model_routes
 from splitserve.cluster.frontend.model_router.request_features import RequestFeatures
 from splitserve.cluster.frontend.model_router.route_scorer import RouteScorer, load_scorer
-from splitserve.cluster.routing.model_route_config import ModelRouteConfig
+from splitserve.cluster.model_route_config import ModelRouteConfig
 from splitserve.engine.io.sampling_params import SamplingParams
 from tests.helpers.http_api import FakeBackend, parse_sse
 
@@ -205,7 +205,7 @@ def test_a_route_over_models_with_different_tokenizers_is_refused(served, tmp_pa
 
 def test_rules_match_tenants_and_tools_and_every_set_condition():
     from splitserve.cluster.frontend.model_router.rules_route import matches
-    from splitserve.cluster.routing.model_route_config import RouteRule
+    from splitserve.cluster.model_route_config import RouteRule
 
     plain = RequestFeatures([1, 2, 3], SamplingParams(max_tokens=4))
     assert matches(RouteRule(target="m"), plain)  # no condition: matches anything

@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from splitserve.cluster.config import ServeConfig
-from splitserve.cluster.routing.model_route_config import alias_weights
+from splitserve.cluster.model_route_config import alias_weights
 
 
 def config(**extra) -> ServeConfig:

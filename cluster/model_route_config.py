@@ -6,8 +6,8 @@ traffic by weight (canary, A/B). A model route is a virtual model (e.g. `auto`) 
 picks a model per request: `rules` (prompt length, max_tokens, tenant, a header, structured
 output or tools), `cascade` (the small model first; the large one when the small model's own
 confidence over its first tokens is below a threshold) or `scorer` (a pluggable
-`RouteScorer`, e.g. a trained RouteLLM-style classifier, by import path). Like the rest of
-cluster/routing/ this imports nothing of the service (no torch).
+`RouteScorer`, e.g. a trained RouteLLM-style classifier, by import path). It is configuration,
+imported by `cluster/config.py`, so it imports nothing of the service (no torch).
 """
 
 from __future__ import annotations
