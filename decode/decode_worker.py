@@ -27,7 +27,6 @@ from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.engine_errors import EngineLoopStopped, EngineStepError
 from splitserve.engine.io.block_reservation import BlockReservation
 from splitserve.engine.io.request_output import RequestOutput
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.kvtransfer.kv_link import open_replica_link
 from splitserve.proto.messages.handoff import StreamChunk
 from splitserve.proto.messages.poll_reply import TransferTotals
@@ -133,7 +132,7 @@ class DecodeWorker(EngineWorker):
         rid = submit.request_id
         admitted = False
         try:
-            params = SamplingParams.from_dict(submit.sampling)
+            params = submit.sampling
             # A constrained request's grammar is compiled off the engine loop, within the deadline.
             seq = await self.loop.make_sequence(submit.prompt_token_ids, params, rid, deadline=submit.deadline)
             sink = self._sink(rid)

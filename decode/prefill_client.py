@@ -77,7 +77,7 @@ class PrefillClient:
         handoff = Handoff(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
-            sampling=seq.params.to_dict(),
+            sampling=seq.params,
             block_size=seq.block_size,
             source=prefill_id,
             destination=self.replica_id,

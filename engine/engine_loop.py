@@ -33,9 +33,9 @@ from splitserve.engine.engine_errors import EngineLoopStopped, EngineStepError
 from splitserve.engine.engine_protocol import EngineProtocol, LayerHookFactory
 from splitserve.engine.fault_injector import FaultInjector
 from splitserve.engine.io.request_output import RequestOutput
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.proto.messages.engine_stats import EngineStats
 from splitserve.proto.messages.handoff import PrefillResult
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 __all__ = ["EngineLoop", "EngineLoopStopped", "EngineStepError", "Sink"]
 

@@ -20,10 +20,10 @@ from splitserve.engine.core.scheduler import ScheduledBatch
 from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.io.block_reservation import BlockReservation
 from splitserve.engine.io.request_output import RequestOutput
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.proto.messages.engine_stats import EngineStats
 from splitserve.proto.messages.handoff import PrefillResult
 from splitserve.proto.messages.kv_events import KVEvent
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 # Given the batch about to run, returns a per-layer callback (or None) for that step. The
 # prefill worker uses it to send each layer's KV while the next layer computes.

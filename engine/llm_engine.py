@@ -18,7 +18,6 @@ import torch
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine_protocol import LayerHookFactory
 from splitserve.engine.io.request_output import RequestOutput
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.engine.kv_cache_sizing import kv_bytes_per_block, resolve_num_kv_blocks
 from splitserve.engine.model.loader import load_model
@@ -27,6 +26,7 @@ from splitserve.engine.ops.host_kv_cache import HostKVCache, num_host_blocks
 from splitserve.engine.ops.kv_cache import KVCache
 from splitserve.engine.paged_engine import PagedEngine
 from splitserve.engine.speculative.speculator import Speculator
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 __all__ = ["LLMEngine", "LayerHookFactory"]
 

@@ -27,14 +27,15 @@ from splitserve.engine.engine_protocol import EngineProtocol, LayerHookFactory
 from splitserve.engine.io.output_processor import OutputProcessor
 from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.io.request_validation import validate_prompt
-from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.engine.kv_handoff import KVHandoff
 from splitserve.engine.step_pipeline import Deliver, StepPipeline
 from splitserve.engine.step_timing import StepTiming
 from splitserve.engine.structured_output.grammar_compiler import GrammarCompiler
 from splitserve.proto.messages.engine_stats import EngineStats
+from splitserve.proto.messages.invalid_request import InvalidRequestError
 from splitserve.proto.messages.kv_events import KVEvent
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the speculator may load a draft model (torch): the real engine builds it
     from splitserve.engine.speculative.speculator import Speculator

@@ -15,7 +15,6 @@ from splitserve.engine.core.scheduler import ScheduledBatch
 from splitserve.engine.engine_errors import EngineStepError
 from splitserve.engine.engine_protocol import EngineProtocol
 from splitserve.engine.io.request_output import RequestOutput
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.kvtransfer.errors import TransferAbortedError
 from splitserve.kvtransfer.kv_link import make_sender, open_replica_link
 from splitserve.kvtransfer.send_job import SendJob
@@ -93,7 +92,7 @@ class PrefillWorker(EngineWorker):
         rid = handoff.request_id
         if rid in self._jobs:  # ids are the ingress's and unique: never let one clobber another
             raise ValueError(f"request id {rid!r} is already being prefilled on {self.replica_id}")
-        params = SamplingParams.from_dict(handoff.sampling)
+        params = handoff.sampling
         # A constrained request's grammar is compiled off the engine loop; its mask then
         # applies to the first token, sampled here.
         seq = await self.loop.make_sequence(

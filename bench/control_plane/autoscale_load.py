@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from splitserve.cluster.routing.router import PREFILL
 from splitserve.cluster.scaling.latency_window import LatencyWindow
-from splitserve.engine.io.sampling_params import SamplingParams
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from splitserve.bench.control_plane.autoscale_load import ClosedLoopLoad
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.cluster.scaling.autoscaler import Autoscaler, ScalingEvent
-from splitserve.engine.io.sampling_params import SamplingParams
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 
 @dataclass

@@ -34,8 +34,8 @@ def measure(model: str, reps: int, seed: int = 0) -> list[tuple[int, int, float]
     """(new tokens, context tokens, seconds of ModelRunner.execute) of every step run."""
     import torch
 
-    from splitserve.engine.io.sampling_params import SamplingParams
     from splitserve.engine.llm_engine import LLMEngine
+    from splitserve.proto.messages.sampling_params import SamplingParams
 
     torch.set_num_threads(1)
     engine = LLMEngine.from_model_dir(model, enable_prefix_caching=False, max_num_batched_tokens=2048, seed=seed)

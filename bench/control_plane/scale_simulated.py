@@ -47,7 +47,7 @@ from splitserve.cluster.control.replica_state_feed import ReplicaStateFeed  # no
 from splitserve.cluster.ingress import request_channel_client  # noqa: E402
 from splitserve.cluster.ingress.pushed_state import PushedState  # noqa: E402
 from splitserve.cluster.routing.router import DECODE, Router  # noqa: E402
-from splitserve.engine.io.sampling_params import SamplingParams  # noqa: E402
+from splitserve.proto.messages.sampling_params import SamplingParams  # noqa: E402
 
 ACTOR_MB = 110  # RSS of one simulated replica here (ray worker + splitserve imports)
 PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)

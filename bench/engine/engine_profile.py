@@ -66,7 +66,7 @@ class PhaseTimer:
 
 def _decode_steps(engine, prompts: list[list[int]], max_tokens: int):
     """Admit prompts and run their prefill; returns a function that runs one decode step."""
-    from splitserve.engine.io.sampling_params import SamplingParams
+    from splitserve.proto.messages.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for ids in prompts:

@@ -82,7 +82,7 @@ class SplitserveRunner:
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, list[list[int]]]:
         """Wall seconds, CPU seconds of this process (all threads) and the generated ids."""
-        from splitserve.engine.io.sampling_params import SamplingParams
+        from splitserve.proto.messages.sampling_params import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         cpu_start = time.process_time()

@@ -80,7 +80,7 @@ class SplitserveEngine:
         return stats.step_forward_seconds, stats.step_host_seconds, stats.step_exposed_host_seconds
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> dict:
-        from splitserve.engine.io.sampling_params import SamplingParams
+        from splitserve.proto.messages.sampling_params import SamplingParams
 
         before = self.timing()
         cpu, start = time.process_time(), time.perf_counter()

@@ -86,10 +86,10 @@ def _parity_one(path: Path, arch: str, device: torch.device, tiny: bool) -> list
     import transformers
 
     from splitserve.engine.config import EngineConfig
-    from splitserve.engine.io.sampling_params import SamplingParams
     from splitserve.engine.io.tokenizer import Tokenizer
     from splitserve.engine.llm_engine import LLMEngine
     from splitserve.engine.model.loader import load_model
+    from splitserve.proto.messages.sampling_params import SamplingParams
 
     tokenizer = Tokenizer.from_pretrained(path)
     prompts = _prompts(tokenizer, tiny)
@@ -167,7 +167,7 @@ def _parity_one(path: Path, arch: str, device: torch.device, tiny: bool) -> list
 
 def _seeded_sampling(engine, arch: str, prompt: list[int], num_new: int) -> dict:
     """Sampling (temperature, top-p) with a per-request seed runs on the device and repeats."""
-    from splitserve.engine.io.sampling_params import SamplingParams
+    from splitserve.proto.messages.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=num_new, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
     try:

@@ -80,7 +80,7 @@ def _copy_items(engine, device: torch.device, num_blocks: int) -> tuple[list[dic
 
 
 def _recompute_per_block(engine, num_blocks: int, device: torch.device) -> float:
-    from splitserve.engine.io.sampling_params import SamplingParams
+    from splitserve.proto.messages.sampling_params import SamplingParams
 
     bs = engine.config.block_size
     params = SamplingParams(temperature=0, max_tokens=1)
@@ -94,7 +94,7 @@ def _recompute_per_block(engine, num_blocks: int, device: torch.device) -> float
 
 
 def _chat(engine, num_convs: int, num_turns: int) -> list[list[int]]:
-    from splitserve.engine.io.sampling_params import SamplingParams
+    from splitserve.proto.messages.sampling_params import SamplingParams
 
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     history = {c: [(5 * i) % 300 + 40 for i in range(24)] for c in range(num_convs)}

@@ -29,7 +29,7 @@ def _timing(engine) -> tuple[int, float, float, float]:
 
 def _decode(engine, batch: int, prompt_len: int, steps: dict, seed: int) -> dict:
     """Decode steps of one full batch: ms per step, step timing, and the greedy tokens."""
-    from splitserve.engine.io.sampling_params import SamplingParams
+    from splitserve.proto.messages.sampling_params import SamplingParams
 
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=steps["warmup"] + steps["timed"] + 4, temperature=0.0, ignore_eos=True)

@@ -101,7 +101,7 @@ def _busy_ms(trace_path: Path) -> float:
 
 
 def _run_batch(engine, batch: int, prompt_len: int, steps: dict, device: torch.device, trace: Path) -> dict:
-    from splitserve.engine.io.sampling_params import SamplingParams
+    from splitserve.proto.messages.sampling_params import SamplingParams
 
     gen = torch.Generator().manual_seed(batch)
     params = SamplingParams(max_tokens=sum(steps.values()) + 2, temperature=0.0, ignore_eos=True)

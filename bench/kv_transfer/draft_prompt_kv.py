@@ -44,8 +44,8 @@ def kv_path_gbps(path: Path = KV_TRANSFER_MD) -> float:
 def measure(draft_dir: str, lengths=LENGTHS, repeats: int = 5) -> list[dict]:
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.core.sequence import Sequence
-    from splitserve.engine.io.sampling_params import SamplingParams
     from splitserve.engine.speculative.draft_model_proposer import DraftModelProposer
+    from splitserve.proto.messages.sampling_params import SamplingParams
 
     torch.set_num_threads(1)
     block_size = 16

@@ -18,9 +18,9 @@ import time
 import torch
 
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.ops.host_kv_cache import HostKVCache
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 
 def _best(fn, repeats: int) -> float:

@@ -25,11 +25,11 @@ from splitserve.cluster.config import PoolResources
 from splitserve.cluster.control.worker_pool import WorkerPool
 from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.decode.decode_worker import DecodeWorker
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.kvtransfer.wire_layout import ascending_run_start
 from splitserve.prefill.prefill_worker import PrefillWorker
 from splitserve.proto.messages.handoff import PrefillResult
 from splitserve.proto.messages.request_channel import Submit
+from splitserve.proto.messages.sampling_params import SamplingParams
 from splitserve.runtime.worker_config import WorkerConfig
 
 NUM_KV_BLOCKS = 1024  # ServeConfig's default pool size
@@ -59,7 +59,7 @@ class TimedDecodeWorker(DecodeWorker):
 
     async def timed_prefill(self, request_id: str, prompt: list[int], layerwise: bool, prefill_id: str) -> dict:
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-        submit = Submit(request_id, prompt, params.to_dict(), prefill_id, layerwise=layerwise, lease_s=LEASE_S)
+        submit = Submit(request_id, prompt, params, prefill_id, layerwise=layerwise, lease_s=LEASE_S)
         seq = self.engine.make_sequence(None, prompt, params, request_id)
         started = time.perf_counter()
         result = await self._remote_prefill(seq, submit)

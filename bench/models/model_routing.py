@@ -48,8 +48,8 @@ from splitserve.cluster.frontend.model_router.rules_route import matches
 from splitserve.cluster.model_route_config import RouteRule
 from splitserve.engine.builtin_models.model_cache import cached_checkpoint
 from splitserve.engine.builtin_models.model_spec import ModelSpec
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 ACCEPT_NATS = 0.5  # per token: an answer within this of the large model's own is acceptable
 

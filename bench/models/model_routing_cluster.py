@@ -18,7 +18,7 @@ from splitserve.cluster.frontend.model_router.request_features import RequestFea
 from splitserve.cluster.frontend.model_router.route_calibration import PromptMeasure
 from splitserve.cluster.frontend.serving_api import ChoiceRequest
 from splitserve.cluster.model_route_config import ModelRouteConfig
-from splitserve.engine.io.sampling_params import SamplingParams
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 POLICIES = ("always-large", "always-small", "cascade")
 

@@ -28,9 +28,9 @@ from splitserve.engine.builtin_models.corpus import PASSAGES
 from splitserve.engine.builtin_models.model_cache import cached_checkpoint
 from splitserve.engine.builtin_models.model_spec import ModelSpec
 from splitserve.engine.config import EngineConfig, ModelConfig
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.kv_cache_sizing import kv_bytes_per_block
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 DEFAULT_OUT = RESULTS_DIR / "kv_cache_quantization.md"
 KV_DTYPES = ("auto", "fp8", "int8")

@@ -56,7 +56,7 @@ def _engine(model: str, scheme: str):
 
 
 def _perplexity(engine, tokenizer, texts) -> float:
-    from splitserve.engine.io.sampling_params import SamplingParams
+    from splitserve.proto.messages.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     outs = engine.generate([tokenizer.encode(t) for t in texts], params)
@@ -65,7 +65,7 @@ def _perplexity(engine, tokenizer, texts) -> float:
 
 
 def _greedy(engine, prompts, max_tokens: int) -> list[list[int]]:
-    from splitserve.engine.io.sampling_params import SamplingParams
+    from splitserve.proto.messages.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     return [o.token_ids for o in engine.generate(prompts, params)]
@@ -73,7 +73,7 @@ def _greedy(engine, prompts, max_tokens: int) -> list[list[int]]:
 
 def _teacher_forced(engine, sequences, starts) -> float:
     """Fraction of continuation tokens each scheme also ranks first (prompt logprobs' rank 1)."""
-    from splitserve.engine.io.sampling_params import SamplingParams
+    from splitserve.proto.messages.sampling_params import SamplingParams
 
     outs = engine.generate(sequences, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
     hits = total = 0

@@ -63,7 +63,7 @@ def rss_by_role(root_pid: int) -> dict[str, float]:
 
 
 def _specs(count: int, salt: str):
-    from splitserve.engine.structured_output.grammar_spec import GrammarSpec
+    from splitserve.proto.messages.grammar_spec import GrammarSpec
 
     base = list(SCHEMAS.values())
     return [GrammarSpec.json_schema({**base[i % len(base)], "title": f"{salt}-{i}"}) for i in range(count)]

@@ -86,7 +86,7 @@ def compile_times(model_dir: str, repeats: int = 300) -> dict[str, float]:
     from splitserve.engine.config import ModelConfig
     from splitserve.engine.io.tokenizer import Tokenizer
     from splitserve.engine.structured_output.grammar_compiler import GrammarCompiler
-    from splitserve.engine.structured_output.grammar_spec import GrammarSpec
+    from splitserve.proto.messages.grammar_spec import GrammarSpec
 
     tokenizer = Tokenizer.from_pretrained(model_dir)
     config = ModelConfig.from_pretrained(model_dir)

@@ -88,9 +88,10 @@ def _parse_ids(raw: str) -> list[int]:
 
 def run_generate(args: argparse.Namespace) -> int:
     from splitserve.engine.config import ConfigError, EngineConfig
-    from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
     from splitserve.engine.llm_engine import LLMEngine
     from splitserve.engine.model.loader import CheckpointError
+    from splitserve.proto.messages.invalid_request import InvalidRequestError
+    from splitserve.proto.messages.sampling_params import SamplingParams
 
     try:
         prompts = args.prompt if args.prompt else [_parse_ids(r) for r in args.prompt_token_ids]

@@ -24,10 +24,10 @@ from splitserve.cluster.ingress.membership_follower import MembershipFollower
 from splitserve.cluster.routing.batch_headroom import BatchHeadroom
 from splitserve.cluster.routing.router import DECODE, PREFILL, Router
 from splitserve.cluster.scaling.policy import replica_floor
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.proto.messages.handoff import StreamChunk
 from splitserve.proto.messages.ingress_report import IngressReport
 from splitserve.proto.messages.poll_reply import PollReply
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 
 class DisaggCluster:

@@ -26,14 +26,15 @@ from splitserve.cluster.tenants.tenant_gate import TenantGate
 from splitserve.cluster.tenants.tenant_metrics import TenantMetrics
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.io.request_validation import validate_prompt
-from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.engine.kv_cache_sizing import kv_cache_summary
 from splitserve.engine.structured_output.grammar_limits import check_schema
-from splitserve.engine.structured_output.grammar_spec import GrammarSpec
 from splitserve.engine.structured_output.isolated_grammar_checker import IsolatedGrammarChecker
+from splitserve.proto.messages.grammar_spec import GrammarSpec
 from splitserve.proto.messages.handoff import StreamChunk
 from splitserve.proto.messages.ingress_report import encode_families, families_of
+from splitserve.proto.messages.invalid_request import InvalidRequestError
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 # splitserve_requests_total{status}: OK, CANCELLED, or the ErrorKind that ended the request.

@@ -10,11 +10,11 @@ LLMServer, the frontends are thin layers over ModelService.generate.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 
 import anyio
+import msgspec
 
 from splitserve.cluster.frontend.fanout import close_all
 from splitserve.cluster.frontend.model_catalog import ModelCatalog
@@ -26,8 +26,9 @@ from splitserve.cluster.frontend.priority_class import RequestPriority, resolve_
 from splitserve.cluster.frontend.serving_api import ChoiceRequest, GenerationAPI
 from splitserve.cluster.request_error import invalid
 from splitserve.cluster.tenants.tenant_gate import TenantTicket
-from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.proto.messages.handoff import StreamChunk
+from splitserve.proto.messages.invalid_request import InvalidRequestError
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ class ModelService:
         try:
             if ticket is not None and request.priority is None and ticket.priority:
                 rank = self._priority(request, ticket.priority)
-            params = dataclasses.replace(request.params, priority=rank.priority)
+            params = msgspec.structs.replace(request.params, priority=rank.priority)
             choices = [(prompt, choice_params(params, i)) for prompt in request.prompts for i in range(request.n)]
             tenant = None if ticket is None else ticket.tenant.name
             features = RequestFeatures(

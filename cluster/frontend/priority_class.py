@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from splitserve.cluster.config import PriorityConfig
-from splitserve.engine.io.sampling_params import InvalidRequestError
+from splitserve.proto.messages.invalid_request import InvalidRequestError
 
 PRIORITY_CLASS_HEADER = "x-splitserve-priority-class"
 INTERACTIVE, BATCH = "interactive", "batch"

@@ -14,9 +14,9 @@ from typing import Any, Protocol
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.tenants.metered_generation import metered
 from splitserve.cluster.tenants.tenant_gate import TicketPart
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.proto.messages.handoff import StreamChunk
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

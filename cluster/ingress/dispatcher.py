@@ -23,10 +23,10 @@ from splitserve.cluster.ingress.request_channel_client import ChannelClosed
 from splitserve.cluster.ingress.routed_replicas import Member, RoutedReplicas
 from splitserve.cluster.request_error import ErrorKind, RequestError
 from splitserve.cluster.routing.router import DECODE, PREFILL, NoHeadroomError, NoReplicaError, RouteDecision, Router
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.proto.messages.handoff import StreamChunk
 from splitserve.proto.messages.poll_reply import PollReply
 from splitserve.proto.messages.request_channel import Failed, FailureKind, Submit
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 _DEADLINE = object()  # queued by a request's deadline timer
@@ -121,7 +121,6 @@ class Dispatcher(RoutedReplicas):
         timeout_s = deadline - time.time()
         exclude = {PREFILL: set(), DECODE: set(exclude_decode)}
         attempt = num_budgeted = 0
-        sampling = params.to_dict()
         while True:
             if time.time() >= deadline:
                 raise deadline_exceeded(timeout_s)
@@ -152,7 +151,7 @@ class Dispatcher(RoutedReplicas):
             submit = Submit(
                 request_id=request_id,
                 prompt_token_ids=prompt_token_ids,
-                sampling=sampling,
+                sampling=params,
                 prefill_replica_id=prefill_id,
                 label=label or "",
                 deadline=deadline,

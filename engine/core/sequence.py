@@ -6,7 +6,7 @@ import enum
 import time
 
 from splitserve.engine.core.block_hash import ROOT_HASH, extend_hashes
-from splitserve.engine.io.sampling_params import SamplingParams
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
+from splitserve.proto.messages.invalid_request import InvalidRequestError
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 
 def validate_prompt(

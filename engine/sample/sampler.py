@@ -12,8 +12,8 @@ import hashlib
 import torch
 
 from splitserve.engine.core.sequence import Sequence
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.sample.logits_processing import LogitsProcessing
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 # (token id, its log-probability or None, the top (token id, log-probability) pairs or None)
 SampledToken = tuple[int, float | None, list[tuple[int, float]] | None]

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.core.sequence import Sequence
-from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.engine.paged_engine import PagedEngine
 from splitserve.engine.simulated.simulated_kv_cache import SimulatedKVCache
 from splitserve.engine.simulated.simulated_runner import SimulatedRunner
 from splitserve.engine.simulated.step_time_profile import StepTimeProfile
+from splitserve.proto.messages.invalid_request import InvalidRequestError
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 
 class SimulatedEngine(PagedEngine):

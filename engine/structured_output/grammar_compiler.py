@@ -20,11 +20,11 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future
 
-from splitserve.engine.io.sampling_params import InvalidRequestError
 from splitserve.engine.structured_output.grammar_config import GrammarConfig
 from splitserve.engine.structured_output.grammar_limits import check_limits
 from splitserve.engine.structured_output.grammar_matcher import GrammarMatcher
-from splitserve.engine.structured_output.grammar_spec import GrammarSpec
+from splitserve.proto.messages.grammar_spec import GrammarSpec
+from splitserve.proto.messages.invalid_request import InvalidRequestError
 
 DEFAULT_CACHE_SIZE = GrammarConfig().cache_size
 # Compact JSON: a free-whitespace grammar would let a weak model emit whitespace forever.

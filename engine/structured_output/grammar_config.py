@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-# Python's own JSON parser recurses; beyond this a schema cannot even be read safely.
-HARD_MAX_JSON_DEPTH = 500
+from splitserve.proto.messages.grammar_spec import HARD_MAX_JSON_DEPTH
 
 
 class GrammarConfig(BaseModel):

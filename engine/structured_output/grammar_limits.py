@@ -13,13 +13,12 @@ import json
 import re
 from typing import Any
 
-from splitserve.engine.io.sampling_params import InvalidRequestError
 from splitserve.engine.structured_output.grammar_config import GrammarConfig
-from splitserve.engine.structured_output.grammar_spec import GrammarSpec
 from splitserve.engine.structured_output.schema_satisfiable import unsatisfiable_reason
+from splitserve.proto.messages.grammar_spec import GrammarSpec, json_depth
+from splitserve.proto.messages.invalid_request import InvalidRequestError
 
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_BRACKET = re.compile(r"[\[\]{}]")
 _QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 # Lark / GBNF lexical pieces whose content is not rule structure.
 _LITERALS = re.compile(
@@ -45,22 +44,6 @@ def check_limits(spec: GrammarSpec, config: GrammarConfig) -> None:
         check_regex(spec.value, config, "the regex")
     elif spec.kind == "grammar":
         check_grammar_text(spec.value, config)
-
-
-def json_depth(text: str, stop_above: int | None = None) -> int:
-    """Nesting depth of JSON text, without parsing it (no recursion). Stops counting once
-    it passes stop_above."""
-    depth = deepest = 0
-    for match in _BRACKET.finditer(_JSON_STRING.sub('""', text)):
-        if match.group() in "[{":
-            depth += 1
-            if depth > deepest:
-                deepest = depth
-                if stop_above is not None and deepest > stop_above:
-                    return deepest
-        else:
-            depth -= 1
-    return deepest
 
 
 def check_schema_text(text: str, config: GrammarConfig, what: str = "the JSON schema") -> Any:

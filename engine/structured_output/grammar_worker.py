@@ -55,9 +55,9 @@ def main() -> None:
     _cap_memory(init["memory_mb"])
     import llguidance
 
-    from splitserve.engine.io.sampling_params import InvalidRequestError
     from splitserve.engine.structured_output.grammar_compiler import compile_grammar
-    from splitserve.engine.structured_output.grammar_spec import GrammarSpec
+    from splitserve.proto.messages.grammar_spec import GrammarSpec
+    from splitserve.proto.messages.invalid_request import InvalidRequestError
 
     tokenizer = llguidance.LLTokenizer(
         init["tokenizer_json"], n_vocab=init["vocab_size"], eos_token=init["eos_token_ids"]

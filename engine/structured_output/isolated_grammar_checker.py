@@ -23,11 +23,13 @@ import threading
 import time
 from collections import OrderedDict
 
-from splitserve.engine.io.sampling_params import InvalidRequestError
+import msgspec
+
 from splitserve.engine.structured_output.grammar_config import GrammarConfig
 from splitserve.engine.structured_output.grammar_limits import check_limits
-from splitserve.engine.structured_output.grammar_spec import GrammarSpec
 from splitserve.engine.structured_output.grammar_worker import read_frame, write_frame
+from splitserve.proto.messages.grammar_spec import GrammarSpec
+from splitserve.proto.messages.invalid_request import InvalidRequestError
 
 STARTUP_TIMEOUT_S = 120.0  # interpreter + llguidance + the tokenizer (~1 s for 128k tokens)
 
@@ -60,7 +62,7 @@ class GrammarWorkerProcess:
     def compile(self, spec: GrammarSpec, timeout_s: float) -> str | None:
         """None when spec compiles, else llguidance's (or our) message. Raises WorkerLost."""
         try:
-            write_frame(self.process.stdin, spec.to_dict())
+            write_frame(self.process.stdin, msgspec.structs.asdict(spec))
         except OSError:
             self.kill()
             raise WorkerLost(self._death()) from None

@@ -7,7 +7,7 @@ computes the prompt, streams the listed blocks over torch.distributed, and answe
 PrefillResult carrying the first token. The decode replica streams StreamChunks to the ingress
 (in TokenBatch frames of the request channel, proto/messages/request_channel.py).
 
-A constrained request (sampling["structured_output"]) is compiled on both sides; prefill
+A constrained request (sampling.structured_output) is compiled on both sides; prefill
 samples the first token under the grammar, and its grammar state crosses as the tokens it
 accepted, i.e. that first token, which decode replays into its own matcher.
 """
@@ -19,8 +19,9 @@ from typing import Any
 import msgspec
 
 from splitserve.proto.messages.codec import MessageCodec, MessageError
+from splitserve.proto.messages.sampling_params import SamplingParams
 
-HANDOFF_VERSION = 1
+HANDOFF_VERSION = 2  # 2: sampling is a SamplingParams Struct (was a dict)
 
 
 class HandoffError(MessageError):
@@ -33,7 +34,7 @@ _codec = MessageCodec(HANDOFF_VERSION, HandoffError)
 class Handoff(msgspec.Struct, forbid_unknown_fields=True):
     request_id: str
     prompt_token_ids: list[int]
-    sampling: dict[str, Any]  # SamplingParams.to_dict()
+    sampling: SamplingParams
     block_size: int
     source: str  # prefill replica id
     destination: str  # decode replica id
@@ -71,7 +72,7 @@ class PrefillResult(msgspec.Struct, forbid_unknown_fields=True):
     # With top_logprobs: the first token's most likely (token id, logprob) pairs.
     first_top_logprobs: list[tuple[int, float]] = msgspec.field(default_factory=list)
     queue_seconds: float = 0.0  # how long the prompt waited in the prefill replica's queue
-    # With sampling["prompt_logprobs"]: prompt token i + 1's log-probability given the tokens
+    # With sampling.prompt_logprobs: prompt token i + 1's log-probability given the tokens
     # before it, and (prompt_logprobs > 0) its most likely (token id, logprob) pairs; its rank.
     prompt_logprobs: list[float] = msgspec.field(default_factory=list)
     prompt_top_logprobs: list[list[tuple[int, float]]] = msgspec.field(default_factory=list)
@@ -107,7 +108,7 @@ class StreamChunk(msgspec.Struct, forbid_unknown_fields=True):
     top_logprobs: list[list[tuple[int, float]]] = msgspec.field(default_factory=list)
     stop_reason: int | str | None = None  # the stop token id or stop string, on the last chunk
     queue_seconds: float | None = None  # on the first chunk: time the prompt waited to be scheduled
-    # On the first chunk, with sampling["prompt_logprobs"]: as PrefillResult's.
+    # On the first chunk, with sampling.prompt_logprobs: as PrefillResult's.
     prompt_logprobs: list[float] = msgspec.field(default_factory=list)
     prompt_top_logprobs: list[list[tuple[int, float]]] = msgspec.field(default_factory=list)
     prompt_ranks: list[int] = msgspec.field(default_factory=list)

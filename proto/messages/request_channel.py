@@ -25,15 +25,16 @@ from __future__ import annotations
 import asyncio
 import enum
 import struct
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import msgspec
 
 from splitserve.proto.messages.codec import MessageError
 from splitserve.proto.messages.handoff import StreamChunk
 from splitserve.proto.messages.poll_reply import PollReply
+from splitserve.proto.messages.sampling_params import SamplingParams
 
-CHANNEL_VERSION = 2  # 2: Subscribe, Unsubscribe, ReplicaState
+CHANNEL_VERSION = 3  # 2: Subscribe, Unsubscribe, ReplicaState; 3: Submit.sampling is a SamplingParams Struct
 MAX_FRAME_BYTES = 64 << 20  # a prompt of a few million tokens; anything bigger is garbage
 _HEADER = struct.Struct("!I")
 M = TypeVar("M")
@@ -73,7 +74,7 @@ class Submit(msgspec.Struct, tag="submit", forbid_unknown_fields=True):
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling: dict[str, Any]  # SamplingParams.to_dict()
+    sampling: SamplingParams
     prefill_replica_id: str | None = None  # None: decode prefills locally
     label: str = ""
     deadline: float | None = None  # time.time() after which the request is abandoned

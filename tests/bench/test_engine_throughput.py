@@ -43,7 +43,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, seed=seed))
 
     def generate(self, prompts, params, use_tqdm):
-        from splitserve.engine.io.sampling_params import SamplingParams as Params
+        from splitserve.proto.messages.sampling_params import SamplingParams as Params
 
         print("INFO generating", len(prompts), flush=True)
         outs = self.engine.generate([p["prompt_token_ids"] for p in prompts], Params(**params.kwargs))

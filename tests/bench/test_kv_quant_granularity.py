@@ -14,8 +14,8 @@ from splitserve.bench.quantization.kv_quant_granularity import (
     roundtrip,
 )
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 
 # int8's uniform grid loses small values next to a 200x outlier; fp8's exponent keeps them until

@@ -16,8 +16,8 @@ from google.protobuf import descriptor_pool, json_format, message_factory
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.serve_process import ServeProcess
 from tests.helpers.wheel import install_wheel
 

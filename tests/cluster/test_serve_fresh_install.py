@@ -14,8 +14,8 @@ import subprocess
 import pytest
 
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.compressed_checkpoint import write_compressed_checkpoint, write_hf_fp8_checkpoint
 from tests.helpers.model import make_checkpoint
 from tests.helpers.serve_process import ServeProcess

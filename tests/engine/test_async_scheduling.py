@@ -11,9 +11,9 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.core.sequence import SequenceStatus
 from splitserve.engine.engine_errors import EngineStepError
 from splitserve.engine.engine_loop import EngineLoop
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.step_pipeline import StepPipeline
+from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.engine.test_step_failures import Collector
 
 

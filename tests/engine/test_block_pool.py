@@ -6,8 +6,8 @@ from splitserve.engine.core.block_hash import ROOT_HASH, extend_hashes, hash_blo
 from splitserve.engine.core.block_pool import BlockPool, NoFreeBlocksError
 from splitserve.engine.core.kv_cache_manager import KVCacheManager
 from splitserve.engine.core.sequence import Sequence
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.proto.messages.kv_events import REMOVED, STORED, KVEvent
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 
 def test_hash_is_fixed_and_chained():

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from splitserve.engine.config import ConfigError, EngineConfig
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.engine.test_rejection_sampling import SIGNIFICANCE, contingency_p_value
 from tests.engine.test_speculative import with_step_costs
 from tests.helpers.model import make_checkpoint

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from splitserve.engine.config import ConfigError, EngineConfig
-from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model.loader import CheckpointError
+from splitserve.proto.messages.invalid_request import InvalidRequestError
+from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.cli import run_cli
 from tests.helpers.model import make_checkpoint
 

@@ -13,8 +13,8 @@ from splitserve.engine.config import ModelConfig
 from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.engine.structured_output.grammar_compiler import GrammarCompiler
 from splitserve.engine.structured_output.grammar_config import GrammarConfig
-from splitserve.engine.structured_output.grammar_spec import GrammarSpec
 from splitserve.engine.structured_output.isolated_grammar_checker import IsolatedGrammarChecker
+from splitserve.proto.messages.grammar_spec import GrammarSpec
 
 CACHE_SIZE = 16
 BEYOND = 20 * CACHE_SIZE  # distinct grammars compiled after the cache is full

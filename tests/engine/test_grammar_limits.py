@@ -9,7 +9,6 @@ import os
 import pytest
 
 from splitserve.engine.config import ModelConfig
-from splitserve.engine.io.sampling_params import InvalidRequestError
 from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.engine.structured_output.grammar_compiler import GrammarCompiler
 from splitserve.engine.structured_output.grammar_config import GrammarConfig
@@ -19,10 +18,11 @@ from splitserve.engine.structured_output.grammar_limits import (
     reference_depth,
     regex_repeat_bound,
 )
-from splitserve.engine.structured_output.grammar_spec import GrammarSpec
 from splitserve.engine.structured_output.grammar_worker import CRASH_MARKER_ENV
 from splitserve.engine.structured_output.isolated_grammar_checker import IsolatedGrammarChecker
 from splitserve.engine.structured_output.schema_satisfiable import unsatisfiable_reason
+from splitserve.proto.messages.grammar_spec import GrammarSpec
+from splitserve.proto.messages.invalid_request import InvalidRequestError
 from tests.helpers.hostile_cases import deep_gbnf_chain, deep_json, hostile_constraints
 
 CONFIG = GrammarConfig()

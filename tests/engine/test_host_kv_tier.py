@@ -9,9 +9,9 @@ import pytest
 
 from splitserve.engine.config import ConfigError, EngineConfig
 from splitserve.engine.io.request_output import RequestOutput
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.ops.host_kv_cache import num_host_blocks
+from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.engine.test_worker_api import BS, assert_baseline, finish_all, hand_off
 
 BOTH_SCHEDULINGS = True  # every engine test runs with async scheduling and without (conftest.py)

@@ -9,8 +9,8 @@ from splitserve.engine.core.host_block_pool import HostBlockPool
 from splitserve.engine.core.kv_cache_manager import KVCacheManager
 from splitserve.engine.core.kv_cache_tier import KVBlockMover, KVCacheTier
 from splitserve.engine.core.sequence import Sequence
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.proto.messages.kv_events import HOST, REMOVED, STORED, KVEvent
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 BS = 4
 

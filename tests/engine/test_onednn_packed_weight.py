@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model.layers import DecoderLayer
 from splitserve.engine.model.loader import load_model
 from splitserve.engine.ops.onednn_packed_weight import CPU_MATMUL_ENV, OneDnnPackedWeight, cpu_matmul
 from splitserve.engine.quant.quantize import linear, weight_bytes
+from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.model import make_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")

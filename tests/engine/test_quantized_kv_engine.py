@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [40, 41, 42]]
@@ -102,7 +102,7 @@ def test_speculative_decoding_over_fp8_kv_keeps_greedy_output(tiny_model, engine
 
 
 def test_structured_output_over_fp8_kv_is_valid_json(engines):
-    from splitserve.engine.structured_output.grammar_spec import GrammarSpec
+    from splitserve.proto.messages.grammar_spec import GrammarSpec
 
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     params = SamplingParams(structured_output=GrammarSpec.json_schema(schema), max_tokens=40, temperature=0)

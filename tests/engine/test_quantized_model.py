@@ -145,8 +145,8 @@ def test_a_duplicated_quantized_weight_is_rejected(tmp_path_factory):
 
 
 def test_the_draft_model_is_quantized_too_and_greedy_output_is_unchanged(tmp_path_factory):
-    from splitserve.engine.io.sampling_params import SamplingParams
     from splitserve.engine.llm_engine import LLMEngine
+    from splitserve.proto.messages.sampling_params import SamplingParams
 
     model_dir = str(make_checkpoint(tmp_path_factory.getbasetemp(), "tiny", "llama"))
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12] * 3, list(range(3, 40))]
@@ -166,8 +166,8 @@ def test_the_draft_model_is_quantized_too_and_greedy_output_is_unchanged(tmp_pat
 
 def test_generate_cli_takes_quantization(tmp_path_factory, capsys):
     from splitserve.cluster.cli.main import main
-    from splitserve.engine.io.sampling_params import SamplingParams
     from splitserve.engine.llm_engine import LLMEngine
+    from splitserve.proto.messages.sampling_params import SamplingParams
 
     model_dir = str(make_checkpoint(tmp_path_factory.getbasetemp(), "tiny", "llama"))
     argv = ["generate", "--model", model_dir, "--prompt-token-ids", "5,6,7,8", "--max-tokens", "8"]

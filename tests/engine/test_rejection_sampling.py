@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sample.sampler import Sampler
 from splitserve.engine.speculative.rejection_sampler import RejectionSampler
 from splitserve.engine.speculative.verify_row import VerifyRow
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 SIGNIFICANCE = 0.01
 

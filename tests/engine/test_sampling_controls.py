@@ -11,10 +11,11 @@ import torch
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.core.sequence import Sequence
-from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sample.logits_processing import LogitsProcessing, flat_keys
 from splitserve.engine.sample.sampler import Sampler
+from splitserve.proto.messages.invalid_request import InvalidRequestError
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 BOTH_SCHEDULINGS = True  # every engine test runs with async scheduling and without (conftest.py)
 

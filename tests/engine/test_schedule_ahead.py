@@ -15,10 +15,10 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.core.sequence import SequenceStatus
 from splitserve.engine.engine_errors import EngineStepError
 from splitserve.engine.io.request_output import RequestOutput
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.step_pipeline import StepPipeline
 from splitserve.engine.step_timing import StepTiming
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 BS = 16
 

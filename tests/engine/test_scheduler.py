@@ -3,7 +3,7 @@
 from splitserve.engine.core.kv_cache_manager import KVCacheManager
 from splitserve.engine.core.scheduler import Scheduler
 from splitserve.engine.core.sequence import Sequence, SequenceStatus
-from splitserve.engine.io.sampling_params import SamplingParams
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 BS = 4
 

@@ -13,8 +13,9 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.core.kv_cache_manager import KVCacheManager
 from splitserve.engine.core.scheduler import Scheduler
 from splitserve.engine.core.sequence import Sequence, SequenceStatus
-from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.proto.messages.invalid_request import InvalidRequestError
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 BOTH_SCHEDULINGS = True  # every engine test runs with async scheduling and without (conftest.py)
 

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model.loader import load_model
 from splitserve.engine.model.scripted_decode import (
@@ -22,6 +21,7 @@ from splitserve.engine.model.scripted_decode import (
 )
 from splitserve.engine.ops.kv_cache import KVCache
 from splitserve.engine.ops.onednn_packed_weight import CPU_MATMUL_ENV
+from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.model import contiguous_metadata, make_checkpoint
 
 

@@ -11,10 +11,11 @@ from splitserve.cluster.control.worker_pool import engine_config_for
 from splitserve.engine.config import ConfigError, EngineConfig
 from splitserve.engine.engine_factory import build_engine
 from splitserve.engine.engine_protocol import EngineProtocol
-from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.simulated.simulated_engine import SimulatedEngine
 from splitserve.engine.simulated.step_time_profile import KVLinkProfile, StepTimeProfile
-from splitserve.engine.structured_output.grammar_spec import GrammarSpec
+from splitserve.proto.messages.grammar_spec import GrammarSpec
+from splitserve.proto.messages.invalid_request import InvalidRequestError
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 BOTH_SCHEDULINGS = True  # every engine test runs with async scheduling and without (conftest.py)
 

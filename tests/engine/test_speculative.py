@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 
 from splitserve.engine.config import ConfigError, EngineConfig
-from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.speculative.ngram_proposer import NgramProposer
+from splitserve.proto.messages.invalid_request import InvalidRequestError
+from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.model import make_checkpoint
 
 BOTH_SCHEDULINGS = True  # every engine test runs with async scheduling and without (conftest.py)
@@ -238,7 +239,7 @@ def test_constrained_requests_verify_each_draft_row_under_its_own_mask(tiny_mode
     import json
 
     from splitserve.bench.serving.json_schemas import MAX_INSTANCE_TOKENS, SCHEMAS
-    from splitserve.engine.structured_output.grammar_spec import GrammarSpec
+    from splitserve.proto.messages.grammar_spec import GrammarSpec
 
     names = list(SCHEMAS)[:3]
     prompts = [f"Give me a {name} as JSON:" for name in names] + ["plain text next to them"]

@@ -16,8 +16,8 @@ from splitserve.engine.engine_errors import EngineLoopStopped, EngineStepError
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.fault_injector import InjectedFault
 from splitserve.engine.io.request_output import RequestOutput
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 BOTH_SCHEDULINGS = True  # every engine test runs with async scheduling and without (conftest.py)
 

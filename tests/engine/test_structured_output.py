@@ -14,10 +14,11 @@ import torch
 
 from splitserve.bench.serving.json_schemas import MAX_INSTANCE_TOKENS, SCHEMAS
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
-from splitserve.engine.structured_output.grammar_spec import GrammarSpec
 from splitserve.engine.structured_output.token_bitmask import allocate_token_bitmask, apply_token_bitmask_
+from splitserve.proto.messages.grammar_spec import GrammarSpec
+from splitserve.proto.messages.invalid_request import InvalidRequestError
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 BOTH_SCHEDULINGS = True  # every engine test runs with async scheduling and without (conftest.py)
 

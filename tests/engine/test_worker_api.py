@@ -8,11 +8,11 @@ import pytest
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.io.request_output import RequestOutput
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.proto.messages.engine_stats import EngineStats
 from splitserve.proto.messages.handoff import PrefillResult
 from splitserve.proto.messages.kv_events import STORED
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 BOTH_SCHEDULINGS = True  # every engine test runs with async scheduling and without (conftest.py)
 

@@ -12,9 +12,9 @@ import ray
 from splitserve.cluster.ingress.request_channel_client import RequestChannelClient
 from splitserve.decode.decode_worker import PrefillFailedError
 from splitserve.engine.engine_errors import EngineLoopStopped, EngineStepError
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.proto.messages.handoff import StreamChunk
 from splitserve.proto.messages.request_channel import Failed, FailureKind, Submit
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 
 class ChannelStream:
@@ -29,7 +29,7 @@ class ChannelStream:
         self.done = threading.Event()
         replica_id = ray.get(handle.ready.remote(), timeout=30)
         address = ray.get(handle.channel_address.remote(), timeout=30)
-        submit = Submit(request_id, ids, params.to_dict(), None if prefill is None else prefill.replica_id)
+        submit = Submit(request_id, ids, params, None if prefill is None else prefill.replica_id)
 
         # Held here: a channel's reader and the tasks waiting on it only reference each other.
         self.channel = channel = RequestChannelClient(replica_id, address, f"test-{request_id}")

@@ -14,8 +14,8 @@ from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.frontend.grpc.server import GrpcFrontend
 from splitserve.cluster.frontend.serving_api import ChoiceRequest, GenerationAPI
 from splitserve.cluster.request_error import invalid
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.proto.messages.handoff import StreamChunk
+from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.http_api import static_constraint_check
 
 FAKE_MODEL_NAME = "tiny-fake"

@@ -102,7 +102,7 @@ def deep_json(depth: int) -> str:
 
 def hostile_constraints() -> dict:
     """name -> (GrammarSpec, a word the refusal names): each is refused before llguidance."""
-    from splitserve.engine.structured_output.grammar_spec import GrammarSpec
+    from splitserve.proto.messages.grammar_spec import GrammarSpec
 
     return {
         "10,000-deep GBNF chain": (GrammarSpec("grammar", deep_gbnf_chain(10_000)), "max_rules"),

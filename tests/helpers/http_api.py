@@ -16,10 +16,11 @@ from splitserve.cluster.frontend.serving_api import ChoiceRequest, ServingAPI
 from splitserve.cluster.request_error import ErrorKind, RequestError, invalid
 from splitserve.engine.builtin_models.make_model import write_random_checkpoint
 from splitserve.engine.io.request_validation import validate_prompt
-from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
 from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.engine.structured_output.grammar_limits import check_limits, check_schema
 from splitserve.proto.messages.handoff import StreamChunk
+from splitserve.proto.messages.invalid_request import InvalidRequestError
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 MODEL_NAME = "tiny-test"
 REPLY = "The quick brown fox."  # 13 tokens with the tiny tokenizer: under the default max_tokens

@@ -115,8 +115,8 @@ def single_torch_thread() -> Iterator[None]:
 def engine_reference(model_dir: str | Path, num_kv_blocks: int = 128):
     """expected(prompt ids, max_tokens) -> the greedy token ids of one in-process LLMEngine on
     the checkpoint: what a cluster's output is compared with."""
-    from splitserve.engine.io.sampling_params import SamplingParams
     from splitserve.engine.llm_engine import LLMEngine
+    from splitserve.proto.messages.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=num_kv_blocks))
 

@@ -9,9 +9,9 @@ import msgspec
 import pytest
 
 from splitserve.engine.core.block_pool import BlockPool
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.proto.messages.codec import MessageError
 from splitserve.proto.messages.engine_stats import EngineStats
+from splitserve.proto.messages.grammar_spec import GrammarSpec
 from splitserve.proto.messages.handoff import (
     HANDOFF_VERSION,
     Handoff,
@@ -21,7 +21,8 @@ from splitserve.proto.messages.handoff import (
 )
 from splitserve.proto.messages.kv_events import REMOVED, STORED, KVEvent
 from splitserve.proto.messages.poll_reply import POLL_VERSION, PollReply, ReplicaStatus, TransferTotals
-from splitserve.proto.messages.request_channel import Submit, decode_to_decode, encode_frame
+from splitserve.proto.messages.request_channel import ChannelError, Submit, decode_to_decode, encode_frame
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 STATS = EngineStats(
     num_free_blocks=60,
@@ -38,7 +39,7 @@ STATS = EngineStats(
 
 def _messages():
     return [
-        Handoff("r", [1, 2, 3, 4, 5], {"temperature": 0.0}, 4, "p0", "d0", [1], 7, epoch=2, deadline=1e9),
+        Handoff("r", [1, 2, 3, 4, 5], SamplingParams(temperature=0.0), 4, "p0", "d0", [1], 7, epoch=2, deadline=1e9),
         PrefillResult("r", 42, -0.5, 4, 1, 1024, 0.01, 0.002, extra={"entered_at": 1.5}),
         StreamChunk("r", [5, 6], "ab", True, "length", 2, 0, 2, logprobs=[-0.1, -0.2], prefill_replica="p0"),
         # what top logprobs, a stop token / stop string, queue time and penalties look like on the wire
@@ -119,7 +120,7 @@ def test_handoff_messages_refuse_bad_input(cls):
     good = next(m for m in _messages() if type(m) is cls)
     kind = msgspec.msgpack.decode(good.to_bytes())["kind"]
     body = msgspec.msgpack.decode(good.to_bytes())["body"]
-    with pytest.raises(HandoffError, match="version 2"):
+    with pytest.raises(HandoffError, match=f"version {HANDOFF_VERSION + 1}"):
         cls.from_bytes(_envelope(HANDOFF_VERSION + 1, kind, body))
     with pytest.raises(HandoffError, match=f"expected a {kind} message"):
         cls.from_bytes(_envelope(HANDOFF_VERSION, "something_else", body))
@@ -159,8 +160,26 @@ def test_handoff_checks_its_block_indices():
 
 def test_sampling_params_survive_the_request_channel():
     params = SamplingParams(logit_bias={3: -100, 7: 2.5}, repetition_penalty=1.3, min_tokens=2, top_logprobs=4)
-    submit = decode_to_decode(encode_frame(Submit("r", [1, 2], params.to_dict()))[4:])
-    assert SamplingParams.from_dict(submit.sampling) == params
+    submit = decode_to_decode(encode_frame(Submit("r", [1, 2], params))[4:])
+    assert submit.sampling == params
+
+
+def test_sampling_params_cross_as_a_typed_struct_and_are_checked_when_decoded():
+    params = SamplingParams(structured_output={"kind": "regex", "value": "[ab]+"}, stop="x", seed=7)
+    assert params.structured_output == GrammarSpec("regex", "[ab]+") and params.stop == ["x"]
+    submit = decode_to_decode(encode_frame(Submit("r", [1, 2], params))[4:])
+    assert submit.sampling == params and isinstance(submit.sampling.structured_output, GrammarSpec)
+    # A peer's frame with a value the constructor refuses is a malformed frame, not a request.
+    raw = msgspec.msgpack.encode(
+        {"type": "submit", "request_id": "r", "prompt_token_ids": [1], "sampling": {"top_p": 0}}
+    )
+    with pytest.raises(ChannelError, match="top_p"):
+        decode_to_decode(raw)
+    unknown = msgspec.msgpack.encode(
+        {"type": "submit", "request_id": "r", "prompt_token_ids": [1], "sampling": {"tmperature": 1}}
+    )
+    with pytest.raises(ChannelError, match="tmperature"):
+        decode_to_decode(unknown)
 
 
 def test_queued_chunks_of_a_request_merge_into_one():

@@ -29,6 +29,7 @@ from splitserve.proto.messages.request_channel import (
     encode_frame,
     read_frame,
 )
+from splitserve.proto.messages.sampling_params import SamplingParams
 from splitserve.runtime.engine_worker import EngineWorker
 from splitserve.runtime.replica_channel_server import ReplicaChannelServer
 
@@ -40,7 +41,7 @@ def chunk(rid: str, token: int, finished: bool = False) -> StreamChunk:
 
 
 def test_frames_round_trip_and_refuse_garbage():
-    for msg in (Hello(1, "ing"), Submit("r", [1, 2], {"max_tokens": 2}, "prefill-0", label="x"), Abort("r")):
+    for msg in (Hello(1, "ing"), Submit("r", [1, 2], SamplingParams(max_tokens=2), "prefill-0", label="x"), Abort("r")):
         assert decode_to_decode(encode_frame(msg)[4:]) == msg
     batch = TokenBatch([chunk("a", 1), chunk("b", 2, True)])
     for msg in (Welcome(1, "decode-0"), batch, Failed("r", FailureKind.BUSY, True, "full")):
@@ -94,9 +95,9 @@ def test_submit_stream_abort_and_connection_loss():
         server = rec.server()
         address = await server.start("127.0.0.1")
         channel = RequestChannelClient("decode-0", address, "ingress-a")
-        qa = await channel.submit(Submit("a", [1, 2, 3], {}))
-        qb = await channel.submit(Submit("b", [1, 2, 3], {}))
-        qc = await channel.submit(Submit("c", [1, 2, 3], {}))
+        qa = await channel.submit(Submit("a", [1, 2, 3], SamplingParams()))
+        qb = await channel.submit(Submit("b", [1, 2, 3], SamplingParams()))
+        qc = await channel.submit(Submit("c", [1, 2, 3], SamplingParams()))
         await _wait(lambda: len(rec.submits) == 3)
         conn = rec.conns[0]
         assert conn.ingress_id == "ingress-a" and [s.request_id for s in rec.submits] == ["a", "b", "c"]
@@ -112,7 +113,7 @@ def test_submit_stream_abort_and_connection_loss():
         channel.abort("a")
         await _wait(lambda: rec.aborts == ["a"])
         # The decode replica goes away: the open request fails, retryably, at once.
-        qd = await channel.submit(Submit("d", [1], {}))
+        qd = await channel.submit(Submit("d", [1], SamplingParams()))
         await _wait(lambda: len(rec.submits) == 4)
         await server.close()
         assert isinstance(await asyncio.wait_for(qd.get(), 5), ChannelClosed)
@@ -124,7 +125,7 @@ def test_submit_stream_abort_and_connection_loss():
         address2 = await server2.start("127.0.0.1")
         channel2 = RequestChannelClient("decode-0", address2, "ingress-b")
         for rid in ("x", "y"):
-            await channel2.submit(Submit(rid, [1], {}))
+            await channel2.submit(Submit(rid, [1], SamplingParams()))
         await _wait(lambda: len(rec.submits) == 6)
         await channel2.close()
         await _wait(lambda: len(rec.closed) == 2)
@@ -141,7 +142,7 @@ def test_handshake_refuses_the_wrong_replica_or_version():
         address = await server.start("127.0.0.1")
         # A port that now belongs to another replica (the old one died and the port was reused).
         with pytest.raises(ChannelClosed, match="is decode-7, not decode-3"):
-            await RequestChannelClient("decode-3", address, "ing").submit(Submit("a", [1], {}))
+            await RequestChannelClient("decode-3", address, "ing").submit(Submit("a", [1], SamplingParams()))
         # A peer of another protocol version is refused before any request.
         reader, writer = await asyncio.open_connection(*address)
         writer.write(encode_frame(Hello(CHANNEL_VERSION + 1, "old-ingress")))

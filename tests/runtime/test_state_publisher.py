@@ -16,6 +16,7 @@ from splitserve.cluster.ingress.request_channel_client import ChannelClosed, Req
 from splitserve.proto.messages.kv_events import STORED, KVEvent
 from splitserve.proto.messages.poll_reply import PollReply, TransferTotals
 from splitserve.proto.messages.request_channel import ReplicaState, Submit
+from splitserve.proto.messages.sampling_params import SamplingParams
 from splitserve.runtime.replica_channel_server import ReplicaChannelServer
 from splitserve.runtime.state_publisher import StatePublisher
 from tests.helpers.engine_stats import STATS
@@ -98,7 +99,7 @@ def test_subscribers_get_catch_up_then_shared_numbered_frames_on_change():
         # A prefill replica's channel takes no requests: the connection ends.
         lost = asyncio.Event()
         a.on_lost = lost.set
-        queue = await a.submit(Submit("r", [1], {}))
+        queue = await a.submit(Submit("r", [1], SamplingParams()))
         assert isinstance(await asyncio.wait_for(queue.get(), 5), ChannelClosed)
         await asyncio.wait_for(lost.wait(), 5)
         for client in (a, b, c):

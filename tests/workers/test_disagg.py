@@ -12,9 +12,9 @@ import ray
 from splitserve.cluster.request_error import RequestError
 from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.proto.messages.poll_reply import PollReply
+from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.cluster import HELD_S, cluster_config, start_cluster, wait_for_baseline
 
 pytestmark = pytest.mark.ray

@@ -44,7 +44,7 @@ ENGINE_IMPORTS = {
     "splitserve.proto.messages.kv_events": {"KVEvent"},  # what take_events returns (kept in the event log)
     "splitserve.engine.io.block_reservation": {"BlockReservation"},
     "splitserve.engine.io.request_output": {"RequestOutput"},
-    "splitserve.engine.io.sampling_params": {"SamplingParams"},
+    "splitserve.proto.messages.sampling_params": {"SamplingParams"},
 }
 
 

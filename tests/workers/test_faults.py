@@ -19,8 +19,8 @@ from splitserve.cluster.frontend.grpc.server import GrpcFrontend
 from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.cluster.request_error import ErrorKind, RequestError
 from splitserve.cluster.routing.router import DECODE, PREFILL
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.proto import load_stubs
+from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.cluster import (
     HELD_S,
     LoopHttpServer,

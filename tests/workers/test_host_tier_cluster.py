@@ -15,9 +15,9 @@ from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.cluster.routing.router_config import RouterConfig
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.core.block_hash import hash_blocks
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.proto.messages.kv_events import HOST
+from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.cluster import cluster_config, pool_states, start_cluster, wait_for_baseline, wait_until
 
 pytestmark = pytest.mark.ray

@@ -15,10 +15,10 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.engine.config import EngineConfig, ModelConfig
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.kv_cache_sizing import kv_bytes_per_block
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.proto.messages.poll_reply import PollReply
+from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.cluster import cluster_config, serving_backend, wait_for_baseline
 
 pytestmark = pytest.mark.ray
@@ -98,7 +98,7 @@ def test_local_prefill_with_a_prefix_cache_hit_matches_colocated(loop, serving, 
 
 
 def test_prompt_logprobs_and_structured_output_over_both_prefill_paths(loop, serving, colocated):
-    from splitserve.engine.structured_output.grammar_spec import GrammarSpec
+    from splitserve.proto.messages.grammar_spec import GrammarSpec
 
     cluster = serving.cluster
     prompt = [(13 * i) % 200 + 50 for i in range(40)]

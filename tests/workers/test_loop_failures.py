@@ -31,9 +31,9 @@ from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.decode.decode_worker import PrefillFailedError
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine_errors import EngineLoopStopped, EngineStepError
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.proto.messages.poll_reply import PollReply, ReplicaStatus
+from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.channel_stream import ChannelStream
 from tests.helpers.cluster import (
     HELD_S,

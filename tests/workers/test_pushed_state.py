@@ -15,7 +15,7 @@ import ray
 
 from splitserve.cluster.ingress.dispatcher import Dispatcher
 from splitserve.cluster.routing.router import DECODE, PREFILL, Router
-from splitserve.engine.io.sampling_params import SamplingParams
+from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.cluster import (
     cluster_config,
     start_cluster,

@@ -14,8 +14,8 @@ import pytest
 
 from splitserve.bench.serving.json_schemas import MAX_INSTANCE_TOKENS, SCHEMAS
 from splitserve.cluster.request_error import ErrorKind, RequestError
-from splitserve.engine.io.sampling_params import SamplingParams
-from splitserve.engine.structured_output.grammar_spec import GrammarSpec
+from splitserve.proto.messages.grammar_spec import GrammarSpec
+from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.cluster import cluster_config, pool_states, start_cluster, wait_for_baseline
 
 pytestmark = pytest.mark.ray

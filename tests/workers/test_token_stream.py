@@ -11,9 +11,9 @@ import ray
 
 from splitserve.cluster.ingress.dispatcher import Dispatcher
 from splitserve.cluster.routing.router import DECODE, PREFILL, Router
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.proto import load_stubs
 from splitserve.proto.messages.poll_reply import PollReply
+from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.cluster import (
     cluster_config,
     pool_states,

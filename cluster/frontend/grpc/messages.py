@@ -4,10 +4,11 @@ StreamChunk -> GenerateResponse."""
 
 from __future__ import annotations
 
-from splitserve.engine.io.sampling_params import InvalidRequestError, SamplingParams
-from splitserve.engine.structured_output.grammar_spec import GrammarSpec
 from splitserve.proto import load_stubs
+from splitserve.proto.messages.grammar_spec import GrammarSpec
 from splitserve.proto.messages.handoff import StreamChunk
+from splitserve.proto.messages.invalid_request import InvalidRequestError
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 pb2, _ = load_stubs()
 # Sampling fields declared `optional` in the .proto: unset means the SamplingParams default.

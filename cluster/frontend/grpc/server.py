@@ -34,8 +34,8 @@ from splitserve.cluster.frontend.model_service import GenerationRequest, ModelSe
 from splitserve.cluster.frontend.serving_api import GenerationAPI
 from splitserve.cluster.request_error import ErrorKind, RequestError
 from splitserve.cluster.tenants.tenant_refusal import TenantRefusal
-from splitserve.engine.io.sampling_params import InvalidRequestError
 from splitserve.proto import load_stubs
+from splitserve.proto.messages.invalid_request import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 

@@ -64,7 +64,7 @@ from splitserve.cluster.frontend.openai.structured_output import constraint_fiel
 from splitserve.cluster.frontend.priority_class import PRIORITY_CLASS_HEADER
 from splitserve.cluster.frontend.serving_api import ServingAPI
 from splitserve.cluster.request_error import RequestError
-from splitserve.engine.io.sampling_params import SamplingParams
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

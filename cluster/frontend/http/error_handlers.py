@@ -12,7 +12,7 @@ from splitserve.cluster.frontend.http.errors import HTTP_STATUS_BY_KIND, OpenAIH
 from splitserve.cluster.frontend.http.sse import ClientDisconnected
 from splitserve.cluster.request_error import RequestError
 from splitserve.cluster.tenants.tenant_refusal import TenantRefusal
-from splitserve.engine.io.sampling_params import InvalidRequestError
+from splitserve.proto.messages.invalid_request import InvalidRequestError
 
 _WHERE = ("body", "query", "path", "header", "cookie")  # where a parameter was, not its name
 

@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from splitserve.cluster.frontend.openai.unsupported import UNSUPPORTED_PARAMETERS
-from splitserve.engine.structured_output.grammar_spec import MAX_CHOICES
+from splitserve.proto.messages.grammar_spec import MAX_CHOICES
 
 GENERATION = ("CompletionRequest", "ChatCompletionRequest")
 MODEL_FIELDS = (*GENERATION, "TokenizeCompletionRequest", "TokenizeChatRequest", "DetokenizeRequest")

@@ -9,7 +9,6 @@ stripped from what the client gets unless it asked for them."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import AsyncIterator
 
@@ -50,7 +49,7 @@ class CascadeBinding:
     async def _cascade(self, choice: ChoiceRequest) -> AsyncIterator[StreamChunk]:
         params, label = choice.params, choice.label
         client_logprobs = params.logprobs
-        small_params = params if client_logprobs else dataclasses.replace(params, logprobs=True)
+        small_params = params if client_logprobs else msgspec.structs.replace(params, logprobs=True)
         small = self.small.generate(choice.with_params(small_params))
         try:
             held: StreamChunk | None = None

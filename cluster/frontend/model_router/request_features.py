@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from splitserve.engine.io.sampling_params import SamplingParams
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from splitserve.cluster.frontend.model_router.cascade_binding import confidence_of
 from splitserve.engine.builtin_models.corpus import PASSAGES
-from splitserve.engine.io.sampling_params import SamplingParams
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 PROMPT_WORDS = 12
 

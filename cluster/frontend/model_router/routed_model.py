@@ -13,8 +13,8 @@ from typing import Any
 from splitserve.cluster.frontend.model_router.model_route_metrics import ModelRouteMetrics
 from splitserve.cluster.frontend.model_router.request_features import RequestFeatures
 from splitserve.cluster.frontend.serving_api import ChoiceRequest, ServingAPI
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.proto.messages.handoff import StreamChunk
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 
 class RoutedModel(ABC):

@@ -10,15 +10,15 @@ openai/structured_output.py and openai/tools.py.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Annotated, Literal
 
+import msgspec
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from splitserve.cluster.frontend.openai.structured_output import ResponseFormat, StructuredOutputs, grammar_spec_for
 from splitserve.cluster.frontend.openai.tools import ToolChoice, ToolParam, plan_tool_calls
 from splitserve.cluster.frontend.openai.unsupported import refused_parameter
-from splitserve.engine.io.sampling_params import (
+from splitserve.proto.messages.sampling_params import (
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
@@ -317,4 +317,4 @@ def choice_params(params: SamplingParams, index: int) -> SamplingParams:
     does, so every choice is reproducible on its own and seeded choices differ."""
     if params.seed is None or index == 0:
         return params
-    return dataclasses.replace(params, seed=(params.seed + index) % SEED_RANGE)
+    return msgspec.structs.replace(params, seed=(params.seed + index) % SEED_RANGE)

@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from splitserve.engine.io.sampling_params import InvalidRequestError
-from splitserve.engine.structured_output.grammar_spec import GrammarSpec
+from splitserve.proto.messages.grammar_spec import GrammarSpec
+from splitserve.proto.messages.invalid_request import InvalidRequestError
 
 
 class _Model(BaseModel):

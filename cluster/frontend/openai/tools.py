@@ -18,8 +18,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from splitserve.engine.io.sampling_params import InvalidRequestError
-from splitserve.engine.structured_output.grammar_spec import GrammarSpec
+from splitserve.proto.messages.grammar_spec import GrammarSpec
+from splitserve.proto.messages.invalid_request import InvalidRequestError
 
 TOOL_CALL_BEGIN, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 # A function without `parameters` takes none: its arguments are exactly {}.

@@ -11,9 +11,9 @@ from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.control.pool_metrics import PoolMetrics
 from splitserve.cluster.control.worker_pool import engine_config_for
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.proto.messages.poll_reply import PollReply, TransferTotals
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 
 def _samples(text: bytes) -> dict[tuple[str, str], float]:

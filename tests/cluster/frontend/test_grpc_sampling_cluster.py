@@ -13,8 +13,8 @@ import pytest
 
 from splitserve.cluster.frontend.grpc.server import GrpcFrontend
 from splitserve.cluster.frontend.http.api import build_http_app
-from splitserve.engine.io.sampling_params import MAX_TOP_LOGPROBS
 from splitserve.proto import load_stubs
+from splitserve.proto.messages.sampling_params import MAX_TOP_LOGPROBS
 from tests.helpers.cluster import LoopHttpServer, cluster_config, serving_backend, wait_for_baseline
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]

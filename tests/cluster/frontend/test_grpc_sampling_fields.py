@@ -14,8 +14,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.frontend.grpc.server import SERVICE_NAME
-from splitserve.engine.io.sampling_params import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS_ENTRIES, MAX_TOP_LOGPROBS
 from splitserve.proto import load_stubs
+from splitserve.proto.messages.sampling_params import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS_ENTRIES, MAX_TOP_LOGPROBS
 from tests.helpers.grpc_client import FAKE_LOGPROB, FakeBackend, fake_top_logprobs, serving_frontend
 
 pb2, pb2_grpc = load_stubs()

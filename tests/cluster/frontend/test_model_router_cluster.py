@@ -26,8 +26,8 @@ from splitserve.cluster.model_route_config import ModelRouteConfig
 from splitserve.engine.builtin_models.corpus import PASSAGES
 from splitserve.engine.builtin_models.model_cache import cached_checkpoint
 from splitserve.engine.builtin_models.model_spec import ModelSpec
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.proto import load_stubs
+from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.cluster import LoopHttpServer, cluster_config, wait_for_baseline
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(400)]

@@ -19,7 +19,7 @@ from splitserve.cluster.frontend.model_router.model_route_set import build_model
 from splitserve.cluster.frontend.model_router.request_features import RequestFeatures
 from splitserve.cluster.frontend.model_router.route_scorer import RouteScorer, load_scorer
 from splitserve.cluster.model_route_config import ModelRouteConfig
-from splitserve.engine.io.sampling_params import SamplingParams
+from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.http_api import FakeBackend, parse_sse
 
 # The fakes answer with logprob -0.25 * n at token n: over a 4-token window the confidence is

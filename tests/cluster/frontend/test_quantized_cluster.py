@@ -14,8 +14,8 @@ import pytest
 
 from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.cluster import LoopHttpServer, cluster_config, serving_backend, wait_for_baseline
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]

@@ -15,7 +15,7 @@ from splitserve.cluster.frontend.openai.protocol import (
     build_sampling_params,
 )
 from splitserve.cluster.frontend.openai.tool_call_output import ToolCallOutput
-from splitserve.engine.structured_output.grammar_spec import GrammarSpec
+from splitserve.proto.messages.grammar_spec import GrammarSpec
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

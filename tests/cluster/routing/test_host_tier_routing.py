@@ -10,9 +10,9 @@ from splitserve.cluster.routing.index import KVIndex
 from splitserve.cluster.routing.router import DECODE, PREFILL, Router
 from splitserve.cluster.routing.router_config import RouterConfig
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.proto.messages.kv_events import HOST, KVEvent
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 
 def test_index_keeps_the_tiers_apart():

@@ -11,7 +11,7 @@ import pytest
 
 from splitserve.cluster.routing.router import PREFILL
 from splitserve.engine.core.block_hash import hash_blocks
-from splitserve.engine.io.sampling_params import SamplingParams
+from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.cluster import cluster_config, start_cluster, wait_for_baseline
 
 pytestmark = pytest.mark.ray

@@ -15,7 +15,7 @@ from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.control.pool_metrics import PoolMetrics
 from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.cluster.scaling.autoscaler import Autoscaler
-from splitserve.engine.io.sampling_params import SamplingParams
+from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.cluster import start_cluster, wait_for_baseline
 
 # ---- on local Ray: graceful drain, and a load that rises then falls ----------------------

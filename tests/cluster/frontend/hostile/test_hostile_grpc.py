@@ -18,6 +18,7 @@ import pytest
 from splitserve.cluster.config import ServeConfig
 from splitserve.proto import load_stubs
 from splitserve.proto.messages.request_channel import ChannelError, Submit, decode_to_decode, encode_frame
+from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.cluster import wait_for_baseline, wait_until
 from tests.helpers.hostile_cases import HOSTILE_GRPC, HOSTILE_HTTP, MALFORMED_GRPC
 from tests.helpers.hostile_server import (
@@ -81,7 +82,7 @@ def test_secure_defaults_and_no_pickle_from_clients():
     assert (cfg.http_host, cfg.grpc_host, cfg.transport_host) == ("127.0.0.1",) * 3
     assert cfg.max_body_bytes <= 1 << 20 and cfg.max_requests_per_key >= 1 and cfg.api_key is None
     # What a replica accepts from the frontend is typed msgpack; a pickle is refused unread.
-    request = Submit(request_id="r", prompt_token_ids=[1, 2], sampling={})
+    request = Submit(request_id="r", prompt_token_ids=[1, 2], sampling=SamplingParams())
     assert decode_to_decode(encode_frame(request)[4:]) == request
     with pytest.raises(ChannelError):
         decode_to_decode(pickle.dumps(request))

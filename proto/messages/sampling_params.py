@@ -1,9 +1,14 @@
-"""Per-request sampling parameters, validated on construction and msgpack-friendly."""
+"""Per-request sampling parameters: a msgspec Struct, validated on construction and again when
+decoded, that crosses every process boundary as itself (the ingress's Submit, prefill's Handoff)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+import msgspec
+
+from splitserve.proto.messages.grammar_spec import GrammarSpec
+from splitserve.proto.messages.invalid_request import InvalidRequestError
 
 GREEDY_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 64
@@ -13,19 +18,14 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range: -100 bans a token, +100 makes it (nearly) certain
 
 
-class InvalidRequestError(ValueError):
-    """The caller asked for something the engine cannot do; the message says what."""
-
-
-@dataclass
-class SamplingParams:
+class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 disables top-k
     seed: int | None = None  # same seed -> same tokens, whatever the batch
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False  # return the log-probability of each chosen token
     top_logprobs: int = 0  # with logprobs: also the most likely alternatives, up to MAX_TOP_LOGPROBS
@@ -37,10 +37,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    logit_bias: dict[int, float] = msgspec.field(default_factory=dict)  # token id -> added to its logit
     min_tokens: int = 0  # EOS and stop tokens are masked (stop strings ignored) until this many
-    # A GrammarSpec (engine/structured_output/grammar_spec.py) the output must match; a dict on the wire.
-    structured_output: Any = None
+    # What the output must match (a GrammarSpec; its {"kind", "value"} dict is accepted too).
+    structured_output: GrammarSpec | None = None
     # False opts this request out of speculative decoding (where the engine speculates).
     speculative_decoding: bool = True
     # vLLM's priority: lower runs first. Schedulers order waiting work by (priority, arrival)
@@ -48,10 +48,7 @@ class SamplingParams:
     priority: int = 0
 
     def __post_init__(self) -> None:
-        if self.structured_output is not None:
-            from splitserve.engine.structured_output.grammar_spec import GrammarSpec  # it imports this module
-
-            self.structured_output = GrammarSpec.from_dict(self.structured_output)
+        self.structured_output = _grammar_spec(self.structured_output)
         self._check_basic()
         self._check_logits_processing()
 
@@ -136,22 +133,13 @@ class SamplingParams:
         # Below this temperature logits/temperature overflows to inf; the limit is argmax.
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
-    def to_dict(self) -> dict[str, Any]:
-        raw = asdict(self)
-        # msgpack maps need string keys: logit_bias travels as [token id, bias] pairs.
-        raw["logit_bias"] = [[token, bias] for token, bias in self.logit_bias.items()]
-        return raw
 
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> SamplingParams:
-        known = {f.name for f in fields(cls)}
-        unknown = set(raw) - known
-        if unknown:
-            raise InvalidRequestError(f"unknown sampling parameters: {sorted(unknown)}")
-        try:
-            return cls(**raw)
-        except TypeError as exc:
-            raise InvalidRequestError(str(exc)) from None
+def _grammar_spec(raw: Any) -> GrammarSpec | None:
+    if raw is None or isinstance(raw, GrammarSpec):
+        return raw
+    if not isinstance(raw, dict) or set(raw) - {"kind", "value"} or "kind" not in raw:
+        raise InvalidRequestError("structured_output must be {'kind': ..., 'value': ...}")
+    return GrammarSpec(raw["kind"], raw.get("value", ""))
 
 
 def _normalize_logit_bias(raw: Any) -> dict[int, float]:

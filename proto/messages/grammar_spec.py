@@ -1,24 +1,29 @@
 """What a constrained request asks its output to match: a JSON schema, any JSON object, a
-regex, one of a list of choices, or a Lark / GBNF grammar. A small value object that travels
-inside SamplingParams (msgpack-friendly: plain strings and lists), checked on construction.
-Compiling it is the grammar compiler's job (engine/structured_output/grammar_compiler.py)."""
+regex, one of a list of choices, or a Lark / GBNF grammar. A small frozen msgspec Struct that
+travels inside SamplingParams, checked on construction and again when decoded. Compiling it is
+the grammar compiler's job (engine/structured_output/grammar_compiler.py)."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
 from typing import Any
 
-from splitserve.engine.io.sampling_params import InvalidRequestError
-from splitserve.engine.structured_output.grammar_config import HARD_MAX_JSON_DEPTH
+import msgspec
+
+from splitserve.proto.messages.invalid_request import InvalidRequestError
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 1 << 20  # a grammar larger than the HTTP body limit is an error anyway
 MAX_CHOICES = 4096
+# Python's own JSON parser recurses; beyond this a schema cannot even be read safely.
+HARD_MAX_JSON_DEPTH = 500
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_BRACKET = re.compile(r"[\[\]{}]")
 
 
-@dataclass(frozen=True)
-class GrammarSpec:
+class GrammarSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kind: str
     # json_schema: the schema as JSON text; regex: the pattern; grammar: Lark or GBNF text;
     # choice: a JSON list of the choice strings; json_object: unused.
@@ -69,23 +74,10 @@ class GrammarSpec:
             raise InvalidRequestError("every choice must be a non-empty string")
         return values
 
-    def to_dict(self) -> dict[str, str]:
-        return {"kind": self.kind, "value": self.value}
-
-    @classmethod
-    def from_dict(cls, raw: Any) -> GrammarSpec:
-        if isinstance(raw, GrammarSpec):
-            return raw
-        if not isinstance(raw, dict) or set(raw) - {"kind", "value"} or "kind" not in raw:
-            raise InvalidRequestError("structured_output must be {'kind': ..., 'value': ...}")
-        return cls(raw["kind"], raw.get("value", ""))
-
 
 def _loads(text: str, what: str) -> Any:
     # json.loads recurses: a 10,000-deep '{"a":{"a":...' would be a RecursionError (a 500).
     # Count the nesting first, without recursion; GrammarConfig.max_schema_depth is tighter.
-    from splitserve.engine.structured_output.grammar_limits import json_depth
-
     if isinstance(text, str) and json_depth(text, HARD_MAX_JSON_DEPTH) > HARD_MAX_JSON_DEPTH:
         raise InvalidRequestError(
             f"{what} nests more than {HARD_MAX_JSON_DEPTH} levels deep; the limit is {HARD_MAX_JSON_DEPTH}"
@@ -94,3 +86,19 @@ def _loads(text: str, what: str) -> Any:
         return json.loads(text)
     except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidRequestError(f"{what} is not valid JSON: {exc}") from None
+
+
+def json_depth(text: str, stop_above: int | None = None) -> int:
+    """Nesting depth of JSON text, without parsing it (no recursion). Stops counting once
+    it passes stop_above."""
+    depth = deepest = 0
+    for match in _BRACKET.finditer(_JSON_STRING.sub('""', text)):
+        if match.group() in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if stop_above is not None and deepest > stop_above:
+                    return deepest
+        else:
+            depth -= 1
+    return deepest
