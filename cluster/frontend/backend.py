@@ -178,7 +178,7 @@ class ServingBackend:
         return choice.metered(self._generate(choice))
 
     async def _generate(self, choice: ChoiceRequest) -> AsyncIterator[StreamChunk]:
-        """Validate, admit, stream. Raises RequestError (before the first chunk on refusal).
+        """Admit, stream (ModelService validated the choice). Raises RequestError (before the first chunk on refusal).
         sheddable (batch work): outside the interactive limits, and routed only to decode
         replicas with headroom (the router's BatchHeadroom), else 429.
         timeout_s: the client's own deadline, capped by request_timeout_s; past it the
@@ -192,7 +192,6 @@ class ServingBackend:
             choice.timeout_s,
         )
         sheddable = choice.sheddable
-        self.validate(prompt_token_ids, params)
         if timeout_s is not None and not timeout_s > 0:
             raise invalid(f"the request timeout must be a positive number of seconds, got {timeout_s!r}")
         deadline = time.time() + min(timeout_s or self.cfg.request_timeout_s, self.cfg.request_timeout_s)

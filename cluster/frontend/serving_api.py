@@ -63,7 +63,8 @@ class GenerationAPI(Protocol):
         ...
 
     def generate(self, choice: ChoiceRequest) -> AsyncIterator[StreamChunk]:
-        """Validate, admit, stream; raises RequestError (before the first chunk on refusal)."""
+        """Admit, stream; raises RequestError (before the first chunk on refusal). The choice
+        was validated once, by ModelService through validate(), before any of it was admitted."""
         ...
 
 
