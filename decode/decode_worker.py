@@ -27,7 +27,7 @@ from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.engine_errors import EngineLoopStopped, EngineStepError
 from splitserve.engine.io.block_reservation import BlockReservation
 from splitserve.engine.io.request_output import RequestOutput
-from splitserve.kvtransfer.kv_link import open_replica_link
+from splitserve.kvtransfer.data_plane import open_replica_transport
 from splitserve.proto.messages.handoff import StreamChunk
 from splitserve.proto.messages.poll_reply import TransferTotals
 from splitserve.proto.messages.request_channel import Failed, FailureKind, Submit, TokenBatch, encode_frame
@@ -50,7 +50,7 @@ class _Request:
 
 class DecodeWorker(EngineWorker):
     def __init__(self, replica_id: str, worker: WorkerConfig):
-        super().__init__(replica_id, worker, open_transport=open_replica_link)
+        super().__init__(replica_id, worker, open_transport=open_replica_transport)
         self.reserve_timeout_s = worker.reserve_timeout_s
         self.prefill = PrefillClient(replica_id, self.transport, worker.namespace, worker.transfer_timeout_s)
         self._requests: dict[str, _Request] = {}
@@ -233,7 +233,7 @@ class DecodeWorker(EngineWorker):
         return self.prefill.transfer_totals()
 
     async def close_idle_pairs(self, max_idle_s: float) -> list[str]:
-        """Tear down process groups unused for max_idle_s; returns the prefill ids affected
+        """Close the pairs unused for max_idle_s; returns the prefill ids affected
         (the caller tells those replicas to drop their side)."""
         return await self.prefill.close_idle_pairs(max_idle_s)
 

@@ -1,6 +1,6 @@
 """PrefillClient: a decode replica's side of remote prefill. It asks a prefill replica (a
 named actor, looked up once) to compute a prompt and send the KV blocks this replica lacks over
-their pair's process group, receives them into the reserved blocks, and gives a transfer up
+their pair, receives them into the reserved blocks, and gives a transfer up
 cleanly: on a timeout derived from the prefill pool's measured speed (PrefillTimeout), a
 failure or a cancel, the prefill replica is told to stop, and the reserved blocks may be freed
 only once no transfer can still write into them. It keeps the pairs (one per prefill replica,
@@ -22,7 +22,7 @@ from splitserve.decode.prefill_timeout import PrefillTimeout
 from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.engine_errors import EngineLoopStopped
 from splitserve.engine.io.block_reservation import BlockReservation
-from splitserve.kvtransfer.kv_link import post_receive
+from splitserve.kvtransfer.data_plane import post_receive
 from splitserve.proto.messages.handoff import Handoff, PrefillResult
 from splitserve.proto.messages.poll_reply import TransferTotals
 from splitserve.proto.messages.request_channel import FailureKind, Submit
@@ -173,7 +173,7 @@ class PrefillClient:
             address = await asyncio.wait_for(prefill.transport_address.remote(), self.transfer_timeout_s)
             await asyncio.wait_for(
                 asyncio.gather(
-                    prefill.connect.remote(self.replica_id, epoch),
+                    prefill.open_pair.remote(self.replica_id, epoch),
                     asyncio.to_thread(self.transport.open_pair, prefill_id, tuple(address), "receiver", epoch),
                 ),
                 self.transfer_timeout_s + 5,
@@ -192,7 +192,7 @@ class PrefillClient:
         return TransferTotals(self.num_blocks_received, self.num_bytes_received, self.transfer_seconds)
 
     async def close_idle_pairs(self, max_idle_s: float) -> list[str]:
-        """Tear down process groups unused for max_idle_s; returns the prefill ids affected."""
+        """Close the pairs unused for max_idle_s; returns the prefill ids affected."""
         closed = await asyncio.to_thread(self.transport.close_idle, max_idle_s)
         for prefill_id in closed:
             self._open_pairs.discard(prefill_id)
@@ -200,7 +200,7 @@ class PrefillClient:
         return closed
 
     def forget_peer(self, prefill_id: str, epoch: int | None = None) -> None:
-        """A prefill replica left: drop its process group (the next pair with it is a new
+        """A prefill replica left: drop the pair with it (the next pair with it is a new
         epoch). epoch: only if the pair is not newer."""
         if epoch is not None and self._epochs.get(prefill_id, 0) > epoch:
             return

@@ -1,6 +1,7 @@
-"""One (sender, receiver) connection: a standalone 2-rank process group, never the default group.
+"""A pair: the KV connection between one sender (a prefill replica) and one receiver (a decode
+replica), on its own standalone 2-rank process group, never the default group.
 
-The group runs on the channel both ends agree on when they open it (process_groups.py): NCCL
+The group runs on the channel both ends agree on when they open the pair (pair_group.py): NCCL
 across GPUs, gloo on CPU, and for two ends on one GPU CUDA IPC or host memory. Rank 0 is the
 sender (prefill), rank 1 the receiver (decode). Ops are posted under the pair's lock, so the
 tensors of one call go out (and are matched) in order; waiting happens outside it, so transfers
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from splitserve.kvtransfer.errors import TransferError
 from splitserve.kvtransfer.kv_channel import SAME_DEVICE_MODES
-from splitserve.kvtransfer.process_groups import OpenedGroup, open_group
+from splitserve.kvtransfer.pair_group import OpenedGroup, open_pair_group
 from splitserve.kvtransfer.transfer_op import TransferOp
 from splitserve.kvtransfer.transfer_stats import TransferStats
 
@@ -34,13 +35,8 @@ INTERRUPT_TAG = 2**31 - 2
 MAX_USER_TAG = INTERRUPT_TAG - 1
 
 
-def backend_for(device: torch.device) -> str:
-    """The channel of a pair across two devices; same-device pairs use ipc or host (kv_channel.py)."""
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
 class Pair:
-    """An open 2-rank group with one peer; built by Pair.open, used through KVTransport."""
+    """An open pair with one peer (one epoch of it); built by Pair.open, used through KVTransport."""
 
     def __init__(
         self,
@@ -91,7 +87,8 @@ class Pair:
         on_stats: Callable[[TransferStats], None] | None = None,
         same_device: str = "auto",
     ) -> Pair:
-        """Join the group (both sides call this concurrently), then exchange a handshake.
+        """Open the pair (both sides call this concurrently): join its process group, then
+        exchange the handshake (the epoch, sender to receiver).
 
         same_device: how a pair whose ends share one device moves tensors (kv_channel.py)."""
         if same_device not in SAME_DEVICE_MODES:
@@ -100,13 +97,13 @@ class Pair:
         store.set_timeout(timedelta(seconds=timeout_s))
         try:
             rank = 0 if role == "sender" else 1
-            opened = open_group(store, rank, device, host, same_device, timeout_s, op_timeout_s, HANDSHAKE_TAG)
+            opened = open_pair_group(store, rank, device, host, same_device, timeout_s, op_timeout_s, HANDSHAKE_TAG)
         except TransferError as exc:
             raise TransferError(f"pair {key}: {exc}") from exc
         except (RuntimeError, OSError) as exc:  # DistStoreError on timeout, gloo connect errors
             raise TransferError(f"pair {key}: peer {peer_id!r} did not join within {timeout_s:.1f}s: {exc}") from exc
         pair = cls(peer_id, role, epoch, key, device, opened, store, default_timeout_s, on_stats)
-        # Also creates NCCL's communicator, which is lazy; on gloo it proves the link works.
+        # Also creates NCCL's communicator, which is lazy; on gloo it proves the pair works.
         token = torch.tensor([epoch], dtype=torch.int64, device=device)
         remaining_s = max(timeout_s - (time.monotonic() - started), 0.001)
         try:

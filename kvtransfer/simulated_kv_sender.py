@@ -1,11 +1,11 @@
 """SimulatedKVSender: the prefill side of a simulated engine's KV transfer -- no tensors, the
 same protocol (SendJob, its `done` and `flushed` futures, the chaos faults) as KVSender.
 
-One sender thread per replica (kvtransfer/queued_sender.py), as for the real one, so transfers
-queue behind each other on the replica's link; each layer (or a packed job whole) waits its share of
-SimulatedKVCache.transfer_wall_s: the profile's link latency plus bytes over its bandwidth,
-slowed speed_factor times. Layer-wise jobs are queued during the prefill step by its layer
-callbacks, so the wait overlaps the step's own, as NCCL sends overlap the forward.
+One sender thread per replica (kvtransfer/queued_sender.py), as for the real one, so a replica's
+transfers queue behind each other whichever pair they go to; each layer (or a packed job whole)
+waits its share of SimulatedKVCache.transfer_wall_s: the profile's `kv_link` latency plus bytes
+over its bandwidth, slowed speed_factor times. Layer-wise jobs are queued during the prefill step
+by its layer callbacks, so the wait overlaps the step's own, as NCCL sends overlap the forward.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""KVTransport: one per worker process; lazily opened 2-rank groups to each peer, with timeouts.
+"""KVTransport: one per replica; its pairs with each peer, opened lazily, with timeouts.
 
     prefill = KVTransport("prefill-0", kv_cache.device)            # sender side
     decode = KVTransport("decode-3", kv_cache.device)              # receiver side
@@ -28,7 +28,7 @@ import torch
 from splitserve.kvtransfer.errors import TransferError, TransportUsageError
 from splitserve.kvtransfer.host_address import resolve_host
 from splitserve.kvtransfer.kv_channel import SAME_DEVICE_MODES
-from splitserve.kvtransfer.pair import MAX_USER_TAG, ROLES, Pair, backend_for
+from splitserve.kvtransfer.pair import MAX_USER_TAG, ROLES, Pair
 from splitserve.kvtransfer.rendezvous import Address, Rendezvous, pair_key
 from splitserve.kvtransfer.transfer_op import TransferOp
 from splitserve.kvtransfer.transfer_stats import TransferStats
@@ -36,7 +36,7 @@ from splitserve.kvtransfer.transfer_stats import TransferStats
 __all__ = ["KVTransport", "resolve_host"]
 
 # Per-call timeouts go up to _OP_TIMEOUT_FACTOR * timeout_s. NCCL's watchdog acts on ops older
-# than the group's timeout, so that is set _WATCHDOG_MARGIN_S later: a timed-out wait() aborts
+# than its process group's timeout, so that is set _WATCHDOG_MARGIN_S later: a timed-out wait() aborts
 # the pair first.
 _OP_TIMEOUT_FACTOR = 3.0
 _WATCHDOG_MARGIN_S = 30.0
@@ -73,7 +73,6 @@ class KVTransport:
             raise TransportUsageError(f"same_device must be one of {SAME_DEVICE_MODES}, got {same_device!r}")
         self.endpoint_id = endpoint_id
         self.device = _normalize_device(device)
-        self.backend = backend_for(self.device)  # the channel between two different devices
         self.same_device = same_device
         self.host = host
         self.timeout_s = timeout_s
@@ -98,7 +97,7 @@ class KVTransport:
     def open_pair(
         self, peer_id: str, peer_address: Address | None, role: str, epoch: int, timeout_s: float | None = None
     ) -> Pair:
-        """Join (or reuse) the group with peer_id; blocks until the peer joins too.
+        """Open (or reuse) the pair with peer_id; blocks until the peer joins too.
 
         role "sender": this endpoint hosts the store (peer_address is ignored and may be None);
         role "receiver": peer_address is the sender's `address`. An open pair with the same

@@ -15,8 +15,8 @@ from splitserve.engine.core.scheduler import ScheduledBatch
 from splitserve.engine.engine_errors import EngineStepError
 from splitserve.engine.engine_protocol import EngineProtocol
 from splitserve.engine.io.request_output import RequestOutput
+from splitserve.kvtransfer.data_plane import make_sender, open_replica_transport
 from splitserve.kvtransfer.errors import TransferAbortedError
-from splitserve.kvtransfer.kv_link import make_sender, open_replica_link
 from splitserve.kvtransfer.send_job import SendJob
 from splitserve.proto.messages.handoff import Handoff, PrefillResult
 from splitserve.proto.messages.poll_reply import TransferTotals
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 class PrefillWorker(EngineWorker):
     def __init__(self, replica_id: str, worker: WorkerConfig):
-        super().__init__(replica_id, worker, open_transport=open_replica_link)
+        super().__init__(replica_id, worker, open_transport=open_replica_transport)
         self.sender = make_sender(self.transport, self.engine.kv_cache)
         self._jobs: dict[str, SendJob] = {}
         self._send_indices: dict[str, list[int]] = {}
@@ -83,8 +83,8 @@ class PrefillWorker(EngineWorker):
     async def transport_address(self) -> tuple[str, int]:
         return self.transport.address
 
-    async def connect(self, peer_id: str, epoch: int) -> None:
-        """Join the (this prefill, peer decode) process group; the peer joins concurrently."""
+    async def open_pair(self, peer_id: str, epoch: int) -> None:
+        """Open the pair with decode replica peer_id, as its sender; the peer opens it concurrently."""
         await asyncio.to_thread(self.transport.open_pair, peer_id, None, "sender", epoch)
 
     async def prefill(self, handoff_bytes: bytes) -> bytes:

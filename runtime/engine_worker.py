@@ -6,8 +6,8 @@ controller's probe.
 
 It lives in runtime/, the layer below both workers (prefill/ and decode/ never import each
 other), and holds no KV data plane: each worker hands in `open_transport`
-(kvtransfer/kv_link.py's open_replica_link: the real transport over torch.distributed, or the
-simulated engine's timed one), so which transport a replica opens is the worker's choice.
+(kvtransfer/data_plane.py's open_replica_transport: the real transport over torch.distributed,
+or the simulated engine's timed one), so which transport a replica opens is the worker's choice.
 
 A replica whose engine loop stopped for good has released every block and fails every call
 with EngineLoopStopped; its poll() and probe() then answer a PollReply with status

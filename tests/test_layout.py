@@ -207,7 +207,7 @@ from splitserve.prefill.prefill_worker import PrefillWorker
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine_factory import build_engine
 from splitserve.proto.messages.sampling_params import SamplingParams
-from splitserve.kvtransfer.kv_link import make_sender, open_transport, post_receive
+from splitserve.kvtransfer.data_plane import make_sender, open_transport, post_receive
 engine = build_engine(EngineConfig(model={tiny_model!r}, engine="simulated", profile="llama-8b-h200"))
 transport = open_transport("p", engine, "127.0.0.1", 5.0)
 make_sender(transport, engine.kv_cache).close()

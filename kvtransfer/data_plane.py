@@ -1,8 +1,7 @@
-"""The KV link a worker's engine needs: the real transport (process groups over
-torch.distributed, KVSender, PostedReceive) for LLMEngine, the timed simulated one
-(SimulatedTransport, SimulatedKVSender, SimulatedReceive) for SimulatedEngine -- chosen by the
-engine's KV cache, and each imported only when chosen, so a simulated replica never imports
-torch."""
+"""The KV data plane a worker's engine gets, chosen by its KV cache: for LLMEngine the real one
+(KVTransport, whose pairs move tensors over torch.distributed; KVSender; PostedReceive), for
+SimulatedEngine the timed simulated one (SimulatedTransport, SimulatedKVSender, SimulatedReceive).
+Each is imported only when chosen, so a simulated replica never imports torch."""
 
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ def open_transport(replica_id: str, engine: EngineProtocol, host: str, timeout_s
     return KVTransport(replica_id, engine.device, host=host, timeout_s=timeout_s)
 
 
-def open_replica_link(
+def open_replica_transport(
     transport_host: str, replica_id: str, engine: EngineProtocol, timeout_s: float
 ) -> tuple[str, Any]:
     """A worker replica's transport (EngineWorker's `open_transport`): its host resolved

@@ -1,4 +1,4 @@
-"""Open a pair's process group on the channel both ends agree on (splitserve.kvtransfer.kv_channel).
+"""A pair's process group, opened on the channel both ends agree on (splitserve.kvtransfer.kv_channel).
 
 Both ends publish their DeviceIdentity in the pair's store and read the peer's, pick the channel,
 then build its group: NCCL, gloo, or a gloo control group under the same-device `ipc` or `host`
@@ -29,6 +29,8 @@ _PROBE_VALUE = 0x5EED5EED
 
 @dataclass
 class OpenedGroup:
+    """A pair's process group as opened: the group, its channel, and why it fell back."""
+
     group: object  # what Pair posts on: send/recv returning works with wait(timedelta)
     channel: str
     fallback_reason: str | None = None  # why an ipc pair runs on host instead
@@ -43,7 +45,7 @@ def exchange_identities(store: dist.Store, rank: int, device: torch.device, same
     return choose_channel(sender, receiver)
 
 
-def open_group(
+def open_pair_group(
     store: dist.Store,
     rank: int,
     device: torch.device,
