@@ -68,6 +68,11 @@ def test_architecture_names_nothing_that_is_not_there():
     assert not missing, f"docs/ARCHITECTURE.md names what does not exist: {missing}"
 
 
+def test_the_request_lifecycle_names_nothing_that_is_not_there():
+    missing = TREE.missing_doc_targets(REPO / "docs" / "structures.md")
+    assert not missing, f"docs/structures.md names what does not exist: {missing}"
+
+
 # ---- the checker catches what it is for: each rule, with a violation planted ----------------
 
 
