@@ -58,7 +58,10 @@ def load_model(
             f"quantized weights ({scheme}) with tensor_parallel_size {tensor_parallel.size}: "
             "sharding quantized weights is not supported yet"
         )
-    weights = iterate_weights(root, None if tensor_parallel is None else tensor_parallel.plan.checkpoint_slice)
+    if tensor_parallel is None:
+        weights = iterate_weights(root)
+    else:  # only this rank's slice of each tensor is read from the files
+        weights = iterate_weights(root, tensor_parallel.plan.checkpoint_slice)
     if stored is not None:
         if quantization not in ("none", stored.scheme):
             raise CheckpointError(
