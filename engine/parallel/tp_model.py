@@ -48,12 +48,12 @@ class TensorParallelModel:
         meta: AttentionMetadata,
         on_layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        with self.ranks.lock:
+        with self.ranks.lock, self.ranks.stop_on_failure():
             self.ranks.send_forward(input_ids, positions, meta)
             return self.shard(input_ids, positions, kv_cache, meta, on_layer_done=on_layer_done)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        with self.ranks.lock:
+        with self.ranks.lock, self.ranks.stop_on_failure():
             return self.shard.compute_logits(self.ranks.send_logits(hidden))
 
 

@@ -12,6 +12,7 @@ watchdog, tp_follower.py).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import threading
@@ -54,6 +55,7 @@ class TensorParallelRanks:
         self.size = plan.size
         self.timeout_s = config.tensor_parallel_timeout_s
         self._lock = threading.Lock()  # a command and its collectives go out as one
+        self._failure: str | None = None  # the first failed command's error (stop_on_failure)
         device = rank_device(config.device, 0, plan.size)
         timeout = timedelta(seconds=self.timeout_s)
         store = dist.TCPStore(_HOST, 0, plan.size, is_master=True, timeout=timeout, wait_for_workers=False)
@@ -129,7 +131,22 @@ class TensorParallelRanks:
     def lock(self) -> threading.Lock:
         return self._lock
 
+    @contextlib.contextmanager
+    def stop_on_failure(self):
+        """A command that failed part-way leaves the ranks at different points of their
+        collectives: no later step could pair them up again, so they are stopped and every
+        later command fails at once, naming the first failure."""
+        try:
+            yield
+        except BaseException as exc:
+            if self._failure is None:
+                self._failure = f"{type(exc).__name__}: {exc}"
+                self.close()
+            raise
+
     def _send(self, header) -> None:
+        if self._failure is not None:
+            raise TensorParallelError(f"the tensor-parallel ranks were stopped after a failed step ({self._failure})")
         for rank, conn in enumerate(self._conns, start=1):
             try:
                 conn.send(header)

@@ -17,6 +17,7 @@ import time
 import pytest
 
 from splitserve.engine.config import ConfigError, EngineConfig, ModelConfig
+from splitserve.engine.engine_errors import EngineStepError
 from splitserve.engine.engine_factory import build_engine
 from splitserve.engine.io.sampling_params import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
@@ -166,6 +167,20 @@ def test_close_stops_the_ranks(models_root):
     assert pids and all(_alive(pid) for pid in pids)
     engine.close()
     assert not any(_alive(pid) for pid in pids)  # joined: not even a zombie is left
+
+
+def test_a_dead_rank_fails_the_step_and_every_later_one(models_root):
+    engine = LLMEngine(_config(str(make_checkpoint(models_root, "tiny", "llama")), 2, tensor_parallel_timeout_s=30))
+    try:
+        follower = engine.tensor_parallel._processes[0]
+        os.kill(follower.pid, signal.SIGKILL)
+        follower.join(10)
+        with pytest.raises(EngineStepError, match="tensor-parallel rank 1 is gone"):
+            engine.generate([[5, 6, 7]])
+        with pytest.raises(EngineStepError, match="stopped after a failed step"):
+            engine.generate([[5, 6, 7]])  # at once: no collective is waited for
+    finally:
+        engine.close()
 
 
 def test_the_cli_leaves_no_process_behind(models_root):
