@@ -259,6 +259,11 @@ class EngineConfig:
     # Seeds the block-hash chain (engine/core/block_hash.root_hash): a deployment of several
     # models gives each its served name, so their prefix hashes never coincide; None: unseeded.
     hash_seed: str | None = None
+    # Tensor parallelism (engine/parallel/): the model sharded over this many ranks, rank 0 in
+    # this process, the rest spawned processes on this node (gloo on CPU, NCCL on CUDA); 1
+    # runs none of it. The timeout bounds each rank's start, join and load and every collective.
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         from splitserve.engine.speculative.speculative_config import SpeculativeConfig
@@ -306,3 +311,8 @@ class EngineConfig:
             raise ConfigError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if not self.speed_factor > 0:
             raise ConfigError(f"speed_factor must be > 0, got {self.speed_factor}")
+        size = self.tensor_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ConfigError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+        if not self.tensor_parallel_timeout_s > 0:
+            raise ConfigError(f"tensor_parallel_timeout_s must be > 0, got {self.tensor_parallel_timeout_s}")

@@ -15,7 +15,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from splitserve.engine.config import EngineConfig
+from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.engine_protocol import LayerHookFactory
 from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.io.tokenizer import Tokenizer
@@ -25,6 +25,8 @@ from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.ops.host_kv_cache import HostKVCache, num_host_blocks
 from splitserve.engine.ops.kv_cache import KVCache
 from splitserve.engine.paged_engine import PagedEngine
+from splitserve.engine.parallel.tp_model import launch_tensor_parallel
+from splitserve.engine.parallel.tp_ranks import TensorParallelRanks
 from splitserve.engine.speculative.speculator import Speculator
 from splitserve.proto.messages.sampling_params import SamplingParams
 
@@ -33,17 +35,32 @@ __all__ = ["LLMEngine", "LayerHookFactory"]
 
 class LLMEngine(PagedEngine):
     def __init__(self, config: EngineConfig):
-        model, model_config = load_model(
-            config.model, dtype=config.dtype, device=config.device, quantization=config.quantization
-        )
+        # tensor_parallel_size > 1: this process is rank 0 of the sharded model, the other ranks
+        # are processes it spawns (engine/parallel/); its KV cache holds only its KV heads.
+        self.tensor_parallel: TensorParallelRanks | None = None
+        if config.tensor_parallel_size > 1:
+            config, model, model_config, cache_config = launch_tensor_parallel(config)
+            self.tensor_parallel = model.ranks
+        else:
+            model, model_config = load_model(
+                config.model, dtype=config.dtype, device=config.device, quantization=config.quantization
+            )
+            cache_config = model_config
+        try:
+            self._build(config, model, model_config, cache_config)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig, model, model_config: ModelConfig, cache_config: ModelConfig) -> None:
         self.model = model
         tokenizer = Tokenizer.from_pretrained(config.model)
         max_model_len = min(config.max_model_len or model_config.max_context_len, model_config.max_context_len)
         # kv_cache_memory_bytes: as many blocks as fit, known now that the model's shape is.
-        sizing = (model_config, config.block_size, config.kv_cache_dtype, config.dtype)
+        sizing = (cache_config, config.block_size, config.kv_cache_dtype, config.dtype)
         blocks = resolve_num_kv_blocks(*sizing, config.num_kv_blocks, config.kv_cache_memory_bytes, max_model_len)
         config = dataclasses.replace(config, num_kv_blocks=blocks)
-        kv_cache = KVCache(model_config, config)
+        kv_cache = KVCache(cache_config, config)
         eos = tokenizer.eos_token_ids or model_config.eos_token_ids
         super().__init__(
             config,
@@ -56,6 +73,12 @@ class LLMEngine(PagedEngine):
             num_host_blocks=num_host_blocks(kv_cache, config.kv_offloading_size),
             make_host_mover=lambda num_host: HostKVCache(kv_cache, num_host),
         )
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any (they also stop when the engine is collected
+        or the interpreter exits). The engine cannot step afterwards."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
 
     @classmethod
     def from_model_dir(cls, model: str, **kwargs) -> LLMEngine:

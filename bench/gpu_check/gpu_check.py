@@ -54,6 +54,7 @@ CHECKS = {
     "offload": "7. Host KV tier (kv_offloading_size)",
     "quant": "8. Quantized matmuls (fp8, int8) vs bf16",
     "overlap": "9. Async scheduling: step time with and without overlap",
+    "tensor_parallel": "10. Tensor parallelism: a one-rank group, the sharded model, shard shapes",
 }
 STATUSES = ("pass", "fail", "missed", "info")
 
@@ -191,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         gpu_check_ops,
         gpu_check_overlap,
         gpu_check_quant,
+        gpu_check_tensor_parallel,
         gpu_check_throughput,
         gpu_check_transfer,
     )
@@ -209,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             "offload": lambda: gpu_check_offload.check_offload(device, args.tiny, work),
             "quant": lambda: gpu_check_quant.check_quant(device, args.tiny),
             "overlap": lambda: gpu_check_overlap.check_overlap(device, args.tiny, work),
+            "tensor_parallel": lambda: gpu_check_tensor_parallel.check_tensor_parallel(device, args.tiny, work),
         }
         for name in [n for n in CHECKS if n in args.only.split(",")]:
             check_started = time.monotonic()

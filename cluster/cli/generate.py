@@ -72,6 +72,14 @@ def add_generate_parser(subparsers) -> None:
         help="KV-cache storage: auto = the model dtype; fp8/int8 = 1 byte per value + a scale per token and head",
     )
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="shard the model over N ranks on this node (processes; gloo on CPU, NCCL on CUDA)",
+    )
     add_speculative_flags(p)
     p.add_argument(
         "--json", action="store_true", help="print one JSON object per prompt with token_ids (generated ids) and text"
@@ -90,6 +98,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from splitserve.engine.config import ConfigError, EngineConfig
     from splitserve.engine.llm_engine import LLMEngine
     from splitserve.engine.model.loader import CheckpointError
+    from splitserve.engine.parallel.tp_group import TensorParallelError
     from splitserve.proto.messages.invalid_request import InvalidRequestError
     from splitserve.proto.messages.sampling_params import SamplingParams
 
@@ -113,10 +122,14 @@ def run_generate(args: argparse.Namespace) -> int:
                 kv_cache_dtype=args.kv_cache_dtype,
                 block_size=args.block_size,
                 speculative=speculative_from_args(args),
+                tensor_parallel_size=args.tensor_parallel_size,
             )
         )
-        outputs = engine.generate(prompts, params)
-    except (ValueError, ConfigError, CheckpointError, InvalidRequestError, OSError) as exc:
+        try:
+            outputs = engine.generate(prompts, params)
+        finally:
+            engine.close()
+    except (ValueError, ConfigError, CheckpointError, InvalidRequestError, OSError, TensorParallelError) as exc:
         print(f"splitserve generate: error: {exc}", file=sys.stderr)
         return 2
     for out in outputs:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 SINGLE_FILE = "model.safetensors"
@@ -47,8 +47,13 @@ def weight_files(model_dir: str | Path) -> list[Path]:
     raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {root}")
 
 
-def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, object]]:
-    """(hf_name, torch.Tensor on CPU) for every tensor in the checkpoint, shard by shard."""
+def iterate_weights(
+    model_dir: str | Path, shard_slice: Callable[[str], tuple[int, int, int] | None] | None = None
+) -> Iterator[tuple[str, object]]:
+    """(hf_name, torch.Tensor on CPU) for every tensor in the checkpoint, shard by shard.
+
+    shard_slice(name) -> (dim, start, stop) reads only those rows (dim 0) or columns (dim 1)
+    of the tensor from the file (a tensor-parallel rank's slice; None: the whole tensor)."""
     from safetensors import SafetensorError
     from safetensors.torch import safe_open
 
@@ -56,6 +61,12 @@ def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, object]]:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as handle:
                 for name in handle.keys():
-                    yield name, handle.get_tensor(name)
+                    cut = shard_slice(name) if shard_slice is not None else None
+                    if cut is None:
+                        yield name, handle.get_tensor(name)
+                        continue
+                    dim, start, stop = cut
+                    part = handle.get_slice(name)
+                    yield name, part[start:stop] if dim == 0 else part[:, start:stop]
         except SafetensorError as exc:
             raise CheckpointError(f"cannot read {path}: {exc}") from None

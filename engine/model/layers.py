@@ -33,11 +33,23 @@ class DecoderLayer(nn.Module):
     # The matmul weights; a quantized model replaces each with an engine/quant weight at load.
     LINEAR_WEIGHTS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
-    def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype, device, linear_device=None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        dtype: torch.dtype,
+        device,
+        linear_device=None,
+        all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ):
         """linear_device: where the matmul weights live until loaded; "meta" (no memory) when
-        the loader quantizes them, so only one full-precision weight is ever materialised."""
+        the loader quantizes them, so only one full-precision weight is ever materialised.
+        Tensor parallelism: config is one rank's (engine/parallel/shard_plan.py: its heads,
+        KV heads and intermediate share) and all_reduce sums the row-parallel o and down
+        outputs over the ranks; None (one rank) runs no collective."""
         super().__init__()
         self.layer_index = layer_index
+        self.all_reduce = all_reduce
         self.eps = config.rms_norm_eps
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -107,10 +119,17 @@ class DecoderLayer(nn.Module):
         attn = paged_attention(
             q, key_cache, value_cache, meta, self.scale, new_keys=k, new_values=v, decode_plan=decode_plan
         )
-        # Residual adds in place on the fresh matmul outputs (x + r == r + x exactly).
-        hidden = linear(attn.reshape(num_tokens, self.q_size), self.o_weight).add_(hidden)
+        # Residual adds in place on the fresh matmul outputs (x + r == r + x exactly); under
+        # tensor parallelism after the partial outputs are summed, so the residual counts once.
+        out = linear(attn.reshape(num_tokens, self.q_size), self.o_weight)
+        if self.all_reduce is not None:
+            self.all_reduce(out)
+        hidden = out.add_(hidden)
 
         x = rms_norm(hidden, self.post_attention_norm, self.eps)
         gate_up = linear(x, self.gate_up_weight)
         act = F.silu(gate_up[:, : self.intermediate_size]).mul_(gate_up[:, self.intermediate_size :])
-        return linear(act, self.down_weight).add_(hidden)
+        out = linear(act, self.down_weight)
+        if self.all_reduce is not None:
+            self.all_reduce(out)
+        return out.add_(hidden)

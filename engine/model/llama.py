@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +19,12 @@ from splitserve.engine.ops.attention import make_decode_plan
 from splitserve.engine.ops.attention_metadata import AttentionMetadata
 from splitserve.engine.ops.kv_cache import KVCache
 from splitserve.engine.ops.onednn_packed_weight import OneDnnPackedWeight
+from splitserve.engine.parallel.vocab_parallel import gather_vocab_logits, vocab_parallel_embedding
 from splitserve.engine.quant.layerwise_quantizer import LayerwiseQuantizer
 from splitserve.engine.quant.quantize import linear
+
+if TYPE_CHECKING:
+    from splitserve.engine.parallel.tp_group import TensorParallelGroup
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Buffers some older checkpoints carry; recomputed here, never loaded.
@@ -35,27 +40,38 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         quantization: str = "none",
+        tensor_parallel: TensorParallelGroup | None = None,
     ):
         """quantization none|int8|fp8|int4: the decoder layers' matmul weights, quantized by
-        load_weights as they arrive; embeddings, norms and lm_head stay in dtype."""
+        load_weights as they arrive; embeddings, norms and lm_head stay in dtype.
+        tensor_parallel: this rank's group; the model is then its shard (engine/parallel/):
+        its heads, KV heads, intermediate and vocabulary rows, loaded from the checkpoint's
+        matching slices, with the collectives that join the shards. None: the whole model."""
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.quantization = quantization
+        self.tensor_parallel = tensor_parallel
         linear_device = None if quantization == "none" else "meta"
         hidden = config.hidden_size
+        layer_config, vocab_rows, all_reduce = config, config.vocab_size, None
+        if tensor_parallel is not None:
+            plan = tensor_parallel.plan
+            layer_config, vocab_rows, all_reduce = plan.local_config, plan.vocab_rows, tensor_parallel.all_reduce
+        self.num_heads = layer_config.num_attention_heads  # this rank's
         self.embed_tokens = nn.Parameter(
-            torch.empty(config.vocab_size, hidden, dtype=dtype, device=device), requires_grad=False
+            torch.empty(vocab_rows, hidden, dtype=dtype, device=device), requires_grad=False
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, dtype, device, linear_device) for i in range(config.num_hidden_layers)
+            DecoderLayer(layer_config, i, dtype, device, linear_device, all_reduce)
+            for i in range(config.num_hidden_layers)
         )
         self.final_norm = nn.Parameter(torch.empty(hidden, dtype=dtype, device=device), requires_grad=False)
         if config.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:
             self.lm_head = nn.Parameter(
-                torch.empty(config.vocab_size, hidden, dtype=dtype, device=device), requires_grad=False
+                torch.empty(vocab_rows, hidden, dtype=dtype, device=device), requires_grad=False
             )
         self.rotary = RotaryEmbedding(config, dtype, device)
         self._layer_list = list(self.layers)  # plain list: cheaper to iterate in the hot loop
@@ -89,25 +105,44 @@ class LlamaForCausalLM(nn.Module):
         if on_layer_done is None and self._scripted_decode is not None and decode_plan_applies(meta, kv_cache):
             # CPU decode: the same ops as below as one TorchScript call, which holds no GIL.
             return self._scripted_decode(input_ids, positions, kv_cache, meta)
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        if self.tensor_parallel is None:
+            hidden = F.embedding(input_ids, self.embed_tokens)
+        else:
+            hidden = vocab_parallel_embedding(input_ids, self.embed_tokens, self.tensor_parallel)
         cos, sin = self.rotary.cos_sin(positions)
         # Block tables are the same for every layer: index them once per step.
-        plan = make_decode_plan(meta, hidden, kv_cache.key_cache(0), self.config.num_attention_heads)
+        plan = make_decode_plan(meta, hidden, kv_cache.key_cache(0), self.num_heads)
         for i, layer in enumerate(self._layer_list):
             hidden = layer(hidden, cos, sin, kv_cache.key_cache(i), kv_cache.value_cache(i), meta, on_layer_done, plan)
         return rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
 
     def use_scripted_decode(self) -> bool:
         """Run CPU pure-decode steps as one TorchScript call (engine/model/scripted_decode.py),
-        where this model's weights allow it. Call once the weights are loaded (and packed)."""
+        where this model's weights allow it. Call once the weights are loaded (and packed).
+        A tensor-parallel shard has none: its step runs collectives between the layers."""
+        if self.tensor_parallel is not None:
+            return False
         self._scripted_decode = ScriptedDecodeForward.build(self)
         return self._scripted_decode is not None
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]. A normal tensor (no_grad, not inference
-        mode) so that samplers may modify it in place."""
-        return linear(hidden, self.lm_head).float()
+        mode) so that samplers may modify it in place. A tensor-parallel shard gathers its
+        vocabulary rows' logits on the driver, while every other rank runs share_logits."""
+        logits = linear(hidden, self.lm_head).float()
+        if self.tensor_parallel is None:
+            return logits
+        gathered = gather_vocab_logits(logits, self.tensor_parallel)
+        if gathered is None:
+            raise RuntimeError(f"rank {self.tensor_parallel.rank} is not the driver: it calls share_logits")
+        return gathered
+
+    @torch.no_grad()
+    def share_logits(self, hidden: torch.Tensor) -> None:
+        """A follower rank's part of the driver's compute_logits: its vocabulary rows' logits."""
+        assert self.tensor_parallel is not None
+        gather_vocab_logits(linear(hidden, self.lm_head).float(), self.tensor_parallel)
 
     def pack_matmul_weights(self) -> int:
         """Reorder the full-precision matmul weights for oneDNN (engine/ops/onednn_packed_weight.py),
@@ -129,15 +164,22 @@ class LlamaForCausalLM(nn.Module):
 
     def _weight_targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
         targets = {
-            "model.embed_tokens.weight": (self.embed_tokens, 0, self.embed_tokens.shape[0]),
+            "model.embed_tokens.weight": (self.embed_tokens, 0, self._vocab_rows_loaded),
             "model.norm.weight": (self.final_norm, 0, self.final_norm.shape[0]),
         }
         if not self.config.tie_word_embeddings:
-            targets["lm_head.weight"] = (self.lm_head, 0, self.lm_head.shape[0])
+            targets["lm_head.weight"] = (self.lm_head, 0, self._vocab_rows_loaded)
         for i, layer in enumerate(self._layer_list):
             for sub, target in layer.weight_slices().items():
                 targets[f"model.layers.{i}.{sub}"] = target
         return targets
+
+    @property
+    def _vocab_rows_loaded(self) -> int:
+        """Embedding / lm_head rows the checkpoint fills (a shard's last rank pads its rows)."""
+        if self.tensor_parallel is None:
+            return self.embed_tokens.shape[0]
+        return self.tensor_parallel.plan.vocab_rows_loaded
 
     def expected_weight_names(self) -> list[str]:
         return list(self._weight_targets())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,11 +15,18 @@ from splitserve.engine.ops.kv_cache import DTYPE_BY_NAME
 from splitserve.engine.ops.onednn_packed_weight import cpu_matmul
 from splitserve.engine.quant.prequantized_weights import prequantized_weights
 
+if TYPE_CHECKING:
+    from splitserve.engine.parallel.tp_group import TensorParallelGroup
+
 __all__ = ["CheckpointError", "load_model"]
 
 
 def load_model(
-    model_dir: str | Path, dtype: str | None = None, device: str | torch.device = "cpu", quantization: str = "none"
+    model_dir: str | Path,
+    dtype: str | None = None,
+    device: str | torch.device = "cpu",
+    quantization: str = "none",
+    tensor_parallel: TensorParallelGroup | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Read config.json and the safetensors weights (single file or sharded) of model_dir.
 
@@ -30,6 +38,10 @@ def load_model(
     forward). Raises CheckpointError for a missing directory or
     file, a missing/unexpected/misshapen weight, and ConfigError (a ValueError) for a config
     splitserve cannot run, e.g. an unsupported architecture.
+
+    tensor_parallel: this rank's group; the model is then its shard, each tensor read as only
+    this rank's slice of the file (engine/parallel/shard_plan.py), with no scripted decode step.
+    Quantized weights are refused there: their scales and int4 groups do not shard yet.
     """
     root = require_model_dir(model_dir)
     config = ModelConfig.from_pretrained(root)
@@ -39,8 +51,17 @@ def load_model(
         config.dtype = dtype
     if quantization not in QUANTIZATIONS:
         raise CheckpointError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
-    weights = iterate_weights(root)
     stored = config.checkpoint_scheme  # a pre-quantized checkpoint runs in its own scheme
+    if tensor_parallel is not None and (quantization != "none" or stored is not None):
+        scheme = quantization if stored is None else f"{stored.scheme} (pre-quantized)"
+        raise CheckpointError(
+            f"quantized weights ({scheme}) with tensor_parallel_size {tensor_parallel.size}: "
+            "sharding quantized weights is not supported yet"
+        )
+    if tensor_parallel is None:
+        weights = iterate_weights(root)
+    else:  # only this rank's slice of each tensor is read from the files
+        weights = iterate_weights(root, tensor_parallel.plan.checkpoint_slice)
     if stored is not None:
         if quantization not in ("none", stored.scheme):
             raise CheckpointError(
@@ -50,11 +71,17 @@ def load_model(
         quantization = stored.scheme
         weights = prequantized_weights(weights, stored)
     weight_files(root)  # fail on missing weight files before allocating the model
-    model = LlamaForCausalLM(config, dtype=DTYPE_BY_NAME[config.dtype], device=device, quantization=quantization)
+    model = LlamaForCausalLM(
+        config,
+        dtype=DTYPE_BY_NAME[config.dtype],
+        device=device,
+        quantization=quantization,
+        tensor_parallel=tensor_parallel,
+    )
     model.load_weights(weights)
     if torch.device(device).type == "cpu" and cpu_matmul() == "onednn":
         model.pack_matmul_weights()
-    if torch.device(device).type == "cpu" and cpu_decode_forward() == "scripted":
+    if torch.device(device).type == "cpu" and cpu_decode_forward() == "scripted" and tensor_parallel is None:
         model.use_scripted_decode()
     model.eval()
     return model, config

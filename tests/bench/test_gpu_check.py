@@ -12,7 +12,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check" / "gpu_check.py"
-CHECKS = ["parity", "kernels", "bandwidth", "throughput", "transfer", "kv_quant", "offload", "quant", "overlap"]
+CHECKS = [
+    "parity",
+    "kernels",
+    "bandwidth",
+    "throughput",
+    "transfer",
+    "kv_quant",
+    "offload",
+    "quant",
+    "overlap",
+    "tensor_parallel",
+]
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +67,10 @@ def test_cpu_dry_run_passes_every_check(dry_run):
     for batch, context in ((1, 40), (3, 33)):  # the fp8 KV kernel against the 16-bit one
         fp8 = items[("kv_quant", f"fp8 KV attention b={batch} ctx={context}")]
         assert fp8["status"] == "pass" and fp8["numbers"]["max_abs_error_vs_bf16_kernel"] > 0
+    # Tensor parallelism: the sharded model on a one-rank group is the whole model; shards tile it.
+    assert items[("tensor_parallel", "sharded model on a 1-rank group")]["numbers"]["logits_max_abs"] <= 1e-5
+    for size in (2, 4):
+        assert items[("tensor_parallel", f"TP {size} shards tile the model")]["status"] == "pass"
     # The host KV tier: copies bit-exact, hits loaded, greedy tokens unchanged.
     assert items[("offload", "save/load round trip")]["status"] == "pass"
     assert items[("offload", "multi-turn greedy with the tier")]["numbers"]["loaded_blocks"] > 0

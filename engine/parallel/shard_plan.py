@@ -1,0 +1,131 @@
+"""ShardPlan: what one tensor-parallel rank holds of a Llama-family model, and which slice of
+each checkpoint tensor it reads. Torch-free: the driver checks a TP size before it spawns a rank.
+
+Megatron's split (as vLLM does it): q/k/v and gate/up are column-parallel (each rank its heads'
+rows, its share of the intermediate rows), o and down row-parallel (the matching input
+columns; one all-reduce each sums the partial outputs), embedding and lm_head split by
+vocabulary rows. When the TP size exceeds the KV heads (GQA), each KV head is replicated on
+TP / kv_heads ranks: rank r holds KV head r // (TP / kv_heads), the one its query heads read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from splitserve.engine.config import ConfigError, EngineConfig, ModelConfig
+
+_Q = ("self_attn.q_proj.weight", "self_attn.q_proj.bias")
+_KV = ("self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight", "self_attn.v_proj.bias")
+_MLP_IN = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def refuse_unsupported(config: EngineConfig) -> None:
+    """What a tensor-parallel engine does not do yet, refused by name in one line."""
+    size = config.tensor_parallel_size
+    refused = {
+        f"--quantization {config.quantization}": config.quantization != "none",
+        "speculative decoding": config.speculative.enabled,
+        "the host KV tier (kv_offloading_size)": config.kv_offloading_size > 0,
+    }
+    for what, applies in refused.items():
+        if size > 1 and applies:
+            raise ConfigError(f"tensor_parallel_size {size} does not support {what} yet")
+
+
+def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
+    """A one-line ConfigError naming the numbers when size cannot split this model."""
+    heads, kv_heads, inter = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
+    if size < 1:
+        raise ConfigError(f"tensor_parallel_size must be >= 1, got {size}")
+    if heads % size:
+        raise ConfigError(f"tensor_parallel_size {size} does not divide num_attention_heads {heads}")
+    if kv_heads % size and size % kv_heads:
+        raise ConfigError(
+            f"tensor_parallel_size {size} and num_key_value_heads {kv_heads}: one must divide the other "
+            "(KV heads are split, or replicated when TP exceeds them)"
+        )
+    if inter % size:
+        raise ConfigError(f"tensor_parallel_size {size} does not divide intermediate_size {inter}")
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    config: ModelConfig  # the whole model's
+    size: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        check_tensor_parallel_size(self.config, self.size)
+        if not 0 <= self.rank < self.size:
+            raise ConfigError(f"rank {self.rank} is outside tensor_parallel_size {self.size}")
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_attention_heads // self.size
+
+    @property
+    def num_kv_heads(self) -> int:
+        return max(self.config.num_key_value_heads // self.size, 1)
+
+    @property
+    def kv_head_start(self) -> int:
+        kv_heads = self.config.num_key_value_heads
+        if self.size > kv_heads:  # replicated: TP / kv_heads ranks share each KV head
+            return self.rank // (self.size // kv_heads)
+        return self.rank * self.num_kv_heads
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.config.intermediate_size // self.size
+
+    @property
+    def vocab_rows(self) -> int:
+        """Rows of this rank's embedding / lm_head: the vocabulary split in equal parts, the
+        last one padded (its padding rows are never looked up and their logits are cut)."""
+        return -(-self.config.vocab_size // self.size)
+
+    @property
+    def vocab_start(self) -> int:
+        return self.rank * self.vocab_rows
+
+    @property
+    def vocab_rows_loaded(self) -> int:
+        """The real vocabulary rows of this rank (fewer than vocab_rows on the last rank)."""
+        return max(min(self.vocab_rows, self.config.vocab_size - self.vocab_start), 0)
+
+    @property
+    def local_config(self) -> ModelConfig:
+        """The model config one rank builds its layers and its KV cache from: its heads, KV
+        heads and intermediate share; hidden size and vocabulary as the whole model's."""
+        return dataclasses.replace(
+            self.config,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            intermediate_size=self.intermediate_size,
+        )
+
+    def checkpoint_slice(self, name: str) -> tuple[int, int, int] | None:
+        """(dim, start, stop) of the checkpoint tensor `name` this rank reads; None: all of it
+        (norms, which every rank holds whole)."""
+        head_dim = self.config.head_dim
+        if name.endswith(_VOCAB):
+            return 0, self.vocab_start, self.vocab_start + self.vocab_rows_loaded
+        sub = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
+        if sub in _Q:
+            start = self.rank * self.num_heads * head_dim
+            return 0, start, start + self.num_heads * head_dim
+        if sub in _KV:
+            start = self.kv_head_start * head_dim
+            return 0, start, start + self.num_kv_heads * head_dim
+        if sub == "self_attn.o_proj.weight":
+            start = self.rank * self.num_heads * head_dim
+            return 1, start, start + self.num_heads * head_dim
+        if sub in _MLP_IN:
+            start = self.rank * self.intermediate_size
+            return 0, start, start + self.intermediate_size
+        if sub == "mlp.down_proj.weight":
+            start = self.rank * self.intermediate_size
+            return 1, start, start + self.intermediate_size
+        return None

@@ -1,0 +1,98 @@
+"""A follower rank's process (ranks 1..N-1 of a tensor-parallel engine): join the group, load
+this rank's shard and KV cache, then run each forward and logits command the driver sends.
+
+It exits when the driver says stop, when its pipe closes, when a collective fails or times
+out, and -- whatever it is doing -- when the driver process dies: a watchdog thread waits on
+the parent's sentinel and ends the process, so no rank outlives its driver.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import threading
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from splitserve.engine.config import EngineConfig, ModelConfig
+from splitserve.engine.model.loader import load_model
+from splitserve.engine.ops.kv_cache import KVCache
+from splitserve.engine.parallel.shard_plan import ShardPlan
+from splitserve.engine.parallel.step_broadcast import FORWARD, LOGITS, STOP, receive_forward, receive_hidden
+from splitserve.engine.parallel.tp_group import TensorParallelGroup, rank_device
+
+logger = logging.getLogger(__name__)
+
+ALIVE = "alive"  # imports done, about to join the group
+READY = "ready"  # shard and KV cache loaded, serving commands
+FAILED = "failed"  # (FAILED, one-line reason): the driver raises it
+
+
+def _exit_with_parent() -> None:
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(3)  # the driver is gone: nothing here can be finished or handed back
+
+    threading.Thread(target=watch, name="tp-parent-watchdog", daemon=True).start()
+
+
+def run_follower(
+    rank: int, size: int, host: str, port: int, config: EngineConfig, threads: int, conn: Connection
+) -> None:
+    """The spawned process's entry point (multiprocessing spawn: a fresh interpreter)."""
+    _exit_with_parent()
+    if threads > 0:
+        torch.set_num_threads(threads)
+    group = None
+    try:
+        model_config = ModelConfig.from_pretrained(config.model)
+        if config.dtype is not None:
+            model_config.dtype = config.dtype
+        plan = ShardPlan(model_config, size, rank)
+        device = rank_device(config.device, rank, size)
+        store = dist.TCPStore(host, port, size, is_master=False, timeout=_timeout(config))
+        conn.send((ALIVE, None))
+        group = TensorParallelGroup.join(plan, device, store, host, config.tensor_parallel_timeout_s)
+        model, _ = load_model(
+            config.model, dtype=config.dtype, device=device, quantization=config.quantization, tensor_parallel=group
+        )
+        kv_cache = KVCache(plan.local_config, config)
+    except Exception as exc:  # the driver reports it as the engine's start-up error
+        conn.send((FAILED, f"tensor-parallel rank {rank}: {exc}"))
+        return
+    conn.send((READY, None))
+    try:
+        _serve(model, kv_cache, group, conn)
+    except Exception as exc:  # a collective failed or timed out: the driver sees its own error
+        logger.error("tensor-parallel rank %d stops: %s", rank, exc)
+    finally:
+        group.shutdown()
+
+
+def _serve(model, kv_cache: KVCache, group: TensorParallelGroup, conn: Connection) -> None:
+    hidden_size, dtype = model.config.hidden_size, model.dtype
+    with torch.inference_mode():
+        while True:
+            try:
+                header = conn.recv()
+            except (EOFError, OSError):
+                return  # the driver closed its end
+            if header[0] == FORWARD:
+                input_ids, positions, meta = receive_forward(group, header)
+                model(input_ids, positions, kv_cache, meta)
+            elif header[0] == LOGITS:
+                model.share_logits(receive_hidden(group, header, hidden_size, dtype))
+            elif header[0] == STOP:
+                return
+
+
+def _timeout(config: EngineConfig) -> timedelta:
+    return timedelta(seconds=config.tensor_parallel_timeout_s)

@@ -1,0 +1,104 @@
+"""TensorParallelGroup: one replica's tensor-parallel process group and the collectives the
+sharded model runs on it, each bounded by a timeout.
+
+A group of its own (a ProcessGroupGloo or ProcessGroupNCCL over the driver's TCPStore), not
+torch's default group, so it never meets the KV-transfer groups (kvtransfer/process_groups.py)
+a replica also opens. Gloo on CPU, NCCL on CUDA. Rank 0 is the driver: it schedules and samples.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from splitserve.engine.config import ConfigError
+from splitserve.engine.parallel.shard_plan import ShardPlan
+
+DRIVER_RANK = 0
+
+
+class TensorParallelError(RuntimeError):
+    """A rank that did not join, failed to load, or a collective that did not complete in time."""
+
+
+def rank_device(device: str, rank: int, size: int) -> torch.device:
+    """Rank r's device: CPU for a CPU engine; on CUDA the r-th GPU after the configured one
+    (cuda = cuda:0), all on this node. Too few GPUs is a one-line ConfigError."""
+    base = torch.device(device)
+    if base.type != "cuda":
+        return base
+    first = base.index or 0
+    if not torch.cuda.is_available() or torch.cuda.device_count() < first + size:
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise ConfigError(
+            f"tensor_parallel_size {size} from {device} needs {first + size} CUDA devices on this node, it has {found}"
+        )
+    return torch.device("cuda", first + rank)
+
+
+class TensorParallelGroup:
+    def __init__(self, plan: ShardPlan, device: torch.device, process_group, timeout_s: float):
+        self.plan = plan
+        self.rank = plan.rank
+        self.size = plan.size
+        self.device = device
+        self.process_group = process_group
+        self.timeout = timedelta(seconds=timeout_s)
+
+    @classmethod
+    def join(cls, plan: ShardPlan, device: torch.device, store: dist.Store, host: str, timeout_s: float):
+        """Build the group over store; gloo returns once every rank has joined (at most
+        timeout_s), NCCL at its first collective. timeout_s also bounds every collective."""
+        timeout = timedelta(seconds=timeout_s)
+        try:
+            if device.type == "cuda":
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = timeout
+                torch.cuda.set_device(device)
+                group = dist.ProcessGroupNCCL(store, plan.rank, plan.size, options)
+            else:
+                options = dist.ProcessGroupGloo._Options()
+                options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+                options._timeout = timeout
+                group = dist.ProcessGroupGloo(store, plan.rank, plan.size, options)
+        except (RuntimeError, OSError) as exc:
+            raise TensorParallelError(
+                f"tensor-parallel rank {plan.rank} of {plan.size}: the group did not form in {timeout_s:.0f}s: {exc}"
+            ) from exc
+        return cls(plan, device, group, timeout_s)
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == DRIVER_RANK
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as exc:  # a peer gone (connection closed) or the timeout passed
+            raise TensorParallelError(f"tensor-parallel {what} on rank {self.rank} failed: {exc}") from exc
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum tensor over the ranks, in place (row-parallel outputs, the embedding)."""
+        self._wait(self.process_group.allreduce(tensor, dist.ReduceOp.SUM, self.timeout), "all-reduce")
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The driver's tensor into every rank's (same shape and dtype), in place."""
+        self._wait(self.process_group.broadcast(tensor, DRIVER_RANK, self.timeout), "broadcast")
+        return tensor
+
+    def gather_to_driver(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's tensor (same shape), in rank order, on the driver; None elsewhere."""
+        outputs = [torch.empty_like(tensor) for _ in range(self.size)] if self.is_driver else []
+        self._wait(self.process_group.gather(outputs, tensor, DRIVER_RANK, self.timeout), "gather")
+        return outputs if self.is_driver else None
+
+    def shutdown(self) -> None:
+        shutdown = getattr(self.process_group, "shutdown", None)
+        if shutdown is not None:
+            try:
+                shutdown()
+            except RuntimeError:
+                pass  # a peer already gone: nothing left to close cleanly

@@ -1,0 +1,94 @@
+"""TensorParallelModel: the driver's sharded model as ModelRunner uses a model. Each forward and
+each logits call first hands the same work to the follower ranks (tp_ranks.py), then runs the
+driver's shard; the collectives inside pair the ranks up. Whatever calls the model -- a step,
+prompt log-probabilities, a speculative verification -- is mirrored on every rank the same way.
+There is no scripted decode step (its one TorchScript call has no place for the collectives):
+a tensor-parallel engine runs the eager step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from splitserve.engine.config import EngineConfig, ModelConfig
+from splitserve.engine.kv_cache_sizing import resolve_num_kv_blocks
+from splitserve.engine.model.checkpoint import require_model_dir
+from splitserve.engine.model.llama import LlamaForCausalLM
+from splitserve.engine.model.loader import load_model
+from splitserve.engine.ops.attention_metadata import AttentionMetadata
+from splitserve.engine.ops.kv_cache import KVCache
+from splitserve.engine.parallel import shard_plan
+from splitserve.engine.parallel.tp_ranks import TensorParallelRanks
+
+
+class TensorParallelModel:
+    _scripted_decode = None  # ModelRunner's check: the eager step
+
+    def __init__(self, shard: LlamaForCausalLM, ranks: TensorParallelRanks):
+        self.shard = shard
+        self.ranks = ranks
+        self.config = shard.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.shard.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.shard.dtype
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        on_layer_done: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        with self.ranks.lock, self.ranks.stop_on_failure():
+            self.ranks.send_forward(input_ids, positions, meta)
+            return self.shard(input_ids, positions, kv_cache, meta, on_layer_done=on_layer_done)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        with self.ranks.lock, self.ranks.stop_on_failure():
+            return self.shard.compute_logits(self.ranks.send_logits(hidden))
+
+
+def launch_tensor_parallel(config: EngineConfig) -> tuple[EngineConfig, TensorParallelModel, ModelConfig, ModelConfig]:
+    """Check config against the model, spawn the follower ranks, load rank 0's shard and wait
+    for theirs. Returns the config with its KV block count resolved (per rank: its KV heads'
+    bytes), the driver's model, the whole model's config and one rank's (its KV cache's)."""
+    shard_plan.refuse_unsupported(config)
+    model_config = ModelConfig.from_pretrained(require_model_dir(config.model))
+    if config.dtype is not None:
+        model_config.dtype = config.dtype
+    plan = shard_plan.ShardPlan(model_config, config.tensor_parallel_size, 0)
+    local = plan.local_config
+    max_model_len = min(config.max_model_len or model_config.max_context_len, model_config.max_context_len)
+    blocks = resolve_num_kv_blocks(
+        local,
+        config.block_size,
+        config.kv_cache_dtype,
+        config.dtype,
+        config.num_kv_blocks,
+        config.kv_cache_memory_bytes,
+        max_model_len,
+    )
+    config = dataclasses.replace(config, num_kv_blocks=blocks)
+    ranks = TensorParallelRanks(config, plan)
+    try:
+        shard, model_config = load_model(
+            config.model,
+            dtype=config.dtype,
+            device=ranks.group.device,
+            quantization=config.quantization,
+            tensor_parallel=ranks.group,
+        )
+        ranks.wait_ready()
+    except BaseException:
+        ranks.close()
+        raise
+    return config, TensorParallelModel(shard, ranks), model_config, local

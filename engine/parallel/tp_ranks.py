@@ -1,0 +1,181 @@
+"""TensorParallelRanks: the driver's side of a tensor-parallel engine's ranks -- spawn the
+follower processes, form the group with them, send them each step, and stop them.
+
+Rank 0 is the engine's own process (the driver); ranks 1..N-1 are spawned interpreters
+(multiprocessing "spawn": no forked torch or threads) running engine/parallel/tp_follower.py.
+Every wait is bounded: a rank that does not start, join or load within
+tensor_parallel_timeout_s, or dies on the way, is a start-up error naming it. close() stops
+them (a stop command, then terminate, then kill), and it runs by itself when the engine is
+collected or the interpreter exits; a driver killed outright takes its ranks with it (their
+watchdog, tp_follower.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import threading
+import time
+import weakref
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+
+import torch
+import torch.distributed as dist
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.ops.attention_metadata import AttentionMetadata
+from splitserve.engine.parallel.shard_plan import ShardPlan
+from splitserve.engine.parallel.step_broadcast import (
+    LOGITS,
+    STOP,
+    LogitsHeader,
+    broadcast_forward,
+    forward_header,
+)
+from splitserve.engine.parallel.tp_follower import ALIVE, FAILED, READY, run_follower
+from splitserve.engine.parallel.tp_group import TensorParallelError, TensorParallelGroup, rank_device
+
+_HOST = "127.0.0.1"  # one node: the ranks of a colocated engine share its host
+_STOP_GRACE_S = 10.0
+
+
+def threads_per_rank(size: int) -> int:
+    """CPU ranks share the node's cores instead of each taking all of them."""
+    return max((os.cpu_count() or 1) // size, 1)
+
+
+class TensorParallelRanks:
+    def __init__(self, config: EngineConfig, plan: ShardPlan):
+        """Spawn ranks 1..N-1 and form the group (as rank 0) with them; their shards load
+        meanwhile: wait_ready() waits for that. config: the engine's, its KV block count
+        resolved (every rank allocates the same blocks)."""
+        self.config = config
+        self.size = plan.size
+        self.timeout_s = config.tensor_parallel_timeout_s
+        self._lock = threading.Lock()  # a command and its collectives go out as one
+        self._failure: str | None = None  # the first failed command's error (stop_on_failure)
+        device = rank_device(config.device, 0, plan.size)
+        timeout = timedelta(seconds=self.timeout_s)
+        store = dist.TCPStore(_HOST, 0, plan.size, is_master=True, timeout=timeout, wait_for_workers=False)
+        threads = threads_per_rank(plan.size) if device.type == "cpu" else 0
+        context = multiprocessing.get_context("spawn")
+        self._processes: list = []
+        self._conns: list[Connection] = []
+        for rank in range(1, plan.size):
+            parent_end, child_end = context.Pipe()
+            process = context.Process(
+                target=run_follower,
+                args=(rank, plan.size, _HOST, store.port, config, threads, child_end),
+                name=f"splitserve-tp-rank-{rank}",
+                daemon=True,
+            )
+            process.start()
+            child_end.close()
+            self._processes.append(process)
+            self._conns.append(parent_end)
+        self._finalizer = weakref.finalize(self, _stop, self._processes, self._conns)
+        try:
+            deadline = time.monotonic() + self.timeout_s
+            self._expect(ALIVE, "start", deadline)
+            self.group = TensorParallelGroup.join(plan, device, store, _HOST, self.timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        self._store = store  # the followers' rendezvous: kept while they may still read it
+        if threads:
+            torch.set_num_threads(threads)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._processes]
+
+    def wait_ready(self) -> None:
+        """Return once every follower has loaded its shard; raise (and stop them) otherwise."""
+        try:
+            self._expect(READY, "load its shard", time.monotonic() + self.timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _expect(self, expected: str, what: str, deadline: float) -> None:
+        for rank, (process, conn) in enumerate(zip(self._processes, self._conns), start=1):
+            ready = wait([conn, process.sentinel], timeout=max(deadline - time.monotonic(), 0.0))
+            if conn in ready:
+                kind, reason = conn.recv()
+                if kind == FAILED:
+                    raise TensorParallelError(reason)
+                if kind == expected:
+                    continue
+            elif ready:
+                raise TensorParallelError(
+                    f"tensor-parallel rank {rank} exited (code {process.exitcode}) before it could {what}"
+                )
+            raise TensorParallelError(f"tensor-parallel rank {rank} did not {what} within {self.timeout_s:.0f}s")
+
+    def send_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Hand the step to every follower; the caller then runs its own forward (the group's
+        collectives pair them up)."""
+        header = forward_header(input_ids, meta)
+        self._send(header)
+        broadcast_forward(self.group, input_ids, positions, meta)
+
+    def send_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hand the hidden rows whose logits the driver computes next; returns them contiguous."""
+        hidden = hidden.contiguous()
+        self._send(LogitsHeader(LOGITS, int(hidden.shape[0])))
+        return self.group.broadcast(hidden)
+
+    @property
+    def lock(self) -> threading.Lock:
+        return self._lock
+
+    @contextlib.contextmanager
+    def stop_on_failure(self):
+        """A command that failed part-way leaves the ranks at different points of their
+        collectives: no later step could pair them up again, so they are stopped and every
+        later command fails at once, naming the first failure."""
+        try:
+            yield
+        except BaseException as exc:
+            if self._failure is None:
+                self._failure = f"{type(exc).__name__}: {exc}"
+                self.close()
+            raise
+
+    def _send(self, header) -> None:
+        if self._failure is not None:
+            raise TensorParallelError(f"the tensor-parallel ranks were stopped after a failed step ({self._failure})")
+        for rank, conn in enumerate(self._conns, start=1):
+            try:
+                conn.send(header)
+            except (BrokenPipeError, OSError) as exc:
+                raise TensorParallelError(f"tensor-parallel rank {rank} is gone: {exc}") from exc
+
+    def close(self) -> None:
+        """Stop the followers (idempotent)."""
+        self._finalizer()
+        group = getattr(self, "group", None)
+        if group is not None:
+            group.shutdown()
+
+
+def _stop(processes: list, conns: list[Connection]) -> None:
+    for conn in conns:
+        try:
+            conn.send((STOP,))
+        except (BrokenPipeError, OSError):
+            pass
+    deadline = time.monotonic() + _STOP_GRACE_S
+    for process in processes:
+        process.join(max(deadline - time.monotonic(), 0.1))
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+            process.join(2.0)
+        if process.is_alive():
+            process.kill()
+            process.join(2.0)
+    for conn in conns:
+        conn.close()
