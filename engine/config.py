@@ -8,11 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
+from splitserve.engine.model.architectures import ACTIVATION, ARCHITECTURES, Architecture
+
 # The one list of supported dtypes (torch.<name>); everything else derives from it.
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
@@ -92,10 +89,9 @@ class ModelConfig:
     quantization_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
+        if self.architecture not in ARCHITECTURES:
             raise ConfigError(
-                f"unsupported architecture {self.architecture!r}; "
-                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+                f"unsupported architecture {self.architecture!r}; supported: {', '.join(sorted(ARCHITECTURES))}"
             )
         from splitserve.engine.quant.checkpoint_scheme import UnsupportedQuantization
 
@@ -144,8 +140,13 @@ class ModelConfig:
         return requested
 
     @property
-    def arch(self) -> str:
-        return SUPPORTED_ARCHITECTURES[self.architecture]
+    def registered(self) -> Architecture:
+        """This architecture's registry entry (engine/model/architectures.py)."""
+        return ARCHITECTURES[self.architecture]
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.registered.qk_norm
 
     @property
     def checkpoint_scheme(self):
@@ -160,6 +161,9 @@ class ModelConfig:
         if not archs:
             raise ConfigError("config.json has no 'architectures' entry")
         arch = archs[0]
+        activation = raw.get("hidden_act", ACTIVATION)
+        if arch in ARCHITECTURES and activation != ACTIVATION:
+            raise ConfigError(f"{arch} with hidden_act {activation!r} is not supported (its MLP runs {ACTIVATION})")
         missing = [k for k in ("num_attention_heads", "hidden_size") if k not in raw]
         if missing:
             raise ConfigError(f"config.json is missing required key {missing[0]!r}")
@@ -191,8 +195,10 @@ class ModelConfig:
                 rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
                 rope_scaling=rope_scaling,
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                # Qwen2 always has q/k/v bias; Llama/Mistral only when attention_bias is set.
-                attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
+                # Qwen2 always has q/k/v bias; the others only when attention_bias is set.
+                attention_bias=bool(
+                    raw.get("attention_bias", arch in ARCHITECTURES and ARCHITECTURES[arch].attention_bias)
+                ),
                 dtype=dtype,
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,

@@ -34,6 +34,7 @@ from splitserve.engine.builtin_models.model_spec import (
     ModelSpec,
 )
 from splitserve.engine.builtin_models.random_weights import random_weights
+from splitserve.engine.model.architectures import BY_MODEL_TYPE
 
 __all__ = [
     "ARCHITECTURE_BY_ARCH",
@@ -81,7 +82,7 @@ def _config_dict(
         "initializer_range": 0.02,
         "attention_dropout": 0.0,
         "use_cache": True,
-        "tie_word_embeddings": arch == "qwen2",
+        "tie_word_embeddings": BY_MODEL_TYPE[arch].tied_embeddings,
         "bos_token_id": token_ids[BOS_TOKEN],
         "eos_token_id": [token_ids[EOS_TOKEN], token_ids[IM_END]],
         "pad_token_id": token_ids[PAD_TOKEN],
@@ -91,8 +92,10 @@ def _config_dict(
         config.update(attention_bias=False, mlp_bias=False)
     elif arch == "mistral":
         config.update(sliding_window=None)  # full attention, like Llama
-    else:
+    else:  # qwen2, qwen3
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=preset.num_hidden_layers)
+    if arch == "qwen3":
+        config.update(attention_bias=False)
     return config
 
 

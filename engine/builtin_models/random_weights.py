@@ -14,6 +14,7 @@ def random_weights(config: dict, seed: int, dtype: str) -> dict:
     q_dim = config["num_attention_heads"] * head_dim
     kv_dim = config["num_key_value_heads"] * head_dim
     qkv_bias = config["model_type"] == "qwen2"
+    qk_norm = config["model_type"] == "qwen3"
 
     def normal(*shape: int, std: float) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * std
@@ -39,6 +40,9 @@ def random_weights(config: dict, seed: int, dtype: str) -> dict:
             weights[p + "self_attn.q_proj.bias"] = normal(q_dim, std=0.1)
             weights[p + "self_attn.k_proj.bias"] = normal(kv_dim, std=0.1)
             weights[p + "self_attn.v_proj.bias"] = normal(kv_dim, std=0.1)
+        if qk_norm:
+            weights[p + "self_attn.q_norm.weight"] = 1.0 + normal(head_dim, std=0.1)
+            weights[p + "self_attn.k_norm.weight"] = 1.0 + normal(head_dim, std=0.1)
         weights[p + "self_attn.o_proj.weight"] = linear(hidden, q_dim)
         weights[p + "post_attention_layernorm.weight"] = norm_weight()
         weights[p + "mlp.gate_proj.weight"] = linear(inter, hidden)

@@ -36,6 +36,8 @@ class DecodeGraph(nn.Module):
     norms: list[torch.Tensor]  # each layer's input and post-attention norm
     weights: list[torch.Tensor]  # each layer's qkv, o, gate_up and down weight (plain or packed)
     biases: list[torch.Tensor | None]  # each layer's qkv bias
+    q_norms: list[torch.Tensor | None]  # each layer's per-head q and k norm (Qwen3)
+    k_norms: list[torch.Tensor | None]
     key_caches: list[torch.Tensor]
     value_caches: list[torch.Tensor]
     pinned: list[torch.Tensor]  # the running step's inputs (module docstring)
@@ -56,6 +58,8 @@ class DecodeGraph(nn.Module):
             for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)
         ]
         self.biases = [None if layer.qkv_bias is None else layer.qkv_bias.data for layer in layers]
+        self.q_norms = [None if layer.q_norm is None else layer.q_norm.data for layer in layers]
+        self.k_norms = [None if layer.k_norm is None else layer.k_norm.data for layer in layers]
         self.key_caches = []
         self.value_caches = []
         self.pinned = []
@@ -111,6 +115,10 @@ class DecodeGraph(nn.Module):
             x = torch.rms_norm(hidden, [hidden.shape[1]], self.norms[2 * i], eps)
             qkv = _linear(x, self.weights[4 * i], packed, self.biases[i])
             qk = qkv[:, : q_size + kv_size].view(num_tokens, num_heads + num_kv_heads, head_dim)
+            q_norm, k_norm = self.q_norms[i], self.k_norms[i]
+            if q_norm is not None and k_norm is not None:
+                q_normed = torch.rms_norm(qk[:, :num_heads], [head_dim], q_norm, eps)
+                qk = torch.cat((q_normed, torch.rms_norm(qk[:, num_heads:], [head_dim], k_norm, eps)), 1)
             qk = rotate(qk, cos, sin)
             q, k = qk[:, :num_heads], qk[:, num_heads:]
             v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)

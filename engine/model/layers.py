@@ -1,4 +1,5 @@
-"""One Llama-family decoder layer, with q/k/v and gate/up fused into single matmuls."""
+"""One Llama-family decoder layer (Llama, Mistral, Qwen2, Qwen3), with q/k/v and gate/up fused
+into single matmuls."""
 
 from __future__ import annotations
 
@@ -64,6 +65,9 @@ class DecoderLayer(nn.Module):
         self.input_norm = _parameter(hidden, dtype=dtype, device=device)
         self.qkv_weight = _parameter(qkv_rows, hidden, dtype=dtype, device=lin)
         self.qkv_bias = _parameter(qkv_rows, dtype=dtype, device=device) if config.attention_bias else None
+        # Qwen3: RMSNorm over each head of q and of k (head_dim wide, shared by the heads).
+        self.q_norm = _parameter(self.head_dim, dtype=dtype, device=device) if config.qk_norm else None
+        self.k_norm = _parameter(self.head_dim, dtype=dtype, device=device) if config.qk_norm else None
         self.o_weight = _parameter(hidden, self.q_size, dtype=dtype, device=lin)
         self.post_attention_norm = _parameter(hidden, dtype=dtype, device=device)
         self.gate_up_weight = _parameter(2 * config.intermediate_size, hidden, dtype=dtype, device=lin)
@@ -83,6 +87,9 @@ class DecoderLayer(nn.Module):
             "mlp.up_proj.weight": (self.gate_up_weight, inter, inter),
             "mlp.down_proj.weight": (self.down_weight, 0, self.down_weight.shape[0]),
         }
+        if self.q_norm is not None and self.k_norm is not None:
+            slices["self_attn.q_norm.weight"] = (self.q_norm, 0, self.head_dim)
+            slices["self_attn.k_norm.weight"] = (self.k_norm, 0, self.head_dim)
         if self.qkv_bias is not None:
             slices.update(
                 {
@@ -110,6 +117,11 @@ class DecoderLayer(nn.Module):
         qkv = linear(x, self.qkv_weight, self.qkv_bias)
         # Rotate q and k in one go: they are adjacent columns of the fused projection.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            heads = self.num_heads
+            qk = torch.cat(
+                (rms_norm(qk[:, :heads], self.q_norm, self.eps), rms_norm(qk[:, heads:], self.k_norm, self.eps)), 1
+            )
         qk = RotaryEmbedding.apply(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)

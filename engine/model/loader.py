@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -71,7 +72,8 @@ def load_model(
         quantization = stored.scheme
         weights = prequantized_weights(weights, stored)
     weight_files(root)  # fail on missing weight files before allocating the model
-    model = LlamaForCausalLM(
+    model_class = _model_class(config)
+    model = model_class(
         config,
         dtype=DTYPE_BY_NAME[config.dtype],
         device=device,
@@ -85,3 +87,9 @@ def load_model(
         model.use_scripted_decode()
     model.eval()
     return model, config
+
+
+def _model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
+    """The registry's class for the checkpoint's architecture (engine/model/architectures.py)."""
+    module_name, class_name = config.registered.model_class.split(":")
+    return getattr(importlib.import_module(module_name), class_name)

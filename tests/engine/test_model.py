@@ -27,6 +27,7 @@ ARCH_CASES = {
     "llama": dict(arch="llama", seed=1),
     "mistral": dict(arch="mistral", seed=2),
     "qwen2": dict(arch="qwen2", seed=3),
+    "qwen3": dict(arch="qwen3", seed=5),
     "llama3-rope": dict(arch="llama", seed=4, rope_scaling=True),
 }
 PROMPT = "The quick brown fox jumps over the lazy dog. It was the best of times. " * 6
@@ -92,9 +93,12 @@ def test_make_model_is_deterministic_and_loads(models_root, tmp_path):
 @pytest.mark.parametrize("case", list(ARCH_CASES))
 def test_prefill_logits_match_transformers(loaded, case):
     path, model, hf, hf_tok = loaded(case)
-    expected_class = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[
-        ARCH_CASES[case]["arch"]
-    ]
+    expected_class = {
+        "llama": "LlamaForCausalLM",
+        "mistral": "MistralForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+    }[ARCH_CASES[case]["arch"]]
     assert type(hf).__name__ == expected_class
     ids = hf_tok(PROMPT).input_ids
     assert len(ids) > 100

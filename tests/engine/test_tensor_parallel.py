@@ -65,6 +65,7 @@ def _assert_same(tp1, tp2) -> None:
         ("tiny", "llama", "auto"),  # 4 heads, 2 KV heads: one KV head per rank
         ("draft", "llama", "auto"),  # 2 heads, 1 KV head: replicated on both ranks
         ("tiny", "qwen2", "auto"),  # q/k/v bias, sharded with their rows
+        ("draft", "qwen3", "auto"),  # q/k norms (whole on every rank), KV head replicated
         ("tiny", "llama", "int8"),  # the quantized KV cache holds each rank's heads and scales
     ],
 )
