@@ -17,8 +17,8 @@ The path of a request, as the router sends it:
   (fewest prompt tokens queued); the prefill replica computes the prompt and samples the first
   token; the KV moves over the prefill replica's link (one transfer at a time; layer-wise, so
   it overlaps the forward: it ends at max(prefill end + latency, link free + transfer time));
-  then the decode replica admits it into its batch when max_num_seqs allows. TTFT is that
-  admission (the client sees the first token once the decode replica holds the request).
+  then the decode replica admits it, with the first token, and it joins the running batch at
+  the next step (as `Scheduler.add_prefilled` does). TTFT is that admission.
 """
 
 from __future__ import annotations
@@ -169,6 +169,7 @@ def predict(
                 give(min(prefill, key=lambda r: r.queued_prompt_tokens), item, now)
         elif kind == "handoff":
             assert isinstance(item, PlannedOutcome)
+            item.first_token_s = now  # the decode replica admits it with the prefill's first token
             give(decode_of.pop(id(item)), item, now)
         else:
             assert isinstance(item, ReplicaModel)

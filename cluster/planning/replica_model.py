@@ -70,7 +70,8 @@ class ReplicaModel:
         self.max_num_seqs = max_num_seqs
         self.itl_target_s = itl_target_s
         self.prefill_only = prefill_only
-        self.waiting: deque[PlannedOutcome] = deque()  # prompts to compute, or prefilled ones to admit
+        self.waiting: deque[PlannedOutcome] = deque()  # prompts to compute
+        self.joining: list[PlannedOutcome] = []  # prefilled elsewhere: they join the batch next step
         self.prefilling: list[PlannedOutcome] = []  # admitted prompts not yet computed in full
         self.decoding: list[_Decoding] = []  # heap by last_step
         self.decoding_computed = 0  # the decoding sequences' computed tokens, all together
@@ -83,20 +84,24 @@ class ReplicaModel:
         self.assigned = 0  # requests routed here and not finished (a router's load signal)
 
     def add(self, outcome: PlannedOutcome) -> None:
-        """A new prompt (to prefill), or a request prefilled elsewhere (to decode)."""
+        """A new prompt (to prefill), or a request prefilled elsewhere, which joins the running
+        batch at once (`Scheduler.add_prefilled`: max_num_seqs does not hold it back)."""
+        if outcome.computed >= outcome.input_tokens:
+            self.joining.append(outcome)
+            return
         self.waiting.append(outcome)
-        if outcome.computed < outcome.input_tokens:
-            self.queued_prompt_tokens += outcome.input_tokens - outcome.computed
+        self.queued_prompt_tokens += outcome.input_tokens - outcome.computed
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.decoding)
+        return bool(self.waiting or self.joining or self.prefilling or self.decoding)
 
     def start_step(self, now: float) -> float:
         """Compose the next batch at now; returns when the step ends."""
+        admitted, self.joining = self.joining, []
         num_decoding = len(self.decoding)
-        budget = self.budget - num_decoding
-        context = self.decoding_computed + num_decoding
+        budget = self.budget - num_decoding - len(admitted)
+        context = self.decoding_computed + num_decoding + sum(o.computed + 1 for o in admitted)
         chunks: list[tuple[PlannedOutcome, int]] = []
         for outcome in self.prefilling:
             if budget <= 0:
@@ -105,17 +110,10 @@ class ReplicaModel:
             chunks.append((outcome, chunk))
             budget -= chunk
             context += outcome.computed + chunk
-        admitted: list[PlannedOutcome] = []
-        running = num_decoding + len(self.prefilling)
+        running = num_decoding + len(admitted) + len(self.prefilling)
         while self.waiting and budget > 0 and running < self.max_num_seqs:
             outcome = self.waiting.popleft()
             running += 1
-            if outcome.computed >= outcome.input_tokens:  # prefilled elsewhere: it decodes this step
-                outcome.first_token_s = now
-                admitted.append(outcome)
-                budget -= 1
-                context += outcome.computed + 1
-                continue
             self.prefilling.append(outcome)
             chunk = min(outcome.input_tokens - outcome.computed, budget)
             chunks.append((outcome, chunk))
