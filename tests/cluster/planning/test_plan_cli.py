@@ -100,3 +100,14 @@ def test_lengths_and_a_trace_read_as_the_benchmark_reads_them(tmp_path):
         ((x.timestamp_ms - 1000) / 1000, x.input_length, x.output_length) for x in records
     ]
     assert workload.rate == pytest.approx(4.0)
+
+
+def test_a_trace_is_planned_from_its_own_arrivals(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    rows = [{"timestamp": 100 * i, "input_length": 1024, "output_length": 64} for i in range(100)]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(plan("--trace", str(trace), "--ttft-slo", "500", "--itl-slo", "30")) == 0
+    out = capsys.readouterr().out
+    assert (
+        out.startswith("# trace trace.jsonl (100 requests); profile llama-8b-h200;") and "# the fewest GPUs: 1 " in out
+    )
