@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import json
 import random
+import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from splitserve.cluster.planning.queue_model import Deployment
 from splitserve.cluster.planning.workload import Workload
@@ -31,6 +34,21 @@ from splitserve.proto.messages.handoff import PrefillResult
 from splitserve.proto.messages.sampling_params import SamplingParams
 
 NEGLIGIBLE_SPEED = 1e-9  # the runner's wall wait per simulated second
+
+
+def long_context_copy(model: str | Path, out: str | Path, context: int = 65536) -> str:
+    """A copy of a checkpoint's tokenizer and config with a longer context, for long simulated
+    prompts on a tiny model (the simulated engine never reads the weights)."""
+    out = Path(out)
+    if not (out / "config.json").is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json"):
+            if (Path(model) / name).is_file():
+                shutil.copy(Path(model) / name, out / name)
+        config = json.loads((Path(model) / "config.json").read_text())
+        config["max_position_embeddings"] = context
+        (out / "config.json").write_text(json.dumps(config))
+    return str(out)
 
 
 @dataclass

@@ -8,12 +8,9 @@ the scheduler preempts, or prompts share cached prefixes, which the model leaves
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 
-from splitserve.bench.control_plane.virtual_time_cluster import run_virtual_time
+from splitserve.bench.control_plane.virtual_time_cluster import long_context_copy, run_virtual_time
 from splitserve.cluster.planning.queue_model import Deployment, Slo, percentile, predict
 from splitserve.cluster.planning.workload import LengthDistribution, Workload
 from splitserve.engine.simulated.step_time_profile import StepTimeProfile
@@ -30,12 +27,7 @@ LOADS = {"long-prompts": (3.0, 11.0), "long-answers": (4.0, 16.0)}
 def long_context_model(tiny_model, tmp_path_factory):
     """The tiny checkpoint's tokenizer and config with a context long enough for the prompts
     (the simulated engine reads no weights)."""
-    model = tmp_path_factory.mktemp("simulated") / "long-context"
-    shutil.copytree(tiny_model, model)
-    config = json.loads((model / "config.json").read_text())
-    config["max_position_embeddings"] = 65536
-    (model / "config.json").write_text(json.dumps(config))
-    return str(model)
+    return long_context_copy(tiny_model, tmp_path_factory.mktemp("simulated") / "long-context")
 
 
 @pytest.mark.parametrize("load", ["light", "heavy"])
