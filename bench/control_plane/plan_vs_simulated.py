@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         f"clock). Cells are predicted / measured.",
         "",
         f"Command: `python -m splitserve.bench.control_plane.plan_vs_simulated {shlex.join(sys.argv[1:] if argv is None else argv)}`"
-        f" (commit {source_commit()}).",
+        f" ({source_commit()}).",
         "",
         "| workload, SLO | configuration | GPUs | TTFT ms | ITL ms | goodput | error TTFT / ITL | served in |",
         "|---|---|---|---|---|---|---|---|",
