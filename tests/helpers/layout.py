@@ -26,7 +26,7 @@ ALLOWED = {
     "cluster": {"prefill", "decode", "runtime", "kvtransfer", "engine", "proto", MESSAGES},
     "bench": {"cluster", "prefill", "decode", "runtime", "kvtransfer", "engine", "proto", MESSAGES},
 }
-TORCH_FREE = ("engine/core", "cluster/routing", "proto/messages", "engine/simulated")
+TORCH_FREE = ("engine/core", "cluster/routing", "proto/messages", "engine/simulated", "cluster/planning")
 HEAVY = ("torch", "triton")
 # Module-level dicts in an __init__ that map an attribute to the module it loads on first use
 # (PEP 562 __getattr__): each value counts as an import of that package.
