@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from splitserve.engine.model.architectures import ACTIVATION, ARCHITECTURES, Architecture
+from splitserve.engine.model.architectures import ARCHITECTURES, Architecture, unsupported_feature
 
 # The one list of supported dtypes (torch.<name>); everything else derives from it.
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -161,9 +161,9 @@ class ModelConfig:
         if not archs:
             raise ConfigError("config.json has no 'architectures' entry")
         arch = archs[0]
-        activation = raw.get("hidden_act", ACTIVATION)
-        if arch in ARCHITECTURES and activation != ACTIVATION:
-            raise ConfigError(f"{arch} with hidden_act {activation!r} is not supported (its MLP runs {ACTIVATION})")
+        refused = unsupported_feature(arch, raw) if arch in ARCHITECTURES else None
+        if refused is not None:
+            raise ConfigError(refused)
         missing = [k for k in ("num_attention_heads", "hidden_size") if k not in raw]
         if missing:
             raise ConfigError(f"config.json is missing required key {missing[0]!r}")

@@ -1,6 +1,6 @@
 """Write a Hugging Face checkpoint (config, safetensors, tokenizer) for tests, benches and demos.
 
-`splitserve make-model DIR --preset tiny|small|bench|draft --arch llama|mistral|qwen2` writes
+`splitserve make-model DIR --preset tiny|small|bench|draft --arch llama|mistral|qwen2|qwen3|phi3` writes
 random weights; `--train-steps N` first trains them N AdamW steps on the built-in corpus
 (engine/builtin_models/corpus_training.py) so the model continues and repeats corpus text. Both load
 in transformers' AutoModelForCausalLM / AutoTokenizer and in splitserve.engine.model.loader.
@@ -34,7 +34,7 @@ from splitserve.engine.builtin_models.model_spec import (
     ModelSpec,
 )
 from splitserve.engine.builtin_models.random_weights import random_weights
-from splitserve.engine.model.architectures import BY_MODEL_TYPE
+from splitserve.engine.model.architectures import BY_ARCH
 
 __all__ = [
     "ARCHITECTURE_BY_ARCH",
@@ -82,7 +82,7 @@ def _config_dict(
         "initializer_range": 0.02,
         "attention_dropout": 0.0,
         "use_cache": True,
-        "tie_word_embeddings": BY_MODEL_TYPE[arch].tied_embeddings,
+        "tie_word_embeddings": BY_ARCH[arch].tied_embeddings,
         "bos_token_id": token_ids[BOS_TOKEN],
         "eos_token_id": [token_ids[EOS_TOKEN], token_ids[IM_END]],
         "pad_token_id": token_ids[PAD_TOKEN],
@@ -90,9 +90,9 @@ def _config_dict(
     }
     if arch == "llama":
         config.update(attention_bias=False, mlp_bias=False)
-    elif arch == "mistral":
+    elif arch in ("mistral", "phi3"):
         config.update(sliding_window=None)  # full attention, like Llama
-    else:  # qwen2, qwen3
+    elif arch in ("qwen2", "qwen3"):
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=preset.num_hidden_layers)
     if arch == "qwen3":
         config.update(attention_bias=False)

@@ -42,7 +42,7 @@ PRESETS = {
     # same tokenizer (it is trained from the corpus for a vocabulary size), one layer, half width.
     "draft": ModelPreset(128, 1, 2, 1, 64, 384, 2048, 4096),
 }
-ARCHITECTURE_BY_ARCH = {arch.model_type: (arch.name, arch.model_type) for arch in ARCHITECTURES.values()}
+ARCHITECTURE_BY_ARCH = {arch.arch: (arch.name, arch.model_type) for arch in ARCHITECTURES.values()}
 # Bump when the random init, the training data or the training loop changes what is written:
 # cached checkpoints made by older code then stop matching.
 RECIPE_VERSION = 1

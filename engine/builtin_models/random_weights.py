@@ -48,6 +48,11 @@ def random_weights(config: dict, seed: int, dtype: str) -> dict:
         weights[p + "mlp.gate_proj.weight"] = linear(inter, hidden)
         weights[p + "mlp.up_proj.weight"] = linear(inter, hidden)
         weights[p + "mlp.down_proj.weight"] = linear(hidden, inter)
+        if config["model_type"] == "phi3":  # Phi-3 stores q/k/v and gate/up fused
+            qkv = [weights.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+            weights[p + "self_attn.qkv_proj.weight"] = torch.cat(qkv)
+            gate_up = [weights.pop(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
+            weights[p + "mlp.gate_up_proj.weight"] = torch.cat(gate_up)
     # Logits with std ~4 whether the output projection is lm_head or the embedding.
     logit_std = 4.0
     weights["model.norm.weight"] = norm_weight(logit_std / (embed_std * hidden**0.5) if tied else 1.0)

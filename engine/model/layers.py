@@ -50,6 +50,7 @@ class DecoderLayer(nn.Module):
         outputs over the ranks; None (one rank) runs no collective."""
         super().__init__()
         self.layer_index = layer_index
+        self.fused_checkpoint = config.registered.fused_checkpoint
         self.all_reduce = all_reduce
         self.eps = config.rms_norm_eps
         self.num_heads = config.num_attention_heads
@@ -78,15 +79,19 @@ class DecoderLayer(nn.Module):
         q, kv, inter = self.q_size, self.kv_size, self.intermediate_size
         slices = {
             "input_layernorm.weight": (self.input_norm, 0, self.input_norm.shape[0]),
-            "self_attn.q_proj.weight": (self.qkv_weight, 0, q),
-            "self_attn.k_proj.weight": (self.qkv_weight, q, kv),
-            "self_attn.v_proj.weight": (self.qkv_weight, q + kv, kv),
             "self_attn.o_proj.weight": (self.o_weight, 0, self.o_weight.shape[0]),
             "post_attention_layernorm.weight": (self.post_attention_norm, 0, self.post_attention_norm.shape[0]),
-            "mlp.gate_proj.weight": (self.gate_up_weight, 0, inter),
-            "mlp.up_proj.weight": (self.gate_up_weight, inter, inter),
             "mlp.down_proj.weight": (self.down_weight, 0, self.down_weight.shape[0]),
         }
+        if self.fused_checkpoint:  # Phi-3: the checkpoint's tensors are already ours, row for row
+            slices["self_attn.qkv_proj.weight"] = (self.qkv_weight, 0, q + 2 * kv)
+            slices["mlp.gate_up_proj.weight"] = (self.gate_up_weight, 0, 2 * inter)
+        else:
+            slices["self_attn.q_proj.weight"] = (self.qkv_weight, 0, q)
+            slices["self_attn.k_proj.weight"] = (self.qkv_weight, q, kv)
+            slices["self_attn.v_proj.weight"] = (self.qkv_weight, q + kv, kv)
+            slices["mlp.gate_proj.weight"] = (self.gate_up_weight, 0, inter)
+            slices["mlp.up_proj.weight"] = (self.gate_up_weight, inter, inter)
         if self.q_norm is not None and self.k_norm is not None:
             slices["self_attn.q_norm.weight"] = (self.q_norm, 0, self.head_dim)
             slices["self_attn.k_norm.weight"] = (self.k_norm, 0, self.head_dim)

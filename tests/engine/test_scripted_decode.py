@@ -51,7 +51,8 @@ def _both(model, ids, positions, cache, meta):
 
 
 @pytest.mark.parametrize("matmul", ["onednn", "blas"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # qwen2: a qkv bias and tied embeddings; qwen3: q/k norms
+# qwen2: a qkv bias and tied embeddings; qwen3: q/k norms; phi3: weights loaded from fused tensors
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
 def test_scripted_decode_is_bitwise_the_eager_forward(models_root, monkeypatch, matmul, arch):
     monkeypatch.setenv(CPU_MATMUL_ENV, matmul)
     monkeypatch.delenv(CPU_DECODE_FORWARD_ENV, raising=False)

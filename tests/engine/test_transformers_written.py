@@ -1,6 +1,6 @@
 """Checkpoints as transformers itself writes them (its own config keys, weight names and tied
-embeddings) load and compute transformers' logits: the parity reference for each architecture
-the registry adds, independent of `splitserve make-model`."""
+embeddings) load and compute transformers' logits and greedy tokens: the parity reference for
+each architecture the registry adds, independent of `splitserve make-model`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import transformers
 
 from splitserve.engine.config import ConfigError, ModelConfig
 from splitserve.engine.model.loader import load_model
-from tests.helpers.model import contiguous_metadata, make_kv_cache
+from tests.helpers.model import contiguous_metadata, greedy_generate, make_kv_cache
 
 SHAPE = dict(
     vocab_size=256,
@@ -56,4 +56,66 @@ def test_a_transformers_checkpoint_computes_transformers_logits(tmp_path, case):
 def test_an_activation_the_mlp_does_not_run_is_refused_by_name():
     raw = {**SHAPE, "architectures": ["Qwen3ForCausalLM"], "hidden_act": "gelu"}
     with pytest.raises(ConfigError, match="hidden_act 'gelu' is not supported"):
+        ModelConfig.from_dict(raw)
+
+
+# Phi-3: hidden / heads gives the head size (Phi3Config has no head_dim of its own).
+PHI3_SHAPE = {
+    **{k: v for k, v in SHAPE.items() if k != "head_dim"},
+    "hidden_size": 128,
+    **dict(bos_token_id=1, eos_token_id=2, pad_token_id=0),  # its defaults lie outside a 256 vocabulary
+}
+PHI3_CONFIGS = {
+    "phi3-gqa": lambda: transformers.Phi3Config(**PHI3_SHAPE, rope_scaling=None),
+    "phi3-mha": lambda: transformers.Phi3Config(**{**PHI3_SHAPE, "num_key_value_heads": 4}),
+}
+
+
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    kv_cache, blocks_per_seq = make_kv_cache(model, len(ids))
+    meta = contiguous_metadata([len(ids)], [len(ids)], 16, blocks_per_seq)
+    return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), kv_cache, meta))
+
+
+def _hf_greedy(hf, ids: list[int], max_new_tokens: int) -> list[int]:
+    hf.generation_config.eos_token_id = None  # a random model may pick any id: never stop early
+    # An explicit mask: without one generate masks every prompt token equal to pad_token_id.
+    mask = torch.ones(1, len(ids), dtype=torch.long)
+    out = hf.generate(torch.tensor([ids]), attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+def _prompt(length: int, vocab_size: int) -> list[int]:
+    return torch.randint(0, vocab_size, (length,), generator=torch.Generator().manual_seed(7)).tolist()
+
+
+@pytest.mark.parametrize("case", list(PHI3_CONFIGS))
+def test_a_phi3_checkpoint_splits_its_fused_tensors_and_matches_transformers(tmp_path, case):
+    hf = _write(PHI3_CONFIGS[case](), tmp_path, seed=len(case))
+    names = set(hf.state_dict())
+    assert "model.layers.0.self_attn.qkv_proj.weight" in names and "model.layers.0.mlp.gate_up_proj.weight" in names
+    model, config = load_model(tmp_path)
+    assert config.architecture == "Phi3ForCausalLM" and config.head_dim == 32
+    ids = _prompt(40, PHI3_SHAPE["vocab_size"])
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_logits(model, ids), expected, atol=1e-4, rtol=0)
+    assert greedy_generate(model, ids, 12) == _hf_greedy(hf, ids, 12)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (
+            {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [2.0] * 16}},
+            "longrope",
+        ),
+        ({"rope_scaling": {"type": "su", "short_factor": [1.0] * 16, "long_factor": [2.0] * 16}}, "'su'"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+        ({"hidden_act": "gelu_new"}, "hidden_act 'gelu_new'"),
+    ],
+)
+def test_what_phi3_cannot_run_is_refused_by_name(change, named):
+    raw = {**PHI3_SHAPE, "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", **change}
+    with pytest.raises(ConfigError, match=named):
         ModelConfig.from_dict(raw)
