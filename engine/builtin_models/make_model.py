@@ -1,6 +1,6 @@
 """Write a Hugging Face checkpoint (config, safetensors, tokenizer) for tests, benches and demos.
 
-`splitserve make-model DIR --preset tiny|small|bench|draft --arch llama|mistral|qwen2|qwen3|phi3` writes
+`splitserve make-model DIR --preset tiny|small|bench|draft --arch llama|mistral|qwen2|qwen3|phi3|gemma3` writes
 random weights; `--train-steps N` first trains them N AdamW steps on the built-in corpus
 (engine/builtin_models/corpus_training.py) so the model continues and repeats corpus text. Both load
 in transformers' AutoModelForCausalLM / AutoTokenizer and in splitserve.engine.model.loader.
@@ -96,7 +96,34 @@ def _config_dict(
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=preset.num_hidden_layers)
     if arch == "qwen3":
         config.update(attention_bias=False)
+    if arch == "gemma3":
+        config.update(_gemma3_keys(preset, rope_scaling))
+        del config["hidden_act"], config["rope_theta"], config["rope_scaling"]
     return config
+
+
+def _gemma3_keys(preset: ModelPreset, rope_scaling: bool) -> dict:
+    """Gemma 3 text: sliding and global layers alternating (both kinds in the smallest preset),
+    each with its own rope base; a window of half the context, so that the engine's cap at the
+    window (docs/FEATURES.md) still leaves long prompts; final logits soft-capped."""
+    full_rope = {"rope_type": "default", "rope_theta": 1_000_000.0}
+    if rope_scaling:
+        full_rope = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": preset.head_dim,
+        "layer_types": [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(preset.num_hidden_layers)
+        ],
+        "sliding_window": preset.max_position_embeddings // 2,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": full_rope,
+        },
+        "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": None,
+        "attention_bias": False,
+    }
 
 
 def _write_safetensors(weights: dict, out_dir: Path, num_shards: int) -> None:

@@ -68,6 +68,7 @@ def _assert_same(tp1, tp2) -> None:
         ("draft", "qwen3", "auto"),  # q/k norms (whole on every rank), KV head replicated
         ("tiny", "phi3", "auto"),  # fused qkv_proj / gate_up_proj: each rank reads its parts' rows
         ("draft", "phi3", "auto"),  # fused, with the one KV head replicated
+        ("tiny", "gemma3", "auto"),  # (1 + w) and sandwich norms whole per rank, soft-capped logits gathered
         ("tiny", "llama", "int8"),  # the quantized KV cache holds each rank's heads and scales
     ],
 )

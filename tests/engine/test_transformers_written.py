@@ -8,9 +8,12 @@ import pytest
 import torch
 import transformers
 
-from splitserve.engine.config import ConfigError, ModelConfig
+from splitserve.engine.config import ConfigError, EngineConfig, ModelConfig
+from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model.loader import load_model
-from tests.helpers.model import contiguous_metadata, greedy_generate, make_kv_cache
+from splitserve.proto.messages.invalid_request import InvalidRequestError
+from splitserve.proto.messages.sampling_params import SamplingParams
+from tests.helpers.model import contiguous_metadata, greedy_generate, make_checkpoint, make_kv_cache
 
 SHAPE = dict(
     vocab_size=256,
@@ -119,3 +122,70 @@ def test_what_phi3_cannot_run_is_refused_by_name(change, named):
     raw = {**PHI3_SHAPE, "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", **change}
     with pytest.raises(ConfigError, match=named):
         ModelConfig.from_dict(raw)
+
+
+GEMMA3_CONFIGS = {
+    # Tied embeddings, an explicit head_dim (not hidden / heads), GQA, both kinds of layer, each
+    # with its own rope base, and final logits soft-capped; the window is above every prompt
+    # here, and the engine's context is capped at it (the last test).
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **{**SHAPE, "num_hidden_layers": 3},
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=64,
+        query_pre_attn_scalar=24,
+        final_logit_softcapping=3.0,
+    ),
+    "gemma3-gqa4-linear-rope": lambda: transformers.Gemma3TextConfig(
+        **{**SHAPE, "num_attention_heads": 8, "head_dim": 16},
+        sliding_window=128,
+        sliding_window_pattern=2,
+        rope_scaling={"rope_type": "linear", "factor": 4.0},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(GEMMA3_CONFIGS))
+def test_a_gemma3_checkpoint_matches_transformers_and_runs_the_eager_decode(tmp_path, case):
+    hf = _write(GEMMA3_CONFIGS[case](), tmp_path, seed=len(case))
+    model, config = load_model(tmp_path)
+    assert config.architecture == "Gemma3ForCausalLM" and config.qk_norm and config.tie_word_embeddings
+    assert {"sliding_attention", "full_attention"} <= set(config.layer_types or [])
+    assert config.local_rope_theta != config.rope_theta
+    assert model._scripted_decode is None  # its layers are not in the scripted decode step
+    ids = _prompt(40, SHAPE["vocab_size"])
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_logits(model, ids), expected, atol=1e-4, rtol=0)
+    assert greedy_generate(model, ids, 12) == _hf_greedy(hf, ids, 12)
+
+
+def test_gemma3_context_is_capped_at_its_window_and_what_it_cannot_run_is_refused():
+    raw = {**SHAPE, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "sliding_window": 64}
+    config = ModelConfig.from_dict(raw)
+    assert config.max_context_len == 64  # a windowed layer: full attention is exact only within it
+    with pytest.raises(ConfigError, match="its sliding window"):
+        config.resolve_max_model_len(65)
+    every_layer_global = ModelConfig.from_dict({**raw, "layer_types": ["full_attention"] * 2})
+    assert every_layer_global.max_context_len == SHAPE["max_position_embeddings"]
+    refused = {
+        "attn_logit_softcapping": ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping 50.0"),
+        "activation": ({"hidden_activation": "silu"}, "hidden_activation 'silu' is not supported"),
+        "bidirectional": ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        "local rope": (
+            {"rope_parameters": {"sliding_attention": {"rope_type": "yarn", "rope_theta": 1e4}}},
+            "'yarn' for the sliding-window layers",
+        ),
+    }
+    for change, named in refused.values():
+        with pytest.raises(ConfigError, match=named):
+            ModelConfig.from_dict({**raw, **change})
+
+
+def test_a_gemma3_engine_refuses_a_request_beyond_its_window(tmp_path):
+    """make-model's gemma3 (window 512 of 1024 positions, sliding and global layers): the
+    engine serves within the window and names the window's cap beyond it."""
+    engine = LLMEngine(EngineConfig(model=str(make_checkpoint(tmp_path, "tiny", "gemma3")), num_kv_blocks=64))
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    assert len(engine.generate([[5] * 492], params)[0].token_ids) == 20  # 512: exactly the window
+    with pytest.raises(InvalidRequestError, match="exceeds the model's context of 512 tokens"):
+        engine.generate([[5] * 493], params)
