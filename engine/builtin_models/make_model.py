@@ -225,7 +225,9 @@ def add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random init (and training data order)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--num-shards", type=int, default=1)
-    parser.add_argument("--rope-scaling", action="store_true", help="add Llama-3 rope_scaling to the config")
+    parser.add_argument(
+        "--rope-scaling", action="store_true", help="add Llama-3 rope_scaling to the config (gemma3: linear; not phi3)"
+    )
     parser.add_argument(
         "--train-steps",
         type=int,

@@ -65,6 +65,8 @@ class ModelSpec:
             raise MakeModelError(f"unknown arch {self.arch!r}; choose from {', '.join(ARCHITECTURE_BY_ARCH)}")
         if self.dtype not in DTYPES:
             raise MakeModelError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.rope_scaling and self.arch == "phi3":  # Phi3Config accepts only its own longrope
+            raise MakeModelError("--rope-scaling (Llama-3 or, for gemma3, linear) is not written for phi3")
         for name in ("seed", "num_shards", "train_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):

@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 
+from splitserve.engine.builtin_models.model_spec import MakeModelError, ModelSpec
 from splitserve.engine.config import ConfigError, EngineConfig, ModelConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model.loader import load_model
@@ -122,6 +123,8 @@ def test_what_phi3_cannot_run_is_refused_by_name(change, named):
     raw = {**PHI3_SHAPE, "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", **change}
     with pytest.raises(ConfigError, match=named):
         ModelConfig.from_dict(raw)
+    with pytest.raises(MakeModelError, match="not written for phi3"):  # make-model's Llama-3 scaling
+        ModelSpec(arch="phi3", rope_scaling=True)
 
 
 GEMMA3_CONFIGS = {
