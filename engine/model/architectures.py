@@ -61,7 +61,6 @@ ARCHITECTURES = {
             norm_plus_one=True,
             sandwich_norms=True,
             scaled_embeddings=True,
-            scripted_decode=False,
         ),
     )
 }
