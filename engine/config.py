@@ -8,7 +8,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from splitserve.engine.model.architectures import ACTIVATION, ARCHITECTURES, Architecture
+from splitserve.engine.model.architectures import (
+    ARCHITECTURES,
+    FULL,
+    SLIDING,
+    Architecture,
+    gemma3_fields,
+    unsupported_feature,
+)
 
 # The one list of supported dtypes (torch.<name>); everything else derives from it.
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -28,6 +35,9 @@ EngineKind = Literal["real", "simulated"]
 ENGINES: tuple[str, ...] = get_args(EngineKind)
 # KV blocks per engine unless configured: engine, ServeConfig pools and `generate` share it.
 DEFAULT_NUM_KV_BLOCKS = 1024
+
+
+LAYER_KINDS = {SLIDING, FULL}  # Gemma 3's layer_types
 
 
 class ConfigError(ValueError):
@@ -87,6 +97,14 @@ class ModelConfig:
     sliding_window: int | None = None
     # A pre-quantized checkpoint's config.json quantization_config (engine/quant/checkpoint_scheme.py).
     quantization_config: dict[str, Any] | None = None
+    # Gemma 3 (engine/model/architectures.py, gemma3_fields): each layer's kind (sliding or
+    # full attention), the sliding layers' own rope base, the attention scale's denominator
+    # (query_pre_attn_scalar ** -0.5) and tanh soft-capping of the final logits.
+    layer_types: list[str] | None = None
+    local_rope_theta: float | None = None
+    local_rope_type: str = "default"
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -119,6 +137,14 @@ class ModelConfig:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind not in ("llama3", "default", "linear", None):
                 raise ConfigError(f"unsupported rope_scaling type {kind!r}")
+        if self.layer_types is not None and (
+            len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= LAYER_KINDS
+        ):
+            raise ConfigError(
+                f"layer_types must name {self.num_hidden_layers} layers, each one of {sorted(LAYER_KINDS)}"
+            )
+        if self.local_rope_type != "default":
+            raise ConfigError(f"unsupported rope type {self.local_rope_type!r} for the sliding-window layers")
 
     @property
     def max_context_len(self) -> int:
@@ -161,9 +187,9 @@ class ModelConfig:
         if not archs:
             raise ConfigError("config.json has no 'architectures' entry")
         arch = archs[0]
-        activation = raw.get("hidden_act", ACTIVATION)
-        if arch in ARCHITECTURES and activation != ACTIVATION:
-            raise ConfigError(f"{arch} with hidden_act {activation!r} is not supported (its MLP runs {ACTIVATION})")
+        refused = unsupported_feature(arch, raw) if arch in ARCHITECTURES else None
+        if refused is not None:
+            raise ConfigError(refused)
         missing = [k for k in ("num_attention_heads", "hidden_size") if k not in raw]
         if missing:
             raise ConfigError(f"config.json is missing required key {missing[0]!r}")
@@ -181,7 +207,7 @@ class ModelConfig:
             if rope_params.get("rope_type", "default") not in ("default", None):
                 rope_scaling = rope_params
         try:
-            return cls(
+            fields: dict[str, Any] = dict(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
@@ -209,8 +235,11 @@ class ModelConfig:
                 ),
                 quantization_config=raw.get("quantization_config"),
             )
+            if arch == "Gemma3ForCausalLM":
+                fields.update(gemma3_fields(raw))
         except KeyError as exc:
             raise ConfigError(f"config.json is missing required key {exc.args[0]!r}") from None
+        return cls(**fields)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:

@@ -1,6 +1,6 @@
 """Write a Hugging Face checkpoint (config, safetensors, tokenizer) for tests, benches and demos.
 
-`splitserve make-model DIR --preset tiny|small|bench|draft --arch llama|mistral|qwen2` writes
+`splitserve make-model DIR --preset tiny|small|bench|draft --arch llama|mistral|qwen2|qwen3|phi3|gemma3` writes
 random weights; `--train-steps N` first trains them N AdamW steps on the built-in corpus
 (engine/builtin_models/corpus_training.py) so the model continues and repeats corpus text. Both load
 in transformers' AutoModelForCausalLM / AutoTokenizer and in splitserve.engine.model.loader.
@@ -34,7 +34,7 @@ from splitserve.engine.builtin_models.model_spec import (
     ModelSpec,
 )
 from splitserve.engine.builtin_models.random_weights import random_weights
-from splitserve.engine.model.architectures import BY_MODEL_TYPE
+from splitserve.engine.model.architectures import BY_ARCH
 
 __all__ = [
     "ARCHITECTURE_BY_ARCH",
@@ -82,7 +82,7 @@ def _config_dict(
         "initializer_range": 0.02,
         "attention_dropout": 0.0,
         "use_cache": True,
-        "tie_word_embeddings": BY_MODEL_TYPE[arch].tied_embeddings,
+        "tie_word_embeddings": BY_ARCH[arch].tied_embeddings,
         "bos_token_id": token_ids[BOS_TOKEN],
         "eos_token_id": [token_ids[EOS_TOKEN], token_ids[IM_END]],
         "pad_token_id": token_ids[PAD_TOKEN],
@@ -90,13 +90,40 @@ def _config_dict(
     }
     if arch == "llama":
         config.update(attention_bias=False, mlp_bias=False)
-    elif arch == "mistral":
+    elif arch in ("mistral", "phi3"):
         config.update(sliding_window=None)  # full attention, like Llama
-    else:  # qwen2, qwen3
+    elif arch in ("qwen2", "qwen3"):
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=preset.num_hidden_layers)
     if arch == "qwen3":
         config.update(attention_bias=False)
+    if arch == "gemma3":
+        config.update(_gemma3_keys(preset, rope_scaling))
+        del config["hidden_act"], config["rope_theta"], config["rope_scaling"]
     return config
+
+
+def _gemma3_keys(preset: ModelPreset, rope_scaling: bool) -> dict:
+    """Gemma 3 text: sliding and global layers alternating (both kinds in the smallest preset),
+    each with its own rope base; a window of half the context, so that the engine's cap at the
+    window (docs/FEATURES.md) still leaves long prompts; final logits soft-capped."""
+    full_rope = {"rope_type": "default", "rope_theta": 1_000_000.0}
+    if rope_scaling:
+        full_rope = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": preset.head_dim,
+        "layer_types": [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(preset.num_hidden_layers)
+        ],
+        "sliding_window": preset.max_position_embeddings // 2,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": full_rope,
+        },
+        "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": None,
+        "attention_bias": False,
+    }
 
 
 def _write_safetensors(weights: dict, out_dir: Path, num_shards: int) -> None:
@@ -198,7 +225,9 @@ def add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random init (and training data order)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--num-shards", type=int, default=1)
-    parser.add_argument("--rope-scaling", action="store_true", help="add Llama-3 rope_scaling to the config")
+    parser.add_argument(
+        "--rope-scaling", action="store_true", help="add Llama-3 rope_scaling to the config (gemma3: linear; not phi3)"
+    )
     parser.add_argument(
         "--train-steps",
         type=int,

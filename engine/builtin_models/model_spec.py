@@ -42,7 +42,7 @@ PRESETS = {
     # same tokenizer (it is trained from the corpus for a vocabulary size), one layer, half width.
     "draft": ModelPreset(128, 1, 2, 1, 64, 384, 2048, 4096),
 }
-ARCHITECTURE_BY_ARCH = {arch.model_type: (arch.name, arch.model_type) for arch in ARCHITECTURES.values()}
+ARCHITECTURE_BY_ARCH = {arch.arch: (arch.name, arch.model_type) for arch in ARCHITECTURES.values()}
 # Bump when the random init, the training data or the training loop changes what is written:
 # cached checkpoints made by older code then stop matching.
 RECIPE_VERSION = 1
@@ -65,6 +65,8 @@ class ModelSpec:
             raise MakeModelError(f"unknown arch {self.arch!r}; choose from {', '.join(ARCHITECTURE_BY_ARCH)}")
         if self.dtype not in DTYPES:
             raise MakeModelError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.rope_scaling and self.arch == "phi3":  # Phi3Config accepts only its own longrope
+            raise MakeModelError("--rope-scaling (Llama-3 or, for gemma3, linear) is not written for phi3")
         for name in ("seed", "num_shards", "train_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):

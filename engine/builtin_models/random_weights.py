@@ -14,7 +14,12 @@ def random_weights(config: dict, seed: int, dtype: str) -> dict:
     q_dim = config["num_attention_heads"] * head_dim
     kv_dim = config["num_key_value_heads"] * head_dim
     qkv_bias = config["model_type"] == "qwen2"
-    qk_norm = config["model_type"] == "qwen3"
+    qk_norm = config["model_type"] in ("qwen3", "gemma3_text")
+    gemma = config["model_type"] == "gemma3_text"
+    # Gemma's norms scale by (1 + w): its stored weights are the same scales less one.
+    norm_offset = 1.0 if gemma else 0.0
+    # Gemma multiplies the embeddings by sqrt(hidden): smaller ones keep the same stream.
+    embed_std = 0.1 / hidden**0.5 if gemma else 0.1
 
     def normal(*shape: int, std: float) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * std
@@ -22,13 +27,12 @@ def random_weights(config: dict, seed: int, dtype: str) -> dict:
     def linear(out_features: int, in_features: int, gain: float = 1.0) -> torch.Tensor:
         return normal(out_features, in_features, std=gain / in_features**0.5)
 
-    def norm_weight(mean: float = 1.0) -> torch.Tensor:
-        return mean * (1.0 + normal(hidden, std=0.1))
+    def norm_weight(mean: float = 1.0, size: int = hidden) -> torch.Tensor:
+        return mean * (1.0 + normal(size, std=0.1)) - norm_offset
 
     tied = config["tie_word_embeddings"]
     # Small embeddings: the residual stream is dominated by what the layers compute, so a
     # tied output projection does not just echo the last input token.
-    embed_std = 0.1
     weights = {"model.embed_tokens.weight": normal(vocab, hidden, std=embed_std)}
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -41,13 +45,21 @@ def random_weights(config: dict, seed: int, dtype: str) -> dict:
             weights[p + "self_attn.k_proj.bias"] = normal(kv_dim, std=0.1)
             weights[p + "self_attn.v_proj.bias"] = normal(kv_dim, std=0.1)
         if qk_norm:
-            weights[p + "self_attn.q_norm.weight"] = 1.0 + normal(head_dim, std=0.1)
-            weights[p + "self_attn.k_norm.weight"] = 1.0 + normal(head_dim, std=0.1)
+            weights[p + "self_attn.q_norm.weight"] = norm_weight(size=head_dim)
+            weights[p + "self_attn.k_norm.weight"] = norm_weight(size=head_dim)
         weights[p + "self_attn.o_proj.weight"] = linear(hidden, q_dim)
         weights[p + "post_attention_layernorm.weight"] = norm_weight()
         weights[p + "mlp.gate_proj.weight"] = linear(inter, hidden)
         weights[p + "mlp.up_proj.weight"] = linear(inter, hidden)
         weights[p + "mlp.down_proj.weight"] = linear(hidden, inter)
+        if gemma:  # the norms after attention and the MLP; the pre-MLP one has its own name
+            weights[p + "pre_feedforward_layernorm.weight"] = norm_weight()
+            weights[p + "post_feedforward_layernorm.weight"] = norm_weight()
+        if config["model_type"] == "phi3":  # Phi-3 stores q/k/v and gate/up fused
+            qkv = [weights.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+            weights[p + "self_attn.qkv_proj.weight"] = torch.cat(qkv)
+            gate_up = [weights.pop(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
+            weights[p + "mlp.gate_up_proj.weight"] = torch.cat(gate_up)
     # Logits with std ~4 whether the output projection is lm_head or the embedding.
     logit_std = 4.0
     weights["model.norm.weight"] = norm_weight(logit_std / (embed_std * hidden**0.5) if tied else 1.0)

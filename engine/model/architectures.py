@@ -3,26 +3,44 @@ runs it, and the features that class supports for it. Torch-free (ModelConfig re
 
 Adding an architecture is an entry here plus, where its layers differ, the option in the
 shared layers (engine/model/layers.py, and the scripted decode step, decode_graph.py) that
-its entry turns on. Every registered architecture runs every engine feature (tensor
-parallelism, quantization, the scripted decode step); what one of them cannot run is
-refused at start-up by name (ModelConfig), never run approximately.
+its entry turns on. What a registered architecture cannot run is refused at start-up by
+name (ModelConfig), never run approximately.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 LLAMA_FAMILY = "splitserve.engine.model.llama:LlamaForCausalLM"
+# The gated MLP's activations (engine/model/layers.py): SwiGLU's and GeGLU's.
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
 class Architecture:
     name: str  # config.json `architectures[0]`
-    model_type: str  # config.json `model_type`; also `splitserve make-model --arch`
+    model_type: str  # config.json `model_type`
     model_class: str = LLAMA_FAMILY  # "module:Class", imported only when a model is built
     attention_bias: bool = False  # q/k/v bias when config.json does not say (Qwen2 always has it)
     qk_norm: bool = False  # RMSNorm over each head of q and of k, before the rotary embedding
     tied_embeddings: bool = False  # what `make-model` writes (a real config.json says itself)
+    # Phi-3: q/k/v stored as one `qkv_proj`, gate/up as one `gate_up_proj` in the checkpoint.
+    fused_checkpoint: bool = False
+    activation: str = "silu"  # the gated MLP's; config.json must name the same one
+    make_model_arch: str = ""  # `splitserve make-model --arch` (default: model_type)
+    # Gemma 3: every RMSNorm scales by (1 + w), in float32; norms after attention and after the
+    # MLP as well as before them; embeddings times sqrt(hidden); sliding and global layers.
+    norm_plus_one: bool = False
+    sandwich_norms: bool = False
+    scaled_embeddings: bool = False
+    # The scripted CPU decode step (decode_graph.py) computes this architecture's layers;
+    # False: its decode steps run the eager forward.
+    scripted_decode: bool = True
+
+    @property
+    def arch(self) -> str:
+        return self.make_model_arch or self.model_type
 
 
 ARCHITECTURES = {
@@ -32,8 +50,66 @@ ARCHITECTURES = {
         Architecture("MistralForCausalLM", "mistral"),
         Architecture("Qwen2ForCausalLM", "qwen2", attention_bias=True, tied_embeddings=True),
         Architecture("Qwen3ForCausalLM", "qwen3", qk_norm=True, tied_embeddings=True),
+        Architecture("Phi3ForCausalLM", "phi3", fused_checkpoint=True),
+        Architecture(
+            "Gemma3ForCausalLM",
+            "gemma3_text",
+            qk_norm=True,
+            tied_embeddings=True,
+            activation="gelu_pytorch_tanh",
+            make_model_arch="gemma3",
+            norm_plus_one=True,
+            sandwich_norms=True,
+            scaled_embeddings=True,
+        ),
     )
 }
-BY_MODEL_TYPE = {arch.model_type: arch for arch in ARCHITECTURES.values()}
-# The MLP activation every registered architecture's gated MLP uses (SwiGLU).
-ACTIVATION = "silu"
+BY_ARCH = {arch.arch: arch for arch in ARCHITECTURES.values()}
+
+
+def unsupported_feature(arch: str, raw: dict[str, Any]) -> str | None:
+    """What a registered architecture's config.json asks for that its model class does not
+    compute, as the one-line start-up error (ModelConfig raises it); None: it runs."""
+    expected = ARCHITECTURES[arch].activation
+    key = "hidden_activation" if "hidden_activation" in raw else "hidden_act"  # Gemma names it so
+    activation = raw.get(key) or expected
+    if activation != expected:
+        return f"{arch} with {key} {activation!r} is not supported (its MLP runs {expected})"
+    rope_params = raw.get("rope_parameters")
+    nested = rope_params if isinstance(rope_params, dict) else {}
+    partial = nested.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if float(partial) != 1.0:
+        return f"{arch} with partial_rotary_factor {partial} is not supported (rotary over whole heads)"
+    if raw.get("attn_logit_softcapping"):
+        return f"{arch} with attn_logit_softcapping {raw['attn_logit_softcapping']} is not supported"
+    if raw.get("use_bidirectional_attention"):
+        return f"{arch} with use_bidirectional_attention is not supported (causal attention only)"
+    return None
+
+
+SLIDING, FULL = "sliding_attention", "full_attention"  # config.json `layer_types` entries
+
+
+def gemma3_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields of a Gemma 3 text config.json, from either layout transformers
+    writes: rope settings nested per layer kind under `rope_parameters` (transformers 5), or
+    `rope_theta`, `rope_local_base_freq` and `rope_scaling` at the top (transformers 4)."""
+    layers = int(raw["num_hidden_layers"])
+    pattern = int(raw.get("sliding_window_pattern", 6))
+    kinds = raw.get("layer_types") or [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
+    rope_params = raw.get("rope_parameters")
+    nested: dict[str, Any] = rope_params if isinstance(rope_params, dict) else {}
+    full = dict(nested.get(FULL) or raw.get("rope_scaling") or {})
+    local = dict(nested.get(SLIDING) or {})
+    window = raw.get("sliding_window")
+    return {
+        "layer_types": list(kinds),
+        "rope_theta": float(full.pop("rope_theta", raw.get("rope_theta", 1_000_000.0))),
+        "rope_scaling": full if full.get("rope_type", full.get("type", "default")) != "default" else None,
+        "local_rope_theta": float(local.get("rope_theta", raw.get("rope_local_base_freq", 10_000.0))),
+        "local_rope_type": str(local.get("rope_type", "default")),
+        "query_pre_attn_scalar": float(raw.get("query_pre_attn_scalar", raw.get("head_dim", 256))),
+        "final_logit_softcapping": raw.get("final_logit_softcapping"),
+        # The window only caps the context where some layer is windowed (ModelConfig).
+        "sliding_window": int(window) if window and SLIDING in kinds else None,
+    }

@@ -47,13 +47,18 @@ def weight_files(model_dir: str | Path) -> list[Path]:
     raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {root}")
 
 
+# (dim, start, stop): rows (dim 0) or columns (dim 1) of a tensor; a list of them: those
+# pieces joined along their dim (a fused tensor's q, k and v rows of one rank).
+TensorSlice = tuple[int, int, int] | list[tuple[int, int, int]]
+
+
 def iterate_weights(
-    model_dir: str | Path, shard_slice: Callable[[str], tuple[int, int, int] | None] | None = None
+    model_dir: str | Path, shard_slice: Callable[[str], TensorSlice | None] | None = None
 ) -> Iterator[tuple[str, object]]:
     """(hf_name, torch.Tensor on CPU) for every tensor in the checkpoint, shard by shard.
 
-    shard_slice(name) -> (dim, start, stop) reads only those rows (dim 0) or columns (dim 1)
-    of the tensor from the file (a tensor-parallel rank's slice; None: the whole tensor)."""
+    shard_slice(name) -> a TensorSlice reads only that part of the tensor from the file (a
+    tensor-parallel rank's slice; None: the whole tensor)."""
     from safetensors import SafetensorError
     from safetensors.torch import safe_open
 
@@ -65,8 +70,21 @@ def iterate_weights(
                     if cut is None:
                         yield name, handle.get_tensor(name)
                         continue
-                    dim, start, stop = cut
                     part = handle.get_slice(name)
-                    yield name, part[start:stop] if dim == 0 else part[:, start:stop]
+                    pieces = [cut] if isinstance(cut, tuple) else cut
+                    read = [part[start:stop] if dim == 0 else part[:, start:stop] for dim, start, stop in pieces]
+                    yield name, read[0] if len(read) == 1 else _join(read, pieces[0][0])
         except SafetensorError as exc:
             raise CheckpointError(f"cannot read {path}: {exc}") from None
+
+
+def _join(parts: list, dim: int):
+    """torch.cat(parts, dim) through tensor methods only (this module stays torch-free to import)."""
+    shape = list(parts[0].shape)
+    shape[dim] = sum(part.shape[dim] for part in parts)
+    joined = parts[0].new_empty(shape)
+    offset = 0
+    for part in parts:
+        joined.narrow(dim, offset, part.shape[dim]).copy_(part)
+        offset += part.shape[dim]
+    return joined

@@ -38,6 +38,10 @@ class DecodeGraph(nn.Module):
     biases: list[torch.Tensor | None]  # each layer's qkv bias
     q_norms: list[torch.Tensor | None]  # each layer's per-head q and k norm (Qwen3)
     k_norms: list[torch.Tensor | None]
+    attn_output_norms: list[torch.Tensor | None]  # each layer's norms after attention / the MLP (Gemma 3)
+    mlp_output_norms: list[torch.Tensor | None]
+    sliding: list[bool]  # each layer rotates by the local tables (Gemma 3's sliding layers)
+    embed_scale: torch.Tensor | None
     key_caches: list[torch.Tensor]
     value_caches: list[torch.Tensor]
     pinned: list[torch.Tensor]  # the running step's inputs (module docstring)
@@ -49,6 +53,17 @@ class DecodeGraph(nn.Module):
         self.embed = model.embed_tokens.data
         self.cos_table = model.rotary.cos_half
         self.sin_table = model.rotary.sin_half
+        local = model.rotary if model.local_rotary is None else model.local_rotary
+        self.local_cos_table = local.cos_half
+        self.local_sin_table = local.sin_half
+        self.sliding = [bool(layer.sliding) for layer in layers]
+        self.embed_scale = model.embed_scale
+        arch = config.registered
+        self.norm_plus_one = bool(arch.norm_plus_one)
+        self.gelu = arch.activation == "gelu_pytorch_tanh"
+        self.softcap = float(config.final_logit_softcapping or 0.0)
+        self.attn_output_norms = [None if n.attn_output_norm is None else n.attn_output_norm.data for n in layers]
+        self.mlp_output_norms = [None if n.mlp_output_norm is None else n.mlp_output_norm.data for n in layers]
         self.final_norm = model.final_norm.data
         self.lm_head = lm_head
         self.norms = [n.data for layer in layers for n in (layer.input_norm, layer.post_attention_norm)]
@@ -72,6 +87,12 @@ class DecodeGraph(nn.Module):
         self.intermediate_size = int(config.intermediate_size)
         self.scale = float(layers[0].scale)
 
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # layers.py's rms_norm (float32) or rms_norm_plus_one.
+        if self.norm_plus_one:
+            return (torch.rms_norm(x.float(), [x.shape[-1]], None, eps) * (1.0 + weight.float())).to(x.dtype)
+        return torch.rms_norm(x, [x.shape[-1]], weight, eps)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -85,8 +106,13 @@ class DecodeGraph(nn.Module):
         num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         inter, eps, packed = self.intermediate_size, self.eps, self.packed
         hidden = F.embedding(input_ids, self.embed)
+        embed_scale = self.embed_scale
+        if embed_scale is not None:
+            hidden = hidden * embed_scale
         cos = self.cos_table.index_select(0, positions)
         sin = self.sin_table.index_select(0, positions)
+        local_cos = self.local_cos_table.index_select(0, positions)
+        local_sin = self.local_sin_table.index_select(0, positions)
         num_blocks_total, block_size = self.key_caches[0].shape[0], self.key_caches[0].shape[1]
         device = block_tables.device
         # SparseDecodePlan: the cache rows each query head reads, shared by every layer.
@@ -112,14 +138,17 @@ class DecodeGraph(nn.Module):
         flat = [num_blocks_total * block_size, num_kv_heads, head_dim]
         for i in range(len(self.key_caches)):
             key_cache, value_cache = self.key_caches[i], self.value_caches[i]
-            x = torch.rms_norm(hidden, [hidden.shape[1]], self.norms[2 * i], eps)
+            x = self._norm(hidden, self.norms[2 * i], eps)
             qkv = _linear(x, self.weights[4 * i], packed, self.biases[i])
             qk = qkv[:, : q_size + kv_size].view(num_tokens, num_heads + num_kv_heads, head_dim)
             q_norm, k_norm = self.q_norms[i], self.k_norms[i]
             if q_norm is not None and k_norm is not None:
-                q_normed = torch.rms_norm(qk[:, :num_heads], [head_dim], q_norm, eps)
-                qk = torch.cat((q_normed, torch.rms_norm(qk[:, num_heads:], [head_dim], k_norm, eps)), 1)
-            qk = rotate(qk, cos, sin)
+                q_normed = self._norm(qk[:, :num_heads], q_norm, eps)
+                qk = torch.cat((q_normed, self._norm(qk[:, num_heads:], k_norm, eps)), 1)
+            if self.sliding[i]:
+                qk = rotate(qk, local_cos, local_sin)
+            else:
+                qk = rotate(qk, cos, sin)
             q, k = qk[:, :num_heads], qk[:, num_heads:]
             v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
             key_cache.view(flat).index_copy_(0, slot_mapping, k)  # write_kv
@@ -135,12 +164,23 @@ class DecodeGraph(nn.Module):
             probs = scores.values().view(rows.shape).masked_fill_(padding, float("-inf")).softmax(-1)
             values = value_cache.view(num_rows, head_dim)
             attn = torch.embedding_bag(values, cols, bag_offsets, False, 0, False, probs.reshape(-1), False, None)[0]
-            hidden = _linear(attn.reshape(num_tokens, q_size), self.weights[4 * i + 1], packed, None).add_(hidden)
-            x = torch.rms_norm(hidden, [hidden.shape[1]], self.norms[2 * i + 1], eps)
+            out = _linear(attn.reshape(num_tokens, q_size), self.weights[4 * i + 1], packed, None)
+            attn_output_norm = self.attn_output_norms[i]
+            if attn_output_norm is not None:
+                out = self._norm(out, attn_output_norm, eps)
+            hidden = out.add_(hidden)
+            x = self._norm(hidden, self.norms[2 * i + 1], eps)
             gate_up = _linear(x, self.weights[4 * i + 2], packed, None)
-            act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
-            hidden = _linear(act, self.weights[4 * i + 3], packed, None).add_(hidden)
-        return torch.rms_norm(hidden, [hidden.shape[1]], self.final_norm, eps)
+            if self.gelu:
+                act = F.gelu(gate_up[:, :inter], approximate="tanh").mul_(gate_up[:, inter:])
+            else:
+                act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+            out = _linear(act, self.weights[4 * i + 3], packed, None)
+            mlp_output_norm = self.mlp_output_norms[i]
+            if mlp_output_norm is not None:
+                out = self._norm(out, mlp_output_norm, eps)
+            hidden = out.add_(hidden)
+        return self._norm(hidden, self.final_norm, eps)
 
     @torch.jit.export
     def greedy_step(
@@ -160,4 +200,6 @@ class DecodeGraph(nn.Module):
             input_ids.index_copy_(0, fill_rows, fill_ids)
         hidden = self.forward(input_ids, positions, slot_mapping, block_tables, context_lens, max_context_len)
         logits = _linear(hidden, self.lm_head, self.lm_head_packed, None).float()
+        if self.softcap > 0.0:  # LlamaForCausalLM.compute_logits (tanh keeps the argmax, but not its ties)
+            logits = torch.tanh(logits / self.softcap).mul_(self.softcap)
         return logits.max(dim=-1).indices

@@ -1,5 +1,6 @@
-"""One Llama-family decoder layer (Llama, Mistral, Qwen2, Qwen3), with q/k/v and gate/up fused
-into single matmuls."""
+"""One Llama-family decoder layer (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3), with q/k/v and
+gate/up fused into single matmuls; what an architecture changes is an option its registry entry
+turns on (engine/model/architectures.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.engine.config import ModelConfig
+from splitserve.engine.model.architectures import SLIDING
 from splitserve.engine.model.rope import RotaryEmbedding
 from splitserve.engine.ops.attention import paged_attention, write_kv
 from splitserve.engine.ops.attention_metadata import AttentionMetadata
@@ -22,6 +24,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
     return F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype) * weight
+
+
+def rms_norm_plus_one(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF Gemma3RMSNorm: normalise and scale by (1 + w) in fp32, then cast back."""
+    return (F.rms_norm(x.float(), weight.shape, None, eps) * (1.0 + weight.float())).to(x.dtype)
+
+
+MLP_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
 
 
 def _parameter(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
@@ -50,6 +63,12 @@ class DecoderLayer(nn.Module):
         outputs over the ranks; None (one rank) runs no collective."""
         super().__init__()
         self.layer_index = layer_index
+        arch = config.registered
+        self.fused_checkpoint = arch.fused_checkpoint
+        self.norm = rms_norm_plus_one if arch.norm_plus_one else rms_norm
+        self.activation = MLP_ACTIVATIONS[arch.activation]
+        # Gemma 3: its sliding layers rotate by their own rope base (LlamaForCausalLM picks it).
+        self.sliding = config.layer_types is not None and config.layer_types[layer_index] == SLIDING
         self.all_reduce = all_reduce
         self.eps = config.rms_norm_eps
         self.num_heads = config.num_attention_heads
@@ -58,7 +77,7 @@ class DecoderLayer(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.intermediate_size = config.intermediate_size
-        self.scale = self.head_dim**-0.5
+        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
         hidden = config.hidden_size
         qkv_rows = self.q_size + 2 * self.kv_size
         lin = device if linear_device is None else linear_device
@@ -72,21 +91,32 @@ class DecoderLayer(nn.Module):
         self.post_attention_norm = _parameter(hidden, dtype=dtype, device=device)
         self.gate_up_weight = _parameter(2 * config.intermediate_size, hidden, dtype=dtype, device=lin)
         self.down_weight = _parameter(hidden, config.intermediate_size, dtype=dtype, device=lin)
+        # Gemma 3: RMSNorm of the attention output and of the MLP output, before each residual add.
+        self.attn_output_norm = _parameter(hidden, dtype=dtype, device=device) if arch.sandwich_norms else None
+        self.mlp_output_norm = _parameter(hidden, dtype=dtype, device=device) if arch.sandwich_norms else None
 
     def weight_slices(self) -> dict[str, tuple[torch.Tensor, int, int]]:
         """HF sub-name -> (fused tensor, first row, row count) that it is loaded into."""
         q, kv, inter = self.q_size, self.kv_size, self.intermediate_size
         slices = {
             "input_layernorm.weight": (self.input_norm, 0, self.input_norm.shape[0]),
-            "self_attn.q_proj.weight": (self.qkv_weight, 0, q),
-            "self_attn.k_proj.weight": (self.qkv_weight, q, kv),
-            "self_attn.v_proj.weight": (self.qkv_weight, q + kv, kv),
             "self_attn.o_proj.weight": (self.o_weight, 0, self.o_weight.shape[0]),
             "post_attention_layernorm.weight": (self.post_attention_norm, 0, self.post_attention_norm.shape[0]),
-            "mlp.gate_proj.weight": (self.gate_up_weight, 0, inter),
-            "mlp.up_proj.weight": (self.gate_up_weight, inter, inter),
             "mlp.down_proj.weight": (self.down_weight, 0, self.down_weight.shape[0]),
         }
+        if self.attn_output_norm is not None and self.mlp_output_norm is not None:  # Gemma 3's names
+            slices["pre_feedforward_layernorm.weight"] = slices.pop("post_attention_layernorm.weight")
+            slices["post_attention_layernorm.weight"] = (self.attn_output_norm, 0, self.attn_output_norm.shape[0])
+            slices["post_feedforward_layernorm.weight"] = (self.mlp_output_norm, 0, self.mlp_output_norm.shape[0])
+        if self.fused_checkpoint:  # Phi-3: the checkpoint's tensors are already ours, row for row
+            slices["self_attn.qkv_proj.weight"] = (self.qkv_weight, 0, q + 2 * kv)
+            slices["mlp.gate_up_proj.weight"] = (self.gate_up_weight, 0, 2 * inter)
+        else:
+            slices["self_attn.q_proj.weight"] = (self.qkv_weight, 0, q)
+            slices["self_attn.k_proj.weight"] = (self.qkv_weight, q, kv)
+            slices["self_attn.v_proj.weight"] = (self.qkv_weight, q + kv, kv)
+            slices["mlp.gate_proj.weight"] = (self.gate_up_weight, 0, inter)
+            slices["mlp.up_proj.weight"] = (self.gate_up_weight, inter, inter)
         if self.q_norm is not None and self.k_norm is not None:
             slices["self_attn.q_norm.weight"] = (self.q_norm, 0, self.head_dim)
             slices["self_attn.k_norm.weight"] = (self.k_norm, 0, self.head_dim)
@@ -112,7 +142,7 @@ class DecoderLayer(nn.Module):
         decode_plan: SparseDecodePlan | None = None,
     ) -> torch.Tensor:
         """hidden [T, hidden] -> [T, hidden]; writes this layer's new K/V into the cache."""
-        x = rms_norm(hidden, self.input_norm, self.eps)
+        x = self.norm(hidden, self.input_norm, self.eps)
         num_tokens = x.shape[0]
         qkv = linear(x, self.qkv_weight, self.qkv_bias)
         # Rotate q and k in one go: they are adjacent columns of the fused projection.
@@ -120,7 +150,7 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             heads = self.num_heads
             qk = torch.cat(
-                (rms_norm(qk[:, :heads], self.q_norm, self.eps), rms_norm(qk[:, heads:], self.k_norm, self.eps)), 1
+                (self.norm(qk[:, :heads], self.q_norm, self.eps), self.norm(qk[:, heads:], self.k_norm, self.eps)), 1
             )
         qk = RotaryEmbedding.apply(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
@@ -136,12 +166,16 @@ class DecoderLayer(nn.Module):
         out = linear(attn.reshape(num_tokens, self.q_size), self.o_weight)
         if self.all_reduce is not None:
             self.all_reduce(out)
+        if self.attn_output_norm is not None:
+            out = self.norm(out, self.attn_output_norm, self.eps)
         hidden = out.add_(hidden)
 
-        x = rms_norm(hidden, self.post_attention_norm, self.eps)
+        x = self.norm(hidden, self.post_attention_norm, self.eps)
         gate_up = linear(x, self.gate_up_weight)
-        act = F.silu(gate_up[:, : self.intermediate_size]).mul_(gate_up[:, self.intermediate_size :])
+        act = self.activation(gate_up[:, : self.intermediate_size]).mul_(gate_up[:, self.intermediate_size :])
         out = linear(act, self.down_weight)
         if self.all_reduce is not None:
             self.all_reduce(out)
+        if self.mlp_output_norm is not None:
+            out = self.norm(out, self.mlp_output_norm, self.eps)
         return out.add_(hidden)

@@ -1,7 +1,8 @@
-"""Llama-family causal LM (Llama, Mistral, Qwen2) running over the paged KV cache."""
+"""Llama-family causal LM (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3) over the paged KV cache."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
@@ -12,7 +13,7 @@ from torch import nn
 
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.model.checkpoint import CheckpointError
-from splitserve.engine.model.layers import DecoderLayer, rms_norm
+from splitserve.engine.model.layers import DecoderLayer, rms_norm, rms_norm_plus_one
 from splitserve.engine.model.rope import RotaryEmbedding
 from splitserve.engine.model.scripted_decode import ScriptedDecodeForward, decode_plan_applies
 from splitserve.engine.ops.attention import make_decode_plan
@@ -74,6 +75,18 @@ class LlamaForCausalLM(nn.Module):
                 torch.empty(vocab_rows, hidden, dtype=dtype, device=device), requires_grad=False
             )
         self.rotary = RotaryEmbedding(config, dtype, device)
+        # Gemma 3: the sliding-window layers' rotary, by their own base and without scaling.
+        self.local_rotary = (
+            None
+            if config.local_rope_theta is None
+            else RotaryEmbedding(
+                dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None), dtype, device
+            )
+        )
+        arch = config.registered
+        self.norm = rms_norm_plus_one if arch.norm_plus_one else rms_norm
+        # Gemma 3 multiplies the embeddings by sqrt(hidden) rounded to their dtype, as HF does.
+        self.embed_scale = torch.tensor(hidden**0.5).to(dtype) if arch.scaled_embeddings else None
         self._layer_list = list(self.layers)  # plain list: cheaper to iterate in the hot loop
         # Set by use_scripted_decode (engine/model/scripted_decode.py) once the weights are final.
         self._scripted_decode: ScriptedDecodeForward | None = None
@@ -109,18 +122,25 @@ class LlamaForCausalLM(nn.Module):
             hidden = F.embedding(input_ids, self.embed_tokens)
         else:
             hidden = vocab_parallel_embedding(input_ids, self.embed_tokens, self.tensor_parallel)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
         cos, sin = self.rotary.cos_sin(positions)
+        local = cos, sin
+        if self.local_rotary is not None:
+            local = self.local_rotary.cos_sin(positions)
         # Block tables are the same for every layer: index them once per step.
         plan = make_decode_plan(meta, hidden, kv_cache.key_cache(0), self.num_heads)
         for i, layer in enumerate(self._layer_list):
-            hidden = layer(hidden, cos, sin, kv_cache.key_cache(i), kv_cache.value_cache(i), meta, on_layer_done, plan)
-        return rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
+            layer_cos, layer_sin = local if layer.sliding else (cos, sin)
+            key_cache, value_cache = kv_cache.key_cache(i), kv_cache.value_cache(i)
+            hidden = layer(hidden, layer_cos, layer_sin, key_cache, value_cache, meta, on_layer_done, plan)
+        return self.norm(hidden, self.final_norm, self.config.rms_norm_eps)
 
     def use_scripted_decode(self) -> bool:
         """Run CPU pure-decode steps as one TorchScript call (engine/model/scripted_decode.py),
         where this model's weights allow it. Call once the weights are loaded (and packed).
         A tensor-parallel shard has none: its step runs collectives between the layers."""
-        if self.tensor_parallel is not None:
+        if self.tensor_parallel is not None or not self.config.registered.scripted_decode:
             return False
         self._scripted_decode = ScriptedDecodeForward.build(self)
         return self._scripted_decode is not None
@@ -131,12 +151,15 @@ class LlamaForCausalLM(nn.Module):
         mode) so that samplers may modify it in place. A tensor-parallel shard gathers its
         vocabulary rows' logits on the driver, while every other rank runs share_logits."""
         logits = linear(hidden, self.lm_head).float()
-        if self.tensor_parallel is None:
-            return logits
-        gathered = gather_vocab_logits(logits, self.tensor_parallel)
-        if gathered is None:
-            raise RuntimeError(f"rank {self.tensor_parallel.rank} is not the driver: it calls share_logits")
-        return gathered
+        if self.tensor_parallel is not None:
+            gathered = gather_vocab_logits(logits, self.tensor_parallel)
+            if gathered is None:
+                raise RuntimeError(f"rank {self.tensor_parallel.rank} is not the driver: it calls share_logits")
+            logits = gathered
+        cap = self.config.final_logit_softcapping
+        if cap:  # Gemma: logits squashed into (-cap, cap)
+            logits = torch.tanh(logits / cap).mul_(cap)
+        return logits
 
     @torch.no_grad()
     def share_logits(self, hidden: torch.Tensor) -> None:

@@ -14,11 +14,17 @@ import dataclasses
 from dataclasses import dataclass
 
 from splitserve.engine.config import ConfigError, EngineConfig, ModelConfig
+from splitserve.engine.model.checkpoint import TensorSlice
 
 _Q = ("self_attn.q_proj.weight", "self_attn.q_proj.bias")
 _KV = ("self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight", "self_attn.v_proj.bias")
 _MLP_IN = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+# Phi-3's fused tensors and the unfused ones they stack, in row order.
+_FUSED = {
+    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "mlp.gate_up_proj.weight": _MLP_IN,
+}
 
 
 def refuse_unsupported(config: EngineConfig) -> None:
@@ -106,13 +112,34 @@ class ShardPlan:
             intermediate_size=self.intermediate_size,
         )
 
-    def checkpoint_slice(self, name: str) -> tuple[int, int, int] | None:
+    def checkpoint_slice(self, name: str) -> TensorSlice | None:
         """(dim, start, stop) of the checkpoint tensor `name` this rank reads; None: all of it
-        (norms, which every rank holds whole)."""
-        head_dim = self.config.head_dim
+        (norms, which every rank holds whole). A fused tensor (Phi-3's qkv_proj, gate_up_proj)
+        gives a list: this rank's rows of each part (q, k, v; gate, up), in that order, which
+        is how the rank's own fused weight holds them."""
         if name.endswith(_VOCAB):
             return 0, self.vocab_start, self.vocab_start + self.vocab_rows_loaded
         sub = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
+        if sub in _FUSED:
+            pieces, offset = [], 0
+            for part, part_rows in zip(_FUSED[sub], self._fused_part_rows(sub)):
+                cut = self._unfused_slice(part)
+                assert cut is not None  # every part is a row-split tensor
+                dim, start, stop = cut
+                pieces.append((dim, offset + start, offset + stop))
+                offset += part_rows
+            return pieces
+        return self._unfused_slice(sub)
+
+    def _fused_part_rows(self, sub: str) -> tuple[int, ...]:
+        """The rows of each part of a fused checkpoint tensor in the whole model."""
+        if sub == "self_attn.qkv_proj.weight":
+            kv_rows = self.config.num_key_value_heads * self.config.head_dim
+            return self.config.num_attention_heads * self.config.head_dim, kv_rows, kv_rows
+        return self.config.intermediate_size, self.config.intermediate_size
+
+    def _unfused_slice(self, sub: str) -> tuple[int, int, int] | None:
+        head_dim = self.config.head_dim
         if sub in _Q:
             start = self.rank * self.num_heads * head_dim
             return 0, start, start + self.num_heads * head_dim

@@ -28,6 +28,8 @@ ARCH_CASES = {
     "mistral": dict(arch="mistral", seed=2),
     "qwen2": dict(arch="qwen2", seed=3),
     "qwen3": dict(arch="qwen3", seed=5),
+    "phi3": dict(arch="phi3", seed=6),
+    "gemma3": dict(arch="gemma3", seed=7),
     "llama3-rope": dict(arch="llama", seed=4, rope_scaling=True),
 }
 PROMPT = "The quick brown fox jumps over the lazy dog. It was the best of times. " * 6
@@ -98,6 +100,8 @@ def test_prefill_logits_match_transformers(loaded, case):
         "mistral": "MistralForCausalLM",
         "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM",
+        "phi3": "Phi3ForCausalLM",
+        "gemma3": "Gemma3ForCausalLM",
     }[ARCH_CASES[case]["arch"]]
     assert type(hf).__name__ == expected_class
     ids = hf_tok(PROMPT).input_ids

@@ -51,7 +51,9 @@ def _both(model, ids, positions, cache, meta):
 
 
 @pytest.mark.parametrize("matmul", ["onednn", "blas"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # qwen2: a qkv bias and tied embeddings; qwen3: q/k norms
+# qwen2: a qkv bias and tied embeddings; qwen3: q/k norms; phi3: weights loaded from fused tensors;
+# gemma3: (1 + w) and sandwich norms, GeGLU, scaled embeddings, sliding layers' own rotary
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma3"])
 def test_scripted_decode_is_bitwise_the_eager_forward(models_root, monkeypatch, matmul, arch):
     monkeypatch.setenv(CPU_MATMUL_ENV, matmul)
     monkeypatch.delenv(CPU_DECODE_FORWARD_ENV, raising=False)
@@ -99,11 +101,12 @@ def test_a_bad_switch_value_is_a_clear_error(monkeypatch):
     assert cpu_decode_forward() == "eager"
 
 
-def test_scripted_and_eager_engines_generate_the_same(models_root, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: its greedy step soft-caps the logits
+def test_scripted_and_eager_engines_generate_the_same(models_root, monkeypatch, arch):
     """Whole engines, both modes of the step: plain greedy (the one-call greedy step), greedy
     with log-probabilities and seeded sampling (the scripted forward, then the sampler) give the
     eager engine's tokens and log-probabilities."""
-    path = str(make_checkpoint(models_root, "tiny", "llama"))
+    path = str(make_checkpoint(models_root, "tiny", arch))
     prompts = [[5, 9, 14, 3, 22, 7], [11, 4, 30, 2], list(range(3, 40)), [8] * 9]
     kinds = {
         "greedy": SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),

@@ -66,6 +66,9 @@ def _assert_same(tp1, tp2) -> None:
         ("draft", "llama", "auto"),  # 2 heads, 1 KV head: replicated on both ranks
         ("tiny", "qwen2", "auto"),  # q/k/v bias, sharded with their rows
         ("draft", "qwen3", "auto"),  # q/k norms (whole on every rank), KV head replicated
+        ("tiny", "phi3", "auto"),  # fused qkv_proj / gate_up_proj: each rank reads its parts' rows
+        ("draft", "phi3", "auto"),  # fused, with the one KV head replicated
+        ("tiny", "gemma3", "auto"),  # (1 + w) and sandwich norms whole per rank, soft-capped logits gathered
         ("tiny", "llama", "int8"),  # the quantized KV cache holds each rank's heads and scales
     ],
 )
@@ -116,6 +119,28 @@ def test_kv_heads_are_replicated_when_tp_exceeds_them(models_root):
     assert down == [(1, 0, 64), (1, 64, 128)]
     assert [p.checkpoint_slice("lm_head.weight") for p in even] == [(0, 0, 256), (0, 256, 512)]
     assert even[0].checkpoint_slice("model.layers.0.input_layernorm.weight") is None
+
+
+def test_a_fused_tensor_gives_each_rank_its_rows_of_every_part(models_root):
+    """Phi-3's qkv_proj [q; k; v] and gate_up_proj [gate; up]: a rank reads its q heads, its KV
+    heads' k and v, its gate and up rows, each at its part's offset in the fused tensor."""
+    config = ModelConfig.from_pretrained(make_checkpoint(models_root, "tiny", "phi3"))  # 4 heads, 2 KV, head 16
+    layer = "model.layers.0."
+    for tp, rank in [(2, 0), (2, 1), (4, 3)]:
+        plan = ShardPlan(config, tp, rank)
+        q, k, v = (plan.checkpoint_slice(layer + f"self_attn.{n}_proj.weight") for n in "qkv")
+        assert plan.checkpoint_slice(layer + "self_attn.qkv_proj.weight") == [
+            q,
+            (0, 64 + k[1], 64 + k[2]),
+            (0, 96 + v[1], 96 + v[2]),
+        ]
+        gate, up = (plan.checkpoint_slice(layer + f"mlp.{n}_proj.weight") for n in ("gate", "up"))
+        assert plan.checkpoint_slice(layer + "mlp.gate_up_proj.weight") == [gate, (0, 128 + up[1], 128 + up[2])]
+    assert ShardPlan(config, 2, 1).checkpoint_slice(layer + "self_attn.qkv_proj.weight") == [
+        (0, 32, 64),
+        (0, 80, 96),
+        (0, 112, 128),
+    ]
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """Checkpoints as transformers itself writes them (its own config keys, weight names and tied
-embeddings) load and compute transformers' logits: the parity reference for each architecture
-the registry adds, independent of `splitserve make-model`."""
+embeddings) load and compute transformers' logits and greedy tokens: the parity reference for
+each architecture the registry adds, independent of `splitserve make-model`."""
 
 from __future__ import annotations
 
@@ -8,9 +8,13 @@ import pytest
 import torch
 import transformers
 
-from splitserve.engine.config import ConfigError, ModelConfig
+from splitserve.engine.builtin_models.model_spec import MakeModelError, ModelSpec
+from splitserve.engine.config import ConfigError, EngineConfig, ModelConfig
+from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model.loader import load_model
-from tests.helpers.model import contiguous_metadata, make_kv_cache
+from splitserve.proto.messages.invalid_request import InvalidRequestError
+from splitserve.proto.messages.sampling_params import SamplingParams
+from tests.helpers.model import contiguous_metadata, greedy_generate, make_checkpoint, make_kv_cache
 
 SHAPE = dict(
     vocab_size=256,
@@ -57,3 +61,133 @@ def test_an_activation_the_mlp_does_not_run_is_refused_by_name():
     raw = {**SHAPE, "architectures": ["Qwen3ForCausalLM"], "hidden_act": "gelu"}
     with pytest.raises(ConfigError, match="hidden_act 'gelu' is not supported"):
         ModelConfig.from_dict(raw)
+
+
+# Phi-3: hidden / heads gives the head size (Phi3Config has no head_dim of its own).
+PHI3_SHAPE = {
+    **{k: v for k, v in SHAPE.items() if k != "head_dim"},
+    "hidden_size": 128,
+    **dict(bos_token_id=1, eos_token_id=2, pad_token_id=0),  # its defaults lie outside a 256 vocabulary
+}
+PHI3_CONFIGS = {
+    "phi3-gqa": lambda: transformers.Phi3Config(**PHI3_SHAPE, rope_scaling=None),
+    "phi3-mha": lambda: transformers.Phi3Config(**{**PHI3_SHAPE, "num_key_value_heads": 4}),
+}
+
+
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    kv_cache, blocks_per_seq = make_kv_cache(model, len(ids))
+    meta = contiguous_metadata([len(ids)], [len(ids)], 16, blocks_per_seq)
+    return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), kv_cache, meta))
+
+
+def _hf_greedy(hf, ids: list[int], max_new_tokens: int) -> list[int]:
+    hf.generation_config.eos_token_id = None  # a random model may pick any id: never stop early
+    # An explicit mask: without one generate masks every prompt token equal to pad_token_id.
+    mask = torch.ones(1, len(ids), dtype=torch.long)
+    out = hf.generate(torch.tensor([ids]), attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+def _prompt(length: int, vocab_size: int) -> list[int]:
+    return torch.randint(0, vocab_size, (length,), generator=torch.Generator().manual_seed(7)).tolist()
+
+
+@pytest.mark.parametrize("case", list(PHI3_CONFIGS))
+def test_a_phi3_checkpoint_splits_its_fused_tensors_and_matches_transformers(tmp_path, case):
+    hf = _write(PHI3_CONFIGS[case](), tmp_path, seed=len(case))
+    names = set(hf.state_dict())
+    assert "model.layers.0.self_attn.qkv_proj.weight" in names and "model.layers.0.mlp.gate_up_proj.weight" in names
+    model, config = load_model(tmp_path)
+    assert config.architecture == "Phi3ForCausalLM" and config.head_dim == 32
+    ids = _prompt(40, PHI3_SHAPE["vocab_size"])
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_logits(model, ids), expected, atol=1e-4, rtol=0)
+    assert greedy_generate(model, ids, 12) == _hf_greedy(hf, ids, 12)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (
+            {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [2.0] * 16}},
+            "longrope",
+        ),
+        ({"rope_scaling": {"type": "su", "short_factor": [1.0] * 16, "long_factor": [2.0] * 16}}, "'su'"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+        ({"hidden_act": "gelu_new"}, "hidden_act 'gelu_new'"),
+    ],
+)
+def test_what_phi3_cannot_run_is_refused_by_name(change, named):
+    raw = {**PHI3_SHAPE, "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", **change}
+    with pytest.raises(ConfigError, match=named):
+        ModelConfig.from_dict(raw)
+    with pytest.raises(MakeModelError, match="not written for phi3"):  # make-model's Llama-3 scaling
+        ModelSpec(arch="phi3", rope_scaling=True)
+
+
+GEMMA3_CONFIGS = {
+    # Tied embeddings, an explicit head_dim (not hidden / heads), GQA, both kinds of layer, each
+    # with its own rope base, and final logits soft-capped; the window is above every prompt
+    # here, and the engine's context is capped at it (the last test).
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **{**SHAPE, "num_hidden_layers": 3},
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=64,
+        query_pre_attn_scalar=24,
+        final_logit_softcapping=3.0,
+    ),
+    "gemma3-gqa4-linear-rope": lambda: transformers.Gemma3TextConfig(
+        **{**SHAPE, "num_attention_heads": 8, "head_dim": 16},
+        sliding_window=128,
+        sliding_window_pattern=2,
+        rope_scaling={"rope_type": "linear", "factor": 4.0},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(GEMMA3_CONFIGS))
+def test_a_gemma3_checkpoint_matches_transformers(tmp_path, case):
+    hf = _write(GEMMA3_CONFIGS[case](), tmp_path, seed=len(case))
+    model, config = load_model(tmp_path)
+    assert config.architecture == "Gemma3ForCausalLM" and config.qk_norm and config.tie_word_embeddings
+    assert {"sliding_attention", "full_attention"} <= set(config.layer_types or [])
+    assert config.local_rope_theta != config.rope_theta
+    ids = _prompt(40, SHAPE["vocab_size"])
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_logits(model, ids), expected, atol=1e-4, rtol=0)
+    assert greedy_generate(model, ids, 12) == _hf_greedy(hf, ids, 12)
+
+
+def test_gemma3_context_is_capped_at_its_window_and_what_it_cannot_run_is_refused():
+    raw = {**SHAPE, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "sliding_window": 64}
+    config = ModelConfig.from_dict(raw)
+    assert config.max_context_len == 64  # a windowed layer: full attention is exact only within it
+    with pytest.raises(ConfigError, match="its sliding window"):
+        config.resolve_max_model_len(65)
+    every_layer_global = ModelConfig.from_dict({**raw, "layer_types": ["full_attention"] * 2})
+    assert every_layer_global.max_context_len == SHAPE["max_position_embeddings"]
+    refused = {
+        "attn_logit_softcapping": ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping 50.0"),
+        "activation": ({"hidden_activation": "silu"}, "hidden_activation 'silu' is not supported"),
+        "bidirectional": ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        "local rope": (
+            {"rope_parameters": {"sliding_attention": {"rope_type": "yarn", "rope_theta": 1e4}}},
+            "'yarn' for the sliding-window layers",
+        ),
+    }
+    for change, named in refused.values():
+        with pytest.raises(ConfigError, match=named):
+            ModelConfig.from_dict({**raw, **change})
+
+
+def test_a_gemma3_engine_refuses_a_request_beyond_its_window(tmp_path):
+    """make-model's gemma3 (window 512 of 1024 positions, sliding and global layers): the
+    engine serves within the window and names the window's cap beyond it."""
+    engine = LLMEngine(EngineConfig(model=str(make_checkpoint(tmp_path, "tiny", "gemma3")), num_kv_blocks=64))
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    assert len(engine.generate([[5] * 492], params)[0].token_ids) == 20  # 512: exactly the window
+    with pytest.raises(InvalidRequestError, match="exceeds the model's context of 512 tokens"):
+        engine.generate([[5] * 493], params)
