@@ -37,6 +37,9 @@ class Architecture:
     # The scripted CPU decode step (decode_graph.py) computes this architecture's layers;
     # False: its decode steps run the eager forward.
     scripted_decode: bool = True
+    # Mixture of experts (engine/model/moe.py): the checkpoint's MoE block and its experts'
+    # gate, up and down projection names; None: every layer's MLP is dense.
+    moe_weight_names: tuple[str, str, str, str] | None = None
 
     @property
     def arch(self) -> str:
@@ -61,6 +64,13 @@ ARCHITECTURES = {
             norm_plus_one=True,
             sandwich_norms=True,
             scaled_embeddings=True,
+        ),
+        # The decode graph has no MoE layer: their decode steps run the eager forward.
+        Architecture(
+            "MixtralForCausalLM",
+            "mixtral",
+            moe_weight_names=("block_sparse_moe", "w1", "w3", "w2"),
+            scripted_decode=False,
         ),
     )
 }
@@ -112,4 +122,19 @@ def gemma3_fields(raw: dict[str, Any]) -> dict[str, Any]:
         "final_logit_softcapping": raw.get("final_logit_softcapping"),
         # The window only caps the context where some layer is windowed (ModelConfig).
         "sliding_window": int(window) if window and SLIDING in kinds else None,
+    }
+
+
+def moe_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields of a mixture-of-experts config.json: the experts per layer and
+    per token, an expert's intermediate size, whether the k routing weights are rescaled to sum
+    to one, and which layers are sparse. Mixtral: every layer, renormalised."""
+    layers = int(raw["num_hidden_layers"])
+    experts = int(raw.get("num_local_experts", raw.get("num_experts", 0)))
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(raw["num_experts_per_tok"]),
+        "moe_intermediate_size": int(raw.get("moe_intermediate_size") or raw["intermediate_size"]),
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", True)),
+        "moe_layers": list(range(layers)),
     }
