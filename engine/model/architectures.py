@@ -40,6 +40,9 @@ class Architecture:
     # Mixture of experts (engine/model/moe.py): the checkpoint's MoE block and its experts'
     # gate, up and down projection names; None: every layer's MLP is dense.
     moe_weight_names: tuple[str, str, str, str] | None = None
+    # Qwen3-MoE casts the routing weights to the model's dtype before scaling the experts'
+    # outputs; Mixtral scales them by the float32 weights.
+    moe_weights_in_model_dtype: bool = False
 
     @property
     def arch(self) -> str:
@@ -70,6 +73,14 @@ ARCHITECTURES = {
             "MixtralForCausalLM",
             "mixtral",
             moe_weight_names=("block_sparse_moe", "w1", "w3", "w2"),
+            scripted_decode=False,
+        ),
+        Architecture(
+            "Qwen3MoeForCausalLM",
+            "qwen3_moe",
+            qk_norm=True,
+            moe_weight_names=("mlp", "gate_proj", "up_proj", "down_proj"),
+            moe_weights_in_model_dtype=True,
             scripted_decode=False,
         ),
     )
@@ -128,13 +139,18 @@ def gemma3_fields(raw: dict[str, Any]) -> dict[str, Any]:
 def moe_fields(raw: dict[str, Any]) -> dict[str, Any]:
     """The ModelConfig fields of a mixture-of-experts config.json: the experts per layer and
     per token, an expert's intermediate size, whether the k routing weights are rescaled to sum
-    to one, and which layers are sparse. Mixtral: every layer, renormalised."""
+    to one, and which layers are sparse. Mixtral: every layer, renormalised. Qwen3-MoE: every
+    `decoder_sparse_step`-th layer not in `mlp_only_layers` (the others a dense MLP of
+    `intermediate_size`), renormalised only with `norm_topk_prob` (transformers' default: not)."""
     layers = int(raw["num_hidden_layers"])
-    experts = int(raw.get("num_local_experts", raw.get("num_experts", 0)))
+    mixtral = "num_local_experts" in raw
+    experts = int(raw["num_local_experts"] if mixtral else raw.get("num_experts", 0))
+    step = int(raw.get("decoder_sparse_step", 1))
+    dense = set(raw.get("mlp_only_layers") or [])
     return {
         "num_experts": experts,
         "num_experts_per_tok": int(raw["num_experts_per_tok"]),
         "moe_intermediate_size": int(raw.get("moe_intermediate_size") or raw["intermediate_size"]),
-        "norm_topk_prob": bool(raw.get("norm_topk_prob", True)),
-        "moe_layers": list(range(layers)),
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", mixtral)),
+        "moe_layers": [i for i in range(layers) if experts and i not in dense and (i + 1) % step == 0],
     }

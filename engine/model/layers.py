@@ -1,6 +1,7 @@
-"""One Llama-family decoder layer (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3, Mixtral), with q/k/v
-and gate/up fused into single matmuls, or a mixture of experts as the MLP (engine/model/moe.py);
-what an architecture changes is an option its registry entry turns on (engine/model/architectures.py)."""
+"""One Llama-family decoder layer (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3, Mixtral,
+Qwen3-MoE), with q/k/v and gate/up fused into single matmuls, or a mixture of experts as the
+MLP (engine/model/moe.py); what an architecture changes is an option its registry entry turns
+on (engine/model/architectures.py)."""
 
 from __future__ import annotations
 
@@ -90,7 +91,7 @@ class DecoderLayer(nn.Module):
         self.k_norm = _parameter(self.head_dim, dtype=dtype, device=device) if config.qk_norm else None
         self.o_weight = _parameter(hidden, self.q_size, dtype=dtype, device=lin)
         self.post_attention_norm = _parameter(hidden, dtype=dtype, device=device)
-        # Mixtral: this layer's MLP is the experts (no dense gate/up/down weights then).
+        # Mixtral, Qwen3-MoE's sparse layers: this layer's MLP is the experts (no dense gate/up/down weights then).
         self.moe_weight_names = arch.moe_weight_names
         self.moe = (
             SparseMoeMlp(config, dtype, device)

@@ -1,4 +1,4 @@
-"""Llama-family causal LM (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3, Mixtral) over the paged KV cache."""
+"""Llama-family causal LM (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3, Mixtral, Qwen3-MoE) over the paged KV cache."""
 
 from __future__ import annotations
 

@@ -36,6 +36,7 @@ class SparseMoeMlp(nn.Module):
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_tok
         self.renormalise = config.norm_topk_prob
+        self.weights_in_model_dtype = config.registered.moe_weights_in_model_dtype
         self.hidden = config.hidden_size
         self.inter = config.moe_intermediate_size
         hidden, inter, experts = self.hidden, self.inter, self.num_experts
@@ -65,6 +66,8 @@ class SparseMoeMlp(nn.Module):
         weight * down(act(gate(x)) * up(x)). Experts run in increasing id order, so each
         token's sum is accumulated in the order transformers accumulates it."""
         weights, experts = route(F.linear(x, self.router_weight), self.top_k, self.renormalise)
+        if self.weights_in_model_dtype:
+            weights = weights.to(x.dtype)
         flat = experts.reshape(-1)  # [T * k]: token t's j-th choice at t * k + j
         order = torch.argsort(flat, stable=True)  # the choices grouped by expert, tokens in order
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()

@@ -114,6 +114,35 @@ def test_a_mixtral_checkpoint_matches_transformers(tmp_path, case):
     assert greedy_generate(model, ids, 12) == _hf_greedy(hf, ids, 12)
 
 
+QWEN3_MOE = dict(
+    **{**SHAPE, "num_hidden_layers": 3},
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=48,  # the experts' own size; the dense layers' is intermediate_size
+)
+QWEN3_MOE_CONFIGS = {
+    # A dense layer (mlp_only_layers) between two sparse ones, k weights renormalised.
+    "qwen3-moe-mlp-only": (dict(mlp_only_layers=[1], norm_topk_prob=True), [0, 2]),
+    # Every second layer sparse, the k weights as the softmax gave them (transformers' default).
+    "qwen3-moe-step2": (dict(decoder_sparse_step=2, norm_topk_prob=False), [1]),
+}
+
+
+@pytest.mark.parametrize("case", list(QWEN3_MOE_CONFIGS))
+def test_a_qwen3_moe_checkpoint_matches_transformers(tmp_path, case):
+    change, sparse = QWEN3_MOE_CONFIGS[case]
+    hf = _write(transformers.Qwen3MoeConfig(**QWEN3_MOE, **change), tmp_path, seed=len(case))
+    model, config = load_model(tmp_path)
+    assert config.architecture == "Qwen3MoeForCausalLM" and config.qk_norm
+    assert config.moe_layers == sparse and config.norm_topk_prob == change["norm_topk_prob"]
+    assert [layer.moe is not None for layer in model.layers] == [i in sparse for i in range(3)]
+    ids = _prompt(40)
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_logits(model, ids), expected, atol=1e-4, rtol=0)
+    assert greedy_generate(model, ids, 12) == _hf_greedy(hf, ids, 12)
+
+
 def test_what_the_moe_path_does_not_run_is_refused_by_name():
     raw = {**MIXTRAL, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}
     config = ModelConfig.from_dict(raw)
