@@ -14,7 +14,7 @@ from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.model.loader import load_model
 from splitserve.engine.model.moe import route
 from splitserve.engine.parallel.shard_plan import check_tensor_parallel_size
-from tests.helpers.model import contiguous_metadata, greedy_generate, make_kv_cache
+from tests.helpers.model import contiguous_metadata, greedy_generate, make_checkpoint, make_kv_cache
 
 pytestmark = pytest.mark.unit
 
@@ -141,6 +141,19 @@ def test_a_qwen3_moe_checkpoint_matches_transformers(tmp_path, case):
         expected = hf(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(_logits(model, ids), expected, atol=1e-4, rtol=0)
     assert greedy_generate(model, ids, 12) == _hf_greedy(hf, ids, 12)
+
+
+@pytest.mark.parametrize(("arch", "sparse"), [("mixtral", [0, 1]), ("qwen3_moe", [0])])
+def test_make_model_writes_a_moe_checkpoint_that_transformers_computes_alike(tmp_path, arch, sparse):
+    path = make_checkpoint(tmp_path, "tiny", arch)
+    model, config = load_model(path)
+    assert config.num_experts == 4 and config.moe_layers == sparse  # qwen3_moe: its last layer dense
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = _prompt(24)
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_logits(model, ids), expected, atol=1e-4, rtol=0)
+    assert greedy_generate(model, ids, 8) == _hf_greedy(hf, ids, 8)
 
 
 def test_what_the_moe_path_does_not_run_is_refused_by_name():
