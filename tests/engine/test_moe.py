@@ -9,6 +9,7 @@ import torch
 import transformers
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 
+from splitserve.engine.builtin_models.model_spec import MakeModelError, ModelSpec
 from splitserve.engine.config import ConfigError, ModelConfig
 from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.model.loader import load_model
@@ -163,5 +164,7 @@ def test_what_the_moe_path_does_not_run_is_refused_by_name():
         LlamaForCausalLM(config, quantization="int8")
     with pytest.raises(ConfigError, match="num_experts_per_tok must be in 1..4"):
         ModelConfig.from_dict({**raw, "num_experts_per_tok": 5})
+    with pytest.raises(MakeModelError, match="--train-steps is not supported for qwen3_moe"):
+        ModelSpec(arch="qwen3_moe", train_steps=10)
     with pytest.raises(ConfigError, match=r"tensor_parallel_size 2 does not support MixtralForCausalLM"):
         check_tensor_parallel_size(config, 2)
