@@ -1,7 +1,11 @@
 """The sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks each token's top-k
 experts and only those experts compute it, each over the tokens routed to it, gathered into one
 matmul per expert; the weighted outputs are summed back per token. Never every expert on every
-token."""
+token.
+
+Per-expert torch matmuls rather than torch._grouped_mm: on CPU (torch 2.13) the private grouped
+op gives the same result on a small case (4 experts, hidden 64, 64 tokens, top-2) but is no
+faster there, and it is a private API."""
 
 from __future__ import annotations
 
