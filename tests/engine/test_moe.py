@@ -10,11 +10,13 @@ import transformers
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 
 from splitserve.engine.builtin_models.model_spec import MakeModelError, ModelSpec
-from splitserve.engine.config import ConfigError, ModelConfig
+from splitserve.engine.config import ConfigError, EngineConfig, ModelConfig
+from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.model.loader import load_model
 from splitserve.engine.model.moe import route
 from splitserve.engine.parallel.shard_plan import check_tensor_parallel_size
+from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.model import contiguous_metadata, greedy_generate, make_checkpoint, make_kv_cache
 
 pytestmark = pytest.mark.unit
@@ -168,3 +170,15 @@ def test_what_the_moe_path_does_not_run_is_refused_by_name():
         ModelSpec(arch="qwen3_moe", train_steps=10)
     with pytest.raises(ConfigError, match=r"tensor_parallel_size 2 does not support MixtralForCausalLM"):
         check_tensor_parallel_size(config, 2)
+
+
+def test_an_engine_serves_a_mixtral_checkpoint_as_the_model_computes_it(tmp_path):
+    """The whole engine (batched prefill and decode, the eager decode step, packed weights
+    where the platform packs them) gives the model's own greedy tokens for two prompts."""
+    path = make_checkpoint(tmp_path, "tiny", "mixtral")
+    prompts = [_prompt(20), _prompt(9)]
+    engine = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=64))
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    outputs = engine.generate(prompts, params)
+    model, _ = load_model(path)
+    assert [out.token_ids for out in outputs] == [greedy_generate(model, ids, 10) for ids in prompts]
