@@ -14,6 +14,7 @@ from splitserve.engine.model.architectures import (
     SLIDING,
     Architecture,
     gemma3_fields,
+    moe_fields,
     unsupported_feature,
 )
 
@@ -105,6 +106,13 @@ class ModelConfig:
     local_rope_type: str = "default"
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    # Mixture of experts (engine/model/architectures.py, moe_fields; engine/model/moe.py):
+    # 0 experts is a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: list[int] | None = None  # the layers whose MLP is the experts
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -142,6 +150,10 @@ class ModelConfig:
         ):
             raise ConfigError(
                 f"layer_types must name {self.num_hidden_layers} layers, each one of {sorted(LAYER_KINDS)}"
+            )
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(
+                f"num_experts_per_tok must be in 1..{self.num_experts} (the experts), got {self.num_experts_per_tok}"
             )
         if self.local_rope_type != "default":
             raise ConfigError(f"unsupported rope type {self.local_rope_type!r} for the sliding-window layers")
@@ -237,6 +249,8 @@ class ModelConfig:
             )
             if arch == "Gemma3ForCausalLM":
                 fields.update(gemma3_fields(raw))
+            if arch in ARCHITECTURES and ARCHITECTURES[arch].moe_weight_names is not None:
+                fields.update(moe_fields(raw))
         except KeyError as exc:
             raise ConfigError(f"config.json is missing required key {exc.args[0]!r}") from None
         return cls(**fields)

@@ -33,6 +33,7 @@ from splitserve.engine.builtin_models.model_spec import (
     ModelPreset,
     ModelSpec,
 )
+from splitserve.engine.builtin_models.moe_checkpoint import moe_config_keys
 from splitserve.engine.builtin_models.random_weights import random_weights
 from splitserve.engine.model.architectures import BY_ARCH
 
@@ -96,6 +97,8 @@ def _config_dict(
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=preset.num_hidden_layers)
     if arch == "qwen3":
         config.update(attention_bias=False)
+    if BY_ARCH[arch].moe_weight_names is not None:
+        config.update(moe_config_keys(arch, preset.num_hidden_layers, preset.intermediate_size))
     if arch == "gemma3":
         config.update(_gemma3_keys(preset, rope_scaling))
         del config["hidden_act"], config["rope_theta"], config["rope_scaling"]

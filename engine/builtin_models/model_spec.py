@@ -77,6 +77,12 @@ class ModelSpec:
             raise MakeModelError(f"num_shards must be >= 1, got {self.num_shards}")
         if self.train_steps < 0:
             raise MakeModelError(f"train_steps must be >= 0 (0 writes random weights), got {self.train_steps}")
+        # Training loads the weights by name into transformers' class, whose experts are stacked
+        # tensors (transformers 5), not the per-expert tensors make-model writes.
+        if self.train_steps and ARCHITECTURES[ARCHITECTURE_BY_ARCH[self.arch][0]].moe_weight_names is not None:
+            raise MakeModelError(
+                f"--train-steps is not supported for {self.arch} (mixture of experts): random weights only"
+            )
 
     @property
     def shape(self) -> ModelPreset:

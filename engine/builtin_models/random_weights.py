@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from splitserve.engine.builtin_models.moe_checkpoint import MOE_WEIGHT_NAMES, replace_with_experts
+from splitserve.engine.model.architectures import moe_fields
+
 
 def random_weights(config: dict, seed: int, dtype: str) -> dict:
     """HF-named weights. Scaled so logits have a wide spread: greedy top-1/top-2 gaps stay
@@ -14,7 +17,7 @@ def random_weights(config: dict, seed: int, dtype: str) -> dict:
     q_dim = config["num_attention_heads"] * head_dim
     kv_dim = config["num_key_value_heads"] * head_dim
     qkv_bias = config["model_type"] == "qwen2"
-    qk_norm = config["model_type"] in ("qwen3", "gemma3_text")
+    qk_norm = config["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text")
     gemma = config["model_type"] == "gemma3_text"
     # Gemma's norms scale by (1 + w): its stored weights are the same scales less one.
     norm_offset = 1.0 if gemma else 0.0
@@ -31,6 +34,7 @@ def random_weights(config: dict, seed: int, dtype: str) -> dict:
         return mean * (1.0 + normal(size, std=0.1)) - norm_offset
 
     tied = config["tie_word_embeddings"]
+    moe_layers = moe_fields(config)["moe_layers"] if config["model_type"] in MOE_WEIGHT_NAMES else []
     # Small embeddings: the residual stream is dominated by what the layers compute, so a
     # tied output projection does not just echo the last input token.
     weights = {"model.embed_tokens.weight": normal(vocab, hidden, std=embed_std)}
@@ -52,6 +56,8 @@ def random_weights(config: dict, seed: int, dtype: str) -> dict:
         weights[p + "mlp.gate_proj.weight"] = linear(inter, hidden)
         weights[p + "mlp.up_proj.weight"] = linear(inter, hidden)
         weights[p + "mlp.down_proj.weight"] = linear(hidden, inter)
+        if i in moe_layers:  # Mixtral, Qwen3-MoE: a router and experts instead
+            replace_with_experts(weights, p, config, linear)
         if gemma:  # the norms after attention and the MLP; the pre-MLP one has its own name
             weights[p + "pre_feedforward_layernorm.weight"] = norm_weight()
             weights[p + "post_feedforward_layernorm.weight"] = norm_weight()

@@ -37,6 +37,12 @@ class Architecture:
     # The scripted CPU decode step (decode_graph.py) computes this architecture's layers;
     # False: its decode steps run the eager forward.
     scripted_decode: bool = True
+    # Mixture of experts (engine/model/moe.py): the checkpoint's MoE block and its experts'
+    # gate, up and down projection names; None: every layer's MLP is dense.
+    moe_weight_names: tuple[str, str, str, str] | None = None
+    # Qwen3-MoE casts the routing weights to the model's dtype before scaling the experts'
+    # outputs; Mixtral scales them by the float32 weights.
+    moe_weights_in_model_dtype: bool = False
 
     @property
     def arch(self) -> str:
@@ -61,6 +67,21 @@ ARCHITECTURES = {
             norm_plus_one=True,
             sandwich_norms=True,
             scaled_embeddings=True,
+        ),
+        # The decode graph has no MoE layer: their decode steps run the eager forward.
+        Architecture(
+            "MixtralForCausalLM",
+            "mixtral",
+            moe_weight_names=("block_sparse_moe", "w1", "w3", "w2"),
+            scripted_decode=False,
+        ),
+        Architecture(
+            "Qwen3MoeForCausalLM",
+            "qwen3_moe",
+            qk_norm=True,
+            moe_weight_names=("mlp", "gate_proj", "up_proj", "down_proj"),
+            moe_weights_in_model_dtype=True,
+            scripted_decode=False,
         ),
     )
 }
@@ -112,4 +133,24 @@ def gemma3_fields(raw: dict[str, Any]) -> dict[str, Any]:
         "final_logit_softcapping": raw.get("final_logit_softcapping"),
         # The window only caps the context where some layer is windowed (ModelConfig).
         "sliding_window": int(window) if window and SLIDING in kinds else None,
+    }
+
+
+def moe_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields of a mixture-of-experts config.json: the experts per layer and
+    per token, an expert's intermediate size, whether the k routing weights are rescaled to sum
+    to one, and which layers are sparse. Mixtral: every layer, renormalised. Qwen3-MoE: every
+    `decoder_sparse_step`-th layer not in `mlp_only_layers` (the others a dense MLP of
+    `intermediate_size`), renormalised only with `norm_topk_prob` (transformers' default: not)."""
+    layers = int(raw["num_hidden_layers"])
+    mixtral = "num_local_experts" in raw
+    experts = int(raw["num_local_experts"] if mixtral else raw.get("num_experts", 0))
+    step = int(raw.get("decoder_sparse_step", 1))
+    dense = set(raw.get("mlp_only_layers") or [])
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(raw["num_experts_per_tok"]),
+        "moe_intermediate_size": int(raw.get("moe_intermediate_size") or raw["intermediate_size"]),
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", mixtral)),
+        "moe_layers": [i for i in range(layers) if experts and i not in dense and (i + 1) % step == 0],
     }

@@ -1,6 +1,7 @@
-"""One Llama-family decoder layer (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3), with q/k/v and
-gate/up fused into single matmuls; what an architecture changes is an option its registry entry
-turns on (engine/model/architectures.py)."""
+"""One Llama-family decoder layer (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3, Mixtral,
+Qwen3-MoE), with q/k/v and gate/up fused into single matmuls, or a mixture of experts as the
+MLP (engine/model/moe.py); what an architecture changes is an option its registry entry turns
+on (engine/model/architectures.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch import nn
 
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.model.architectures import SLIDING
+from splitserve.engine.model.moe import SparseMoeMlp
 from splitserve.engine.model.rope import RotaryEmbedding
 from splitserve.engine.ops.attention import paged_attention, write_kv
 from splitserve.engine.ops.attention_metadata import AttentionMetadata
@@ -89,8 +91,16 @@ class DecoderLayer(nn.Module):
         self.k_norm = _parameter(self.head_dim, dtype=dtype, device=device) if config.qk_norm else None
         self.o_weight = _parameter(hidden, self.q_size, dtype=dtype, device=lin)
         self.post_attention_norm = _parameter(hidden, dtype=dtype, device=device)
-        self.gate_up_weight = _parameter(2 * config.intermediate_size, hidden, dtype=dtype, device=lin)
-        self.down_weight = _parameter(hidden, config.intermediate_size, dtype=dtype, device=lin)
+        # Mixtral, Qwen3-MoE's sparse layers: this layer's MLP is the experts (no dense gate/up/down weights then).
+        self.moe_weight_names = arch.moe_weight_names
+        self.moe = (
+            SparseMoeMlp(config, dtype, device)
+            if arch.moe_weight_names is not None and layer_index in (config.moe_layers or ())
+            else None
+        )
+        if self.moe is None:
+            self.gate_up_weight = _parameter(2 * config.intermediate_size, hidden, dtype=dtype, device=lin)
+            self.down_weight = _parameter(hidden, config.intermediate_size, dtype=dtype, device=lin)
         # Gemma 3: RMSNorm of the attention output and of the MLP output, before each residual add.
         self.attn_output_norm = _parameter(hidden, dtype=dtype, device=device) if arch.sandwich_norms else None
         self.mlp_output_norm = _parameter(hidden, dtype=dtype, device=device) if arch.sandwich_norms else None
@@ -102,8 +112,11 @@ class DecoderLayer(nn.Module):
             "input_layernorm.weight": (self.input_norm, 0, self.input_norm.shape[0]),
             "self_attn.o_proj.weight": (self.o_weight, 0, self.o_weight.shape[0]),
             "post_attention_layernorm.weight": (self.post_attention_norm, 0, self.post_attention_norm.shape[0]),
-            "mlp.down_proj.weight": (self.down_weight, 0, self.down_weight.shape[0]),
         }
+        if self.moe is not None and self.moe_weight_names is not None:
+            slices.update(self.moe.weight_slices(self.moe_weight_names))
+        else:
+            slices["mlp.down_proj.weight"] = (self.down_weight, 0, self.down_weight.shape[0])
         if self.attn_output_norm is not None and self.mlp_output_norm is not None:  # Gemma 3's names
             slices["pre_feedforward_layernorm.weight"] = slices.pop("post_attention_layernorm.weight")
             slices["post_attention_layernorm.weight"] = (self.attn_output_norm, 0, self.attn_output_norm.shape[0])
@@ -115,8 +128,9 @@ class DecoderLayer(nn.Module):
             slices["self_attn.q_proj.weight"] = (self.qkv_weight, 0, q)
             slices["self_attn.k_proj.weight"] = (self.qkv_weight, q, kv)
             slices["self_attn.v_proj.weight"] = (self.qkv_weight, q + kv, kv)
-            slices["mlp.gate_proj.weight"] = (self.gate_up_weight, 0, inter)
-            slices["mlp.up_proj.weight"] = (self.gate_up_weight, inter, inter)
+            if self.moe is None:
+                slices["mlp.gate_proj.weight"] = (self.gate_up_weight, 0, inter)
+                slices["mlp.up_proj.weight"] = (self.gate_up_weight, inter, inter)
         if self.q_norm is not None and self.k_norm is not None:
             slices["self_attn.q_norm.weight"] = (self.q_norm, 0, self.head_dim)
             slices["self_attn.k_norm.weight"] = (self.k_norm, 0, self.head_dim)
@@ -171,6 +185,8 @@ class DecoderLayer(nn.Module):
         hidden = out.add_(hidden)
 
         x = self.norm(hidden, self.post_attention_norm, self.eps)
+        if self.moe is not None:
+            return self.moe(x, self.activation).add_(hidden)  # unsharded: LlamaForCausalLM refuses TP
         gate_up = linear(x, self.gate_up_weight)
         act = self.activation(gate_up[:, : self.intermediate_size]).mul_(gate_up[:, self.intermediate_size :])
         out = linear(act, self.down_weight)

@@ -1,4 +1,4 @@
-"""Llama-family causal LM (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3) over the paged KV cache."""
+"""Llama-family causal LM (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3, Mixtral, Qwen3-MoE) over the paged KV cache."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.engine.config import ModelConfig
+from splitserve.engine.config import ConfigError, ModelConfig
 from splitserve.engine.model.checkpoint import CheckpointError
 from splitserve.engine.model.layers import DecoderLayer, rms_norm, rms_norm_plus_one
 from splitserve.engine.model.rope import RotaryEmbedding
@@ -49,6 +49,9 @@ class LlamaForCausalLM(nn.Module):
         its heads, KV heads, intermediate and vocabulary rows, loaded from the checkpoint's
         matching slices, with the collectives that join the shards. None: the whole model."""
         super().__init__()
+        if config.num_experts and (quantization != "none" or config.quantization_config):
+            # The layerwise quantizer and quantized checkpoints know only the dense MLP weights.
+            raise ConfigError(f"{config.architecture} (mixture of experts) with weight quantization is not supported")
         self.config = config
         self.dtype = dtype
         self.quantization = quantization
@@ -172,7 +175,12 @@ class LlamaForCausalLM(nn.Module):
         once the checkpoint is loaded; quantized weights and a tied lm_head (it is also the
         embedding table, which must stay a plain tensor) are left as they are. Returns how many
         weights were packed."""
-        owners = [(layer, name) for layer in self._layer_list for name in DecoderLayer.LINEAR_WEIGHTS]
+        owners = [
+            (layer, name)
+            for layer in self._layer_list
+            for name in DecoderLayer.LINEAR_WEIGHTS
+            if hasattr(layer, name)  # a mixture-of-experts layer has no dense MLP weights
+        ]
         if not self.config.tie_word_embeddings:
             owners.append((self, "lm_head"))
         count = 0

@@ -45,6 +45,8 @@ def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
     heads, kv_heads, inter = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
     if size < 1:
         raise ConfigError(f"tensor_parallel_size must be >= 1, got {size}")
+    if size > 1 and config.num_experts:  # the experts are not sharded (engine/model/moe.py)
+        raise ConfigError(f"tensor_parallel_size {size} does not support {config.architecture} (mixture of experts)")
     if heads % size:
         raise ConfigError(f"tensor_parallel_size {size} does not divide num_attention_heads {heads}")
     if kv_heads % size and size % kv_heads:

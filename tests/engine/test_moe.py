@@ -1,0 +1,184 @@
+"""Mixture-of-experts models (engine/model/moe.py) written by transformers: the router picks
+transformers' experts (ties included), and the model computes its logits and greedy tokens;
+what the MoE path does not run is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+
+from splitserve.engine.builtin_models.model_spec import MakeModelError, ModelSpec
+from splitserve.engine.config import ConfigError, EngineConfig, ModelConfig
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.model.llama import LlamaForCausalLM
+from splitserve.engine.model.loader import load_model
+from splitserve.engine.model.moe import route
+from splitserve.engine.parallel.shard_plan import check_tensor_parallel_size
+from splitserve.proto.messages.sampling_params import SamplingParams
+from tests.helpers.model import contiguous_metadata, greedy_generate, make_checkpoint, make_kv_cache
+
+pytestmark = pytest.mark.unit
+
+SHAPE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+)
+MIXTRAL = dict(**SHAPE, num_local_experts=4, num_experts_per_tok=2)
+
+
+def _write(config, path, seed: int):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # random norms, so a norm loaded into the wrong place shows
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+    model.save_pretrained(path)
+    return model
+
+
+def _prompt(length: int) -> list[int]:
+    return torch.randint(0, SHAPE["vocab_size"], (length,), generator=torch.Generator().manual_seed(7)).tolist()
+
+
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    kv_cache, blocks_per_seq = make_kv_cache(model, len(ids))
+    meta = contiguous_metadata([len(ids)], [len(ids)], 16, blocks_per_seq)
+    return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), kv_cache, meta))
+
+
+def _hf_greedy(hf, ids: list[int], max_new_tokens: int) -> list[int]:
+    hf.generation_config.eos_token_id = None  # a random model may pick any id: never stop early
+    mask = torch.ones(1, len(ids), dtype=torch.long)
+    out = hf.generate(torch.tensor([ids]), attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+def test_the_router_picks_transformers_experts_ties_included():
+    config = transformers.MixtralConfig(**MIXTRAL)
+    router = MixtralTopKRouter(config)
+    torch.nn.init.normal_(router.weight)
+    x = torch.randn(32, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(3))
+    _, hf_weights, hf_experts = router(x)
+    weights, experts = route(torch.nn.functional.linear(x, router.weight), 2, renormalise=True)
+    assert torch.equal(experts, hf_experts) and torch.equal(weights, hf_weights)
+    # Ties: experts 0 and 1, and 2 and 3, share router rows, so every token's logits tie in
+    # pairs. Both routers call torch.topk on the same float32 probabilities, so ties break
+    # the same way: as torch.topk breaks them, which is not "lowest id first" (on CPU, four
+    # equal logits give experts [2, 3]).
+    with torch.no_grad():
+        router.weight[1] = router.weight[0]
+        router.weight[3] = router.weight[2]
+    _, hf_weights, hf_experts = router(x)
+    weights, experts = route(torch.nn.functional.linear(x, router.weight), 2, renormalise=True)
+    assert torch.equal(experts, hf_experts) and torch.equal(weights, hf_weights)
+    assert torch.equal(weights, torch.full((32, 2), 0.5))  # each token's top two are a tied pair
+    hf_router_topk = torch.topk(torch.softmax(torch.zeros(1, 4), -1), 2).indices
+    assert route(torch.zeros(1, 4), 2, renormalise=True)[1].tolist() == hf_router_topk.tolist()
+
+
+def test_each_expert_computes_only_the_tokens_routed_to_it(tmp_path, monkeypatch):
+    _write(transformers.MixtralConfig(**MIXTRAL), tmp_path, seed=1)
+    model, _ = load_model(tmp_path)
+    moe = model.layers[0].moe
+    seen: list[int] = []
+    real_linear = torch.nn.functional.linear
+
+    def counting_linear(x, weight, bias=None):
+        if weight.shape == (2 * moe.inter, moe.hidden):
+            seen.append(x.shape[0])
+        return real_linear(x, weight, bias)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", counting_linear)
+    moe(torch.randn(10, SHAPE["hidden_size"]), torch.nn.functional.silu)
+    assert sum(seen) == 10 * 2 and len(seen) <= 4  # 2 experts per token, one matmul per expert used
+
+
+@pytest.mark.parametrize("case", ["mixtral", "mixtral-top1"])
+def test_a_mixtral_checkpoint_matches_transformers(tmp_path, case):
+    top_k = 1 if case.endswith("top1") else 2
+    hf = _write(transformers.MixtralConfig(**{**MIXTRAL, "num_experts_per_tok": top_k}), tmp_path, seed=len(case))
+    model, config = load_model(tmp_path)
+    assert config.architecture == "MixtralForCausalLM" and config.num_experts == 4
+    assert config.num_experts_per_tok == top_k and config.moe_layers == [0, 1]
+    assert not model.use_scripted_decode()  # decode steps run the eager forward
+    ids = _prompt(40)
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_logits(model, ids), expected, atol=1e-4, rtol=0)
+    assert greedy_generate(model, ids, 12) == _hf_greedy(hf, ids, 12)
+
+
+QWEN3_MOE = dict(
+    **{**SHAPE, "num_hidden_layers": 3},
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=48,  # the experts' own size; the dense layers' is intermediate_size
+)
+QWEN3_MOE_CONFIGS = {
+    # A dense layer (mlp_only_layers) between two sparse ones, k weights renormalised.
+    "qwen3-moe-mlp-only": (dict(mlp_only_layers=[1], norm_topk_prob=True), [0, 2]),
+    # Every second layer sparse, the k weights as the softmax gave them (transformers' default).
+    "qwen3-moe-step2": (dict(decoder_sparse_step=2, norm_topk_prob=False), [1]),
+}
+
+
+@pytest.mark.parametrize("case", list(QWEN3_MOE_CONFIGS))
+def test_a_qwen3_moe_checkpoint_matches_transformers(tmp_path, case):
+    change, sparse = QWEN3_MOE_CONFIGS[case]
+    hf = _write(transformers.Qwen3MoeConfig(**QWEN3_MOE, **change), tmp_path, seed=len(case))
+    model, config = load_model(tmp_path)
+    assert config.architecture == "Qwen3MoeForCausalLM" and config.qk_norm
+    assert config.moe_layers == sparse and config.norm_topk_prob == change["norm_topk_prob"]
+    assert [layer.moe is not None for layer in model.layers] == [i in sparse for i in range(3)]
+    ids = _prompt(40)
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_logits(model, ids), expected, atol=1e-4, rtol=0)
+    assert greedy_generate(model, ids, 12) == _hf_greedy(hf, ids, 12)
+
+
+@pytest.mark.parametrize(("arch", "sparse"), [("mixtral", [0, 1]), ("qwen3_moe", [0])])
+def test_make_model_writes_a_moe_checkpoint_that_transformers_computes_alike(tmp_path, arch, sparse):
+    path = make_checkpoint(tmp_path, "tiny", arch)
+    model, config = load_model(path)
+    assert config.num_experts == 4 and config.moe_layers == sparse  # qwen3_moe: its last layer dense
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = _prompt(24)
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_logits(model, ids), expected, atol=1e-4, rtol=0)
+    assert greedy_generate(model, ids, 8) == _hf_greedy(hf, ids, 8)
+
+
+def test_what_the_moe_path_does_not_run_is_refused_by_name():
+    raw = {**MIXTRAL, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}
+    config = ModelConfig.from_dict(raw)
+    with pytest.raises(ConfigError, match="MixtralForCausalLM .mixture of experts. with weight quantization"):
+        LlamaForCausalLM(config, quantization="int8")
+    with pytest.raises(ConfigError, match="num_experts_per_tok must be in 1..4"):
+        ModelConfig.from_dict({**raw, "num_experts_per_tok": 5})
+    with pytest.raises(MakeModelError, match="--train-steps is not supported for qwen3_moe"):
+        ModelSpec(arch="qwen3_moe", train_steps=10)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size 2 does not support MixtralForCausalLM"):
+        check_tensor_parallel_size(config, 2)
+
+
+def test_an_engine_serves_a_mixtral_checkpoint_as_the_model_computes_it(tmp_path):
+    """The whole engine (batched prefill and decode, the eager decode step, packed weights
+    where the platform packs them) gives the model's own greedy tokens for two prompts."""
+    path = make_checkpoint(tmp_path, "tiny", "mixtral")
+    prompts = [_prompt(20), _prompt(9)]
+    engine = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=64))
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    outputs = engine.generate(prompts, params)
+    model, _ = load_model(path)
+    assert [out.token_ids for out in outputs] == [greedy_generate(model, ids, 10) for ids in prompts]
