@@ -53,18 +53,20 @@ class AnswerSoFar:
         self.num_moves = 0
         self._resumed = 0  # output tokens at the end of the current attempt's prompt
         self._num_cached_tokens: int | None = None  # the first attempt's, what the client was told
+        self._request_id = ""  # the id the client's first chunk carried (gRPC echoes it)
 
     def client_chunk(self, chunk: StreamChunk) -> StreamChunk:
         """Record a chunk the client is about to get; a continuation's counts become the client's
-        (its prompt tokens, every output token so far, the first attempt's cached tokens)."""
+        (its id and prompt tokens, every output token so far, the first attempt's cached tokens)."""
         self.token_ids.extend(chunk.token_ids)
         self.num_text_chars += len(chunk.text)
         if self._num_cached_tokens is None:
-            self._num_cached_tokens = chunk.num_cached_tokens
+            self._num_cached_tokens, self._request_id = chunk.num_cached_tokens, chunk.request_id
         if not self._resumed:
             return chunk
         return msgspec.structs.replace(
             chunk,
+            request_id=self._request_id,
             num_prompt_tokens=len(self.prompt_token_ids),
             num_output_tokens=chunk.num_output_tokens + self._resumed,
             num_cached_tokens=self._num_cached_tokens,

@@ -130,6 +130,7 @@ def test_the_continuation_arithmetic():
     assert continued.continuation == Continuation(3, 2) and continued.seed == 3
     later = answer.client_chunk(StreamChunk("r.1", [4], "cd", True, "length", 6, 5, 1, logprobs=[-2.0]))
     assert (later.num_prompt_tokens, later.num_output_tokens, later.num_cached_tokens) == (3, 4, 2)
+    assert later.request_id == "r"  # the id the client saw first
     assert later.logprobs == [-2.0]  # the client's fourth token's: offsets follow the stream
     prompt, again = answer.continuation()  # a second move resumes from the original request
     assert prompt == [1, 2, 3, 7, 8, 9, 4] and (again.max_tokens, again.min_tokens) == (6, 0)
