@@ -138,6 +138,7 @@ class Dispatcher(RoutedReplicas):
         exclude = {PREFILL: set(), DECODE: set(exclude_decode)}
         attempt = num_budgeted = 0
         answer = AnswerSoFar(prompt_token_ids, params)
+        moved_after = ""  # the failure the stream last moved after
         while True:
             if time.time() >= deadline:
                 raise deadline_exceeded(timeout_s)
@@ -151,9 +152,12 @@ class Dispatcher(RoutedReplicas):
             except NoHeadroomError as exc:
                 raise RequestError(ErrorKind.OVERLOADED, str(exc), retry_after_s=1.0) from None
             except NoReplicaError as exc:
-                if answer.num_moves and migrations is not None:
+                if not answer.num_moves:
+                    raise RequestError(ErrorKind.UNAVAILABLE, str(exc)) from None
+                if migrations is not None:
                     migrations.refused(NO_REPLICA)
-                raise RequestError(ErrorKind.UNAVAILABLE, str(exc)) from None
+                # The stream ends as it did before migration, with why it could not move.
+                raise RequestError(ErrorKind.UNAVAILABLE, f"request failed: {moved_after}; {exc}") from None
             decode = self.members[DECODE].get(decision.decode_replica)
             prefill_id = decision.prefill_replica
             if decode is None:  # dropped since the router last heard of it
@@ -197,6 +201,7 @@ class Dispatcher(RoutedReplicas):
             if sent_any and self._may_move(failure, params, answer, migrations):
                 # The stream goes on from another decode replica: the same answer, continued.
                 prompt_token_ids, params = answer.continuation()
+                moved_after = message
                 attempt += 1
                 self.num_migrations += 1
                 exclude[DECODE].add(decode.info.replica_id)
