@@ -16,6 +16,7 @@ from sqlalchemy.exc import ArgumentError
 
 from splitserve.cluster.default_model import DEFAULT_MODEL_NAME
 from splitserve.cluster.grpc_connection_config import GrpcConnectionConfig
+from splitserve.cluster.migration_config import MigrationConfig
 from splitserve.cluster.model_entry_config import ModelEntryConfig, check_unique_served_names, deep_merge
 from splitserve.cluster.model_route_config import (
     AliasTarget,
@@ -245,6 +246,8 @@ class ServeConfig(_Strict):
     """Server-side deadline of a request (clients may ask for less)."""
     max_retries: int = Field(1, ge=0)
     """Retries on other replicas while no token has reached the client."""
+    migration: MigrationConfig = Field(default_factory=MigrationConfig)
+    """Streams that outlive their decode replica: moved mid-stream to another one as a continuation."""
     priority: PriorityConfig = Field(default_factory=PriorityConfig)
     """Priority classes (interactive, batch) in the engines and admission."""
     batch: BatchConfig = Field(default_factory=BatchConfig)

@@ -157,6 +157,10 @@ class PagedEngine(KVHandoff, EngineProtocol):
         if params.structured_output is not None:
             # Compiles on a cache miss: callers on an event loop run this in a worker thread.
             seq.grammar = self.grammar.new_matcher(params.structured_output)
+            resumed = params.num_resumed_tokens
+            # A migrated request's matcher goes over the output it resumes before it samples.
+            if resumed and seq.grammar.accept_tokens(prompt_token_ids[-resumed:]) != resumed:
+                raise InvalidRequestError("the continuation's resumed output does not match its grammar")
         return seq
 
     def add_sequence(self, seq: Sequence) -> None:

@@ -67,6 +67,7 @@ class DisaggCluster:
             on_drop=on_drop,
             state_updates=cfg.replica_state.updates,
             heartbeat_s=cfg.replica_state.heartbeat_s,
+            max_migrations=cfg.migration.max_attempts,
         )
         self.client = controller
         self.controller: Controller | None = None
@@ -198,10 +199,13 @@ class DisaggCluster:
         on_route=None,
         exclude_decode=(),
         sheddable: bool = False,
+        migrations=None,
     ) -> AsyncIterator[StreamChunk]:
         """The dispatcher's stream of the request's chunks (see Dispatcher.generate); label:
         the client's own id, only logged."""
-        return self.dispatcher.generate(prompt_token_ids, params, label, deadline, on_route, exclude_decode, sheddable)
+        return self.dispatcher.generate(
+            prompt_token_ids, params, label, deadline, on_route, exclude_decode, sheddable, migrations
+        )
 
     async def complete(self, prompt_token_ids: list[int], params: SamplingParams, label: str | None = None) -> dict:
         """Run one request to the end and collect it."""

@@ -220,7 +220,13 @@ class ServingBackend:
         meter = TokenMeter(self.metrics)
         try:
             async for chunk in self.cluster.generate(
-                prompt_token_ids, params, label, deadline=deadline, on_route=self._on_route, sheddable=sheddable
+                prompt_token_ids,
+                params,
+                label,
+                deadline=deadline,
+                on_route=self._on_route,
+                sheddable=sheddable,
+                migrations=self.metrics.migrations,
             ):
                 now = time.perf_counter()
                 gap = None

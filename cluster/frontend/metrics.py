@@ -59,6 +59,7 @@ class Metrics:
         self.structured_requests = f.counter(
             "splitserve_structured_requests", "Requests with a structured-output constraint", "kind"
         )
+        self.migrations = MigrationMetrics(f)
         self.grammar_compile = f.histogram(
             "splitserve_grammar_compile_seconds",
             "Frontend grammar compile time per structured request (cache hits included)",
@@ -74,6 +75,34 @@ class Metrics:
     def render(self) -> bytes:
         """This process's samples only (the merged view: MetricsAggregator)."""
         return generate_latest(self.registry)
+
+
+class MigrationMetrics:
+    """Streams moved to another decode replica mid-stream, the tokens they carried, and the
+    moves refused (the dispatcher's MigrationObserver)."""
+
+    def __init__(self, f: ModelFamilies):
+        self.total = f.counter(
+            "splitserve_migrations",
+            "Streams moved to another replica after theirs failed mid-stream, by its pool and the failure",
+            "pool",
+            "reason",
+        )
+        self.tokens = f.counter(
+            "splitserve_migrated_tokens", "Output tokens a moved stream carried into its continuation's prompt"
+        )
+        self.refusals = f.counter(
+            "splitserve_migrations_refused",
+            "Mid-stream replica failures whose stream was not moved: disabled, max_attempts, no_replica",
+            "reason",
+        )
+
+    def moved(self, pool: str, reason: str, num_tokens: int) -> None:
+        self.total.labels(pool, reason).inc()
+        self.tokens.inc(num_tokens)
+
+    def refused(self, reason: str) -> None:
+        self.refusals.labels(reason).inc()
 
 
 class RouterViewCollector(Collector):

@@ -1,7 +1,8 @@
 """Dispatcher: one ingress's request path. Routes each request to a (prefill, decode) pair,
 sends it over that decode replica's request channel (cluster/ingress/request_channel_client.py),
-streams its chunks back, retries on other replicas while nothing has streamed, aborts it at
-its deadline or when its caller goes away. Which replicas it routes to, and the router's view
+streams its chunks back, retries on other replicas while nothing has streamed, moves it to
+another decode replica as a continuation when its own fails mid-stream (stream_migration.py),
+aborts it at its deadline or when its caller goes away. Which replicas it routes to, and the router's view
 of them (KV events, load), is its base class's: RoutedReplicas (routed_replicas.py).
 
 Internal request ids are this dispatcher's own, `<ingress id>-<n>`, unique across ingresses; a
@@ -21,6 +22,14 @@ from typing import Literal
 
 from splitserve.cluster.ingress.request_channel_client import ChannelClosed
 from splitserve.cluster.ingress.routed_replicas import Member, RoutedReplicas
+from splitserve.cluster.ingress.stream_migration import (
+    DISABLED,
+    MAX_ATTEMPTS,
+    NO_REPLICA,
+    AnswerSoFar,
+    MigrationObserver,
+    movable_reason,
+)
 from splitserve.cluster.request_error import ErrorKind, RequestError
 from splitserve.cluster.routing.router import DECODE, PREFILL, NoHeadroomError, NoReplicaError, RouteDecision, Router
 from splitserve.proto.messages.handoff import StreamChunk
@@ -67,11 +76,13 @@ class Dispatcher(RoutedReplicas):
         on_drop: Callable[[str, str], None] | None = None,
         state_updates: Literal["push", "poll"] = "push",
         heartbeat_s: float = 1.0,
+        max_migrations: int = 3,
     ):
         super().__init__(
             router, ingress_id or uuid.uuid4().hex[:8], poll_interval_s, on_poll, on_drop, state_updates, heartbeat_s
         )
         self.max_retries = max_retries
+        self.max_migrations = max_migrations  # moves of one stream to another decode replica
         self.layerwise = layerwise
         self.lease_s = lease_s
         self.request_timeout_s = request_timeout_s
@@ -79,6 +90,7 @@ class Dispatcher(RoutedReplicas):
         self.inflight_prefill: dict[str, str] = {}  # request id -> prefill replica id, until its first token
         self._ids = itertools.count(1)
         self.num_retries = 0
+        self.num_migrations = 0
 
     def num_inflight(self, pool: str, replica_id: str) -> int:
         """Requests sent to a replica that still need it: on decode until they finish, on
@@ -109,18 +121,24 @@ class Dispatcher(RoutedReplicas):
         on_route: Callable | None = None,
         exclude_decode: Iterable[str] = (),
         sheddable: bool = False,
+        migrations: MigrationObserver | None = None,
     ) -> AsyncIterator[StreamChunk]:
         """Stream a request's chunks (never on the decode replicas in exclude_decode; sheddable
         batch work only where the router's batch headroom admits it, else OVERLOADED). Retries (at most max_retries times, on other replicas)
         only while no chunk has reached the caller; raises RequestError (kind DEADLINE once
         `deadline` (time.time(); default now + request_timeout_s) passes). However it ends --
         finished, failed, deadline, or the caller closing this generator -- the replicas free
-        whatever the request held. label: the client's own id, only logged."""
+        whatever the request held. label: the client's own id, only logged. Once a chunk
+        reached the caller, a decode replica's failure moves the request (at most
+        max_migrations times, unless params.migration is off) as a continuation of the same
+        stream; migrations counts the moves and refusals."""
         base_id = self.new_request_id()
         deadline = deadline or time.time() + self.request_timeout_s
         timeout_s = deadline - time.time()
         exclude = {PREFILL: set(), DECODE: set(exclude_decode)}
         attempt = num_budgeted = 0
+        answer = AnswerSoFar(prompt_token_ids, params)
+        moved_after = ""  # the failure the stream last moved after
         while True:
             if time.time() >= deadline:
                 raise deadline_exceeded(timeout_s)
@@ -134,7 +152,12 @@ class Dispatcher(RoutedReplicas):
             except NoHeadroomError as exc:
                 raise RequestError(ErrorKind.OVERLOADED, str(exc), retry_after_s=1.0) from None
             except NoReplicaError as exc:
-                raise RequestError(ErrorKind.UNAVAILABLE, str(exc)) from None
+                if not answer.num_moves:
+                    raise RequestError(ErrorKind.UNAVAILABLE, str(exc)) from None
+                if migrations is not None:
+                    migrations.refused(NO_REPLICA)
+                # The stream ends as it did before migration, with why it could not move.
+                raise RequestError(ErrorKind.UNAVAILABLE, f"request failed: {moved_after}; {exc}") from None
             decode = self.members[DECODE].get(decision.decode_replica)
             prefill_id = decision.prefill_replica
             if decode is None:  # dropped since the router last heard of it
@@ -163,7 +186,7 @@ class Dispatcher(RoutedReplicas):
             # runs now, not whenever the garbage collector finalizes it.
             async with contextlib.aclosing(self._attempt(decode, submit, decision, timeout_s, outcome)) as chunks:
                 async for chunk in chunks:
-                    yield chunk
+                    yield answer.client_chunk(chunk)
             if not outcome:
                 return
             failure, sent_any = outcome
@@ -175,7 +198,16 @@ class Dispatcher(RoutedReplicas):
                 retryable, message = True, str(failure)
             if time.time() >= deadline:
                 raise deadline_exceeded(timeout_s)
-            # Never after a chunk reached the caller: a retry cannot resume it exactly.
+            if sent_any and self._may_move(failure, params, answer, migrations):
+                # The stream goes on from another decode replica: the same answer, continued.
+                prompt_token_ids, params = answer.continuation()
+                moved_after = message
+                attempt += 1
+                self.num_migrations += 1
+                exclude[DECODE].add(decode.info.replica_id)
+                logger.warning("moving %s (client id %r) to another replica after: %s", base_id, label, message)
+                continue
+            # Never after a chunk reached the caller without a move: a retry cannot resume it.
             if sent_any or not retryable or (costs_budget and num_budgeted >= self.max_retries):
                 logger.info("request %s (client id %r) failed: %s", request_id, label, message)
                 if give_up_kind is ErrorKind.INVALID:
@@ -186,6 +218,23 @@ class Dispatcher(RoutedReplicas):
             self.num_retries += 1
             exclude[avoid].add(prefill_id if avoid == PREFILL else decode.info.replica_id)
             logger.warning("retrying %s (client id %r, attempt %d) after: %s", base_id, label, attempt, message)
+
+    def _may_move(
+        self, failure, params: SamplingParams, answer: AnswerSoFar, migrations: MigrationObserver | None
+    ) -> bool:
+        """Whether a mid-stream failure moves the stream; counts the move or why not."""
+        reason = movable_reason(failure)
+        if reason is None:
+            return False  # the request itself failed, not its replica
+        refused = (
+            DISABLED if not params.migration else MAX_ATTEMPTS if answer.num_moves >= self.max_migrations else None
+        )
+        if migrations is not None:
+            if refused is None:
+                migrations.moved(DECODE, reason, len(answer.token_ids))
+            else:
+                migrations.refused(refused)
+        return refused is None
 
     async def _attempt(self, decode: Member, submit: Submit, decision: RouteDecision, timeout_s: float, outcome: list):
         """One try on one decode replica: yields its chunks; on a failure, appends

@@ -53,7 +53,7 @@ class OutputProcessor:
         """Build the output for seq's new tokens. Returns (output, hit_stop_string)."""
         state = self._states.get(seq.request_id)
         if state is None:
-            state = self._states[seq.request_id] = _RequestState(IncrementalDetokenizer(self.tokenizer))
+            state = self._states[seq.request_id] = self._new_state(seq)
         params = seq.params
         outputs = seq.output_token_ids
         new_ids = outputs[state.num_tokens_seen :]
@@ -121,6 +121,18 @@ class OutputProcessor:
         if finished:
             self._states.pop(seq.request_id, None)
         return out, hit_stop
+
+    def _new_state(self, seq: Sequence) -> _RequestState:
+        """A request's detokenizer and stop state. A migrated request's continuation starts
+        where its first replica was: the output it resumes decoded (never checked for stops:
+        none ended it), and only the text the client was not sent still to send, so text held
+        back for a stop string or a split character comes out as it would have."""
+        state = _RequestState(IncrementalDetokenizer(self.tokenizer))
+        continuation = seq.params.continuation
+        if continuation is not None:
+            state.detok.add_tokens(seq.prompt_token_ids[-continuation.num_output_tokens :])
+            state.num_chars_sent = min(continuation.num_text_chars, len(state.detok.text))
+        return state
 
     def forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)

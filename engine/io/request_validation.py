@@ -26,6 +26,10 @@ def validate_prompt(
             f"top_k must be at most the vocabulary size {vocab_size} (0 or -1 disables it), got {params.top_k}"
         )
     num = len(prompt_token_ids)
+    if params.num_resumed_tokens >= num:
+        raise InvalidRequestError(
+            f"a continuation resumes {params.num_resumed_tokens} output tokens of a {num}-token prompt"
+        )
     if num >= max_model_len:
         raise InvalidRequestError(f"the prompt has {num} tokens but the model's context is {max_model_len} tokens")
     if num + params.max_tokens > max_model_len:

@@ -112,8 +112,14 @@ class LogitsProcessing:
     @staticmethod
     def _penalize(sub: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         device = sub.device
-        # The prompt only matters to the repetition penalty; skip it where that is off.
-        prompts = [s.prompt_token_ids if s.params.repetition_penalty != 1 else [] for s in seqs]
+        # The prompt only matters to the repetition penalty; skip it where that is off. A
+        # migrated request's continuation ends its prompt with output: counted as output here.
+        splits = [len(s.prompt_token_ids) - s.params.num_resumed_tokens for s in seqs]
+        prompts = [s.prompt_token_ids[:n] if s.params.repetition_penalty != 1 else [] for s, n in zip(seqs, splits)]
+        outputs = [
+            s.prompt_token_ids[n:] + s.output_token_ids if n < len(s.prompt_token_ids) else s.output_token_ids
+            for s, n in zip(seqs, splits)
+        ]
 
         def column(name: str) -> torch.Tensor:
             return torch.tensor([getattr(s.params, name) for s in seqs], dtype=sub.dtype, device=device)
@@ -121,7 +127,7 @@ class LogitsProcessing:
         return apply_penalties(
             sub,
             prompts,
-            [s.output_token_ids for s in seqs],
+            outputs,
             column("presence_penalty"),
             column("frequency_penalty"),
             column("repetition_penalty"),

@@ -34,14 +34,15 @@ class Sampler:
     def generator_for(self, seq: Sequence) -> torch.Generator:
         """A seeded request's generator is reseeded from (seed, output position) at every
         step, so its tokens depend on nothing else: not on the batch, not on preemption, and
-        not on which replica samples which token (disaggregated prefill samples the first)."""
+        not on which replica samples which token (disaggregated prefill samples the first),
+        nor on a migration: a continuation's position counts the output it resumes."""
         params = seq.params
         if params.seed is None:
             return self._default_generator
         gen = self._generators.get(seq.request_id)
         if gen is None:
             gen = self._generators[seq.request_id] = torch.Generator()
-        return gen.manual_seed(step_seed(params.seed, seq.num_output_tokens))
+        return gen.manual_seed(step_seed(params.seed, params.num_resumed_tokens + seq.num_output_tokens))
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)

@@ -7,6 +7,7 @@ from typing import Any
 
 import msgspec
 
+from splitserve.proto.messages.continuation import Continuation
 from splitserve.proto.messages.grammar_spec import GrammarSpec
 from splitserve.proto.messages.invalid_request import InvalidRequestError
 
@@ -46,6 +47,12 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
     # vLLM's priority: lower runs first. Schedulers order waiting work by (priority, arrival)
     # and preempt the highest value first when blocks or batch slots are short.
     priority: int = 0
+    # False opts this request out of migration: its stream ends with an error when its decode
+    # replica fails mid-stream, instead of going on from another one.
+    migration: bool = True
+    # Set by the ingress only, on a migrated request's continuation: its prompt ends with the
+    # output the client already has (proto/messages/continuation.py).
+    continuation: Continuation | None = None
 
     def __post_init__(self) -> None:
         self.structured_output = _grammar_spec(self.structured_output)
@@ -104,6 +111,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
             isinstance(self.speculative_decoding, bool),
             f"speculative_decoding must be a boolean, got {self.speculative_decoding!r}",
         )
+        _check(isinstance(self.migration, bool), f"migration must be a boolean, got {self.migration!r}")
 
     def _check_logits_processing(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -127,6 +135,11 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
     def processes_logits(self) -> bool:
         """Whether the sampler must change this request's logits before choosing a token."""
         return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
+
+    @property
+    def num_resumed_tokens(self) -> int:
+        """A continuation's output tokens at the end of its prompt (0: not a continuation)."""
+        return 0 if self.continuation is None else self.continuation.num_output_tokens
 
     @property
     def is_greedy(self) -> bool:

@@ -19,6 +19,7 @@ OPTIONAL_SAMPLING_FIELDS = (
     "top_k",
     "seed",
     "speculative_decoding",
+    "migration",
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",

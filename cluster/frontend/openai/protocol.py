@@ -112,6 +112,11 @@ class _SamplingRequest(_Request):
     speculative_decoding: bool = Field(
         True, description="splitserve extension: false opts this request out of speculative decoding"
     )
+    migration: bool = Field(
+        True,
+        description="splitserve extension: false ends this stream with an error when its decode replica fails "
+        "mid-stream, instead of moving it to another replica",
+    )
     user: str | None = None
     prompt_logprobs: (
         Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), BeforeValidator(_integral_float_to_int)] | None
@@ -308,6 +313,7 @@ def build_sampling_params(
         logit_bias=request.logit_bias or {},
         min_tokens=request.min_tokens or 0,
         speculative_decoding=request.speculative_decoding,
+        migration=request.migration,
         structured_output=grammar_spec_for(request, None if plan is None else plan.grammar),
     )
 

@@ -1,0 +1,89 @@
+"""Migration: a stream that outlives its decode replica. When the replica streaming a request
+fails mid-stream (its channel closed, its engine loop stopped, or a step failed), the
+dispatcher re-submits the request as a continuation: the prompt followed by every token the
+client already has, max_tokens and min_tokens reduced by what was sent, and a Continuation
+(proto/messages/continuation.py) telling the new replica how much of that is output and how
+much of its text the client was sent. It is routed like any request (the KV router finds the
+replica holding most of it; prefill with a KV transfer or locally), and its chunks go on
+into the same client stream, rewritten to the client's counts.
+
+AnswerSoFar is that bookkeeping, torch-free and Ray-free; the dispatcher owns the loop."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import msgspec
+
+from splitserve.cluster.ingress.request_channel_client import ChannelClosed
+from splitserve.proto.messages.continuation import Continuation
+from splitserve.proto.messages.handoff import StreamChunk
+from splitserve.proto.messages.request_channel import Failed, FailureKind
+from splitserve.proto.messages.sampling_params import SamplingParams
+
+# The failures a continuation can outlive: the replica, not the request, went wrong.
+_MOVABLE = {FailureKind.REPLICA_DEAD: "replica_dead", FailureKind.STEP_FAILED: "step_failed"}
+CHANNEL_CLOSED = "channel_closed"
+# Why a movable stream was not moved (splitserve_migrations_refused_total{reason}).
+DISABLED, MAX_ATTEMPTS, NO_REPLICA = "disabled", "max_attempts", "no_replica"
+
+
+class MigrationObserver(Protocol):
+    """Counts moves and refusals (the ingress's metrics)."""
+
+    def moved(self, pool: str, reason: str, num_tokens: int) -> None: ...
+
+    def refused(self, reason: str) -> None: ...
+
+
+def movable_reason(failure: Failed | ChannelClosed | BaseException) -> str | None:
+    """Why a failure after the first chunk may be migrated (a metrics label), or None."""
+    if isinstance(failure, Failed):
+        return _MOVABLE.get(failure.kind)
+    return CHANNEL_CLOSED if isinstance(failure, ChannelClosed) else None
+
+
+class AnswerSoFar:
+    """One request's answer as the client has it, across the replicas that produced it."""
+
+    def __init__(self, prompt_token_ids: list[int], params: SamplingParams):
+        self.prompt_token_ids, self.params = prompt_token_ids, params
+        self.token_ids: list[int] = []  # every output token the client was sent
+        self.num_text_chars = 0  # characters of text the client was sent
+        self.num_moves = 0
+        self._resumed = 0  # output tokens at the end of the current attempt's prompt
+        self._num_cached_tokens: int | None = None  # the first attempt's, what the client was told
+        self._request_id = ""  # the id the client's first chunk carried (gRPC echoes it)
+
+    def client_chunk(self, chunk: StreamChunk) -> StreamChunk:
+        """Record a chunk the client is about to get; a continuation's counts become the client's
+        (its id and prompt tokens, every output token so far, the first attempt's cached tokens)."""
+        self.token_ids.extend(chunk.token_ids)
+        self.num_text_chars += len(chunk.text)
+        if self._num_cached_tokens is None:
+            self._num_cached_tokens, self._request_id = chunk.num_cached_tokens, chunk.request_id
+        if not self._resumed:
+            return chunk
+        return msgspec.structs.replace(
+            chunk,
+            request_id=self._request_id,
+            num_prompt_tokens=len(self.prompt_token_ids),
+            num_output_tokens=chunk.num_output_tokens + self._resumed,
+            num_cached_tokens=self._num_cached_tokens,
+            queue_seconds=None,
+        )
+
+    def continuation(self) -> tuple[list[int], SamplingParams]:
+        """The next attempt's prompt and parameters: the prompt and the answer so far, the
+        limits reduced by what was sent; prompt log-probabilities were sent once already."""
+        resumed = len(self.token_ids)
+        params = msgspec.structs.replace(
+            self.params,
+            max_tokens=self.params.max_tokens - resumed,
+            min_tokens=max(self.params.min_tokens - resumed, 0),
+            prompt_logprobs=None,
+            continuation=Continuation(resumed, self.num_text_chars),
+        )
+        self._resumed = resumed
+        self.num_moves += 1
+        return self.prompt_token_ids + self.token_ids, params
