@@ -244,6 +244,7 @@ def engine_config_for(cfg: ServeConfig, pool: EnginePoolConfig, model_dir: str, 
         "profile": cfg.engine_profile,
         "speed_factor": cfg.speed_factor,
         "hash_seed": hash_seed,
+        "tensor_parallel_size": pool.tensor_parallel_size,
     }
 
 
