@@ -366,6 +366,11 @@ class ServeConfig(_Strict):
                 f"prefill.tensor_parallel_size {prefill} and decode.tensor_parallel_size {decode} differ: "
                 "KV transfer between different TP sizes is not supported yet (--tensor-parallel-size sets both)"
             )
+        if decode > 1 and (self.prefill.replicas or self.prefill.autoscaling.enabled):
+            raise ValueError(
+                f"tensor_parallel_size {decode} serves without a prefill pool yet (each decode replica prefills "
+                "its own prompts; moving KV between TP ranks is not built): set --prefill-replicas 0"
+            )
         return self
 
     @model_validator(mode="after")

@@ -60,6 +60,9 @@ class PoolRoster:
     async def await_ready(self, replica: Replica) -> tuple[str, int] | None:
         """Wait until the replica loaded its model; its request channel address."""
         timeout_s = self.pools[replica.pool].start_timeout_s
+        if replica.gang is not None:  # a gang no node can hold fails here, naming its need
+            await replica.gang.await_placement(self.pools[replica.pool].placement_timeout_s)
+            replica.gang.nodes = await asyncio.to_thread(replica.gang.placed_nodes)
         try:
             await asyncio.wait_for(replica.handle.ready.remote(), timeout_s)
         except TimeoutError:

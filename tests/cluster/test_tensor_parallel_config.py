@@ -23,12 +23,12 @@ def parse(*argv: str) -> ServeConfig:
 
 def test_the_short_form_sets_both_pools_and_reaches_their_engines(tmp_path):
     assert parse().prefill.tensor_parallel_size == parse().decode.tensor_parallel_size == 1
-    cfg = parse("--tensor-parallel-size", "2")
+    cfg = parse("--tensor-parallel-size", "2", "--prefill-replicas", "0")
     for pool in (cfg.prefill, cfg.decode):
         assert pool.tensor_parallel_size == 2
         assert EngineConfig(**engine_config_for(cfg, pool, "m")).tensor_parallel_size == 2
     path = tmp_path / "serve.yaml"
-    path.write_text("prefill: {tensor_parallel_size: 4}\ndecode: {tensor_parallel_size: 4}\n")
+    path.write_text("prefill: {tensor_parallel_size: 4, replicas: 0}\ndecode: {tensor_parallel_size: 4}\n")
     assert parse("--config", str(path)).decode.tensor_parallel_size == 4
     with pytest.raises(
         ServeFlagsError, match="--prefill.tensor-parallel-size: Input should be greater than or equal to 1"
@@ -45,12 +45,22 @@ def test_pools_of_different_tp_sizes_are_refused_naming_both():
         ServeConfig.model_validate({"prefill": {"tensor_parallel_size": 2}, "decode": {"tensor_parallel_size": 4}})
 
 
+def test_tp_with_a_prefill_pool_is_refused_until_ranks_move_their_own_kv():
+    with pytest.raises(ServeFlagsError, match="tensor_parallel_size 2 serves without a prefill pool yet"):
+        parse("--tensor-parallel-size", "2")
+    with pytest.raises(ServeFlagsError, match="set --prefill-replicas 0"):
+        parse("--tensor-parallel-size", "2", "--prefill-replicas", "0", "--prefill-max-replicas", "2")
+
+
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
-        (("--tensor-parallel-size", "3"), "prefill: tensor_parallel_size 3 does not divide num_attention_heads"),
         (
-            ("--tensor-parallel-size", "2", "--quantization", "int8"),
+            ("--tensor-parallel-size", "3", "--prefill-replicas", "0"),
+            "prefill: tensor_parallel_size 3 does not divide num_attention_heads",
+        ),
+        (
+            ("--tensor-parallel-size", "2", "--prefill-replicas", "0", "--quantization", "int8"),
             "prefill: tensor_parallel_size 2 does not support --quantization int8 yet",
         ),
     ],
