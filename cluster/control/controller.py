@@ -363,7 +363,10 @@ class Controller:
             )
             self.roster.forget(pool, replica.replica_id, kill=True)
             self.events.append(PoolEvent(now, pool, replica.replica_id, "start-failed", _short(exc), delay))
+            self.roster.pending[pool] = _short(exc)
+            self.roster.bump()  # /health shows it
             return
+        self.roster.pending.pop(pool, None)
         self.roster.admit(replica, address)
         self.events.append(PoolEvent(self.clock(), pool, replica.replica_id, "started"))
         logger.info(

@@ -34,12 +34,15 @@ class PoolRoster:
         # bumps per second at most), so an ingress never mistakes a new view for an old one.
         self.version = int(time.time() * 1000)
         self._changed = asyncio.Event()
+        self.pending: dict[str, str] = {}  # per pool: why its last replica start failed
         self._tasks: set[asyncio.Task] = set()
 
     # ---- the view --------------------------------------------------------------------------
     def view(self) -> MembershipView:
         replicas = [r.info(self.namespace) for pool in self.pools.values() for r in pool.live_replicas()]
-        return MembershipView(version=self.version, replicas=replicas, expected=dict(self.targets))
+        return MembershipView(
+            version=self.version, replicas=replicas, expected=dict(self.targets), pending=dict(self.pending)
+        )
 
     def bump(self) -> None:
         self.version += 1

@@ -96,6 +96,7 @@ class Replica:
             channel_address=self.channel_address,
             draining=self.draining,
             actor_id=self.actor_id,
+            rank_nodes=tuple(self.gang.nodes) if self.gang is not None else (),
         )
 
 
