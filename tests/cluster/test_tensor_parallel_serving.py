@@ -98,14 +98,26 @@ def test_losing_a_follower_rank_replaces_the_whole_replica(loop, client, backend
     assert [r.replica_id for r in backend.cluster.decode_pool.live_replicas()] == [new.replica_id]
 
 
-def test_a_gang_no_node_can_hold_fails_naming_its_need_and_health_answers(loop, server, backend):
-    pool = backend.cluster.decode_pool
+def test_a_gang_no_node_can_hold_stays_pending_naming_its_need_and_health_answers(server, backend):
+    health = httpx.get(f"{server.url}/health", timeout=10).json()["pools"]["decode"]
+    assert health["tensor_parallel_size"] == 2
+    ((replica_id, nodes),) = health["ranks"].items()
+    assert replica_id == the_decode_replica(backend).replica_id and len(nodes) == 2
+    controller, pool = backend.cluster.controller, backend.cluster.decode_pool
     saved = (pool.resources, pool.placement_timeout_s)
     pool.resources, pool.placement_timeout_s = PoolResources(num_cpus=5), 1.0  # 2 ranks x 5 > the node's 8
+    controller.targets[DECODE] += 1
+    need = "decode replica needs 10 CPUs on one node (tensor_parallel_size 2)"
     try:
-        with pytest.raises(TimeoutError, match=r"decode replica needs 10 CPUs on one node \(tensor_parallel_size 2\)"):
-            loop.run(backend.cluster.controller.add_replicas(DECODE, 1, count=False), timeout=60)
+        wait_until(
+            lambda: need in httpx.get(f"{server.url}/health", timeout=10).json()["pools"]["decode"].get("pending", ""),
+            60,
+            "/health does not show the pending replica's need",
+            interval_s=0.5,
+        )
     finally:
+        controller.targets[DECODE] -= 1
         pool.resources, pool.placement_timeout_s = saved
+    wait_until(lambda: len(pool.replicas) == 1, 30, "the pending replica was not given up", interval_s=0.2)
     health = httpx.get(f"{server.url}/health", timeout=10).json()
     assert health["serving"] and health["decode_replicas"] == 1
