@@ -87,6 +87,8 @@ class EnginePoolConfig(StrictConfig):
     """torch threads per replica; unset: its num_cpus."""
     engine: EngineKind | None = None
     """This pool's engine (real or simulated); unset: the top-level `engine`."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Tensor-parallel ranks per replica (one CPU or GPU each, on one node); 1: one actor per replica. Prefill and decode must agree."""
 
     @field_validator("kv_cache_memory_bytes")
     @classmethod

@@ -2,7 +2,8 @@
 
 Each engine is imported only when asked for, so a simulated replica never imports torch
 (tests/test_layout.py checks that in a fresh interpreter). The replicas (runtime/engine_worker.py)
-build their engines here, so tensor parallelism is refused here until the workers shard KV.
+build their engines here; a tensor-parallel replica hands in how its gang's follower ranks
+start (launch_followers, engine/parallel/tp_ranks.py's FollowerLauncher).
 """
 
 from __future__ import annotations
@@ -11,16 +12,16 @@ from splitserve.engine.config import ConfigError, EngineConfig
 from splitserve.engine.engine_protocol import EngineProtocol
 
 
-def build_engine(config: EngineConfig) -> EngineProtocol:
-    if config.tensor_parallel_size > 1:  # the workers' KV transfer would move rank 0's KV heads only
-        raise ConfigError(
-            f"tensor_parallel_size {config.tensor_parallel_size} runs only in the colocated engine "
-            "(splitserve generate) yet, not in a prefill or decode replica or the simulated engine"
-        )
+def build_engine(config: EngineConfig, launch_followers=None) -> EngineProtocol:
     if config.engine == "simulated":
+        if config.tensor_parallel_size > 1:
+            raise ConfigError(
+                f"tensor_parallel_size {config.tensor_parallel_size}: the simulated engine has no "
+                "tensor-parallel step-time profile yet"
+            )
         from splitserve.engine.simulated.simulated_engine import SimulatedEngine
 
         return SimulatedEngine(config)
     from splitserve.engine.llm_engine import LLMEngine  # torch
 
-    return LLMEngine(config)
+    return LLMEngine(config, launch_followers)

@@ -38,6 +38,7 @@ from splitserve.proto.messages.poll_reply import PollReply, ReplicaStatus, Trans
 from splitserve.proto.messages.request_channel import Submit
 from splitserve.runtime.replica_channel_server import IngressConnection, ReplicaChannelServer
 from splitserve.runtime.state_publisher import StatePublisher
+from splitserve.runtime.tp_rank_actor import launch_rank_actors
 from splitserve.runtime.worker_config import WorkerConfig
 
 
@@ -65,7 +66,9 @@ class EngineWorker:
             torch.set_num_threads(worker.torch_threads)
         self.replica_id = replica_id
         self.namespace = worker.namespace
-        self.engine: EngineProtocol = build_engine(config)
+        # TP > 1: this actor is rank 0 of its gang, the pool created the other ranks' actors.
+        launch = launch_rank_actors(list(worker.tp_followers)) if worker.tp_followers else None
+        self.engine: EngineProtocol = build_engine(config, launch)
         self.host, self.transport = open_transport(
             worker.transport_host, replica_id, self.engine, worker.transfer_timeout_s
         )

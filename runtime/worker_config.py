@@ -18,3 +18,6 @@ class WorkerConfig:
     state_heartbeat_s: float = 1.0  # the longest a follower waits for a push while nothing changes
     event_log_size: int = 4096  # recent KV events kept for the ingresses that follow
     reserve_timeout_s: float = 30.0  # decode: how long a remote prefill waits for blocks
+    # A tensor-parallel replica's follower rank actors (ranks 1..N-1, runtime/tp_rank_actor.py),
+    # created by its pool in the gang's placement group; empty for TP 1.
+    tp_followers: tuple = ()

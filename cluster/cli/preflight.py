@@ -39,6 +39,7 @@ def check_model(cfg: ServeConfig) -> str:
         max_model_len = model_config.resolve_max_model_len(cfg.max_model_len)
         for name, pool in (("prefill", cfg.prefill), ("decode", cfg.decode)):
             _check_kv_cache(name, pool, cfg, model_config, max_model_len)
+            _check_tensor_parallel(name, pool, cfg, model_dir, model_config)
         _check_weight_headers(weight_files(model_dir))
         Tokenizer.from_pretrained(model_dir)
     except (CheckpointError, ConfigError, TokenizerError) as exc:
@@ -72,6 +73,20 @@ def _check_kv_cache(name, pool, cfg: ServeConfig, model_config, max_model_len: i
             pool.kv_cache_memory_bytes,
             max_model_len,
         )
+    except ConfigError as exc:
+        raise PreflightError(f"{name}: {exc}") from None
+
+
+def _check_tensor_parallel(name, pool, cfg: ServeConfig, model_dir: str, model_config) -> None:
+    """A TP size that cannot split the model (or that a setting does not support) fails here,
+    naming the numbers, not in every rank of every replica."""
+    from splitserve.cluster.control.worker_pool import engine_config_for
+    from splitserve.engine.config import ConfigError, EngineConfig
+    from splitserve.engine.parallel.shard_plan import check_tensor_parallel_size, refuse_unsupported
+
+    try:
+        check_tensor_parallel_size(model_config, pool.tensor_parallel_size)
+        refuse_unsupported(EngineConfig(**engine_config_for(cfg, pool, model_dir)))
     except ConfigError as exc:
         raise PreflightError(f"{name}: {exc}") from None
 

@@ -9,7 +9,7 @@ the field's docstring as its help, so a new field needs no edit here. On top of 
   by position;
 - the short forms users know (SHORT_FORMS): `--host`/`--port` (vLLM's names for the HTTP
   address), `--prefill-replicas`, `--router`, `--decode-max-replicas` (which also turns
-  autoscaling on), `--max-num-seqs` and `--kv-cache-dtype` (both pools), `--ingress-replicas`,
+  autoscaling on), `--max-num-seqs`, `--kv-cache-dtype` and `--tensor-parallel-size` (both pools), `--ingress-replicas`,
   `--ingress-max-replicas` (Serve autoscaling of the ingress) ...;
 - `--config FILE.yaml` (ServeConfig fields; flags override it) and env SPLITSERVE_API_KEY
   (below --api-key, above the file).
@@ -71,6 +71,7 @@ SHORT_FORMS: dict[str, ShortForm] = {
     "--local-prefill-threshold": ShortForm(("router.local_prefill_threshold",)),
     "--max-num-seqs": ShortForm(("prefill.max_num_seqs", "decode.max_num_seqs")),
     "--kv-cache-dtype": ShortForm(("prefill.kv_cache_dtype", "decode.kv_cache_dtype")),
+    "--tensor-parallel-size": ShortForm(("prefill.tensor_parallel_size", "decode.tensor_parallel_size")),
     "--ingress-replicas": ShortForm(("ingress.replicas",)),
     "--ingress-max-replicas": ShortForm(("ingress.autoscaling.max_replicas",), {"ingress.autoscaling.enabled": True}),
     **_pool_short_forms("prefill"),

@@ -311,11 +311,16 @@ class Controller:
 
     async def _probe(self, replica: Replica) -> ProbeResult:
         """Its pushed state if fresh, else one probe() call."""
+        result = None
         if self.state_feed is not None:
-            pushed = await self.state_feed.result(replica)
-            if pushed is not None:
-                return pushed
-        return await probe(replica)
+            result = await self.state_feed.result(replica)
+        if result is None:
+            result = await probe(replica)
+        if replica.gang is not None and not result.dead:  # any rank lost is the replica lost
+            broken = await replica.gang.probe_followers()
+            if broken is not None:
+                return ProbeResult(dead=True, kill=True, reason=broken)
+        return result
 
     def _observe(self, replica: Replica, result: ProbeResult, now: float) -> None:
         pool = replica.pool
@@ -358,7 +363,10 @@ class Controller:
             )
             self.roster.forget(pool, replica.replica_id, kill=True)
             self.events.append(PoolEvent(now, pool, replica.replica_id, "start-failed", _short(exc), delay))
+            self.roster.pending[pool] = _short(exc)
+            self.roster.bump()  # /health shows it
             return
+        self.roster.pending.pop(pool, None)
         self.roster.admit(replica, address)
         self.events.append(PoolEvent(self.clock(), pool, replica.replica_id, "started"))
         logger.info(

@@ -34,12 +34,15 @@ class PoolRoster:
         # bumps per second at most), so an ingress never mistakes a new view for an old one.
         self.version = int(time.time() * 1000)
         self._changed = asyncio.Event()
+        self.pending: dict[str, str] = {}  # per pool: why its last replica start failed
         self._tasks: set[asyncio.Task] = set()
 
     # ---- the view --------------------------------------------------------------------------
     def view(self) -> MembershipView:
         replicas = [r.info(self.namespace) for pool in self.pools.values() for r in pool.live_replicas()]
-        return MembershipView(version=self.version, replicas=replicas, expected=dict(self.targets))
+        return MembershipView(
+            version=self.version, replicas=replicas, expected=dict(self.targets), pending=dict(self.pending)
+        )
 
     def bump(self) -> None:
         self.version += 1
@@ -60,6 +63,9 @@ class PoolRoster:
     async def await_ready(self, replica: Replica) -> tuple[str, int] | None:
         """Wait until the replica loaded its model; its request channel address."""
         timeout_s = self.pools[replica.pool].start_timeout_s
+        if replica.gang is not None:  # a gang no node can hold fails here, naming its need
+            await replica.gang.await_placement(self.pools[replica.pool].placement_timeout_s)
+            replica.gang.nodes = await asyncio.to_thread(replica.gang.placed_nodes)
         try:
             await asyncio.wait_for(replica.handle.ready.remote(), timeout_s)
         except TimeoutError:

@@ -8,6 +8,11 @@ whatever named actor is left in the namespace (reap_namespace).
 
 A request for `num_gpus` or a custom resource that no node has yet stays pending, which is
 exactly what Ray's autoscaler (ray up / KubeRay) scales on.
+
+A replica of tensor_parallel_size N > 1 is a gang (cluster/control/replica_gang.py): N rank
+actors in one placement group, each asking the pool's per-replica resources; rank 0 is the
+actor named by the replica id, its followers `<replica id>-rank-<r>`. TP 1 is one actor, as
+before, with no placement group.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 import ray
 
 from splitserve.cluster.config import EnginePoolConfig, PoolResources, ServeConfig
+from splitserve.cluster.control.replica_gang import PLACEMENT_TIMEOUT_S, ReplicaGang
 from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.proto.messages.membership import ReplicaInfo
 from splitserve.runtime.worker_config import WorkerConfig
@@ -80,6 +86,7 @@ class Replica:
     ready_at: float | None = None  # monotonic: when it became routable
     actor_id: str = ""
     channel_address: tuple[str, int] | None = None
+    gang: ReplicaGang | None = None  # tensor_parallel_size > 1: its ranks and placement group
 
     def info(self, namespace: str) -> ReplicaInfo:
         return ReplicaInfo(
@@ -89,6 +96,7 @@ class Replica:
             channel_address=self.channel_address,
             draining=self.draining,
             actor_id=self.actor_id,
+            rank_nodes=tuple(self.gang.nodes) if self.gang is not None else (),
         )
 
 
@@ -115,6 +123,8 @@ class WorkerPool:
         self.replicas: dict[str, Replica] = {}
         self._ids = itertools.count()
         self._name = re.compile(rf"^{re.escape(pool)}-(\d+)$")
+        self.tensor_parallel_size: int = worker.engine_config.get("tensor_parallel_size", 1)
+        self.placement_timeout_s = PLACEMENT_TIMEOUT_S
 
     @property
     def engine_config(self) -> dict:
@@ -140,8 +150,22 @@ class WorkerPool:
     def start_replica(self) -> Replica:
         """Create one actor (non-blocking); wait for ready() before routing to it."""
         replica_id = f"{self.pool}-{next(self._ids)}"
-        handle = self.remote_cls.options(**self._options(replica_id)).remote(replica_id, self.worker)
-        replica = Replica(replica_id, self.pool, handle, actor_id=handle._actor_id.hex())
+        options, worker, gang = self._options(replica_id), self.worker, None
+        if self.tensor_parallel_size > 1:
+            from splitserve.runtime.tp_rank_actor import TensorParallelRankActor
+
+            gang = ReplicaGang.create(
+                self.pool,
+                replica_id,
+                self.namespace,
+                self.resources,
+                self.tensor_parallel_size,
+                TensorParallelRankActor,
+            )
+            options["scheduling_strategy"] = gang.strategy(0)
+            worker = dataclasses.replace(worker, tp_followers=tuple(gang.followers))
+        handle = self.remote_cls.options(**options).remote(replica_id, worker)
+        replica = Replica(replica_id, self.pool, handle, actor_id=handle._actor_id.hex(), gang=gang)
         self.replicas[replica_id] = replica
         return replica
 
@@ -173,6 +197,10 @@ class WorkerPool:
             except ValueError:  # died since the listing
                 continue
             replica = Replica(name, self.pool, handle, actor_id=handle._actor_id.hex())
+            if self.tensor_parallel_size > 1:
+                replica.gang = ReplicaGang.adopt(
+                    self.pool, name, self.namespace, self.resources, self.tensor_parallel_size
+                )
             self.replicas[name] = replica
             adopted.append(replica)
         numbers = [int(self._name.match(rid).group(1)) for rid in self.replicas]
@@ -208,6 +236,8 @@ class WorkerPool:
             ray.kill(replica.handle, no_restart=True)
         except Exception:
             pass
+        if replica.gang is not None:
+            replica.gang.kill()
 
     def stop(self) -> None:
         for replica_id in list(self.replicas):
@@ -244,6 +274,7 @@ def engine_config_for(cfg: ServeConfig, pool: EnginePoolConfig, model_dir: str, 
         "profile": cfg.engine_profile,
         "speed_factor": cfg.speed_factor,
         "hash_seed": hash_seed,
+        "tensor_parallel_size": pool.tensor_parallel_size,
     }
 
 

@@ -15,6 +15,7 @@ def pool_health(cluster: DisaggCluster, kv_caches: dict[str, dict[str, Any]]) ->
     `serving`: requests can be served at all (a decode replica is live; without prefill
     replicas decode prefills itself) -- what a probe deciding on restarts should read."""
     pools: dict[str, dict[str, Any]] = {}
+    view = cluster.follower.view
     for pool in (PREFILL, DECODE):
         live, floor = cluster.live_replicas(pool), cluster.min_replicas[pool]
         expected = max(cluster.expected_replicas.get(pool, 0), floor)
@@ -24,7 +25,17 @@ def pool_health(cluster: DisaggCluster, kv_caches: dict[str, dict[str, Any]]) ->
             "expected": expected,
             "min": floor,
             "kv_cache": kv_caches[pool],
+            "tensor_parallel_size": (
+                cluster.cfg.prefill if pool == PREFILL else cluster.cfg.decode
+            ).tensor_parallel_size,
         }
+        ranks = {
+            r.replica_id: list(r.rank_nodes) for r in (view.replicas if view else []) if r.pool == pool and r.rank_nodes
+        }
+        if ranks:
+            pools[pool]["ranks"] = ranks
+        if view is not None and pool in view.pending:
+            pools[pool]["pending"] = view.pending[pool]
     degraded = [pool for pool, state in pools.items() if not state["ok"]]
     if not pools[DECODE]["live"] and DECODE not in degraded:
         degraded.append(DECODE)

@@ -21,7 +21,7 @@ from splitserve.engine.model.loader import load_model
 from splitserve.engine.ops.attention_metadata import AttentionMetadata
 from splitserve.engine.ops.kv_cache import KVCache
 from splitserve.engine.parallel import shard_plan
-from splitserve.engine.parallel.tp_ranks import TensorParallelRanks
+from splitserve.engine.parallel.tp_ranks import FollowerLauncher, TensorParallelRanks
 
 
 class TensorParallelModel:
@@ -57,9 +57,11 @@ class TensorParallelModel:
             return self.shard.compute_logits(self.ranks.send_logits(hidden))
 
 
-def launch_tensor_parallel(config: EngineConfig) -> tuple[EngineConfig, TensorParallelModel, ModelConfig, ModelConfig]:
-    """Check config against the model, spawn the follower ranks, load rank 0's shard and wait
-    for theirs. Returns the config with its KV block count resolved (per rank: its KV heads'
+def launch_tensor_parallel(
+    config: EngineConfig, launch: FollowerLauncher | None = None
+) -> tuple[EngineConfig, TensorParallelModel, ModelConfig, ModelConfig]:
+    """Check config against the model, spawn the follower ranks (launch: have it start them),
+    load rank 0's shard and wait for theirs. Returns the config with its KV block count resolved (per rank: its KV heads'
     bytes), the driver's model, the whole model's config and one rank's (its KV cache's)."""
     shard_plan.refuse_unsupported(config)
     model_config = ModelConfig.from_pretrained(require_model_dir(config.model))
@@ -78,7 +80,7 @@ def launch_tensor_parallel(config: EngineConfig) -> tuple[EngineConfig, TensorPa
         max_model_len,
     )
     config = dataclasses.replace(config, num_kv_blocks=blocks)
-    ranks = TensorParallelRanks(config, plan)
+    ranks = TensorParallelRanks(config, plan, launch)
     try:
         shard, model_config = load_model(
             config.model,

@@ -8,6 +8,11 @@ tensor_parallel_timeout_s, or dies on the way, is a start-up error naming it. cl
 them (a stop command, then terminate, then kill), and it runs by itself when the engine is
 collected or the interpreter exits; a driver killed outright takes its ranks with it (their
 watchdog, tp_follower.py).
+
+A served replica's followers are not its children but rank actors of its gang, started by
+whoever holds them (a FollowerLauncher, runtime/tp_rank_actor.py): each dials the driver's
+listener (FollowerStart.address) and that connection is its pipe. Their lifetime is the gang's
+owner's: close() sends them stop and closes the connections, and they kill nothing.
 """
 
 from __future__ import annotations
@@ -15,11 +20,14 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import secrets
 import threading
 import time
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection, Listener, wait
 
 import torch
 import torch.distributed as dist
@@ -41,16 +49,34 @@ _HOST = "127.0.0.1"  # one node: the ranks of a colocated engine share its host
 _STOP_GRACE_S = 10.0
 
 
+@dataclass(frozen=True)
+class FollowerStart:
+    """What a follower rank started elsewhere needs: the group's rendezvous (host, store_port)
+    and the driver's listener to dial (address, authkey); it first sends its rank there."""
+
+    size: int
+    host: str
+    store_port: int
+    config: EngineConfig
+    threads: int
+    address: tuple[str, int]
+    authkey: bytes
+
+
+# Starts ranks 1..size-1 somewhere on the driver's node without waiting for them.
+FollowerLauncher = Callable[[FollowerStart], None]
+
+
 def threads_per_rank(size: int) -> int:
     """CPU ranks share the node's cores instead of each taking all of them."""
     return max((os.cpu_count() or 1) // size, 1)
 
 
 class TensorParallelRanks:
-    def __init__(self, config: EngineConfig, plan: ShardPlan):
-        """Spawn ranks 1..N-1 and form the group (as rank 0) with them; their shards load
-        meanwhile: wait_ready() waits for that. config: the engine's, its KV block count
-        resolved (every rank allocates the same blocks)."""
+    def __init__(self, config: EngineConfig, plan: ShardPlan, launch: FollowerLauncher | None = None):
+        """Spawn ranks 1..N-1 (or have launch start them) and form the group (as rank 0) with
+        them; their shards load meanwhile: wait_ready() waits for that. config: the engine's,
+        its KV block count resolved (every rank allocates the same blocks)."""
         self.config = config
         self.size = plan.size
         self.timeout_s = config.tensor_parallel_timeout_s
@@ -60,24 +86,15 @@ class TensorParallelRanks:
         timeout = timedelta(seconds=self.timeout_s)
         store = dist.TCPStore(_HOST, 0, plan.size, is_master=True, timeout=timeout, wait_for_workers=False)
         threads = threads_per_rank(plan.size) if device.type == "cpu" else 0
-        context = multiprocessing.get_context("spawn")
         self._processes: list = []
         self._conns: list[Connection] = []
-        for rank in range(1, plan.size):
-            parent_end, child_end = context.Pipe()
-            process = context.Process(
-                target=run_follower,
-                args=(rank, plan.size, _HOST, store.port, config, threads, child_end),
-                name=f"splitserve-tp-rank-{rank}",
-                daemon=True,
-            )
-            process.start()
-            child_end.close()
-            self._processes.append(process)
-            self._conns.append(parent_end)
+        deadline = time.monotonic() + self.timeout_s
+        if launch is None:
+            self._spawn(plan.size, store.port, threads)
+        else:
+            self._conns = _accept_followers(launch, plan.size, store.port, config, threads, deadline, self.timeout_s)
         self._finalizer = weakref.finalize(self, _stop, self._processes, self._conns)
         try:
-            deadline = time.monotonic() + self.timeout_s
             self._expect(ALIVE, "start", deadline)
             self.group = TensorParallelGroup.join(plan, device, store, _HOST, self.timeout_s)
         except BaseException:
@@ -86,6 +103,21 @@ class TensorParallelRanks:
         self._store = store  # the followers' rendezvous: kept while they may still read it
         if threads:
             torch.set_num_threads(threads)
+
+    def _spawn(self, size: int, store_port: int, threads: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        for rank in range(1, size):
+            parent_end, child_end = context.Pipe()
+            process = context.Process(
+                target=run_follower,
+                args=(rank, size, _HOST, store_port, self.config, threads, child_end),
+                name=f"splitserve-tp-rank-{rank}",
+                daemon=True,
+            )
+            process.start()
+            child_end.close()
+            self._processes.append(process)
+            self._conns.append(parent_end)
 
     @property
     def pids(self) -> list[int]:
@@ -100,18 +132,22 @@ class TensorParallelRanks:
             raise
 
     def _expect(self, expected: str, what: str, deadline: float) -> None:
-        for rank, (process, conn) in enumerate(zip(self._processes, self._conns), start=1):
-            ready = wait([conn, process.sentinel], timeout=max(deadline - time.monotonic(), 0.0))
+        for rank, conn in enumerate(self._conns, start=1):
+            # A spawned rank's exit shows on its sentinel; a launched one's as its connection's end.
+            sentinel = [self._processes[rank - 1].sentinel] if self._processes else []
+            ready = wait([conn, *sentinel], timeout=max(deadline - time.monotonic(), 0.0))
             if conn in ready:
-                kind, reason = conn.recv()
+                try:
+                    kind, reason = conn.recv()
+                except (EOFError, OSError):
+                    raise TensorParallelError(f"tensor-parallel rank {rank} exited before it could {what}") from None
                 if kind == FAILED:
                     raise TensorParallelError(reason)
                 if kind == expected:
                     continue
             elif ready:
-                raise TensorParallelError(
-                    f"tensor-parallel rank {rank} exited (code {process.exitcode}) before it could {what}"
-                )
+                code = self._processes[rank - 1].exitcode
+                raise TensorParallelError(f"tensor-parallel rank {rank} exited (code {code}) before it could {what}")
             raise TensorParallelError(f"tensor-parallel rank {rank} did not {what} within {self.timeout_s:.0f}s")
 
     def send_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -159,6 +195,45 @@ class TensorParallelRanks:
         group = getattr(self, "group", None)
         if group is not None:
             group.shutdown()
+
+
+def _accept_followers(
+    launch: FollowerLauncher,
+    size: int,
+    store_port: int,
+    config: EngineConfig,
+    threads: int,
+    deadline: float,
+    timeout_s: float,
+) -> list[Connection]:
+    """Have launch start ranks 1..size-1 and take each one's connection, in rank order; a rank
+    that does not dial in by the deadline is a start-up error naming the ranks missing."""
+    authkey = secrets.token_bytes(16)
+    listener = Listener((_HOST, 0), authkey=authkey)
+    conns: dict[int, Connection] = {}
+
+    def accept() -> None:
+        try:
+            while len(conns) < size - 1:
+                conn = listener.accept()
+                if conn.poll(max(deadline - time.monotonic(), 0.0)):
+                    conns[int(conn.recv())] = conn
+        except (OSError, EOFError):
+            pass  # the listener closed at the deadline, or a rank hung up: reported as missing
+
+    acceptor = threading.Thread(target=accept, name="tp-accept", daemon=True)
+    try:
+        acceptor.start()
+        launch(FollowerStart(size, _HOST, store_port, config, threads, listener.address, authkey))
+        acceptor.join(max(deadline - time.monotonic(), 0.0))
+    finally:
+        listener.close()  # ends a pending accept()
+    missing = [rank for rank in range(1, size) if rank not in conns]
+    if missing:
+        for conn in conns.values():
+            conn.close()
+        raise TensorParallelError(f"tensor-parallel ranks {missing} did not connect within {timeout_s:.0f}s")
+    return [conns[rank] for rank in range(1, size)]
 
 
 def _stop(processes: list, conns: list[Connection]) -> None:

@@ -31,12 +31,17 @@ class ReplicaInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The actor's id: a replica id can come back as a new actor (a restarted controller
     # numbers from the live ones), and an ingress must not confuse it with the dead one.
     actor_id: str = ""
+    # A tensor-parallel replica's ranks' Ray node ids, rank 0 first (for /health); empty for TP 1.
+    rank_nodes: tuple[str, ...] = ()
 
 
 class MembershipView(msgspec.Struct, forbid_unknown_fields=True):
     version: int  # bumps on every change
     replicas: list[ReplicaInfo]
     expected: dict[str, int]  # target replica count per pool (for /health)
+    # Per pool, why its last replica start failed while it is below target (e.g. "decode
+    # replica needs 4 GPUs on one node ..."), for /health; absent once a start succeeds.
+    pending: dict[str, str] = msgspec.field(default_factory=dict)
 
     def to_bytes(self) -> bytes:
         return _codec.encode("membership_view", self)

@@ -1,0 +1,72 @@
+"""tensor_parallel_size per pool in ServeConfig: --tensor-parallel-size sets both pools, so does
+YAML, it reaches each pool's engines, and what cannot work is a one-line start-up error naming
+the numbers (pools that disagree, a size that does not split the model's heads)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from splitserve.cluster.cli.main import build_parser, main
+from splitserve.cluster.cli.serve_flags import ServeFlagsError, config_from_args
+from splitserve.cluster.config import ServeConfig
+from splitserve.cluster.control.worker_pool import engine_config_for
+from splitserve.engine.config import EngineConfig
+
+pytestmark = pytest.mark.unit
+
+
+def parse(*argv: str) -> ServeConfig:
+    return config_from_args(build_parser().parse_args(["serve", *argv]), environ={})
+
+
+def test_the_short_form_sets_both_pools_and_reaches_their_engines(tmp_path):
+    assert parse().prefill.tensor_parallel_size == parse().decode.tensor_parallel_size == 1
+    cfg = parse("--tensor-parallel-size", "2", "--prefill-replicas", "0")
+    for pool in (cfg.prefill, cfg.decode):
+        assert pool.tensor_parallel_size == 2
+        assert EngineConfig(**engine_config_for(cfg, pool, "m")).tensor_parallel_size == 2
+    path = tmp_path / "serve.yaml"
+    path.write_text("prefill: {tensor_parallel_size: 4, replicas: 0}\ndecode: {tensor_parallel_size: 4}\n")
+    assert parse("--config", str(path)).decode.tensor_parallel_size == 4
+    with pytest.raises(
+        ServeFlagsError, match="--prefill.tensor-parallel-size: Input should be greater than or equal to 1"
+    ):
+        parse("--tensor-parallel-size", "0")
+
+
+def test_pools_of_different_tp_sizes_are_refused_naming_both():
+    with pytest.raises(
+        ServeFlagsError, match="prefill.tensor_parallel_size 1 and decode.tensor_parallel_size 2 differ"
+    ):
+        parse("--decode.tensor-parallel-size", "2")
+    with pytest.raises(ValueError, match="different TP sizes is not supported yet"):
+        ServeConfig.model_validate({"prefill": {"tensor_parallel_size": 2}, "decode": {"tensor_parallel_size": 4}})
+
+
+def test_tp_with_a_prefill_pool_is_refused_until_ranks_move_their_own_kv():
+    with pytest.raises(ServeFlagsError, match="tensor_parallel_size 2 serves without a prefill pool yet"):
+        parse("--tensor-parallel-size", "2")
+    with pytest.raises(ServeFlagsError, match="set --prefill-replicas 0"):
+        parse("--tensor-parallel-size", "2", "--prefill-replicas", "0", "--prefill-max-replicas", "2")
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (
+            ("--tensor-parallel-size", "3", "--prefill-replicas", "0"),
+            "prefill: tensor_parallel_size 3 does not divide num_attention_heads",
+        ),
+        (
+            ("--tensor-parallel-size", "2", "--prefill-replicas", "0", "--quantization", "int8"),
+            "prefill: tensor_parallel_size 2 does not support --quantization int8 yet",
+        ),
+    ],
+)
+def test_a_size_the_model_cannot_take_stops_serve_before_ray_starts(tiny_model, capsys, monkeypatch, flags, expected):
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # run_serve sets Ray's env vars first
+    assert main(["serve", tiny_model, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"splitserve serve: error: {expected}") and err.count("\n") == 1
