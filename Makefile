@@ -12,6 +12,11 @@ GPU_CHECK_CPU_OUT ?= $(or $(TMPDIR),/tmp)/splitserve-gpu-check
 
 # Test tiers (markers set in tests/conftest.py, see README "Development"): unit, cluster, e2e.
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider --durations=25
+# `make test` and `make test-fast` run on TEST_WORKERS pytest-xdist workers: the tests that start Ray,
+# `splitserve serve`, HAProxy or Postgres (the xdist group "serial", tests/conftest.py) all on one
+# of them, one at a time, the rest of the unit tier on the others. TEST_WORKERS=0 runs in-process.
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL := $(PYTEST) -n $(TEST_WORKERS) --dist loadgroup
 
 .PHONY: install lint typecheck test test-fast test-cluster test-e2e serve proto clean gpu-check gpu-check-cpu
 
@@ -41,11 +46,11 @@ typecheck: install
 	$(BIN)/mypy
 
 test: install lint
-	$(PYTEST) tests
+	$(PYTEST_PARALLEL) tests
 
 # The everyday loop: the unit tier (no Ray, no `splitserve serve`), under 3 minutes on 2 cores.
 test-fast: install
-	$(PYTEST) -m "unit and not slow" tests
+	$(PYTEST_PARALLEL) -m "unit and not slow" tests
 
 test-cluster: install
 	$(PYTEST) -m "cluster and not slow" tests

@@ -88,11 +88,33 @@ def tier_of(item) -> str:
     return "unit"
 
 
+# ---- what runs alone under pytest-xdist -------------------------------------------------------
+# `make test` runs with `-n 2 --dist loadgroup`: every test in the xdist group SERIAL_GROUP runs on
+# one worker, one at a time, while the others share the rest. In it: the cluster and e2e tiers (a
+# Ray cluster, `splitserve serve`: Ray's HAProxy binds the fixed ports 8404/9101, so two servers
+# collide), a test on the session's Postgres server (one server, on the worker that runs them all),
+# and one marked `serial` (it starts HAProxy or binds a fixed port some other way).
+SERIAL_GROUP = "serial"
+
+
+def runs_serially(item, tier: str) -> bool:
+    if tier != "unit" or item.get_closest_marker("serial") is not None:
+        return True
+    if "postgres_url" in getattr(item, "fixturenames", ()):
+        return True
+    callspec = getattr(item, "callspec", None)
+    return callspec is not None and callspec.params.get("state_url") == "postgres"
+
+
+# tryfirst: xdist's own hook (registered after this file) reads the xdist_group markers.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         tier = tier_of(item)
         if item.get_closest_marker(tier) is None:
             item.add_marker(getattr(pytest.mark, tier))
+        if runs_serially(item, tier):
+            item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
 
 
 _state_db_names = itertools.count()

