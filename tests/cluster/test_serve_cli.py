@@ -80,7 +80,19 @@ KNOWN_VALID = {
         ).model_dump()
     ],
 }
-AGREEING = {"prefill.kv_cache_dtype": "decode.kv_cache_dtype", "decode.kv_cache_dtype": "prefill.kv_cache_dtype"}
+AGREEING = {
+    "prefill.kv_cache_dtype": "decode.kv_cache_dtype",
+    "decode.kv_cache_dtype": "prefill.kv_cache_dtype",
+    "prefill.tensor_parallel_size": "decode.tensor_parallel_size",
+    "decode.tensor_parallel_size": "prefill.tensor_parallel_size",
+}
+# Fields valid away from their default only with other fields at a given value: TP > 1 serves
+# without a prefill pool. They are round-tripped one by one (with these set too), not in the
+# all-at-once check, where the other fields hold their own non-default values (prefill replicas 2).
+NEEDS: dict[str, dict[str, object]] = {
+    "prefill.tensor_parallel_size": {"prefill.replicas": 0},
+    "decode.tensor_parallel_size": {"prefill.replicas": 0},
+}
 
 
 def non_default_values() -> dict[str, object]:
@@ -91,12 +103,13 @@ def non_default_values() -> dict[str, object]:
         candidates = [KNOWN_VALID[path]] if path in KNOWN_VALID else _candidates(info.annotation, default)
         for value in candidates:
             raw: dict = {}
-            for target in (path, AGREEING.get(path, path)):
+            settings = {path: value, AGREEING.get(path, path): value, **NEEDS.get(path, {})}
+            for target, setting in settings.items():
                 node = raw
                 *parents, leaf = target.split(".")
                 for key in parents:
                     node = node.setdefault(key, {})
-                node[leaf] = value
+                node[leaf] = setting
             if value == default:
                 continue
             try:
@@ -128,17 +141,24 @@ def test_every_leaf_field_is_a_flag_that_round_trips():
     values = non_default_values()
     assert len(values) == len(leaf_fields()) > 50
     for path, value in values.items():
-        partner = AGREEING.get(path)
-        cfg = parse(*flag_args(path, value), *(flag_args(partner, value) if partner else []))
+        settings = {path: value, AGREEING.get(path, path): value, **NEEDS.get(path, {})}
+        cfg = parse(*[arg for target, setting in settings.items() for arg in flag_args(target, setting)])
         assert plain(get(cfg, path)) == value, path
         # Nothing else moved: the flag set exactly its own field (and its partner's).
-        expected = _with(ServeConfig().model_dump(), path, value)
-        assert cfg.model_dump() == (_with(expected, partner, value) if partner else expected), path
+        expected = ServeConfig().model_dump()
+        for target, setting in settings.items():
+            expected = _with(expected, target, setting)
+        assert cfg.model_dump() == expected, path
     # All at once, and back through --print-config's YAML as a --config file.
-    argv = [arg for path, value in values.items() for arg in flag_args(path, value)]
+    argv = all_at_once_args(values)
     everything = parse(*argv)
     for path, value in values.items():
-        assert plain(get(everything, path)) == value, path
+        if path not in NEEDS:
+            assert plain(get(everything, path)) == value, path
+
+
+def all_at_once_args(values: dict[str, object]) -> list[str]:
+    return [arg for path, value in values.items() if path not in NEEDS for arg in flag_args(path, value)]
 
 
 def _with(tree: dict, path: str, value) -> dict:
@@ -161,7 +181,7 @@ def test_help_lists_every_field_with_its_description(capsys):
 
 
 def test_print_config_round_trips_through_config_file(tmp_path, capsys):
-    argv = [arg for path, value in non_default_values().items() for arg in flag_args(path, value)]
+    argv = all_at_once_args(non_default_values())
     assert main(["serve", *argv, "--print-config"]) == 0
     printed = capsys.readouterr().out
     path = tmp_path / "serve.yaml"

@@ -45,6 +45,10 @@ ENGINE_IMPORTS = {
     "splitserve.engine.io.block_reservation": {"BlockReservation"},
     "splitserve.engine.io.request_output": {"RequestOutput"},
     "splitserve.proto.messages.sampling_params": {"SamplingParams"},
+    # A tensor-parallel replica's follower ranks (runtime/tp_rank_actor.py): how rank 0 starts
+    # them, and the loop each runs (the same forward on the batch rank 0 sends).
+    "splitserve.engine.parallel.tp_ranks": {"FollowerLauncher", "FollowerStart"},
+    "splitserve.engine.parallel.tp_follower": {"run_follower"},
 }
 
 

@@ -189,7 +189,7 @@ def _check_lost_capacity(server_url: str, grpc_port: int, pool: str, replica_id:
         body = resp.json()
         assert body["ok"] is False and body["degraded"] == degraded and f"the {pool} pool has 1" in body["reason"]
         assert body["pools"][pool].pop("kv_cache")["num_blocks"] > 0
-        assert body["pools"][pool] == {"ok": False, "live": 1, "expected": 2, "min": 2}
+        assert body["pools"][pool] == {"ok": False, "live": 1, "expected": 2, "min": 2, "tensor_parallel_size": 1}
         ready = http.get("/ready")  # degraded, but serving: what the probes read
         assert ready.status_code == 200 and ready.json()["serving"] is True
         metrics = http.get("/metrics").text
@@ -229,7 +229,7 @@ def test_a_dead_decode_loop_leaves_routing_and_its_requests_are_retried(loop, cl
     url, grpc_port = frontends
     decode_health = httpx.get(f"{url}/health").json()["pools"][DECODE]
     assert decode_health.pop("kv_cache")["num_blocks"] > 0
-    assert decode_health == {"ok": True, "live": 2, "expected": 2, "min": 2}
+    assert decode_health == {"ok": True, "live": 2, "expected": 2, "min": 2, "tensor_parallel_size": 1}
     victim = cluster.decode_pool.get("decode-1")
     # It stays routed while we send requests to it: this ingress does not poll, the controller
     # does not probe (it would drop it from the view first).
