@@ -22,8 +22,7 @@ _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 _COMMIT = re.compile(r"\b(?:Commit:|commit|HEAD) [0-9a-f]{7,40}\b")
 _MODULE_RUN = re.compile(r"python -m ([\w.]+)")
 _SCRIPT = re.compile(r"\bbench/results/[\w./-]+\.sh\b")
-# A write-up (and its plot or script) per benchmark: the cap grows with the benchmarks, never with runs.
-MAX_TRACKED_RESULTS = 48
+MAX_TRACKED_RESULTS = 40
 
 
 def _ignored(path: Path) -> bool:
