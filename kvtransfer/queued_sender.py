@@ -14,6 +14,7 @@ import abc
 import logging
 import queue
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 from splitserve.kvtransfer.errors import TransferError
@@ -52,6 +53,15 @@ class QueuedSender(abc.ABC):
     def send_layer(self, job: SendJob, layer: int) -> None:
         """Queue one layer of a layer-wise job (called right after the layer is computed)."""
         self._queue.put((job, layer))
+
+    def layer_callback(self, jobs: Sequence[SendJob]) -> Callable[[int], None]:
+        """The step's per-layer callback for these layer-wise jobs: each layer queued once computed."""
+
+        def on_layer_done(layer: int) -> None:
+            for job in jobs:
+                self.send_layer(job, layer)
+
+        return on_layer_done
 
     def send_all(self, job: SendJob) -> None:
         """Queue a whole job as one item."""
