@@ -1,7 +1,8 @@
 """The KV data plane a worker's engine gets (protocols.py's KVDataPlane), chosen once by the
 kind of engine its EngineConfig declares: `real` -> TorchDataPlane (pairs over
-torch.distributed), `simulated` -> SimulatedDataPlane (timed waits). Each plane imports its
-implementations only when used, so a simulated replica never imports torch."""
+torch.distributed, over every rank of a tensor-parallel replica), `simulated` ->
+SimulatedDataPlane (timed waits). Each plane imports its implementations only when used, so a
+simulated replica never imports torch."""
 
 from __future__ import annotations
 
@@ -14,17 +15,28 @@ from splitserve.kvtransfer.protocols import KVDataPlane, KVReceiveProtocol, KVSe
 
 
 class TorchDataPlane:
-    """LLMEngine's: KVTransport, KVSender, PostedReceive."""
+    """LLMEngine's, at any TP size on either side: TensorParallelTransport,
+    TensorParallelKVSender, TensorParallelReceive over its ranks' KVTransport, KVSender and
+    PostedReceive (a follower rank's run in its RankKVPlane). The engine is an LLMEngine."""
 
-    def open_transport(self, replica_id: str, engine: EngineProtocol, host: str, timeout_s: float):
-        from splitserve.kvtransfer.transport import KVTransport  # torch
+    def follower_extension(self):
+        from splitserve.kvtransfer.rank_kv_plane import RankKVPlane  # torch
 
-        return KVTransport(replica_id, engine.device, host=host, timeout_s=timeout_s)
+        return RankKVPlane
+
+    def open_transport(self, replica_id: str, engine: Any, host: str, timeout_s: float):
+        from splitserve.kvtransfer.follower_link import FollowerLink  # torch
+        from splitserve.kvtransfer.head_map import KVLayout
+        from splitserve.kvtransfer.tp_transport import TensorParallelTransport
+
+        layout = KVLayout(engine.model_config.num_key_value_heads, engine.config.tensor_parallel_size)
+        followers = None if engine.tensor_parallel is None else FollowerLink(engine.tensor_parallel)
+        return TensorParallelTransport(replica_id, engine.device, host, timeout_s, layout, followers)
 
     def make_sender(self, transport: Any, engine: EngineProtocol) -> KVSenderProtocol:
-        from splitserve.kvtransfer.kv_sender import KVSender  # torch
+        from splitserve.kvtransfer.tp_sender import TensorParallelKVSender  # torch
 
-        return KVSender(transport, engine.kv_cache)
+        return TensorParallelKVSender(transport, engine.kv_cache)
 
     def post_receive(
         self,
@@ -35,13 +47,16 @@ class TorchDataPlane:
         block_ids: list[int],
         layerwise: bool,
     ) -> KVReceiveProtocol:
-        from splitserve.kvtransfer.kv_receiver import PostedReceive  # torch
+        from splitserve.kvtransfer.tp_receive import TensorParallelReceive  # torch
 
-        return PostedReceive(transport, engine.kv_cache, peer_id, transfer_id, block_ids, layerwise)
+        return TensorParallelReceive(transport, engine.kv_cache, peer_id, transfer_id, block_ids, layerwise)
 
 
 class SimulatedDataPlane:
     """SimulatedEngine's: SimulatedTransport, SimulatedKVSender, SimulatedReceive."""
+
+    def follower_extension(self):
+        return None  # the simulated engine has no tensor-parallel ranks
 
     def open_transport(self, replica_id: str, engine: EngineProtocol, host: str, timeout_s: float):
         from splitserve.kvtransfer.simulated_transport import SimulatedTransport

@@ -100,6 +100,11 @@ class KVReceiveProtocol(Protocol):
 class KVDataPlane(Protocol):
     """The three above for one kind of engine; data_plane.py's data_plane_for picks it."""
 
+    def follower_extension(self) -> Callable[..., Any] | None:
+        """What each follower rank of a tensor-parallel engine runs beside its forward (its
+        share of the data plane: engine/parallel/follower_extension.py), or None."""
+        ...
+
     def open_transport(
         self, replica_id: str, engine: EngineProtocol, host: str, timeout_s: float
     ) -> KVTransportProtocol: ...

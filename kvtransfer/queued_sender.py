@@ -86,11 +86,12 @@ class QueuedSender(abc.ABC):
             job, layer = item
             if layer == FLUSH:
                 try:
-                    self._flush(job)
+                    flushed = self._flush(job)
                 except Exception:  # never let one job end the thread every transfer goes through
                     logger.exception("%s filler for %s failed", self.kind, job.request_id)
-                    if not job.flushed.done():
-                        job.flushed.set_result(False)
+                    flushed = False
+                if flushed is not None:
+                    self._flushed(job, flushed)
                 continue
             if job.failed or job.aborted or job.done.done():
                 continue
@@ -128,10 +129,16 @@ class QueuedSender(abc.ABC):
         if job.done.set_running_or_notify_cancel():
             job.done.set_result(job)
 
+    def _flushed(self, job: SendJob, flushed: bool) -> None:
+        """Resolve an aborted job's flushed future (True: the pair is in step)."""
+        if not job.flushed.done():
+            job.flushed.set_result(flushed)
+
     @abc.abstractmethod
     def _send(self, job: SendJob, layer: int | None) -> None:
         """Send one layer (or, layer None, the whole job)."""
 
     @abc.abstractmethod
-    def _flush(self, job: SendJob) -> None:
-        """Finish an aborted job's wire protocol and resolve job.flushed."""
+    def _flush(self, job: SendJob) -> bool | None:
+        """Finish an aborted job's wire protocol: True once the pair is in step, False if it
+        broke, None if the job was flushed already."""

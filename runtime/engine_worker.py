@@ -58,8 +58,9 @@ class EngineWorker:
         self.namespace = worker.namespace
         # TP > 1: this actor is rank 0 of its gang, the pool created the other ranks' actors.
         launch = launch_rank_actors(list(worker.tp_followers)) if worker.tp_followers else None
-        self.engine: EngineProtocol = build_engine(config, launch)
         self.data_plane: KVDataPlane = data_plane_for(config)
+        # Each follower rank moves its own KV heads: the plane's rank side runs beside its forward.
+        self.engine: EngineProtocol = build_engine(config, launch, self.data_plane.follower_extension())
         self.host, self.transport = open_replica_transport(
             self.data_plane, worker.transport_host, replica_id, self.engine, worker.transfer_timeout_s
         )
