@@ -44,6 +44,9 @@ from splitserve.kvtransfer.transport import KVTransport
 logger = logging.getLogger(__name__)
 
 _KEEP_JOBS = 1024  # finished jobs remembered, so a late abort knows what they sent
+# Threads for pair openings and receive completions: a completion holds one until its transfer
+# landed, and a decode replica may have as many in flight as it runs sequences.
+_THREADS = 64
 
 
 class RankKVPlane:
@@ -56,7 +59,7 @@ class RankKVPlane:
         self.layout: KVLayout | None = None
         self._routes: dict[str, list[KVRoute]] = {}  # peer replica -> this rank's routes to it
         self._jobs: OrderedDict[tuple[str, int], SendJob] = OrderedDict()
-        self._threads = ThreadPoolExecutor(max_workers=16, thread_name_prefix=f"rank{self.rank}-kv")
+        self._threads = ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix=f"rank{self.rank}-kv")
 
     # ---- FollowerExtension ---------------------------------------------------------------
     def forward_hook(self, work: SendLayers):

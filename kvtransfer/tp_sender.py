@@ -54,6 +54,7 @@ class TensorParallelKVSender(KVSender):
         self.followers = transport.followers
         self._shares: dict[int, _Shares] = {}  # id(job) -> its follower shares
         self._shares_lock = threading.Lock()
+        self._totals_lock = threading.Lock()  # jobs complete on the sender thread and on the followers' listener
 
     def layer_callback(self, jobs: Sequence[SendJob]) -> Callable[[int], None]:
         callback = super().layer_callback(jobs)
@@ -108,7 +109,8 @@ class TensorParallelKVSender(KVSender):
             if shares is not None:
                 shares.local_sent = True
         if shares is None:
-            super()._complete(job)
+            with self._totals_lock:
+                super()._complete(job)
         else:
             self._settle_send(job)
 
@@ -127,7 +129,8 @@ class TensorParallelKVSender(KVSender):
         answers = [f.result() for f in shares.sent]
         job.num_bytes += sum(num_bytes for num_bytes, _ in answers)
         job.seconds = max([job.seconds, *(seconds for _, seconds in answers)])
-        super()._complete(job)
+        with self._totals_lock:
+            super()._complete(job)
 
     def _flushed(self, job: SendJob, flushed: bool) -> None:
         with self._shares_lock:

@@ -1,5 +1,5 @@
 """The prefill -> decode handoff between real engines of different tensor-parallel sizes, without
-Ray (tests/helpers/tp_transfer.py: follower ranks are spawned processes running their KV data
+Ray (bench/kv_transfer/tp_handoff.py: follower ranks are spawned processes running their KV data
 plane; every transfer over real gloo pairs, rank to rank): for P/D of 1/1, 2/1, 1/2 and 2/2 the
 greedy tokens equal the TP-1 engine's, log-probabilities within LOGPROB_TOL (the TP-2 sums
 reduce in another order); layer-wise and packed; the bytes each side counts are the 1/1
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import pytest
 
+from splitserve.bench.kv_transfer.tp_handoff import Replica, handoff, pair
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.model import make_checkpoint
-from tests.helpers.tp_transfer import Replica, handoff, pair
 
 # fp32; a TP-2 replica's row-parallel sums add the ranks' partial products in another order
 # than one matmul, so log-probabilities may differ in the last bits, never by more than this.

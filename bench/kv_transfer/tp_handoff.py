@@ -1,15 +1,17 @@
 """Disaggregated prefill -> decode in one process, without Ray: two real engines of any
 tensor-parallel sizes (their follower ranks spawned processes running the KV data plane's rank
 side, RankKVPlane), each with the real data plane (TorchDataPlane), and the handoff the workers
-run -- decode reserves (prefix hits included), posts its receives, prefill computes the prompt
-sending each layer's KV as it is done (or all after the step), decode completes the receives
-and admits the request, then decodes it to the end. What the test gets back: the tokens, the
-log-probabilities and the bytes each side counted."""
+run (prefill/prefill_worker.py, decode/prefill_client.py) -- decode reserves (prefix hits
+included), posts its receives, prefill computes the prompt sending each layer's KV as it is done
+(or all after the step), decode completes the receives and admits the request, then decodes it
+to the end. What comes back: the tokens, the log-probabilities, the bytes each side counted and
+the times. tests/kvtransfer/test_tp_handoff.py checks parity with it; tp_transfer.py times it."""
 
 from __future__ import annotations
 
 import itertools
 import threading
+import time
 from dataclasses import dataclass
 
 from splitserve.engine.config import EngineConfig
@@ -49,6 +51,9 @@ class Handoff:
     bytes_sent: int  # what prefill's ranks sent
     blocks_sent: int
     cached_blocks: int  # the prompt's blocks decode had cached
+    prefill_s: float  # the prefill engine's steps, until the first token
+    exposed_s: float  # prefill done -> every decode rank holds its heads of every block
+    sender_s: float  # the slowest prefill rank's sender busy time
 
 
 def pair(prefill: Replica, decode: Replica, epoch: int = 0) -> None:
@@ -91,11 +96,14 @@ def handoff(prefill: Replica, decode: Replica, prompt: list[int], max_tokens: in
         job.block_ids = prefill.engine.prompt_block_ids(rid, indices)
         return prefill.sender.layer_callback([job]) if layerwise else None
 
+    started = time.perf_counter()
     (first,) = _run(prefill.engine, rid, layer_hook)
+    prefilled = time.perf_counter()
     if not layerwise:
         prefill.sender.send_all(job)
     job.done.result(TIMEOUT_S)
     received, _ = posted.complete(TIMEOUT_S)
+    landed = time.perf_counter()
     prefill.engine.release_prefilled(rid)
     result = PrefillResult(
         request_id=rid,
@@ -111,4 +119,14 @@ def handoff(prefill: Replica, decode: Replica, prompt: list[int], max_tokens: in
     rest = [] if admitted.finished else _run(decode.engine, rid)
     token_ids = list(admitted.new_token_ids) + [t for out in rest for t in out.new_token_ids]
     logprobs = list(admitted.new_logprobs) + [p for out in rest for p in out.new_logprobs]
-    return Handoff(token_ids, logprobs, received, job.num_bytes, len(job.block_ids), cached)
+    return Handoff(
+        token_ids,
+        logprobs,
+        received,
+        job.num_bytes,
+        len(job.block_ids),
+        cached,
+        prefilled - started,
+        landed - prefilled,
+        job.seconds,
+    )
