@@ -22,7 +22,7 @@ from splitserve.decode.prefill_timeout import PrefillTimeout
 from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.engine_errors import EngineLoopStopped
 from splitserve.engine.io.block_reservation import BlockReservation
-from splitserve.kvtransfer.protocols import KVReceiveProtocol, KVTransportProtocol
+from splitserve.kvtransfer.protocols import KVReceiveProtocol, KVTransportProtocol, ReceiveOrder
 from splitserve.proto.messages.handoff import Handoff, PrefillResult
 from splitserve.proto.messages.poll_reply import TransferTotals
 from splitserve.proto.messages.request_channel import FailureKind, Submit
@@ -30,9 +30,8 @@ from splitserve.proto.messages.request_channel import FailureKind, Submit
 logger = logging.getLogger(__name__)
 ABANDON_GRACE_S = 0.5  # how long a given-up transfer may take to settle before its pair is closed
 Reserve = Callable[[Sequence], Awaitable[BlockReservation]]
-# (prefill replica id, transfer id, this replica's block ids, layerwise) -> the posted receives
-# of that transfer into this replica's KV cache (KVDataPlane.post_receive, bound to it).
-PostReceive = Callable[[str, int, list[int], bool], KVReceiveProtocol]
+# A transfer's receives posted into this replica's KV cache (KVDataPlane.post_receive, bound to it).
+PostReceive = Callable[[ReceiveOrder], KVReceiveProtocol]
 
 
 class PrefillFailedError(RuntimeError):
@@ -100,7 +99,7 @@ class PrefillClient:
             deadline=submit.deadline,
         )
         # Post every receive before asking for the data: transfers never wait on each other.
-        posted = self.post_receive(prefill_id, transfer_id, dst_blocks, submit.layerwise)
+        posted = self.post_receive(ReceiveOrder(prefill_id, transfer_id, tuple(dst_blocks), submit.layerwise))
         limit_s = self.prefill_timeout.limit_s(seq.num_prompt_tokens)
         if submit.deadline is not None:
             limit_s = max(min(limit_s, submit.deadline - time.time()), 0.001)

@@ -11,7 +11,13 @@ from typing import Any
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine_protocol import EngineProtocol
 from splitserve.kvtransfer.host_address import resolve_host
-from splitserve.kvtransfer.protocols import KVDataPlane, KVReceiveProtocol, KVSenderProtocol, KVTransportProtocol
+from splitserve.kvtransfer.protocols import (
+    KVDataPlane,
+    KVReceiveProtocol,
+    KVSenderProtocol,
+    KVTransportProtocol,
+    ReceiveOrder,
+)
 
 
 class TorchDataPlane:
@@ -38,18 +44,10 @@ class TorchDataPlane:
 
         return TensorParallelKVSender(transport, engine.kv_cache)
 
-    def post_receive(
-        self,
-        transport: Any,
-        engine: EngineProtocol,
-        peer_id: str,
-        transfer_id: int,
-        block_ids: list[int],
-        layerwise: bool,
-    ) -> KVReceiveProtocol:
+    def post_receive(self, transport: Any, engine: EngineProtocol, order: ReceiveOrder) -> KVReceiveProtocol:
         from splitserve.kvtransfer.tp_receive import TensorParallelReceive  # torch
 
-        return TensorParallelReceive(transport, engine.kv_cache, peer_id, transfer_id, block_ids, layerwise)
+        return TensorParallelReceive(transport, engine.kv_cache, order)
 
 
 class SimulatedDataPlane:
@@ -68,18 +66,10 @@ class SimulatedDataPlane:
 
         return SimulatedKVSender(engine.kv_cache)
 
-    def post_receive(
-        self,
-        transport: Any,
-        engine: EngineProtocol,
-        peer_id: str,
-        transfer_id: int,
-        block_ids: list[int],
-        layerwise: bool,
-    ) -> KVReceiveProtocol:
+    def post_receive(self, transport: Any, engine: EngineProtocol, order: ReceiveOrder) -> KVReceiveProtocol:
         from splitserve.kvtransfer.simulated_receive import SimulatedReceive
 
-        return SimulatedReceive(engine.kv_cache, block_ids)
+        return SimulatedReceive(engine.kv_cache, list(order.block_ids))
 
 
 _PLANES: dict[str, type] = {"real": TorchDataPlane, "simulated": SimulatedDataPlane}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from splitserve.engine.engine_protocol import EngineProtocol
@@ -82,6 +83,17 @@ class KVSenderProtocol(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class ReceiveOrder:
+    """One transfer as decode posts its receives: from which prefill replica, under which
+    transfer id (its tags), into which of this replica's blocks, layer by layer or packed."""
+
+    peer_id: str
+    transfer_id: int
+    block_ids: tuple[int, ...]
+    layerwise: bool
+
+
 class KVReceiveProtocol(Protocol):
     """The decode side: one transfer's receives, posted before the prefill replica is asked."""
 
@@ -111,12 +123,4 @@ class KVDataPlane(Protocol):
 
     def make_sender(self, transport: Any, engine: EngineProtocol) -> KVSenderProtocol: ...
 
-    def post_receive(
-        self,
-        transport: Any,
-        engine: EngineProtocol,
-        peer_id: str,
-        transfer_id: int,
-        block_ids: list[int],
-        layerwise: bool,
-    ) -> KVReceiveProtocol: ...
+    def post_receive(self, transport: Any, engine: EngineProtocol, order: ReceiveOrder) -> KVReceiveProtocol: ...

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve.kvtransfer.head_map import KVLayout
+from splitserve.kvtransfer.protocols import ReceiveOrder
 from splitserve.kvtransfer.rendezvous import Address
 
 
@@ -95,10 +96,7 @@ class RankReceive:
     """Post this rank's receives of one transfer; answers (bytes, seconds) once it landed."""
 
     number: int
-    peer_id: str
-    transfer_id: int
-    block_ids: tuple[int, ...]
-    layerwise: bool
+    order: ReceiveOrder
 
 
 @dataclass(frozen=True)

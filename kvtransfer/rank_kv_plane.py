@@ -102,15 +102,15 @@ class RankKVPlane:
             job = self._job(command.job)
             self._require_sender().abort(job).add_done_callback(lambda flushed: self._flushed(command, job, flushed))
         elif isinstance(command, RankReceive):
-            transport = self._require_transport()
+            order = command.order
             posted = PostedReceive(
-                transport,
+                self._require_transport(),
                 self.kv_cache,
-                command.peer_id,
-                command.transfer_id,
-                list(command.block_ids),
-                command.layerwise,
-                self._routes_to(command.peer_id),
+                order.peer_id,
+                order.transfer_id,
+                list(order.block_ids),
+                order.layerwise,
+                self._routes_to(order.peer_id),
             )
             self._threads.submit(self._complete, command.number, posted)
         elif isinstance(command, RankStats):

@@ -14,29 +14,22 @@ from concurrent.futures import Future
 from splitserve.engine.ops.kv_cache import KVCache
 from splitserve.kvtransfer.follower_link import wait_answers
 from splitserve.kvtransfer.kv_receiver import PostedReceive
+from splitserve.kvtransfer.protocols import ReceiveOrder
 from splitserve.kvtransfer.rank_commands import RankReceive
 from splitserve.kvtransfer.tp_transport import TensorParallelTransport
 
 
 class TensorParallelReceive:
-    def __init__(
-        self,
-        transport: TensorParallelTransport,
-        kv_cache: KVCache,
-        peer_id: str,
-        transfer_id: int,
-        block_ids: list[int],
-        layerwise: bool,
-    ):
-        routes = transport.rank_routes(peer_id)
-        self.local = PostedReceive(transport.local, kv_cache, peer_id, transfer_id, block_ids, layerwise, routes)
+    def __init__(self, transport: TensorParallelTransport, kv_cache: KVCache, order: ReceiveOrder):
+        routes = transport.rank_routes(order.peer_id)
+        self.local = PostedReceive(
+            transport.local, kv_cache, order.peer_id, order.transfer_id, list(order.block_ids), order.layerwise, routes
+        )
         self.num_bytes = 0
         self._start = time.perf_counter()
         self._ranks: list[Future] = []
-        if transport.followers is not None and block_ids:
-            self._ranks = transport.followers.request(
-                lambda number: RankReceive(number, peer_id, transfer_id, tuple(block_ids), layerwise)
-            )
+        if transport.followers is not None and order.block_ids:
+            self._ranks = transport.followers.request(lambda number: RankReceive(number, order))
 
     def complete(self, timeout_s: float) -> tuple[int, float]:
         deadline = time.monotonic() + timeout_s

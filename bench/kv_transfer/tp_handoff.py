@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.kvtransfer.data_plane import TorchDataPlane
+from splitserve.kvtransfer.protocols import ReceiveOrder
 from splitserve.kvtransfer.send_job import SendJob
 from splitserve.proto.messages.handoff import PrefillResult
 from splitserve.proto.messages.sampling_params import SamplingParams
@@ -82,9 +83,8 @@ def handoff(prefill: Replica, decode: Replica, prompt: list[int], max_tokens: in
     assert reservation is not None
     cached = len(seq.block_table) - len(reservation.block_indices)
     transfer_id = next(_transfer_ids)
-    posted = decode.plane.post_receive(
-        decode.transport, decode.engine, prefill.replica_id, transfer_id, reservation.block_ids, layerwise
-    )
+    order = ReceiveOrder(prefill.replica_id, transfer_id, tuple(reservation.block_ids), layerwise)
+    posted = decode.plane.post_receive(decode.transport, decode.engine, order)
     indices = list(reservation.block_indices)
     job = SendJob(rid, decode.replica_id, transfer_id, [], layerwise, num_blocks=len(indices))
     pseq = prefill.engine.make_sequence(None, prompt, params, rid, prefill_only=True)
