@@ -33,6 +33,10 @@ class TensorParallelReceive:
 
     def complete(self, timeout_s: float) -> tuple[int, float]:
         deadline = time.monotonic() + timeout_s
+        for future in self._ranks:  # a rank already lost (or failed to post): nothing will land there
+            failure = future.exception() if future.done() else None
+            if failure is not None:
+                raise failure
         num_bytes, _ = self.local.complete(timeout_s)
         answers = wait_answers(self._ranks, max(deadline - time.monotonic(), 0.001), "KV receive")
         self.num_bytes = num_bytes + sum(rank_bytes for rank_bytes, _ in answers)
