@@ -360,23 +360,6 @@ class ServeConfig(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _check_tensor_parallel(self) -> ServeConfig:
-        # Each prefill rank's KV heads land in the decode rank that holds the same heads: with
-        # equal sizes that is rank i -> rank i; other pairings are not built yet.
-        prefill, decode = self.prefill.tensor_parallel_size, self.decode.tensor_parallel_size
-        if prefill != decode:
-            raise ValueError(
-                f"prefill.tensor_parallel_size {prefill} and decode.tensor_parallel_size {decode} differ: "
-                "KV transfer between different TP sizes is not supported yet (--tensor-parallel-size sets both)"
-            )
-        if decode > 1 and (self.prefill.replicas or self.prefill.autoscaling.enabled):
-            raise ValueError(
-                f"tensor_parallel_size {decode} serves without a prefill pool yet (each decode replica prefills "
-                "its own prompts; moving KV between TP ranks is not built): set --prefill-replicas 0"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _check_simulation(self) -> ServeConfig:
         """A bad profile is a startup error, not one per replica."""
         if "simulated" in (self.prefill.engine or self.engine, self.decode.engine or self.engine):

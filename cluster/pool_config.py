@@ -88,7 +88,7 @@ class EnginePoolConfig(StrictConfig):
     engine: EngineKind | None = None
     """This pool's engine (real or simulated); unset: the top-level `engine`."""
     tensor_parallel_size: int = Field(1, ge=1)
-    """Tensor-parallel ranks per replica (one CPU or GPU each, on one node); 1: one actor per replica. Prefill and decode must agree."""
+    """Tensor-parallel ranks per replica (one CPU or GPU each, on one node); 1: one actor per replica. Prefill and decode may differ: each decode rank receives its KV heads from the prefill ranks holding them."""
 
     @field_validator("kv_cache_memory_bytes")
     @classmethod

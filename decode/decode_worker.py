@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -27,7 +28,6 @@ from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.engine_errors import EngineLoopStopped, EngineStepError
 from splitserve.engine.io.block_reservation import BlockReservation
 from splitserve.engine.io.request_output import RequestOutput
-from splitserve.kvtransfer.data_plane import open_replica_transport
 from splitserve.proto.messages.handoff import StreamChunk
 from splitserve.proto.messages.poll_reply import TransferTotals
 from splitserve.proto.messages.request_channel import Failed, FailureKind, Submit, TokenBatch, encode_frame
@@ -50,9 +50,15 @@ class _Request:
 
 class DecodeWorker(EngineWorker):
     def __init__(self, replica_id: str, worker: WorkerConfig):
-        super().__init__(replica_id, worker, open_transport=open_replica_transport)
+        super().__init__(replica_id, worker)
         self.reserve_timeout_s = worker.reserve_timeout_s
-        self.prefill = PrefillClient(replica_id, self.transport, worker.namespace, worker.transfer_timeout_s)
+        self.prefill = PrefillClient(
+            replica_id,
+            self.transport,
+            functools.partial(self.data_plane.post_receive, self.transport, self.engine),
+            worker.namespace,
+            worker.transfer_timeout_s,
+        )
         self._requests: dict[str, _Request] = {}
         self._outputs: list[tuple[str, RequestOutput | Exception]] = []  # loop thread: since the last flush
         self.admission_delay_s = 0.0  # chaos testing: see delay_admission
@@ -139,7 +145,7 @@ class DecodeWorker(EngineWorker):
             if submit.prefill_replica_id is None:
                 await asyncio.wrap_future(self.loop.add_sequence(seq, sink))
             else:
-                first = await self.prefill.fetch(seq, submit, self._reserve, self.engine.kv_cache)
+                first = await self.prefill.fetch(seq, submit, self._reserve)
                 if self.admission_delay_s:
                     await asyncio.sleep(self.admission_delay_s)
                 await asyncio.wrap_future(self.loop.admit_prefilled(rid, first, sink))

@@ -22,7 +22,7 @@ from splitserve.decode.prefill_timeout import PrefillTimeout
 from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.engine_errors import EngineLoopStopped
 from splitserve.engine.io.block_reservation import BlockReservation
-from splitserve.kvtransfer.data_plane import post_receive
+from splitserve.kvtransfer.protocols import KVReceiveProtocol, KVTransportProtocol, ReceiveOrder
 from splitserve.proto.messages.handoff import Handoff, PrefillResult
 from splitserve.proto.messages.poll_reply import TransferTotals
 from splitserve.proto.messages.request_channel import FailureKind, Submit
@@ -30,6 +30,8 @@ from splitserve.proto.messages.request_channel import FailureKind, Submit
 logger = logging.getLogger(__name__)
 ABANDON_GRACE_S = 0.5  # how long a given-up transfer may take to settle before its pair is closed
 Reserve = Callable[[Sequence], Awaitable[BlockReservation]]
+# A transfer's receives posted into this replica's KV cache (KVDataPlane.post_receive, bound to it).
+PostReceive = Callable[[ReceiveOrder], KVReceiveProtocol]
 
 
 class PrefillFailedError(RuntimeError):
@@ -46,9 +48,17 @@ class ReplicaBusyError(RuntimeError):
 
 
 class PrefillClient:
-    def __init__(self, replica_id: str, transport, namespace: str | None, transfer_timeout_s: float):
+    def __init__(
+        self,
+        replica_id: str,
+        transport: KVTransportProtocol,
+        post_receive: PostReceive,
+        namespace: str | None,
+        transfer_timeout_s: float,
+    ):
         self.replica_id = replica_id
         self.transport = transport
+        self.post_receive = post_receive
         self.namespace = namespace
         self.transfer_timeout_s = transfer_timeout_s
         self.prefill_timeout = PrefillTimeout(ceiling_s=transfer_timeout_s)
@@ -61,9 +71,9 @@ class PrefillClient:
         self.num_bytes_received = 0
         self.transfer_seconds = 0.0
 
-    async def fetch(self, seq: Sequence, submit: Submit, reserve: Reserve, kv_cache) -> PrefillResult:
+    async def fetch(self, seq: Sequence, submit: Submit, reserve: Reserve) -> PrefillResult:
         """Reserve blocks (reserve(seq)), have the prefill replica compute the prompt and send
-        what this replica lacks into kv_cache, receive it. The caller frees the reservation if
+        what this replica lacks into its KV cache, receive it. The caller frees the reservation if
         this does not return."""
         prefill_id = submit.prefill_replica_id
         prefill = await self._prefill_handle(prefill_id)
@@ -89,7 +99,7 @@ class PrefillClient:
             deadline=submit.deadline,
         )
         # Post every receive before asking for the data: transfers never wait on each other.
-        posted = post_receive(self.transport, kv_cache, prefill_id, transfer_id, dst_blocks, submit.layerwise)
+        posted = self.post_receive(ReceiveOrder(prefill_id, transfer_id, tuple(dst_blocks), submit.layerwise))
         limit_s = self.prefill_timeout.limit_s(seq.num_prompt_tokens)
         if submit.deadline is not None:
             limit_s = max(min(limit_s, submit.deadline - time.time()), 0.001)
@@ -173,8 +183,8 @@ class PrefillClient:
             address = await asyncio.wait_for(prefill.transport_address.remote(), self.transfer_timeout_s)
             await asyncio.wait_for(
                 asyncio.gather(
-                    prefill.open_pair.remote(self.replica_id, epoch),
-                    asyncio.to_thread(self.transport.open_pair, prefill_id, tuple(address), "receiver", epoch),
+                    prefill.open_pair.remote(self.replica_id, epoch, self.transport.address),
+                    asyncio.to_thread(self.transport.open_pair, prefill_id, address, "receiver", epoch),
                 ),
                 self.transfer_timeout_s + 5,
             )

@@ -3,7 +3,8 @@
 Each engine is imported only when asked for, so a simulated replica never imports torch
 (tests/test_layout.py checks that in a fresh interpreter). The replicas (runtime/engine_worker.py)
 build their engines here; a tensor-parallel replica hands in how its gang's follower ranks
-start (launch_followers, engine/parallel/tp_ranks.py's FollowerLauncher).
+start (launch_followers, engine/parallel/tp_ranks.py's FollowerLauncher) and what each runs
+beside its forward (follower_extension, engine/parallel/follower_extension.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from splitserve.engine.config import ConfigError, EngineConfig
 from splitserve.engine.engine_protocol import EngineProtocol
 
 
-def build_engine(config: EngineConfig, launch_followers=None) -> EngineProtocol:
+def build_engine(config: EngineConfig, launch_followers=None, follower_extension=None) -> EngineProtocol:
     if config.engine == "simulated":
         if config.tensor_parallel_size > 1:
             raise ConfigError(
@@ -24,4 +25,4 @@ def build_engine(config: EngineConfig, launch_followers=None) -> EngineProtocol:
         return SimulatedEngine(config)
     from splitserve.engine.llm_engine import LLMEngine  # torch
 
-    return LLMEngine(config, launch_followers)
+    return LLMEngine(config, launch_followers, follower_extension)

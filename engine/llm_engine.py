@@ -25,6 +25,7 @@ from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.ops.host_kv_cache import HostKVCache, num_host_blocks
 from splitserve.engine.ops.kv_cache import KVCache
 from splitserve.engine.paged_engine import PagedEngine
+from splitserve.engine.parallel.follower_extension import FollowerExtensionFactory
 from splitserve.engine.parallel.tp_model import launch_tensor_parallel
 from splitserve.engine.parallel.tp_ranks import FollowerLauncher, TensorParallelRanks
 from splitserve.engine.speculative.speculator import Speculator
@@ -34,13 +35,20 @@ __all__ = ["LLMEngine", "LayerHookFactory"]
 
 
 class LLMEngine(PagedEngine):
-    def __init__(self, config: EngineConfig, launch_followers: FollowerLauncher | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        launch_followers: FollowerLauncher | None = None,
+        follower_extension: FollowerExtensionFactory | None = None,
+    ):
         # tensor_parallel_size > 1: this process is rank 0 of the sharded model, the other ranks
         # are processes it spawns (engine/parallel/), or its gang's rank actors that
         # launch_followers starts (a served replica); its KV cache holds only its KV heads.
         self.tensor_parallel: TensorParallelRanks | None = None
         if config.tensor_parallel_size > 1:
-            config, model, model_config, cache_config = launch_tensor_parallel(config, launch_followers)
+            config, model, model_config, cache_config = launch_tensor_parallel(
+                config, launch_followers, follower_extension
+            )
             self.tensor_parallel = model.ranks
         else:
             model, model_config = load_model(

@@ -14,6 +14,7 @@ import abc
 import logging
 import queue
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 from splitserve.kvtransfer.errors import TransferError
@@ -53,6 +54,15 @@ class QueuedSender(abc.ABC):
         """Queue one layer of a layer-wise job (called right after the layer is computed)."""
         self._queue.put((job, layer))
 
+    def layer_callback(self, jobs: Sequence[SendJob]) -> Callable[[int], None]:
+        """The step's per-layer callback for these layer-wise jobs: each layer queued once computed."""
+
+        def on_layer_done(layer: int) -> None:
+            for job in jobs:
+                self.send_layer(job, layer)
+
+        return on_layer_done
+
     def send_all(self, job: SendJob) -> None:
         """Queue a whole job as one item."""
         self._queue.put((job, None))
@@ -76,11 +86,12 @@ class QueuedSender(abc.ABC):
             job, layer = item
             if layer == FLUSH:
                 try:
-                    self._flush(job)
+                    flushed = self._flush(job)
                 except Exception:  # never let one job end the thread every transfer goes through
                     logger.exception("%s filler for %s failed", self.kind, job.request_id)
-                    if not job.flushed.done():
-                        job.flushed.set_result(False)
+                    flushed = False
+                if flushed is not None:
+                    self._flushed(job, flushed)
                 continue
             if job.failed or job.aborted or job.done.done():
                 continue
@@ -118,10 +129,16 @@ class QueuedSender(abc.ABC):
         if job.done.set_running_or_notify_cancel():
             job.done.set_result(job)
 
+    def _flushed(self, job: SendJob, flushed: bool) -> None:
+        """Resolve an aborted job's flushed future (True: the pair is in step)."""
+        if not job.flushed.done():
+            job.flushed.set_result(flushed)
+
     @abc.abstractmethod
     def _send(self, job: SendJob, layer: int | None) -> None:
         """Send one layer (or, layer None, the whole job)."""
 
     @abc.abstractmethod
-    def _flush(self, job: SendJob) -> None:
-        """Finish an aborted job's wire protocol and resolve job.flushed."""
+    def _flush(self, job: SendJob) -> bool | None:
+        """Finish an aborted job's wire protocol: True once the pair is in step, False if it
+        broke, None if the job was flushed already."""

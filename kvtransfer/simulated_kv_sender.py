@@ -24,10 +24,9 @@ class SimulatedKVSender(QueuedSender):
         self.kv_cache = kv_cache
         super().__init__(kv_cache.num_layers, "simulated-kv-sender")
 
-    def _flush(self, job: SendJob) -> None:
-        if not job.flushed.done():
-            # No pair to keep in step: a job that did not fail is flushed at once.
-            job.flushed.set_result(not (job.failed or self._done_failed(job)))
+    def _flush(self, job: SendJob) -> bool | None:
+        # No pair to keep in step: a job that did not fail is flushed at once.
+        return None if job.flushed.done() else not (job.failed or self._done_failed(job))
 
     def _send(self, job: SendJob, layer: int | None) -> None:
         start = time.perf_counter()

@@ -15,8 +15,8 @@ from splitserve.engine.core.scheduler import ScheduledBatch
 from splitserve.engine.engine_errors import EngineStepError
 from splitserve.engine.engine_protocol import EngineProtocol
 from splitserve.engine.io.request_output import RequestOutput
-from splitserve.kvtransfer.data_plane import make_sender, open_replica_transport
 from splitserve.kvtransfer.errors import TransferAbortedError
+from splitserve.kvtransfer.protocols import KVSenderProtocol
 from splitserve.kvtransfer.send_job import SendJob
 from splitserve.proto.messages.handoff import Handoff, PrefillResult
 from splitserve.proto.messages.poll_reply import TransferTotals
@@ -28,8 +28,8 @@ logger = logging.getLogger(__name__)
 
 class PrefillWorker(EngineWorker):
     def __init__(self, replica_id: str, worker: WorkerConfig):
-        super().__init__(replica_id, worker, open_transport=open_replica_transport)
-        self.sender = make_sender(self.transport, self.engine.kv_cache)
+        super().__init__(replica_id, worker)
+        self.sender: KVSenderProtocol = self.data_plane.make_sender(self.transport, self.engine)
         self._jobs: dict[str, SendJob] = {}
         self._send_indices: dict[str, list[int]] = {}
         self._pinned: dict[str, float] = {}  # request id -> lease deadline (loop thread)
@@ -51,14 +51,7 @@ class PrefillWorker(EngineWorker):
             if job is not None and job.layerwise:
                 self._bind_blocks(job)
                 completing.append(job)
-        if not completing:
-            return None
-
-        def on_layer_done(layer: int) -> None:
-            for job in completing:
-                self.sender.send_layer(job, layer)
-
-        return on_layer_done
+        return self.sender.layer_callback(completing) if completing else None
 
     def _expire_leases(self, engine: EngineProtocol) -> None:
         if not self._pinned:
@@ -83,9 +76,10 @@ class PrefillWorker(EngineWorker):
     async def transport_address(self) -> tuple[str, int]:
         return self.transport.address
 
-    async def open_pair(self, peer_id: str, epoch: int) -> None:
-        """Open the pair with decode replica peer_id, as its sender; the peer opens it concurrently."""
-        await asyncio.to_thread(self.transport.open_pair, peer_id, None, "sender", epoch)
+    async def open_pair(self, peer_id: str, epoch: int, peer_address=None) -> None:
+        """Open the pair with decode replica peer_id (at peer_address, its transport's), as its
+        sender; the peer opens it concurrently."""
+        await asyncio.to_thread(self.transport.open_pair, peer_id, peer_address, "sender", epoch)
 
     async def prefill(self, handoff_bytes: bytes) -> bytes:
         handoff = Handoff.from_bytes(handoff_bytes)

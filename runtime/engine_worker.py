@@ -5,9 +5,9 @@ the pairs with the other pool, and the control methods the ingress calls on ever
 controller's probe.
 
 It lives in runtime/, the layer below both workers (prefill/ and decode/ never import each
-other), and holds no KV data plane: each worker hands in `open_transport`
-(kvtransfer/data_plane.py's open_replica_transport: the real transport over torch.distributed,
-or the simulated engine's timed one), so which transport a replica opens is the worker's choice.
+other). Its KV data plane (kvtransfer/protocols.py's KVDataPlane) is the one its engine kind
+declares (kvtransfer/data_plane.py's data_plane_for): the transport it opens here, and the
+sender (prefill) or posted receives (decode) each worker makes from it, all come from that plane.
 
 A replica whose engine loop stopped for good has released every block and fails every call
 with EngineLoopStopped; its poll() and probe() then answer a PollReply with status
@@ -24,7 +24,7 @@ import asyncio
 import itertools
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 
@@ -33,6 +33,8 @@ from splitserve.engine.engine_errors import EngineLoopStopped
 from splitserve.engine.engine_factory import build_engine
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.engine_protocol import EngineProtocol, LayerHookFactory
+from splitserve.kvtransfer.data_plane import data_plane_for, open_replica_transport
+from splitserve.kvtransfer.protocols import KVDataPlane, KVTransportProtocol
 from splitserve.proto.messages.kv_events import KVEvent
 from splitserve.proto.messages.poll_reply import PollReply, ReplicaStatus, TransferTotals
 from splitserve.proto.messages.request_channel import Submit
@@ -42,23 +44,11 @@ from splitserve.runtime.tp_rank_actor import launch_rank_actors
 from splitserve.runtime.worker_config import WorkerConfig
 
 
-class PeerTransport(Protocol):
-    """What the base class does with a worker's KV transport (kvtransfer.KVTransport, or the
-    simulated engine's SimulatedTransport)."""
-
-    def close_pair(self, peer_id: str, epoch: int | None = None) -> Any: ...
-
-    def close(self) -> None: ...
-
-
-# (transport_host, replica_id, engine, timeout_s) -> (the resolved host, the open transport)
-OpenTransport = Callable[[str, str, EngineProtocol, float], tuple[str, PeerTransport]]
-
-
 class EngineWorker:
     loop: EngineLoop  # set by start_loop, which each worker calls at the end of its constructor
+    transport: KVTransportProtocol  # this replica's pairs with the other pool's replicas
 
-    def __init__(self, replica_id: str, worker: WorkerConfig, open_transport: OpenTransport):
+    def __init__(self, replica_id: str, worker: WorkerConfig):
         config = EngineConfig(**worker.engine_config)
         if worker.torch_threads and config.engine == "real":
             import torch  # the real engine's: a simulated replica never imports torch
@@ -68,9 +58,11 @@ class EngineWorker:
         self.namespace = worker.namespace
         # TP > 1: this actor is rank 0 of its gang, the pool created the other ranks' actors.
         launch = launch_rank_actors(list(worker.tp_followers)) if worker.tp_followers else None
-        self.engine: EngineProtocol = build_engine(config, launch)
-        self.host, self.transport = open_transport(
-            worker.transport_host, replica_id, self.engine, worker.transfer_timeout_s
+        self.data_plane: KVDataPlane = data_plane_for(config)
+        # Each follower rank moves its own KV heads: the plane's rank side runs beside its forward.
+        self.engine: EngineProtocol = build_engine(config, launch, self.data_plane.follower_extension())
+        self.host, self.transport = open_replica_transport(
+            self.data_plane, worker.transport_host, replica_id, self.engine, worker.transfer_timeout_s
         )
         self.transfer_timeout_s = worker.transfer_timeout_s
         self.num_active = 0  # see PollReply.num_active

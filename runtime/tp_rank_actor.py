@@ -40,7 +40,9 @@ class TensorParallelRankActor:
 
         conn = Client(start.address, authkey=start.authkey)
         conn.send(self.rank)
-        run_follower(self.rank, start.size, start.host, start.store_port, start.config, start.threads, conn)
+        run_follower(
+            self.rank, start.size, start.host, start.store_port, start.config, start.threads, conn, start.extension
+        )
 
     def node(self) -> str:
         """The Ray node this rank runs on (the controller's probe and /health)."""

@@ -212,11 +212,13 @@ from splitserve.prefill.prefill_worker import PrefillWorker
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine_factory import build_engine
 from splitserve.proto.messages.sampling_params import SamplingParams
-from splitserve.kvtransfer.data_plane import make_sender, open_transport, post_receive
+from splitserve.kvtransfer.data_plane import data_plane_for
+from splitserve.kvtransfer.protocols import ReceiveOrder
 engine = build_engine(EngineConfig(model={tiny_model!r}, engine="simulated", profile="llama-8b-h200"))
-transport = open_transport("p", engine, "127.0.0.1", 5.0)
-make_sender(transport, engine.kv_cache).close()
-post_receive(transport, engine.kv_cache, "d", 1, [0, 1], True).complete(1.0)
+plane = data_plane_for(engine.config)
+transport = plane.open_transport("p", engine, "127.0.0.1", 5.0)
+plane.make_sender(transport, engine).close()
+plane.post_receive(transport, engine, ReceiveOrder("d", 1, (0, 1), True)).complete(1.0)
 assert len(engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].token_ids) == 3
 print(sorted(m for m in sys.modules if m.split(".")[0] in {HEAVY!r}))
 """

@@ -19,6 +19,10 @@
   9 overlap     async scheduling: decode step time with and without overlap at batch 1/8/64/256,
                 forward vs host ms per step, the overlap achieved, greedy tokens identical
                 (bench/gpu_check/gpu_check_overlap.py)
+ 10 tensor_parallel  a one-rank group, the sharded model, shard shapes
+ 11 tp_transfer KV transfer between prefill and decode TP sizes, rank by rank on the device: each
+                decode rank gets exactly its KV heads (int8: and scales), the 1/1 bytes
+                (bench/gpu_check/gpu_check_tp_transfer.py)
 
 Each item is pass, fail, missed (a speed target not met) or info. OUT_DIR/gpu_check.md and
 gpu_check.json are rewritten after every check, so a run cut short still leaves its report; the
@@ -55,6 +59,7 @@ CHECKS = {
     "quant": "8. Quantized matmuls (fp8, int8) vs bf16",
     "overlap": "9. Async scheduling: step time with and without overlap",
     "tensor_parallel": "10. Tensor parallelism: a one-rank group, the sharded model, shard shapes",
+    "tp_transfer": "11. KV transfer between prefill and decode TP sizes, rank by rank",
 }
 STATUSES = ("pass", "fail", "missed", "info")
 
@@ -194,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         gpu_check_quant,
         gpu_check_tensor_parallel,
         gpu_check_throughput,
+        gpu_check_tp_transfer,
         gpu_check_transfer,
     )
 
@@ -212,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             "quant": lambda: gpu_check_quant.check_quant(device, args.tiny),
             "overlap": lambda: gpu_check_overlap.check_overlap(device, args.tiny, work),
             "tensor_parallel": lambda: gpu_check_tensor_parallel.check_tensor_parallel(device, args.tiny, work),
+            "tp_transfer": lambda: gpu_check_tp_transfer.check_tp_transfer(device, args.tiny),
         }
         for name in [n for n in CHECKS if n in args.only.split(",")]:
             check_started = time.monotonic()

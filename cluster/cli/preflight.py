@@ -37,6 +37,7 @@ def check_model(cfg: ServeConfig) -> str:
         require_model_dir(model_dir)
         model_config = ModelConfig.from_pretrained(model_dir)
         max_model_len = model_config.resolve_max_model_len(cfg.max_model_len)
+        _check_head_map(cfg, model_config)
         for name, pool in (("prefill", cfg.prefill), ("decode", cfg.decode)):
             _check_kv_cache(name, pool, cfg, model_config, max_model_len)
             _check_tensor_parallel(name, pool, cfg, model_dir, model_config)
@@ -89,6 +90,22 @@ def _check_tensor_parallel(name, pool, cfg: ServeConfig, model_dir: str, model_c
         refuse_unsupported(EngineConfig(**engine_config_for(cfg, pool, model_dir)))
     except ConfigError as exc:
         raise PreflightError(f"{name}: {exc}") from None
+
+
+def _check_head_map(cfg: ServeConfig, model_config) -> None:
+    """With a prefill pool, each decode rank receives its KV heads from the prefill ranks that
+    hold them (kvtransfer/head_map.py): two TP sizes that cannot share the model's KV heads
+    fail here, naming both and the heads."""
+    from splitserve.engine.config import ConfigError
+    from splitserve.kvtransfer.head_map import check_head_map
+
+    if not (cfg.prefill.replicas or cfg.prefill.autoscaling.enabled):
+        return  # no KV moves: each decode replica prefills its own prompts
+    prefill, decode = cfg.prefill.tensor_parallel_size, cfg.decode.tensor_parallel_size
+    try:
+        check_head_map(model_config.num_key_value_heads, prefill, decode)
+    except ConfigError as exc:
+        raise PreflightError(str(exc)) from None
 
 
 def _check_draft_model(draft_dir: str, vocab_size: int) -> None:

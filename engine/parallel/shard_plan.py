@@ -27,6 +27,16 @@ _FUSED = {
 }
 
 
+def kv_head_range(num_kv_heads: int, size: int, rank: int) -> range:
+    """The KV heads (of the whole model's) rank holds of size ranks: an equal share, or, when
+    size exceeds them, the one head its size // num_kv_heads ranks share."""
+    if size > num_kv_heads:
+        head = rank // (size // num_kv_heads)
+        return range(head, head + 1)
+    share = num_kv_heads // size
+    return range(rank * share, (rank + 1) * share)
+
+
 def refuse_unsupported(config: EngineConfig) -> None:
     """What a tensor-parallel engine does not do yet, refused by name in one line."""
     size = config.tensor_parallel_size
@@ -75,14 +85,11 @@ class ShardPlan:
 
     @property
     def num_kv_heads(self) -> int:
-        return max(self.config.num_key_value_heads // self.size, 1)
+        return len(kv_head_range(self.config.num_key_value_heads, self.size, self.rank))
 
     @property
     def kv_head_start(self) -> int:
-        kv_heads = self.config.num_key_value_heads
-        if self.size > kv_heads:  # replicated: TP / kv_heads ranks share each KV head
-            return self.rank // (self.size // kv_heads)
-        return self.rank * self.num_kv_heads
+        return kv_head_range(self.config.num_key_value_heads, self.size, self.rank).start
 
     @property
     def intermediate_size(self) -> int:

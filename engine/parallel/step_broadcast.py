@@ -12,7 +12,7 @@ gets the same token without a broadcast of its own.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -22,6 +22,7 @@ from splitserve.engine.parallel.tp_group import TensorParallelGroup
 FORWARD = "forward"  # run the model on the broadcast batch (writes its KV into the rank's cache)
 LOGITS = "logits"  # compute this rank's vocabulary rows' logits for the broadcast hidden rows
 STOP = "stop"  # leave the loop and exit
+COMMAND = "command"  # hand the payload to the rank's FollowerExtension (follower_extension.py)
 
 
 class ForwardHeader(NamedTuple):
@@ -31,6 +32,7 @@ class ForwardHeader(NamedTuple):
     query_start_loc: list[int]
     context_lens: list[int]
     max_query_len: int
+    rank_work: Any = None  # the extension's work for this forward (follower_extension.py)
 
 
 class LogitsHeader(NamedTuple):
@@ -38,7 +40,12 @@ class LogitsHeader(NamedTuple):
     num_rows: int
 
 
-def forward_header(input_ids: torch.Tensor, meta: AttentionMetadata) -> ForwardHeader:
+class CommandHeader(NamedTuple):
+    kind: str
+    payload: Any
+
+
+def forward_header(input_ids: torch.Tensor, meta: AttentionMetadata, rank_work: Any = None) -> ForwardHeader:
     return ForwardHeader(
         FORWARD,
         int(input_ids.shape[0]),
@@ -46,6 +53,7 @@ def forward_header(input_ids: torch.Tensor, meta: AttentionMetadata) -> ForwardH
         list(meta.query_start_loc_cpu),
         list(meta.context_lens_cpu),
         meta.max_query_len,
+        rank_work,
     )
 
 

@@ -4,6 +4,10 @@ this rank's shard and KV cache, then run each forward and logits command the dri
 It exits when the driver says stop, when its pipe closes, when a collective fails or times
 out, and -- whatever it is doing -- when the driver process dies: a watchdog thread waits on
 the parent's sentinel and ends the process, so no rank outlives its driver.
+
+With an extension (follower_extension.py) the rank also runs it: a forward's work becomes
+that forward's per-layer callback, a command goes to it between forwards, and its replies go
+back over the same pipe.
 """
 
 from __future__ import annotations
@@ -21,8 +25,17 @@ import torch.distributed as dist
 from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.model.loader import load_model
 from splitserve.engine.ops.kv_cache import KVCache
+from splitserve.engine.parallel.follower_extension import FollowerContext, FollowerExtension, FollowerExtensionFactory
+from splitserve.engine.parallel.follower_replies import REPLY
 from splitserve.engine.parallel.shard_plan import ShardPlan
-from splitserve.engine.parallel.step_broadcast import FORWARD, LOGITS, STOP, receive_forward, receive_hidden
+from splitserve.engine.parallel.step_broadcast import (
+    COMMAND,
+    FORWARD,
+    LOGITS,
+    STOP,
+    receive_forward,
+    receive_hidden,
+)
 from splitserve.engine.parallel.tp_group import TensorParallelGroup, rank_device
 
 logger = logging.getLogger(__name__)
@@ -45,7 +58,14 @@ def _exit_with_parent() -> None:
 
 
 def run_follower(
-    rank: int, size: int, host: str, port: int, config: EngineConfig, threads: int, conn: Connection
+    rank: int,
+    size: int,
+    host: str,
+    port: int,
+    config: EngineConfig,
+    threads: int,
+    conn: Connection,
+    extension: FollowerExtensionFactory | None = None,
 ) -> None:
     """The spawned process's entry point (multiprocessing spawn: a fresh interpreter)."""
     _exit_with_parent()
@@ -69,15 +89,33 @@ def run_follower(
         conn.send((FAILED, f"tensor-parallel rank {rank}: {exc}"))
         return
     conn.send((READY, None))
+    ext = None
     try:
-        _serve(model, kv_cache, group, conn)
+        if extension is not None:
+            ext = extension(FollowerContext(rank, size, kv_cache, _replier(conn)))
+        _serve(model, kv_cache, group, conn, ext)
     except Exception as exc:  # a collective failed or timed out: the driver sees its own error
         logger.error("tensor-parallel rank %d stops: %s", rank, exc)
     finally:
+        if ext is not None:
+            ext.close()
         group.shutdown()
 
 
-def _serve(model, kv_cache: KVCache, group: TensorParallelGroup, conn: Connection) -> None:
+def _replier(conn: Connection):
+    lock = threading.Lock()  # the extension replies from its own threads
+
+    def reply(payload) -> None:
+        with lock:
+            try:
+                conn.send((REPLY, payload))
+            except (BrokenPipeError, OSError):
+                pass  # the driver is gone; this rank stops with it
+
+    return reply
+
+
+def _serve(model, kv_cache: KVCache, group: TensorParallelGroup, conn: Connection, ext: FollowerExtension | None):
     hidden_size, dtype = model.config.hidden_size, model.dtype
     with torch.inference_mode():
         while True:
@@ -87,9 +125,13 @@ def _serve(model, kv_cache: KVCache, group: TensorParallelGroup, conn: Connectio
                 return  # the driver closed its end
             if header[0] == FORWARD:
                 input_ids, positions, meta = receive_forward(group, header)
-                model(input_ids, positions, kv_cache, meta)
+                work = header.rank_work
+                on_layer_done = ext.forward_hook(work) if ext is not None and work is not None else None
+                model(input_ids, positions, kv_cache, meta, on_layer_done=on_layer_done)
             elif header[0] == LOGITS:
                 model.share_logits(receive_hidden(group, header, hidden_size, dtype))
+            elif header[0] == COMMAND and ext is not None:
+                ext.handle(header.payload)
             elif header[0] == STOP:
                 return
 

@@ -21,6 +21,7 @@ from splitserve.engine.model.loader import load_model
 from splitserve.engine.ops.attention_metadata import AttentionMetadata
 from splitserve.engine.ops.kv_cache import KVCache
 from splitserve.engine.parallel import shard_plan
+from splitserve.engine.parallel.follower_extension import FollowerExtensionFactory, rank_work_of
 from splitserve.engine.parallel.tp_ranks import FollowerLauncher, TensorParallelRanks
 
 
@@ -49,7 +50,7 @@ class TensorParallelModel:
         on_layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         with self.ranks.lock, self.ranks.stop_on_failure():
-            self.ranks.send_forward(input_ids, positions, meta)
+            self.ranks.send_forward(input_ids, positions, meta, rank_work_of(on_layer_done))
             return self.shard(input_ids, positions, kv_cache, meta, on_layer_done=on_layer_done)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -58,10 +59,10 @@ class TensorParallelModel:
 
 
 def launch_tensor_parallel(
-    config: EngineConfig, launch: FollowerLauncher | None = None
+    config: EngineConfig, launch: FollowerLauncher | None = None, extension: FollowerExtensionFactory | None = None
 ) -> tuple[EngineConfig, TensorParallelModel, ModelConfig, ModelConfig]:
-    """Check config against the model, spawn the follower ranks (launch: have it start them),
-    load rank 0's shard and wait for theirs. Returns the config with its KV block count resolved (per rank: its KV heads'
+    """Check config against the model, spawn the follower ranks (launch: have it start them;
+    extension: what each runs beside its forward), load rank 0's shard and wait for theirs. Returns the config with its KV block count resolved (per rank: its KV heads'
     bytes), the driver's model, the whole model's config and one rank's (its KV cache's)."""
     shard_plan.refuse_unsupported(config)
     model_config = ModelConfig.from_pretrained(require_model_dir(config.model))
@@ -80,7 +81,7 @@ def launch_tensor_parallel(
         max_model_len,
     )
     config = dataclasses.replace(config, num_kv_blocks=blocks)
-    ranks = TensorParallelRanks(config, plan, launch)
+    ranks = TensorParallelRanks(config, plan, launch, extension)
     try:
         shard, model_config = load_model(
             config.model,

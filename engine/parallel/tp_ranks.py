@@ -13,11 +13,16 @@ A served replica's followers are not its children but rank actors of its gang, s
 whoever holds them (a FollowerLauncher, runtime/tp_rank_actor.py): each dials the driver's
 listener (FollowerStart.address) and that connection is its pipe. Their lifetime is the gang's
 owner's: close() sends them stop and closes the connections, and they kill nothing.
+
+Each follower may also run an extension beside its forward (follower_extension.py, the KV data
+plane's rank side): command() hands it a payload, a forward's per-layer callback may carry it
+work for that forward, and listen() reads its replies.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing
 import os
 import secrets
@@ -34,10 +39,14 @@ import torch.distributed as dist
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.ops.attention_metadata import AttentionMetadata
+from splitserve.engine.parallel.follower_extension import FollowerExtensionFactory
+from splitserve.engine.parallel.follower_replies import ReplyListener
 from splitserve.engine.parallel.shard_plan import ShardPlan
 from splitserve.engine.parallel.step_broadcast import (
+    COMMAND,
     LOGITS,
     STOP,
+    CommandHeader,
     LogitsHeader,
     broadcast_forward,
     forward_header,
@@ -61,6 +70,7 @@ class FollowerStart:
     threads: int
     address: tuple[str, int]
     authkey: bytes
+    extension: FollowerExtensionFactory | None = None  # what each rank runs beside its forward
 
 
 # Starts ranks 1..size-1 somewhere on the driver's node without waiting for them.
@@ -73,14 +83,24 @@ def threads_per_rank(size: int) -> int:
 
 
 class TensorParallelRanks:
-    def __init__(self, config: EngineConfig, plan: ShardPlan, launch: FollowerLauncher | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        plan: ShardPlan,
+        launch: FollowerLauncher | None = None,
+        extension: FollowerExtensionFactory | None = None,
+    ):
         """Spawn ranks 1..N-1 (or have launch start them) and form the group (as rank 0) with
         them; their shards load meanwhile: wait_ready() waits for that. config: the engine's,
-        its KV block count resolved (every rank allocates the same blocks)."""
+        its KV block count resolved (every rank allocates the same blocks). extension: what
+        each follower runs beside its forward (follower_extension.py)."""
         self.config = config
         self.size = plan.size
         self.timeout_s = config.tensor_parallel_timeout_s
+        self.extension = extension
         self._lock = threading.Lock()  # a command and its collectives go out as one
+        self._pipe_lock = threading.Lock()  # one header at a time on the pipes, from any thread
+        self._listener: ReplyListener | None = None
         self._failure: str | None = None  # the first failed command's error (stop_on_failure)
         device = rank_device(config.device, 0, plan.size)
         timeout = timedelta(seconds=self.timeout_s)
@@ -92,7 +112,8 @@ class TensorParallelRanks:
         if launch is None:
             self._spawn(plan.size, store.port, threads)
         else:
-            self._conns = _accept_followers(launch, plan.size, store.port, config, threads, deadline, self.timeout_s)
+            start = FollowerStart(plan.size, _HOST, store.port, config, threads, ("", 0), b"", extension)
+            self._conns = _accept_followers(launch, start, deadline, self.timeout_s)
         self._finalizer = weakref.finalize(self, _stop, self._processes, self._conns)
         try:
             self._expect(ALIVE, "start", deadline)
@@ -110,7 +131,7 @@ class TensorParallelRanks:
             parent_end, child_end = context.Pipe()
             process = context.Process(
                 target=run_follower,
-                args=(rank, size, _HOST, store_port, self.config, threads, child_end),
+                args=(rank, size, _HOST, store_port, self.config, threads, child_end, self.extension),
                 name=f"splitserve-tp-rank-{rank}",
                 daemon=True,
             )
@@ -150,10 +171,12 @@ class TensorParallelRanks:
                 raise TensorParallelError(f"tensor-parallel rank {rank} exited (code {code}) before it could {what}")
             raise TensorParallelError(f"tensor-parallel rank {rank} did not {what} within {self.timeout_s:.0f}s")
 
-    def send_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
-        """Hand the step to every follower; the caller then runs its own forward (the group's
-        collectives pair them up)."""
-        header = forward_header(input_ids, meta)
+    def send_forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, rank_work=None
+    ) -> None:
+        """Hand the step to every follower (with the extension's work for it); the caller then
+        runs its own forward (the group's collectives pair them up)."""
+        header = forward_header(input_ids, meta, rank_work)
         self._send(header)
         broadcast_forward(self.group, input_ids, positions, meta)
 
@@ -180,17 +203,32 @@ class TensorParallelRanks:
                 self.close()
             raise
 
+    def command(self, payload) -> None:
+        """Hand payload to every follower's extension, after what was sent before (any thread;
+        it does not wait for a step in flight: the follower takes it after that forward)."""
+        self._send(CommandHeader(COMMAND, payload))
+
+    def listen(self, handler) -> None:
+        """From now on, handler(rank, reply) for each reply of a follower's extension, on one
+        thread; handler(rank, None) once when a rank's connection ends. Once per engine."""
+        if self._listener is not None:
+            raise TensorParallelError("the tensor-parallel ranks' replies already have a listener")
+        self._listener = ReplyListener(self._conns, handler)
+
     def _send(self, header) -> None:
         if self._failure is not None:
             raise TensorParallelError(f"the tensor-parallel ranks were stopped after a failed step ({self._failure})")
-        for rank, conn in enumerate(self._conns, start=1):
-            try:
-                conn.send(header)
-            except (BrokenPipeError, OSError) as exc:
-                raise TensorParallelError(f"tensor-parallel rank {rank} is gone: {exc}") from exc
+        with self._pipe_lock:
+            for rank, conn in enumerate(self._conns, start=1):
+                try:
+                    conn.send(header)
+                except (BrokenPipeError, OSError) as exc:
+                    raise TensorParallelError(f"tensor-parallel rank {rank} is gone: {exc}") from exc
 
     def close(self) -> None:
         """Stop the followers (idempotent)."""
+        if self._listener is not None:
+            self._listener.stop()
         self._finalizer()
         group = getattr(self, "group", None)
         if group is not None:
@@ -198,16 +236,12 @@ class TensorParallelRanks:
 
 
 def _accept_followers(
-    launch: FollowerLauncher,
-    size: int,
-    store_port: int,
-    config: EngineConfig,
-    threads: int,
-    deadline: float,
-    timeout_s: float,
+    launch: FollowerLauncher, start: FollowerStart, deadline: float, timeout_s: float
 ) -> list[Connection]:
-    """Have launch start ranks 1..size-1 and take each one's connection, in rank order; a rank
-    that does not dial in by the deadline is a start-up error naming the ranks missing."""
+    """Have launch start ranks 1..size-1 (start: all but the listener's address and key) and
+    take each one's connection, in rank order; a rank that does not dial in by the deadline is
+    a start-up error naming the ranks missing."""
+    size = start.size
     authkey = secrets.token_bytes(16)
     listener = Listener((_HOST, 0), authkey=authkey)
     conns: dict[int, Connection] = {}
@@ -224,7 +258,7 @@ def _accept_followers(
     acceptor = threading.Thread(target=accept, name="tp-accept", daemon=True)
     try:
         acceptor.start()
-        launch(FollowerStart(size, _HOST, store_port, config, threads, listener.address, authkey))
+        launch(dataclasses.replace(start, address=listener.address, authkey=authkey))
         acceptor.join(max(deadline - time.monotonic(), 0.0))
     finally:
         listener.close()  # ends a pending accept()

@@ -23,6 +23,7 @@ CHECKS = [
     "quant",
     "overlap",
     "tensor_parallel",
+    "tp_transfer",
 ]
 
 
@@ -71,6 +72,9 @@ def test_cpu_dry_run_passes_every_check(dry_run):
     assert items[("tensor_parallel", "sharded model on a 1-rank group")]["numbers"]["logits_max_abs"] <= 1e-5
     for size in (2, 4):
         assert items[("tensor_parallel", f"TP {size} shards tile the model")]["status"] == "pass"
+    # KV transfer between TP sizes: each decode rank's heads exact, the 1/1 bytes.
+    for name in ("P/D 2/1, 4 KV heads, auto KV", "P/D 1/2, 4 KV heads, auto KV", "P/D 4/2, 4 KV heads, int8 KV"):
+        assert items[("tp_transfer", name)]["status"] == "pass"
     # The host KV tier: copies bit-exact, hits loaded, greedy tokens unchanged.
     assert items[("offload", "save/load round trip")]["status"] == "pass"
     assert items[("offload", "multi-turn greedy with the tier")]["numbers"]["loaded_blocks"] > 0

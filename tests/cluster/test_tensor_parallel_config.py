@@ -1,6 +1,8 @@
 """tensor_parallel_size per pool in ServeConfig: --tensor-parallel-size sets both pools, so does
-YAML, it reaches each pool's engines, and what cannot work is a one-line start-up error naming
-the numbers (pools that disagree, a size that does not split the model's heads)."""
+YAML, it reaches each pool's engines, the two pools may differ (KV moves between the sizes,
+kvtransfer/head_map.py), and what cannot work is a one-line start-up error naming the numbers
+(prefill and decode sizes that cannot share the KV heads, a size that does not split the
+model's heads)."""
 
 from __future__ import annotations
 
@@ -36,20 +38,12 @@ def test_the_short_form_sets_both_pools_and_reaches_their_engines(tmp_path):
         parse("--tensor-parallel-size", "0")
 
 
-def test_pools_of_different_tp_sizes_are_refused_naming_both():
-    with pytest.raises(
-        ServeFlagsError, match="prefill.tensor_parallel_size 1 and decode.tensor_parallel_size 2 differ"
-    ):
-        parse("--decode.tensor-parallel-size", "2")
-    with pytest.raises(ValueError, match="different TP sizes is not supported yet"):
-        ServeConfig.model_validate({"prefill": {"tensor_parallel_size": 2}, "decode": {"tensor_parallel_size": 4}})
-
-
-def test_tp_with_a_prefill_pool_is_refused_until_ranks_move_their_own_kv():
-    with pytest.raises(ServeFlagsError, match="tensor_parallel_size 2 serves without a prefill pool yet"):
-        parse("--tensor-parallel-size", "2")
-    with pytest.raises(ServeFlagsError, match="set --prefill-replicas 0"):
-        parse("--tensor-parallel-size", "2", "--prefill-replicas", "0", "--prefill-max-replicas", "2")
+def test_pools_of_different_tp_sizes_serve_side_by_side_with_a_prefill_pool():
+    for prefill, decode in ((2, 1), (1, 2), (2, 2), (4, 2)):
+        cfg = parse("--prefill.tensor-parallel-size", str(prefill), "--decode.tensor-parallel-size", str(decode))
+        assert cfg.prefill.replicas >= 1
+        assert EngineConfig(**engine_config_for(cfg, cfg.prefill, "m")).tensor_parallel_size == prefill
+        assert EngineConfig(**engine_config_for(cfg, cfg.decode, "m")).tensor_parallel_size == decode
 
 
 @pytest.mark.parametrize(
@@ -58,6 +52,11 @@ def test_tp_with_a_prefill_pool_is_refused_until_ranks_move_their_own_kv():
         (
             ("--tensor-parallel-size", "3", "--prefill-replicas", "0"),
             "prefill: tensor_parallel_size 3 does not divide num_attention_heads",
+        ),
+        (
+            ("--prefill.tensor-parallel-size", "2", "--decode.tensor-parallel-size", "3"),
+            "prefill tensor_parallel_size 2 and decode tensor_parallel_size 3 cannot map the model's 2 KV heads: "
+            "the decode size 3 neither divides 2 nor is a multiple of it",
         ),
         (
             ("--tensor-parallel-size", "2", "--prefill-replicas", "0", "--quantization", "int8"),
