@@ -19,6 +19,10 @@
   9 overlap     async scheduling: decode step time with and without overlap at batch 1/8/64/256,
                 forward vs host ms per step, the overlap achieved, greedy tokens identical
                 (bench/gpu_check/gpu_check_overlap.py)
+ 10 tensor_parallel  a one-rank group, the sharded model, shard shapes
+ 11 architectures  the sliding-window decode kernel vs torch (freed blocks never read) and its
+                time vs the full-context kernel; Mistral and Gemma 3 with small windows vs
+                transformers on the device (bench/gpu_check/gpu_check_architectures.py)
 
 Each item is pass, fail, missed (a speed target not met) or info. OUT_DIR/gpu_check.md and
 gpu_check.json are rewritten after every check, so a run cut short still leaves its report; the
@@ -55,6 +59,7 @@ CHECKS = {
     "quant": "8. Quantized matmuls (fp8, int8) vs bf16",
     "overlap": "9. Async scheduling: step time with and without overlap",
     "tensor_parallel": "10. Tensor parallelism: a one-rank group, the sharded model, shard shapes",
+    "architectures": "11. Architectures: the sliding-window kernel, windowed models vs transformers",
 }
 STATUSES = ("pass", "fail", "missed", "info")
 
@@ -186,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)  # tiny shapes gain nothing from threads on a shared box
 
     from splitserve.bench.gpu_check import (
+        gpu_check_architectures,
         gpu_check_engine,
         gpu_check_kv_quant,
         gpu_check_offload,
@@ -212,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             "quant": lambda: gpu_check_quant.check_quant(device, args.tiny),
             "overlap": lambda: gpu_check_overlap.check_overlap(device, args.tiny, work),
             "tensor_parallel": lambda: gpu_check_tensor_parallel.check_tensor_parallel(device, args.tiny, work),
+            "architectures": lambda: gpu_check_architectures.check_architectures(device, args.tiny, work),
         }
         for name in [n for n in CHECKS if n in args.only.split(",")]:
             check_started = time.monotonic()

@@ -69,8 +69,10 @@ class DecoderLayer(nn.Module):
         self.fused_checkpoint = arch.fused_checkpoint
         self.norm = rms_norm_plus_one if arch.norm_plus_one else rms_norm
         self.activation = MLP_ACTIVATIONS[arch.activation]
-        # Gemma 3: its sliding layers rotate by their own rope base (LlamaForCausalLM picks it).
+        # A sliding-window layer's queries see only the last `window` tokens (None: all); Gemma
+        # 3's sliding layers also rotate by their own rope base (LlamaForCausalLM picks it).
         self.sliding = config.layer_types is not None and config.layer_types[layer_index] == SLIDING
+        self.window = config.layer_window(layer_index)
         self.all_reduce = all_reduce
         self.eps = config.rms_norm_eps
         self.num_heads = config.num_attention_heads
@@ -173,7 +175,7 @@ class DecoderLayer(nn.Module):
         if on_kv_written is not None:
             on_kv_written(self.layer_index)
         attn = paged_attention(
-            q, key_cache, value_cache, meta, self.scale, new_keys=k, new_values=v, decode_plan=decode_plan
+            q, key_cache, value_cache, meta, self.scale, k, v, decode_plan=decode_plan, window=self.window
         )
         # Residual adds in place on the fresh matmul outputs (x + r == r + x exactly); under
         # tensor parallelism after the partial outputs are summed, so the residual counts once.

@@ -91,6 +91,7 @@ class LlamaForCausalLM(nn.Module):
         # Gemma 3 multiplies the embeddings by sqrt(hidden) rounded to their dtype, as HF does.
         self.embed_scale = torch.tensor(hidden**0.5).to(dtype) if arch.scaled_embeddings else None
         self._layer_list = list(self.layers)  # plain list: cheaper to iterate in the hot loop
+        self._windows = {layer.window for layer in self._layer_list}  # each gets its decode plan
         # Set by use_scripted_decode (engine/model/scripted_decode.py) once the weights are final.
         self._scripted_decode: ScriptedDecodeForward | None = None
         self.quantizer = (
@@ -131,11 +132,12 @@ class LlamaForCausalLM(nn.Module):
         local = cos, sin
         if self.local_rotary is not None:
             local = self.local_rotary.cos_sin(positions)
-        # Block tables are the same for every layer: index them once per step.
-        plan = make_decode_plan(meta, hidden, kv_cache.key_cache(0), self.num_heads)
+        # Block tables are the same for every layer: index them once per step (per window).
+        plans = {w: make_decode_plan(meta, hidden, kv_cache.key_cache(0), self.num_heads, w) for w in self._windows}
         for i, layer in enumerate(self._layer_list):
             layer_cos, layer_sin = local if layer.sliding else (cos, sin)
             key_cache, value_cache = kv_cache.key_cache(i), kv_cache.value_cache(i)
+            plan = plans[layer.window]
             hidden = layer(hidden, layer_cos, layer_sin, key_cache, value_cache, meta, on_layer_done, plan)
         return self.norm(hidden, self.final_norm, self.config.rms_norm_eps)
 

@@ -23,6 +23,7 @@ CHECKS = [
     "quant",
     "overlap",
     "tensor_parallel",
+    "architectures",
 ]
 
 

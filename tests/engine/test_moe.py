@@ -17,7 +17,8 @@ from splitserve.engine.model.loader import load_model
 from splitserve.engine.model.moe import route
 from splitserve.engine.parallel.shard_plan import check_tensor_parallel_size
 from splitserve.proto.messages.sampling_params import SamplingParams
-from tests.helpers.model import contiguous_metadata, greedy_generate, make_checkpoint, make_kv_cache
+from tests.helpers.model import greedy_generate, make_checkpoint
+from tests.helpers.transformers_checkpoint import hf_greedy, model_logits, write_transformers_checkpoint
 
 pytestmark = pytest.mark.unit
 
@@ -34,32 +35,8 @@ SHAPE = dict(
 MIXTRAL = dict(**SHAPE, num_local_experts=4, num_experts_per_tok=2)
 
 
-def _write(config, path, seed: int):
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():  # random norms, so a norm loaded into the wrong place shows
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-    model.save_pretrained(path)
-    return model
-
-
 def _prompt(length: int) -> list[int]:
     return torch.randint(0, SHAPE["vocab_size"], (length,), generator=torch.Generator().manual_seed(7)).tolist()
-
-
-def _logits(model, ids: list[int]) -> torch.Tensor:
-    kv_cache, blocks_per_seq = make_kv_cache(model, len(ids))
-    meta = contiguous_metadata([len(ids)], [len(ids)], 16, blocks_per_seq)
-    return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), kv_cache, meta))
-
-
-def _hf_greedy(hf, ids: list[int], max_new_tokens: int) -> list[int]:
-    hf.generation_config.eos_token_id = None  # a random model may pick any id: never stop early
-    mask = torch.ones(1, len(ids), dtype=torch.long)
-    out = hf.generate(torch.tensor([ids]), attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, len(ids) :].tolist()
 
 
 def test_the_router_picks_transformers_experts_ties_included():
@@ -86,7 +63,7 @@ def test_the_router_picks_transformers_experts_ties_included():
 
 
 def test_each_expert_computes_only_the_tokens_routed_to_it(tmp_path, monkeypatch):
-    _write(transformers.MixtralConfig(**MIXTRAL), tmp_path, seed=1)
+    write_transformers_checkpoint(transformers.MixtralConfig(**MIXTRAL), tmp_path, seed=1)
     model, _ = load_model(tmp_path)
     moe = model.layers[0].moe
     seen: list[int] = []
@@ -105,7 +82,9 @@ def test_each_expert_computes_only_the_tokens_routed_to_it(tmp_path, monkeypatch
 @pytest.mark.parametrize("case", ["mixtral", "mixtral-top1"])
 def test_a_mixtral_checkpoint_matches_transformers(tmp_path, case):
     top_k = 1 if case.endswith("top1") else 2
-    hf = _write(transformers.MixtralConfig(**{**MIXTRAL, "num_experts_per_tok": top_k}), tmp_path, seed=len(case))
+    hf = write_transformers_checkpoint(
+        transformers.MixtralConfig(**{**MIXTRAL, "num_experts_per_tok": top_k}), tmp_path, seed=len(case)
+    )
     model, config = load_model(tmp_path)
     assert config.architecture == "MixtralForCausalLM" and config.num_experts == 4
     assert config.num_experts_per_tok == top_k and config.moe_layers == [0, 1]
@@ -113,8 +92,8 @@ def test_a_mixtral_checkpoint_matches_transformers(tmp_path, case):
     ids = _prompt(40)
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(_logits(model, ids), expected, atol=1e-4, rtol=0)
-    assert greedy_generate(model, ids, 12) == _hf_greedy(hf, ids, 12)
+    torch.testing.assert_close(model_logits(model, ids), expected, atol=1e-4, rtol=0)
+    assert greedy_generate(model, ids, 12) == hf_greedy(hf, ids, 12)
 
 
 QWEN3_MOE = dict(
@@ -134,7 +113,7 @@ QWEN3_MOE_CONFIGS = {
 @pytest.mark.parametrize("case", list(QWEN3_MOE_CONFIGS))
 def test_a_qwen3_moe_checkpoint_matches_transformers(tmp_path, case):
     change, sparse = QWEN3_MOE_CONFIGS[case]
-    hf = _write(transformers.Qwen3MoeConfig(**QWEN3_MOE, **change), tmp_path, seed=len(case))
+    hf = write_transformers_checkpoint(transformers.Qwen3MoeConfig(**QWEN3_MOE, **change), tmp_path, seed=len(case))
     model, config = load_model(tmp_path)
     assert config.architecture == "Qwen3MoeForCausalLM" and config.qk_norm
     assert config.moe_layers == sparse and config.norm_topk_prob == change["norm_topk_prob"]
@@ -142,8 +121,8 @@ def test_a_qwen3_moe_checkpoint_matches_transformers(tmp_path, case):
     ids = _prompt(40)
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(_logits(model, ids), expected, atol=1e-4, rtol=0)
-    assert greedy_generate(model, ids, 12) == _hf_greedy(hf, ids, 12)
+    torch.testing.assert_close(model_logits(model, ids), expected, atol=1e-4, rtol=0)
+    assert greedy_generate(model, ids, 12) == hf_greedy(hf, ids, 12)
 
 
 @pytest.mark.parametrize(("arch", "sparse"), [("mixtral", [0, 1]), ("qwen3_moe", [0])])
@@ -155,8 +134,8 @@ def test_make_model_writes_a_moe_checkpoint_that_transformers_computes_alike(tmp
     ids = _prompt(24)
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(_logits(model, ids), expected, atol=1e-4, rtol=0)
-    assert greedy_generate(model, ids, 8) == _hf_greedy(hf, ids, 8)
+    torch.testing.assert_close(model_logits(model, ids), expected, atol=1e-4, rtol=0)
+    assert greedy_generate(model, ids, 8) == hf_greedy(hf, ids, 8)
 
 
 def test_what_the_moe_path_does_not_run_is_refused_by_name():

@@ -1,0 +1,126 @@
+"""Real sliding-window attention, per layer, on checkpoints transformers writes with small
+windows: Mistral (every layer windowed), Qwen2 (use_sliding_window, the layers from
+max_window_layers on) and Gemma 3 (local layers between global ones). Prompts several windows
+long give transformers' logits and greedy tokens through prefill, chunked prefill across the
+window, decode across it (batched: the CPU decode plan and the scripted step) and prefix-cache
+hits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.model.loader import load_model
+from splitserve.engine.ops import prefill_attention
+from splitserve.proto.messages.sampling_params import SamplingParams
+from tests.helpers.model import contiguous_metadata, make_kv_cache
+from tests.helpers.transformers_checkpoint import (
+    SPECIAL_IDS,
+    TOKENIZER_VOCAB,
+    hf_greedy,
+    hf_logits,
+    write_transformers_checkpoint,
+)
+
+pytestmark = pytest.mark.unit
+
+WINDOW = 20  # not a multiple of the block size: windows start and end mid-block
+BLOCK_SIZE = 8
+SHAPE = dict(
+    vocab_size=TOKENIZER_VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    **SPECIAL_IDS,
+)
+CONFIGS = {
+    "mistral": lambda: transformers.MistralConfig(**SHAPE, num_hidden_layers=2, sliding_window=WINDOW),
+    "qwen2": lambda: transformers.Qwen2Config(
+        **SHAPE, num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1
+    ),
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **SHAPE,
+        num_hidden_layers=3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=WINDOW,
+        query_pre_attn_scalar=16,
+    ),
+}
+# Layer windows as transformers reads each config: Mistral's every layer, Qwen2's from
+# max_window_layers (1) on, Gemma 3's local layers.
+LAYER_WINDOWS = {"mistral": [WINDOW] * 2, "qwen2": [None, WINDOW, WINDOW], "gemma3": [WINDOW, None, WINDOW]}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    name = request.param
+    path = tmp_path_factory.mktemp(name)
+    hf = write_transformers_checkpoint(CONFIGS[name](), path, seed=len(name), tokenizer=True)
+    return name, path, hf
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(3, TOKENIZER_VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_the_windowed_layers_are_the_ones_transformers_windows(checkpoint):
+    name, path, _ = checkpoint
+    model, config = load_model(path)
+    assert [layer.window for layer in model.layers] == LAYER_WINDOWS[name]
+    assert config.max_context_len == SHAPE["max_position_embeddings"]  # the window is no cap
+    assert config.kv_window == (WINDOW if name == "mistral" else None)
+
+
+def test_a_prompt_several_windows_long_gives_transformers_logits(checkpoint, monkeypatch):
+    """One prefill of 5 windows, in query tiles shorter than the prompt (each against its own
+    span of keys), then one cached-prefix chunk: logits within 1e-4 of transformers'."""
+    _, path, hf = checkpoint
+    monkeypatch.setattr(prefill_attention, "_WINDOW_TILE", 16)
+    model, _ = load_model(path)
+    ids = _prompt(5 * WINDOW + 3, seed=1)
+    expected = hf_logits(hf, ids)
+    kv_cache, blocks_per_seq = make_kv_cache(model, len(ids), block_size=BLOCK_SIZE)
+    split = 3 * WINDOW + 1  # a chunk reading its window back out of the cache
+    rows = []
+    for start, end in ((0, split), (split, len(ids))):
+        meta = contiguous_metadata([end], [end - start], BLOCK_SIZE, blocks_per_seq)
+        hidden = model(torch.tensor(ids[start:end]), torch.arange(start, end), kv_cache, meta)
+        rows.append(model.compute_logits(hidden))
+    torch.testing.assert_close(torch.cat(rows), expected, atol=1e-4, rtol=0)
+
+
+def _engine(path, **overrides) -> LLMEngine:
+    config = dict(
+        model=str(path),
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=96,
+        max_num_batched_tokens=3 * WINDOW // 2 + 1,  # prompts cross the window in chunks
+        enable_prefix_caching=True,
+    )
+    return LLMEngine(EngineConfig(**{**config, **overrides}))
+
+
+def test_chunked_prefill_and_batched_decode_across_the_window_give_transformers_tokens(checkpoint):
+    """Two prompts of 3 and 4.5 windows, prefilled in chunks smaller than the prompts and
+    decoded together (fp32 on CPU: the batched decode plan, the scripted step) for two windows
+    more: each gives transformers' greedy tokens. Then a prompt sharing the first one's prefix
+    hits the prefix cache and still gives transformers' tokens."""
+    _, path, hf = checkpoint
+    engine = _engine(path)
+    assert engine.runner.scripted_decode is not None  # the decode steps run the scripted graph
+    prompts = [_prompt(3 * WINDOW, seed=2), _prompt(9 * WINDOW // 2 + 5, seed=3)]
+    params = SamplingParams(max_tokens=2 * WINDOW, temperature=0.0, ignore_eos=True)
+    outputs = engine.generate(prompts, params)
+    for prompt, out in zip(prompts, outputs):
+        assert list(out.token_ids) == hf_greedy(hf, prompt, 2 * WINDOW)
+    shared = prompts[0][: 2 * WINDOW + 4] + _prompt(WINDOW, seed=4)
+    (again,) = engine.generate([shared], SamplingParams(max_tokens=WINDOW, temperature=0.0, ignore_eos=True))
+    assert again.num_cached_tokens >= 2 * WINDOW
+    assert list(again.token_ids) == hf_greedy(hf, shared, WINDOW)
+    assert engine.kv.num_free_blocks == engine.config.num_kv_blocks  # every block back
