@@ -16,6 +16,7 @@ from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model.loader import load_model
 from splitserve.engine.ops import prefill_attention
 from splitserve.proto.messages.sampling_params import SamplingParams
+from tests.helpers.handoff import finish_all, hand_off
 from tests.helpers.model import contiguous_metadata, make_kv_cache
 from tests.helpers.transformers_checkpoint import (
     SPECIAL_IDS,
@@ -124,3 +125,64 @@ def test_chunked_prefill_and_batched_decode_across_the_window_give_transformers_
     assert again.num_cached_tokens >= 2 * WINDOW
     assert list(again.token_ids) == hf_greedy(hf, shared, WINDOW)
     assert engine.kv.num_free_blocks == engine.config.num_kv_blocks  # every block back
+
+
+def _run_held(engine: LLMEngine, prompt: list[int], max_tokens: int, request_id: str) -> tuple[list[int], list[int]]:
+    """Step one request to its end; its tokens, and after each step the blocks it holds (its
+    table's entries not skipped), checked against what the pool has handed out."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    engine.add_request(prompt_token_ids=prompt, params=params, request_id=request_id)
+    seq = engine.scheduler.requests[request_id]
+    held, outputs = [], []
+    while engine.has_unfinished():
+        outputs += engine.step()
+        if seq.block_table:
+            held.append(len(seq.block_table) - seq.num_skipped_blocks)
+            assert engine.config.num_kv_blocks - engine.kv.num_free_blocks == held[-1]
+    return list(outputs[-1].token_ids), held
+
+
+def test_blocks_outside_every_window_are_freed_only_where_every_layer_is_windowed(checkpoint):
+    """A prompt of 4 windows decoded for 2 more. Mistral (every layer windowed): the request
+    holds about a window's blocks, not its context's; freed blocks keep
+    their hashes (evictable), so the same prompt again hits the prefix cache for all of it and
+    touches only its window's blocks. Qwen2's and Gemma 3's full-attention layers see every
+    position: every block stays. Tokens are transformers' throughout; every block comes back."""
+    name, path, hf = checkpoint
+    engine = _engine(path)
+    prompt = _prompt(4 * WINDOW, seed=6)
+    expected = hf_greedy(hf, prompt, 2 * WINDOW)
+    tokens, held = _run_held(engine, prompt, 2 * WINDOW, "first")
+    assert tokens == expected
+    context_blocks = -(-(6 * WINDOW) // BLOCK_SIZE)
+    if name != "mistral":
+        assert max(held) == context_blocks and engine.kv.window is None
+        return
+    # After every step (prefill chunks of 31 tokens included): the blocks of the window before
+    # its next query, and the one(s) its next tokens go into: 4 of the context's 15.
+    decode_window = -(-(WINDOW - 1) // BLOCK_SIZE) + 1
+    assert max(held) <= decode_window + 1 < context_blocks
+    assert engine.kv.num_free_blocks == engine.config.num_kv_blocks
+    tokens, held = _run_held(engine, prompt, WINDOW, "again")
+    assert engine.kv.num_hit_tokens >= 4 * WINDOW - BLOCK_SIZE  # all full prompt blocks but the last
+    assert held[0] <= decode_window + 1 and tokens == expected[:WINDOW]
+    assert engine.kv.num_free_blocks == engine.config.num_kv_blocks
+
+
+def test_the_handoff_moves_only_the_blocks_a_window_still_sees(checkpoint):
+    """Disaggregated, by hand: the decode engine reserves (and receives) only the prompt
+    blocks some query after the prompt sees: for Mistral its last window's, for the models
+    with full-attention layers all of them. Tokens are transformers'; both pools come back."""
+    name, path, hf = checkpoint
+    prefill, decode = _engine(path), _engine(path)
+    prompt = _prompt(4 * WINDOW + 3, seed=7)
+    params = SamplingParams(max_tokens=WINDOW, temperature=0.0, ignore_eos=True)
+    first, indices = hand_off(prefill, decode, prompt, params, "r")
+    outputs = {"r": [first]}
+    finish_all(decode, outputs)
+    assert list(outputs["r"][-1].token_ids) == hf_greedy(hf, prompt, WINDOW)
+    num_blocks = -(-len(prompt) // BLOCK_SIZE)
+    skipped = (len(prompt) - WINDOW + 1) // BLOCK_SIZE if name == "mistral" else 0
+    assert indices == list(range(skipped, num_blocks))
+    for engine in (prefill, decode):
+        assert engine.kv.num_free_blocks == engine.config.num_kv_blocks
