@@ -96,7 +96,7 @@ class DecoderLayer(nn.Module):
         # Mixtral, Qwen3-MoE's sparse layers: this layer's MLP is the experts (no dense gate/up/down weights then).
         self.moe_weight_names = arch.moe_weight_names
         self.moe = (
-            SparseMoeMlp(config, dtype, device)
+            SparseMoeMlp(config, dtype, device, linear_device)
             if arch.moe_weight_names is not None and layer_index in (config.moe_layers or ())
             else None
         )

@@ -49,9 +49,13 @@ class LlamaForCausalLM(nn.Module):
         its heads, KV heads, intermediate and vocabulary rows, loaded from the checkpoint's
         matching slices, with the collectives that join the shards. None: the whole model."""
         super().__init__()
-        if config.num_experts and (quantization != "none" or config.quantization_config):
-            # The layerwise quantizer and quantized checkpoints know only the dense MLP weights.
-            raise ConfigError(f"{config.architecture} (mixture of experts) with weight quantization is not supported")
+        if config.num_experts and config.quantization_config:
+            # Pre-quantized checkpoints' tensors are read for dense projections only; the
+            # experts quantize as they load instead (--quantization).
+            raise ConfigError(
+                f"{config.architecture} (mixture of experts) from a pre-quantized checkpoint is not supported; "
+                "load the full-precision checkpoint with --quantization int8|int4|fp8"
+            )
         self.config = config
         self.dtype = dtype
         self.quantization = quantization
@@ -97,8 +101,14 @@ class LlamaForCausalLM(nn.Module):
         self.quantizer = (
             None
             if quantization == "none"
-            else LayerwiseQuantizer(self._layer_list, DecoderLayer.LINEAR_WEIGHTS, quantization, dtype, device)
+            else LayerwiseQuantizer(self._matmul_modules(), DecoderLayer.LINEAR_WEIGHTS, quantization, dtype, device)
         )
+
+    def _matmul_modules(self) -> list[nn.Module]:
+        """The modules holding decoder matmul weights (DecoderLayer.LINEAR_WEIGHTS, where they
+        have them): the layers, and each mixture-of-experts layer's experts."""
+        experts = [expert for layer in self._layer_list if layer.moe is not None for expert in layer.moe.experts]
+        return [*self._layer_list, *experts]
 
     @property
     def device(self) -> torch.device:  # embeddings are never quantized
@@ -178,10 +188,10 @@ class LlamaForCausalLM(nn.Module):
         embedding table, which must stay a plain tensor) are left as they are. Returns how many
         weights were packed."""
         owners = [
-            (layer, name)
-            for layer in self._layer_list
+            (module, name)
+            for module in self._matmul_modules()
             for name in DecoderLayer.LINEAR_WEIGHTS
-            if hasattr(layer, name)  # a mixture-of-experts layer has no dense MLP weights
+            if hasattr(module, name)  # a mixture-of-experts layer has no dense MLP weights; its experts do
         ]
         if not self.config.tie_word_embeddings:
             owners.append((self, "lm_head"))

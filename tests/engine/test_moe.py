@@ -4,6 +4,8 @@ what the MoE path does not run is refused by name."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import transformers
@@ -12,6 +14,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from splitserve.engine.builtin_models.model_spec import MakeModelError, ModelSpec
 from splitserve.engine.config import ConfigError, EngineConfig, ModelConfig
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.model import moe as moe_module
 from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.model.loader import load_model
 from splitserve.engine.model.moe import route
@@ -67,14 +70,14 @@ def test_each_expert_computes_only_the_tokens_routed_to_it(tmp_path, monkeypatch
     model, _ = load_model(tmp_path)
     moe = model.layers[0].moe
     seen: list[int] = []
-    real_linear = torch.nn.functional.linear
+    real_linear = moe_module.linear
 
     def counting_linear(x, weight, bias=None):
-        if weight.shape == (2 * moe.inter, moe.hidden):
+        if tuple(weight.shape) == (2 * moe.inter, moe.hidden):
             seen.append(x.shape[0])
         return real_linear(x, weight, bias)
 
-    monkeypatch.setattr(torch.nn.functional, "linear", counting_linear)
+    monkeypatch.setattr(moe_module, "linear", counting_linear)
     moe(torch.randn(10, SHAPE["hidden_size"]), torch.nn.functional.silu)
     assert sum(seen) == 10 * 2 and len(seen) <= 4  # 2 experts per token, one matmul per expert used
 
@@ -141,8 +144,9 @@ def test_make_model_writes_a_moe_checkpoint_that_transformers_computes_alike(tmp
 def test_what_the_moe_path_does_not_run_is_refused_by_name():
     raw = {**MIXTRAL, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}
     config = ModelConfig.from_dict(raw)
-    with pytest.raises(ConfigError, match="MixtralForCausalLM .mixture of experts. with weight quantization"):
-        LlamaForCausalLM(config, quantization="int8")
+    prequantized = dataclasses.replace(config, quantization_config={"quant_method": "fp8"})
+    with pytest.raises(ConfigError, match="MixtralForCausalLM .mixture of experts. from a pre-quantized checkpoint"):
+        LlamaForCausalLM(prequantized)
     with pytest.raises(ConfigError, match="num_experts_per_tok must be in 1..4"):
         ModelConfig.from_dict({**raw, "num_experts_per_tok": 5})
     with pytest.raises(MakeModelError, match="--train-steps is not supported for qwen3_moe"):
@@ -161,3 +165,18 @@ def test_an_engine_serves_a_mixtral_checkpoint_as_the_model_computes_it(tmp_path
     outputs = engine.generate(prompts, params)
     model, _ = load_model(path)
     assert [out.token_ids for out in outputs] == [greedy_generate(model, ids, 10) for ids in prompts]
+
+
+def test_an_engine_serves_a_mixture_of_experts_quantized_as_it_loads(tmp_path):
+    """--quantization int4 on Qwen3-MoE (sparse and dense layers): the experts and the dense
+    MLP become int4 weights; the engine gives the quantized model's own greedy tokens and
+    returns every block."""
+    path = make_checkpoint(tmp_path, "tiny", "qwen3_moe")
+    engine = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=64, quantization="int4"))
+    sparse, dense = engine.model.layers[0], engine.model.layers[1]
+    assert type(sparse.moe.experts[0].down_weight).__name__ == type(dense.down_weight).__name__ == "Int4Weight"
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    (out,) = engine.generate([_prompt(20)], params)
+    model, _ = load_model(path, quantization="int4")
+    assert list(out.token_ids) == greedy_generate(model, _prompt(20), 10)
+    assert engine.kv.num_free_blocks == 64
