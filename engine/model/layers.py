@@ -187,11 +187,12 @@ class DecoderLayer(nn.Module):
         hidden = out.add_(hidden)
 
         x = self.norm(hidden, self.post_attention_norm, self.eps)
-        if self.moe is not None:
-            return self.moe(x, self.activation).add_(hidden)  # unsharded: LlamaForCausalLM refuses TP
-        gate_up = linear(x, self.gate_up_weight)
-        act = self.activation(gate_up[:, : self.intermediate_size]).mul_(gate_up[:, self.intermediate_size :])
-        out = linear(act, self.down_weight)
+        if self.moe is not None:  # tensor parallelism: each rank's share of every expert
+            out = self.moe(x, self.activation)
+        else:
+            gate_up = linear(x, self.gate_up_weight)
+            act = self.activation(gate_up[:, : self.intermediate_size]).mul_(gate_up[:, self.intermediate_size :])
+            out = linear(act, self.down_weight)
         if self.all_reduce is not None:
             self.all_reduce(out)
         if self.mlp_output_norm is not None:

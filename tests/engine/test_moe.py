@@ -18,7 +18,6 @@ from splitserve.engine.model import moe as moe_module
 from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.model.loader import load_model
 from splitserve.engine.model.moe import route
-from splitserve.engine.parallel.shard_plan import check_tensor_parallel_size
 from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.model import greedy_generate, make_checkpoint
 from tests.helpers.transformers_checkpoint import hf_greedy, model_logits, write_transformers_checkpoint
@@ -151,8 +150,6 @@ def test_what_the_moe_path_does_not_run_is_refused_by_name():
         ModelConfig.from_dict({**raw, "num_experts_per_tok": 5})
     with pytest.raises(MakeModelError, match="--train-steps is not supported for qwen3_moe"):
         ModelSpec(arch="qwen3_moe", train_steps=10)
-    with pytest.raises(ConfigError, match=r"tensor_parallel_size 2 does not support MixtralForCausalLM"):
-        check_tensor_parallel_size(config, 2)
 
 
 def test_an_engine_serves_a_mixtral_checkpoint_as_the_model_computes_it(tmp_path):
