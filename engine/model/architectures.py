@@ -80,12 +80,10 @@ ARCHITECTURES = {
             scaled_embeddings=True,
             window_rule="layer_types",
         ),
-        # The decode graph has no MoE layer: their decode steps run the eager forward.
         Architecture(
             "MixtralForCausalLM",
             "mixtral",
             moe_weight_names=("block_sparse_moe", "w1", "w3", "w2"),
-            scripted_decode=False,
         ),
         Architecture(
             "Qwen3MoeForCausalLM",
@@ -93,7 +91,6 @@ ARCHITECTURES = {
             qk_norm=True,
             moe_weight_names=("mlp", "gate_proj", "up_proj", "down_proj"),
             moe_weights_in_model_dtype=True,
-            scripted_decode=False,
             window_rule="every_layer_if_enabled",
         ),
     )

@@ -17,19 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.engine.model.graph_ops import scripted_linear as _linear
+from splitserve.engine.model.graph_ops import scripted_moe
 from splitserve.engine.model.rope import rotate
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, packed: bool, bias: torch.Tensor | None) -> torch.Tensor:
-    # engine/quant/quantize.py's linear: a packed weight multiplies, then the bias is added.
-    if packed:
-        no_scalars: list[int | float | complex | None] = []
-        out = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", no_scalars, "")
-    else:
-        out = F.linear(x, weight, None)
-    if bias is not None:
-        out = out.add_(bias)
-    return out
 
 
 class DecodeGraph(nn.Module):
@@ -42,6 +32,8 @@ class DecodeGraph(nn.Module):
     mlp_output_norms: list[torch.Tensor | None]
     sliding: list[bool]  # each layer rotates by the local tables (Gemma 3's sliding layers)
     windowed: list[bool]  # each layer attends through the window's plan
+    moe_routers: list[torch.Tensor | None]  # each layer's router (a mixture-of-experts layer)
+    expert_weights: list[list[torch.Tensor]]  # each layer's experts' gate_up and down weights
     embed_scale: torch.Tensor | None
     key_caches: list[torch.Tensor]
     value_caches: list[torch.Tensor]
@@ -72,11 +64,27 @@ class DecodeGraph(nn.Module):
         self.final_norm = model.final_norm.data
         self.lm_head = lm_head
         self.norms = [n.data for layer in layers for n in (layer.input_norm, layer.post_attention_norm)]
+
+        def matmul(weight) -> torch.Tensor:
+            return weight.packed if packed else weight.data
+
+        # A mixture-of-experts layer's dense MLP slots hold empty tensors; its router and its
+        # experts' weights (gate_up, down, expert by expert) are its own lists.
+        none = torch.empty(0)
         self.weights = [
-            w.packed if packed else w.data
+            matmul(getattr(layer, name)) if hasattr(layer, name) else none
             for layer in layers
-            for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)
+            for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
         ]
+        self.moe_routers = [None if layer.moe is None else layer.moe.router_weight.data for layer in layers]
+        self.expert_weights = [
+            [] if layer.moe is None else [matmul(getattr(e, n)) for e in layer.moe.experts for n in e.MATMUL_WEIGHTS]
+            for layer in layers
+        ]
+        self.top_k = int(config.num_experts_per_tok)
+        self.renormalise = bool(config.norm_topk_prob)
+        self.moe_in_model_dtype = bool(arch.moe_weights_in_model_dtype)
+        self.moe_inter = int(config.moe_intermediate_size)
         self.biases = [None if layer.qkv_bias is None else layer.qkv_bias.data for layer in layers]
         self.q_norms = [None if layer.q_norm is None else layer.q_norm.data for layer in layers]
         self.k_norms = [None if layer.k_norm is None else layer.k_norm.data for layer in layers]
@@ -196,12 +204,27 @@ class DecodeGraph(nn.Module):
                 out = self._norm(out, attn_output_norm, eps)
             hidden = out.add_(hidden)
             x = self._norm(hidden, self.norms[2 * i + 1], eps)
-            gate_up = _linear(x, self.weights[4 * i + 2], packed, None)
-            if self.gelu:
-                act = F.gelu(gate_up[:, :inter], approximate="tanh").mul_(gate_up[:, inter:])
+            router = self.moe_routers[i]
+            if router is not None:
+                experts = self.expert_weights[i]
+                out = scripted_moe(
+                    x,
+                    router,
+                    experts,
+                    packed,
+                    self.moe_inter,
+                    self.top_k,
+                    self.renormalise,
+                    self.moe_in_model_dtype,
+                    self.gelu,
+                )
             else:
-                act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
-            out = _linear(act, self.weights[4 * i + 3], packed, None)
+                gate_up = _linear(x, self.weights[4 * i + 2], packed, None)
+                if self.gelu:
+                    act = F.gelu(gate_up[:, :inter], approximate="tanh").mul_(gate_up[:, inter:])
+                else:
+                    act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+                out = _linear(act, self.weights[4 * i + 3], packed, None)
             mlp_output_norm = self.mlp_output_norms[i]
             if mlp_output_norm is not None:
                 out = self._norm(out, mlp_output_norm, eps)

@@ -85,26 +85,28 @@ class SparseMoeMlp(nn.Module):
 
     def forward(self, x: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """x [T, hidden] (normed) -> [T, hidden]: sum over each token's k experts of
-        weight * down(act(gate(x)) * up(x)). Experts run in increasing id order, so each
-        token's sum is accumulated in the order transformers accumulates it."""
+        weight * down(act(gate(x)) * up(x)). The choices are grouped by expert (increasing id,
+        tokens in order) and gathered once; each expert multiplies its run of rows; the outputs
+        are weighted and scattered back in one index_add_, in that order, which is the order in
+        which transformers accumulates each token's sum. Per expert only its matmuls and
+        activation run: on CPU a step is bound by how many ops it dispatches
+        (bench/results/architectures.md)."""
         weights, experts = route(F.linear(x, self.router_weight), self.top_k, self.renormalise)
         if self.weights_in_model_dtype:
             weights = weights.to(x.dtype)
         flat = experts.reshape(-1)  # [T * k]: token t's j-th choice at t * k + j
         order = torch.argsort(flat, stable=True)  # the choices grouped by expert, tokens in order
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        flat_weights = weights.reshape(-1)
-        out = torch.zeros_like(x)
+        tokens = torch.div(order, self.top_k, rounding_mode="floor")
+        routed = x.index_select(0, tokens)  # every expert's tokens, one run after another
         inter = self.inter
+        outputs = []
         start = 0
         for expert, count in zip(self._expert_list, counts):
-            if not count:
-                continue
-            choices = order[start : start + count]
-            start += count
-            tokens = choices // self.top_k
-            projected = linear(x[tokens], expert.gate_up_weight)
-            act = activation(projected[:, :inter]) * projected[:, inter:]
-            expert_out = linear(act, expert.down_weight) * flat_weights[choices, None]
-            out.index_add_(0, tokens, expert_out.to(out.dtype))
-        return out
+            if count:
+                projected = linear(routed[start : start + count], expert.gate_up_weight)
+                act = activation(projected[:, :inter]).mul_(projected[:, inter:])
+                outputs.append(linear(act, expert.down_weight))
+                start += count
+        weighted = torch.cat(outputs) * weights.reshape(-1).index_select(0, order)[:, None]
+        return torch.zeros_like(x).index_add_(0, tokens, weighted.to(x.dtype))
