@@ -45,18 +45,21 @@ def _greedy(engine, prompts: list[list[int]], max_tokens: int):
     return engine.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
 
 
-def decode_rate(engine, batch: int, max_tokens: int, seed: int, prompt_len: int = 16) -> float:
-    """Decode tok/s: batch * (max_tokens - 1) / (t(max_tokens) - t(1)), fresh prompts each time."""
+def decode_rate(engine, batch: int, max_tokens: int, seed: int, prompt_len: int = 16) -> tuple[float, float]:
+    """(decode tok/s, CPU ms per decode step): from the runs of 1 and max_tokens tokens with fresh
+    prompts, batch * (max_tokens - 1) / (t(max_tokens) - t(1)) and the process CPU time likewise
+    (every thread's: on a shared machine wall time also measures the neighbours)."""
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     prompts = lambda: [[rng.randrange(16, vocab) for _ in range(prompt_len)] for _ in range(batch)]  # noqa: E731
-    started = time.perf_counter()
-    _greedy(engine, prompts(), 1)
-    one = time.perf_counter() - started
-    started = time.perf_counter()
-    _greedy(engine, prompts(), max_tokens)
-    full = time.perf_counter() - started
-    return batch * (max_tokens - 1) / max(full - one, 1e-9)
+    wall, cpu = [], []
+    for tokens in (1, max_tokens):
+        started, started_cpu = time.perf_counter(), time.process_time()
+        _greedy(engine, prompts(), tokens)
+        wall.append(time.perf_counter() - started)
+        cpu.append(time.process_time() - started_cpu)
+    steps = max_tokens - 1
+    return batch * steps / max(wall[1] - wall[0], 1e-9), 1e3 * max(cpu[1] - cpu[0], 0.0) / steps
 
 
 def write_transformers_checkpoint(config, out: Path, tokenizer_from: Path, seed: int = 0) -> Path:
@@ -94,7 +97,7 @@ def bench_shape(**changes) -> dict:
 EAGER = "dense, eager forward"  # the dense model without its scripted decode step, as the MoE runs
 
 
-def run_decode(paths: dict[str, Path], repeats: int, max_tokens: int) -> dict[str, dict[int, float]]:
+def run_decode(paths: dict[str, Path], repeats: int, max_tokens: int) -> dict[str, dict[int, dict[str, float]]]:
     from unittest import mock
 
     from splitserve.engine.model.scripted_decode import CPU_DECODE_FORWARD_ENV
@@ -103,46 +106,53 @@ def run_decode(paths: dict[str, Path], repeats: int, max_tokens: int) -> dict[st
     for name, path in paths.items():
         with mock.patch.dict("os.environ", {CPU_DECODE_FORWARD_ENV: "eager" if name == EAGER else "scripted"}):
             engines[name] = _engine(path)
-    rates: dict[str, dict[int, list[float]]] = {name: {1: [], 32: []} for name in engines}
+    rates: dict[str, dict[int, list[tuple[float, float]]]] = {name: {1: [], 32: []} for name in engines}
+    for engine in engines.values():  # warm up: TorchScript optimises a graph on its first runs
+        for batch in (1, 32):
+            decode_rate(engine, batch, 4, seed=batch)
     for repeat in range(repeats):
         order = list(engines) if repeat % 2 == 0 else list(reversed(engines))
         for batch in (1, 32):
             for name in order:
                 rates[name][batch].append(decode_rate(engines[name], batch, max_tokens, seed=repeat * 100 + batch))
-    return {name: {b: statistics.median(v) for b, v in per.items()} for name, per in rates.items()}
+    return {
+        name: {
+            batch: {"tok_s": statistics.median(r[0] for r in runs), "cpu_ms": statistics.median(r[1] for r in runs)}
+            for batch, runs in per.items()
+        }
+        for name, per in rates.items()
+    }
 
 
 def run_window(paths: dict[str, Path], repeats: int, num_seqs: int = 8) -> dict[str, dict]:
-    """Per model: blocks held at the end of 8 sequences reaching 4 windows of context (a
-    3-window prompt, one window of decode), against what the context needs, and decode tok/s
-    over that last window."""
+    """Per model: blocks held once num_seqs sequences all reach 4 windows of context (a
+    3-window prompt, one window of decode), against what that context needs without freeing,
+    and decode tok/s over that last window (and the few tokens past it)."""
+    from splitserve.proto.messages.sampling_params import SamplingParams
+
     rows: dict[str, dict] = {}
     context = 4 * WINDOW
     rng = random.Random(7)
+    # Chunked prefill puts the sequences a few tokens apart: a margin so that all are alive at 4 windows.
+    params = SamplingParams(temperature=0, max_tokens=WINDOW + 16, ignore_eos=True)
     for repeat in range(repeats):
         for name, path in paths.items() if repeat % 2 == 0 else reversed(list(paths.items())):
-            engine = _engine(path, num_kv_blocks=num_seqs * context // BLOCK_SIZE + 8, max_num_batched_tokens=2048)
-            from splitserve.proto.messages.sampling_params import SamplingParams
-
-            params = SamplingParams(temperature=0, max_tokens=WINDOW, ignore_eos=True)
-            ids = [
-                engine.add_request(prompt_token_ids=[rng.randrange(16, 2048) for _ in range(3 * WINDOW)], params=params)
-                for _ in range(num_seqs)
-            ]
-            held, decode_started, decoded = 0, None, 0
+            engine = _engine(path, num_kv_blocks=num_seqs * context // BLOCK_SIZE + 16, max_num_batched_tokens=2048)
+            prompts = [[rng.randrange(16, 2048) for _ in range(3 * WINDOW)] for _ in range(num_seqs)]
+            seqs = [engine.scheduler.requests[engine.add_request(prompt_token_ids=p, params=params)] for p in prompts]
+            held, needed, decoded, decode_started = None, 0, 0, None
             while engine.has_unfinished():
                 outputs = engine.step()
-                seqs = [engine.scheduler.requests.get(i) for i in ids]
-                if all(s is not None and s.num_output_tokens >= 1 for s in seqs) and decode_started is None:
+                if decode_started is None and all(s.num_output_tokens >= 1 for s in seqs):
                     decode_started = time.perf_counter()
-                if decode_started is not None:
+                elif decode_started is not None:
                     decoded += sum(len(o.new_token_ids) for o in outputs)
-                live = [s for s in seqs if s is not None and s.block_table]
-                if live and min(s.num_tokens for s in live) >= context - 1:
-                    held = max(held, engine.config.num_kv_blocks - engine.kv.num_free_blocks)
+                if held is None and all(s.num_tokens >= context and not s.is_finished for s in seqs):
+                    held = engine.config.num_kv_blocks - engine.kv.num_free_blocks
+                    needed = sum(-(-s.num_tokens // BLOCK_SIZE) for s in seqs)  # every token's block
             elapsed = time.perf_counter() - (decode_started or time.perf_counter())
             row = rows.setdefault(name, {"tok_s": []})
-            row.update(held=held, needed=num_seqs * (context // BLOCK_SIZE), kv_window=engine.kv.window)
+            row.update(held=held, needed=needed, kv_window=engine.kv.window)
             row["tok_s"].append(decoded / max(elapsed, 1e-9))
     for row in rows.values():
         row["tok_s"] = statistics.median(row["tok_s"])

@@ -16,11 +16,11 @@ from pathlib import Path
 
 CATEGORIES = {
     "routing": ("aten::linear", "aten::softmax", "aten::topk", "aten::sum", "aten::div", "aten::to"),
-    "sort/count": ("aten::argsort", "aten::bincount", "aten::floor_divide", "aten::reshape", "aten::slice"),
-    "gather": ("aten::index",),
+    "sort/count": ("aten::argsort", "aten::bincount", "aten::reshape", "aten::slice"),
+    "gather": ("aten::index_select",),
     "expert matmuls": ("mkldnn::_linear_pointwise",),
-    "activation": ("aten::silu", "aten::mul"),
-    "scatter": ("aten::index_add_", "aten::zeros_like"),
+    "activation": ("aten::silu", "aten::mul_"),
+    "scatter": ("aten::cat", "aten::mul", "aten::index_add_", "aten::zeros_like"),
 }
 
 
@@ -33,18 +33,20 @@ def _dense_mlp(layer, x):
 
 
 def _median_ms(fn, reps: int = 50) -> float:
+    """Median thread CPU ms of fn() (one torch thread: its work runs on this thread)."""
     for _ in range(5):
         fn()
     samples = []
     for _ in range(reps):
-        started = time.perf_counter()
+        started = time.thread_time()
         fn()
-        samples.append((time.perf_counter() - started) * 1e3)
+        samples.append((time.thread_time() - started) * 1e3)
     return statistics.median(samples)
 
 
 def _shares(moe, x, activation) -> dict[str, float]:
-    """Each category's share of the MoE call's wall time (host: the time between top-level ops)."""
+    """Each category's share of the MoE call's wall time, as the profiler times its top-level ops
+    (host: the time between them: Python, dispatch, the profiler's own bookkeeping)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -85,14 +87,14 @@ def moe_breakdown(versus: dict[str, Path], repeats: int) -> dict:
 
 
 def report(results: dict) -> str:
-    lines = ["## Decode tok/s, bench preset", "", "| architecture | batch 1 | batch 32 |", "|---|---|---|"]
-    lines += [f"| {name} | {r[1]:.1f} | {r[32]:.1f} |" for name, r in results["decode"].items()]
-    moe = results["moe"]
-    lines += ["", "## MoE vs dense (same active parameters), engine decode", ""]
-    lines += ["| model | tok/s b=1 | tok/s b=32 | step ms b=32 |", "|---|---|---|---|"]
-    lines += [f"| {name} | {r[1]:.1f} | {r[32]:.1f} | {32e3 / r[32]:.2f} |" for name, r in moe.items()]
+    lines = ["## Decode, bench preset (tok/s; CPU ms per step)", ""]
+    lines += ["| architecture | tok/s b=1 | tok/s b=32 | CPU ms/step b=1 | CPU ms/step b=32 |", "|---|---|---|---|---|"]
+    for name, r in {**results["decode"], **results["moe"]}.items():
+        lines.append(
+            f"| {name} | {r[1]['tok_s']:.1f} | {r[32]['tok_s']:.1f} | {r[1]['cpu_ms']:.2f} | {r[32]['cpu_ms']:.2f} |"
+        )
     breakdown = results["moe_breakdown"]
-    lines += ["", f"## One layer's MLP: {breakdown['dense']} vs {breakdown['moe']}", ""]
+    lines += ["", f"## One layer's MLP: {breakdown['dense']} vs {breakdown['moe']} (thread CPU ms; shares of wall)", ""]
     categories = list(next(iter(breakdown["batches"].values()))["shares"])
     lines += ["| batch | dense ms | MoE ms | ratio | " + " | ".join(categories) + " |"]
     lines += ["|---" * (4 + len(categories)) + "|"]
