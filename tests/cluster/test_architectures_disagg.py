@@ -17,21 +17,17 @@ import transformers
 from splitserve.proto.messages.poll_reply import PollReply
 from tests.helpers.cluster import cluster_config
 from tests.helpers.models_deployment import ModelsDeployment
-from tests.helpers.transformers_checkpoint import SPECIAL_IDS, TOKENIZER_VOCAB, hf_greedy, write_transformers_checkpoint
+from tests.helpers.transformers_checkpoint import (
+    SERVABLE_SHAPE,
+    TOKENIZER_VOCAB,
+    hf_greedy,
+    write_transformers_checkpoint,
+)
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 TIMEOUT_S = 120
 WINDOW = 24
-SHAPE = dict(
-    vocab_size=TOKENIZER_VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    **SPECIAL_IDS,
-)
+SHAPE = SERVABLE_SHAPE
 CONFIGS = {
     "qwen3": lambda: transformers.Qwen3Config(**SHAPE, head_dim=32, tie_word_embeddings=True),
     "gemma3": lambda: transformers.Gemma3TextConfig(

@@ -21,20 +21,13 @@ from splitserve.engine.builtin_models.model_cache import cached_checkpoint
 from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.engine.model.loader import load_model
 from splitserve.engine.quant.quantize import WEIGHT_CLASSES, weight_bytes
-from tests.helpers.model import contiguous_metadata, greedy_generate, make_kv_cache, single_torch_thread
+from tests.helpers.model import greedy_generate, single_torch_thread
+from tests.helpers.quantization_quality import PROMPTS, agreement, collapse_scales, logits
 from tests.helpers.upcycled_moe import upcycle_to_mixtral
 
 # Training the default model on a machine without the cache takes minutes (see
 # test_quantization_quality.py): a generous safety net for that.
 pytestmark = pytest.mark.timeout(1200)
-PROMPTS = [
-    "It was the best of times, it was the worst",
-    "Call me Ishmael. Some years ago",
-    "Once upon a time there was",
-    "She opened the door and",
-    "Happy families are all alike;",
-    "The history of the world",
-]
 NEW_TOKENS = 24
 PERPLEXITY_TOLERANCE = {"int8": 0.01, "fp8": 0.01, "int4": 0.05}  # bench/results/quantization.md's
 # Teacher-forced top-1 agreement over 144 positions (measured: int8 0.986, fp8 0.938, int4 0.847;
@@ -66,44 +59,13 @@ def upcycled(tmp_path_factory):
     return path, sequences, prompt_lens, texts, _perplexity(full, texts)
 
 
-def _logits(model, ids: list[int]) -> torch.Tensor:
-    cache, blocks_per_seq = make_kv_cache(model, len(ids))
-    meta = contiguous_metadata([len(ids)], [len(ids)], 16, blocks_per_seq)
-    return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), cache, meta))
-
-
 def _perplexity(model, texts: list[list[int]]) -> float:
     nll = count = 0.0
     for ids in texts:
-        logprobs = _logits(model, ids)[:-1].log_softmax(-1)
+        logprobs = logits(model, ids)[:-1].log_softmax(-1)
         nll -= float(logprobs.gather(1, torch.tensor(ids[1:])[:, None]).sum())
         count += len(ids) - 1
     return math.exp(nll / count)
-
-
-def _agreement(model, sequences, prompt_lens) -> float:
-    hits = total = 0
-    for ids, start in zip(sequences, prompt_lens):
-        predicted = _logits(model, ids).argmax(-1)[start - 1 : -1]
-        hits += int((predicted == torch.tensor(ids[start:])).sum())
-        total += len(ids) - start
-    return hits / total
-
-
-def _collapse_expert_scales(model) -> None:
-    """The deliberate bug: each expert matrix quantized per channel (or group), dequantized
-    with one shared scale."""
-    with torch.inference_mode():
-        for layer in model.layers:
-            for expert in layer.moe.experts:
-                for name in expert.MATMUL_WEIGHTS:
-                    weight = getattr(expert, name)
-                    if hasattr(weight, "scales_and_zeros"):  # int4: per-group scales
-                        weight.scales_and_zeros[..., 0].fill_(weight.scales_and_zeros[..., 0].float().mean())
-                    else:
-                        weight.scale.fill_(weight.scale.mean())
-                        if hasattr(weight, "scale_bf16"):
-                            weight.scale_bf16.copy_(weight.scale)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "fp8", "int4"])
@@ -117,8 +79,8 @@ def test_quantized_experts_stay_within_the_perplexity_tolerance_and_a_broken_one
     assert sum(weight_bytes(e) for e in experts) < float32_bytes / 3  # 4-byte weights: 1 or 1/2 byte each now
     change = _perplexity(model, texts) / full_perplexity - 1
     assert change <= PERPLEXITY_TOLERANCE[scheme], (scheme, change)
-    agreement = _agreement(model, sequences, prompt_lens)
-    assert agreement >= REQUIRED_AGREEMENT[scheme], (scheme, agreement)
-    _collapse_expert_scales(model)
-    broken = _agreement(model, sequences, prompt_lens)
+    agreed = agreement(model, sequences, prompt_lens)
+    assert agreed >= REQUIRED_AGREEMENT[scheme], (scheme, agreed)
+    collapse_scales(getattr(e, n) for e in experts for n in e.MATMUL_WEIGHTS)  # the experts' only
+    broken = agreement(model, sequences, prompt_lens)
     assert broken < REQUIRED_AGREEMENT[scheme], (scheme, broken)

@@ -19,7 +19,7 @@ from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.handoff import finish_all, hand_off
 from tests.helpers.model import contiguous_metadata, make_kv_cache
 from tests.helpers.transformers_checkpoint import (
-    SPECIAL_IDS,
+    SERVABLE_SHAPE,
     TOKENIZER_VOCAB,
     hf_greedy,
     hf_logits,
@@ -30,16 +30,7 @@ pytestmark = pytest.mark.unit
 
 WINDOW = 20  # not a multiple of the block size: windows start and end mid-block
 BLOCK_SIZE = 8
-SHAPE = dict(
-    vocab_size=TOKENIZER_VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    **SPECIAL_IDS,
-)
+SHAPE = {k: v for k, v in SERVABLE_SHAPE.items() if k != "num_hidden_layers"} | {"head_dim": 16}
 CONFIGS = {
     "mistral": lambda: transformers.MistralConfig(**SHAPE, num_hidden_layers=2, sliding_window=WINDOW),
     "qwen2": lambda: transformers.Qwen2Config(

@@ -14,6 +14,17 @@ from splitserve.engine.builtin_models.corpus_tokenizer import train_tokenizer, w
 # config with these can be served by an engine, which needs the tokenizer beside the weights.
 TOKENIZER_VOCAB = 512
 SPECIAL_IDS = dict(bos_token_id=0, eos_token_id=1, pad_token_id=2)
+# A tiny shape an engine serves with that tokenizer (GQA, two layers; override per test).
+SERVABLE_SHAPE = dict(
+    vocab_size=TOKENIZER_VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    **SPECIAL_IDS,
+)
 
 
 def write_transformers_checkpoint(config, path: Path, seed: int, tokenizer: bool = False):
