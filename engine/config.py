@@ -16,6 +16,7 @@ from splitserve.engine.model.architectures import (
     gemma3_fields,
     moe_fields,
     unsupported_feature,
+    window_fields,
 )
 
 # The one list of supported dtypes (torch.<name>); everything else derives from it.
@@ -38,7 +39,7 @@ ENGINES: tuple[str, ...] = get_args(EngineKind)
 DEFAULT_NUM_KV_BLOCKS = 1024
 
 
-LAYER_KINDS = {SLIDING, FULL}  # Gemma 3's layer_types
+LAYER_KINDS = {SLIDING, FULL}  # config.json's layer_types
 
 
 class ConfigError(ValueError):
@@ -93,14 +94,15 @@ class ModelConfig:
     dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
-    # Mistral-style sliding-window attention is not implemented; within the window full
-    # attention is exact, so the engine caps its context at the window instead.
+    # Sliding-window attention (engine/model/architectures.py, window_fields): a windowed
+    # layer's query sees itself and the sliding_window - 1 tokens before it (transformers'
+    # mask); which layers are windowed is layer_types. None: every layer sees everything.
     sliding_window: int | None = None
     # A pre-quantized checkpoint's config.json quantization_config (engine/quant/checkpoint_scheme.py).
     quantization_config: dict[str, Any] | None = None
-    # Gemma 3 (engine/model/architectures.py, gemma3_fields): each layer's kind (sliding or
-    # full attention), the sliding layers' own rope base, the attention scale's denominator
-    # (query_pre_attn_scalar ** -0.5) and tanh soft-capping of the final logits.
+    # Each layer's kind, sliding or full attention (set where some layer is windowed). Gemma 3
+    # (gemma3_fields): also the sliding layers' own rope base, the attention scale's
+    # denominator (query_pre_attn_scalar ** -0.5) and tanh soft-capping of the final logits.
     layer_types: list[str] | None = None
     local_rope_theta: float | None = None
     local_rope_type: str = "default"
@@ -151,6 +153,8 @@ class ModelConfig:
             raise ConfigError(
                 f"layer_types must name {self.num_hidden_layers} layers, each one of {sorted(LAYER_KINDS)}"
             )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ConfigError(f"sliding_window must be >= 1, got {self.sliding_window}")
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ConfigError(
                 f"num_experts_per_tok must be in 1..{self.num_experts} (the experts), got {self.num_experts_per_tok}"
@@ -160,10 +164,22 @@ class ModelConfig:
 
     @property
     def max_context_len(self) -> int:
-        """The longest context this engine computes exactly (sliding window included)."""
-        if self.sliding_window:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """The longest context the model serves (its positions; a sliding window is computed, not a cap)."""
         return self.max_position_embeddings
+
+    def layer_window(self, layer: int) -> int | None:
+        """The tokens layer `layer`'s queries see (themselves included); None: the whole context."""
+        if self.sliding_window and self.layer_types is not None and self.layer_types[layer] == SLIDING:
+            return self.sliding_window
+        return None
+
+    @property
+    def kv_window(self) -> int | None:
+        """Where every layer is windowed: the window, past which no layer reads a token's KV
+        again (the scheduler frees such blocks, engine/core/kv_cache_manager.py). None where
+        some layer sees the whole context (Gemma 3's global layers): every block stays."""
+        windows = {self.layer_window(i) for i in range(self.num_hidden_layers)}
+        return None if None in windows else self.sliding_window
 
     def resolve_max_model_len(self, requested: int | None) -> int:
         """The context length to serve: `requested`, or the model's own when None. More than
@@ -173,7 +189,7 @@ class ModelConfig:
         if requested > self.max_context_len:
             raise ConfigError(
                 f"max_model_len {requested} exceeds the model's context of {self.max_context_len} tokens"
-                + (" (its sliding window)" if self.sliding_window else " (max_position_embeddings)")
+                " (max_position_embeddings)"
             )
         return requested
 
@@ -240,13 +256,10 @@ class ModelConfig:
                 dtype=dtype,
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
-                sliding_window=(
-                    int(raw["sliding_window"])
-                    if raw.get("sliding_window") and raw.get("use_sliding_window", True)
-                    else None
-                ),
                 quantization_config=raw.get("quantization_config"),
             )
+            if arch in ARCHITECTURES:
+                fields.update(window_fields(ARCHITECTURES[arch], raw))
             if arch == "Gemma3ForCausalLM":
                 fields.update(gemma3_fields(raw))
             if arch in ARCHITECTURES and ARCHITECTURES[arch].moe_weight_names is not None:

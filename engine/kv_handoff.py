@@ -33,8 +33,11 @@ class KVHandoff:
 
     def prompt_block_ids(self, request_id: str, block_indices: Iterable[int]) -> list[int]:
         """The local block ids of a queued or running request's prompt blocks, by index."""
-        table = self.scheduler.requests[request_id].block_table
-        return [table[i] for i in block_indices]
+        seq = self.scheduler.requests[request_id]
+        indices = list(block_indices)
+        if indices and min(indices) < seq.num_skipped_blocks:
+            raise ValueError(f"{request_id}: prompt block {min(indices)} is no longer held (outside its window)")
+        return [seq.block_table[i] for i in indices]
 
     # ---- disaggregated decode: reserve blocks, receive the KV, admit ---------------------
     def reserve_prompt_blocks(self, seq: Sequence) -> BlockReservation | None:
@@ -46,10 +49,14 @@ class KVHandoff:
             raise ValueError(f"duplicate request id {seq.request_id!r}")
         kv = self.kv
         cached = kv.find_cached_blocks(seq, max_tokens=seq.num_prompt_tokens)
-        if not kv.allocate_prompt(seq, cached, seq.num_prompt_tokens - len(cached) * kv.block_size):
+        num_new = seq.num_prompt_tokens - len(cached) * kv.block_size
+        # Its first query here is past the prompt: blocks no query from there sees (a sliding
+        # window's) are neither reserved nor received.
+        if not kv.allocate_prompt(seq, cached, num_new, next_query=seq.num_prompt_tokens):
             return None
         self._reserved[seq.request_id] = seq
-        pairs = sorted(((i, seq.block_table[i]) for i in range(len(cached), len(seq.block_table))), key=lambda p: p[1])
+        first = max(len(cached), seq.num_skipped_blocks)
+        pairs = sorted(((i, seq.block_table[i]) for i in range(first, len(seq.block_table))), key=lambda p: p[1])
         return BlockReservation([i for i, _ in pairs], [b for _, b in pairs])
 
     def release_reservation(self, request_id: str) -> None:

@@ -88,7 +88,12 @@ class PagedEngine(KVHandoff, EngineProtocol):
         self.max_model_len = min(config.max_model_len or model_config.max_context_len, model_config.max_context_len)
         self.kv_cache = kv_cache
         self.kv_block_bytes = kv_block_bytes
-        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
+        # Every layer windowed: blocks behind every window are freed. Not with a draft model:
+        # it reads the same block tables, and prefills the prompt positions it has not seen.
+        window = model_config.kv_window if speculator is None or speculator.draft_proposer is None else None
+        self.kv = KVCacheManager(
+            config.num_kv_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks, window
+        )
         # The host KV tier: evicted blocks kept in host memory, read back on a hit.
         self.host_kv_cache = None
         if self.kv.host is not None:

@@ -23,6 +23,9 @@
  11 tp_transfer KV transfer between prefill and decode TP sizes, rank by rank on the device: each
                 decode rank gets exactly its KV heads (int8: and scales), the 1/1 bytes
                 (bench/gpu_check/gpu_check_tp_transfer.py)
+ 12 architectures  the sliding-window decode kernel vs torch (freed blocks never read) and its
+                time vs the full-context kernel; Mistral and Gemma 3 with small windows vs
+                transformers on the device (bench/gpu_check/gpu_check_architectures.py)
 
 Each item is pass, fail, missed (a speed target not met) or info. OUT_DIR/gpu_check.md and
 gpu_check.json are rewritten after every check, so a run cut short still leaves its report; the
@@ -60,6 +63,7 @@ CHECKS = {
     "overlap": "9. Async scheduling: step time with and without overlap",
     "tensor_parallel": "10. Tensor parallelism: a one-rank group, the sharded model, shard shapes",
     "tp_transfer": "11. KV transfer between prefill and decode TP sizes, rank by rank",
+    "architectures": "12. Architectures: the sliding-window kernel, windowed models vs transformers",
 }
 STATUSES = ("pass", "fail", "missed", "info")
 
@@ -191,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)  # tiny shapes gain nothing from threads on a shared box
 
     from splitserve.bench.gpu_check import (
+        gpu_check_architectures,
         gpu_check_engine,
         gpu_check_kv_quant,
         gpu_check_offload,
@@ -219,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             "overlap": lambda: gpu_check_overlap.check_overlap(device, args.tiny, work),
             "tensor_parallel": lambda: gpu_check_tensor_parallel.check_tensor_parallel(device, args.tiny, work),
             "tp_transfer": lambda: gpu_check_tp_transfer.check_tp_transfer(device, args.tiny),
+            "architectures": lambda: gpu_check_architectures.check_architectures(device, args.tiny, work),
         }
         for name in [n for n in CHECKS if n in args.only.split(",")]:
             check_started = time.monotonic()

@@ -176,7 +176,7 @@ def _cross_compile_items() -> list[dict]:
     ]:
         signature = {"q_ptr": f"*{dtype}", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "out_ptr": f"*{dtype}"}
         signature.update(k_scale_ptr=f"*{scales}", v_scale_ptr=f"*{scales}")
-        signature.update(block_tables_ptr="*i32", context_lens_ptr="*i32", scale="fp32")
+        signature.update(block_tables_ptr="*i32", context_lens_ptr="*i32", scale="fp32", window="i32")
         signature.update({f"stride_{name}": "i32" for name in decode_strides})
         quant = {"u8": "fp8 KV ", "i8": "int8 KV "}.get(cache, "")
         consts = {**decode_consts, "QUANT": bool(quant), "FP8": cache == "u8"}

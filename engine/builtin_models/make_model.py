@@ -107,8 +107,8 @@ def _config_dict(
 
 def _gemma3_keys(preset: ModelPreset, rope_scaling: bool) -> dict:
     """Gemma 3 text: sliding and global layers alternating (both kinds in the smallest preset),
-    each with its own rope base; a window of half the context, so that the engine's cap at the
-    window (docs/FEATURES.md) still leaves long prompts; final logits soft-capped."""
+    each with its own rope base; a window of half the context (prompts longer than it attend as
+    windows in the local layers); final logits soft-capped."""
     full_rope = {"rope_type": "default", "rope_theta": 1_000_000.0}
     if rope_scaling:
         full_rope = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}

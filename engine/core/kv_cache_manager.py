@@ -6,6 +6,23 @@ copies blocks between the tiers. With a host tier, a cached block the device poo
 written to host memory first (at eviction, in one copy per allocation), and a prompt whose
 prefix continues from the device into the host tier gets those blocks read back into fresh
 device blocks while it is admitted, before its chunk runs: a load, not a recompute.
+
+Sliding windows (`window`: set where every layer of the model is windowed, ModelConfig.kv_window):
+a query reads only its last `window` positions, so a sequence's leading blocks that no query
+from its next position on can see are freed as it advances (after each step), and never
+touched or allocated when it is admitted past them (a prefix-cache hit, or a decode replica's
+reservation for a prefilled prompt, whose transfer then skips them too). Such a table entry
+holds SKIPPED_BLOCK (a valid block id no attention reads: engine/ops/attention.py starts at the
+window's first block); seq.num_skipped_blocks counts them. A freed block keeps its hash, like
+any freed cached block: it stays in the prefix index, evictable (LRU), because its KV is still
+exact for its prefix -- a later request with that prefix reuses it, and the router hears of it
+only when the pool evicts it, like any block. Dropping the hash instead would make every prompt
+longer than a window uncacheable past its first window, since a hit must start at block 0.
+A prefill-only sequence (disaggregated prefill) keeps its blocks until the handoff releases
+them: what the decode replica asks for depends on its own configuration, not this one's.
+Mixed models (Gemma 3's global layers, Qwen2's layers below max_window_layers) free nothing
+early: a block holds every layer's KV for its tokens, and a global layer reads them all. Freeing
+only the local layers' share would need a block table per layer kind (vLLM's hybrid allocator).
 """
 
 from __future__ import annotations
@@ -19,14 +36,27 @@ from splitserve.engine.core.kv_event_log import KVEventLog
 from splitserve.engine.core.sequence import Sequence
 from splitserve.proto.messages.kv_events import KVEvent
 
+# The table entry of a block freed (or never allocated) because no query can see it any more.
+SKIPPED_BLOCK = 0
+
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        num_host_blocks: int = 0,
+        window: int | None = None,
+    ):
+        """window: the tokens every layer's queries see (None: some layer sees the whole
+        context, and no block is freed before its sequence ends)."""
         self.block_size = block_size
+        self.window = window
         self.events = KVEventLog()
         self.pool = BlockPool(num_blocks, enable_caching, self.events)
         self.host: HostBlockPool | None = None
@@ -109,29 +139,39 @@ class KVCacheManager:
         self.num_host_hit_tokens += len(missing) * self.block_size
         return prefix
 
-    def num_new_blocks_needed(self, seq: Sequence, cached_blocks: list[int], num_new_tokens: int) -> int:
-        num_computed = max(seq.num_computed_tokens, len(cached_blocks) * self.block_size)
-        return max(
-            _cdiv(num_computed + num_new_tokens, self.block_size) - max(len(seq.block_table), len(cached_blocks)), 0
-        )
-
     def can_allocate(self, num_new_blocks: int, cached_blocks: Iterable[int] = ()) -> bool:
         # Reviving a free cached block takes it out of the free queue too.
         num_revived = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)
         return num_new_blocks <= self.pool.num_free_blocks - num_revived
 
-    def allocate_prompt(self, seq: Sequence, cached_blocks: list[int], num_new_tokens: int) -> bool:
+    def num_dead_blocks(self, next_query: int) -> int:
+        """Leading blocks that no query at position next_query or later sees (0 without a
+        window): a query sees its last `window` positions, itself included."""
+        if self.window is None:
+            return 0
+        return max(next_query - self.window + 1, 0) // self.block_size
+
+    def allocate_prompt(
+        self, seq: Sequence, cached_blocks: list[int], num_new_tokens: int, next_query: int | None = None
+    ) -> bool:
         """First admission (or re-admission after preemption): reuse cached_blocks, allocate
-        blocks for num_new_tokens more. Returns False (and changes nothing) if out of blocks."""
+        blocks for num_new_tokens more. next_query: the first position a query will run at
+        (default: the first new token; a reservation's prompt, whose KV arrives: its end); the
+        blocks no query from there on sees are skipped. Returns False (and changes nothing)
+        if out of blocks."""
         assert not seq.block_table, "sequence already holds blocks"
         num_cached = len(cached_blocks) * self.block_size
-        num_new_blocks = _cdiv(num_cached + num_new_tokens, self.block_size) - len(cached_blocks)
-        if not self.can_allocate(num_new_blocks, cached_blocks):
+        num_blocks = _cdiv(num_cached + num_new_tokens, self.block_size)
+        dead = min(self.num_dead_blocks(num_cached if next_query is None else next_query), num_blocks)
+        live_cached = cached_blocks[dead:]
+        num_new_blocks = num_blocks - max(len(cached_blocks), dead)
+        if not self.can_allocate(num_new_blocks, live_cached):
             return False
-        self.pool.touch(cached_blocks)
-        seq.block_table = list(cached_blocks) + self.pool.allocate(num_new_blocks)
+        self.pool.touch(live_cached)
+        seq.block_table = [SKIPPED_BLOCK] * dead + live_cached + self.pool.allocate(num_new_blocks)
+        seq.num_skipped_blocks = dead
         seq.num_computed_tokens = num_cached
-        seq.num_registered_blocks = len(cached_blocks)
+        seq.num_registered_blocks = max(len(cached_blocks), dead)  # a skipped block is never entered
         if not seq.first_admitted:
             seq.first_admitted = True
             seq.num_cached_tokens = num_cached
@@ -173,10 +213,24 @@ class KVCacheManager:
         )
         seq.num_registered_blocks = num_full
 
+    def free_dead_blocks(self, seq: Sequence, next_query: int) -> None:
+        """Free seq's leading blocks that no query at next_query or later sees (a window's
+        sequence has moved past them); they keep their hashes (the module docstring: why)."""
+        dead = min(self.num_dead_blocks(next_query), len(seq.block_table))
+        skipped = seq.num_skipped_blocks
+        if dead <= skipped:
+            return
+        self.pool.free(seq.block_table[skipped:dead])
+        seq.block_table[skipped:dead] = [SKIPPED_BLOCK] * (dead - skipped)
+        seq.num_skipped_blocks = dead
+        seq.num_registered_blocks = max(seq.num_registered_blocks, dead)
+
     def free(self, seq: Sequence) -> None:
-        if seq.block_table:
-            self.pool.free(seq.block_table)
+        held = seq.block_table[seq.num_skipped_blocks :]
+        if held:
+            self.pool.free(held)
         seq.block_table = []
+        seq.num_skipped_blocks = 0
         seq.num_registered_blocks = 0
 
     # ---- pool views ----------------------------------------------------------------------

@@ -318,12 +318,17 @@ class Scheduler:
                     if reason is not None:
                         break
             if committed:  # only the KV this batch wrote: a later step may still be running
-                self.kv.cache_computed_blocks(seq, start + num_real)
+                written = start + num_real
+                self.kv.cache_computed_blocks(seq, written)
             else:
                 # The real tokens' KV, and each accepted draft token's (the last emitted token is new).
                 n = seq.num_computed_tokens + num_real + max(len(tokens) - 1, 0)
-                seq.num_computed_tokens = min(n, seq.num_tokens)
+                seq.num_computed_tokens = written = min(n, seq.num_tokens)
                 self.kv.cache_computed_blocks(seq)
+            if not seq.prefill_only:
+                # Sliding windows: no later query (a step in flight's included: its queries
+                # start at `written`) sees the blocks wholly before written's window.
+                self.kv.free_dead_blocks(seq, written)
             if not tokens:
                 continue
             advanced.append(seq)

@@ -44,6 +44,9 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (first admission)
         self.num_registered_blocks = 0  # leading full blocks already entered into the prefix cache
         self.block_table: list[int] = []
+        # Leading table entries whose blocks are freed: no query of a sliding-window model sees
+        # them any more (engine/core/kv_cache_manager.py); they hold SKIPPED_BLOCK.
+        self.num_skipped_blocks = 0
         self.block_hashes: list[int] = []  # chained hashes of every full block of token_ids
         self.root_hash = root_hash  # the chain's root: the engine's model seed (block_hash.root_hash)
         self.output_logprobs: list[float] = []
@@ -128,5 +131,5 @@ class Sequence:
     def __repr__(self) -> str:
         return (
             f"Sequence({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
-            f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_table) - self.num_skipped_blocks})"
         )

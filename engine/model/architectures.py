@@ -10,11 +10,19 @@ name (ModelConfig), never run approximately.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 LLAMA_FAMILY = "splitserve.engine.model.llama:LlamaForCausalLM"
 # The gated MLP's activations (engine/model/layers.py): SwiGLU's and GeGLU's.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# Which layers config.json's `sliding_window` windows, as transformers' model reads it:
+#   ignored: none (Llama has no window);
+#   every_layer: all of them whenever it is set (Mistral, Mixtral, Phi-3);
+#   every_layer_if_enabled: all of them, only with `use_sliding_window` (Qwen3-MoE);
+#   max_window_layers: only with `use_sliding_window`, those `layer_types` names, by default
+#     the layers from `max_window_layers` on (Qwen2, Qwen3);
+#   layer_types: those `layer_types` (or `sliding_window_pattern`) names (Gemma 3, gemma3_fields).
+WindowRule = Literal["ignored", "every_layer", "every_layer_if_enabled", "max_window_layers", "layer_types"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,7 @@ class Architecture:
     # Qwen3-MoE casts the routing weights to the model's dtype before scaling the experts'
     # outputs; Mixtral scales them by the float32 weights.
     moe_weights_in_model_dtype: bool = False
+    window_rule: WindowRule = "every_layer"
 
     @property
     def arch(self) -> str:
@@ -52,10 +61,12 @@ class Architecture:
 ARCHITECTURES = {
     arch.name: arch
     for arch in (
-        Architecture("LlamaForCausalLM", "llama"),
+        Architecture("LlamaForCausalLM", "llama", window_rule="ignored"),
         Architecture("MistralForCausalLM", "mistral"),
-        Architecture("Qwen2ForCausalLM", "qwen2", attention_bias=True, tied_embeddings=True),
-        Architecture("Qwen3ForCausalLM", "qwen3", qk_norm=True, tied_embeddings=True),
+        Architecture(
+            "Qwen2ForCausalLM", "qwen2", attention_bias=True, tied_embeddings=True, window_rule="max_window_layers"
+        ),
+        Architecture("Qwen3ForCausalLM", "qwen3", qk_norm=True, tied_embeddings=True, window_rule="max_window_layers"),
         Architecture("Phi3ForCausalLM", "phi3", fused_checkpoint=True),
         Architecture(
             "Gemma3ForCausalLM",
@@ -67,13 +78,12 @@ ARCHITECTURES = {
             norm_plus_one=True,
             sandwich_norms=True,
             scaled_embeddings=True,
+            window_rule="layer_types",
         ),
-        # The decode graph has no MoE layer: their decode steps run the eager forward.
         Architecture(
             "MixtralForCausalLM",
             "mixtral",
             moe_weight_names=("block_sparse_moe", "w1", "w3", "w2"),
-            scripted_decode=False,
         ),
         Architecture(
             "Qwen3MoeForCausalLM",
@@ -81,7 +91,7 @@ ARCHITECTURES = {
             qk_norm=True,
             moe_weight_names=("mlp", "gate_proj", "up_proj", "down_proj"),
             moe_weights_in_model_dtype=True,
-            scripted_decode=False,
+            window_rule="every_layer_if_enabled",
         ),
     )
 }
@@ -131,9 +141,28 @@ def gemma3_fields(raw: dict[str, Any]) -> dict[str, Any]:
         "local_rope_type": str(local.get("rope_type", "default")),
         "query_pre_attn_scalar": float(raw.get("query_pre_attn_scalar", raw.get("head_dim", 256))),
         "final_logit_softcapping": raw.get("final_logit_softcapping"),
-        # The window only caps the context where some layer is windowed (ModelConfig).
         "sliding_window": int(window) if window and SLIDING in kinds else None,
     }
+
+
+def window_fields(arch: Architecture, raw: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields `sliding_window` and `layer_types` (each layer's kind) of a
+    config.json, by the architecture's window rule (WindowRule above); {} where no layer is
+    windowed. Gemma 3's come with the rest of its fields (gemma3_fields)."""
+    window = raw.get("sliding_window")
+    rule = arch.window_rule
+    if not window or rule in ("ignored", "layer_types"):
+        return {}
+    if rule != "every_layer" and not raw.get("use_sliding_window", False):
+        return {}
+    layers = int(raw["num_hidden_layers"])
+    kinds = [SLIDING] * layers
+    if rule == "max_window_layers":
+        first = int(raw.get("max_window_layers", 28))  # transformers' default
+        kinds = raw.get("layer_types") or [SLIDING if i >= first else FULL for i in range(layers)]
+    if SLIDING not in kinds:
+        return {}
+    return {"sliding_window": int(window), "layer_types": list(kinds)}
 
 
 def moe_fields(raw: dict[str, Any]) -> dict[str, Any]:

@@ -17,19 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.engine.model.graph_ops import scripted_linear as _linear
+from splitserve.engine.model.graph_ops import scripted_moe
 from splitserve.engine.model.rope import rotate
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, packed: bool, bias: torch.Tensor | None) -> torch.Tensor:
-    # engine/quant/quantize.py's linear: a packed weight multiplies, then the bias is added.
-    if packed:
-        no_scalars: list[int | float | complex | None] = []
-        out = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", no_scalars, "")
-    else:
-        out = F.linear(x, weight, None)
-    if bias is not None:
-        out = out.add_(bias)
-    return out
 
 
 class DecodeGraph(nn.Module):
@@ -41,6 +31,9 @@ class DecodeGraph(nn.Module):
     attn_output_norms: list[torch.Tensor | None]  # each layer's norms after attention / the MLP (Gemma 3)
     mlp_output_norms: list[torch.Tensor | None]
     sliding: list[bool]  # each layer rotates by the local tables (Gemma 3's sliding layers)
+    windowed: list[bool]  # each layer attends through the window's plan
+    moe_routers: list[torch.Tensor | None]  # each layer's router (a mixture-of-experts layer)
+    expert_weights: list[list[torch.Tensor]]  # each layer's experts' gate_up and down weights
     embed_scale: torch.Tensor | None
     key_caches: list[torch.Tensor]
     value_caches: list[torch.Tensor]
@@ -57,6 +50,10 @@ class DecodeGraph(nn.Module):
         self.local_cos_table = local.cos_half
         self.local_sin_table = local.sin_half
         self.sliding = [bool(layer.sliding) for layer in layers]
+        # Sliding-window layers read the last `window` tokens (0: no layer is windowed).
+        self.windowed = [layer.window is not None for layer in layers]
+        self.window = int(config.sliding_window or 0) if any(self.windowed) else 0
+        self.has_full_layers = not all(self.windowed)
         self.embed_scale = model.embed_scale
         arch = config.registered
         self.norm_plus_one = bool(arch.norm_plus_one)
@@ -67,11 +64,27 @@ class DecodeGraph(nn.Module):
         self.final_norm = model.final_norm.data
         self.lm_head = lm_head
         self.norms = [n.data for layer in layers for n in (layer.input_norm, layer.post_attention_norm)]
+
+        def matmul(weight) -> torch.Tensor:
+            return weight.packed if packed else weight.data
+
+        # A mixture-of-experts layer's dense MLP slots hold empty tensors; its router and its
+        # experts' weights (gate_up, down, expert by expert) are its own lists.
+        none = torch.empty(0)
         self.weights = [
-            w.packed if packed else w.data
+            matmul(getattr(layer, name)) if hasattr(layer, name) else none
             for layer in layers
-            for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)
+            for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
         ]
+        self.moe_routers = [None if layer.moe is None else layer.moe.router_weight.data for layer in layers]
+        self.expert_weights = [
+            [] if layer.moe is None else [matmul(getattr(e, n)) for e in layer.moe.experts for n in e.MATMUL_WEIGHTS]
+            for layer in layers
+        ]
+        self.top_k = int(config.num_experts_per_tok)
+        self.renormalise = bool(config.norm_topk_prob)
+        self.moe_in_model_dtype = bool(arch.moe_weights_in_model_dtype)
+        self.moe_inter = int(config.moe_intermediate_size)
         self.biases = [None if layer.qkv_bias is None else layer.qkv_bias.data for layer in layers]
         self.q_norms = [None if layer.q_norm is None else layer.q_norm.data for layer in layers]
         self.k_norms = [None if layer.k_norm is None else layer.k_norm.data for layer in layers]
@@ -93,6 +106,35 @@ class DecodeGraph(nn.Module):
             return (torch.rms_norm(x.float(), [x.shape[-1]], None, eps) * (1.0 + weight.float())).to(x.dtype)
         return torch.rms_norm(x, [x.shape[-1]], weight, eps)
 
+    def _plan(
+        self, block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int, window: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """SparseDecodePlan (engine/ops/sparse_decode.py) for the layers of one window (0: the
+        whole context): each query head's cache rows, their padding, the CSR row offsets, and
+        the pattern's zero values."""
+        num_heads, num_kv_heads = self.num_heads, self.num_kv_heads
+        block_size = self.key_caches[0].shape[1]
+        device = block_tables.device
+        batch = block_tables.shape[0]
+        context = context_lens.long()
+        length = max_context_len
+        first = torch.zeros_like(context)
+        if window > 0:  # visible_positions
+            length = min(length, window)
+            first = (context - window).clamp_(min=0)
+        positions = first[:, None] + torch.arange(length, device=device)
+        padding = positions >= context[:, None]
+        positions = positions.masked_fill_(padding, 0)
+        slots = block_tables.gather(1, torch.div(positions, block_size, rounding_mode="floor")).long() * block_size
+        slots = (slots + positions % block_size).masked_fill_(padding, 0)
+        kv_head_of = torch.div(torch.arange(num_heads, device=device), num_heads // num_kv_heads, rounding_mode="floor")
+        rows = (slots[:, None, :] * num_kv_heads + kv_head_of[None, :, None]).reshape(batch * num_heads, length)
+        padding = padding[:, None, :].expand(batch, num_heads, length).reshape(batch * num_heads, length)
+        num_entries = batch * num_heads * length
+        crow = torch.arange(0, num_entries + 1, length, device=device)
+        zeros = torch.zeros(num_entries, dtype=self.embed.dtype, device=device)
+        return rows, padding, crow, zeros
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -113,25 +155,14 @@ class DecodeGraph(nn.Module):
         sin = self.sin_table.index_select(0, positions)
         local_cos = self.local_cos_table.index_select(0, positions)
         local_sin = self.local_sin_table.index_select(0, positions)
+        # SparseDecodePlan: the cache rows each query head reads, shared by every layer of a
+        # window (the windowed layers' plan; the full layers' where some layer sees it all).
+        local_plan = self._plan(block_tables, context_lens, max_context_len, self.window)
+        full_plan = local_plan
+        if self.window > 0 and self.has_full_layers:
+            full_plan = self._plan(block_tables, context_lens, max_context_len, 0)
         num_blocks_total, block_size = self.key_caches[0].shape[0], self.key_caches[0].shape[1]
-        device = block_tables.device
-        # SparseDecodePlan: the cache rows each query head reads, shared by every layer.
-        batch = block_tables.shape[0]
-        length = max_context_len
-        num_blocks = (length + block_size - 1) // block_size
-        slots = block_tables[:, :num_blocks].long()[:, :, None] * block_size + torch.arange(block_size, device=device)
-        slots = slots.view(batch, num_blocks * block_size)[:, :length]
-        padding = torch.arange(length, device=device)[None, :] >= context_lens[:, None]
-        slots = slots.masked_fill(padding, 0)
-        kv_head_of = torch.div(torch.arange(num_heads, device=device), num_heads // num_kv_heads, rounding_mode="floor")
-        rows = (slots[:, None, :] * num_kv_heads + kv_head_of[None, :, None]).reshape(batch * num_heads, length)
-        padding = padding[:, None, :].expand(batch, num_heads, length).reshape(batch * num_heads, length)
-        num_entries = batch * num_heads * length
-        crow = torch.arange(0, num_entries + 1, length, device=device)
-        cols = rows.view(-1)
-        zeros = torch.zeros(cols.numel(), dtype=hidden.dtype, device=device)
         num_rows = num_blocks_total * block_size * num_kv_heads
-        bag_offsets = torch.arange(0, num_entries, length, device=device)  # F.embedding_bag's, for 2-D input
 
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         num_tokens = hidden.shape[0]
@@ -153,6 +184,8 @@ class DecodeGraph(nn.Module):
             v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
             key_cache.view(flat).index_copy_(0, slot_mapping, k)  # write_kv
             value_cache.view(flat).index_copy_(0, slot_mapping, v)
+            rows, padding, crow, zeros = local_plan if self.windowed[i] else full_plan
+            cols = rows.view(-1)
             # SparseDecodePlan.attend; torch.sparse_csr_tensor(check_invariants=False) is this op.
             pattern = torch.ops.aten._sparse_csr_tensor_unsafe(
                 crow, cols, zeros, [rows.shape[0], num_rows], dtype=hidden.dtype
@@ -163,6 +196,7 @@ class DecodeGraph(nn.Module):
             )
             probs = scores.values().view(rows.shape).masked_fill_(padding, float("-inf")).softmax(-1)
             values = value_cache.view(num_rows, head_dim)
+            bag_offsets = crow[:-1]  # F.embedding_bag's, for 2-D input
             attn = torch.embedding_bag(values, cols, bag_offsets, False, 0, False, probs.reshape(-1), False, None)[0]
             out = _linear(attn.reshape(num_tokens, q_size), self.weights[4 * i + 1], packed, None)
             attn_output_norm = self.attn_output_norms[i]
@@ -170,12 +204,27 @@ class DecodeGraph(nn.Module):
                 out = self._norm(out, attn_output_norm, eps)
             hidden = out.add_(hidden)
             x = self._norm(hidden, self.norms[2 * i + 1], eps)
-            gate_up = _linear(x, self.weights[4 * i + 2], packed, None)
-            if self.gelu:
-                act = F.gelu(gate_up[:, :inter], approximate="tanh").mul_(gate_up[:, inter:])
+            router = self.moe_routers[i]
+            if router is not None:
+                experts = self.expert_weights[i]
+                out = scripted_moe(
+                    x,
+                    router,
+                    experts,
+                    packed,
+                    self.moe_inter,
+                    self.top_k,
+                    self.renormalise,
+                    self.moe_in_model_dtype,
+                    self.gelu,
+                )
             else:
-                act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
-            out = _linear(act, self.weights[4 * i + 3], packed, None)
+                gate_up = _linear(x, self.weights[4 * i + 2], packed, None)
+                if self.gelu:
+                    act = F.gelu(gate_up[:, :inter], approximate="tanh").mul_(gate_up[:, inter:])
+                else:
+                    act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+                out = _linear(act, self.weights[4 * i + 3], packed, None)
             mlp_output_norm = self.mlp_output_norms[i]
             if mlp_output_norm is not None:
                 out = self._norm(out, mlp_output_norm, eps)

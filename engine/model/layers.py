@@ -69,8 +69,10 @@ class DecoderLayer(nn.Module):
         self.fused_checkpoint = arch.fused_checkpoint
         self.norm = rms_norm_plus_one if arch.norm_plus_one else rms_norm
         self.activation = MLP_ACTIVATIONS[arch.activation]
-        # Gemma 3: its sliding layers rotate by their own rope base (LlamaForCausalLM picks it).
+        # A sliding-window layer's queries see only the last `window` tokens (None: all); Gemma
+        # 3's sliding layers also rotate by their own rope base (LlamaForCausalLM picks it).
         self.sliding = config.layer_types is not None and config.layer_types[layer_index] == SLIDING
+        self.window = config.layer_window(layer_index)
         self.all_reduce = all_reduce
         self.eps = config.rms_norm_eps
         self.num_heads = config.num_attention_heads
@@ -94,7 +96,7 @@ class DecoderLayer(nn.Module):
         # Mixtral, Qwen3-MoE's sparse layers: this layer's MLP is the experts (no dense gate/up/down weights then).
         self.moe_weight_names = arch.moe_weight_names
         self.moe = (
-            SparseMoeMlp(config, dtype, device)
+            SparseMoeMlp(config, dtype, device, linear_device)
             if arch.moe_weight_names is not None and layer_index in (config.moe_layers or ())
             else None
         )
@@ -173,7 +175,7 @@ class DecoderLayer(nn.Module):
         if on_kv_written is not None:
             on_kv_written(self.layer_index)
         attn = paged_attention(
-            q, key_cache, value_cache, meta, self.scale, new_keys=k, new_values=v, decode_plan=decode_plan
+            q, key_cache, value_cache, meta, self.scale, k, v, decode_plan=decode_plan, window=self.window
         )
         # Residual adds in place on the fresh matmul outputs (x + r == r + x exactly); under
         # tensor parallelism after the partial outputs are summed, so the residual counts once.
@@ -185,11 +187,12 @@ class DecoderLayer(nn.Module):
         hidden = out.add_(hidden)
 
         x = self.norm(hidden, self.post_attention_norm, self.eps)
-        if self.moe is not None:
-            return self.moe(x, self.activation).add_(hidden)  # unsharded: LlamaForCausalLM refuses TP
-        gate_up = linear(x, self.gate_up_weight)
-        act = self.activation(gate_up[:, : self.intermediate_size]).mul_(gate_up[:, self.intermediate_size :])
-        out = linear(act, self.down_weight)
+        if self.moe is not None:  # tensor parallelism: each rank's share of every expert
+            out = self.moe(x, self.activation)
+        else:
+            gate_up = linear(x, self.gate_up_weight)
+            act = self.activation(gate_up[:, : self.intermediate_size]).mul_(gate_up[:, self.intermediate_size :])
+            out = linear(act, self.down_weight)
         if self.all_reduce is not None:
             self.all_reduce(out)
         if self.mlp_output_norm is not None:

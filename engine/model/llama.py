@@ -49,9 +49,13 @@ class LlamaForCausalLM(nn.Module):
         its heads, KV heads, intermediate and vocabulary rows, loaded from the checkpoint's
         matching slices, with the collectives that join the shards. None: the whole model."""
         super().__init__()
-        if config.num_experts and (quantization != "none" or config.quantization_config):
-            # The layerwise quantizer and quantized checkpoints know only the dense MLP weights.
-            raise ConfigError(f"{config.architecture} (mixture of experts) with weight quantization is not supported")
+        if config.num_experts and config.quantization_config:
+            # Pre-quantized checkpoints' tensors are read for dense projections only; the
+            # experts quantize as they load instead (--quantization).
+            raise ConfigError(
+                f"{config.architecture} (mixture of experts) from a pre-quantized checkpoint is not supported; "
+                "load the full-precision checkpoint with --quantization int8|int4|fp8"
+            )
         self.config = config
         self.dtype = dtype
         self.quantization = quantization
@@ -91,13 +95,20 @@ class LlamaForCausalLM(nn.Module):
         # Gemma 3 multiplies the embeddings by sqrt(hidden) rounded to their dtype, as HF does.
         self.embed_scale = torch.tensor(hidden**0.5).to(dtype) if arch.scaled_embeddings else None
         self._layer_list = list(self.layers)  # plain list: cheaper to iterate in the hot loop
+        self._windows = {layer.window for layer in self._layer_list}  # each gets its decode plan
         # Set by use_scripted_decode (engine/model/scripted_decode.py) once the weights are final.
         self._scripted_decode: ScriptedDecodeForward | None = None
         self.quantizer = (
             None
             if quantization == "none"
-            else LayerwiseQuantizer(self._layer_list, DecoderLayer.LINEAR_WEIGHTS, quantization, dtype, device)
+            else LayerwiseQuantizer(self._matmul_modules(), DecoderLayer.LINEAR_WEIGHTS, quantization, dtype, device)
         )
+
+    def _matmul_modules(self) -> list[nn.Module]:
+        """The modules holding decoder matmul weights (DecoderLayer.LINEAR_WEIGHTS, where they
+        have them): the layers, and each mixture-of-experts layer's experts."""
+        experts = [expert for layer in self._layer_list if layer.moe is not None for expert in layer.moe.experts]
+        return [*self._layer_list, *experts]
 
     @property
     def device(self) -> torch.device:  # embeddings are never quantized
@@ -131,11 +142,12 @@ class LlamaForCausalLM(nn.Module):
         local = cos, sin
         if self.local_rotary is not None:
             local = self.local_rotary.cos_sin(positions)
-        # Block tables are the same for every layer: index them once per step.
-        plan = make_decode_plan(meta, hidden, kv_cache.key_cache(0), self.num_heads)
+        # Block tables are the same for every layer: index them once per step (per window).
+        plans = {w: make_decode_plan(meta, hidden, kv_cache.key_cache(0), self.num_heads, w) for w in self._windows}
         for i, layer in enumerate(self._layer_list):
             layer_cos, layer_sin = local if layer.sliding else (cos, sin)
             key_cache, value_cache = kv_cache.key_cache(i), kv_cache.value_cache(i)
+            plan = plans[layer.window]
             hidden = layer(hidden, layer_cos, layer_sin, key_cache, value_cache, meta, on_layer_done, plan)
         return self.norm(hidden, self.final_norm, self.config.rms_norm_eps)
 
@@ -176,10 +188,10 @@ class LlamaForCausalLM(nn.Module):
         embedding table, which must stay a plain tensor) are left as they are. Returns how many
         weights were packed."""
         owners = [
-            (layer, name)
-            for layer in self._layer_list
+            (module, name)
+            for module in self._matmul_modules()
             for name in DecoderLayer.LINEAR_WEIGHTS
-            if hasattr(layer, name)  # a mixture-of-experts layer has no dense MLP weights
+            if hasattr(module, name)  # a mixture-of-experts layer has no dense MLP weights; its experts do
         ]
         if not self.config.tie_word_embeddings:
             owners.append((self, "lm_head"))

@@ -1,7 +1,7 @@
 """The sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks each token's top-k
 experts and only those experts compute it, each over the tokens routed to it, gathered into one
 matmul per expert; the weighted outputs are summed back per token. Never every expert on every
-token.
+token. Each expert's weights are their own (plain, oneDNN-packed or quantized) weights.
 
 Per-expert torch matmuls rather than torch._grouped_mm: on CPU (torch 2.13) the private grouped
 op gives the same result on a small case (4 experts, hidden 64, 64 tokens, top-2) but is no
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.engine.config import ModelConfig
+from splitserve.engine.quant.quantize import linear
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,12 +31,31 @@ def route(router_logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[t
     return weights, experts
 
 
-class SparseMoeMlp(nn.Module):
-    """Router + experts of one decoder layer. The experts' weights are stacked row-wise, one
-    checkpoint tensor per row range: gate_up_weights [experts * 2I, hidden] (expert e's gate
-    rows, then its up rows) and down_weights [experts * hidden, I]."""
+class Expert(nn.Module):
+    """One expert's matmul weights: gate_up_weight [2I, hidden] (its gate rows, then its up
+    rows) and down_weight [hidden, I]. Named as DecoderLayer's dense MLP weights, so the load-time
+    quantizer and the CPU packing treat them alike (each becomes a quantized or packed weight)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device):
+    MATMUL_WEIGHTS = ("gate_up_weight", "down_weight")
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device):
+        super().__init__()
+        self.gate_up_weight = nn.Parameter(
+            torch.empty(2 * inter, hidden, dtype=dtype, device=device), requires_grad=False
+        )
+        self.down_weight = nn.Parameter(torch.empty(hidden, inter, dtype=dtype, device=device), requires_grad=False)
+
+
+class SparseMoeMlp(nn.Module):
+    """Router + experts of one decoder layer. The router stays in full precision (routing must
+    pick transformers' experts); each expert's weights may be quantized (engine/quant) or packed
+    for oneDNN as they load, like a dense MLP's. Under tensor parallelism config is one rank's:
+    each expert holds its share of the intermediate dimension (engine/parallel/shard_plan.py),
+    the router all of it, and the caller sums the ranks' partial outputs."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device, linear_device=None):
+        """linear_device: where the experts' weights live until loaded ("meta" when the loader
+        quantizes them, as DecoderLayer's)."""
         super().__init__()
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_tok
@@ -43,51 +63,50 @@ class SparseMoeMlp(nn.Module):
         self.weights_in_model_dtype = config.registered.moe_weights_in_model_dtype
         self.hidden = config.hidden_size
         self.inter = config.moe_intermediate_size
-        hidden, inter, experts = self.hidden, self.inter, self.num_experts
-
-        def parameter(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
-
-        self.router_weight = parameter(experts, hidden)
-        self.gate_up_weights = parameter(experts * 2 * inter, hidden)
-        self.down_weights = parameter(experts * hidden, inter)
+        lin = device if linear_device is None else linear_device
+        self.router_weight = nn.Parameter(
+            torch.empty(self.num_experts, self.hidden, dtype=dtype, device=device), requires_grad=False
+        )
+        self.experts = nn.ModuleList(Expert(self.hidden, self.inter, dtype, lin) for _ in range(self.num_experts))
+        self._expert_list = list(self.experts)  # plain list: cheaper to index in the hot loop
 
     def weight_slices(self, names: tuple[str, str, str, str]) -> dict[str, tuple[torch.Tensor, int, int]]:
-        """HF sub-name -> (stacked tensor, first row, row count). names: the checkpoint's MoE
-        block, and its experts' gate, up and down projections (the registry's moe_weight_names)."""
+        """HF sub-name -> (tensor, first row, row count). names: the checkpoint's MoE block, and
+        its experts' gate, up and down projections (the registry's moe_weight_names)."""
         block, gate, up, down = names
         inter, hidden = self.inter, self.hidden
         slices = {f"{block}.gate.weight": (self.router_weight, 0, self.num_experts)}
-        for e in range(self.num_experts):
+        for e, weights in enumerate(self._expert_list):
             expert = f"{block}.experts.{e}"
-            slices[f"{expert}.{gate}.weight"] = (self.gate_up_weights, 2 * inter * e, inter)
-            slices[f"{expert}.{up}.weight"] = (self.gate_up_weights, 2 * inter * e + inter, inter)
-            slices[f"{expert}.{down}.weight"] = (self.down_weights, hidden * e, hidden)
+            slices[f"{expert}.{gate}.weight"] = (weights.gate_up_weight, 0, inter)
+            slices[f"{expert}.{up}.weight"] = (weights.gate_up_weight, inter, inter)
+            slices[f"{expert}.{down}.weight"] = (weights.down_weight, 0, hidden)
         return slices
 
     def forward(self, x: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """x [T, hidden] (normed) -> [T, hidden]: sum over each token's k experts of
-        weight * down(act(gate(x)) * up(x)). Experts run in increasing id order, so each
-        token's sum is accumulated in the order transformers accumulates it."""
+        weight * down(act(gate(x)) * up(x)). The choices are grouped by expert (increasing id,
+        tokens in order) and gathered once; each expert multiplies its run of rows; the outputs
+        are weighted and scattered back in one index_add_, in that order, which is the order in
+        which transformers accumulates each token's sum. Per expert only its matmuls and
+        activation run: on CPU a step is bound by how many ops it dispatches
+        (bench/results/architectures.md)."""
         weights, experts = route(F.linear(x, self.router_weight), self.top_k, self.renormalise)
         if self.weights_in_model_dtype:
             weights = weights.to(x.dtype)
         flat = experts.reshape(-1)  # [T * k]: token t's j-th choice at t * k + j
         order = torch.argsort(flat, stable=True)  # the choices grouped by expert, tokens in order
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        flat_weights = weights.reshape(-1)
-        gate_up = self.gate_up_weights.view(self.num_experts, 2 * self.inter, self.hidden)
-        down = self.down_weights.view(self.num_experts, self.hidden, self.inter)
-        out = torch.zeros_like(x)
+        tokens = torch.div(order, self.top_k, rounding_mode="floor")
+        routed = x.index_select(0, tokens)  # every expert's tokens, one run after another
+        inter = self.inter
+        outputs = []
         start = 0
-        for e, count in enumerate(counts):
-            if not count:
-                continue
-            choices = order[start : start + count]
-            start += count
-            tokens = choices // self.top_k
-            projected = F.linear(x[tokens], gate_up[e])
-            act = activation(projected[:, : self.inter]) * projected[:, self.inter :]
-            expert_out = F.linear(act, down[e]) * flat_weights[choices, None]
-            out.index_add_(0, tokens, expert_out.to(out.dtype))
-        return out
+        for expert, count in zip(self._expert_list, counts):
+            if count:
+                projected = linear(routed[start : start + count], expert.gate_up_weight)
+                act = activation(projected[:, :inter]).mul_(projected[:, inter:])
+                outputs.append(linear(act, expert.down_weight))
+                start += count
+        weighted = torch.cat(outputs) * weights.reshape(-1).index_select(0, order)[:, None]
+        return torch.zeros_like(x).index_add_(0, tokens, weighted.to(x.dtype))

@@ -26,6 +26,7 @@ import warnings
 import torch
 
 from splitserve.engine.model.decode_graph import DecodeGraph
+from splitserve.engine.model.layers import DecoderLayer
 from splitserve.engine.ops.onednn_packed_weight import OneDnnPackedWeight
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,8 @@ class ScriptedDecodeForward:
     def build(cls, model) -> ScriptedDecodeForward | None:
         if model.dtype != torch.float32 or model.device.type != "cpu" or not model._layer_list:
             return None
-        weights = [getattr(layer, n) for layer in model._layer_list for n in layer.LINEAR_WEIGHTS]
+        # The layers' matmul weights, and a mixture of experts' experts' (model._matmul_modules).
+        weights = [getattr(m, n) for m in model._matmul_modules() for n in DecoderLayer.LINEAR_WEIGHTS if hasattr(m, n)]
         if all(isinstance(w, OneDnnPackedWeight) for w in weights):
             packed = True
         elif all(isinstance(w, torch.Tensor) and w.dtype == torch.float32 and not w.is_meta for w in weights):

@@ -2,7 +2,11 @@
 
 Decode: the Triton kernel on CUDA; on CPU (fp32) a sparse plan that reads K/V in place
 (engine/ops/sparse_decode.py); otherwise gather + SDPA. Prefill and chunked prefill: SDPA per
-sequence with the causal mask aligned to the end of its context.
+sequence with the causal mask aligned to the end of its context (engine/ops/prefill_attention.py).
+
+A sliding-window layer (window W) reads only each query's last W positions, itself included,
+as transformers masks them; every path starts reading at the block holding the first of them,
+so blocks wholly before it are never read and may be freed (engine/core/kv_cache_manager.py).
 
 Caches are [num_blocks, block_size, num_kv_heads, head_dim] (one layer, K or V), or a
 QuantizedKV of that shape (fp8/int8 values + per-token scales): writes quantize, reads
@@ -18,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.engine.ops.attention_metadata import AttentionMetadata
+from splitserve.engine.ops.prefill_attention import prefill_attention
 from splitserve.engine.ops.quantized_kv import QuantizedKV
 from splitserve.engine.ops.sparse_decode import SUPPORTED_DTYPES, SparseDecodePlan
 
@@ -71,6 +76,27 @@ def sparse_decode_supported(q: torch.Tensor, key_cache: Cache) -> bool:
     )
 
 
+def _visible_blocks(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int, block_size: int, window: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's blocks from the first one its decode query sees (with a window, the
+    blocks before it may be freed already): (tables [B, n], the position of every gathered
+    token [B, n * block_size])."""
+    num_blocks = -(-max_context_len // block_size)
+    device = block_tables.device
+    if window is None:
+        first = torch.zeros(block_tables.shape[0], dtype=torch.int64, device=device)
+        tables = block_tables[:, :num_blocks]
+    else:
+        # `window` positions from any offset span at most this many blocks.
+        num_blocks = min(num_blocks, -(-(window + block_size - 1) // block_size))
+        first = torch.div((context_lens.long() - window).clamp_(min=0), block_size, rounding_mode="floor")
+        index = (first[:, None] + torch.arange(num_blocks, device=device)).clamp_(max=block_tables.shape[1] - 1)
+        tables = block_tables.gather(1, index)  # past a table's end: masked out below
+    positions = first[:, None] * block_size + torch.arange(num_blocks * block_size, device=device)
+    return tables, positions
+
+
 def paged_decode_attention_torch(
     q: torch.Tensor,
     key_cache: Cache,
@@ -80,12 +106,14 @@ def paged_decode_attention_torch(
     scale: float,
     max_context_len: int | None = None,
     plan: SparseDecodePlan | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence: q [B, Hq, D] -> [B, Hq, D].
+    """One query token per sequence: q [B, Hq, D] -> [B, Hq, D]; window: the tokens each query
+    sees, itself included (a sliding-window layer), None: its whole context.
 
     CPU fp32 batches read K/V in place through a SparseDecodePlan (pass one to share it
-    across layers). Otherwise each sequence's blocks are gathered, padded to the longest
-    context and masked; GQA rides along the query-length axis of SDPA, so K/V are never
+    across layers). Otherwise each sequence's visible blocks are gathered, padded to the
+    longest and masked; GQA rides along the query-length axis of SDPA, so K/V are never
     repeated per query head.
     """
     batch, num_heads, head_dim = q.shape
@@ -94,21 +122,31 @@ def paged_decode_attention_torch(
         max_context_len = int(context_lens.max())
     if batch > 1 and sparse_decode_supported(q, key_cache):
         if plan is None:
-            plan = SparseDecodePlan(block_tables, context_lens, max_context_len, block_size, num_kv_heads, num_heads)
+            plan = SparseDecodePlan(
+                block_tables, context_lens, max_context_len, block_size, num_kv_heads, num_heads, window
+            )
         return plan.attend(q, key_cache, value_cache, scale)
     group = num_heads // num_kv_heads
-    num_blocks = -(-max_context_len // block_size)
     q4 = q.view(batch, num_kv_heads, group, head_dim)
-    keys = _gather_context(key_cache, block_tables, num_blocks, q.dtype)
-    values = _gather_context(value_cache, block_tables, num_blocks, q.dtype)
     if batch == 1:
-        # Nothing to pad: attend to exactly the context, no mask needed.
-        out = F.scaled_dot_product_attention(
-            q4, keys[:, :max_context_len].transpose(1, 2), values[:, :max_context_len].transpose(1, 2), scale=scale
-        )
+        # Nothing to pad: attend to exactly the visible context, no mask needed.
+        start = 0 if window is None else max(max_context_len - window, 0)
+        first = start // block_size
+        table = block_tables[:, first:]
+        num_blocks = -(-max_context_len // block_size) - first
+        visible = slice(start - first * block_size, max_context_len - first * block_size)
+        keys = _gather_context(key_cache, table, num_blocks, q.dtype)[:, visible]
+        values = _gather_context(value_cache, table, num_blocks, q.dtype)[:, visible]
+        out = F.scaled_dot_product_attention(q4, keys.transpose(1, 2), values.transpose(1, 2), scale=scale)
         return out.view(batch, num_heads, head_dim)
-    positions = torch.arange(num_blocks * block_size, device=q.device)
-    mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]
+    tables, positions = _visible_blocks(block_tables, context_lens, max_context_len, block_size, window)
+    keys = _gather_context(key_cache, tables, tables.shape[1], q.dtype)
+    values = _gather_context(value_cache, tables, tables.shape[1], q.dtype)
+    context = context_lens.long()[:, None]
+    mask = positions < context
+    if window is not None:
+        mask &= positions >= context - window
+    mask = mask[:, None, None, :]
     out = F.scaled_dot_product_attention(q4, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale)
     return out.view(batch, num_heads, head_dim)
 
@@ -122,6 +160,7 @@ def decode_attention(
     scale: float,
     max_context_len: int,
     plan: SparseDecodePlan | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Batched decode: the Triton kernel on CUDA when available, else the torch path."""
     if q.is_cuda:
@@ -137,37 +176,30 @@ def decode_attention(
                     scale,
                     key_scales=key_cache.scales,
                     value_scales=value_cache.scales,
+                    window=window,
                 )
-            return kernel(q, key_cache, value_cache, block_tables, context_lens, scale)
+            return kernel(q, key_cache, value_cache, block_tables, context_lens, scale, window=window)
     return paged_decode_attention_torch(
-        q, key_cache, value_cache, block_tables, context_lens, scale, max_context_len, plan
+        q, key_cache, value_cache, block_tables, context_lens, scale, max_context_len, plan, window
     )
 
 
 def make_decode_plan(
-    meta: AttentionMetadata, q_like: torch.Tensor, key_cache: Cache, num_heads: int
+    meta: AttentionMetadata, q_like: torch.Tensor, key_cache: Cache, num_heads: int, window: int | None = None
 ) -> SparseDecodePlan | None:
-    """The shared plan for a pure-decode step on CPU (None where it does not apply)."""
+    """The shared plan for a pure-decode step on CPU, for the layers of one window (None
+    where it does not apply)."""
     if not meta.is_pure_decode or meta.num_seqs < 2 or not sparse_decode_supported(q_like, key_cache):
         return None
     return SparseDecodePlan(
-        meta.block_tables, meta.context_lens, meta.max_context_len, key_cache.shape[1], key_cache.shape[2], num_heads
+        meta.block_tables,
+        meta.context_lens,
+        meta.max_context_len,
+        key_cache.shape[1],
+        key_cache.shape[2],
+        num_heads,
+        window,
     )
-
-
-def _prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [n, Hq, D] are the last n positions of a context with keys/values [ctx, Hkv, D]."""
-    num_queries, context_len = q.shape[0], keys.shape[0]
-    qh, kh, vh = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
-    gqa = q.shape[1] != keys.shape[1]
-    if num_queries == context_len:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
-    else:
-        # Causal with the queries aligned to the end of the context (a cached prefix first).
-        query_pos = torch.arange(context_len - num_queries, context_len, device=q.device)
-        mask = torch.arange(context_len, device=q.device)[None, :] <= query_pos[:, None]
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return out.transpose(0, 1)
 
 
 def paged_attention(
@@ -179,17 +211,28 @@ def paged_attention(
     new_keys: torch.Tensor | None = None,
     new_values: torch.Tensor | None = None,
     decode_plan: SparseDecodePlan | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention for a flattened batch q [T, Hq, D] -> [T, Hq, D].
 
     The new tokens' K/V must already be in the cache (write_kv). new_keys/new_values [T, Hkv, D]
     are optional copies of them: a prompt with no cached prefix then attends to them directly
     instead of gathering its blocks back out of the cache. decode_plan (from
-    make_decode_plan) lets all layers of a pure-decode step share one plan.
+    make_decode_plan, for the same window) lets all layers of a pure-decode step share one plan.
+    window: a sliding-window layer's, the tokens each query sees (itself included); only
+    those are read, so blocks wholly before every query's window may be freed already.
     """
     if meta.is_pure_decode:
         return decode_attention(
-            q, key_cache, value_cache, meta.block_tables, meta.context_lens, scale, meta.max_context_len, decode_plan
+            q,
+            key_cache,
+            value_cache,
+            meta.block_tables,
+            meta.context_lens,
+            scale,
+            meta.max_context_len,
+            decode_plan,
+            window,
         )
     out = torch.empty_like(q)
     starts, context_lens = meta.query_start_loc_cpu, meta.context_lens_cpu
@@ -211,6 +254,7 @@ def paged_attention(
                 meta.context_lens[seq : last + 1],
                 scale,
                 max(context_lens[seq : last + 1]),
+                window=window,
             )
             seq = last + 1
             continue
@@ -221,10 +265,14 @@ def paged_attention(
         if end - start == context_len and fresh:
             keys, values = new_keys[start:end], new_values[start:end]
         else:
-            num_blocks = -(-context_len // block_size)
-            table = meta.block_tables[seq : seq + 1]
-            keys = _gather_context(key_cache, table, num_blocks, q.dtype)[0, :context_len]
-            values = _gather_context(value_cache, table, num_blocks, q.dtype)[0, :context_len]
-        out[start:end] = _prefill_attention(q[start:end], keys, values, scale)
+            # From the first key the first query sees: with a window, not the blocks before it.
+            first_key = 0 if window is None else max(context_len - (end - start) - window + 1, 0)
+            first = first_key // block_size
+            table = meta.block_tables[seq : seq + 1, first:]
+            num_blocks = -(-context_len // block_size) - first
+            visible = slice(first_key - first * block_size, context_len - first * block_size)
+            keys = _gather_context(key_cache, table, num_blocks, q.dtype)[0, visible]
+            values = _gather_context(value_cache, table, num_blocks, q.dtype)[0, visible]
+        out[start:end] = prefill_attention(q[start:end], keys, values, scale, window)
         seq += 1
     return out

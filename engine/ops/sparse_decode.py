@@ -6,7 +6,8 @@ viewed as a table with one row per (slot, kv_head), and
   scores = torch.sparse.sampled_addmm: q . K[row] only for the rows each query head needs,
   output = F.embedding_bag(mode="sum", per_sample_weights=softmax(scores)): sum p * V[row],
 so K and V are each read once, in place. The row indices depend only on the block tables,
-so one plan serves every layer of a forward pass.
+so one plan serves every layer of a forward pass (one per window: a sliding-window layer's
+query reads only the last `window` positions of its context).
 """
 
 from __future__ import annotations
@@ -25,6 +26,19 @@ with warnings.catch_warnings():
     torch.sparse_csr_tensor(torch.tensor([0, 1]), torch.tensor([0]), torch.ones(1), size=(1, 1))
 
 
+def visible_positions(
+    context_lens: torch.Tensor, length: int, window: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The context positions each sequence's decode query reads, `length` per sequence:
+    (first position [B], padding [B, length] (past the context), positions [B, length] with
+    padding at 0). Sequence i reads from max(0, context_len - window) on (0 without a window)."""
+    context = context_lens.long()
+    first = torch.zeros_like(context) if window is None else (context - window).clamp_(min=0)
+    positions = first[:, None] + torch.arange(length, device=context.device)
+    padding = positions >= context[:, None]
+    return first, padding, positions.masked_fill_(padding, 0)
+
+
 class SparseDecodePlan:
     """Cache-row indices, CSR layout and padding mask for one decode batch."""
 
@@ -36,18 +50,18 @@ class SparseDecodePlan:
         block_size: int,
         num_kv_heads: int,
         num_heads: int,
+        window: int | None = None,
     ):
+        """window: the tokens each query sees, itself included (a sliding-window layer's);
+        None: its whole context."""
         batch = block_tables.shape[0]
         device = block_tables.device
         group = num_heads // num_kv_heads
-        length = max_context_len
-        num_blocks = -(-length // block_size)
-        offsets = torch.arange(block_size, device=device)
-        slots = block_tables[:, :num_blocks].long()[:, :, None] * block_size + offsets
-        slots = slots.view(batch, num_blocks * block_size)[:, :length]
-        padding = torch.arange(length, device=device)[None, :] >= context_lens[:, None]
+        length = max_context_len if window is None else min(max_context_len, window)
+        first, padding, positions = visible_positions(context_lens, length, window)
+        slots = block_tables.gather(1, torch.div(positions, block_size, rounding_mode="floor")).long() * block_size
         # Padding points at row 0 (always valid); its softmax weight is exactly 0.
-        slots = slots.masked_fill(padding, 0)
+        slots = (slots + positions % block_size).masked_fill_(padding, 0)
         kv_head_of = torch.div(torch.arange(num_heads, device=device), group, rounding_mode="floor")
         self.rows = (slots[:, None, :] * num_kv_heads + kv_head_of[None, :, None]).reshape(batch * num_heads, length)
         self.padding = padding[:, None, :].expand(batch, num_heads, length).reshape(batch * num_heads, length)

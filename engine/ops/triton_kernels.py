@@ -35,6 +35,7 @@ def _paged_decode_kernel(
     context_lens_ptr,
     out_ptr,
     scale,
+    window,
     stride_qb,
     stride_qh,
     stride_kblock,
@@ -73,15 +74,18 @@ def _paged_decode_kernel(
 
     context_len = tl.load(context_lens_ptr + seq)
     num_blocks = tl.cdiv(context_len, BLOCK_SIZE)
+    # A sliding window (window > 0): only the last `window` tokens, from the block holding
+    # the first of them (the blocks before it may be freed already); else from token 0.
+    first_token = tl.maximum(context_len - tl.where(window > 0, window, context_len), 0)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
 
-    for block_index in range(0, num_blocks):
+    for block_index in range(first_token // BLOCK_SIZE, num_blocks):
         # int64: block * stride overflows int32 for large caches.
         block_id = tl.load(block_tables_ptr + seq * stride_bt + block_index).to(tl.int64)
         token = block_index * BLOCK_SIZE + offs_n
-        mask_n = (offs_n < BLOCK_SIZE) & (token < context_len)
+        mask_n = (offs_n < BLOCK_SIZE) & (token < context_len) & (token >= first_token)
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k_ptrs = (
             k_ptr + block_id * stride_kblock + offs_n[:, None] * stride_koff + kv_head * stride_khead + offs_d[None, :]
@@ -111,7 +115,7 @@ def _paged_decode_kernel(
             scores = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
         scores = tl.where(mask_n[None, :], scores * scale, float("-inf"))
 
-        # Online softmax: every visited block holds >= 1 valid token, so m_new is finite.
+        # Online softmax: every visited block holds >= 1 visible token, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
@@ -140,8 +144,10 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     key_scales: torch.Tensor | None = None,
     value_scales: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of one new query token per sequence over its paged context.
+    """Attention of one new query token per sequence over its paged context (with a window,
+    only its last `window` tokens, itself included: a sliding-window layer).
 
     q [B, Hq, D]; key_cache/value_cache [num_blocks, block_size, Hkv, D] (one layer);
     block_tables int32 [B, max_blocks] (padding ignored past context_lens); context_lens int32 [B].
@@ -150,6 +156,8 @@ def paged_decode_attention(
     Returns out [B, Hq, D] in q's dtype, accumulated in fp32.
     """
     quantized = key_scales is not None or value_scales is not None
+    if window is not None and window < 1:
+        raise KernelInputError(f"window must be >= 1 token, got {window}")
     check_attention_inputs(q, key_cache, value_cache, block_tables, context_lens, out, quantized)
     if quantized:
         check_scales(key_cache, key_scales, value_scales)
@@ -180,6 +188,7 @@ def paged_decode_attention(
         context_lens,
         out,
         float(scale),
+        int(window or 0),
         q.stride(0),
         q.stride(1),
         key_cache.stride(0),

@@ -4,7 +4,8 @@ each checkpoint tensor it reads. Torch-free: the driver checks a TP size before 
 Megatron's split (as vLLM does it): q/k/v and gate/up are column-parallel (each rank its heads'
 rows, its share of the intermediate rows), o and down row-parallel (the matching input
 columns; one all-reduce each sums the partial outputs), embedding and lm_head split by
-vocabulary rows. When the TP size exceeds the KV heads (GQA), each KV head is replicated on
+vocabulary rows. A mixture of experts splits every expert's intermediate dimension the same way
+(each rank a slice of every expert; the router whole on each, so every rank routes alike). When the TP size exceeds the KV heads (GQA), each KV head is replicated on
 TP / kv_heads ranks: rank r holds KV head r // (TP / kv_heads), the one its query heads read.
 """
 
@@ -55,8 +56,10 @@ def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
     heads, kv_heads, inter = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
     if size < 1:
         raise ConfigError(f"tensor_parallel_size must be >= 1, got {size}")
-    if size > 1 and config.num_experts:  # the experts are not sharded (engine/model/moe.py)
-        raise ConfigError(f"tensor_parallel_size {size} does not support {config.architecture} (mixture of experts)")
+    if config.num_experts and config.moe_intermediate_size % size:  # every expert's share of it
+        raise ConfigError(
+            f"tensor_parallel_size {size} does not divide moe_intermediate_size {config.moe_intermediate_size}"
+        )
     if heads % size:
         raise ConfigError(f"tensor_parallel_size {size} does not divide num_attention_heads {heads}")
     if kv_heads % size and size % kv_heads:
@@ -119,6 +122,7 @@ class ShardPlan:
             num_attention_heads=self.num_heads,
             num_key_value_heads=self.num_kv_heads,
             intermediate_size=self.intermediate_size,
+            moe_intermediate_size=self.config.moe_intermediate_size // self.size,
         )
 
     def checkpoint_slice(self, name: str) -> TensorSlice | None:
@@ -164,4 +168,23 @@ class ShardPlan:
         if sub == "mlp.down_proj.weight":
             start = self.rank * self.intermediate_size
             return 1, start, start + self.intermediate_size
+        return self._expert_slice(sub)
+
+    def _expert_slice(self, sub: str) -> tuple[int, int, int] | None:
+        """A mixture of experts: each expert's gate and up rows, and its down columns, split as a
+        dense MLP's (every rank its share of every expert); the router whole on every rank."""
+        names = self.config.registered.moe_weight_names
+        if names is None or not self.config.num_experts:
+            return None
+        block, gate, up, down = names
+        prefix = f"{block}.experts."
+        if not sub.startswith(prefix):
+            return None  # the router (or a dense layer's MLP, split above)
+        projection = sub[len(prefix) :].partition(".")[2]
+        share = self.config.moe_intermediate_size // self.size
+        start = self.rank * share
+        if projection in (f"{gate}.weight", f"{up}.weight"):
+            return 0, start, start + share
+        if projection == f"{down}.weight":
+            return 1, start, start + share
         return None

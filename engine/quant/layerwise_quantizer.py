@@ -23,8 +23,9 @@ class LayerwiseQuantizer:
         self.scheme = scheme
         self.dtype = dtype
         self.device = torch.device(device)
-        # id(meta placeholder) -> (layer, attribute name)
-        self._owners = {id(getattr(layer, a)): (layer, a) for layer in layers for a in attrs}
+        # id(meta placeholder) -> (layer, attribute name); a module lacking one of attrs (a
+        # mixture-of-experts layer's dense MLP weights: its experts hold theirs) is skipped.
+        self._owners = {id(getattr(layer, a)): (layer, a) for layer in layers for a in attrs if hasattr(layer, a)}
         self._pending: dict[int, tuple[torch.Tensor, int]] = {}  # id -> (full-precision buffer, rows filled)
         self.peak_full_precision_bytes = 0  # the most full-precision matmul bytes alive at once
 

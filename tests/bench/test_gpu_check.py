@@ -24,6 +24,7 @@ CHECKS = [
     "overlap",
     "tensor_parallel",
     "tp_transfer",
+    "architectures",
 ]
 
 

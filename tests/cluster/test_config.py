@@ -17,12 +17,21 @@ BASE = {
 }
 
 
-def test_sliding_window_caps_the_context():
-    assert ModelConfig.from_dict(BASE).max_context_len == 1024
-    assert ModelConfig.from_dict({**BASE, "sliding_window": 256}).max_context_len == 256
+def test_the_sliding_window_windows_the_layers_transformers_windows():
+    """A window is computed, not a cap on the context: Mistral's covers every layer; Qwen2's
+    only with use_sliding_window, from max_window_layers on; Llama has none."""
+    mistral = ModelConfig.from_dict({**BASE, "sliding_window": 256})
+    assert mistral.max_context_len == 1024 and mistral.kv_window == 256
+    assert [mistral.layer_window(i) for i in range(2)] == [256, 256]
+    assert ModelConfig.from_dict(BASE).kv_window is None
     qwen = {**BASE, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 256, "use_sliding_window": False}
-    assert ModelConfig.from_dict(qwen).max_context_len == 1024
-    assert ModelConfig.from_dict(qwen).attention_bias
+    assert ModelConfig.from_dict(qwen).sliding_window is None and ModelConfig.from_dict(qwen).attention_bias
+    mixed = ModelConfig.from_dict({**qwen, "use_sliding_window": True, "max_window_layers": 1})
+    assert [mixed.layer_window(i) for i in range(2)] == [None, 256] and mixed.kv_window is None
+    llama = ModelConfig.from_dict({**BASE, "architectures": ["LlamaForCausalLM"], "sliding_window": 256})
+    assert llama.sliding_window is None
+    with pytest.raises(ConfigError, match="sliding_window must be >= 1"):
+        ModelConfig.from_dict({**BASE, "sliding_window": -4})
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,6 @@ to the other; the pools scale and fail independently; every pool returns to base
 from __future__ import annotations
 
 import json
-import uuid
 
 import grpc
 import openai
@@ -17,75 +16,17 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.cluster.config import ServeConfig
-from splitserve.cluster.control.model_controllers import ModelControllers, hash_seed_of
-from splitserve.cluster.frontend.backend import ServingBackend
-from splitserve.cluster.frontend.grpc.server import GrpcFrontend
-from splitserve.cluster.frontend.http.api import build_http_app
-from splitserve.cluster.frontend.model_catalog import ModelCatalog
 from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.engine.core.block_hash import hash_blocks, root_hash
 from splitserve.proto import load_stubs
-from splitserve.proto.messages.poll_reply import PollReply
-from tests.helpers.cluster import LoopHttpServer, cluster_config, wait_until
+from tests.helpers.cluster import cluster_config, wait_until
 from tests.helpers.model import engine_reference, make_checkpoint
+from tests.helpers.models_deployment import ModelsDeployment
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 pb2, pb2_grpc = load_stubs()
 TIMEOUT_S = 120
 PROMPT = list(range(40, 88))  # 3 full blocks of 16, valid in both vocabularies
-
-
-class TwoModels:
-    """The deployment under test: its controllers, backends, catalog and both frontends."""
-
-    def __init__(self, loop, cfg: ServeConfig):
-        self.loop = loop
-        self.controllers = ModelControllers(cfg, f"test-{uuid.uuid4().hex[:8]}", autoscale=False)
-        loop.run(self.controllers.start(), timeout=300)
-        self.backends: dict[str, ServingBackend] = {}
-        for name, one in cfg.model_deployments():
-            first = next(iter(self.backends.values()), None)
-            client = self.controllers.client(name)
-            self.backends[name] = ServingBackend(
-                one, one.model, controller=client, share_with=first, hash_seed=hash_seed_of(cfg, name)
-            )
-        loop.run(_start_all(self.backends.values()), timeout=300)
-        self.catalog = ModelCatalog.of(*self.backends.values())
-        default = next(iter(self.backends.values()))
-        self.grpc = GrpcFrontend(default, catalog=self.catalog)
-        self.grpc_port = loop.run(self.grpc.start("127.0.0.1", 0))
-        self.http = LoopHttpServer(loop, build_http_app(default, catalog=self.catalog)).__enter__()
-
-    def close(self) -> None:
-        self.http.__exit__(None, None, None)
-        self.loop.run(self.grpc.stop(1.0))
-        for backend in self.backends.values():
-            self.loop.run(backend.shutdown(), timeout=60)
-        self.loop.run(self.controllers.shutdown(), timeout=120)
-
-    def pools(self, model: str) -> dict:
-        return self.controllers.controllers[model].pools
-
-    def baseline(self, timeout_s: float = 30.0) -> None:
-        """Every live replica of both models holds no blocks, pins nothing, runs nothing."""
-
-        def idle() -> bool:
-            for name in self.backends:
-                for pool in self.pools(name).values():
-                    for replica in pool.live_replicas():
-                        s = PollReply.from_bytes(ray.get(replica.handle.poll.remote(), timeout=30))
-                        e = s.engine
-                        if e.num_free_blocks != e.num_blocks or s.num_pinned or e.num_running or e.num_waiting:
-                            return False
-            return True
-
-        wait_until(idle, timeout_s, "block pools not back to baseline", interval_s=0.2)
-
-
-async def _start_all(backends) -> None:
-    for backend in backends:
-        await backend.start()
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +39,7 @@ def models(ray_cluster, models_root, loop):
         num_blocks=64,
         models=[{"model": alpha, "served_model_name": "alpha"}, {"model": beta, "served_model_name": "beta"}],
     )
-    deployment = TwoModels(loop, cfg)
+    deployment = ModelsDeployment(loop, cfg)
     try:
         yield deployment
     finally:

@@ -4,6 +4,8 @@ what the MoE path does not run is refused by name."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import transformers
@@ -12,12 +14,13 @@ from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from splitserve.engine.builtin_models.model_spec import MakeModelError, ModelSpec
 from splitserve.engine.config import ConfigError, EngineConfig, ModelConfig
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.model import moe as moe_module
 from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.model.loader import load_model
 from splitserve.engine.model.moe import route
-from splitserve.engine.parallel.shard_plan import check_tensor_parallel_size
 from splitserve.proto.messages.sampling_params import SamplingParams
-from tests.helpers.model import contiguous_metadata, greedy_generate, make_checkpoint, make_kv_cache
+from tests.helpers.model import greedy_generate, make_checkpoint
+from tests.helpers.transformers_checkpoint import hf_greedy, model_logits, write_transformers_checkpoint
 
 pytestmark = pytest.mark.unit
 
@@ -34,32 +37,8 @@ SHAPE = dict(
 MIXTRAL = dict(**SHAPE, num_local_experts=4, num_experts_per_tok=2)
 
 
-def _write(config, path, seed: int):
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():  # random norms, so a norm loaded into the wrong place shows
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-    model.save_pretrained(path)
-    return model
-
-
 def _prompt(length: int) -> list[int]:
     return torch.randint(0, SHAPE["vocab_size"], (length,), generator=torch.Generator().manual_seed(7)).tolist()
-
-
-def _logits(model, ids: list[int]) -> torch.Tensor:
-    kv_cache, blocks_per_seq = make_kv_cache(model, len(ids))
-    meta = contiguous_metadata([len(ids)], [len(ids)], 16, blocks_per_seq)
-    return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), kv_cache, meta))
-
-
-def _hf_greedy(hf, ids: list[int], max_new_tokens: int) -> list[int]:
-    hf.generation_config.eos_token_id = None  # a random model may pick any id: never stop early
-    mask = torch.ones(1, len(ids), dtype=torch.long)
-    out = hf.generate(torch.tensor([ids]), attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, len(ids) :].tolist()
 
 
 def test_the_router_picks_transformers_experts_ties_included():
@@ -86,18 +65,18 @@ def test_the_router_picks_transformers_experts_ties_included():
 
 
 def test_each_expert_computes_only_the_tokens_routed_to_it(tmp_path, monkeypatch):
-    _write(transformers.MixtralConfig(**MIXTRAL), tmp_path, seed=1)
+    write_transformers_checkpoint(transformers.MixtralConfig(**MIXTRAL), tmp_path, seed=1)
     model, _ = load_model(tmp_path)
     moe = model.layers[0].moe
     seen: list[int] = []
-    real_linear = torch.nn.functional.linear
+    real_linear = moe_module.linear
 
     def counting_linear(x, weight, bias=None):
-        if weight.shape == (2 * moe.inter, moe.hidden):
+        if tuple(weight.shape) == (2 * moe.inter, moe.hidden):
             seen.append(x.shape[0])
         return real_linear(x, weight, bias)
 
-    monkeypatch.setattr(torch.nn.functional, "linear", counting_linear)
+    monkeypatch.setattr(moe_module, "linear", counting_linear)
     moe(torch.randn(10, SHAPE["hidden_size"]), torch.nn.functional.silu)
     assert sum(seen) == 10 * 2 and len(seen) <= 4  # 2 experts per token, one matmul per expert used
 
@@ -105,16 +84,18 @@ def test_each_expert_computes_only_the_tokens_routed_to_it(tmp_path, monkeypatch
 @pytest.mark.parametrize("case", ["mixtral", "mixtral-top1"])
 def test_a_mixtral_checkpoint_matches_transformers(tmp_path, case):
     top_k = 1 if case.endswith("top1") else 2
-    hf = _write(transformers.MixtralConfig(**{**MIXTRAL, "num_experts_per_tok": top_k}), tmp_path, seed=len(case))
+    hf = write_transformers_checkpoint(
+        transformers.MixtralConfig(**{**MIXTRAL, "num_experts_per_tok": top_k}), tmp_path, seed=len(case)
+    )
     model, config = load_model(tmp_path)
     assert config.architecture == "MixtralForCausalLM" and config.num_experts == 4
     assert config.num_experts_per_tok == top_k and config.moe_layers == [0, 1]
-    assert not model.use_scripted_decode()  # decode steps run the eager forward
+    assert model.use_scripted_decode()  # decode steps run the scripted graph, experts included
     ids = _prompt(40)
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(_logits(model, ids), expected, atol=1e-4, rtol=0)
-    assert greedy_generate(model, ids, 12) == _hf_greedy(hf, ids, 12)
+    torch.testing.assert_close(model_logits(model, ids), expected, atol=1e-4, rtol=0)
+    assert greedy_generate(model, ids, 12) == hf_greedy(hf, ids, 12)
 
 
 QWEN3_MOE = dict(
@@ -134,7 +115,7 @@ QWEN3_MOE_CONFIGS = {
 @pytest.mark.parametrize("case", list(QWEN3_MOE_CONFIGS))
 def test_a_qwen3_moe_checkpoint_matches_transformers(tmp_path, case):
     change, sparse = QWEN3_MOE_CONFIGS[case]
-    hf = _write(transformers.Qwen3MoeConfig(**QWEN3_MOE, **change), tmp_path, seed=len(case))
+    hf = write_transformers_checkpoint(transformers.Qwen3MoeConfig(**QWEN3_MOE, **change), tmp_path, seed=len(case))
     model, config = load_model(tmp_path)
     assert config.architecture == "Qwen3MoeForCausalLM" and config.qk_norm
     assert config.moe_layers == sparse and config.norm_topk_prob == change["norm_topk_prob"]
@@ -142,8 +123,8 @@ def test_a_qwen3_moe_checkpoint_matches_transformers(tmp_path, case):
     ids = _prompt(40)
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(_logits(model, ids), expected, atol=1e-4, rtol=0)
-    assert greedy_generate(model, ids, 12) == _hf_greedy(hf, ids, 12)
+    torch.testing.assert_close(model_logits(model, ids), expected, atol=1e-4, rtol=0)
+    assert greedy_generate(model, ids, 12) == hf_greedy(hf, ids, 12)
 
 
 @pytest.mark.parametrize(("arch", "sparse"), [("mixtral", [0, 1]), ("qwen3_moe", [0])])
@@ -155,21 +136,20 @@ def test_make_model_writes_a_moe_checkpoint_that_transformers_computes_alike(tmp
     ids = _prompt(24)
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(_logits(model, ids), expected, atol=1e-4, rtol=0)
-    assert greedy_generate(model, ids, 8) == _hf_greedy(hf, ids, 8)
+    torch.testing.assert_close(model_logits(model, ids), expected, atol=1e-4, rtol=0)
+    assert greedy_generate(model, ids, 8) == hf_greedy(hf, ids, 8)
 
 
 def test_what_the_moe_path_does_not_run_is_refused_by_name():
     raw = {**MIXTRAL, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}
     config = ModelConfig.from_dict(raw)
-    with pytest.raises(ConfigError, match="MixtralForCausalLM .mixture of experts. with weight quantization"):
-        LlamaForCausalLM(config, quantization="int8")
+    prequantized = dataclasses.replace(config, quantization_config={"quant_method": "fp8"})
+    with pytest.raises(ConfigError, match="MixtralForCausalLM .mixture of experts. from a pre-quantized checkpoint"):
+        LlamaForCausalLM(prequantized)
     with pytest.raises(ConfigError, match="num_experts_per_tok must be in 1..4"):
         ModelConfig.from_dict({**raw, "num_experts_per_tok": 5})
     with pytest.raises(MakeModelError, match="--train-steps is not supported for qwen3_moe"):
         ModelSpec(arch="qwen3_moe", train_steps=10)
-    with pytest.raises(ConfigError, match=r"tensor_parallel_size 2 does not support MixtralForCausalLM"):
-        check_tensor_parallel_size(config, 2)
 
 
 def test_an_engine_serves_a_mixtral_checkpoint_as_the_model_computes_it(tmp_path):
@@ -182,3 +162,18 @@ def test_an_engine_serves_a_mixtral_checkpoint_as_the_model_computes_it(tmp_path
     outputs = engine.generate(prompts, params)
     model, _ = load_model(path)
     assert [out.token_ids for out in outputs] == [greedy_generate(model, ids, 10) for ids in prompts]
+
+
+def test_an_engine_serves_a_mixture_of_experts_quantized_as_it_loads(tmp_path):
+    """--quantization int4 on Qwen3-MoE (sparse and dense layers): the experts and the dense
+    MLP become int4 weights; the engine gives the quantized model's own greedy tokens and
+    returns every block."""
+    path = make_checkpoint(tmp_path, "tiny", "qwen3_moe")
+    engine = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=64, quantization="int4"))
+    sparse, dense = engine.model.layers[0], engine.model.layers[1]
+    assert type(sparse.moe.experts[0].down_weight).__name__ == type(dense.down_weight).__name__ == "Int4Weight"
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    (out,) = engine.generate([_prompt(20)], params)
+    model, _ = load_model(path, quantization="int4")
+    assert list(out.token_ids) == greedy_generate(model, _prompt(20), 10)
+    assert engine.kv.num_free_blocks == 64

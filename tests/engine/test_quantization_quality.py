@@ -11,22 +11,14 @@ also checked, for int8, which tracks full precision closely enough to stay on it
 from __future__ import annotations
 
 import pytest
-import torch
 
 from splitserve.cluster.default_model import DEFAULT_SPEC
 from splitserve.engine.builtin_models.model_cache import cached_checkpoint
 from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.engine.model.loader import load_model
-from tests.helpers.model import contiguous_metadata, greedy_generate, make_kv_cache, single_torch_thread
+from tests.helpers.model import greedy_generate, single_torch_thread
+from tests.helpers.quantization_quality import PROMPTS, agreement, collapse_scales
 
-PROMPTS = [
-    "It was the best of times, it was the worst",
-    "Call me Ishmael. Some years ago",
-    "Once upon a time there was",
-    "She opened the door and",
-    "Happy families are all alike;",
-    "The history of the world",
-]
 # On a machine without the cache, the fixture first trains the default model (about 100 s of CPU
 # on 2 quiet cores, 11 min measured on a heavily shared box): a generous safety net for that.
 pytestmark = pytest.mark.timeout(1200)
@@ -57,45 +49,14 @@ def trained():
     return path, sequences, prompt_lens
 
 
-def _argmax_rows(model, ids: list[int]) -> torch.Tensor:
-    cache, blocks_per_seq = make_kv_cache(model, len(ids))
-    meta = contiguous_metadata([len(ids)], [len(ids)], 16, blocks_per_seq)
-    return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), cache, meta)).argmax(-1)
-
-
-def _agreement(model, sequences, prompt_lens) -> float:
-    """Fraction of continuation positions where the model's next-token argmax is the
-    full-precision model's greedy token."""
-    hits = total = 0
-    for ids, start in zip(sequences, prompt_lens):
-        predicted = _argmax_rows(model, ids)[start - 1 : -1]
-        hits += int((predicted == torch.tensor(ids[start:])).sum())
-        total += len(ids) - start
-    return hits / total
-
-
-def _collapse_scales(model) -> None:
-    """The deliberate bug: every matrix quantized per channel, dequantized with one shared scale."""
-    with torch.inference_mode():
-        for layer in model.layers:
-            for attr in layer.LINEAR_WEIGHTS:
-                weight = getattr(layer, attr)
-                if hasattr(weight, "scales_and_zeros"):  # int4: per-group scales
-                    weight.scales_and_zeros[..., 0].fill_(weight.scales_and_zeros[..., 0].float().mean())
-                else:
-                    weight.scale.fill_(weight.scale.mean())
-                    if hasattr(weight, "scale_bf16"):
-                        weight.scale_bf16.copy_(weight.scale)
-
-
 @pytest.mark.parametrize("scheme", ["int8", "fp8", "int4"])
 def test_quantized_model_agrees_with_full_precision_and_a_broken_one_does_not(trained, scheme):
     path, sequences, prompt_lens = trained
     model, _ = load_model(path, quantization=scheme)
-    agreement = _agreement(model, sequences, prompt_lens)
-    assert agreement >= REQUIRED_AGREEMENT[scheme], (scheme, agreement)
-    _collapse_scales(model)
-    broken = _agreement(model, sequences, prompt_lens)
+    agreed = agreement(model, sequences, prompt_lens)
+    assert agreed >= REQUIRED_AGREEMENT[scheme], (scheme, agreed)
+    collapse_scales(getattr(layer, attr) for layer in model.layers for attr in layer.LINEAR_WEIGHTS)
+    broken = agreement(model, sequences, prompt_lens)
     assert broken < REQUIRED_AGREEMENT[scheme], (scheme, broken)
 
 

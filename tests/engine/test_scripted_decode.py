@@ -52,8 +52,9 @@ def _both(model, ids, positions, cache, meta):
 
 @pytest.mark.parametrize("matmul", ["onednn", "blas"])
 # qwen2: a qkv bias and tied embeddings; qwen3: q/k norms; phi3: weights loaded from fused tensors;
-# gemma3: (1 + w) and sandwich norms, GeGLU, scaled embeddings, sliding layers' own rotary
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma3"])
+# gemma3: (1 + w) and sandwich norms, GeGLU, scaled embeddings, sliding layers' own rotary;
+# mixtral / qwen3_moe: the experts (routing, grouped matmuls, index_add_), qwen3_moe's dense layer
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma3", "mixtral", "qwen3_moe"])
 def test_scripted_decode_is_bitwise_the_eager_forward(models_root, monkeypatch, matmul, arch):
     monkeypatch.setenv(CPU_MATMUL_ENV, matmul)
     monkeypatch.delenv(CPU_DECODE_FORWARD_ENV, raising=False)
@@ -101,7 +102,8 @@ def test_a_bad_switch_value_is_a_clear_error(monkeypatch):
     assert cpu_decode_forward() == "eager"
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: its greedy step soft-caps the logits
+# gemma3: its greedy step soft-caps the logits; mixtral: the experts in the scripted step
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "mixtral"])
 def test_scripted_and_eager_engines_generate_the_same(models_root, monkeypatch, arch):
     """Whole engines, both modes of the step: plain greedy (the one-call greedy step), greedy
     with log-probabilities and seeded sampling (the scripted forward, then the sampler) give the

@@ -9,12 +9,10 @@ import torch
 import transformers
 
 from splitserve.engine.builtin_models.model_spec import MakeModelError, ModelSpec
-from splitserve.engine.config import ConfigError, EngineConfig, ModelConfig
-from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.config import ConfigError, ModelConfig
 from splitserve.engine.model.loader import load_model
-from splitserve.proto.messages.invalid_request import InvalidRequestError
-from splitserve.proto.messages.sampling_params import SamplingParams
-from tests.helpers.model import contiguous_metadata, greedy_generate, make_checkpoint, make_kv_cache
+from tests.helpers.model import contiguous_metadata, greedy_generate, make_kv_cache
+from tests.helpers.transformers_checkpoint import hf_greedy, model_logits, write_transformers_checkpoint
 
 SHAPE = dict(
     vocab_size=256,
@@ -32,20 +30,9 @@ CONFIGS = {
 }
 
 
-def _write(config, path, seed: int):
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():  # random norms, so a norm loaded into the wrong place shows
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-    model.save_pretrained(path)
-    return model
-
-
 @pytest.mark.parametrize("case", list(CONFIGS))
 def test_a_transformers_checkpoint_computes_transformers_logits(tmp_path, case):
-    hf = _write(CONFIGS[case](), tmp_path, seed=len(case))
+    hf = write_transformers_checkpoint(CONFIGS[case](), tmp_path, seed=len(case))
     model, config = load_model(tmp_path)
     assert config.qk_norm and config.head_dim == 32
     ids = torch.randint(0, SHAPE["vocab_size"], (40,), generator=torch.Generator().manual_seed(7)).tolist()
@@ -75,27 +62,13 @@ PHI3_CONFIGS = {
 }
 
 
-def _logits(model, ids: list[int]) -> torch.Tensor:
-    kv_cache, blocks_per_seq = make_kv_cache(model, len(ids))
-    meta = contiguous_metadata([len(ids)], [len(ids)], 16, blocks_per_seq)
-    return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), kv_cache, meta))
-
-
-def _hf_greedy(hf, ids: list[int], max_new_tokens: int) -> list[int]:
-    hf.generation_config.eos_token_id = None  # a random model may pick any id: never stop early
-    # An explicit mask: without one generate masks every prompt token equal to pad_token_id.
-    mask = torch.ones(1, len(ids), dtype=torch.long)
-    out = hf.generate(torch.tensor([ids]), attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, len(ids) :].tolist()
-
-
 def _prompt(length: int, vocab_size: int) -> list[int]:
     return torch.randint(0, vocab_size, (length,), generator=torch.Generator().manual_seed(7)).tolist()
 
 
 @pytest.mark.parametrize("case", list(PHI3_CONFIGS))
 def test_a_phi3_checkpoint_splits_its_fused_tensors_and_matches_transformers(tmp_path, case):
-    hf = _write(PHI3_CONFIGS[case](), tmp_path, seed=len(case))
+    hf = write_transformers_checkpoint(PHI3_CONFIGS[case](), tmp_path, seed=len(case))
     names = set(hf.state_dict())
     assert "model.layers.0.self_attn.qkv_proj.weight" in names and "model.layers.0.mlp.gate_up_proj.weight" in names
     model, config = load_model(tmp_path)
@@ -103,8 +76,8 @@ def test_a_phi3_checkpoint_splits_its_fused_tensors_and_matches_transformers(tmp
     ids = _prompt(40, PHI3_SHAPE["vocab_size"])
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(_logits(model, ids), expected, atol=1e-4, rtol=0)
-    assert greedy_generate(model, ids, 12) == _hf_greedy(hf, ids, 12)
+    torch.testing.assert_close(model_logits(model, ids), expected, atol=1e-4, rtol=0)
+    assert greedy_generate(model, ids, 12) == hf_greedy(hf, ids, 12)
 
 
 @pytest.mark.parametrize(
@@ -149,7 +122,7 @@ GEMMA3_CONFIGS = {
 
 @pytest.mark.parametrize("case", list(GEMMA3_CONFIGS))
 def test_a_gemma3_checkpoint_matches_transformers(tmp_path, case):
-    hf = _write(GEMMA3_CONFIGS[case](), tmp_path, seed=len(case))
+    hf = write_transformers_checkpoint(GEMMA3_CONFIGS[case](), tmp_path, seed=len(case))
     model, config = load_model(tmp_path)
     assert config.architecture == "Gemma3ForCausalLM" and config.qk_norm and config.tie_word_embeddings
     assert {"sliding_attention", "full_attention"} <= set(config.layer_types or [])
@@ -157,18 +130,21 @@ def test_a_gemma3_checkpoint_matches_transformers(tmp_path, case):
     ids = _prompt(40, SHAPE["vocab_size"])
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(_logits(model, ids), expected, atol=1e-4, rtol=0)
-    assert greedy_generate(model, ids, 12) == _hf_greedy(hf, ids, 12)
+    torch.testing.assert_close(model_logits(model, ids), expected, atol=1e-4, rtol=0)
+    assert greedy_generate(model, ids, 12) == hf_greedy(hf, ids, 12)
 
 
-def test_gemma3_context_is_capped_at_its_window_and_what_it_cannot_run_is_refused():
+def test_gemma3_windows_its_sliding_layers_and_what_it_cannot_run_is_refused():
     raw = {**SHAPE, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "sliding_window": 64}
-    config = ModelConfig.from_dict(raw)
-    assert config.max_context_len == 64  # a windowed layer: full attention is exact only within it
-    with pytest.raises(ConfigError, match="its sliding window"):
-        config.resolve_max_model_len(65)
+    # The window is computed (tests/engine/test_sliding_window.py), not a cap on the context;
+    # a global layer sees everything, so no KV block ever falls out of every layer's view.
+    config = ModelConfig.from_dict({**raw, "layer_types": ["sliding_attention", "full_attention"]})
+    assert config.max_context_len == SHAPE["max_position_embeddings"] and config.kv_window is None
+    assert [config.layer_window(i) for i in range(2)] == [64, None]
+    every_local = ModelConfig.from_dict(raw)  # sliding_window_pattern 6: both layers local
+    assert every_local.kv_window == 64
     every_layer_global = ModelConfig.from_dict({**raw, "layer_types": ["full_attention"] * 2})
-    assert every_layer_global.max_context_len == SHAPE["max_position_embeddings"]
+    assert every_layer_global.sliding_window is None
     refused = {
         "attn_logit_softcapping": ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping 50.0"),
         "activation": ({"hidden_activation": "silu"}, "hidden_activation 'silu' is not supported"),
@@ -181,13 +157,3 @@ def test_gemma3_context_is_capped_at_its_window_and_what_it_cannot_run_is_refuse
     for change, named in refused.values():
         with pytest.raises(ConfigError, match=named):
             ModelConfig.from_dict({**raw, **change})
-
-
-def test_a_gemma3_engine_refuses_a_request_beyond_its_window(tmp_path):
-    """make-model's gemma3 (window 512 of 1024 positions, sliding and global layers): the
-    engine serves within the window and names the window's cap beyond it."""
-    engine = LLMEngine(EngineConfig(model=str(make_checkpoint(tmp_path, "tiny", "gemma3")), num_kv_blocks=64))
-    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    assert len(engine.generate([[5] * 492], params)[0].token_ids) == 20  # 512: exactly the window
-    with pytest.raises(InvalidRequestError, match="exceeds the model's context of 512 tokens"):
-        engine.generate([[5] * 493], params)

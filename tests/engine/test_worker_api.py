@@ -10,9 +10,9 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.proto.messages.engine_stats import EngineStats
-from splitserve.proto.messages.handoff import PrefillResult
 from splitserve.proto.messages.kv_events import STORED
 from splitserve.proto.messages.sampling_params import SamplingParams
+from tests.helpers.handoff import finish_all, hand_off, run_prefill
 
 BOTH_SCHEDULINGS = True  # every engine test runs with async scheduling and without (conftest.py)
 
@@ -34,48 +34,6 @@ def assert_baseline(engine: LLMEngine) -> None:
 def prompts() -> list[list[int]]:
     # shorter than a block, exactly one block, exactly three blocks, and ragged lengths
     return [[(7 * i + 3 * n) % 400 + 20 for i in range(n)] for n in (3, 16, 48, 21, 70)]
-
-
-def run_prefill(engine: LLMEngine, ids: list[int], params: SamplingParams, request_id: str) -> RequestOutput:
-    engine.add_sequence(engine.make_sequence(None, ids, params, request_id, prefill_only=True))
-    for _ in range(100):
-        outs = engine.step()
-        if outs:
-            return outs[0]  # a prefill-only request has one output: its first token
-    raise AssertionError("prefill did not finish")
-
-
-def hand_off(prefill: LLMEngine, decode: LLMEngine, ids, params, request_id) -> tuple[RequestOutput, list[int]]:
-    """What the workers do over the wire: reserve on decode, prefill, copy the missing blocks,
-    unpin them on prefill, admit on decode. Returns the first output and the received indices."""
-    seq = decode.make_sequence(None, ids, params, request_id)
-    reservation = decode.reserve_prompt_blocks(seq)
-    assert reservation is not None
-    first = run_prefill(prefill, ids, params, request_id)
-    src_ids = prefill.prompt_block_ids(request_id, reservation.block_indices)
-    decode.kv_cache.kv[:, :, reservation.block_ids] = prefill.kv_cache.kv[:, :, src_ids]
-    prefill.release_prefilled(request_id)
-    result = PrefillResult(
-        request_id=request_id,
-        first_token=first.new_token_ids[0],
-        first_logprob=first.new_logprobs[0] if first.new_logprobs else None,
-        num_cached_tokens=first.num_cached_tokens,
-        num_blocks_sent=len(reservation.block_indices),
-        num_bytes_sent=0,
-        prefill_seconds=0.0,
-        transfer_seconds=0.0,
-    )
-    out = decode.admit_prefilled(request_id, result)
-    return out, reservation.block_indices
-
-
-def finish_all(engine: LLMEngine, outputs: dict[str, list[RequestOutput]]) -> None:
-    for _ in range(200):
-        if not engine.has_unfinished():
-            return
-        for out in engine.step():
-            outputs[out.request_id].append(out)
-    raise AssertionError("requests did not finish")
 
 
 def test_handoff_by_hand_matches_colocated(tiny_model):

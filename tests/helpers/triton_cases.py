@@ -19,8 +19,8 @@ import torch
 _DTYPE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
 
-def reference_decode_attention(q, key_cache, value_cache, block_tables, context_lens, scale):
-    """Dense fp64 attention over each sequence's gathered context."""
+def reference_decode_attention(q, key_cache, value_cache, block_tables, context_lens, scale, window=None):
+    """Dense fp64 attention over each sequence's gathered context (its last `window` tokens)."""
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_q_heads // num_kv_heads
@@ -34,6 +34,9 @@ def reference_decode_attention(q, key_cache, value_cache, block_tables, context_
         values = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].double()
         keys = keys.repeat_interleave(group, dim=1)
         values = values.repeat_interleave(group, dim=1)
+        if window is not None:
+            first = max(length - window, 0)
+            keys, values = keys[first:], values[first:]
         scores = torch.einsum("hd,lhd->hl", q[seq].double(), keys) * scale
         out[seq] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), values)
     return out
@@ -123,6 +126,53 @@ def case_decode_reads_layer_view_of_full_cache():
     out = paged_decode_attention(q, kv[1, 0], kv[1, 1], block_tables, lens, 0.3)
     expected = reference_decode_attention(q, kv[1, 0], kv[1, 1], block_tables, lens, 0.3)
     assert torch.allclose(out.double(), expected, atol=1e-5)
+
+
+def _check_windowed_decode(context_lens, window, num_q_heads, num_kv_heads, head_dim, block_size, dtype):
+    """A sliding-window layer's decode: the kernel reads only each sequence's last `window`
+    tokens. The table entries wholly before a window point at a NaN block, as a freed block
+    (engine/core/kv_cache_manager.py) may hold anything: one read of it would show."""
+    from splitserve.engine.ops.attention import paged_decode_attention_torch
+    from splitserve.engine.ops.triton_kernels import paged_decode_attention
+
+    q, key_cache, value_cache, block_tables, lens = _random_paged_problem(
+        context_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed=4
+    )
+    expected = reference_decode_attention(q, key_cache, value_cache, block_tables, lens, 0.4, window)
+    freed = key_cache.shape[0]
+    key_cache = torch.cat((key_cache, torch.full_like(key_cache[:1], float("nan"))))
+    value_cache = torch.cat((value_cache, torch.full_like(value_cache[:1], float("nan"))))
+    for seq, length in enumerate(context_lens):
+        block_tables[seq, : max(length - window, 0) // block_size] = freed
+    out = paged_decode_attention(q, key_cache, value_cache, block_tables, lens, 0.4, window=window)
+    # The torch paths: the batch (CPU fp32: the sparse plan; else gather + SDPA) and one sequence.
+    torch_batch = paged_decode_attention_torch(q, key_cache, value_cache, block_tables, lens, 0.4, window=window)
+    torch_single = torch.cat(
+        [
+            paged_decode_attention_torch(
+                q[i : i + 1], key_cache, value_cache, block_tables[i : i + 1], lens[i : i + 1], 0.4, window=window
+            )
+            for i in range(len(context_lens))
+        ]
+    )
+    tolerance = _DTYPE_TOLERANCE[dtype]
+    for name, result in (("triton", out), ("torch batch", torch_batch), ("torch single", torch_single)):
+        error = (result.double() - expected).abs().max().item()
+        assert error <= tolerance, f"{name}: max abs error {error} > {tolerance}"
+
+
+def case_sliding_window_decode_both_paths():
+    # Broadcast-sum tiles; windows ending mid-block, on a block edge, and longer than a context.
+    _check_windowed_decode(
+        [3, 13, 26, 41], 9, num_q_heads=4, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32
+    )
+    _check_windowed_decode(
+        [17, 40, 64], 16, num_q_heads=8, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32
+    )
+
+
+def case_sliding_window_decode_half_precision():
+    _check_windowed_decode([30, 7], 10, num_q_heads=6, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float16)
 
 
 def case_gather_scatter_round_trip():
