@@ -66,8 +66,10 @@ def run_follower(
     threads: int,
     conn: Connection,
     extension: FollowerExtensionFactory | None = None,
+    own_device: bool = False,
 ) -> None:
-    """The spawned process's entry point (multiprocessing spawn: a fresh interpreter)."""
+    """The spawned process's entry point (multiprocessing spawn: a fresh interpreter), and a
+    Ray rank actor's (own_device: its CUDA_VISIBLE_DEVICES holds its own GPU only)."""
     _exit_with_parent()
     if threads > 0:
         torch.set_num_threads(threads)
@@ -77,7 +79,7 @@ def run_follower(
         if config.dtype is not None:
             model_config.dtype = config.dtype
         plan = ShardPlan(model_config, size, rank)
-        device = rank_device(config.device, rank, size)
+        device = rank_device(config.device, rank, size, own_device)
         store = dist.TCPStore(host, port, size, is_master=False, timeout=_timeout(config))
         conn.send((ALIVE, None))
         group = TensorParallelGroup.join(plan, device, store, host, config.tensor_parallel_timeout_s)
