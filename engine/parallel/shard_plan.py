@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from splitserve.engine.config import ConfigError, EngineConfig, ModelConfig
 from splitserve.engine.model.checkpoint import TensorSlice
+from splitserve.engine.quant.int4_groups import group_size_for
 
 _Q = ("self_attn.q_proj.weight", "self_attn.q_proj.bias")
 _KV = ("self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight", "self_attn.v_proj.bias")
@@ -42,7 +43,6 @@ def refuse_unsupported(config: EngineConfig) -> None:
     """What a tensor-parallel engine does not do yet, refused by name in one line."""
     size = config.tensor_parallel_size
     refused = {
-        f"--quantization {config.quantization}": config.quantization != "none",
         "speculative decoding": config.speculative.enabled,
         "the host KV tier (kv_offloading_size)": config.kv_offloading_size > 0,
     }
@@ -69,6 +69,32 @@ def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
         )
     if inter % size:
         raise ConfigError(f"tensor_parallel_size {size} does not divide intermediate_size {inter}")
+
+
+def check_quantized_split(config: ModelConfig, size: int, quantization: str) -> None:
+    """Quantization groups run along a weight's inputs; a row-parallel weight (o_proj, down_proj)
+    gives each rank 1/size of its inputs, which must be whole groups (engine/parallel/
+    quantized_shards.py). A one-line ConfigError naming the numbers when they are not.
+    Per-channel scales (int8, fp8) split whatever the size."""
+    stored = config.checkpoint_scheme  # a pre-quantized checkpoint's groups are its own
+    if size == 1 or (stored is None and quantization != "int4"):
+        return
+    if stored is not None and stored.strategy != "group":
+        return
+    scheme = "int4" if stored is None else stored.scheme
+    inputs = {"o_proj": config.num_attention_heads * config.head_dim, "down_proj": config.intermediate_size}
+    if config.num_experts:
+        inputs["the experts' down_proj"] = config.moe_intermediate_size
+    for projection, width in inputs.items():
+        try:
+            group = group_size_for(width) if stored is None else stored.group_size
+        except ValueError:
+            continue  # int4 cannot hold this layer at any TP size: the load says so
+        if group and (width // size) % group:
+            raise ConfigError(
+                f"{scheme} quantization groups of {group} inputs cannot be split over tensor_parallel_size "
+                f"{size}: {projection} has {width} inputs, {width // size} per rank"
+            )
 
 
 @dataclass(frozen=True)
