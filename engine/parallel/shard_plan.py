@@ -12,9 +12,11 @@ TP / kv_heads ranks: rank r holds KV head r // (TP / kv_heads), the one its quer
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from splitserve.engine.config import ConfigError, EngineConfig, ModelConfig
+from splitserve.engine.config import CPU_DECODE_FORWARD_ENV, ConfigError, EngineConfig, ModelConfig
 from splitserve.engine.model.checkpoint import TensorSlice
 from splitserve.engine.quant.int4_groups import group_size_for
 
@@ -39,16 +41,19 @@ def kv_head_range(num_kv_heads: int, size: int, rank: int) -> range:
     return range(rank * share, (rank + 1) * share)
 
 
-def refuse_unsupported(config: EngineConfig) -> None:
-    """What a tensor-parallel engine does not do yet, refused by name in one line."""
+def refuse_unsupported(config: EngineConfig, environ: Mapping[str, str] = os.environ) -> None:
+    """What a tensor-parallel engine does not do, refused by name in one line. The scripted CPU
+    decode step is one TorchScript call with no place for the collectives: a TP engine runs the
+    eager step, and asking for the scripted one by name is refused rather than ignored."""
     size = config.tensor_parallel_size
+    scripted = environ.get(CPU_DECODE_FORWARD_ENV, "").strip().lower() == "scripted"
     refused = {
-        "speculative decoding": config.speculative.enabled,
-        "the host KV tier (kv_offloading_size)": config.kv_offloading_size > 0,
+        f"the scripted CPU decode step ({CPU_DECODE_FORWARD_ENV}=scripted; unset it or set eager)": scripted
+        and not str(config.device).startswith("cuda"),
     }
     for what, applies in refused.items():
         if size > 1 and applies:
-            raise ConfigError(f"tensor_parallel_size {size} does not support {what} yet")
+            raise ConfigError(f"tensor_parallel_size {size} does not support {what}")
 
 
 def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:

@@ -44,9 +44,11 @@ from splitserve.engine.parallel.follower_replies import ReplyListener
 from splitserve.engine.parallel.shard_plan import ShardPlan
 from splitserve.engine.parallel.step_broadcast import (
     COMMAND,
+    HOST_KV,
     LOGITS,
     STOP,
     CommandHeader,
+    HostCopyHeader,
     LogitsHeader,
     broadcast_forward,
     forward_header,
@@ -205,6 +207,11 @@ class TensorParallelRanks:
                 self._failure = f"{type(exc).__name__}: {exc}"
                 self.close()
             raise
+
+    def send_host_copy(self, op: str, host_slots: list[int], device_blocks: list[int]) -> None:
+        """Have every follower make the host KV tier's copy on its own KV heads, after the
+        forwards sent before and before those sent after (tp_host_kv.py)."""
+        self._send(HostCopyHeader(HOST_KV, op, list(host_slots), list(device_blocks)))
 
     def command(self, payload) -> None:
         """Hand payload to every follower's extension, after what was sent before (any thread;
