@@ -46,6 +46,11 @@ class ConfigError(ValueError):
     """A model directory or configuration value that splitserve cannot use."""
 
 
+# The scripted CPU decode step's switch (engine/model/scripted_decode.py); torch-free here, so
+# the tensor-parallel start-up check (engine/parallel/shard_plan.py) reads it too.
+CPU_DECODE_FORWARD_ENV = "SPLITSERVE_CPU_DECODE_FORWARD"
+
+
 def async_scheduling_pays(device: str, scripted_decode: bool = False) -> bool:
     """Where async scheduling is on unless configured: a CUDA device, and a CPU engine whose
     decode steps run as one TorchScript call that holds no GIL (scripted_decode:

@@ -26,6 +26,7 @@ from splitserve.engine.ops.host_kv_cache import HostKVCache, num_host_blocks
 from splitserve.engine.ops.kv_cache import KVCache
 from splitserve.engine.paged_engine import PagedEngine
 from splitserve.engine.parallel.follower_extension import FollowerExtensionFactory
+from splitserve.engine.parallel.tp_host_kv import TensorParallelHostKV
 from splitserve.engine.parallel.tp_model import launch_tensor_parallel
 from splitserve.engine.parallel.tp_ranks import FollowerLauncher, TensorParallelRanks
 from splitserve.engine.speculative.speculator import Speculator
@@ -80,7 +81,11 @@ class LLMEngine(PagedEngine):
             Speculator.for_engine(config, model_config.vocab_size),
             kv_block_bytes=kv_bytes_per_block(*sizing),
             num_host_blocks=num_host_blocks(kv_cache, config.kv_offloading_size),
-            make_host_mover=lambda num_host: HostKVCache(kv_cache, num_host),
+            make_host_mover=lambda num_host: (
+                HostKVCache(kv_cache, num_host)
+                if self.tensor_parallel is None
+                else TensorParallelHostKV(kv_cache, num_host, self.tensor_parallel)
+            ),
         )
 
     def close(self) -> None:

@@ -40,8 +40,17 @@ class TensorParallelRankActor:
 
         conn = Client(start.address, authkey=start.authkey)
         conn.send(self.rank)
+        # Ray gave this actor its own GPU (CUDA_VISIBLE_DEVICES): it is cuda:0 here, whatever the rank.
         run_follower(
-            self.rank, start.size, start.host, start.store_port, start.config, start.threads, conn, start.extension
+            self.rank,
+            start.size,
+            start.host,
+            start.store_port,
+            start.config,
+            start.threads,
+            conn,
+            start.extension,
+            own_device=True,
         )
 
     def node(self) -> str:

@@ -83,11 +83,17 @@ def _check_tensor_parallel(name, pool, cfg: ServeConfig, model_dir: str, model_c
     naming the numbers, not in every rank of every replica."""
     from splitserve.cluster.control.worker_pool import engine_config_for
     from splitserve.engine.config import ConfigError, EngineConfig
-    from splitserve.engine.parallel.shard_plan import check_tensor_parallel_size, refuse_unsupported
+    from splitserve.engine.parallel.shard_plan import (
+        check_quantized_split,
+        check_tensor_parallel_size,
+        refuse_unsupported,
+    )
 
     try:
         check_tensor_parallel_size(model_config, pool.tensor_parallel_size)
-        refuse_unsupported(EngineConfig(**engine_config_for(cfg, pool, model_dir)))
+        engine_config = EngineConfig(**engine_config_for(cfg, pool, model_dir))
+        refuse_unsupported(engine_config)
+        check_quantized_split(model_config, pool.tensor_parallel_size, engine_config.quantization)
     except ConfigError as exc:
         raise PreflightError(f"{name}: {exc}") from None
 

@@ -14,6 +14,8 @@ from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.model.scripted_decode import cpu_decode_forward
 from splitserve.engine.ops.kv_cache import DTYPE_BY_NAME
 from splitserve.engine.ops.onednn_packed_weight import cpu_matmul
+from splitserve.engine.parallel.quantized_shards import quantized_read_slice, shard_quantized
+from splitserve.engine.parallel.shard_plan import check_quantized_split
 from splitserve.engine.quant.prequantized_weights import prequantized_weights
 
 if TYPE_CHECKING:
@@ -41,8 +43,9 @@ def load_model(
     splitserve cannot run, e.g. an unsupported architecture.
 
     tensor_parallel: this rank's group; the model is then its shard, each tensor read as only
-    this rank's slice of the file (engine/parallel/shard_plan.py), with no scripted decode step.
-    Quantized weights are refused there: their scales and int4 groups do not shard yet.
+    this rank's slice of the file (engine/parallel/shard_plan.py), with no scripted decode step;
+    quantized, it holds exactly its slice of TP 1's values and scales
+    (engine/parallel/quantized_shards.py).
     """
     root = require_model_dir(model_dir)
     config = ModelConfig.from_pretrained(root)
@@ -53,24 +56,25 @@ def load_model(
     if quantization not in QUANTIZATIONS:
         raise CheckpointError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     stored = config.checkpoint_scheme  # a pre-quantized checkpoint runs in its own scheme
-    if tensor_parallel is not None and (quantization != "none" or stored is not None):
-        scheme = quantization if stored is None else f"{stored.scheme} (pre-quantized)"
+    if stored is not None and quantization not in ("none", stored.scheme):
         raise CheckpointError(
-            f"quantized weights ({scheme}) with tensor_parallel_size {tensor_parallel.size}: "
-            "sharding quantized weights is not supported yet"
+            f"{root} is quantized as {stored.scheme} ({stored.method} {stored.format}); "
+            f"--quantization {quantization} disagrees (leave it unset)"
         )
-    if tensor_parallel is None:
+    scheme = quantization if stored is None else stored.scheme
+    plan = None if tensor_parallel is None else tensor_parallel.plan
+    if plan is None:
         weights = iterate_weights(root)
-    else:  # only this rank's slice of each tensor is read from the files
-        weights = iterate_weights(root, tensor_parallel.plan.checkpoint_slice)
+    elif scheme == "none":  # only this rank's slice of each tensor is read from the files
+        weights = iterate_weights(root, plan.checkpoint_slice)
+    else:  # what a rank must quantize or assemble whole first is read whole (quantized_shards.py)
+        check_quantized_split(config, plan.size, scheme)
+        weights = iterate_weights(root, quantized_read_slice(plan, scheme, stored is not None))
     if stored is not None:
-        if quantization not in ("none", stored.scheme):
-            raise CheckpointError(
-                f"{root} is quantized as {stored.scheme} ({stored.method} {stored.format}); "
-                f"--quantization {quantization} disagrees (leave it unset)"
-            )
         quantization = stored.scheme
         weights = prequantized_weights(weights, stored)
+    if plan is not None and scheme != "none":
+        weights = shard_quantized(weights, plan, scheme, stored is not None)
     weight_files(root)  # fail on missing weight files before allocating the model
     model_class = _model_class(config)
     model = model_class(

@@ -25,6 +25,7 @@ import warnings
 
 import torch
 
+from splitserve.engine.config import CPU_DECODE_FORWARD_ENV
 from splitserve.engine.model.decode_graph import DecodeGraph
 from splitserve.engine.model.layers import DecoderLayer
 from splitserve.engine.ops.onednn_packed_weight import OneDnnPackedWeight
@@ -33,7 +34,6 @@ logger = logging.getLogger(__name__)
 
 
 # SPLITSERVE_CPU_DECODE_FORWARD=eager keeps the eager forward (the benchmark's A/B switch).
-CPU_DECODE_FORWARD_ENV = "SPLITSERVE_CPU_DECODE_FORWARD"
 CPU_DECODE_FORWARDS = ("scripted", "eager")
 
 

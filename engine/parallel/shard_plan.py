@@ -12,10 +12,13 @@ TP / kv_heads ranks: rank r holds KV head r // (TP / kv_heads), the one its quer
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from splitserve.engine.config import ConfigError, EngineConfig, ModelConfig
+from splitserve.engine.config import CPU_DECODE_FORWARD_ENV, ConfigError, EngineConfig, ModelConfig
 from splitserve.engine.model.checkpoint import TensorSlice
+from splitserve.engine.quant.int4_groups import group_size_for
 
 _Q = ("self_attn.q_proj.weight", "self_attn.q_proj.bias")
 _KV = ("self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight", "self_attn.v_proj.bias")
@@ -38,17 +41,19 @@ def kv_head_range(num_kv_heads: int, size: int, rank: int) -> range:
     return range(rank * share, (rank + 1) * share)
 
 
-def refuse_unsupported(config: EngineConfig) -> None:
-    """What a tensor-parallel engine does not do yet, refused by name in one line."""
+def refuse_unsupported(config: EngineConfig, environ: Mapping[str, str] = os.environ) -> None:
+    """What a tensor-parallel engine does not do, refused by name in one line. The scripted CPU
+    decode step is one TorchScript call with no place for the collectives: a TP engine runs the
+    eager step, and asking for the scripted one by name is refused rather than ignored."""
     size = config.tensor_parallel_size
+    scripted = environ.get(CPU_DECODE_FORWARD_ENV, "").strip().lower() == "scripted"
     refused = {
-        f"--quantization {config.quantization}": config.quantization != "none",
-        "speculative decoding": config.speculative.enabled,
-        "the host KV tier (kv_offloading_size)": config.kv_offloading_size > 0,
+        f"the scripted CPU decode step ({CPU_DECODE_FORWARD_ENV}=scripted; unset it or set eager)": scripted
+        and not str(config.device).startswith("cuda"),
     }
     for what, applies in refused.items():
         if size > 1 and applies:
-            raise ConfigError(f"tensor_parallel_size {size} does not support {what} yet")
+            raise ConfigError(f"tensor_parallel_size {size} does not support {what}")
 
 
 def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
@@ -69,6 +74,32 @@ def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
         )
     if inter % size:
         raise ConfigError(f"tensor_parallel_size {size} does not divide intermediate_size {inter}")
+
+
+def check_quantized_split(config: ModelConfig, size: int, quantization: str) -> None:
+    """Quantization groups run along a weight's inputs; a row-parallel weight (o_proj, down_proj)
+    gives each rank 1/size of its inputs, which must be whole groups (engine/parallel/
+    quantized_shards.py). A one-line ConfigError naming the numbers when they are not.
+    Per-channel scales (int8, fp8) split whatever the size."""
+    stored = config.checkpoint_scheme  # a pre-quantized checkpoint's groups are its own
+    if size == 1 or (stored is None and quantization != "int4"):
+        return
+    if stored is not None and stored.strategy != "group":
+        return
+    scheme = "int4" if stored is None else stored.scheme
+    inputs = {"o_proj": config.num_attention_heads * config.head_dim, "down_proj": config.intermediate_size}
+    if config.num_experts:
+        inputs["the experts' down_proj"] = config.moe_intermediate_size
+    for projection, width in inputs.items():
+        try:
+            group = group_size_for(width) if stored is None else stored.group_size
+        except ValueError:
+            continue  # int4 cannot hold this layer at any TP size: the load says so
+        if group and (width // size) % group:
+            raise ConfigError(
+                f"{scheme} quantization groups of {group} inputs cannot be split over tensor_parallel_size "
+                f"{size}: {projection} has {width} inputs, {width // size} per rank"
+            )
 
 
 @dataclass(frozen=True)

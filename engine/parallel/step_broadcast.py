@@ -23,6 +23,7 @@ FORWARD = "forward"  # run the model on the broadcast batch (writes its KV into 
 LOGITS = "logits"  # compute this rank's vocabulary rows' logits for the broadcast hidden rows
 STOP = "stop"  # leave the loop and exit
 COMMAND = "command"  # hand the payload to the rank's FollowerExtension (follower_extension.py)
+HOST_KV = "host_kv"  # copy blocks between the rank's device KV cache and its host KV tier
 
 
 class ForwardHeader(NamedTuple):
@@ -43,6 +44,16 @@ class LogitsHeader(NamedTuple):
 class CommandHeader(NamedTuple):
     kind: str
     payload: Any
+
+
+class HostCopyHeader(NamedTuple):
+    """The host KV tier's copy on every rank (its own KV heads): "save" device blocks to host
+    slots, or "load" host slots into device blocks; the driver's scheduler picked both lists."""
+
+    kind: str
+    op: str
+    host_slots: list[int]
+    device_blocks: list[int]
 
 
 def forward_header(input_ids: torch.Tensor, meta: AttentionMetadata, rank_work: Any = None) -> ForwardHeader:

@@ -5,6 +5,9 @@ It exits when the driver says stop, when its pipe closes, when a collective fail
 out, and -- whatever it is doing -- when the driver process dies: a watchdog thread waits on
 the parent's sentinel and ends the process, so no rank outlives its driver.
 
+With a host KV tier (kv_offloading_size) the rank keeps its own KV heads' evicted blocks in
+host memory, saving and loading the blocks the driver's scheduler names (tp_host_kv.py).
+
 With an extension (follower_extension.py) the rank also runs it: a forward's work becomes
 that forward's per-layer callback, a command goes to it between forwards, and its replies go
 back over the same pipe.
@@ -24,6 +27,7 @@ import torch.distributed as dist
 
 from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.model.loader import load_model
+from splitserve.engine.ops.host_kv_cache import HostKVCache, num_host_blocks
 from splitserve.engine.ops.kv_cache import KVCache
 from splitserve.engine.parallel.follower_extension import FollowerContext, FollowerExtension, FollowerExtensionFactory
 from splitserve.engine.parallel.follower_replies import REPLY
@@ -31,6 +35,7 @@ from splitserve.engine.parallel.shard_plan import ShardPlan
 from splitserve.engine.parallel.step_broadcast import (
     COMMAND,
     FORWARD,
+    HOST_KV,
     LOGITS,
     STOP,
     receive_forward,
@@ -66,8 +71,10 @@ def run_follower(
     threads: int,
     conn: Connection,
     extension: FollowerExtensionFactory | None = None,
+    own_device: bool = False,
 ) -> None:
-    """The spawned process's entry point (multiprocessing spawn: a fresh interpreter)."""
+    """The spawned process's entry point (multiprocessing spawn: a fresh interpreter), and a
+    Ray rank actor's (own_device: its CUDA_VISIBLE_DEVICES holds its own GPU only)."""
     _exit_with_parent()
     if threads > 0:
         torch.set_num_threads(threads)
@@ -77,7 +84,7 @@ def run_follower(
         if config.dtype is not None:
             model_config.dtype = config.dtype
         plan = ShardPlan(model_config, size, rank)
-        device = rank_device(config.device, rank, size)
+        device = rank_device(config.device, rank, size, own_device)
         store = dist.TCPStore(host, port, size, is_master=False, timeout=_timeout(config))
         conn.send((ALIVE, None))
         group = TensorParallelGroup.join(plan, device, store, host, config.tensor_parallel_timeout_s)
@@ -85,6 +92,10 @@ def run_follower(
             config.model, dtype=config.dtype, device=device, quantization=config.quantization, tensor_parallel=group
         )
         kv_cache = KVCache(plan.local_config, config)
+        # The host KV tier's slots for this rank's KV heads: as many as the driver's (every
+        # rank's blocks are the same size), kv_offloading_size GiB per rank.
+        slots = num_host_blocks(kv_cache, config.kv_offloading_size)
+        host_kv = HostKVCache(kv_cache, slots) if slots else None
     except Exception as exc:  # the driver reports it as the engine's start-up error
         conn.send((FAILED, f"tensor-parallel rank {rank}: {exc}"))
         return
@@ -93,7 +104,7 @@ def run_follower(
     try:
         if extension is not None:
             ext = extension(FollowerContext(rank, size, kv_cache, _replier(conn)))
-        _serve(model, kv_cache, group, conn, ext)
+        _serve(model, kv_cache, host_kv, group, conn, ext)
     except Exception as exc:  # a collective failed or timed out: the driver sees its own error
         logger.error("tensor-parallel rank %d stops: %s", rank, exc)
     finally:
@@ -115,7 +126,14 @@ def _replier(conn: Connection):
     return reply
 
 
-def _serve(model, kv_cache: KVCache, group: TensorParallelGroup, conn: Connection, ext: FollowerExtension | None):
+def _serve(
+    model,
+    kv_cache: KVCache,
+    host_kv: HostKVCache | None,
+    group: TensorParallelGroup,
+    conn: Connection,
+    ext: FollowerExtension | None,
+):
     hidden_size, dtype = model.config.hidden_size, model.dtype
     with torch.inference_mode():
         while True:
@@ -130,6 +148,11 @@ def _serve(model, kv_cache: KVCache, group: TensorParallelGroup, conn: Connectio
                 model(input_ids, positions, kv_cache, meta, on_layer_done=on_layer_done)
             elif header[0] == LOGITS:
                 model.share_logits(receive_hidden(group, header, hidden_size, dtype))
+            elif header[0] == HOST_KV and host_kv is not None:
+                if header.op == "save":
+                    host_kv.save(header.device_blocks, header.host_slots)
+                else:
+                    host_kv.load(header.host_slots, header.device_blocks)
             elif header[0] == COMMAND and ext is not None:
                 ext.handle(header.payload)
             elif header[0] == STOP:

@@ -8,6 +8,7 @@ a replica also opens. Gloo on CPU, NCCL on CUDA. Rank 0 is the driver: it schedu
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import torch
@@ -23,19 +24,29 @@ class TensorParallelError(RuntimeError):
     """A rank that did not join, failed to load, or a collective that did not complete in time."""
 
 
-def rank_device(device: str, rank: int, size: int) -> torch.device:
-    """Rank r's device: CPU for a CPU engine; on CUDA the r-th GPU after the configured one
-    (cuda = cuda:0), all on this node. Too few GPUs is a one-line ConfigError."""
+def rank_device(device: str, rank: int, size: int, own_device: bool = False) -> torch.device:
+    """Rank r's device: CPU for a CPU engine. On CUDA, with own_device (a Ray rank actor: Ray
+    sets each actor's CUDA_VISIBLE_DEVICES to the GPU it assigned it, so every rank sees its
+    own GPU as cuda:0) the configured device in the rank's own view; otherwise (ranks spawned
+    by one process that sees all the node's GPUs) the r-th GPU after the configured one
+    (cuda = cuda:0). Too few GPUs is a one-line ConfigError."""
     base = torch.device(device)
     if base.type != "cuda":
         return base
     first = base.index or 0
-    if not torch.cuda.is_available() or torch.cuda.device_count() < first + size:
-        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    needed = first + 1 if own_device else first + size
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found < needed:
+        if own_device:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            raise ConfigError(
+                f"tensor-parallel rank {rank} of {size} sees {found} CUDA devices for {device} "
+                f"(CUDA_VISIBLE_DEVICES={visible!r}): give the pool num_gpus 1 per rank"
+            )
         raise ConfigError(
-            f"tensor_parallel_size {size} from {device} needs {first + size} CUDA devices on this node, it has {found}"
+            f"tensor_parallel_size {size} from {device} needs {needed} CUDA devices on this node, it has {found}"
         )
-    return torch.device("cuda", first + rank)
+    return base if own_device else torch.device("cuda", first + rank)
 
 
 class TensorParallelGroup:

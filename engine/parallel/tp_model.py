@@ -69,6 +69,7 @@ def launch_tensor_parallel(
     if config.dtype is not None:
         model_config.dtype = config.dtype
     plan = shard_plan.ShardPlan(model_config, config.tensor_parallel_size, 0)
+    shard_plan.check_quantized_split(model_config, plan.size, config.quantization)  # before any rank starts
     local = plan.local_config
     max_model_len = min(config.max_model_len or model_config.max_context_len, model_config.max_context_len)
     blocks = resolve_num_kv_blocks(

@@ -44,9 +44,11 @@ from splitserve.engine.parallel.follower_replies import ReplyListener
 from splitserve.engine.parallel.shard_plan import ShardPlan
 from splitserve.engine.parallel.step_broadcast import (
     COMMAND,
+    HOST_KV,
     LOGITS,
     STOP,
     CommandHeader,
+    HostCopyHeader,
     LogitsHeader,
     broadcast_forward,
     forward_header,
@@ -73,7 +75,10 @@ class FollowerStart:
     extension: FollowerExtensionFactory | None = None  # what each rank runs beside its forward
 
 
-# Starts ranks 1..size-1 somewhere on the driver's node without waiting for them.
+# Starts ranks 1..size-1 somewhere on the driver's node without waiting for them. Launched
+# ranks, and the driver beside them, are processes with a device each (Ray rank actors: Ray
+# sets each one's CUDA_VISIBLE_DEVICES to its own GPU), unlike spawned ranks, which share the
+# driver's view of every GPU of the node (tp_group.rank_device).
 FollowerLauncher = Callable[[FollowerStart], None]
 
 
@@ -102,7 +107,7 @@ class TensorParallelRanks:
         self._pipe_lock = threading.Lock()  # one header at a time on the pipes, from any thread
         self._listener: ReplyListener | None = None
         self._failure: str | None = None  # the first failed command's error (stop_on_failure)
-        device = rank_device(config.device, 0, plan.size)
+        device = rank_device(config.device, 0, plan.size, own_device=launch is not None)
         timeout = timedelta(seconds=self.timeout_s)
         store = dist.TCPStore(_HOST, 0, plan.size, is_master=True, timeout=timeout, wait_for_workers=False)
         threads = threads_per_rank(plan.size) if device.type == "cpu" else 0
@@ -202,6 +207,11 @@ class TensorParallelRanks:
                 self._failure = f"{type(exc).__name__}: {exc}"
                 self.close()
             raise
+
+    def send_host_copy(self, op: str, host_slots: list[int], device_blocks: list[int]) -> None:
+        """Have every follower make the host KV tier's copy on its own KV heads, after the
+        forwards sent before and before those sent after (tp_host_kv.py)."""
+        self._send(HostCopyHeader(HOST_KV, op, list(host_slots), list(device_blocks)))
 
     def command(self, payload) -> None:
         """Hand payload to every follower's extension, after what was sent before (any thread;

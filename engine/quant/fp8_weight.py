@@ -30,11 +30,16 @@ class Fp8Weight(nn.Module):
         self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("scale", scale.float().contiguous())
 
-    @classmethod
-    def quantize(cls, weight: torch.Tensor) -> Fp8Weight:
+    @staticmethod
+    def quantize_values(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q e4m3 [out, in], scale [out]): what quantize() holds."""
         w = weight.float()
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
-        return cls((w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale)
+        return (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Fp8Weight:
+        return cls(*cls.quantize_values(weight))
 
     @property
     def shape(self) -> torch.Size:

@@ -28,12 +28,16 @@ class Int8Weight(nn.Module):
         self.register_buffer("scale", scale.float().contiguous())
         self.register_buffer("scale_bf16", scale.to(torch.bfloat16).contiguous())
 
-    @classmethod
-    def quantize(cls, weight: torch.Tensor) -> Int8Weight:
+    @staticmethod
+    def quantize_values(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q int8 [out, in], scale [out]): what quantize() holds."""
         w = weight.float()
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / INT8_MAX
-        q = torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
-        return cls(q, scale)
+        return torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int8Weight:
+        return cls(*cls.quantize_values(weight))
 
     @property
     def shape(self) -> torch.Size:

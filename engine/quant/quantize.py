@@ -10,9 +10,12 @@ from splitserve.engine.ops.onednn_packed_weight import OneDnnPackedWeight
 from splitserve.engine.quant.fp8_weight import Fp8Weight
 from splitserve.engine.quant.int4_weight import Int4Weight
 from splitserve.engine.quant.int8_weight import Int8Weight
+from splitserve.engine.quant.prequantized_weights import QuantizedParts
 
 WEIGHT_CLASSES: dict[str, type[nn.Module]] = {"int8": Int8Weight, "fp8": Fp8Weight, "int4": Int4Weight}
 QuantizedWeight = Int8Weight | Fp8Weight | Int4Weight
+# One scale per output channel, over all of its inputs.
+PER_CHANNEL: dict[str, type[Int8Weight] | type[Fp8Weight]] = {"int8": Int8Weight, "fp8": Fp8Weight}
 
 
 def quantize_weight(weight: torch.Tensor, scheme: str) -> QuantizedWeight:
@@ -22,6 +25,14 @@ def quantize_weight(weight: torch.Tensor, scheme: str) -> QuantizedWeight:
     except KeyError:
         raise ValueError(f"unknown quantization {scheme!r}; choose none, {', '.join(WEIGHT_CLASSES)}") from None
     return cls.quantize(weight)
+
+
+def quantize_parts(weight: torch.Tensor, scheme: str) -> QuantizedParts:
+    """weight [out, in] -> the values and per-channel scales quantize_weight would hold (int8,
+    fp8), unpacked: a tensor-parallel rank keeps its columns of them (engine/parallel/quantized_shards.py)."""
+    if scheme not in PER_CHANNEL:
+        raise ValueError(f"quantize_parts takes a per-channel scheme ({', '.join(PER_CHANNEL)}), got {scheme!r}")
+    return QuantizedParts(*PER_CHANNEL[scheme].quantize_values(weight))
 
 
 def from_parts(parts, scheme: str) -> QuantizedWeight:

@@ -59,8 +59,9 @@ def test_pools_of_different_tp_sizes_serve_side_by_side_with_a_prefill_pool():
             "the decode size 3 neither divides 2 nor is a multiple of it",
         ),
         (
-            ("--tensor-parallel-size", "2", "--prefill-replicas", "0", "--quantization", "int8"),
-            "prefill: tensor_parallel_size 2 does not support --quantization int8 yet",
+            ("--tensor-parallel-size", "2", "--prefill-replicas", "0", "--quantization", "int4"),
+            "prefill: int4 quantization groups of 64 inputs cannot be split over tensor_parallel_size 2: "
+            "o_proj has 64 inputs, 32 per rank",
         ),
     ],
 )

@@ -178,10 +178,14 @@ workerGroups settings), groupName, and model (the model's slug, with serve.model
 {{- $minPods := include "splitserve.podsFor" (list $minReplicas $perPod) | int }}
 {{- $maxPods := include "splitserve.podsFor" (list $maxReplicas $perPod) | int }}
 {{- $poolResources := $pool.resources | default dict }}
-{{- $numGpus := ceil (mulf ($poolResources.num_gpus | default 0) $perPod) | int }}
+{{- /* A replica is tensor_parallel_size ranks, each asking for the pool's resources on the same
+node (one STRICT_PACK placement group), so a pod hosting replicasPerPod replicas holds
+tensor_parallel_size x replicasPerPod of them. */}}
+{{- $ranksPerPod := mul ($pool.tensor_parallel_size | default 1 | int) $perPod }}
+{{- $numGpus := ceil (mulf ($poolResources.num_gpus | default 0) $ranksPerPod) | int }}
 {{- $custom := dict }}
 {{- range $key, $amount := ($poolResources.resources | default dict) }}
-{{- $_ := set $custom $key (mulf $amount $perPod) }}
+{{- $_ := set $custom $key (mulf $amount $ranksPerPod) }}
 {{- end }}
 {{- $rayStartParams := dict }}
 {{- if $custom }}

@@ -89,8 +89,33 @@ def test_two_models_land_on_their_own_gpu_node_types():
 
 
 def _replicas_per_node(node_resources: dict[str, float], pool_cfg) -> int:
+    """Whole replicas a node holds: a replica is tensor_parallel_size ranks on one node, each
+    asking for the pool's resources (cluster/control/replica_gang.py's bundles)."""
     request = {"CPU": pool_cfg.resources.num_cpus, "GPU": pool_cfg.resources.num_gpus, **pool_cfg.resources.resources}
-    return min(int(node_resources.get(k, 0) // v) for k, v in request.items() if v > 0)
+    size = pool_cfg.tensor_parallel_size
+    return min(int(node_resources.get(k, 0) // (v * size)) for k, v in request.items() if v > 0)
+
+
+def test_tensor_parallel_pools_fit_their_node_types():
+    """serve-gpu-tp.yaml on aws-gpu.yaml: each pool's custom resource is advertised by one node
+    type only, which holds at least one whole replica (TP x the pool's GPUs on one node) and,
+    at max_workers, the pool's ceiling; a 1-GPU node type could hold none of them."""
+    cfg = ServeConfig.model_validate(deploy.load_yaml(deploy.DEPLOY_DIR / "serve-gpu-tp.yaml"))
+    node_types = _prepared_ray_config("aws-gpu.yaml")["available_node_types"]
+    sizes = {pool: getattr(cfg, pool).tensor_parallel_size for pool in POOLS}
+    assert sizes == {"prefill": 4, "decode": 2}
+    for pool in POOLS:
+        pool_cfg = getattr(cfg, pool)
+        hosts = [t for t, spec in node_types.items() if set(pool_cfg.resources.resources) & set(spec["resources"])]
+        assert len(hosts) == 1, (pool, hosts)
+        spec = node_types[hosts[0]]
+        per_node = _replicas_per_node(spec["resources"], pool_cfg)
+        assert per_node >= 1
+        assert spec["resources"]["GPU"] >= pool_cfg.tensor_parallel_size * pool_cfg.resources.num_gpus
+        assert spec["max_workers"] * per_node >= pool_cfg.autoscaling.max_replicas
+        one_gpu = node_types[f"{pool}_gpu_worker"]["resources"] | dict.fromkeys(pool_cfg.resources.resources, 1)
+        assert _replicas_per_node(one_gpu, pool_cfg) == 0
+    assert f"local_dir='{cfg.model}'" in "\n".join(_prepared_ray_config("aws-gpu.yaml")["worker_setup_commands"])
 
 
 def test_aws_worker_node_types_host_their_pool():

@@ -16,7 +16,8 @@ from tests.helpers import deploy
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 # Value sets exercising the merge: custom resources replaced whole, resources and autoscaling
-# merged key by key (false and 0 included), a pool with no replicas, inherited served names,
+# merged key by key (false and 0 included), tensor-parallel sizes of a model's own or inherited
+# (GPUs per pod scale with them), a pool with no replicas, inherited served names,
 # names that are not DNS labels, per-model pod settings and the Ray autoscaler off.
 MODEL_VALUE_SETS = {
     "two-gpu-types": {
@@ -34,7 +35,10 @@ MODEL_VALUE_SETS = {
                         "resources": {"num_gpus": 2, "resources": {"large_prefill_gpu": 1, "nvlink": 0.5}},
                         "autoscaling": {"max_replicas": 6},
                     },
-                    "decode": {"resources": {"num_gpus": 4, "resources": {"large_decode_gpu": 1}}},
+                    "decode": {
+                        "tensor_parallel_size": 2,
+                        "resources": {"num_gpus": 4, "resources": {"large_decode_gpu": 1}},
+                    },
                 },
             ]
         },
@@ -64,7 +68,7 @@ MODEL_VALUE_SETS = {
     },
     "inherit-everything": {
         "serve": {
-            "prefill": {"autoscaling": {"enabled": False}, "replicas": 2},
+            "prefill": {"autoscaling": {"enabled": False}, "replicas": 2, "tensor_parallel_size": 2},
             "models": [
                 {"served_model_name": "a" * 70},
                 {"model": "/models/b", "served_model_name": "b", "prefill": {"autoscaling": {"enabled": True}}},
@@ -129,15 +133,16 @@ def test_each_models_pools_get_their_own_worker_groups(name):
 def _assert_group_hosts_pool(group: dict, pool_cfg, pod_values: dict, autoscaler_on: bool) -> None:
     """The same checks as test_deploy_helm_objects.test_worker_groups_host_their_pools."""
     per_pod = pod_values["replicasPerPod"]
+    ranks_per_pod = pool_cfg.tensor_parallel_size * per_pod  # each rank asks the pool's resources
     custom = pool_cfg.resources.resources
     params = group["rayStartParams"]
     if custom:
-        assert deploy.parse_ray_resources(params["resources"]) == {k: v * per_pod for k, v in custom.items()}
+        assert deploy.parse_ray_resources(params["resources"]) == {k: v * ranks_per_pod for k, v in custom.items()}
     else:
         assert "resources" not in params
     (container,) = group["template"]["spec"]["containers"]
     limits = container["resources"].get("limits", {})
-    assert int(limits.get("nvidia.com/gpu", 0)) == math.ceil(pool_cfg.resources.num_gpus * per_pod)
+    assert int(limits.get("nvidia.com/gpu", 0)) == math.ceil(pool_cfg.resources.num_gpus * ranks_per_pod)
     assert {k: v for k, v in limits.items() if k != "nvidia.com/gpu"} == pod_values["resources"].get("limits", {})
     low, high = _bounds(pool_cfg)
     if autoscaler_on:
@@ -162,6 +167,7 @@ def test_the_merge_is_not_vacuous():
     assert large.prefill.resources.resources == {"large_prefill_gpu": 1, "nvlink": 0.5}
     assert large.prefill.resources.num_cpus == cfg.prefill.resources.num_cpus
     assert large.prefill.autoscaling.enabled and large.prefill.autoscaling.max_replicas == 6
+    assert (large.decode.tensor_parallel_size, small.decode.tensor_parallel_size) == (2, 1)
     cfg = ServeConfig.model_validate(deploy.merged_values(MODEL_VALUE_SETS["no-prefill-and-fixed-sizes"])["serve"])
     first, second = (model_cfg for _, model_cfg in cfg.model_deployments())
     assert first.prefill.replicas == 0 and not first.prefill.autoscaling.enabled

@@ -74,18 +74,19 @@ def test_worker_groups_host_their_pools(name):
     for pool in POOLS:
         pool_cfg, group = getattr(cfg, pool), groups[pool]
         per_pod = values["workerGroups"][pool]["replicasPerPod"]
+        ranks_per_pod = pool_cfg.tensor_parallel_size * per_pod  # each rank asks the pool's resources
         custom = pool_cfg.resources.resources
         params = group["rayStartParams"]
         if custom:
             advertised = deploy.parse_ray_resources(params["resources"])
-            assert advertised == {k: v * per_pod for k, v in custom.items()}
+            assert advertised == {k: v * ranks_per_pod for k, v in custom.items()}
         else:
             assert "resources" not in params
         (container,) = group["template"]["spec"]["containers"]
         limits = container["resources"].get("limits", {})
-        num_gpus = math.ceil(pool_cfg.resources.num_gpus * per_pod)
+        num_gpus = math.ceil(pool_cfg.resources.num_gpus * ranks_per_pod)
         assert int(limits.get("nvidia.com/gpu", 0)) == num_gpus
-        assert deploy.quantity(limits["cpu"]) >= pool_cfg.resources.num_cpus * per_pod
+        assert deploy.quantity(limits["cpu"]) >= pool_cfg.resources.num_cpus * ranks_per_pod
         scaling = pool_cfg.autoscaling
         low, high = (
             (scaling.min_replicas, scaling.max_replicas) if scaling.enabled else (pool_cfg.replicas, pool_cfg.replicas)
