@@ -362,9 +362,12 @@ class ServeConfig(_Strict):
     @model_validator(mode="after")
     def _check_simulation(self) -> ServeConfig:
         """A bad profile is a startup error, not one per replica."""
-        if "simulated" in (self.prefill.engine or self.engine, self.decode.engine or self.engine):
+        simulated = [pool for pool in (self.prefill, self.decode) if (pool.engine or self.engine) == "simulated"]
+        if simulated:
             try:
-                StepTimeProfile.load(self.engine_profile)
+                profile = StepTimeProfile.load(self.engine_profile)
+                for pool in simulated:  # each simulated pool's TP size needs the profile's figures
+                    profile.for_tensor_parallel(pool.tensor_parallel_size)
             except ConfigError as exc:
                 raise ValueError(f"engine_profile: {exc}") from None
             if self.speculative.enabled and (self.decode.engine or self.engine) == "simulated":

@@ -9,17 +9,14 @@ beside its forward (follower_extension, engine/parallel/follower_extension.py).
 
 from __future__ import annotations
 
-from splitserve.engine.config import ConfigError, EngineConfig
+from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine_protocol import EngineProtocol
 
 
 def build_engine(config: EngineConfig, launch_followers=None, follower_extension=None) -> EngineProtocol:
     if config.engine == "simulated":
-        if config.tensor_parallel_size > 1:
-            raise ConfigError(
-                f"tensor_parallel_size {config.tensor_parallel_size}: the simulated engine has no "
-                "tensor-parallel step-time profile yet"
-            )
+        # A simulated TP replica steps by its profile's figures for that size; its follower ranks
+        # (a served gang's actors) are never started: their share of the work is in the step time.
         from splitserve.engine.simulated.simulated_engine import SimulatedEngine
 
         return SimulatedEngine(config)

@@ -26,7 +26,7 @@ class SimulatedEngine(PagedEngine):
     def __init__(self, config: EngineConfig):
         model_config = ModelConfig.from_pretrained(config.model)
         tokenizer = Tokenizer.from_pretrained(config.model)
-        profile = StepTimeProfile.load(config.profile)
+        profile = StepTimeProfile.load(config.profile).for_tensor_parallel(config.tensor_parallel_size)
         speed = config.speed_factor
         kv_cache = SimulatedKVCache.for_model(model_config, config.dtype, config.block_size, profile, speed)
         eos = tokenizer.eos_token_ids or model_config.eos_token_ids

@@ -12,6 +12,13 @@ One formula for every step, the roofline of a transformer step (docs/ARCHITECTUR
 - context_tokens: KV positions the step's sequences attend to (the sum of their lengths).
 - a KV transfer of n bytes takes kv_link.latency_s + n / kv_link.bytes_per_s.
 
+Tensor parallelism: the four step figures above are for the profile's own
+`tensor_parallel_size`; `tensor_parallel` gives the same four for other TP sizes (a replica of
+that many GPUs: weights, compute and KV reads split over the ranks, two all-reduces per layer
+added to the overhead). A simulated replica of TP size n steps by `for_tensor_parallel(n)`; a
+size the profile has no figures for is a one-line error naming the sizes it has. The ranks
+themselves do no work of their own in simulation: their time is in the step.
+
 A profile is a YAML or JSON file; the shipped ones (profiles/*.yaml) are named by their stem:
 `cpu-fitted` (measured from the real engine here by `splitserve bench profile-engine`),
 `llama-8b-h200` and `llama-70b-h200` (roofline-derived).
@@ -39,6 +46,17 @@ class KVLinkProfile(BaseModel):
     """Fixed cost of one transfer (set-up, the first byte)."""
 
 
+class StepFigures(BaseModel):
+    """The step formula's four terms for one tensor-parallel size (StepTimeProfile's fields)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step_overhead_s: float = Field(ge=0)
+    weight_read_s: float = Field(0.0, ge=0)
+    token_compute_s: float = Field(ge=0)
+    context_token_s: float = Field(0.0, ge=0)
+
+
 class StepTimeProfile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -57,6 +75,27 @@ class StepTimeProfile(BaseModel):
     """The prefill -> decode KV link."""
     kv_bytes_per_token: int | None = Field(None, ge=1)
     """KV bytes per token of the modelled model; unset: the model directory's (config.json)."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """The TP size (GPUs per replica) the step figures above are for."""
+    tensor_parallel: dict[int, StepFigures] = Field(default_factory=dict)
+    """The step figures of other TP sizes, by size."""
+
+    @property
+    def tensor_parallel_sizes(self) -> list[int]:
+        return sorted({self.tensor_parallel_size, *self.tensor_parallel})
+
+    def for_tensor_parallel(self, size: int) -> StepTimeProfile:
+        """This profile as a replica of `size` ranks steps; ConfigError for a size it lacks."""
+        if size == self.tensor_parallel_size:
+            return self
+        figures = self.tensor_parallel.get(size)
+        if figures is None:
+            sizes = ", ".join(map(str, self.tensor_parallel_sizes))
+            raise ConfigError(
+                f"step-time profile {self.name!r} has no figures for tensor_parallel_size {size} "
+                f"(it has {sizes}); add them under `tensor_parallel:`"
+            )
+        return self.model_copy(update={**figures.model_dump(), "tensor_parallel_size": size})
 
     def step_s(self, new_tokens: int, context_tokens: int) -> float:
         compute = max(self.weight_read_s, new_tokens * self.token_compute_s)

@@ -109,10 +109,40 @@ def test_unsimulated_features_and_bad_profiles_are_clear_errors(tiny_model, tmp_
 
 def test_serve_config_picks_each_pools_engine():
     cfg = ServeConfig.model_validate(
-        {"engine": "simulated", "speed_factor": 5, "engine_profile": "llama-70b-h200", "prefill": {"engine": "real"}}
+        {
+            "engine": "simulated",
+            "speed_factor": 5,
+            "engine_profile": "llama-70b-h200",
+            "prefill": {"engine": "real"},
+            "decode": {"tensor_parallel_size": 8},  # the profile's replicas: 8 GPUs
+        }
     )
     prefill, decode = engine_config_for(cfg, cfg.prefill, "m"), engine_config_for(cfg, cfg.decode, "m")
     assert (prefill["engine"], decode["engine"]) == ("real", "simulated")
     assert decode["profile"] == "llama-70b-h200" and decode["speed_factor"] == 5
     for name in StepTimeProfile.shipped():  # every shipped profile loads
         assert StepTimeProfile.load(name).name == name
+
+
+def test_a_tensor_parallel_replica_steps_by_its_sizes_figures(tiny_model):
+    """TP 2 on llama-8b-h200: the step is the profile's TP-2 figures (half the weight reads,
+    compute and KV reads of TP 1, the all-reduces added), the tokens those of TP 1."""
+    tp1, tp2 = simulated(tiny_model), simulated(tiny_model, tensor_parallel_size=2)
+    params = SamplingParams(max_tokens=4)
+    assert tp2.generate([PROMPT], params)[0].token_ids == tp1.generate([PROMPT], params)[0].token_ids
+    figures = StepTimeProfile.load("llama-8b-h200").tensor_parallel[2]
+    assert (tp2.profile.tensor_parallel_size, tp2.profile.weight_read_s) == (2, figures.weight_read_s)
+    prefill = tp2.runner.step_times[0][0]  # 64 prompt tokens, computed from scratch
+    assert prefill == pytest.approx(
+        figures.step_overhead_s + max(figures.weight_read_s, 64 * figures.token_compute_s) + 64 * figures.context_token_s
+    )
+    assert prefill < tp1.runner.step_times[0][0]
+
+
+def test_a_tensor_parallel_size_the_profile_lacks_is_a_clear_error(tiny_model):
+    with pytest.raises(ConfigError, match=r"no figures for tensor_parallel_size 8 \(it has 1, 2, 4\)"):
+        simulated(tiny_model, tensor_parallel_size=8)
+    with pytest.raises(ValueError, match="engine_profile: .*'cpu-fitted' has no figures for tensor_parallel_size 2"):
+        ServeConfig.model_validate({"engine": "simulated", "decode": {"tensor_parallel_size": 2}})
+    with pytest.raises(ValueError, match="'llama-70b-h200' has no figures for tensor_parallel_size 1"):
+        ServeConfig.model_validate({"engine": "simulated", "engine_profile": "llama-70b-h200"})

@@ -175,10 +175,8 @@ def test_kv_heads_and_intermediate_size_that_cannot_split_are_named():
         check_tensor_parallel_size(config, 4)
 
 
-def test_what_tp_does_not_do_yet_is_refused_by_name(models_root):
+def test_a_tp_size_below_one_is_refused_by_name(models_root):
     model = str(make_checkpoint(models_root, "tiny", "llama"))
-    with pytest.raises(ConfigError, match="the simulated engine has no tensor-parallel step-time profile yet"):
-        build_engine(_config(model, 2, engine="simulated", profile="llama-8b-h200"))
     with pytest.raises(ConfigError, match="tensor_parallel_size must be an integer >= 1, got 0"):
         _config(model, 0)
 
