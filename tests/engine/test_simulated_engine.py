@@ -134,7 +134,9 @@ def test_a_tensor_parallel_replica_steps_by_its_sizes_figures(tiny_model):
     assert (tp2.profile.tensor_parallel_size, tp2.profile.weight_read_s) == (2, figures.weight_read_s)
     prefill = tp2.runner.step_times[0][0]  # 64 prompt tokens, computed from scratch
     assert prefill == pytest.approx(
-        figures.step_overhead_s + max(figures.weight_read_s, 64 * figures.token_compute_s) + 64 * figures.context_token_s
+        figures.step_overhead_s
+        + max(figures.weight_read_s, 64 * figures.token_compute_s)
+        + 64 * figures.context_token_s
     )
     assert prefill < tp1.runner.step_times[0][0]
 

@@ -20,7 +20,6 @@ from splitserve.engine.builtin_models.model_cache import cached_checkpoint
 from splitserve.engine.builtin_models.model_spec import ModelSpec
 from splitserve.engine.config import ConfigError, EngineConfig, ModelConfig
 from splitserve.engine.engine_errors import EngineStepError
-from splitserve.engine.engine_factory import build_engine
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.parallel.shard_plan import ShardPlan, check_tensor_parallel_size
 from splitserve.proto.messages.sampling_params import SamplingParams
