@@ -5,8 +5,8 @@ scheduler's batching on the step-time profile: prefill queue wait, chunking, the
 decode batch's step time), then prints the cheapest one as a ServeConfig YAML snippet and the
 runners-up with their predicted TTFT, ITL and goodput (the share of requests meeting both).
 Colocated (prefill replicas 0) and disaggregated splits are both searched, with
-max_num_batched_tokens from a small grid; one GPU per replica (tensor parallelism is not
-searched). Lengths are fixed (512) or mean+-spread (512+-128: uniform); arrivals at --rate are
+max_num_batched_tokens from a small grid, and each pool at every tensor-parallel size the
+profile has figures for (--tensor-parallel-sizes narrows it; a TP-t replica holds t GPUs). Lengths are fixed (512) or mean+-spread (512+-128: uniform); arrivals at --rate are
 Poisson. Exit status: 0 a plan, 1 no configuration meets the SLOs, 2 bad input.
 """
 
@@ -54,6 +54,10 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
         "--max-num-batched-tokens", default=grid, help=f"the grid searched, comma-separated (default {grid})"
     )
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per running batch (default 64)")
+    p.add_argument(
+        "--tensor-parallel-sizes",
+        help="TP sizes searched per pool, comma-separated (default: every size the profile has figures for)",
+    )
     p.add_argument("--runners-up", type=int, default=8, help="runner-up configurations listed (default 8)")
     p.add_argument("--out", help="write the YAML snippet here too")
     p.set_defaults(func=run_plan)
@@ -63,12 +67,13 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 def run_plan(args: argparse.Namespace) -> int:
     try:
         profile, workload, slo, kv_bytes, grid = _inputs(args)
+        tp_sizes = _tp_sizes(args.tensor_parallel_sizes, profile)
     except ConfigError as exc:
         print(f"splitserve plan: {exc}", file=sys.stderr)
         return 2
     target = f"TTFT p{slo.percentile:g} <= {args.ttft_slo:g} ms, ITL p{slo.percentile:g} <= {args.itl_slo:g} ms"
     print(f"# {workload.description}; profile {profile.name}; {target}; up to {args.gpus} GPUs")
-    plan = search(profile, workload, slo, args.gpus, kv_bytes, grid, args.max_num_seqs)
+    plan = search(profile, workload, slo, args.gpus, kv_bytes, grid, args.max_num_seqs, tp_sizes)
     if plan.winner is None:
         print(f"no configuration of up to {args.gpus} GPUs meets {plan.shortfall()}")
     else:
@@ -123,19 +128,37 @@ def _inputs(args: argparse.Namespace) -> tuple[StepTimeProfile, Workload, Slo, i
     return profile, workload, Slo(args.ttft_slo / 1000, args.itl_slo / 1000, args.percentile), kv_bytes, grid
 
 
+def _tp_sizes(text: str | None, profile: StepTimeProfile) -> tuple[int, ...]:
+    if text is None:
+        return tuple(profile.tensor_parallel_sizes)
+    try:
+        sizes = tuple(sorted({int(v) for v in text.split(",")}))
+    except ValueError:
+        raise ConfigError(f"--tensor-parallel-sizes {text!r}: give integers, comma-separated") from None
+    for size in sizes:
+        profile.for_tensor_parallel(size)  # names the sizes the profile has
+    return sizes
+
+
 def serve_config_snippet(deployment: Deployment, model: str | None = None) -> dict[str, Any]:
-    """ServeConfig fields (a --config file) for the deployment, one GPU per replica."""
-    pool = {
-        "max_num_batched_tokens": deployment.max_num_batched_tokens,
-        "max_num_seqs": deployment.max_num_seqs,
-        "resources": {"num_gpus": 1},
-    }
+    """ServeConfig fields (a --config file) for the deployment: one GPU per rank, so a pool's
+    replica of TP t asks for t GPUs on one node."""
+
+    def pool(replicas: int, tp: int) -> dict[str, Any]:
+        return {
+            "replicas": replicas,
+            "tensor_parallel_size": tp,
+            "max_num_batched_tokens": deployment.max_num_batched_tokens,
+            "max_num_seqs": deployment.max_num_seqs,
+            "resources": {"num_gpus": 1},
+        }
+
     snippet: dict[str, Any] = {"model": model} if model else {}
     if deployment.colocated:
         snippet["prefill"] = {"replicas": 0}  # decode replicas prefill locally
     else:
-        snippet["prefill"] = {"replicas": deployment.prefill_replicas, **pool}
-    snippet["decode"] = {"replicas": deployment.decode_replicas, **pool}
+        snippet["prefill"] = pool(deployment.prefill_replicas, deployment.prefill_tp)
+    snippet["decode"] = pool(deployment.decode_replicas, deployment.decode_tp)
     return snippet
 
 

@@ -35,13 +35,15 @@ from splitserve.engine.simulated.step_time_profile import StepTimeProfile
 
 @dataclass(frozen=True)
 class Deployment:
-    """prefill_replicas 0: colocated (decode replicas prefill locally). One GPU per replica
-    (tensor parallelism is not searched)."""
+    """prefill_replicas 0: colocated (decode replicas prefill locally). A replica of a pool
+    holds that pool's tensor-parallel size of GPUs, and steps by the profile's figures for it."""
 
     prefill_replicas: int
     decode_replicas: int
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
+    prefill_tp: int = 1
+    decode_tp: int = 1
 
     @property
     def colocated(self) -> bool:
@@ -49,13 +51,16 @@ class Deployment:
 
     @property
     def gpus(self) -> int:
-        return self.prefill_replicas + self.decode_replicas
+        return self.prefill_replicas * self.prefill_tp + self.decode_replicas * self.decode_tp
 
     def __str__(self) -> str:
+        def pool(count: int, tp: int, kind: str) -> str:
+            return f"{count}{kind}" + (f" (TP {tp})" if tp > 1 else "")
+
         shape = (
-            f"{self.decode_replicas} colocated"
+            pool(self.decode_replicas, self.decode_tp, " colocated")
             if self.colocated
-            else f"{self.prefill_replicas}P+{self.decode_replicas}D"
+            else f"{pool(self.prefill_replicas, self.prefill_tp, 'P')}+{pool(self.decode_replicas, self.decode_tp, 'D')}"
         )
         return f"{shape}, max_num_batched_tokens {self.max_num_batched_tokens}"
 
@@ -118,13 +123,16 @@ def saturated_pool(profile: StepTimeProfile, workload: Workload, deployment: Dep
     if duration <= 0:
         return None
     requests = workload.requests
-    prompt_s = sum(r.input_tokens for r in requests) * profile.token_compute_s
+    decode_profile = profile.for_tensor_parallel(deployment.decode_tp)
+    prompt_tokens = sum(r.input_tokens for r in requests)
     batch = deployment.max_num_seqs
     mean_context = sum(r.input_tokens + r.output_tokens / 2 for r in requests) / len(requests)
-    per_token_s = profile.decode_s(batch, int(batch * mean_context)) / batch
+    per_token_s = decode_profile.decode_s(batch, int(batch * mean_context)) / batch
     decode_s = sum(r.output_tokens - 1 for r in requests) * per_token_s
     if deployment.colocated:
+        prompt_s = prompt_tokens * decode_profile.token_compute_s
         return "colocated" if (prompt_s + decode_s) / deployment.decode_replicas >= duration else None
+    prompt_s = prompt_tokens * profile.for_tensor_parallel(deployment.prefill_tp).token_compute_s
     if prompt_s / deployment.prefill_replicas >= duration:
         return "prefill"
     return "decode" if decode_s / deployment.decode_replicas >= duration else None
@@ -140,8 +148,10 @@ def predict(
 ) -> Prediction:
     """Simulate the workload on the deployment. A saturated pool's percentiles are infinite."""
     budget, seqs, itl = deployment.max_num_batched_tokens, deployment.max_num_seqs, slo.itl_s
-    decode = [ReplicaModel(profile, budget, seqs, itl) for _ in range(deployment.decode_replicas)]
-    prefill = [ReplicaModel(profile, budget, seqs, itl, True) for _ in range(deployment.prefill_replicas)]
+    decode_profile = profile.for_tensor_parallel(deployment.decode_tp)
+    prefill_profile = profile.for_tensor_parallel(deployment.prefill_tp) if not deployment.colocated else profile
+    decode = [ReplicaModel(decode_profile, budget, seqs, itl) for _ in range(deployment.decode_replicas)]
+    prefill = [ReplicaModel(prefill_profile, budget, seqs, itl, True) for _ in range(deployment.prefill_replicas)]
     link_free = [0.0] * len(prefill)
     replica_index = {id(r): i for i, r in enumerate(prefill)}
     decode_of: dict[int, ReplicaModel] = {}

@@ -1,8 +1,8 @@
 """The planner's search: the fewest GPUs whose configuration meets both SLOs.
 
-Candidates at g GPUs (one GPU per replica; tensor parallelism is not searched): g colocated
-replicas, and every split into p prefill + (g - p) decode replicas, each with every
-max_num_batched_tokens of the grid. GPU counts are tried from 1 up; the first count at which
+Candidates at g GPUs: colocated replicas, and every split into prefill and decode replicas, each
+pool at every tensor-parallel size the profile has figures for (a replica of TP t holds t GPUs),
+so that the replicas' GPUs add up to g, each with every max_num_batched_tokens of the grid. GPU counts are tried from 1 up; the first count at which
 some candidate meets both targets wins, and there the candidate with the best goodput (then
 the most headroom under the targets) is the answer, so colocated wins where it is as cheap,
 disaggregated where it is cheaper. A candidate whose pool is saturated (`saturated_pool`) is
@@ -21,11 +21,19 @@ from splitserve.engine.simulated.step_time_profile import StepTimeProfile
 BATCHED_TOKENS_GRID = (512, 2048, 8192)
 
 
-def candidates(gpus: int, batched_tokens: tuple[int, ...], max_num_seqs: int = 64) -> list[Deployment]:
+def candidates(
+    gpus: int, batched_tokens: tuple[int, ...], max_num_seqs: int = 64, tp_sizes: tuple[int, ...] = (1,)
+) -> list[Deployment]:
     found = []
     for mbt in batched_tokens:
-        found.append(Deployment(0, gpus, mbt, max_num_seqs))
-        found += [Deployment(p, gpus - p, mbt, max_num_seqs) for p in range(1, gpus)]
+        for decode_tp in tp_sizes:
+            if gpus % decode_tp == 0:
+                found.append(Deployment(0, gpus // decode_tp, mbt, max_num_seqs, decode_tp=decode_tp))
+            for prefill_tp in tp_sizes:
+                for p in range(1, gpus // prefill_tp + 1):
+                    left = gpus - p * prefill_tp
+                    if left > 0 and left % decode_tp == 0:
+                        found.append(Deployment(p, left // decode_tp, mbt, max_num_seqs, prefill_tp, decode_tp))
     return found
 
 
@@ -81,11 +89,16 @@ def search(
     kv_bytes_per_token: int,
     batched_tokens: tuple[int, ...] = BATCHED_TOKENS_GRID,
     max_num_seqs: int = 64,
+    tp_sizes: tuple[int, ...] | None = None,
 ) -> Plan:
+    """tp_sizes: the tensor-parallel sizes searched per pool; None: every size the profile has."""
+    sizes = tuple(profile.tensor_parallel_sizes) if tp_sizes is None else tp_sizes
+    for size in sizes:
+        profile.for_tensor_parallel(size)  # a size without figures: ConfigError, before any work
     evaluated: list[Prediction] = []
     for gpus in range(1, max_gpus + 1):
         here = []
-        for deployment in candidates(gpus, batched_tokens, max_num_seqs):
+        for deployment in candidates(gpus, batched_tokens, max_num_seqs, sizes):
             pool = saturated_pool(profile, workload, deployment)
             if pool is not None:
                 here.append(Prediction(deployment, math.inf, math.inf, 0.0, pool, []))

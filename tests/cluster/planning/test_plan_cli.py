@@ -46,7 +46,7 @@ def test_a_colocated_winner_sets_no_prefill_pool(tmp_path, capsys):
 
 def test_an_unmeetable_slo_is_an_answer_not_a_crash(capsys):
     args = ["--rate", "2", "--input-len", "2048", "--output-len", "64", "--ttft-slo", "50", "--itl-slo", "50"]
-    assert main(plan(*args, "--num-requests", "100", "--gpus", "2")) == 1
+    assert main(plan(*args, "--num-requests", "100", "--gpus", "2", "--tensor-parallel-sizes", "1")) == 1
     out = capsys.readouterr().out
     assert "no configuration of up to 2 GPUs meets TTFT p90 <= 50 ms; the best is " in out
     assert "GPUs  configuration" in out
@@ -57,6 +57,22 @@ def one_line_error(capsys, argv: list[str]) -> str:
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("splitserve plan: ")
     return err
+
+
+def test_a_tensor_parallel_winner_sets_its_pools_tp_size(tmp_path, capsys):
+    """TTFT p90 <= 50 ms on 2048-token prompts needs TP 2 (one H200 prefills them in ~68 ms):
+    the snippet's pool is TP 2, one GPU per rank, and the loader accepts it."""
+    snippet_file = tmp_path / "plan.yaml"
+    args = ["--rate", "2", "--input-len", "2048", "--output-len", "64", "--ttft-slo", "50", "--itl-slo", "50"]
+    assert main(plan(*args, "--num-requests", "100", "--gpus", "2", "--out", str(snippet_file))) == 0
+    assert "(TP 2)" in capsys.readouterr().out
+    config = config_from_args(build_parser().parse_args(["serve", "--config", str(snippet_file)]))
+    pools = [config.decode] if config.prefill.replicas == 0 else [config.prefill, config.decode]
+    assert max(pool.tensor_parallel_size for pool in pools) == 2
+    assert sum(pool.replicas * pool.tensor_parallel_size for pool in pools) == 2
+    assert all(pool.resources.num_gpus == 1 for pool in pools)
+    bad = plan(*args, "--tensor-parallel-sizes", "1,8")
+    assert "no figures for tensor_parallel_size 8 (it has 1, 2, 4)" in one_line_error(capsys, bad)
 
 
 def test_bad_input_is_a_one_line_error(tmp_path, capsys, tiny_model):
