@@ -117,11 +117,13 @@ def run(repeats: int, max_tokens: int, work: Path) -> dict[str, dict[int, dict[s
     for engine in engines.values():
         engine.close()
     return {
-        name: {
-            batch: {key: statistics.median(s[key] for s in rows) for key in rows[0]} for batch, rows in per.items()
-        }
+        name: {batch: {key: statistics.median(s[key] for s in rows) for key in rows[0]} for batch, rows in per.items()}
         for name, per in samples.items()
     }
+
+
+def _share(row: dict[str, float], kind: str) -> str:
+    return f"{row[kind]:.2f} ({row[kind] / row['step_ms']:.0%})"
 
 
 def report(results: dict[str, dict[int, dict[str, float]]]) -> str:
@@ -132,11 +134,10 @@ def report(results: dict[str, dict[int, dict[str, float]]]) -> str:
     for name, per in results.items():
         for batch, row in sorted(per.items()):
             base = results["TP 1, eager"][batch]["step_ms"]
-            share = lambda kind: f"{row[kind]:.2f} ({row[kind] / row['step_ms']:.0%})"  # noqa: E731
             tp = name.startswith("TP 2")
             lines.append(
                 f"| {name} | {batch} | {row['step_ms']:.2f} | {row['step_ms'] / base:.2f} | "
-                f"{share('collectives_ms') if tp else '-'} | {share('broadcast_ms') if tp else '-'} |"
+                f"{_share(row, 'collectives_ms') if tp else '-'} | {_share(row, 'broadcast_ms') if tp else '-'} |"
             )
     return "\n".join(lines)
 
