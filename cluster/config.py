@@ -23,6 +23,7 @@ from splitserve.cluster.model_route_config import (
     ModelRouteConfig,
     check_model_routes,
 )
+from splitserve.cluster.planner_config import PlannerConfig
 from splitserve.cluster.pool_config import (  # noqa: F401 (re-exported: ServeConfig's field types)
     AutoscalingConfig,
     DecodeAutoscalingConfig,
@@ -248,6 +249,8 @@ class ServeConfig(_Strict):
     """Retries on other replicas while no token has reached the client."""
     migration: MigrationConfig = Field(default_factory=MigrationConfig)
     """Streams that outlive their decode replica: moved mid-stream to another one as a continuation."""
+    planner: PlannerConfig = Field(default_factory=PlannerConfig)
+    """The live `sla` autoscaling policy (autoscaling.policy: sla): its profile, GPU budget, lead time and window."""
     priority: PriorityConfig = Field(default_factory=PriorityConfig)
     """Priority classes (interactive, batch) in the engines and admission."""
     batch: BatchConfig = Field(default_factory=BatchConfig)
@@ -357,6 +360,23 @@ class ServeConfig(_Strict):
                 f"{self.decode.kv_cache_dtype!r} differ: KV blocks move from prefill to decode as they are "
                 "stored, so both pools must use one KV-cache dtype (--kv-cache-dtype sets both)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_sla_policy(self) -> ServeConfig:
+        """`sla` sizes both pools together: every autoscaled pool uses it, and its profile loads."""
+        scaled = [pool.autoscaling for pool in (self.prefill, self.decode) if pool.autoscaling.enabled]
+        policies = {cfg.policy for cfg in scaled}
+        if "sla" not in policies:
+            return self
+        if len(policies) > 1:
+            raise ValueError("autoscaling.policy sla sizes both pools together: set it on every autoscaled pool")
+        try:
+            profile = StepTimeProfile.load(self.planner.profile or self.engine_profile)
+            for pool in (self.prefill, self.decode):
+                profile.for_tensor_parallel(pool.tensor_parallel_size)
+        except ConfigError as exc:
+            raise ValueError(f"planner.profile: {exc}") from None
         return self
 
     @model_validator(mode="after")

@@ -4,6 +4,8 @@ import them from here."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from splitserve.engine.config import DEFAULT_NUM_KV_BLOCKS, ConfigError, EngineKind, KvCacheDtype, parse_memory_bytes
@@ -30,6 +32,8 @@ class PoolResources(StrictConfig):
 class AutoscalingConfig(StrictConfig):
     enabled: bool = False
     """Scale this pool between min_replicas and max_replicas from its load."""
+    policy: Literal["reactive", "sla"] = "reactive"
+    """reactive: scale on this pool's load and latency against its targets; sla: size both pools together from the forecast arrival rate and lengths with `splitserve plan`'s queue model (`planner` settings; every autoscaled pool must then use it)."""
     min_replicas: int = Field(1, ge=0)
     """Autoscaling floor."""
     max_replicas: int = Field(1, ge=1)

@@ -38,6 +38,7 @@ from splitserve.cluster.routing.load import LoadReport
 from splitserve.cluster.routing.router import DECODE, POOLS, PREFILL
 from splitserve.cluster.scaling.autoscaler import Autoscaler
 from splitserve.cluster.scaling.latency_window import LatencyWindow
+from splitserve.cluster.scaling.load_forecast import DemandTotals
 from splitserve.proto.messages.ingress_report import IngressReport, decode_families
 from splitserve.proto.messages.membership import MembershipView
 
@@ -93,7 +94,14 @@ class Controller:
         self.events: BoundedLog[PoolEvent] = BoundedLog(EVENT_LOG_SIZE)
         self.autoscaler = None
         if autoscale and (cfg.prefill.autoscaling.enabled or cfg.decode.autoscaling.enabled):
-            self.autoscaler = Autoscaler(self, cfg, self.metrics, latency_source=self.recent_latency_ms)
+            self.autoscaler = Autoscaler(
+                self,
+                cfg,
+                self.metrics,
+                latency_source=self.recent_latency_ms,
+                demand_source=self.demand_totals,
+                model_dir=model_dir,
+            )
         self._reconciler: asyncio.Task | None = None
         self._last_idle_sweep = clock()
         self.state_feed = None  # with replica_state.updates "poll", every round probes every replica
@@ -201,6 +209,10 @@ class Controller:
     def recent_latency_ms(self, pool: str, since: float | None = None) -> float | None:
         """p90 over the ingresses' recent samples: TTFT for prefill, ITL for decode."""
         return (self.ttft_window if pool == PREFILL else self.itl_window).percentile_ms(90, since)
+
+    def demand_totals(self) -> DemandTotals:
+        """The ingresses' cumulative request counters for this model (the sla policy's input)."""
+        return self.aggregator.demand_totals(self.model_name)
 
     def _take_report(self, ingress_id: str, report: IngressReport, now: float) -> None:
         for window, samples in ((self.ttft_window, report.ttft), (self.itl_window, report.itl)):

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 
+from splitserve.cluster.scaling.load_forecast import DemandTotals
 from splitserve.proto.messages.ingress_report import MetricFamily, families_of
 
 CUMULATIVE = frozenset({"counter", "histogram", "summary"})
@@ -59,6 +60,37 @@ class MetricsAggregator:
                 target = self._base.setdefault(name, {})
                 for key, value in samples.items():
                     target[key] = target.get(key, 0.0) + value
+
+    def sample_total(self, sample_name: str, model_name: str) -> float:
+        """One sample summed over every ingress, live and gone, for one model (e.g.
+        splitserve_prompt_tokens_total): what the `sla` autoscaling policy reads its demand from."""
+
+        def matching(samples: dict[_Key, float]) -> float:
+            return sum(
+                v
+                for (name, labels), v in samples.items()
+                if name == sample_name and ("model_name", model_name) in labels
+            )
+
+        total = sum(matching(samples) for samples in self._base.values())
+        total += sum(matching(samples) for retired in self._retired.values() for samples in retired.values())
+        for families in self._live.values():
+            total += sum(
+                s.value
+                for family in families
+                for s in family.samples
+                if s.name == sample_name and s.labels.get("model_name") == model_name
+            )
+        return total
+
+    def demand_totals(self, model_name: str) -> DemandTotals:
+        """The request counters the `sla` autoscaling policy forecasts from, for one model."""
+        return DemandTotals(
+            prompt_tokens_received=self.sample_total("splitserve_prompt_tokens_total", model_name),
+            finished_requests=self.sample_total("splitserve_request_prompt_tokens_count", model_name),
+            finished_prompt_tokens=self.sample_total("splitserve_request_prompt_tokens_sum", model_name),
+            finished_output_tokens=self.sample_total("splitserve_request_generation_tokens_sum", model_name),
+        )
 
     def render(
         self,

@@ -37,6 +37,15 @@ class PoolMetrics:
         self.transfer_bytes = f.counter("splitserve_kv_transfer_bytes", "KV bytes moved prefill->decode")
         self.transfer_seconds = f.counter("splitserve_kv_transfer_seconds", "Seconds spent moving KV prefill->decode")
         self.scaling_decisions = f.counter("splitserve_scaling_decisions", "Autoscaler decisions", "pool", "decision")
+        self.planner_target_replicas = f.gauge(
+            "splitserve_planner_target_replicas", "Replicas the sla autoscaling policy plans per pool", "pool"
+        )
+        self.planner_predicted_ttft = f.gauge(
+            "splitserve_planner_predicted_ttft_seconds", "TTFT the sla policy predicts for its plan, at its percentile"
+        )
+        self.planner_predicted_itl = f.gauge(
+            "splitserve_planner_predicted_itl_seconds", "ITL the sla policy predicts for its plan, at its percentile"
+        )
         self.replica_grammar = {
             key: f.counter(f"splitserve_{key}", help_text, "pool")
             for key, help_text in (

@@ -36,6 +36,7 @@ from splitserve.cluster.scaling.policy import (
     PrefillScalingPolicy,
     ScalingDecision,
 )
+from splitserve.cluster.scaling.sla_policy import DemandSource, SlaPlanner, SlaScalingPolicy, sla_kv_bytes_per_token
 
 if TYPE_CHECKING:
     from splitserve.cluster.control.pool_metrics import PoolMetrics
@@ -71,7 +72,11 @@ class Autoscaler:
         latency_source: LatencySource | None = None,
         drain_timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        demand_source: DemandSource | None = None,
+        model_dir: str | None = None,
     ):
+        """demand_source, model_dir: the ingresses' request counters and the checkpoint (its KV
+        bytes per token), which the `sla` policy sizes from."""
         self.cluster = cluster
         self.cfg = cfg
         self.metrics = metrics
@@ -79,11 +84,19 @@ class Autoscaler:
         # A request may run up to request_timeout_s, so a drain waits at most that long.
         self.drain_timeout_s = cfg.request_timeout_s if drain_timeout_s is None else drain_timeout_s
         self.clock = clock
-        self.policies: dict[str, PoolScalingPolicy] = {}
-        if cfg.prefill.autoscaling.enabled:
-            self.policies[PREFILL] = PrefillScalingPolicy(cfg.prefill.autoscaling)
-        if cfg.decode.autoscaling.enabled:
-            self.policies[DECODE] = DecodeScalingPolicy(cfg.decode.autoscaling)
+        self.policies: dict[str, PoolScalingPolicy | SlaScalingPolicy] = {}
+        if "sla" in (cfg.prefill.autoscaling.policy, cfg.decode.autoscaling.policy):
+            if demand_source is None:
+                raise ValueError("autoscaling.policy sla needs the ingresses' request counters (a demand source)")
+            planner = SlaPlanner(cfg, demand_source, sla_kv_bytes_per_token(cfg, model_dir), metrics)
+            for pool in (PREFILL, DECODE):
+                if (cfg.prefill if pool == PREFILL else cfg.decode).autoscaling.enabled:
+                    self.policies[pool] = SlaScalingPolicy(pool, planner, self._serving_counts)
+        else:
+            if cfg.prefill.autoscaling.enabled:
+                self.policies[PREFILL] = PrefillScalingPolicy(cfg.prefill.autoscaling)
+            if cfg.decode.autoscaling.enabled:
+                self.policies[DECODE] = DecodeScalingPolicy(cfg.decode.autoscaling)
         self.events: BoundedLog[ScalingEvent] = BoundedLog(EVENT_LOG_SIZE)
         self.last_decisions: dict[str, ScalingDecision] = {}
         self._last_scaled_at: dict[str, float | None] = {pool: None for pool in self.policies}
@@ -115,6 +128,10 @@ class Autoscaler:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._loops = []
         self._actions.clear()
+
+    def _serving_counts(self) -> dict[str, int]:
+        view = self.cluster.loads
+        return {pool: len(view.replica_ids(pool, include_draining=False)) for pool in (PREFILL, DECODE)}
 
     def scaling_in_progress(self, pool: str) -> bool:
         task = self._actions.get(pool)
