@@ -140,8 +140,11 @@ class Autoscaler:
     # ---- one control step ----------------------------------------------------------------
     async def _run_pool(self, pool: str) -> None:
         interval = self.policies[pool].cfg.interval_s
+        policy = self.policies[pool]
         while True:
             try:
+                if isinstance(policy, SlaScalingPolicy) and not self.scaling_in_progress(pool):
+                    await asyncio.to_thread(policy.planner.size, self.clock(), self._serving_counts())
                 self.step(pool)
             except Exception:
                 logger.exception("autoscaler step for %s failed", pool)

@@ -21,6 +21,7 @@ splitserve_planner_predicted_{ttft,itl}_seconds and splitserve_planner_target_re
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -95,20 +96,24 @@ class SlaPlanner:
         self.colocated = cfg.prefill.replicas == 0 and not cfg.prefill.autoscaling.enabled
         self.interval_s = min(p.autoscaling.interval_s for p in (cfg.prefill, cfg.decode))
         self.latest: Sizing | None = None
+        self._lock = threading.Lock()
 
     def gpus_per_replica(self, pool: str) -> float:
         config = self.cfg.prefill if pool == PREFILL else self.cfg.decode
         return config.tensor_parallel_size * max(config.resources.num_gpus, 1.0)
 
     def size(self, now: float, current: dict[str, int]) -> Sizing:
-        """The plan for now (computed once per interval, whichever pool asks first)."""
-        if self.latest is not None and now - self.latest.at < self.interval_s / 2:
+        """The plan for now (computed once per interval, whichever pool asks first). The
+        autoscaler calls it in a worker thread before each step, so the simulations never hold
+        the controller's event loop; the step's own call then finds it fresh."""
+        with self._lock:
+            if self.latest is not None and now - self.latest.at < self.interval_s / 2:
+                return self.latest
+            self.forecast.observe(now, self.demand())
+            forecast = self.forecast.estimate(now, self.cfg.planner.startup_s + self.interval_s)
+            self.latest = self._plan(now, forecast, current)
+            self._export(self.latest)
             return self.latest
-        self.forecast.observe(now, self.demand())
-        forecast = self.forecast.estimate(now, self.cfg.planner.startup_s + self.interval_s)
-        self.latest = self._plan(now, forecast, current)
-        self._export(self.latest)
-        return self.latest
 
     def _counts(self, pool: str, current: int) -> range:
         config = self.cfg.prefill if pool == PREFILL else self.cfg.decode
@@ -200,6 +205,12 @@ class SlaScalingPolicy:
         if target > n:
             self._below_since = None
             return ScalingDecision("up", target, reason)
+        busy = any(load.num_running or load.num_waiting for load in snapshot.loads)
+        if target < n and sizing.forecast is None and busy:
+            # Requests run but none finished in the window (a stall, or very long requests):
+            # no forecast is not no load.
+            self._below_since = None
+            return ScalingDecision("hold", n, f"{reason}; requests in flight: no scale-down without a forecast")
         if target < n and not breached:
             self._below_since = now if self._below_since is None else self._below_since
             if now - self._below_since >= cfg.downscale_delay_s:

@@ -15,6 +15,8 @@ from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.control.pool_metrics import PoolMetrics
 from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.cluster.scaling.autoscaler import Autoscaler
+from splitserve.cluster.scaling.load_forecast import DemandTotals
+from splitserve.cluster.scaling.sla_policy import SlaScalingPolicy
 from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.cluster import start_cluster, wait_for_baseline
 
@@ -238,3 +240,90 @@ def test_controller_wires_the_autoscaler_to_the_ingresses_latencies(tiny_model):
 
     backend = ServingBackend(scaled_config(tiny_model), tiny_model)
     assert isinstance(backend.cluster.controller.autoscaler, Autoscaler)
+
+
+def sla_config(model: str, engine: str) -> ServeConfig:
+    """scaled_config with both pools on the sla policy: targets no deployment can meet on this
+    box, so the plan is the most the bounds allow (2 each) while requests finish, and the
+    minimum once none has finished for a window."""
+    cfg = scaled_config(model).model_dump()
+    for pool in ("prefill", "decode"):
+        cfg[pool]["autoscaling"]["policy"] = "sla"
+    cfg["planner"] = {"startup_s": 1.0, "window_s": 2.0, "num_requests": 50}
+    return ServeConfig.model_validate({**cfg, "engine": engine})
+
+
+@pytest.mark.ray
+def test_the_sla_policy_scales_both_pools_up_under_load_and_down_losing_no_request(loop, scaled_cluster, tiny_model):
+    """The sla policy on the real cluster: its demand is the load's own counters (the
+    controller's, from the ingresses' reports, is the next test's); both pools go 1 -> 2 while
+    requests run and back to 1 after they stop, drained with none failed."""
+    cluster = scaled_cluster
+    cfg = sla_config(tiny_model, cluster.cfg.engine)
+    load = ClosedLoopLoad(
+        cluster,
+        lambda i: prompt(i, 64),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        max_concurrency=8,
+        latency_window_s=1.0,
+    )
+    demand = lambda: DemandTotals(load._num_sent * 64, load.num_ok, load.num_ok * 64, load.num_ok * 24)  # noqa: E731
+    metrics = PoolMetrics("tiny")
+    autoscaler = Autoscaler(
+        cluster,
+        cfg,
+        metrics,
+        latency_source=load.latency_ms,
+        drain_timeout_s=30,
+        demand_source=demand,
+        model_dir=tiny_model,
+    )
+    assert all(isinstance(p, SlaScalingPolicy) for p in autoscaler.policies.values())
+
+    def at(num: int) -> bool:
+        idle = not (autoscaler.scaling_in_progress(PREFILL) or autoscaler.scaling_in_progress(DECODE))
+        return idle and all(len(cluster.router.replica_ids(pool)) == num for pool in (PREFILL, DECODE))
+
+    async def scenario():
+        autoscaler.start()
+        load.start()
+        try:
+            load.concurrency = 8
+            await wait_until(lambda: at(2), 60, "both pools at 2 replicas")
+            load.concurrency = 0
+            await wait_until(lambda: at(1) and load.num_inflight == 0, 60, "both pools back at 1")
+        finally:
+            await load.stop(30)
+            await autoscaler.stop()
+
+    loop.run(scenario(), timeout=150)
+    assert load.num_failed == 0, load.failures
+    for pool in (PREFILL, DECODE):
+        events = [(e.action, e.from_replicas, e.to_replicas) for e in autoscaler.events if e.pool == pool]
+        assert events == [("up", 1, 2), ("down", 2, 1)], (pool, autoscaler.events)
+        # Each action's reason is the planner's: its forecast and prediction (or why it has none),
+        # with a measured breach where that is what stepped the pool up.
+        reasons = [e.reason for e in autoscaler.events if e.pool == pool]
+        assert all("req/s forecast" in r or "no finished requests in the window" in r for r in reasons), reasons
+    rendered = metrics.render().decode()
+    assert 'splitserve_planner_target_replicas{model_name="tiny",pool="decode"} 1.0' in rendered
+    wait_for_baseline(loop, cluster)
+
+
+def test_the_controller_feeds_the_sla_policy_its_ingresses_counters(tiny_model):
+    """Controller wiring without Ray: the sla policies share one planner whose demand is the
+    ingresses' request counters, shipped in their reports and summed over the ingresses."""
+    from splitserve.cluster.control.controller import Controller
+    from splitserve.cluster.frontend.metrics import Metrics
+    from splitserve.proto.messages.ingress_report import IngressReport, families_of
+
+    controller = Controller(sla_config(tiny_model, "real"), tiny_model, "unit")
+    policies = list(controller.autoscaler.policies.values())
+    assert len(policies) == 2 and policies[0].planner is policies[1].planner
+    for ingress_id, prompt_tokens in (("a", 100), ("b", 300)):
+        ingress = Metrics(controller.model_name)
+        ingress.prompt_tokens.inc(prompt_tokens)
+        ingress.observe_finished("length", prompt_tokens, 24)
+        report = IngressReport(metrics=families_of(ingress.registry)).to_bytes()
+        asyncio.run(controller.membership(-1, ingress_id, report))
+    assert policies[0].planner.demand() == DemandTotals(400, 2, 400, 48)

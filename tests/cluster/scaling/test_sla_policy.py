@@ -171,3 +171,24 @@ def test_the_demand_is_every_ingress_counters_for_its_own_model():
     assert totals == DemandTotals(500, 2, 400, 16)
     aggregator.retire("a/m")
     assert aggregator.demand_totals("m") == totals
+
+
+def test_no_scale_down_without_a_forecast_while_requests_run():
+    """Nothing finished in the window (a stall, or very long requests) while the replicas hold
+    running requests: the plan falls to the minimum, but the pool holds."""
+    from splitserve.cluster.routing.load import LoadReport
+
+    cfg = serve_config()
+    planner = SlaPlanner(cfg, lambda: DemandTotals(0, 0, 0, 0), kv_bytes_per_token=131072)
+    policy = SlaScalingPolicy(DECODE, planner, lambda: {PREFILL: 1, DECODE: 3})
+    busy = MetricsSnapshot(0.0, 3, loads=(LoadReport(num_running=4),) * 3)
+    idle = MetricsSnapshot(0.0, 3, loads=(LoadReport(),) * 3)
+    for t in range(120):
+        assert policy.decide(MetricsSnapshot(float(t), 3, busy.loads), float(t)).action == "hold"
+    downs = [
+        (t, d)
+        for t in range(120, 200)
+        if (d := policy.decide(MetricsSnapshot(float(t), 3, idle.loads), float(t))).action == "down"
+    ]
+    assert downs and downs[0][1].target_replicas == 1
+    assert downs[0][0] == 120 + cfg.decode.autoscaling.downscale_delay_s  # idle: down after the delay
