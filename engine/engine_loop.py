@@ -185,10 +185,16 @@ class EngineLoop:
         return fut
 
     def inject_faults(
-        self, fail_steps: int = 0, hang_s: float = 0.0, hang_steps: int = 1, stop_loop: bool = False
+        self,
+        fail_steps: int = 0,
+        hang_s: float = 0.0,
+        hang_steps: int = 1,
+        stop_loop: bool = False,
+        hold_at_output_tokens: int = 0,
     ) -> None:
-        """Chaos testing (FaultInjector): fail or hang the next steps, or stop the loop for good."""
-        self.faults.arm(fail_steps=fail_steps, hang_s=hang_s, hang_steps=hang_steps, stop_loop=stop_loop)
+        """Chaos testing (FaultInjector): fail or hang the next steps, hold the steps once a
+        sequence reaches an output length, or stop the loop for good."""
+        self.faults.arm(fail_steps, hang_s, hang_steps, stop_loop, hold_at_output_tokens)
         self._wake.set()
 
     def stop(self, timeout_s: float = 10.0) -> None:

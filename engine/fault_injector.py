@@ -7,6 +7,9 @@ Armed from any thread (a worker's inject_fault actor method), fired on the loop 
 - hang the next N steps for S seconds each, also mid-forward (a hung prefill or kernel);
   a loop stop() interrupts the hang, and so does arming again (a test switching the fault
   off ends a hang in progress, so a test can hang a step "until released", on any machine);
+- hold at an output length: a step whose batch has a sequence with at least N output tokens
+  hangs until released (armed again) or the loop stops, so a test can stop a replica before
+  any of its streams could finish, however long the machine takes to get there;
 - stop the loop for good: the loop thread raises between steps, outside any step, which is
   the "cannot carry on" path.
 """
@@ -22,6 +25,10 @@ class InjectedFault(RuntimeError):
     """Raised by an armed fault: never by a healthy engine."""
 
 
+# How long one held step waits before the next step checks again (a release ends it at once).
+HOLD_CHECK_S = 60.0
+
+
 class FaultInjector:
     def __init__(self):
         self._lock = threading.Lock()
@@ -29,15 +36,27 @@ class FaultInjector:
         self._hang_s = 0.0
         self._num_hanging_steps = 0
         self._stop_reason: str | None = None
+        self._hold_at_output_tokens = 0
         self._wake = threading.Event()  # ends the hangs claimed under the current arming
         self._interrupted = False
         self.num_fired = 0
 
-    def arm(self, fail_steps: int = 0, hang_s: float = 0.0, hang_steps: int = 1, stop_loop: bool = False) -> None:
+    def arm(
+        self,
+        fail_steps: int = 0,
+        hang_s: float = 0.0,
+        hang_steps: int = 1,
+        stop_loop: bool = False,
+        hold_at_output_tokens: int = 0,
+    ) -> None:
         """Set every fault at once (what is not given is switched off)."""
-        if fail_steps < 0 or hang_s < 0 or hang_steps < 0:
-            raise ValueError(f"fault counts and durations must be >= 0: {fail_steps=}, {hang_s=}, {hang_steps=}")
+        if min(fail_steps, hang_s, hang_steps, hold_at_output_tokens) < 0:
+            raise ValueError(
+                f"fault counts and durations must be >= 0: {fail_steps=}, {hang_s=}, {hang_steps=}, "
+                f"{hold_at_output_tokens=}"
+            )
         with self._lock:
+            self._hold_at_output_tokens = hold_at_output_tokens
             self._num_failing_steps = fail_steps
             self._hang_s = hang_s
             self._num_hanging_steps = hang_steps if hang_s > 0 else 0
@@ -49,7 +68,9 @@ class FaultInjector:
 
     @property
     def armed(self) -> bool:
-        return bool(self._num_failing_steps or self._num_hanging_steps or self._stop_reason)
+        return bool(
+            self._num_failing_steps or self._num_hanging_steps or self._stop_reason or self._hold_at_output_tokens
+        )
 
     def interrupt(self) -> None:
         """End a hang now and never hang again (the loop is stopping)."""
@@ -67,7 +88,7 @@ class FaultInjector:
     def wrap(self, layer_hook: LayerHookFactory | None) -> LayerHookFactory | None:
         """layer_hook itself while nothing is armed; otherwise a hook factory that claims this
         step's faults and fires them after the step's first layer."""
-        if not (self._num_failing_steps or self._num_hanging_steps):
+        if not (self._num_failing_steps or self._num_hanging_steps or self._hold_at_output_tokens):
             return layer_hook
 
         def factory(batch):
@@ -77,6 +98,9 @@ class FaultInjector:
                 self._num_failing_steps -= fail
                 hang_s = self._hang_s if self._num_hanging_steps > 0 else 0.0
                 self._num_hanging_steps -= hang_s > 0
+                hold = self._hold_at_output_tokens
+                if hold and any(seq.num_output_tokens >= hold for seq in batch.seqs):
+                    hang_s = max(hang_s, HOLD_CHECK_S)  # until released; a later step holds again
                 wake = self._wake
             if not fail and not hang_s:
                 return inner

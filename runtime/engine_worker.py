@@ -180,13 +180,15 @@ class EngineWorker:
         hang_steps: int = 1,
         stop_loop: bool = False,
         skip_state_frames: int = 0,
+        hold_at_output_tokens: int = 0,
     ) -> None:
         """Chaos testing, in the engine loop's real code paths (engine/fault_injector.py): the
         next fail_steps steps raise mid-forward; the next hang_steps steps hang hang_s seconds
         mid-forward; stop_loop stops the loop for good; the next skip_state_frames pushed
-        state frames reach no subscriber (as for one that fell behind). Each call sets every
-        fault (what it does not name is switched off)."""
-        self.loop.inject_faults(fail_steps=fail_steps, hang_s=hang_s, hang_steps=hang_steps, stop_loop=stop_loop)
+        state frames reach no subscriber (as for one that fell behind); hold_at_output_tokens:
+        steps hang, until the next call, once a sequence in the batch has that many output
+        tokens. Each call sets every fault (what it does not name is switched off)."""
+        self.loop.inject_faults(fail_steps, hang_s, hang_steps, stop_loop, hold_at_output_tokens)
         self.publisher.frames_to_skip = skip_state_frames
 
     async def shutdown(self) -> None:

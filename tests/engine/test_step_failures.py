@@ -246,3 +246,24 @@ def test_stop_interrupts_a_hung_step(tiny_model):
     got.wait("hung", timeout_s=5)
     assert isinstance(got.errors["hung"], EngineLoopStopped) and "shut down" in str(got.errors["hung"])
     assert_baseline(loop.final_stats())
+
+
+def test_a_hold_at_an_output_length_stops_the_steps_until_released(tiny_model):
+    """Armed to hold at 5 output tokens: the request gets no further than its 5th (6th with a
+    step already sampled under async scheduling) however long the test waits, and arming again
+    releases it to finish with every block back."""
+    loop = EngineLoop(engine_for(tiny_model), name="t").start()
+    got = Collector()
+    loop.inject_faults(hold_at_output_tokens=5)
+    add(loop, got, "held", prompt(20, 1), 12)
+    wait_until_hung(loop)
+    deadline = time.monotonic() + 30  # the 5th token's output may be handed over beside the held step
+    while len(got.tokens("held")) < 5:
+        assert time.monotonic() < deadline, "the held request never reached 5 tokens"
+        time.sleep(0.01)
+    assert len(got.tokens("held")) <= 6 and not got.ended["held"].is_set()
+    loop.inject_faults()  # released
+    got.wait("held")
+    assert len(got.tokens("held")) == 12 and "held" not in got.errors
+    loop.stop()
+    assert_baseline(loop.final_stats())

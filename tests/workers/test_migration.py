@@ -26,7 +26,11 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 pb2, pb2_grpc = load_stubs()
 KILL_AFTER = 6  # tokens every client has received when the replica dies
 MAX_TOKENS = 60
-STEP_HOLD_S = 0.05  # each decode step held this long, so no stream is over at the kill
+STEP_HOLD_S = 0.05  # each decode step held this long: the streams reach the kill point together
+# A decode replica holds its steps (until released) once a stream there is this close to its
+# end: whatever the machine's stalls between the kill point and the kill, the victim still has
+# its streams when it dies. The survivors are released right after the kill.
+HOLD_AT = MAX_TOKENS - 2
 PROMPTS = [[(11 * i + 17 * s) % 380 + 20 for i in range(24 + s)] for s in range(7)]
 HTTP_CASES = [  # (prompt index, the request's sampling fields)
     (0, {"temperature": 0}),
@@ -143,9 +147,14 @@ def assert_same(got: dict, want: dict) -> None:
     assert (got["finish"], got["usage"]) == (want["finish"], want["usage"])
 
 
-def hold_decode_steps(cluster, hold_s: float, killed: str | None = None) -> None:
+def hold_decode_steps(cluster, hold_s: float, killed: str | None = None, hold_at: int = 0) -> None:
     handles = [r.handle for r in cluster.decode_pool.live_replicas() if r.replica_id != killed]
-    ray.get([h.inject_fault.remote(hang_s=hold_s, hang_steps=10**9) for h in handles], timeout=10)
+    faults = {"hang_s": hold_s, "hang_steps": 10**9, "hold_at_output_tokens": hold_at}
+    ray.get([h.inject_fault.remote(**faults) for h in handles], timeout=10)
+
+
+def live_decode_ids(cluster) -> set[str]:
+    return {r.replica_id for r in cluster.decode_pool.live_replicas()}
 
 
 def kill_busiest_decode(cluster, kill: KillPoint) -> str:
@@ -154,6 +163,7 @@ def kill_busiest_decode(cluster, kill: KillPoint) -> str:
     inflight = list(cluster.dispatcher.inflight.values())
     victim_id = max(set(inflight), key=inflight.count)
     ray.kill(cluster.decode_pool.get(victim_id).handle)
+    hold_decode_steps(cluster, 0.0, killed=victim_id)  # the survivors go on (the moved streams too)
     kill.killed.set()
     return victim_id
 
@@ -162,7 +172,7 @@ def test_streams_survive_their_decode_replica(loop, cluster, backend, client, st
     references = all_answers(client, stub, backend.model_name, None)
     assert all(r["usage"] == (len(PROMPTS[i]), MAX_TOKENS) for r, (i, _) in zip(references, HTTP_CASES + GRPC_CASES))
     moved = backend.metrics.migrations.total.labels(DECODE, "channel_closed")._value.get()
-    hold_decode_steps(cluster, STEP_HOLD_S)
+    hold_decode_steps(cluster, STEP_HOLD_S, hold_at=HOLD_AT)
     kill = KillPoint(len(references))
     with ThreadPoolExecutor(1) as killer:
         victim = killer.submit(kill_busiest_decode, cluster, kill)
@@ -175,12 +185,13 @@ def test_streams_survive_their_decode_replica(loop, cluster, backend, client, st
     print(f"killed {victim_id} after {KILL_AFTER} tokens: {num_moved:.0f} of {len(answers)} streams moved")
     hold_decode_steps(cluster, 0.0, killed=victim_id)
     wait_until(lambda: victim_id not in cluster.router.replica_ids(DECODE), 10, "the dead replica is still routed")
+    wait_until(lambda: victim_id not in live_decode_ids(cluster), 60, "the dead replica is still in its pool")
     wait_for_baseline(loop, cluster)
 
 
 def test_a_stream_opted_out_of_migration_fails_with_its_replica(loop, cluster, backend, client):
     wait_until(lambda: cluster.live_replicas(DECODE) == 2, 120, "the decode pool was not refilled", 0.2)
-    hold_decode_steps(cluster, STEP_HOLD_S)
+    hold_decode_steps(cluster, STEP_HOLD_S, hold_at=HOLD_AT)
     refused = backend.metrics.migrations.refusals.labels("disabled")._value.get()
     kill = KillPoint(1)
     with ThreadPoolExecutor(1) as killer:
