@@ -78,8 +78,9 @@ class Metrics:
 
 
 class MigrationMetrics:
-    """Streams moved to another decode replica mid-stream, the tokens they carried, and the
-    moves refused (the dispatcher's MigrationObserver)."""
+    """Streams moved to another decode replica mid-stream, the tokens they carried, the gap
+    each move left in the client's stream, and the moves refused (the dispatcher's
+    MigrationObserver)."""
 
     def __init__(self, f: ModelFamilies):
         self.total = f.counter(
@@ -96,6 +97,14 @@ class MigrationMetrics:
             "Mid-stream replica failures whose stream was not moved: disabled, max_attempts, no_replica",
             "reason",
         )
+
+        self.gaps = f.histogram(
+            "splitserve_migration_gap_seconds",
+            "Per move, the client's wait from the last token before its replica failed to the first after",
+        )
+
+    def gap(self, seconds: float) -> None:
+        self.gaps.observe(seconds)
 
     def moved(self, pool: str, reason: str, num_tokens: int) -> None:
         self.total.labels(pool, reason).inc()

@@ -137,7 +137,7 @@ class Dispatcher(RoutedReplicas):
         timeout_s = deadline - time.time()
         exclude = {PREFILL: set(), DECODE: set(exclude_decode)}
         attempt = num_budgeted = 0
-        answer = AnswerSoFar(prompt_token_ids, params)
+        answer = AnswerSoFar(prompt_token_ids, params, migrations)
         moved_after = ""  # the failure the stream last moved after
         while True:
             if time.time() >= deadline:

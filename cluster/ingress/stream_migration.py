@@ -11,6 +11,8 @@ AnswerSoFar is that bookkeeping, torch-free and Ray-free; the dispatcher owns th
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Protocol
 
 import msgspec
@@ -29,11 +31,13 @@ DISABLED, MAX_ATTEMPTS, NO_REPLICA = "disabled", "max_attempts", "no_replica"
 
 
 class MigrationObserver(Protocol):
-    """Counts moves and refusals (the ingress's metrics)."""
+    """Counts moves and refusals, and times the gap the client saw (the ingress's metrics)."""
 
     def moved(self, pool: str, reason: str, num_tokens: int) -> None: ...
 
     def refused(self, reason: str) -> None: ...
+
+    def gap(self, seconds: float) -> None: ...
 
 
 def movable_reason(failure: Failed | ChannelClosed | BaseException) -> str | None:
@@ -46,8 +50,19 @@ def movable_reason(failure: Failed | ChannelClosed | BaseException) -> str | Non
 class AnswerSoFar:
     """One request's answer as the client has it, across the replicas that produced it."""
 
-    def __init__(self, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        observer: MigrationObserver | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        """observer: told the gap of each move, from the last token the client got before the
+        failure to the first one after (clock: monotonic seconds)."""
         self.prompt_token_ids, self.params = prompt_token_ids, params
+        self.observer, self.clock = observer, clock
+        self._last_token_at: float | None = None
+        self._moved_at: float | None = None  # the last token before the latest move, until the first after
         self.token_ids: list[int] = []  # every output token the client was sent
         self.num_text_chars = 0  # characters of text the client was sent
         self.num_moves = 0
@@ -58,6 +73,13 @@ class AnswerSoFar:
     def client_chunk(self, chunk: StreamChunk) -> StreamChunk:
         """Record a chunk the client is about to get; a continuation's counts become the client's
         (its id and prompt tokens, every output token so far, the first attempt's cached tokens)."""
+        if chunk.token_ids:
+            now = self.clock()
+            if self._moved_at is not None:
+                if self.observer is not None:
+                    self.observer.gap(now - self._moved_at)
+                self._moved_at = None
+            self._last_token_at = now
         self.token_ids.extend(chunk.token_ids)
         self.num_text_chars += len(chunk.text)
         if self._num_cached_tokens is None:
@@ -86,4 +108,6 @@ class AnswerSoFar:
         )
         self._resumed = resumed
         self.num_moves += 1
+        if self._moved_at is None:  # a move before any token came back counts from the one before
+            self._moved_at = self._last_token_at
         return self.prompt_token_ids + self.token_ids, params

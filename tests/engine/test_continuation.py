@@ -143,3 +143,27 @@ def test_a_continuation_must_leave_a_prompt(engine):
         engine.add_request(prompt_token_ids=[1, 2, 3], params=params)
     with pytest.raises(InvalidRequestError, match="at least one token"):
         Continuation(0, 0)
+
+
+def test_the_gap_of_a_move_runs_from_the_last_token_before_to_the_first_after():
+    """Timed on the answer's clock: a chunk without tokens after the move does not end the gap,
+    and a second move before any token came back counts from the last token the client got."""
+    times, gaps = iter([1.0, 2.0, 7.5, 8.0, 20.0]), []
+
+    class Observer:
+        def gap(self, seconds: float) -> None:
+            gaps.append(seconds)
+
+    def chunk(*token_ids: int) -> StreamChunk:
+        return StreamChunk("r", list(token_ids), "", False, None, len(PROMPT), 0, len(token_ids))
+
+    answer = AnswerSoFar(PROMPT, SamplingParams(max_tokens=10), Observer(), clock=lambda: next(times))
+    answer.client_chunk(chunk(1))  # t 1.0
+    answer.client_chunk(chunk(2))  # t 2.0: the last token before the failure
+    answer.continuation()
+    answer.client_chunk(chunk())  # no token: the gap goes on
+    answer.continuation()  # moved again before a token came back
+    answer.client_chunk(chunk(3))  # t 7.5
+    assert gaps == [5.5]
+    answer.client_chunk(chunk(4))  # t 8.0: an ordinary token, no gap
+    assert gaps == [5.5]

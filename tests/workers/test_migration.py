@@ -153,6 +153,11 @@ def hold_decode_steps(cluster, hold_s: float, killed: str | None = None, hold_at
     ray.get([h.inject_fault.remote(**faults) for h in handles], timeout=10)
 
 
+def gap_count_and_sum(backend) -> tuple[float, float]:
+    samples = {s.name: s.value for metric in backend.metrics.migrations.gaps.collect() for s in metric.samples}
+    return samples["splitserve_migration_gap_seconds_count"], samples["splitserve_migration_gap_seconds_sum"]
+
+
 def live_decode_ids(cluster) -> set[str]:
     return {r.replica_id for r in cluster.decode_pool.live_replicas()}
 
@@ -172,6 +177,7 @@ def test_streams_survive_their_decode_replica(loop, cluster, backend, client, st
     references = all_answers(client, stub, backend.model_name, None)
     assert all(r["usage"] == (len(PROMPTS[i]), MAX_TOKENS) for r, (i, _) in zip(references, HTTP_CASES + GRPC_CASES))
     moved = backend.metrics.migrations.total.labels(DECODE, "channel_closed")._value.get()
+    gaps_before = gap_count_and_sum(backend)
     hold_decode_steps(cluster, STEP_HOLD_S, hold_at=HOLD_AT)
     kill = KillPoint(len(references))
     with ThreadPoolExecutor(1) as killer:
@@ -182,6 +188,8 @@ def test_streams_survive_their_decode_replica(loop, cluster, backend, client, st
         assert_same(got, want)
     num_moved = backend.metrics.migrations.total.labels(DECODE, "channel_closed")._value.get() - moved
     assert num_moved >= 1, "no stream was on the killed replica"
+    gaps = gap_count_and_sum(backend)  # one gap per move, each the client's real wait
+    assert gaps[0] == gaps_before[0] + num_moved and gaps[1] > gaps_before[1]
     print(f"killed {victim_id} after {KILL_AFTER} tokens: {num_moved:.0f} of {len(answers)} streams moved")
     hold_decode_steps(cluster, 0.0, killed=victim_id)
     wait_until(lambda: victim_id not in cluster.router.replica_ids(DECODE), 10, "the dead replica is still routed")
