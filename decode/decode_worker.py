@@ -79,6 +79,21 @@ class DecodeWorker(EngineWorker):
         self.num_active = len(self._requests)
         req.task = asyncio.get_running_loop().create_task(self._start(req))
 
+    async def migrate_streams(self) -> int:
+        """A drain's planned move: every request here ends with REPLICA_DRAINING and is freed at
+        once; the ingress continues each stream that sent tokens on another replica (exactly,
+        from the tokens its client has: ones produced here but not yet sent are recomputed
+        there) and retries the others. Returns how many were handed off."""
+        handed = 0
+        for req in list(self._requests.values()):
+            if req.aborted:
+                continue
+            message = f"decode replica {self.replica_id} is draining"
+            req.conn.send(encode_frame(Failed(req.submit.request_id, FailureKind.REPLICA_DRAINING, True, message)))
+            self._abort(req)  # after the frame: nothing of it is sent after the failure
+            handed += 1
+        return handed
+
     def _on_abort(self, conn: IngressConnection, request_id: str) -> None:
         req = self._requests.get(request_id)
         if req is not None and req.conn is conn:

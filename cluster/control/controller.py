@@ -258,9 +258,19 @@ class Controller:
             self.roster.set_draining(replica)
         marked = self.version
         deadline = self.clock() + timeout_s
+        migrate_after = self.cfg.migration.migrate_after_s if pool == DECODE else None
+        migrate_at = None if migrate_after is None else self.clock() + migrate_after
         drained = False
         while not drained and self.clock() < deadline:
             now = self.clock()
+            if migrate_at is not None and now >= migrate_at and self.ingresses.all_applied(marked, now):
+                # No new request reaches it any more: hand what it still runs to the others.
+                migrate_at = None
+                try:
+                    handed = await asyncio.wait_for(replica.handle.migrate_streams.remote(), 30)
+                    logger.info("draining %s: %d stream(s) handed to other replicas", replica_id, handed)
+                except Exception as exc:  # gone meanwhile: nothing left to hand off
+                    logger.warning("draining %s: handing its streams off failed: %r", replica_id, exc)
             drained = (
                 self.ingresses.all_applied(marked, now)
                 and self.ingresses.num_inflight(replica_id, now) == 0

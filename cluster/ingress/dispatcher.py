@@ -47,6 +47,7 @@ _RETRY: dict[FailureKind, tuple[str | None, bool, ErrorKind]] = {
     FailureKind.PREFILL_DEAD: (PREFILL, False, ErrorKind.UNAVAILABLE),
     FailureKind.BUSY: (DECODE, True, ErrorKind.UNAVAILABLE),
     FailureKind.REPLICA_DEAD: (DECODE, False, ErrorKind.UNAVAILABLE),
+    FailureKind.REPLICA_DRAINING: (DECODE, False, ErrorKind.UNAVAILABLE),
     FailureKind.INVALID: (None, True, ErrorKind.INVALID),
     FailureKind.STEP_FAILED: (None, True, ErrorKind.INTERNAL),
     FailureKind.INTERNAL: (None, True, ErrorKind.INTERNAL),

@@ -24,7 +24,11 @@ from splitserve.proto.messages.request_channel import Failed, FailureKind
 from splitserve.proto.messages.sampling_params import SamplingParams
 
 # The failures a continuation can outlive: the replica, not the request, went wrong.
-_MOVABLE = {FailureKind.REPLICA_DEAD: "replica_dead", FailureKind.STEP_FAILED: "step_failed"}
+_MOVABLE = {
+    FailureKind.REPLICA_DEAD: "replica_dead",
+    FailureKind.STEP_FAILED: "step_failed",
+    FailureKind.REPLICA_DRAINING: "drain",  # a planned move: the replica leaves (scale-down, rollout)
+}
 CHANNEL_CLOSED = "channel_closed"
 # Why a movable stream was not moved (splitserve_migrations_refused_total{reason}).
 DISABLED, MAX_ATTEMPTS, NO_REPLICA = "disabled", "max_attempts", "no_replica"

@@ -52,6 +52,7 @@ class FailureKind(enum.StrEnum):
     PREFILL_DEAD = "prefill_dead"  # the prefill replica is gone: try another (costs no retry budget)
     BUSY = "busy"  # no KV blocks came free on this decode replica: try another
     REPLICA_DEAD = "replica_dead"  # this decode replica's engine loop stopped for good: try another
+    REPLICA_DRAINING = "replica_draining"  # this decode replica is draining: go on from another
     INVALID = "invalid"  # the request itself is bad
     STEP_FAILED = "step_failed"  # an engine step failed with this request in the batch
     INTERNAL = "internal"  # anything else

@@ -44,7 +44,9 @@ GRPC_CASES = [(5, {"temperature": 0}), (6, {"temperature": 1.0, "seed": 9})]
 
 @pytest.fixture(scope="module")
 def backend(ray_cluster, tiny_model, loop):
-    cfg = cluster_config(tiny_model, num_prefill=1, num_decode=2, policy="kv", num_blocks=128)
+    cfg = cluster_config(
+        tiny_model, num_prefill=1, num_decode=2, policy="kv", num_blocks=128, migration={"migrate_after_s": 0}
+    )
     with serving_backend(loop, cfg, tiny_model) as serving:
         yield serving
 
@@ -210,4 +212,40 @@ def test_a_stream_opted_out_of_migration_fails_with_its_replica(loop, cluster, b
     assert backend.metrics.migrations.refusals.labels("disabled")._value.get() == refused + 1
     hold_decode_steps(cluster, 0.0, killed=victim_id)
     wait_until(lambda: cluster.live_replicas(DECODE) == 2, 120, "the decode pool was not refilled", 0.2)
+    wait_for_baseline(loop, cluster)
+
+
+def test_a_drained_replica_hands_its_streams_to_the_other(loop, cluster, backend, client, stub):
+    """migration.migrate_after_s 0: the busiest decode replica is drained (as a scale-down
+    does) once every client has its 6th token; its streams go on from the other replica, every
+    answer equal to its undisturbed reference, none failed, each move counted as a drain, and
+    the drained replica removed with every pool back at baseline."""
+    wait_until(lambda: cluster.live_replicas(DECODE) == 2, 120, "the decode pool was not refilled", 0.2)
+    references = all_answers(client, stub, backend.model_name, None)
+    drains = backend.metrics.migrations.total.labels(DECODE, "drain")
+    before = drains._value.get()
+    hold_decode_steps(cluster, STEP_HOLD_S, hold_at=HOLD_AT)
+    kill, outcome = KillPoint(len(references)), {}
+
+    def drain_busiest() -> None:
+        kill.reached.wait(120)
+        inflight = list(cluster.dispatcher.inflight.values())
+        victim = outcome["victim"] = max(set(inflight), key=inflight.count)
+        hold_decode_steps(cluster, 0.0, killed=victim)  # the other replica goes on
+        kill.killed.set()
+        with ThreadPoolExecutor(1) as drainer:
+            drained = drainer.submit(loop.run, cluster.drain_replica(DECODE, victim, 120), 150)
+            # Its streams are handed off while its steps are still held: none could finish there.
+            wait_until(lambda: drains._value.get() == before + inflight.count(victim), 60, "no stream handed off")
+            ray.get(cluster.decode_pool.get(victim).handle.inject_fault.remote(), timeout=10)  # released
+            outcome["drained"] = drained.result(timeout=150)
+
+    with ThreadPoolExecutor(1) as background:
+        draining = background.submit(drain_busiest)
+        answers = all_answers(client, stub, backend.model_name, kill)
+        draining.result(timeout=180)
+    for got, want in zip(answers, references):
+        assert_same(got, want)
+    assert outcome["drained"] is True and drains._value.get() > before
+    assert outcome["victim"] not in live_decode_ids(cluster)
     wait_for_baseline(loop, cluster)
