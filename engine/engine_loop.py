@@ -31,7 +31,7 @@ from typing import Any
 from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.engine_errors import EngineLoopStopped, EngineStepError
 from splitserve.engine.engine_protocol import EngineProtocol, LayerHookFactory
-from splitserve.engine.fault_injector import FaultInjector
+from splitserve.engine.fault_injector import FaultInjector, StepFaults
 from splitserve.engine.io.request_output import RequestOutput
 from splitserve.proto.messages.engine_stats import EngineStats
 from splitserve.proto.messages.handoff import PrefillResult
@@ -184,17 +184,10 @@ class EngineLoop:
             fut.set_result(None)
         return fut
 
-    def inject_faults(
-        self,
-        fail_steps: int = 0,
-        hang_s: float = 0.0,
-        hang_steps: int = 1,
-        stop_loop: bool = False,
-        hold_at_output_tokens: int = 0,
-    ) -> None:
+    def inject_faults(self, faults: StepFaults) -> None:
         """Chaos testing (FaultInjector): fail or hang the next steps, hold the steps once a
         sequence reaches an output length, or stop the loop for good."""
-        self.faults.arm(fail_steps, hang_s, hang_steps, stop_loop, hold_at_output_tokens)
+        self.faults.arm(faults)
         self._wake.set()
 
     def stop(self, timeout_s: float = 10.0) -> None:

@@ -17,6 +17,7 @@ Armed from any thread (a worker's inject_fault actor method), fired on the loop 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 from splitserve.engine.engine_protocol import LayerHookFactory
 
@@ -27,6 +28,24 @@ class InjectedFault(RuntimeError):
 
 # How long one held step waits before the next step checks again (a release ends it at once).
 HOLD_CHECK_S = 60.0
+
+
+@dataclass(frozen=True)
+class StepFaults:
+    """What FaultInjector.arm sets, all at once (what is not given is off): fail the next
+    fail_steps steps; hang the next hang_steps steps hang_s seconds each; stop the loop for
+    good; hold every step, until armed again, once a sequence in it has hold_at_output_tokens
+    output tokens."""
+
+    fail_steps: int = 0
+    hang_s: float = 0.0
+    hang_steps: int = 1
+    stop_loop: bool = False
+    hold_at_output_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.fail_steps, self.hang_s, self.hang_steps, self.hold_at_output_tokens) < 0:
+            raise ValueError(f"fault counts and durations must be >= 0: {self}")
 
 
 class FaultInjector:
@@ -41,26 +60,14 @@ class FaultInjector:
         self._interrupted = False
         self.num_fired = 0
 
-    def arm(
-        self,
-        fail_steps: int = 0,
-        hang_s: float = 0.0,
-        hang_steps: int = 1,
-        stop_loop: bool = False,
-        hold_at_output_tokens: int = 0,
-    ) -> None:
-        """Set every fault at once (what is not given is switched off)."""
-        if min(fail_steps, hang_s, hang_steps, hold_at_output_tokens) < 0:
-            raise ValueError(
-                f"fault counts and durations must be >= 0: {fail_steps=}, {hang_s=}, {hang_steps=}, "
-                f"{hold_at_output_tokens=}"
-            )
+    def arm(self, faults: StepFaults) -> None:
+        """Set every fault at once (what faults does not name is switched off)."""
         with self._lock:
-            self._hold_at_output_tokens = hold_at_output_tokens
-            self._num_failing_steps = fail_steps
-            self._hang_s = hang_s
-            self._num_hanging_steps = hang_steps if hang_s > 0 else 0
-            self._stop_reason = "injected loop stop" if stop_loop else None
+            self._hold_at_output_tokens = faults.hold_at_output_tokens
+            self._num_failing_steps = faults.fail_steps
+            self._hang_s = faults.hang_s
+            self._num_hanging_steps = faults.hang_steps if faults.hang_s > 0 else 0
+            self._stop_reason = "injected loop stop" if faults.stop_loop else None
             wake, self._wake = self._wake, threading.Event()
             if self._interrupted:
                 self._wake.set()

@@ -33,6 +33,7 @@ from splitserve.engine.engine_errors import EngineLoopStopped
 from splitserve.engine.engine_factory import build_engine
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.engine_protocol import EngineProtocol, LayerHookFactory
+from splitserve.engine.fault_injector import StepFaults
 from splitserve.kvtransfer.data_plane import data_plane_for, open_replica_transport
 from splitserve.kvtransfer.protocols import KVDataPlane, KVTransportProtocol
 from splitserve.proto.messages.kv_events import KVEvent
@@ -173,22 +174,12 @@ class EngineWorker:
         newer pair is kept): close ours too, so nothing waits on it until the timeout."""
         await asyncio.to_thread(self.transport.close_pair, peer_id, epoch)
 
-    async def inject_fault(
-        self,
-        fail_steps: int = 0,
-        hang_s: float = 0.0,
-        hang_steps: int = 1,
-        stop_loop: bool = False,
-        skip_state_frames: int = 0,
-        hold_at_output_tokens: int = 0,
-    ) -> None:
-        """Chaos testing, in the engine loop's real code paths (engine/fault_injector.py): the
-        next fail_steps steps raise mid-forward; the next hang_steps steps hang hang_s seconds
-        mid-forward; stop_loop stops the loop for good; the next skip_state_frames pushed
-        state frames reach no subscriber (as for one that fell behind); hold_at_output_tokens:
-        steps hang, until the next call, once a sequence in the batch has that many output
-        tokens. Each call sets every fault (what it does not name is switched off)."""
-        self.loop.inject_faults(fail_steps, hang_s, hang_steps, stop_loop, hold_at_output_tokens)
+    async def inject_fault(self, skip_state_frames: int = 0, **step_faults) -> None:
+        """Chaos testing, in the engine loop's real code paths: step_faults are StepFaults'
+        fields (engine/fault_injector.py: fail, hang or hold steps mid-forward, or stop the
+        loop for good); the next skip_state_frames pushed state frames reach no subscriber (as
+        for one that fell behind). Each call sets every fault (what it does not name is off)."""
+        self.loop.inject_faults(StepFaults(**step_faults))
         self.publisher.frames_to_skip = skip_state_frames
 
     async def shutdown(self) -> None:

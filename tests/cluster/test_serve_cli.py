@@ -61,6 +61,8 @@ def _candidates(annotation, default) -> list:
 # Fields whose type (str) says too little: a value their own validator accepts.
 KNOWN_VALID = {
     "state_url": "sqlite:////tmp/splitserve-cli-test/state.db",
+    # the sla policy's profile is loaded when both pools autoscale on it (as they do all at once)
+    "planner.profile": "llama-8b-h200",
     # every field spelled out, as ServeConfig dumps it, so the round trip compares like with like
     "tenants": [TenantConfig(name="acme", api_keys=["sk-acme-test"], requests_per_minute=60).model_dump()],
     # an entry's pool settings dump as given (only the keys set), which the round trip keeps

@@ -14,7 +14,7 @@ import pytest
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine_errors import EngineLoopStopped, EngineStepError
 from splitserve.engine.engine_loop import EngineLoop
-from splitserve.engine.fault_injector import InjectedFault
+from splitserve.engine.fault_injector import InjectedFault, StepFaults
 from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.proto.messages.sampling_params import SamplingParams
@@ -158,7 +158,7 @@ def test_the_loop_fails_only_the_batch_and_serves_on(tiny_model, scheduling):
         wait_until_output(got, "r0", "r1")
         for s in (2, 3):
             add(loop, got, f"r{s}", prompt(20, s), 8)  # waiting: max_num_seqs is 2
-        loop.inject_faults(fail_steps=1)
+        loop.inject_faults(StepFaults(fail_steps=1))
         armed = {rid: len(got.tokens(rid)) for rid in ("r0", "r1")}  # counted once the fault is armed
         got.wait("r0", "r1")
         # They failed at the next step: at most the step already under way when the fault was
@@ -200,12 +200,12 @@ def test_repeated_step_failures_stop_the_loop_and_release_everything(tiny_model)
     got = Collector()
     # The first failing step also hangs until everything below is queued (arming again ends the
     # hang; 4 more failing steps): r0 fails, r1 fails, the loop stops with r2 still waiting.
-    loop.inject_faults(fail_steps=5, hang_s=HELD_S)
+    loop.inject_faults(StepFaults(fail_steps=5, hang_s=HELD_S))
     added = [add(loop, got, f"r{s}", prompt(20, s), 8, wait=False) for s in range(3)]
     held = loop.engine.make_sequence(None, prompt(40, 3), greedy(8), "held")
     reserved = loop.call(lambda e: e.reserve_prompt_blocks(held))  # a decode replica's reservation
     wait_until_hung(loop)
-    loop.inject_faults(fail_steps=4)
+    loop.inject_faults(StepFaults(fail_steps=4))
     assert [f.result(10) for f in added] == [None] * 3 and reserved.result(10) is not None
     got.wait("r0", "r1", "r2")
     assert isinstance(got.errors["r0"], EngineStepError) and isinstance(got.errors["r1"], EngineStepError)
@@ -223,7 +223,7 @@ def test_an_injected_loop_stop_fails_every_request_fast(tiny_model):
     got = Collector()
     add(loop, got, "long", prompt(40, 0), 400)
     wait_until_output(got, "long")
-    loop.inject_faults(stop_loop=True)
+    loop.inject_faults(StepFaults(stop_loop=True))
     armed = len(got.tokens("long"))  # counted once the stop is armed
     got.wait("long")
     # It failed before the next step: at most the step under way gave it a token more.
@@ -237,7 +237,7 @@ def test_an_injected_loop_stop_fails_every_request_fast(tiny_model):
 def test_stop_interrupts_a_hung_step(tiny_model):
     loop = EngineLoop(engine_for(tiny_model), name="t").start()
     got = Collector()
-    loop.inject_faults(hang_s=HELD_S)
+    loop.inject_faults(StepFaults(hang_s=HELD_S))
     add(loop, got, "hung", prompt(20, 0), 8)
     wait_until_hung(loop)
     assert not got.outputs["hung"]  # its step hangs
@@ -254,7 +254,7 @@ def test_a_hold_at_an_output_length_stops_the_steps_until_released(tiny_model):
     releases it to finish with every block back."""
     loop = EngineLoop(engine_for(tiny_model), name="t").start()
     got = Collector()
-    loop.inject_faults(hold_at_output_tokens=5)
+    loop.inject_faults(StepFaults(hold_at_output_tokens=5))
     add(loop, got, "held", prompt(20, 1), 12)
     wait_until_hung(loop)
     deadline = time.monotonic() + 30  # the 5th token's output may be handed over beside the held step
@@ -262,7 +262,7 @@ def test_a_hold_at_an_output_length_stops_the_steps_until_released(tiny_model):
         assert time.monotonic() < deadline, "the held request never reached 5 tokens"
         time.sleep(0.01)
     assert len(got.tokens("held")) <= 6 and not got.ended["held"].is_set()
-    loop.inject_faults()  # released
+    loop.inject_faults(StepFaults())  # released
     got.wait("held")
     assert len(got.tokens("held")) == 12 and "held" not in got.errors
     loop.stop()

@@ -77,6 +77,23 @@ async def wait_until(predicate, timeout_s: float, what: str) -> None:
         await asyncio.sleep(0.05)
 
 
+async def rise_and_fall(autoscaler, load, concurrency: int, at, served=None, timeout_s: float = 60) -> None:
+    """Start the autoscaler and the load; hold `concurrency` streams until at(2) (and served(),
+    the new replicas' traffic), then none until at(1) with nothing in flight; stop both."""
+    autoscaler.start()
+    load.start()
+    try:
+        load.concurrency = concurrency  # rise
+        await wait_until(lambda: at(2), timeout_s, "the scaled pools at 2 replicas")
+        if served is not None:
+            await wait_until(served, timeout_s, "the new replicas' traffic")
+        load.concurrency = 0  # fall
+        await wait_until(lambda: at(1) and load.num_inflight == 0, timeout_s, "the scaled pools back at 1")
+    finally:
+        await load.stop(60)
+        await autoscaler.stop()
+
+
 @pytest.mark.ray
 def test_draining_completes_every_in_flight_request(loop, scaled_cluster):
     """A prefill replica drained right after requests were routed to it (their calls have not
@@ -176,20 +193,8 @@ def test_rising_then_falling_load_scales_each_pool_up_and_back_down(loop, scaled
         """The pool's replicas started by the autoscaler that served a request."""
         return {rid for rid in load.replicas_used if rid.startswith(pool)} - initial[pool]
 
-    async def scenario():
-        autoscaler.start()
-        load.start()
-        try:
-            load.concurrency = 12  # rise
-            await wait_until(lambda: at(2), 45, "both pools at 2 replicas")
-            await wait_until(lambda: all(added(pool) for pool in (PREFILL, DECODE)), 30, "the new replicas' traffic")
-            load.concurrency = 0  # fall
-            await wait_until(lambda: at(1) and load.num_inflight == 0, 30, "both pools back at 1")
-        finally:
-            await load.stop(30)
-            await autoscaler.stop()
-
-    loop.run(scenario(), timeout=90)
+    served = lambda: all(added(pool) for pool in (PREFILL, DECODE))  # noqa: E731
+    loop.run(rise_and_fall(autoscaler, load, 12, at, served, timeout_s=45), timeout=150)
     assert load.num_failed == 0, load.failures
     assert load.num_ok > 0 and set(load.finish_reasons) == {"length"}
     for pool in (PREFILL, DECODE):
@@ -284,19 +289,7 @@ def test_the_sla_policy_scales_both_pools_up_under_load_and_down_losing_no_reque
         idle = not (autoscaler.scaling_in_progress(PREFILL) or autoscaler.scaling_in_progress(DECODE))
         return idle and all(len(cluster.router.replica_ids(pool)) == num for pool in (PREFILL, DECODE))
 
-    async def scenario():
-        autoscaler.start()
-        load.start()
-        try:
-            load.concurrency = 8
-            await wait_until(lambda: at(2), 60, "both pools at 2 replicas")
-            load.concurrency = 0
-            await wait_until(lambda: at(1) and load.num_inflight == 0, 60, "both pools back at 1")
-        finally:
-            await load.stop(30)
-            await autoscaler.stop()
-
-    loop.run(scenario(), timeout=150)
+    loop.run(rise_and_fall(autoscaler, load, 8, at), timeout=200)
     assert load.num_failed == 0, load.failures
     for pool in (PREFILL, DECODE):
         events = [(e.action, e.from_replicas, e.to_replicas) for e in autoscaler.events if e.pool == pool]

@@ -16,7 +16,7 @@ from splitserve.cluster.control.worker_pool import named_actors
 from splitserve.cluster.routing.router import DECODE
 from splitserve.cluster.scaling.autoscaler import Autoscaler
 from splitserve.proto.messages.sampling_params import SamplingParams
-from tests.cluster.scaling.test_autoscaling import prompt, serving, wait_until
+from tests.cluster.scaling.test_autoscaling import prompt, rise_and_fall, serving, wait_until
 from tests.helpers.cluster import start_cluster, wait_for_baseline
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -83,20 +83,7 @@ def test_a_tp2_pool_scales_up_and_back_down_as_whole_gangs(loop, tp_cluster):
             added["gang"] = others[0].gang
         return bool(others) and others[0].replica_id in load.replicas_used
 
-    async def scenario():
-        autoscaler.start()
-        load.start()
-        try:
-            load.concurrency = 8  # rise
-            await wait_until(lambda: at(2), 90, "the decode pool at 2 replicas")
-            await wait_until(second_gang_served, 60, "the new gang's traffic")
-            load.concurrency = 0  # fall
-            await wait_until(lambda: at(1) and load.num_inflight == 0, 60, "the decode pool back at 1")
-        finally:
-            await load.stop(60)
-            await autoscaler.stop()
-
-    loop.run(scenario(), timeout=240)
+    loop.run(rise_and_fall(autoscaler, load, 8, at, second_gang_served, timeout_s=90), timeout=300)
     assert load.num_failed == 0, load.failures
     assert load.num_ok > 0 and set(load.finish_reasons) == {"length"}
     events = [(e.action, e.from_replicas, e.to_replicas) for e in autoscaler.events if e.pool == DECODE]
