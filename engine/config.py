@@ -331,6 +331,14 @@ class EngineConfig:
     # runs none of it. The timeout bounds each rank's start, join and load and every collective.
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 300.0
+    # LoRA (engine/lora/): enable_lora serves the PEFT adapters of lora_modules (name -> adapter
+    # directory), loaded at start into max_loras device slots of rank up to max_lora_rank; a
+    # request names its adapter in SamplingParams.lora_adapter. Every adapter holds a slot for
+    # now (no host cache to evict to yet), so there may be at most max_loras of them.
+    enable_lora: bool = False
+    lora_modules: dict[str, str] | None = None
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         from splitserve.engine.speculative.speculative_config import SpeculativeConfig
@@ -383,3 +391,6 @@ class EngineConfig:
             raise ConfigError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
         if not self.tensor_parallel_timeout_s > 0:
             raise ConfigError(f"tensor_parallel_timeout_s must be > 0, got {self.tensor_parallel_timeout_s}")
+        from splitserve.engine.lora.lora_config import check_lora_settings
+
+        check_lora_settings(self)

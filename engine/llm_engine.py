@@ -20,6 +20,7 @@ from splitserve.engine.engine_protocol import LayerHookFactory
 from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.engine.kv_cache_sizing import kv_bytes_per_block, resolve_num_kv_blocks
+from splitserve.engine.lora.lora_slots import LoraSlots
 from splitserve.engine.model.loader import load_model
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.ops.host_kv_cache import HostKVCache, num_host_blocks
@@ -72,12 +73,17 @@ class LLMEngine(PagedEngine):
         config = dataclasses.replace(config, num_kv_blocks=blocks)
         kv_cache = KVCache(cache_config, config)
         eos = tokenizer.eos_token_ids or model_config.eos_token_ids
+        lora = (
+            LoraSlots.from_engine_config(config, model_config, model.dtype, model.device)
+            if config.enable_lora
+            else None
+        )
         super().__init__(
             config,
             model_config,
             tokenizer,
             kv_cache,
-            ModelRunner(model, kv_cache, config.seed, eos),
+            ModelRunner(model, kv_cache, config.seed, eos, lora),
             Speculator.for_engine(config, model_config.vocab_size),
             kv_block_bytes=kv_bytes_per_block(*sizing),
             num_host_blocks=num_host_blocks(kv_cache, config.kv_offloading_size),

@@ -10,6 +10,8 @@ import torch
 
 from splitserve.engine.core.scheduler import ScheduledBatch
 from splitserve.engine.core.sequence import Sequence
+from splitserve.engine.lora.lora_batch import LoraBatch
+from splitserve.engine.lora.lora_slots import LoraSlots
 from splitserve.engine.model.scripted_decode import decode_plan_applies
 from splitserve.engine.ops.attention_metadata import AttentionMetadata
 from splitserve.engine.ops.kv_cache import KVCache
@@ -37,13 +39,22 @@ class PreparedStep(NamedTuple):
     # placeholder fill, forward and argmax run as one TorchScript call without the GIL
     # (engine/model/scripted_decode.py). Then the placeholder rows as a tensor, built here.
     greedy_fill_rows: torch.Tensor | None = None
+    # The step's LoRA adapter tokens (engine/lora/); None when no sequence has an adapter.
+    lora: LoraBatch | None = None
 
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, kv_cache: KVCache, seed: int = 0, eos_token_ids: list[int] | tuple[int, ...] = ()
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        seed: int = 0,
+        eos_token_ids: list[int] | tuple[int, ...] = (),
+        lora: LoraSlots | None = None,
     ):
+        """lora: the device's adapter slots, where the engine serves LoRA adapters."""
         self.model = model
+        self.lora = lora
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = kv_cache.device
@@ -130,11 +141,17 @@ class ModelRunner:
         # Prompt chunks of requests asking for prompt log-probabilities: every position, not
         # only the last. Recorded on the sequence after the forward (a chunk samples no token).
         prompt_rows = PromptLogprobs.plan(batch.seqs, batch.num_new_tokens, last_index)
+        lora = None
+        if self.lora is not None:
+            adapters = [seq.params.lora_adapter for seq in batch.seqs]
+            lora = LoraBatch.for_sequences(self.lora, adapters, batch.num_new_tokens)
         greedy_fill_rows = None
-        if self._scripted_greedy_step_applies(meta, seqs, drafts, prompt_rows):
+        # The scripted decode computes no LoRA delta: a step with adapter tokens takes the
+        # eager forward (measured on neither; the simplest correct choice).
+        if lora is None and self._scripted_greedy_step_applies(meta, seqs, drafts, prompt_rows):
             greedy_fill_rows = torch.tensor([row for row, _ in placeholders], dtype=torch.int64, device=self.device)
         return PreparedStep(
-            batch, input_ids, positions, meta, rows, seqs, seq_drafts, prompt_rows, placeholders, greedy_fill_rows
+            batch, input_ids, positions, meta, rows, seqs, seq_drafts, prompt_rows, placeholders, greedy_fill_rows, lora
         )
 
     def _scripted_greedy_step_applies(self, meta, seqs: list[Sequence], drafts, prompt_rows) -> bool:
@@ -175,7 +192,11 @@ class ModelRunner:
         if before_sampling is None:
             # Constrained rows' masks are computed during the forward (each draft row its own).
             self.grammar_mask.start(seqs, seq_drafts if drafts else None)
-        hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta, on_layer_done=on_layer_done)
+        # Only a LoRA step passes lora: a tensor-parallel model (LoRA refused there) takes none.
+        lora = {} if step.lora is None else {"lora": step.lora}
+        hidden = self.model(
+            step.input_ids, step.positions, self.kv_cache, step.meta, on_layer_done=on_layer_done, **lora
+        )
         if step.prompt_rows:
             self.prompt_logprobs.record(hidden, step.prompt_rows)
         if not rows:

@@ -150,6 +150,7 @@ class PagedEngine(KVHandoff, EngineProtocol):
             self.max_model_len,
             self.config.num_kv_blocks * self.config.block_size,
         )
+        self._check_lora_adapter(params.lora_adapter)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seq = Sequence(
             rid,
@@ -157,7 +158,7 @@ class PagedEngine(KVHandoff, EngineProtocol):
             params,
             self.config.block_size,
             prefill_only=prefill_only,
-            root_hash=root_hash(self.config.hash_seed),
+            root_hash=root_hash(self.config.hash_seed, params.lora_adapter),
         )
         if params.structured_output is not None:
             # Compiles on a cache miss: callers on an event loop run this in a worker thread.
@@ -167,6 +168,14 @@ class PagedEngine(KVHandoff, EngineProtocol):
             if resumed and seq.grammar.accept_tokens(prompt_token_ids[-resumed:]) != resumed:
                 raise InvalidRequestError("the continuation's resumed output does not match its grammar")
         return seq
+
+    def _check_lora_adapter(self, name: str | None) -> None:
+        if name is None or name in (self.config.lora_modules or {}):
+            return
+        if not self.config.enable_lora:
+            raise InvalidRequestError(f"LoRA adapter {name!r} requested but this engine serves no adapters")
+        served = ", ".join(sorted(self.config.lora_modules or {})) or "none"
+        raise InvalidRequestError(f"unknown LoRA adapter {name!r} (served: {served})")
 
     def add_sequence(self, seq: Sequence) -> None:
         """Queue a sequence from make_sequence. A prefill_only one stops after its first token

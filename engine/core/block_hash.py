@@ -3,7 +3,9 @@
 Algorithm (version 1, fixed; change HASH_VERSION if it ever changes):
   root        = blake2b(b"splitserve-block-hash-v1", digest_size=8, person=b"splitserve"), or
                 with a seed (the model, where a deployment serves several: equal token ids of
-                two models never hash equal) blake2b(b"splitserve-block-hash-v1\0" || seed)
+                two models never hash equal) blake2b(b"splitserve-block-hash-v1\0" || seed), and
+                for a request with a LoRA adapter blake2b(... || seed || b"\0lora\0" || adapter):
+                its KV differs from the base's and every other adapter's on equal tokens
   block_hash  = blake2b(parent_hash (8 bytes, little-endian)
                         || token ids as little-endian uint32,
                         digest_size=8, person=b"splitserve")
@@ -29,9 +31,15 @@ def _digest(data: bytes) -> int:
 ROOT_HASH = _digest(b"splitserve-block-hash-v1")
 
 
-def root_hash(seed: str | None = None) -> int:
-    """The chain's root: ROOT_HASH, or one of its own for a seed (a model's served name)."""
-    return ROOT_HASH if not seed else _digest(b"splitserve-block-hash-v1\0" + seed.encode())
+def root_hash(seed: str | None = None, lora_adapter: str | None = None) -> int:
+    """The chain's root: ROOT_HASH, or one of its own for a seed (a model's served name) and
+    for a LoRA adapter (its served name), so no prefix is shared across adapters or with the base."""
+    if not seed and not lora_adapter:
+        return ROOT_HASH
+    data = b"splitserve-block-hash-v1\0" + (seed or "").encode()
+    if lora_adapter:
+        data += b"\0lora\0" + lora_adapter.encode()
+    return _digest(data)
 
 
 def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:

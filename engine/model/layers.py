@@ -6,6 +6,7 @@ on (engine/model/architectures.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,9 @@ from splitserve.engine.ops.attention import paged_attention, write_kv
 from splitserve.engine.ops.attention_metadata import AttentionMetadata
 from splitserve.engine.ops.sparse_decode import SparseDecodePlan
 from splitserve.engine.quant.quantize import linear
+
+if TYPE_CHECKING:
+    from splitserve.engine.lora.lora_batch import LoraBatch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -156,11 +160,18 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         on_kv_written: Callable[[int], None] | None = None,
         decode_plan: SparseDecodePlan | None = None,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
-        """hidden [T, hidden] -> [T, hidden]; writes this layer's new K/V into the cache."""
+        """hidden [T, hidden] -> [T, hidden]; writes this layer's new K/V into the cache.
+        lora: each adapter token's LoRA delta added to every targeted projection's output."""
         x = self.norm(hidden, self.input_norm, self.eps)
         num_tokens = x.shape[0]
+        i, q, kv = self.layer_index, self.q_size, self.kv_size
         qkv = linear(x, self.qkv_weight, self.qkv_bias)
+        if lora is not None:  # q, k and v are column ranges of the fused output
+            lora.add_delta(qkv, i, "q_proj", x)
+            lora.add_delta(qkv, i, "k_proj", x, q)
+            lora.add_delta(qkv, i, "v_proj", x, q + kv)
         # Rotate q and k in one go: they are adjacent columns of the fused projection.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
@@ -179,7 +190,10 @@ class DecoderLayer(nn.Module):
         )
         # Residual adds in place on the fresh matmul outputs (x + r == r + x exactly); under
         # tensor parallelism after the partial outputs are summed, so the residual counts once.
-        out = linear(attn.reshape(num_tokens, self.q_size), self.o_weight)
+        attn = attn.reshape(num_tokens, self.q_size)
+        out = linear(attn, self.o_weight)
+        if lora is not None:
+            lora.add_delta(out, i, "o_proj", attn)
         if self.all_reduce is not None:
             self.all_reduce(out)
         if self.attn_output_norm is not None:
@@ -191,8 +205,13 @@ class DecoderLayer(nn.Module):
             out = self.moe(x, self.activation)
         else:
             gate_up = linear(x, self.gate_up_weight)
+            if lora is not None:
+                lora.add_delta(gate_up, i, "gate_proj", x)
+                lora.add_delta(gate_up, i, "up_proj", x, self.intermediate_size)
             act = self.activation(gate_up[:, : self.intermediate_size]).mul_(gate_up[:, self.intermediate_size :])
             out = linear(act, self.down_weight)
+            if lora is not None:
+                lora.add_delta(out, i, "down_proj", act)
         if self.all_reduce is not None:
             self.all_reduce(out)
         if self.mlp_output_norm is not None:

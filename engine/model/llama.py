@@ -25,6 +25,7 @@ from splitserve.engine.quant.layerwise_quantizer import LayerwiseQuantizer
 from splitserve.engine.quant.quantize import linear
 
 if TYPE_CHECKING:
+    from splitserve.engine.lora.lora_batch import LoraBatch
     from splitserve.engine.parallel.tp_group import TensorParallelGroup
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -122,14 +123,21 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         on_layer_done: Callable[[int], None] | None = None,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         """input_ids/positions int64 [T] -> final hidden states [T, hidden].
 
         Every layer writes the new tokens' K/V at meta.slot_mapping before attending;
         on_layer_done(i) runs as soon as layer i's K/V is in the cache, so a KV sender can ship
-        layer i while later layers compute.
+        layer i while later layers compute. lora: the step's adapter tokens (engine/lora/),
+        whose LoRA deltas every layer adds; the scripted decode has none, so it steps aside.
         """
-        if on_layer_done is None and self._scripted_decode is not None and decode_plan_applies(meta, kv_cache):
+        if (
+            on_layer_done is None
+            and lora is None
+            and self._scripted_decode is not None
+            and decode_plan_applies(meta, kv_cache)
+        ):
             # CPU decode: the same ops as below as one TorchScript call, which holds no GIL.
             return self._scripted_decode(input_ids, positions, kv_cache, meta)
         if self.tensor_parallel is None:
@@ -148,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
             layer_cos, layer_sin = local if layer.sliding else (cos, sin)
             key_cache, value_cache = kv_cache.key_cache(i), kv_cache.value_cache(i)
             plan = plans[layer.window]
-            hidden = layer(hidden, layer_cos, layer_sin, key_cache, value_cache, meta, on_layer_done, plan)
+            hidden = layer(hidden, layer_cos, layer_sin, key_cache, value_cache, meta, on_layer_done, plan, lora)
         return self.norm(hidden, self.final_norm, self.config.rms_norm_eps)
 
     def use_scripted_decode(self) -> bool:

@@ -53,6 +53,8 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
     # Set by the ingress only, on a migrated request's continuation: its prompt ends with the
     # output the client already has (proto/messages/continuation.py).
     continuation: Continuation | None = None
+    # The LoRA adapter (by its served name) this request runs with; None: the base model.
+    lora_adapter: str | None = None
 
     def __post_init__(self) -> None:
         self.structured_output = _grammar_spec(self.structured_output)
@@ -112,6 +114,10 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
             f"speculative_decoding must be a boolean, got {self.speculative_decoding!r}",
         )
         _check(isinstance(self.migration, bool), f"migration must be a boolean, got {self.migration!r}")
+        _check(
+            self.lora_adapter is None or (isinstance(self.lora_adapter, str) and 0 < len(self.lora_adapter) <= 256),
+            f"lora_adapter must be None or an adapter name of 1 to 256 characters, got {self.lora_adapter!r}",
+        )
 
     def _check_logits_processing(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

@@ -1,0 +1,35 @@
+"""LoRA adapters written by `peft` itself on a transformers checkpoint, and transformers + peft's
+own greedy tokens with one applied: the parity reference for engine/lora/."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import peft
+import torch
+import transformers
+
+from tests.helpers.transformers_checkpoint import hf_greedy
+
+
+def write_peft_adapter(
+    base_dir: Path, out: Path, seed: int, r: int, alpha: float, targets: list[str], use_rslora: bool = False
+) -> Path:
+    """A random adapter (init_lora_weights=False: lora_B is not zero, so it changes the output)
+    for the checkpoint in base_dir, saved by peft to out."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir)
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(
+        r=r, lora_alpha=alpha, target_modules=targets, use_rslora=use_rslora, init_lora_weights=False
+    )
+    peft.get_peft_model(base, config).save_pretrained(out)
+    return out
+
+
+def peft_greedy(base_dir: Path, adapter_dir: Path | None, ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy generate on the base checkpoint, with the adapter applied by peft
+    (None: the base alone)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(base_dir).eval()
+    if adapter_dir is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter_dir).eval()
+    return hf_greedy(model, ids, max_new_tokens)
