@@ -121,3 +121,12 @@ def test_a_hash_seed_gives_a_chain_of_its_own_and_sequences_follow_it():
     assert set(alpha).isdisjoint(beta) and set(alpha).isdisjoint(hash_blocks(tokens, 16))
     seq = Sequence("r", tokens, SamplingParams(max_tokens=1), 16, root_hash=root_hash("alpha"))
     assert seq.update_block_hashes() == alpha
+
+
+def test_a_lora_adapter_gives_a_chain_of_its_own_under_each_model_seed():
+    tokens = list(range(32))
+    roots = {(seed, adapter): root_hash(seed, adapter) for seed in (None, "alpha") for adapter in (None, "sql", "fr")}
+    assert len(set(roots.values())) == len(roots)  # no two (model, adapter) pairs share a chain
+    assert roots[(None, None)] == ROOT_HASH and roots[("alpha", None)] == root_hash("alpha")  # as before
+    chains = [set(hash_blocks(tokens, 16, root)) for root in roots.values()]
+    assert all(a.isdisjoint(b) for i, a in enumerate(chains) for b in chains[i + 1 :])
