@@ -1,7 +1,7 @@
 """The device's adapter slots: per target module one stacked lora_A [layers, max_loras,
-max_lora_rank, in] and lora_B [layers, max_loras, out, max_lora_rank], zero where an adapter
-has a smaller rank or does not target the module, so that a batch's tokens index their
-adapter's matrices by slot (engine/lora/lora_batch.py) and zeros add nothing."""
+max_lora_rank, in] and lora_B transposed [layers, max_loras, max_lora_rank, out], zero where
+an adapter has a smaller rank or does not target the module, so that a batch's tokens index
+their adapter's matrices by slot (engine/lora/lora_batch.py) and zeros add nothing."""
 
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ class LoraSlots:
             out_dim, in_dim = target_shape(self.config, target)
             layers, slots, rank = self.config.num_hidden_layers, self.max_loras, self.max_rank
             self.a[target] = torch.zeros(layers, slots, rank, in_dim, dtype=self.dtype, device=self.device)
-            self.b[target] = torch.zeros(layers, slots, out_dim, rank, dtype=self.dtype, device=self.device)
+            # B transposed: a batch's slots' B^T, gathered, is one [slots * rank, out] matrix.
+            self.b[target] = torch.zeros(layers, slots, rank, out_dim, dtype=self.dtype, device=self.device)
         return self.a[target], self.b[target]
 
     def load(self, adapter: LoraAdapter) -> int:
@@ -53,7 +54,7 @@ class LoraSlots:
         for (layer, target), (lora_a, lora_b) in adapter.weights.items():
             a, b = self._stacks(target)
             a[layer, slot, : adapter.rank].copy_(lora_a)
-            b[layer, slot, :, : adapter.rank].copy_(lora_b)
+            b[layer, slot, : adapter.rank].copy_(lora_b.T)
         self.scaling[slot] = adapter.scaling
         self.slot_of[adapter.name] = slot
         self._targets_by_slot[slot] = adapter.targets

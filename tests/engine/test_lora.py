@@ -132,13 +132,13 @@ def test_no_prefix_cache_block_is_shared_across_adapters_or_with_the_base(checkp
     assert_baseline(engine)
 
 
-def test_the_delta_is_one_gather_over_the_mixed_tokens_and_skips_base_tokens(checkpoint):
-    """The BGMV delta against each token's own adapter computed alone: base tokens get none."""
+def test_each_mixed_token_gets_its_own_adapters_delta_and_base_tokens_none(checkpoint):
+    """The grouped delta against each token's own adapter computed alone: base tokens get none."""
     engine = lora_engine(checkpoint)
     slots = engine.runner.lora
     batch = LoraBatch.for_sequences(slots, [None, "attn", "qv", None, "attn"], [2, 3, 1, 2, 1])
     x = torch.randn(9, SERVABLE_SHAPE["hidden_size"])
-    out = torch.zeros(9, 5 + slots.b["q_proj"].shape[2])
+    out = torch.zeros(9, 5 + slots.b["q_proj"].shape[3])
     batch.add_delta(out, 1, "q_proj", x, first_col=5)
     token_adapters = [None, None, "attn", "attn", "attn", "qv", None, None, "attn"]
     for t, name in enumerate(token_adapters):
@@ -146,7 +146,7 @@ def test_the_delta_is_one_gather_over_the_mixed_tokens_and_skips_base_tokens(che
         if name is not None:
             slot = slots.slot_of[name]
             a, b = slots.a["q_proj"][1, slot], slots.b["q_proj"][1, slot]
-            want[5:] = (b @ (a @ x[t])) * slots.scaling[slot]
+            want[5:] = (b.T @ (a @ x[t])) * slots.scaling[slot]
         torch.testing.assert_close(out[t], want)
 
 
