@@ -18,6 +18,7 @@ from splitserve.engine.lora.lora_batch import LoraBatch
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.proto.messages.invalid_request import InvalidRequestError
 from splitserve.proto.messages.sampling_params import SamplingParams
+from tests.helpers.handoff import finish_all, hand_off
 from tests.helpers.model import single_torch_thread
 from tests.helpers.peft_adapters import peft_greedy, write_peft_adapter
 from tests.helpers.transformers_checkpoint import SERVABLE_SHAPE, write_transformers_checkpoint
@@ -115,6 +116,36 @@ def test_a_mixed_batch_of_four_adapters_and_the_base_equals_each_solo_run(
     # One batch really mixed the base and every adapter (no step ran one adapter alone).
     assert any(adapters == set(names) for adapters in step_adapters)
     assert_baseline(engine)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4", "fp8"])
+def test_a_quantized_base_takes_lora_on_top(checkpoint, quantization):
+    """The delta is added to the quantized matmul's output in the model's dtype: each adapter
+    changes the quantized base's tokens, and a mixed batch gives each request its solo tokens."""
+    engine = lora_engine(checkpoint, quantization=quantization, max_num_batched_tokens=32)
+    names: list[str | None] = [None, *ADAPTERS]
+    solo = [engine.generate([prompt], greedy(name))[0].token_ids for name, prompt in zip(names, PROMPTS)]
+    mixed = [out.token_ids for out in engine.generate(PROMPTS, [greedy(name) for name in names])]
+    assert mixed == solo
+    base_tokens = [engine.generate([PROMPTS[i]], greedy(None))[0].token_ids for i in range(1, len(PROMPTS))]
+    assert all(adapter != base for adapter, base in zip(solo[1:], base_tokens))
+    assert_baseline(engine)
+
+
+def test_a_prefill_to_decode_handoff_keeps_each_requests_adapter(checkpoint, expected):
+    """Disaggregated by hand: a prefill-only engine and a decode engine, the KV copied; the
+    adapter rides in SamplingParams to both, and decode runs the five requests in one batch."""
+    prefill, decode = lora_engine(checkpoint), lora_engine(checkpoint)
+    names: list[str | None] = [None, *ADAPTERS]
+    outputs = {}
+    for i, (name, prompt) in enumerate(zip(names, PROMPTS)):
+        first, _ = hand_off(prefill, decode, prompt, greedy(name), f"r{i}")
+        outputs[f"r{i}"] = [first]
+    finish_all(decode, outputs)
+    for i, name in enumerate(names):
+        assert outputs[f"r{i}"][-1].token_ids == expected[name][i], name
+    assert_baseline(prefill)
+    assert_baseline(decode)
 
 
 def test_no_prefix_cache_block_is_shared_across_adapters_or_with_the_base(checkpoint, expected):
