@@ -31,7 +31,6 @@ class LoraSlots:
         self.slot_of: dict[str, int] = {}
         # Targets some loaded adapter has: the others' deltas are all zero and are not computed.
         self.targeted: set[str] = set()
-        self._targets_by_slot: dict[int, set[str]] = {}
 
     def _stacks(self, target: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's stacked A and B, allocated the first time an adapter targets it."""
@@ -57,18 +56,8 @@ class LoraSlots:
             b[layer, slot, : adapter.rank].copy_(lora_b.T)
         self.scaling[slot] = adapter.scaling
         self.slot_of[adapter.name] = slot
-        self._targets_by_slot[slot] = adapter.targets
         self.targeted |= adapter.targets
         return slot
-
-    def unload(self, name: str) -> None:
-        """Free an adapter's slot, zeroed so the next adapter in it starts from nothing."""
-        slot = self.slot_of.pop(name)
-        for target in self._targets_by_slot.pop(slot):
-            self.a[target][:, slot].zero_()
-            self.b[target][:, slot].zero_()
-        self.scaling[slot] = 0
-        self.targeted = set().union(*self._targets_by_slot.values())
 
     @classmethod
     def from_engine_config(
