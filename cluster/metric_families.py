@@ -63,5 +63,9 @@ class ModelFamilies:
     def histogram(self, name: str, doc: str, buckets=LATENCY_BUCKETS):
         return Histogram(name, doc, ["model_name"], registry=self.registry, buckets=buckets).labels(self.model_name)
 
+    def labeled_histogram(self, name: str, doc: str, *labels: str, buckets=LATENCY_BUCKETS) -> ModelLabeled:
+        metric = Histogram(name, doc, ["model_name", *labels], registry=self.registry, buckets=buckets)
+        return ModelLabeled(metric, self.model_name)
+
     def _bind(self, metric, labels: tuple[str, ...]):
         return ModelLabeled(metric, self.model_name) if labels else metric.labels(self.model_name)

@@ -21,8 +21,9 @@ import contextlib
 import functools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from splitserve.decode.first_token_clock import FirstTokenClock
 from splitserve.decode.prefill_client import PrefillClient, PrefillFailedError, ReplicaBusyError, short_error
 from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.engine_errors import EngineLoopStopped, EngineStepError
@@ -46,6 +47,7 @@ class _Request:
     aborted: bool = False
     num_tokens_sent: int = 0
     num_chunks_sent: int = 0
+    clock: FirstTokenClock = field(default_factory=FirstTokenClock)  # its first token's stages
 
 
 class DecodeWorker(EngineWorker):
@@ -156,11 +158,13 @@ class DecodeWorker(EngineWorker):
             params = submit.sampling
             # A constrained request's grammar is compiled off the engine loop, within the deadline.
             seq = await self.loop.make_sequence(submit.prompt_token_ids, params, rid, deadline=submit.deadline)
-            sink = self._sink(rid)
+            sink = self._sink(rid, req.clock)
+            req.clock.mark_set_up()
             if submit.prefill_replica_id is None:
                 await asyncio.wrap_future(self.loop.add_sequence(seq, sink))
             else:
                 first = await self.prefill.fetch(seq, submit, self._reserve)
+                req.clock.mark_fetched(first)
                 if self.admission_delay_s:
                     await asyncio.sleep(self.admission_delay_s)
                 await asyncio.wrap_future(self.loop.admit_prefilled(rid, first, sink))
@@ -177,8 +181,9 @@ class DecodeWorker(EngineWorker):
                     await asyncio.shield(asyncio.wrap_future(self.loop.abort(rid)))
                 self._forget(req)
 
-    def _sink(self, request_id: str):
+    def _sink(self, request_id: str, clock: FirstTokenClock):
         def sink(item: RequestOutput | Exception) -> None:  # loop thread: only collect; see _flush_outputs
+            clock.mark_first_output()
             self._outputs.append((request_id, item))
 
         return sink
@@ -202,6 +207,7 @@ class DecodeWorker(EngineWorker):
                 failures.append(encode_frame(Failed(rid, kind, retryable, message)))
                 self._forget(req)
                 continue
+            stages, replica_seconds = req.clock.stages(item.queue_seconds) if not req.num_chunks_sent else ({}, None)
             chunks.append(
                 StreamChunk(
                     request_id=rid,
@@ -220,6 +226,8 @@ class DecodeWorker(EngineWorker):
                     prompt_logprobs=item.prompt_logprobs if not req.num_chunks_sent else [],
                     prompt_top_logprobs=item.prompt_top_logprobs if not req.num_chunks_sent else [],
                     prompt_ranks=item.prompt_ranks if not req.num_chunks_sent else [],
+                    first_token_stages=stages,
+                    replica_seconds=replica_seconds,
                 )
             )
             req.num_chunks_sent += 1

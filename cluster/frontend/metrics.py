@@ -29,6 +29,12 @@ class Metrics:
         self.ttft = f.histogram("splitserve_ttft_seconds", "Time to first token")
         self.itl = f.histogram("splitserve_itl_seconds", "Inter-token latency")
         self.e2e = f.histogram("splitserve_e2e_seconds", "End-to-end request latency")
+        self.first_token_stage = f.labeled_histogram(
+            "splitserve_first_token_stage_seconds",
+            "A request's first token by stage: ingress, routing, prefill_queue, prefill_compute, handoff, "
+            "decode_admission, relay (cluster/frontend/first_token_stages.py)",
+            "stage",
+        )
         self.queue_time = f.histogram(
             "splitserve_request_queue_time_seconds", "Time a request's prompt waited in an engine queue"
         )

@@ -47,6 +47,7 @@ class GenerationRequest:
     priority: int | None = None  # the request's own priority, over its class's and tenant's
     headers: Mapping[str, str] = field(default_factory=dict)  # HTTP headers / gRPC metadata (routes read them)
     tools: bool = False  # a chat request declaring tools (routes read it)
+    received_at: float | None = None  # its arrival (perf_counter), before parsing: the first token's ingress stage
 
     @property
     def prompt_tokens(self) -> int:
@@ -123,6 +124,7 @@ class ModelService:
                         request.timeout_s,
                         rank.sheddable,
                         None if ticket is None else ticket.part(index // request.n),
+                        request.received_at,
                     )
                 )
                 for index, (prompt, choice) in enumerate(choices)

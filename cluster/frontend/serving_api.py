@@ -31,6 +31,7 @@ class ChoiceRequest:
     timeout_s: float | None = None  # the client's deadline, capped by request_timeout_s
     sheddable: bool = False  # batch work: outside the interactive limits, only where there is headroom
     tenant_part: TicketPart | None = None  # the tenant request's share, settled when it ends
+    received_at: float | None = None  # the API request's arrival (perf_counter): the ingress stage's start
 
     def metered(self, chunks: AsyncIterator[StreamChunk]) -> AsyncIterator[StreamChunk]:
         """chunks, telling the tenant part what they used when they end (however they end)."""

@@ -20,6 +20,8 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Literal
 
+import msgspec
+
 from splitserve.cluster.ingress.request_channel_client import ChannelClosed
 from splitserve.cluster.ingress.routed_replicas import Member, RoutedReplicas
 from splitserve.cluster.ingress.stream_migration import (
@@ -133,6 +135,7 @@ class Dispatcher(RoutedReplicas):
         reached the caller, a decode replica's failure moves the request (at most
         max_migrations times, unless params.migration is off) as a continuation of the same
         stream; migrations counts the moves and refusals."""
+        started = time.perf_counter()  # the first token's routing stage starts (first_token_stages)
         base_id = self.new_request_id()
         deadline = deadline or time.time() + self.request_timeout_s
         timeout_s = deadline - time.time()
@@ -185,7 +188,9 @@ class Dispatcher(RoutedReplicas):
             outcome: list = []  # the failure that ended the attempt, if one did
             # aclosing: when our caller closes us mid-stream, the attempt's clean-up (Abort)
             # runs now, not whenever the garbage collector finalizes it.
-            async with contextlib.aclosing(self._attempt(decode, submit, decision, timeout_s, outcome)) as chunks:
+            async with contextlib.aclosing(
+                self._attempt(decode, submit, decision, timeout_s, outcome, started)
+            ) as chunks:
                 async for chunk in chunks:
                     yield answer.client_chunk(chunk)
             if not outcome:
@@ -237,10 +242,13 @@ class Dispatcher(RoutedReplicas):
                 migrations.refused(refused)
         return refused is None
 
-    async def _attempt(self, decode: Member, submit: Submit, decision: RouteDecision, timeout_s: float, outcome: list):
+    async def _attempt(
+        self, decode: Member, submit: Submit, decision: RouteDecision, timeout_s: float, outcome: list, started: float
+    ):
         """One try on one decode replica: yields its chunks; on a failure, appends
         (Failed | ChannelClosed, whether a chunk was yielded) to outcome and returns. The
-        decision's load claims are released as the request leaves each replica."""
+        decision's load claims are released as the request leaves each replica. The first
+        chunk gains the routing and relay stages (_with_ingress_stages)."""
         rid = submit.request_id
         channel = decode.channel
         self.inflight[rid] = decode.info.replica_id
@@ -249,6 +257,7 @@ class Dispatcher(RoutedReplicas):
         sent_any = done = False
         timer = None
         try:
+            submitted = time.perf_counter()
             try:
                 queue = await channel.submit(submit)
             except ChannelClosed as exc:
@@ -270,6 +279,7 @@ class Dispatcher(RoutedReplicas):
                             break
                         item = item.followed_by(later)
                     if not sent_any:
+                        item = _with_ingress_stages(item, submitted - started, time.perf_counter() - submitted)
                         sent_any = True
                         self.inflight_prefill.pop(rid, None)
                         decision.release_prefill()
@@ -290,3 +300,14 @@ class Dispatcher(RoutedReplicas):
             self.inflight_prefill.pop(rid, None)
             if not done:
                 channel.abort(rid)  # a no-op if it failed on the replica: nothing left there
+
+
+def _with_ingress_stages(chunk: StreamChunk, routing_s: float, round_trip_s: float) -> StreamChunk:
+    """The first chunk with the dispatcher's stages added to the decode replica's: routing, from
+    the request reaching generate() to its Submit leaving (earlier failed attempts included),
+    and relay, the round trip less the decode replica's own time."""
+    if chunk.replica_seconds is None:
+        return chunk
+    relay_s = max(round_trip_s - chunk.replica_seconds, 0.0)
+    stages = {**chunk.first_token_stages, "routing": routing_s, "relay": relay_s}
+    return msgspec.structs.replace(chunk, first_token_stages=stages)

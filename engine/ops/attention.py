@@ -1,8 +1,9 @@
 """Attention over the paged KV cache.
 
 Decode: the Triton kernel on CUDA; on CPU (fp32) a sparse plan that reads K/V in place
-(engine/ops/sparse_decode.py); otherwise gather + SDPA. Prefill and chunked prefill: SDPA per
-sequence with the causal mask aligned to the end of its context (engine/ops/prefill_attention.py).
+(engine/ops/sparse_decode.py); otherwise gather + SDPA. Prefill and chunked prefill: the step's
+sequences padded into few SDPA calls, each query masked causally from the end of its context
+(engine/ops/batched_prefill.py); a sliding-window layer's per sequence (engine/ops/prefill_attention.py).
 
 A sliding-window layer (window W) reads only each query's last W positions, itself included,
 as transformers masks them; every path starts reading at the block holding the first of them,
@@ -22,6 +23,13 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.engine.ops.attention_metadata import AttentionMetadata
+from splitserve.engine.ops.batched_prefill import (
+    PrefillRow,
+    batched_prefill_attention,
+    group_prefills,
+    split_fresh_runs,
+    uniform_prefill_attention,
+)
 from splitserve.engine.ops.prefill_attention import prefill_attention
 from splitserve.engine.ops.quantized_kv import QuantizedKV
 from splitserve.engine.ops.sparse_decode import SUPPORTED_DTYPES, SparseDecodePlan
@@ -216,8 +224,8 @@ def paged_attention(
     """Attention for a flattened batch q [T, Hq, D] -> [T, Hq, D].
 
     The new tokens' K/V must already be in the cache (write_kv). new_keys/new_values [T, Hkv, D]
-    are optional copies of them: a prompt with no cached prefix then attends to them directly
-    instead of gathering its blocks back out of the cache. decode_plan (from
+    are optional copies of them: a sliding-window layer's prompt with no cached prefix then
+    attends to them directly instead of gathering its blocks back out of the cache. decode_plan (from
     make_decode_plan, for the same window) lets all layers of a pure-decode step share one plan.
     window: a sliding-window layer's, the tokens each query sees (itself included); only
     those are read, so blocks wholly before every query's window may be freed already.
@@ -237,6 +245,12 @@ def paged_attention(
     out = torch.empty_like(q)
     starts, context_lens = meta.query_start_loc_cpu, meta.context_lens_cpu
     block_size = key_cache.shape[1]
+    prefills: list[PrefillRow] = []  # without a window: attended in groups, after the loop
+    # A quantized cache is always read back, so a prompt attends to the same (dequantized)
+    # K/V whether its prefix was cached or not: a prefix-cache hit changes no output.
+    fresh = None
+    if new_keys is not None and new_values is not None and not isinstance(key_cache, QuantizedKV):
+        fresh = new_keys, new_values
     seq = 0
     while seq < meta.num_seqs:
         start, end = starts[seq], starts[seq + 1]
@@ -258,15 +272,16 @@ def paged_attention(
             )
             seq = last + 1
             continue
+        if window is None:
+            prefills.append(PrefillRow(seq, start, end, context_lens[seq]))
+            seq += 1
+            continue
         context_len = context_lens[seq]
-        # A quantized cache is always read back, so a prompt attends to the same (dequantized)
-        # K/V whether its prefix was cached or not: a prefix-cache hit changes no output.
-        fresh = new_keys is not None and new_values is not None and not isinstance(key_cache, QuantizedKV)
-        if end - start == context_len and fresh:
-            keys, values = new_keys[start:end], new_values[start:end]
+        if end - start == context_len and fresh is not None:
+            keys, values = fresh[0][start:end], fresh[1][start:end]
         else:
             # From the first key the first query sees: with a window, not the blocks before it.
-            first_key = 0 if window is None else max(context_len - (end - start) - window + 1, 0)
+            first_key = max(context_len - (end - start) - window + 1, 0)
             first = first_key // block_size
             table = meta.block_tables[seq : seq + 1, first:]
             num_blocks = -(-context_len // block_size) - first
@@ -275,4 +290,29 @@ def paged_attention(
             values = _gather_context(value_cache, table, num_blocks, q.dtype)[0, visible]
         out[start:end] = prefill_attention(q[start:end], keys, values, scale, window)
         seq += 1
+    if fresh is not None:
+        runs, prefills = split_fresh_runs(prefills)
+        for run in runs:
+            uniform_prefill_attention(q, *fresh, run, scale, out)
+    for group in group_prefills(prefills):
+        _attend_prefill_group(q, key_cache, value_cache, meta, scale, group, out)
     return out
+
+
+def _attend_prefill_group(
+    q: torch.Tensor,
+    key_cache: Cache,
+    value_cache: Cache,
+    meta: AttentionMetadata,
+    scale: float,
+    group: list[PrefillRow],
+    out: torch.Tensor,
+) -> None:
+    """One SDPA call for a group of prefill sequences (engine/ops/batched_prefill.py), their
+    contexts gathered from the cache side by side."""
+    block_size = key_cache.shape[1]
+    num_blocks = -(-max(row.context_len for row in group) // block_size)
+    tables = meta.block_tables[torch.tensor([row.seq for row in group], device=q.device)]
+    keys = _gather_context(key_cache, tables, num_blocks, q.dtype)
+    values = _gather_context(value_cache, tables, num_blocks, q.dtype)
+    batched_prefill_attention(q, keys, values, group, scale, out)

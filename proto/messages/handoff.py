@@ -112,6 +112,12 @@ class StreamChunk(msgspec.Struct, forbid_unknown_fields=True):
     prompt_logprobs: list[float] = msgspec.field(default_factory=list)
     prompt_top_logprobs: list[list[tuple[int, float]]] = msgspec.field(default_factory=list)
     prompt_ranks: list[int] = msgspec.field(default_factory=list)
+    # On the first chunk: the first token's stages on the replicas (stage -> seconds, each
+    # measured where it ran; cluster/frontend/first_token_stages.py), and the decode replica's
+    # time from the request's arrival to sending this chunk, which the ingress subtracts from
+    # its round trip to get the relay's share.
+    first_token_stages: dict[str, float] = msgspec.field(default_factory=dict)
+    replica_seconds: float | None = None
 
     def to_bytes(self) -> bytes:
         return _codec.encode("stream_chunk", self)
@@ -139,4 +145,6 @@ class StreamChunk(msgspec.Struct, forbid_unknown_fields=True):
             prompt_logprobs=self.prompt_logprobs + later.prompt_logprobs,
             prompt_top_logprobs=self.prompt_top_logprobs + later.prompt_top_logprobs,
             prompt_ranks=self.prompt_ranks + later.prompt_ranks,
+            first_token_stages=self.first_token_stages or later.first_token_stages,
+            replica_seconds=self.replica_seconds if self.replica_seconds is not None else later.replica_seconds,
         )

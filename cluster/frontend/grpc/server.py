@@ -17,6 +17,7 @@ import contextlib
 import functools
 import hmac
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -254,6 +255,7 @@ class GrpcFrontend:
     async def generate(self, request, context: grpc.aio.ServicerContext) -> None:
         """The GenerateRequest to ModelService (validation, priority, tenant admission, routing),
         its chunks written as they come; the metadata carries the tenant's and the route's headers."""
+        received_at = time.perf_counter()  # the first token's ingress stage starts
         api_key = self._authorize(context)
         api = self.service.resolve(request.model)
         try:  # before tokenizing: a bad parameter costs nothing
@@ -273,6 +275,7 @@ class GrpcFrontend:
                 params=params,
                 api_key=api_key,
                 label=label,
+                received_at=received_at,
                 timeout_s=_time_remaining(context),
                 priority_class=request.priority_class,
                 priority=request.priority if request.HasField("priority") else None,

@@ -17,6 +17,8 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from splitserve.cluster.frontend.first_token_stages import RECEIVED_AT
+
 logger = logging.getLogger("splitserve.access")
 QUIET_PATHS = frozenset({"/metrics", "/health"})  # scraped every few seconds
 INGRESS_HEADER = "x-splitserve-ingress"
@@ -50,7 +52,7 @@ class AccessLog:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        start = time.perf_counter()
+        start = scope[RECEIVED_AT] = time.perf_counter()  # the first token's ingress stage starts
         status = 499  # nginx's "client closed request": no response was started
         label = client_request_id(scope.get("headers", ()))
         extra = []

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPBearer
 
 from splitserve.cluster.frontend.fanout import first_chunks, merged
+from splitserve.cluster.frontend.first_token_stages import RECEIVED_AT
 from splitserve.cluster.frontend.http.access_log import AccessLog, client_request_id
 from splitserve.cluster.frontend.http.admin_routes import add_admin_routes
 from splitserve.cluster.frontend.http.allowed_methods import AllowedMethods
@@ -208,6 +209,7 @@ def build_http_app(
             priority=body.priority,
             headers=dict(request.headers),
             tools=tools,
+            received_at=request.scope.get(RECEIVED_AT),
         )
 
     async def answer(

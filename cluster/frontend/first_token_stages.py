@@ -1,0 +1,44 @@
+"""A request's first token, hop by hop: `splitserve_first_token_stage_seconds{stage}`.
+
+Each stage is a duration measured on the clock of the process where it ran, so no two
+machines' clocks are compared:
+- ingress (this process): from the HTTP/gRPC request's arrival (before parsing, validation,
+  tokenizing and admission) to the backend taking it;
+- routing (the dispatcher): from there to the Submit leaving for the decode replica;
+- prefill_queue, prefill_compute, handoff, decode_admission (the replicas):
+  decode/first_token_clock.py;
+- relay: the dispatcher's round trip to the decode replica less the replica's own time: the
+  request channel both ways and this event loop's wait.
+Their sum is the time from the request's arrival to its first chunk reaching the backend; a
+client also sees its own connection and the response's rendering, which no stage holds
+(tests/cluster/test_first_token_stages.py states the error).
+"""
+
+from __future__ import annotations
+
+from splitserve.proto.messages.handoff import StreamChunk
+
+STAGES = (
+    "ingress",
+    "routing",
+    "prefill_queue",
+    "prefill_compute",
+    "handoff",
+    "decode_admission",
+    "relay",
+)
+# The ASGI scope key where the access log middleware puts the request's arrival (perf_counter).
+RECEIVED_AT = "splitserve.received_at"
+
+
+def observe_first_token(histogram, chunk: StreamChunk, ingress_s: float | None) -> None:
+    """One observation per stage the request went through (handoff only with a remote prefill;
+    nothing where the chunk carries no stages, as a continuation after a migration)."""
+    if not chunk.first_token_stages:
+        return
+    stages = dict(chunk.first_token_stages)
+    if ingress_s is not None:
+        stages["ingress"] = ingress_s
+    for stage in STAGES:
+        if stage in stages:
+            histogram.labels(stage).observe(max(stages[stage], 0.0))
