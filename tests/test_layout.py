@@ -48,6 +48,10 @@ def test_shipped_code_imports_no_test_code():
     assert not TREE.test_only_imports()
 
 
+def test_every_folder_of_modules_is_a_package_the_wheel_ships():
+    assert not TREE.folders_outside_the_wheel()
+
+
 def test_every_package_folder_has_a_readme():
     assert not TREE.folders_without_readme()
 
@@ -198,6 +202,8 @@ def test_the_checker_catches_a_folder_without_readme_and_an_unlinked_one(planted
     (planted / "engine" / "planted" / "x.py").write_text("")
     assert SourceTree(planted).folders_without_readme() == ["engine/core", "engine/planted"]
     assert SourceTree(planted).unlinked_readmes(doc) == []
+    (planted / "engine" / "planted" / "__init__.py").unlink()
+    assert SourceTree(planted).folders_outside_the_wheel() == ["engine/planted"]
     doc.write_text(doc.read_text().replace("(../kvtransfer/README.md)", "(../kvtransfer/)"))
     assert SourceTree(planted).unlinked_readmes(doc) == ["kvtransfer/README.md"]
 

@@ -213,6 +213,14 @@ class SourceTree:
         The run scripts under bench/results/ are not a package; their write-ups describe them."""
         return sorted({p.parent for p in self.files if (p.parent / "__init__.py").is_file()})
 
+    def folders_outside_the_wheel(self) -> list[str]:
+        """Folders of shipped modules without an `__init__.py`: setup.py's find_packages skips
+        them, so the editable install imports them and the built wheel does not (the run scripts
+        under bench/results/ are not shipped)."""
+        results = self.root / "bench" / "results"
+        folders = {p.parent for p in self.files if results not in p.parents}
+        return sorted(f.relative_to(self.root).as_posix() for f in folders if not (f / "__init__.py").is_file())
+
     def folders_without_readme(self) -> list[str]:
         return [f.relative_to(self.root).as_posix() for f in self.package_folders if not (f / README).is_file()]
 
