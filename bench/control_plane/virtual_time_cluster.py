@@ -30,6 +30,7 @@ import itertools
 import json
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,6 +136,8 @@ class VirtualTimeCluster:
         self._ids = itertools.count()
         self._decode_of: dict[str, Replica] = {}
         self._changed: list[Replica] = []  # became ready or were removed at this moment
+        # Called as tokens reach the client (the request, how many are new): an ingress's view.
+        self.on_tokens: Callable[[MeasuredRequest, int], None] | None = None
 
     # ---- membership ------------------------------------------------------------------------
     def add_replica(self, pool: str, startup_s: float = 0.0) -> Replica:
@@ -233,7 +236,7 @@ class VirtualTimeCluster:
         source.engine.release_prefilled(first.request_id)
         source.in_flight -= 1
         out = target.engine.admit_prefilled(first.request_id, first)
-        self.requests[int(out.request_id)].token_times.append(self.now)
+        self._deliver(self.requests[int(out.request_id)], 1)
         if out.finished:
             target.in_flight -= 1
         self._wake(target)
@@ -253,11 +256,16 @@ class VirtualTimeCluster:
                 first = PrefillResult(out.request_id, out.token_ids[0], None, 0, 0, 0, 0.0, 0.0)
                 self._push(replica.link_free, "handoff", (replica, first))
                 continue
-            request.token_times += [self.now] * len(out.new_token_ids)
+            self._deliver(request, len(out.new_token_ids))
             if out.finished:
                 replica.in_flight -= 1
         self._wake(replica)
         self._remove_if_drained(replica)
+
+    def _deliver(self, request: MeasuredRequest, count: int) -> None:
+        request.token_times += [self.now] * count
+        if self.on_tokens is not None and count:
+            self.on_tokens(request, count)
 
     def _remove_if_drained(self, replica: Replica) -> None:
         if replica.draining and not replica.in_flight and not replica.busy and replica.removed_at is None:
