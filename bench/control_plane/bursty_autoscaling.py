@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
+    commit = source_commit()  # the code that runs, whatever is committed meanwhile
     profile = StepTimeProfile.load(args.profile)
     args.kv_bytes_per_token = profile.kv_bytes_per_token or 0
     lengths = LengthDistribution.parse(args.input_len, "input"), LengthDistribution.parse(args.output_len, "output")
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m splitserve.bench.control_plane.bursty_autoscaling " + shlex.join(
         sys.argv[1:] if argv is None else argv
     )
-    write_report(Path(args.out), args, command, source_commit(), workload, plan.winner, slo, runs)
+    write_report(Path(args.out), args, command, commit, workload, plan.winner, slo, runs)
     return 0
 
 

@@ -132,6 +132,7 @@ class Sample:
     at: float
     serving: dict[str, int]  # routable, not draining
     provisioned: dict[str, int]  # starting, serving or draining: what holds GPUs
+    draining: dict[str, int]
 
 
 @dataclass
@@ -191,7 +192,8 @@ async def _drive(
                 if sizing is not None and (not run.sizings or run.sizings[-1] is not sizing):
                     run.sizings.append(sizing)
         await _settle(autoscaler, plane)
-        run.samples.append(Sample(tick, _counts(cluster, serving=True), _counts(cluster, serving=False)))
+        draining = {pool: sum(r.draining for r in replicas) for pool, replicas in cluster.pools.items()}
+        run.samples.append(Sample(tick, _counts(cluster, serving=True), _counts(cluster, serving=False), draining))
         tick += sample_s
     await autoscaler.stop()
     run.events = list(autoscaler.events)
