@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitserve.bench.control_plane.plan_vs_simulated import measured_goodput
+from splitserve.bench.control_plane.plan_vs_simulated import SECTION, measured_goodput
 from splitserve.bench.control_plane.virtual_autoscaling import AutoscaledRun
 from splitserve.bench.control_plane.virtual_time_cluster import MeasuredRequest
 from splitserve.cluster.config import ServeConfig
@@ -16,7 +16,6 @@ from splitserve.cluster.planning.queue_model import Prediction, Slo, percentile
 from splitserve.cluster.planning.workload import Workload
 from splitserve.cluster.routing.router import DECODE, PREFILL
 
-SECTION = "## Bursty trace: static, reactive and `sla` side by side"
 MIN_REQUESTS = 10  # an interval's measured p90 needs at least this many requests to be compared
 BIN_S = 10.0  # the plot's load and TTFT bins
 
