@@ -26,6 +26,8 @@ from splitserve.engine.builtin_models.model_cache import cached_checkpoint
 from splitserve.engine.builtin_models.model_spec import ModelSpec
 from splitserve.engine.simulated.step_time_profile import StepTimeProfile
 
+# The heading from which bursty_autoscaling.py writes its section of the same write-up.
+SECTION = "## Bursty trace: static, reactive and `sla` side by side"
 # (name, rate req/s, input, output, SLO): the issue's ~8k-in / ~1k-out shape at a steady rate, a
 # chat-like mix, and a tight ITL tail (p99) that colocated prompt chunks break
 WORKLOADS = (
@@ -107,11 +109,13 @@ def main(argv: list[str] | None = None) -> int:
         "gaps over the target (nearest rank), the measurement interpolates its gaps' percentile.",
         "- The profile is roofline-derived (an estimate until a device run measures it): these are predictions "
         "of the simulated engine, not of an H200.",
-        "- Not here yet: the bursty trace, the live `sla` policy and the reactive policies side by side (issue 40's "
-        "benchmark).",
+        "- The bursty trace, with the live `sla` policy and the reactive policies side by side (issue 40's "
+        "benchmark, `bursty_autoscaling.py`): the next section.",
     ]
     out = Path(args.out) / "sla_planner.md"
-    out.write_text("\n".join(lines) + "\n")
+    # bursty_autoscaling.py writes the section from SECTION on: kept as it is.
+    _, found, bursty = out.read_text().partition(SECTION) if out.is_file() else ("", "", "")
+    out.write_text("\n".join(lines) + "\n" + ("\n" + found + bursty if found else ""))
     print(f"wrote {out}")
     return 0
 

@@ -150,6 +150,10 @@ class SlaPlanner:
         prediction = predict(self.profile, workload, self._deployment(p, d), self.slo, self.kv_bytes_per_token)
         return Sizing(now, forecast, {PREFILL: p, DECODE: d}, prediction, meets=False)
 
+    def within_budget(self, counts: dict[str, int]) -> bool:
+        budget = self.cfg.planner.gpu_budget
+        return budget is None or self._gpus(counts.get(PREFILL, 0), counts.get(DECODE, 0)) <= budget
+
     def _gpus(self, prefill: int, decode: int) -> float:
         return prefill * self.gpus_per_replica(PREFILL) + decode * self.gpus_per_replica(DECODE)
 
@@ -200,8 +204,12 @@ class SlaScalingPolicy:
         breached = measured is not None and measured / 1000 > limit
         reason = sizing.describe()
         if breached and target <= n and n < cfg.max_replicas:
-            target = min(n + cfg.step, cfg.max_replicas)
-            reason += f"; measured p90 {measured:.0f} ms over the {limit * 1000:.0f} ms target: one step up"
+            stepped = min(n + cfg.step, cfg.max_replicas)
+            if self.planner.within_budget({**counts, self.pool: stepped}):
+                target = stepped
+                reason += f"; measured p90 {measured:.0f} ms over the {limit * 1000:.0f} ms target: one step up"
+            else:
+                reason += f"; measured p90 {measured:.0f} ms over the {limit * 1000:.0f} ms target, at the GPU budget"
         if target > n:
             self._below_since = None
             return ScalingDecision("up", target, reason)

@@ -192,3 +192,12 @@ def test_no_scale_down_without_a_forecast_while_requests_run():
     ]
     assert downs and downs[0][1].target_replicas == 1
     assert downs[0][0] == 120 + cfg.decode.autoscaling.downscale_delay_s  # idle: down after the delay
+
+
+def test_a_measured_latency_over_target_steps_up_only_within_the_gpu_budget():
+    """At the budget, a latency over its target does not buy a GPU the budget does not have
+    (found by the bursty-trace benchmark: the step up went past the budget)."""
+    _, breached = run(serve_config(gpu_budget=2), VirtualLoad(lambda t: 1.0), 40, {PREFILL: 1, DECODE: 1}, 80.0)
+    assert not [a for a in breached if a[2] == "up"]
+    _, roomy = run(serve_config(gpu_budget=3), VirtualLoad(lambda t: 1.0), 40, {PREFILL: 1, DECODE: 1}, 80.0)
+    assert [a for a in roomy if a[1] == DECODE and a[2] == "up"]
