@@ -5,7 +5,8 @@ under the official `openai` client, colocated (decode prefills its prompts) and 
 `parent`; each adapter, selected by its name as `model`, gives transformers + peft's greedy
 tokens over completions and chat; concurrent requests mixing the adapters and the base each
 equal their solo run; one gRPC request by adapter name gives the same tokens; an unknown name
-stays 404; the block pools are back to baseline after."""
+stays 404; the block pools are back to baseline after; /metrics counts each adapter's requests
+and every replica's slots in use."""
 
 from __future__ import annotations
 
@@ -59,9 +60,13 @@ def checkpoint(tmp_path_factory):
     return base, adapters, expected
 
 
-def _at_baseline(base_url: str) -> bool:
+def _samples(base_url: str) -> dict[str, list]:
     text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    samples = {f.name: f.samples for f in text_string_to_metric_families(text)}
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
+def _at_baseline(base_url: str) -> bool:
+    samples = _samples(base_url)
     usage = [s.value for s in samples.get("splitserve_kv_block_usage", [])]
     names = ("splitserve_running_requests", "splitserve_frontend_inflight_requests")
     busy = [s.value for name in names for s in samples.get(name, [])]
@@ -127,5 +132,14 @@ def test_adapters_served_by_name_give_peft_tokens_alone_and_mixed(checkpoint, tm
             complete("no-such-adapter")
         assert refused.value.code == "model_not_found"
         wait_until(lambda: _at_baseline(proc.base_url), 30, "block pools not back to baseline", interval_s=0.2)
+        # Requests per adapter as clients asked (solo, mixed, chat, gRPC), and every replica's
+        # slots holding the three adapters.
+        samples = _samples(proc.base_url)
+        counted = {
+            s.labels["adapter"]: s.value for s in samples["splitserve_lora_requests"] if s.name.endswith("_total")
+        }
+        assert counted == {"sql": 4, "mlp": 3, "qv": 4}
+        slots = {s.labels["pool"]: s.value for s in samples["splitserve_lora_slots_in_use"]}
+        assert slots == ({"decode": 3} if path == "colocated" else {"prefill": 3, "decode": 3})
     finally:
         assert proc.stop() == 0, proc.log_path.read_text()[-3000:]
