@@ -16,6 +16,7 @@ from sqlalchemy.exc import ArgumentError
 
 from splitserve.cluster.default_model import DEFAULT_MODEL_NAME
 from splitserve.cluster.grpc_connection_config import GrpcConnectionConfig
+from splitserve.cluster.lora_serve_config import check_lora_settings
 from splitserve.cluster.migration_config import MigrationConfig
 from splitserve.cluster.model_entry_config import ModelEntryConfig, check_unique_served_names, deep_merge
 from splitserve.cluster.model_route_config import (
@@ -198,6 +199,14 @@ class ServeConfig(_Strict):
     """The prefill pool."""
     decode: DecodePoolConfig = Field(default_factory=DecodePoolConfig)
     """The decode pool."""
+    enable_lora: bool = False
+    """Serve LoRA adapters on the model (as vLLM's flag of this name does): each is a model of its own in /v1/models (`parent`: the base), and every request's tokens go through its own adapter in one batch with the others and the base."""
+    lora_modules: dict[str, str] = Field(default_factory=dict)
+    """LoRA adapters to serve as name=path, each a directory as `peft` saves it (adapter_config.json, adapter_model.safetensors): `--lora-modules sql=/adapters/sql chat=/adapters/chat`, or a JSON object; clients select one by its name as `model`. Needs enable_lora."""
+    max_loras: int = Field(4, ge=1)
+    """LoRA adapter slots per replica on the device: every adapter served holds one, so at most this many are served."""
+    max_lora_rank: int = Field(16, ge=1)
+    """Largest LoRA rank served: the slots are sized for it, and an adapter of a higher rank is refused."""
     router: RouterConfig = Field(default_factory=RouterConfig)
     """The router."""
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
@@ -344,6 +353,11 @@ class ServeConfig(_Strict):
         if not self.models:
             return {self.model_id}
         return {entry.served_name(self.model_id) for entry in self.models}
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> ServeConfig:
+        check_lora_settings(self)
+        return self
 
     @model_validator(mode="after")
     def _check_block_size(self) -> ServeConfig:

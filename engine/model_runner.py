@@ -258,5 +258,9 @@ class ModelRunner:
         self.sampler.forget(request_id)
 
     def stats(self) -> dict[str, float]:
-        """Structured-output masking figures (EngineStats' grammar_mask_* fields)."""
-        return self.grammar_mask.stats()
+        """Structured-output masking figures (EngineStats' grammar_mask_* fields), and the LoRA
+        slots (lora_slots, lora_slots_used) where adapters are served."""
+        lora = (
+            {} if self.lora is None else {"lora_slots": self.lora.max_loras, "lora_slots_used": len(self.lora.slot_of)}
+        )
+        return {**self.grammar_mask.stats(), **lora}

@@ -43,6 +43,7 @@ def check_model(cfg: ServeConfig) -> str:
             _check_tensor_parallel(name, pool, cfg, model_dir, model_config)
         _check_weight_headers(weight_files(model_dir))
         Tokenizer.from_pretrained(model_dir)
+        _check_lora_adapters(cfg, model_config)
     except (CheckpointError, ConfigError, TokenizerError) as exc:
         hint = "" if cfg.model else " (the default model; delete it to have it made again)"
         raise PreflightError(f"model {model_dir}{hint}: {exc}") from None
@@ -96,6 +97,21 @@ def _check_tensor_parallel(name, pool, cfg: ServeConfig, model_dir: str, model_c
         check_quantized_split(model_config, pool.tensor_parallel_size, engine_config.quantization)
     except ConfigError as exc:
         raise PreflightError(f"{name}: {exc}") from None
+
+
+def _check_lora_adapters(cfg: ServeConfig, model_config) -> None:
+    """Every adapter of --lora-modules read and checked against the model (a missing
+    directory or file, a rank above --max-lora-rank, another base's shapes), not in every
+    replica."""
+    if not cfg.lora_modules:
+        return
+    from splitserve.engine.lora.peft_checkpoint import LoraAdapterError, load_peft_adapter
+
+    for name, path in cfg.lora_modules.items():
+        try:
+            load_peft_adapter(name, path, model_config, cfg.max_lora_rank)
+        except LoraAdapterError as exc:
+            raise PreflightError(str(exc)) from None
 
 
 def _check_head_map(cfg: ServeConfig, model_config) -> None:

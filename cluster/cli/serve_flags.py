@@ -134,6 +134,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         )
     for flag in REPEATABLE:  # given more than once: several models (see _models_from_repeats)
         parser._option_string_actions[flag].__class__ = _RepeatedStore
+    adapters = parser._option_string_actions[LORA_MODULES]
+    adapters.__class__, adapters.nargs, adapters.metavar = _AdapterList, "+", "NAME=PATH"
     parser.set_defaults(serve_flags=source)
 
 
@@ -151,6 +153,37 @@ class _RepeatedStore(argparse._StoreAction):
             setattr(namespace, self.dest, values)
         else:
             setattr(namespace, self.dest, [*(previous if isinstance(previous, list) else [previous]), values])
+
+
+# vLLM's `--lora-modules name=path [name=path ...]` (also repeated, or a JSON object).
+LORA_MODULES = "--lora-modules"
+
+
+class _AdapterList(argparse._StoreAction):
+    """Stores every name=path given (all occurrences) as one JSON object, as the settings
+    source reads a dict field. A JSON item is an object of names to paths, or vLLM's
+    {"name": ..., "path": ...}."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        previous = getattr(namespace, self.dest, None)
+        adapters = json.loads(previous) if isinstance(previous, str) else {}
+        for item in values:
+            adapters.update(self._item(item))
+        setattr(namespace, self.dest, json.dumps(adapters))
+
+    def _item(self, item: str) -> dict[str, str]:
+        if item.lstrip().startswith("{"):
+            try:
+                obj = json.loads(item)
+            except json.JSONDecodeError as exc:
+                raise argparse.ArgumentError(self, f"{item!r} is not valid JSON: {exc}") from None
+            return {obj["name"]: obj["path"]} if isinstance(obj, dict) and {"name", "path"} <= set(obj) else obj
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise argparse.ArgumentError(
+                self, f"expected NAME=PATH (an adapter's name and its directory), got {item!r}"
+            )
+        return {name: path}
 
 
 def _models_from_repeats(own: dict[str, Any], model_tag: str | None) -> list[dict[str, Any]] | None:

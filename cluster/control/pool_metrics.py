@@ -59,11 +59,23 @@ class PoolMetrics:
         self.grammar_cache_entries = f.gauge(
             "splitserve_grammar_cache_entries_replica", "Compiled grammars a replica caches now", "pool", "replica"
         )
+        self.lora_slots_used = f.gauge(
+            "splitserve_lora_slots_in_use",
+            "LoRA adapter slots holding an adapter on a replica's device",
+            "pool",
+            "replica",
+        )
         self.spec_decode = SpecDecodeMetrics(f.counter, f.gauge)
         self.host_tier = HostTierMetrics(f.counter, f.gauge)
         self.step_timing = StepTimingMetrics(f.counter, f.gauge)
         # Every family labelled by replica: forget_replica removes a replica's series from each.
-        self.per_replica = (self.kv_usage, self.kv_blocks, self.kv_block_bytes, self.grammar_cache_entries)
+        self.per_replica = (
+            self.kv_usage,
+            self.kv_blocks,
+            self.kv_block_bytes,
+            self.grammar_cache_entries,
+            self.lora_slots_used,
+        )
         self._last_transfer: dict[str, tuple[float, float]] = {}
         self._last_preemptions: dict[tuple, float] = {}  # (pool, replica[, class]) -> last total
         self._last_grammar: dict[tuple[str, str], float] = {}
@@ -74,6 +86,8 @@ class PoolMetrics:
         self.kv_blocks.labels(pool, replica_id).set(poll.engine.num_blocks)
         self.kv_block_bytes.labels(pool, replica_id).set(poll.engine.kv_block_bytes)
         self.grammar_cache_entries.labels(pool, replica_id).set(poll.engine.grammar_cache_entries)
+        if poll.engine.lora_slots:  # only replicas that serve LoRA adapters
+            self.lora_slots_used.labels(pool, replica_id).set(poll.engine.lora_slots_used)
         prev = self._last_preemptions.get((pool, replica_id), 0)
         self.preemptions.labels(pool).inc(max(poll.engine.num_preemptions - prev, 0))
         self._last_preemptions[(pool, replica_id)] = poll.engine.num_preemptions

@@ -275,6 +275,11 @@ def engine_config_for(cfg: ServeConfig, pool: EnginePoolConfig, model_dir: str, 
         "speed_factor": cfg.speed_factor,
         "hash_seed": hash_seed,
         "tensor_parallel_size": pool.tensor_parallel_size,
+        # Both pools hold the adapters: prefill computes the prompt's KV with them, decode the rest.
+        "enable_lora": cfg.enable_lora,
+        "lora_modules": dict(cfg.lora_modules) or None,
+        "max_loras": cfg.max_loras,
+        "max_lora_rank": cfg.max_lora_rank,
     }
 
 

@@ -196,6 +196,8 @@ class ServingBackend:
         if timeout_s is not None and not timeout_s > 0:
             raise invalid(f"the request timeout must be a positive number of seconds, got {timeout_s!r}")
         deadline = time.time() + min(timeout_s or self.cfg.request_timeout_s, self.cfg.request_timeout_s)
+        if params.lora_adapter is not None:
+            self.metrics.lora_requests.labels(params.lora_adapter).inc()
         if params.structured_output is not None:
             self.metrics.structured_requests.labels(params.structured_output.kind).inc()
             await self.check_grammar(params.structured_output, deadline)

@@ -62,6 +62,9 @@ class Metrics:
         self.prompt_tokens = f.counter("splitserve_prompt_tokens", "Prompt tokens received")
         self.generation_tokens = f.counter("splitserve_generation_tokens", "Tokens generated")
         self.router_decisions = f.counter("splitserve_router_decisions", "Router decisions by reason", "reason")
+        self.lora_requests = f.counter(
+            "splitserve_lora_requests", "Requests for a LoRA adapter, by the adapter's name", "adapter"
+        )
         self.structured_requests = f.counter(
             "splitserve_structured_requests", "Requests with a structured-output constraint", "kind"
         )

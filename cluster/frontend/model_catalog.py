@@ -7,6 +7,10 @@ here: an unknown name is RequestError(NOT_FOUND, code "model_not_found"), which 
 404 with OpenAI's error body and gRPC NOT_FOUND. /v1/models lists served() in registration
 order; the first name registered is the default (a gRPC request with no model, and what
 needs one model's settings, e.g. the deployment-wide cfg).
+
+A LoRA adapter (--lora-modules) is a name of its own too: it resolves to its base model's
+ServingAPI, and lora_adapter(name) is what the ModelService sets as the request's
+SamplingParams.lora_adapter; /v1/models lists it after the models, with its base as `parent`.
 """
 
 from __future__ import annotations
@@ -23,13 +27,19 @@ class ModelCatalog:
     def __init__(self) -> None:
         self._apis: dict[str, ServingAPI] = {}
         self._routed: set[str] = set()  # aliases and virtual models: listed, not health-checked
+        self._adapters: dict[str, str] = {}  # LoRA adapter name -> its base model's name
 
     @classmethod
     def of(cls, *apis: ServingAPI) -> ModelCatalog:
-        """A catalog of these backends, each under its own model_name."""
+        """A catalog of these backends, each under its own model_name, and the LoRA adapters
+        each one's config serves."""
         catalog = cls()
         for api in apis:
             catalog.register(api.model_name, api)
+        for api in apis:
+            cfg = getattr(api, "cfg", None)
+            for adapter in cfg.lora_modules if cfg is not None and cfg.enable_lora else ():
+                catalog.register_adapter(adapter, api.model_name)
         return catalog
 
     def register(self, name: str, api: ServingAPI, routed: bool = False) -> None:
@@ -44,22 +54,40 @@ class ModelCatalog:
         if routed:
             self._routed.add(name)
 
+    def register_adapter(self, name: str, base: str) -> None:
+        """Serve the LoRA adapter `name` on the served model `base`. ValueError if the name
+        is taken or base is not a served model."""
+        if base not in self._apis or base in self._routed:
+            raise ValueError(f"LoRA adapter {name!r}: {base!r} is not a served model")
+        if not name or name in self._apis or name in self._adapters:
+            raise ValueError(f"LoRA adapter {name!r}: the name is empty or already served")
+        self._adapters[name] = base
+
+    def lora_adapter(self, name: str) -> str | None:
+        """The adapter a request for `name` runs with (None: a model, alias or route)."""
+        return name if name in self._adapters else None
+
+    def parent(self, name: str) -> str | None:
+        """The base model of a LoRA adapter (None for anything else): /v1/models' `parent`."""
+        return self._adapters.get(name)
+
     def resolve(self, name: str) -> ServingAPI:
         """The ServingAPI serving `name`; RequestError(NOT_FOUND, param "model", code
         "model_not_found") when nothing does."""
-        api = self._apis.get(name)
+        api = self._apis.get(name) or self._apis.get(self._adapters.get(name, ""))
         if api is None:
             raise RequestError(
                 ErrorKind.NOT_FOUND,
-                f"the model {echoed(name)} does not exist; this server serves {', '.join(map(repr, self._apis))}",
+                f"the model {echoed(name)} does not exist; this server serves {', '.join(map(repr, self.served()))}",
                 param="model",
                 code=MODEL_NOT_FOUND,
             )
         return api
 
     def served(self) -> list[str]:
-        """Every name registered, in registration order (what /v1/models lists)."""
-        return list(self._apis)
+        """Every name registered, in registration order, then the LoRA adapters (what
+        /v1/models lists)."""
+        return [*self._apis, *self._adapters]
 
     def items(self) -> list[tuple[str, ServingAPI]]:
         return list(self._apis.items())

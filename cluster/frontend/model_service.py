@@ -1,6 +1,8 @@
 """ModelService: the ingress's one generation pipeline, protocol-neutral. HTTP and gRPC parse a
 client's request into a GenerationRequest and render what comes back; everything between is
-here, once: resolving the model, the priority (class, the request's own, else its tenant's),
+here, once: resolving the model (a LoRA adapter's name: its base model, the request's
+SamplingParams.lora_adapter set to the adapter, which every layer below carries to the
+prefill and decode engines), the priority (class, the request's own, else its tenant's),
 validation, tenant admission with the one reservation formula, model routing, and dispatch of
 one backend generation per choice (prompts x n).
 
@@ -107,7 +109,9 @@ class ModelService:
         try:
             if ticket is not None and request.priority is None and ticket.priority:
                 rank = self._priority(request, ticket.priority)
-            params = msgspec.structs.replace(request.params, priority=rank.priority)
+            params = msgspec.structs.replace(
+                request.params, priority=rank.priority, lora_adapter=self.catalog.lora_adapter(request.model)
+            )
             choices = [(prompt, choice_params(params, i)) for prompt in request.prompts for i in range(request.n)]
             tenant = None if ticket is None else ticket.tenant.name
             features = RequestFeatures(

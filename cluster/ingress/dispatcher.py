@@ -152,6 +152,7 @@ class Dispatcher(RoutedReplicas):
                     exclude_prefill=exclude[PREFILL],
                     exclude_decode=exclude[DECODE],
                     sheddable=sheddable,
+                    lora_adapter=params.lora_adapter,
                 )
             except NoHeadroomError as exc:
                 raise RequestError(ErrorKind.OVERLOADED, str(exc), retry_after_s=1.0) from None

@@ -226,12 +226,15 @@ class Router:
         exclude_prefill: Iterable[Hashable] = (),
         exclude_decode: Iterable[Hashable] = (),
         sheddable: bool = False,
+        lora_adapter: str | None = None,
     ) -> RouteDecision:
         """Pick replicas for one prompt, given its token ids or its block hashes (then
         num_prompt_tokens is required). exclude_*: replicas to skip, e.g. on a retry.
         sheddable (batch work): only to decode replicas the batch headroom admits, else
-        NoHeadroomError."""
-        hashes, num_tokens = self._prompt_hashes(prompt_token_ids, num_prompt_tokens, block_hashes)
+        NoHeadroomError. lora_adapter: the request's adapter, whose blocks hash apart from the
+        base's and every other adapter's (as the engines hash them), so a prefix counts only
+        where this adapter computed it."""
+        hashes, num_tokens = self._prompt_hashes(prompt_token_ids, num_prompt_tokens, block_hashes, lora_adapter)
         decode_cands = self._candidates(DECODE, exclude_decode)
         if not decode_cands:
             raise NoReplicaError(DECODE)
@@ -276,7 +279,11 @@ class Router:
         )
 
     def _prompt_hashes(
-        self, token_ids: Sequence[int] | None, num_prompt_tokens: int | None, block_hashes: Sequence[int] | None
+        self,
+        token_ids: Sequence[int] | None,
+        num_prompt_tokens: int | None,
+        block_hashes: Sequence[int] | None,
+        lora_adapter: str | None = None,
     ) -> tuple[tuple[int, ...], int]:
         if (token_ids is None) == (block_hashes is None):
             raise ValueError("pass exactly one of prompt_token_ids and block_hashes")
@@ -284,7 +291,8 @@ class Router:
             if num_prompt_tokens is not None and num_prompt_tokens != len(token_ids):
                 raise ValueError("num_prompt_tokens disagrees with len(prompt_token_ids)")
             num_prompt_tokens = len(token_ids)
-            hashes = tuple(hash_blocks(token_ids, self.block_size, self._root_hash))
+            root = self._root_hash if lora_adapter is None else root_hash(self.hash_seed, lora_adapter)
+            hashes = tuple(hash_blocks(token_ids, self.block_size, root))
         else:
             if num_prompt_tokens is None:
                 raise ValueError("num_prompt_tokens is required with block_hashes")

@@ -77,6 +77,8 @@ def target_shape(config: ModelConfig, target: str) -> tuple[int, int]:
 
 
 def _read_config(name: str, path: Path) -> dict:
+    if not path.is_dir():
+        raise LoraAdapterError(f"LoRA adapter {name!r}: {path} is not a directory")
     config_path = path / CONFIG_FILE
     if not config_path.is_file():
         raise LoraAdapterError(f"LoRA adapter {name!r}: no {CONFIG_FILE} in {path}")

@@ -58,6 +58,9 @@ class EngineStats(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # timed, seconds in forward passes, the engine loop's host work around them, and the part
     # of that host work the forward passes waited for (overlap = 1 - exposed / host).
     async_scheduling: bool = False
+    # LoRA (engine/lora/; both 0 when off): the device's adapter slots and those holding an adapter.
+    lora_slots: int = 0
+    lora_slots_used: int = 0
     num_timed_steps: int = 0
     step_forward_seconds: float = 0.0
     step_host_seconds: float = 0.0

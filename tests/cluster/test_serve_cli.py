@@ -63,6 +63,7 @@ KNOWN_VALID = {
     "state_url": "sqlite:////tmp/splitserve-cli-test/state.db",
     # the sla policy's profile is loaded when both pools autoscale on it (as they do all at once)
     "planner.profile": "llama-8b-h200",
+    "lora_modules": {"sql": "/adapters/sql"},
     # every field spelled out, as ServeConfig dumps it, so the round trip compares like with like
     "tenants": [TenantConfig(name="acme", api_keys=["sk-acme-test"], requests_per_minute=60).model_dump()],
     # an entry's pool settings dump as given (only the keys set), which the round trip keeps
@@ -89,11 +90,14 @@ AGREEING = {
     "decode.tensor_parallel_size": "prefill.tensor_parallel_size",
 }
 # Fields valid away from their default only with other fields at a given value: TP > 1 serves
-# without a prefill pool. They are round-tripped one by one (with these set too), not in the
+# without a prefill pool, LoRA without several models. They are round-tripped one by one (with these set too), not in the
 # all-at-once check, where the other fields hold their own non-default values (prefill replicas 2).
 NEEDS: dict[str, dict[str, object]] = {
     "prefill.tensor_parallel_size": {"prefill.replicas": 0},
     "decode.tensor_parallel_size": {"prefill.replicas": 0},
+    # LoRA serves one base model (not the all-at-once `models` list); adapters need enable_lora.
+    "enable_lora": {},
+    "lora_modules": {"enable_lora": True},
 }
 
 

@@ -217,7 +217,8 @@ def test_adapters_the_engine_cannot_serve_are_refused_in_one_line_at_load(checkp
             _copy_adapter(adapters["qv"], tmp_path / "embed", {"target_modules": ["q_proj", "embed_tokens"]}),
             "unknown target modules embed_tokens",
         ),
-        "config file": (tmp_path / "missing", "no adapter_config.json in"),
+        "directory": (tmp_path / "missing", "missing is not a directory"),
+        "config file": (no_weights.parent, "no adapter_config.json in"),
         "weights file": (no_weights, "no adapter_model.safetensors in"),
         "dora": (_copy_adapter(adapters["qv"], tmp_path / "dora", {"use_dora": True}), "DoRA is not supported"),
     }

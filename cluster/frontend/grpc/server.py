@@ -314,8 +314,13 @@ class GrpcFrontend:
     async def models(self, request, context: grpc.aio.ServicerContext) -> pb2.ModelsResponse:
         self._authorize(context)
         cards = [
-            pb2.ModelCard(id=name, max_model_len=api.max_model_len, owned_by=OWNED_BY)
-            for name, api in self.catalog.items()
+            pb2.ModelCard(
+                id=name,
+                max_model_len=self.catalog.resolve(name).max_model_len,
+                owned_by=OWNED_BY,
+                parent=self.catalog.parent(name) or "",
+            )
+            for name in self.catalog.served()
         ]
         return pb2.ModelsResponse(models=cards)
 

@@ -133,7 +133,7 @@ def build_http_app(
             )
             return CompletionRenderer(
                 f"cmpl-{uuid.uuid4().hex}",
-                api.model_name,  # the name that answers
+                catalog.lora_adapter(body.model) or api.model_name,  # the name that answers (an adapter: its own)
                 int(time.time()),
                 api.tokenizer,
                 params.logprobs,
@@ -163,7 +163,7 @@ def build_http_app(
         def renderer() -> ChatRenderer:
             return ChatRenderer(
                 f"chatcmpl-{uuid.uuid4().hex}",
-                api.model_name,  # the name that answers
+                catalog.lora_adapter(body.model) or api.model_name,  # the name that answers (an adapter: its own)
                 int(time.time()),
                 api.tokenizer,
                 params.logprobs,

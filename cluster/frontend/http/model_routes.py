@@ -21,7 +21,8 @@ def add_model_routes(app: FastAPI, catalog: ModelCatalog, auth: list, errors: di
     created = int(time.time())
 
     def model_card(name: str) -> ModelCard:
-        return ModelCard(id=name, created=created, max_model_len=catalog.resolve(name).max_model_len)
+        api = catalog.resolve(name)
+        return ModelCard(id=name, created=created, max_model_len=api.max_model_len, parent=catalog.parent(name))
 
     def health_state() -> dict:
         try:

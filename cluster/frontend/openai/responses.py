@@ -160,6 +160,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "splitserve"
     max_model_len: int
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field); None for a model
 
 
 class ModelList(BaseModel):

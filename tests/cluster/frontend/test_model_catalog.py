@@ -4,12 +4,16 @@ tests/cluster/test_several_models.py)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.frontend.admission import Admission
 from splitserve.cluster.frontend.model_catalog import MODEL_NOT_FOUND, ModelCatalog
+from splitserve.cluster.frontend.model_service import GenerationRequest, ModelService
 from splitserve.cluster.request_error import ErrorKind, RequestError
+from splitserve.proto.messages.sampling_params import SamplingParams
 
 
 class _Model:
@@ -66,3 +70,47 @@ def test_admission_is_one_queue_for_every_model():
     admission.release(keys[1], sheddable=False)
     admission.release(batch, sheddable=True)
     assert (admission.num_inflight, admission.num_sheddable_inflight) == (0, 0)
+
+
+class _LoraModel(_Model):
+    """A model whose config serves LoRA adapters; generate records each choice's params."""
+
+    def __init__(self, name: str, adapters: dict[str, str]):
+        super().__init__(name)
+        self.cfg = ServeConfig(served_model_name=name, enable_lora=True, lora_modules=adapters)
+        self.seen: list = []
+
+    def validate(self, prompt_token_ids, params) -> None:
+        pass
+
+    async def generate(self, choice):
+        self.seen.append(choice.params)
+        return
+        yield  # an async generator: the service reads its chunks (none here)
+
+
+def test_lora_adapters_resolve_to_their_base_and_set_the_requests_adapter():
+    base = _LoraModel("base", {"sql": "/a/sql", "chat": "/a/chat"})
+    catalog = ModelCatalog.of(base)
+    assert catalog.served() == ["base", "sql", "chat"]
+    assert catalog.resolve("sql") is base and catalog.parent("sql") == "base" and catalog.parent("base") is None
+    assert catalog.lora_adapter("chat") == "chat" and catalog.lora_adapter("base") is None
+    with pytest.raises(ValueError, match="already served"):
+        catalog.register_adapter("base", "base")
+    with pytest.raises(ValueError, match="'nowhere' is not a served model"):
+        catalog.register_adapter("x", "nowhere")
+    with pytest.raises(RequestError) as refused:
+        catalog.resolve("sqll")
+    assert refused.value.kind == ErrorKind.NOT_FOUND and "'base', 'sql', 'chat'" in refused.value.message
+
+    async def run(model: str) -> None:
+        service = ModelService(catalog, base)
+        params = SamplingParams(max_tokens=1)
+        generation = await service.generate(GenerationRequest(model=model, prompts=[[1, 2]], params=params))
+        async for _ in generation.sources[0]:
+            pass
+        await generation.close()
+
+    for model in ("sql", "base", ""):
+        asyncio.run(run(model))
+    assert [p.lora_adapter for p in base.seen] == ["sql", None, None]

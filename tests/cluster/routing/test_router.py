@@ -20,7 +20,7 @@ from splitserve.cluster.routing.router import (
     UnknownReplicaError,
 )
 from splitserve.cluster.routing.router_config import RouterConfig
-from splitserve.engine.core.block_hash import hash_blocks
+from splitserve.engine.core.block_hash import hash_blocks, root_hash
 
 REPO = Path(__file__).resolve().parents[3]
 BS = 4  # block size: tiny prompts
@@ -57,6 +57,21 @@ def test_kv_policy_prefers_the_prefix_holder_under_similar_load():
     assert decision.reason == "kv-prefix"
     assert decision.prefill_cached_tokens == len(tokens) - 1  # last token is recomputed
     assert router.decision_counts() == {"kv-prefix": 1}
+
+
+def test_a_lora_adapters_prefix_counts_only_where_that_adapter_computed_it():
+    """The router hashes an adapter request's blocks as its engines do (seeded with the
+    adapter): a base prefix is no hit for it, and its own prefix is."""
+    router = _router()
+    tokens = _tokens(2, 8)
+    _store(router, PREFILL, "p0", hash_blocks(tokens, BS))  # the base model's blocks
+    _store(router, PREFILL, "p1", hash_blocks(tokens, BS, root_hash(None, "sql")))  # adapter sql's
+    assert router.route(tokens).prefill_replica == "p0"
+    for _ in range(3):  # not a tie broken by chance
+        decision = router.route(tokens, lora_adapter="sql")
+        assert decision.prefill_replica == "p1" and decision.prefill_cached_tokens == len(tokens) - 1
+        decision.release_claims()
+    assert router.route(tokens, lora_adapter="chat").prefill_cached_tokens == 0  # another adapter: no credit
 
 
 def test_kv_policy_sends_to_idle_replica_when_holder_is_overloaded():
