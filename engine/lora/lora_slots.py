@@ -11,6 +11,7 @@ first). The scheduler never schedules a step of more than max_loras adapters
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Collection, Mapping
@@ -44,6 +45,9 @@ class LoraSlots:
         self.slot_of: OrderedDict[str, int] = OrderedDict()
         # Targets some loaded adapter has: the others' deltas are all zero and are not computed.
         self.targeted: set[str] = set()
+        # acquire runs on the thread running the forwards, register and unload on the engine
+        # loop's: one at a time over slot_of and the host cache.
+        self.lock = threading.Lock()
 
     def _stacks(self, target: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's stacked A and B, allocated the first time an adapter targets it."""
@@ -91,6 +95,10 @@ class LoraSlots:
         recently used adapter not in names, preferring one not in keep (the running sequences')."""
         if len(set(names)) > self.max_loras:
             raise LoraAdapterError(f"a step of {len(set(names))} LoRA adapters but max_loras={self.max_loras}")
+        with self.lock:
+            self._acquire(names, keep)
+
+    def _acquire(self, names: Collection[str], keep: Collection[str]) -> None:
         for name in names:
             if name in self.slot_of:
                 self.slot_of.move_to_end(name)
@@ -103,11 +111,18 @@ class LoraSlots:
                 self.evict(victim)
             self.load(self.host.get(name))
 
+    def register(self, name: str, path: str) -> None:
+        """Serve another adapter (at runtime): read and checked now, a one-line
+        LoraAdapterError if it cannot be served; it takes a slot when a step needs it."""
+        with self.lock:
+            self.host.register({name: path})
+
     def unload(self, name: str) -> None:
-        """Stop serving the adapter: out of its slot and the host tier."""
-        if name in self.slot_of:
-            self.evict(name)
-        self.host.unregister(name)
+        """Stop serving the adapter: out of its slot and the host tier (no request uses it)."""
+        with self.lock:
+            if name in self.slot_of:
+                self.evict(name)
+            self.host.unregister(name)
 
     def residency(self) -> dict[str, list[str]]:
         """EngineStats' lora_device_adapters and lora_host_adapters (each sorted)."""

@@ -3,14 +3,17 @@ engine/core/lora_admission.py): adapters wait in an LRU host cache of max_cpu_lo
 from their directory on a miss) and are copied into a slot when a step needs them. No step
 uses more than max_loras adapters, nothing deadlocks or starves, an adapter evicted to the host
 (or out of it) and loaded back gives the same greedy tokens, and loads and evictions are
-counted by tier."""
+counted by tier. Adapters load and unload at runtime (unload refused while requests use one)."""
 
 from __future__ import annotations
 
 import pytest
 
 from splitserve.engine.core.scheduler import Scheduler
+from splitserve.engine.engine_errors import LoraAdapterBusyError
+from splitserve.engine.lora.peft_checkpoint import LoraAdapterError
 from splitserve.proto.messages.engine_stats import EngineStats
+from splitserve.proto.messages.invalid_request import InvalidRequestError
 from tests.engine import test_lora
 from tests.engine.test_lora import ADAPTERS, PROMPTS, assert_baseline, greedy, lora_engine
 from tests.helpers.handoff import finish_all, hand_off
@@ -121,3 +124,52 @@ def test_handed_off_requests_of_more_adapters_than_slots_take_turns(checkpoint, 
     assert max(len(adapters) for adapters in step_adapters) == 2
     assert_baseline(prefill)
     assert_baseline(decode)
+
+
+def test_an_adapter_loaded_at_runtime_serves_the_next_request_and_a_bad_one_changes_nothing(checkpoint, expected):
+    base, adapters = checkpoint
+    served = {name: str(adapters[name]) for name in ("attn", "mlp")}
+    engine = lora_engine(checkpoint, lora_modules=served, max_loras=1)
+    with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'qv'"):
+        engine.add_request(prompt_token_ids=PROMPTS[4], params=greedy("qv"))
+    engine.load_lora_adapter("qv", str(adapters["qv"]))
+    assert engine.generate([PROMPTS[4]], greedy("qv"))[0].token_ids == expected["qv"][4]
+    refusals = {
+        "qv": (str(adapters["qv"]), "LoRA adapter 'qv' is already served"),
+        "big": (str(adapters["all-rs"]), "LoRA adapter 'big': rank 16 is above max_lora_rank=8"),
+        "gone": (str(base / "missing"), "LoRA adapter 'gone': .*missing is not a directory"),
+    }
+    small = lora_engine(checkpoint, lora_modules=served, max_lora_rank=8)
+    for name, (path, message) in refusals.items():
+        target = small if name == "big" else engine
+        with pytest.raises(LoraAdapterError, match=message) as refused:
+            target.load_lora_adapter(name, path)
+        assert "\n" not in str(refused.value)
+    assert sorted(engine.config.lora_modules or {}) == ["attn", "mlp", "qv"]
+    assert "big" not in (small.config.lora_modules or {})
+    assert_baseline(engine)
+
+
+def test_unloading_an_adapter_requests_use_is_refused_until_they_finish(checkpoint, expected):
+    """The policy: refuse (LoraAdapterBusyError, the HTTP 409) while any request waits for or
+    runs with the adapter; it stays served and they finish with its tokens."""
+    engine = lora_engine(checkpoint)
+    engine.add_request(prompt_token_ids=PROMPTS[1], params=greedy("attn"), request_id="user")
+    with pytest.raises(LoraAdapterBusyError, match="LoRA adapter 'attn' is in use by 1 request"):
+        engine.unload_lora_adapter("attn")  # waiting
+    outputs = {"user": [engine.step()[0]]}
+    with pytest.raises(LoraAdapterBusyError):
+        engine.unload_lora_adapter("attn")  # running
+    finish_all(engine, outputs)
+    assert outputs["user"][-1].token_ids == expected["attn"][1]
+    engine.unload_lora_adapter("attn")
+    assert "attn" not in engine.stats().lora_device_adapters + engine.stats().lora_host_adapters
+    with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'attn'"):
+        engine.add_request(prompt_token_ids=PROMPTS[1], params=greedy("attn"))
+    with pytest.raises(LoraAdapterError, match="LoRA adapter 'attn' is not served"):
+        engine.unload_lora_adapter("attn")
+    # The others serve on, and the adapter can be loaded again.
+    assert engine.generate([PROMPTS[2]], greedy("mlp"))[0].token_ids == expected["mlp"][2]
+    engine.load_lora_adapter("attn", str(checkpoint[1]["attn"]))
+    assert engine.generate([PROMPTS[1]], greedy("attn"))[0].token_ids == expected["attn"][1]
+    assert_baseline(engine)
