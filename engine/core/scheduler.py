@@ -161,7 +161,8 @@ class Scheduler:
             idx += 1
         if not batch.preempted and not blocked:
             budget = self._admit_waiting(batch, budget, adapters, self._in_flight_block_hashes() if ahead else None)
-        batch.running_adapters = {seq.params.lora_adapter for seq in self.running if seq.params.lora_adapter}
+        if self.max_loras is not None:
+            batch.running_adapters = {seq.params.lora_adapter for seq in self.running if seq.params.lora_adapter}
         if lookahead:
             self._reserve_lookahead(batch, lookahead, budget)
         return batch
