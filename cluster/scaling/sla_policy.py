@@ -4,7 +4,11 @@ queue model `splitserve plan` uses (cluster/planning/).
 Every interval one SlaPlanner (shared by the two pools' SlaScalingPolicy) forecasts the
 arrival rate and lengths at now + planner.startup_s + interval (load_forecast.py), simulates
 that load as a Poisson workload on every pool size within min/max_replicas and the GPU budget,
-fewest GPUs first, and takes the first that meets TTFT (prefill.autoscaling.ttft_target_ms)
+fewest GPUs first, behind the measured backlog (the prompt tokens the replicas report queued,
+as that many requests of the forecast's mean lengths waiting at the start: a queue model that
+starts empty under-predicts TTFT on a ramp by the wait of the queue already there), at the
+larger of the current and the forecast rate (a forecast of falling load does not shrink the
+pools before the load has fallen), and takes the first that meets TTFT (prefill.autoscaling.ttft_target_ms)
 and ITL (decode.autoscaling.itl_target_ms) at the percentile; none does: the most the bounds
 allow. Each pool then moves to its planned count:
   up    at once: the lead time is already in the forecast's horizon (a replica started now
@@ -28,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.planning.queue_model import Deployment, Prediction, Slo, predict, saturated_pool
-from splitserve.cluster.planning.workload import LengthDistribution, Workload
+from splitserve.cluster.planning.workload import LengthDistribution, PlannedRequest, Workload
 from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.cluster.scaling.load_forecast import DemandTotals, Forecast, LoadForecast
 from splitserve.cluster.scaling.policy import MetricsSnapshot, ScalingDecision
@@ -52,14 +56,16 @@ class Sizing:
     targets: dict[str, int]
     prediction: Prediction | None
     meets: bool = False
+    queued_requests: int = 0  # the measured backlog the plan was simulated behind
 
     def describe(self) -> str:
         if self.forecast is None or self.prediction is None:
             return "no finished requests in the window: sized to the minimum"
         p = self.prediction
         meets = "meets the SLOs" if self.meets else "nothing within the bounds meets the SLOs: the most they allow"
+        backlog = f", {self.queued_requests} requests queued" if self.queued_requests else ""
         return (
-            f"{self.forecast.describe()}; plan {self.targets} predicts TTFT {p.ttft_s * 1000:.0f} ms, "
+            f"{self.forecast.describe()}{backlog}; plan {self.targets} predicts TTFT {p.ttft_s * 1000:.0f} ms, "
             f"ITL {p.itl_s * 1000:.1f} ms ({meets})"
         )
 
@@ -96,11 +102,17 @@ class SlaPlanner:
         self.colocated = cfg.prefill.replicas == 0 and not cfg.prefill.autoscaling.enabled
         self.interval_s = min(p.autoscaling.interval_s for p in (cfg.prefill, cfg.decode))
         self.latest: Sizing | None = None
+        self.queued_prompt_tokens: dict[str, int] = {}  # per pool, from its latest snapshot
         self._lock = threading.Lock()
 
     def gpus_per_replica(self, pool: str) -> float:
         config = self.cfg.prefill if pool == PREFILL else self.cfg.decode
         return config.tensor_parallel_size * max(config.resources.num_gpus, 1.0)
+
+    def observe_backlog(self, pool: str, snapshot: MetricsSnapshot) -> None:
+        """The prompt tokens a pool's replicas report queued (each pool's policy, every step)."""
+        with self._lock:
+            self.queued_prompt_tokens[pool] = sum(load.queued_prefill_tokens for load in snapshot.loads)
 
     def size(self, now: float, current: dict[str, int]) -> Sizing:
         """The plan for now (computed once per interval, whichever pool asks first). The
@@ -132,23 +144,34 @@ class SlaPlanner:
         if forecast is None:
             p, d = within[0]
             return Sizing(now, None, {PREFILL: p, DECODE: d}, None)
-        workload = Workload.poisson(
-            max(forecast.predicted_rate, 1e-3),
-            LengthDistribution(round(forecast.mean_input_tokens)),
-            LengthDistribution(round(forecast.mean_output_tokens)),
-            self.cfg.planner.num_requests,
-            seed=0,
-        )
+        workload = self._workload(forecast)
+        queued = len(workload.requests) - self.cfg.planner.num_requests
         for p, d in within:
             deployment = self._deployment(p, d)
             if saturated_pool(self.profile, workload, deployment) is not None:
                 continue
             prediction = predict(self.profile, workload, deployment, self.slo, self.kv_bytes_per_token)
             if prediction.meets(self.slo):
-                return Sizing(now, forecast, {PREFILL: p, DECODE: d}, prediction, meets=True)
+                return Sizing(now, forecast, {PREFILL: p, DECODE: d}, prediction, meets=True, queued_requests=queued)
         p, d = max(within, key=lambda pd: self._gpus(*pd))  # nothing meets: the most the bounds allow
         prediction = predict(self.profile, workload, self._deployment(p, d), self.slo, self.kv_bytes_per_token)
-        return Sizing(now, forecast, {PREFILL: p, DECODE: d}, prediction, meets=False)
+        return Sizing(now, forecast, {PREFILL: p, DECODE: d}, prediction, meets=False, queued_requests=queued)
+
+    def _workload(self, forecast: Forecast) -> Workload:
+        """The forecast load at max(current, forecast) rate, behind the queued backlog."""
+        mean_in, mean_out = round(forecast.mean_input_tokens), round(forecast.mean_output_tokens)
+        arrivals = Workload.poisson(
+            max(forecast.predicted_rate, forecast.rate, 1e-3),
+            LengthDistribution(mean_in),
+            LengthDistribution(mean_out),
+            self.cfg.planner.num_requests,
+            seed=0,
+        )
+        backlog = round(sum(self.queued_prompt_tokens.values()) / max(mean_in, 1))
+        if not backlog:
+            return arrivals
+        waiting = tuple(PlannedRequest(0.0, mean_in, mean_out) for _ in range(backlog))
+        return Workload(waiting + arrivals.requests, f"{backlog} queued requests, then {arrivals.description}")
 
     def within_budget(self, counts: dict[str, int]) -> bool:
         budget = self.cfg.planner.gpu_budget
@@ -197,6 +220,7 @@ class SlaScalingPolicy:
     def decide(self, snapshot: MetricsSnapshot, now: float) -> ScalingDecision:
         n, cfg = snapshot.num_replicas, self.cfg
         counts = {**self.cluster_counts(), self.pool: n}
+        self.planner.observe_backlog(self.pool, snapshot)
         sizing = self.planner.size(now, counts)
         target = min(max(sizing.targets[self.pool], cfg.min_replicas), cfg.max_replicas)
         measured = snapshot.ttft_p90_ms if self.pool == PREFILL else snapshot.itl_p90_ms

@@ -1,7 +1,8 @@
 """The controller's Autoscaler with the live `sla` policy driving the virtual-time cluster
 (bench/control_plane/virtual_autoscaling.py), on a short sinusoidal trace (1 <-> 30 req/s,
 period 120 s, ~2000-token prompts, ~100-token answers, replicas serving 10 s after they are
-asked for) under a GPU budget below what the peak needs: prefill is scaled up before the load
+asked for; then a quiet minute at 1 req/s, since the policy shrinks the pools only once the
+load has fallen, not on a forecast of its fall) under a GPU budget below what the peak needs: prefill is scaled up before the load
 peaks, the pools never hold more GPUs than the budget, the pools come back down after the
 peak through drains that lose no request, and a removed replica's KV blocks are all free.
 On the same trace the shipped reactive policies break the TTFT SLO on the ramp.
@@ -9,17 +10,20 @@ Virtual time and a seeded trace: the same run every time, whatever the box's loa
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from splitserve.bench.control_plane.bursty_autoscaling import serve_config, sinusoidal_workload
 from splitserve.bench.control_plane.virtual_autoscaling import run_autoscaled
 from splitserve.bench.control_plane.virtual_time_cluster import VirtualTimeCluster, long_context_copy
 from splitserve.cluster.planning.queue_model import Deployment, Slo, percentile
-from splitserve.cluster.planning.workload import LengthDistribution
+from splitserve.cluster.planning.workload import LengthDistribution, Workload
 from splitserve.cluster.routing.router import DECODE, PREFILL
 
 PROFILE, KV_BYTES = "llama-8b-h200", 131072
 PERIOD_S, STARTUP_S, BUDGET = 120.0, 10.0, 3
+QUIET_S = 60.0
 BOUNDS = Deployment(3, 2, 2048)  # prefill 1..3, decode 1..2 replicas: 5 GPUs, more than the budget
 
 
@@ -30,7 +34,10 @@ SLO = Slo(1.0, 0.035)
 def serve(tiny_model, tmp_path_factory):
     model = long_context_copy(tiny_model, tmp_path_factory.mktemp("simulated") / "long-context")
     lengths = LengthDistribution(2000, 500), LengthDistribution(100, 20)
-    workload = sinusoidal_workload(1.0, 30.0, PERIOD_S, PERIOD_S, *lengths, seed=1)
+    peak = sinusoidal_workload(1.0, 30.0, PERIOD_S, PERIOD_S, *lengths, seed=1)
+    quiet = sinusoidal_workload(1.0, 1.0, PERIOD_S, QUIET_S, *lengths, seed=2)
+    after = tuple(replace(r, arrival_s=r.arrival_s + PERIOD_S) for r in quiet.requests)
+    workload = Workload(peak.requests + after, f"{peak.description}, then {quiet.description}")
 
     def run(policy: str):
         cfg = serve_config(policy, BOUNDS, SLO, PROFILE, STARTUP_S)

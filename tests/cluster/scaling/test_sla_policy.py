@@ -6,6 +6,8 @@ over its target steps a pool up; bad configurations are one-line errors."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from splitserve.cluster.config import ServeConfig
@@ -13,6 +15,7 @@ from splitserve.cluster.control.metrics_aggregator import MetricsAggregator
 from splitserve.cluster.frontend.metrics import Metrics
 from splitserve.cluster.planning.queue_model import predict
 from splitserve.cluster.planning.workload import LengthDistribution, Workload
+from splitserve.cluster.routing.load import LoadReport
 from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.cluster.scaling.load_forecast import DemandTotals, LoadForecast
 from splitserve.cluster.scaling.policy import MetricsSnapshot
@@ -201,3 +204,43 @@ def test_a_measured_latency_over_target_steps_up_only_within_the_gpu_budget():
     assert not [a for a in breached if a[2] == "up"]
     _, roomy = run(serve_config(gpu_budget=3), VirtualLoad(lambda t: 1.0), 40, {PREFILL: 1, DECODE: 1}, 80.0)
     assert [a for a in roomy if a[1] == DECODE and a[2] == "up"]
+
+
+def flat_planner(rate: float) -> tuple[SlaPlanner, VirtualLoad]:
+    load = VirtualLoad(lambda t: rate)
+    planner = SlaPlanner(serve_config(), load.totals, kv_bytes_per_token=131072)
+    for _ in range(30):
+        load.advance(1.0)
+        planner.forecast.observe(load.now, load.totals())
+    return planner, load
+
+
+def test_the_plan_is_simulated_behind_the_measured_backlog():
+    """The same forecast load, once with the prefill replicas reporting 200 prompts queued:
+    the plan behind the backlog holds more prefill replicas, and says why. A queue model that
+    starts empty would size both alike (the under-prediction the bursty benchmark measured)."""
+    planner, load = flat_planner(4.0)
+    counts = {PREFILL: 1, DECODE: 1}
+    empty = planner._plan(load.now, planner.forecast.estimate(load.now, 20), counts)
+    queued = MetricsSnapshot(load.now, 1, loads=(LoadReport(queued_prefill_tokens=200 * INPUT, num_waiting=200),))
+    planner.observe_backlog(PREFILL, queued)
+    behind = planner._plan(load.now, planner.forecast.estimate(load.now, 20), counts)
+    assert empty.queued_requests == 0 and behind.queued_requests == 200
+    assert behind.targets[PREFILL] > empty.targets[PREFILL]
+    assert "200 requests queued" in behind.describe()
+    planner.observe_backlog(PREFILL, MetricsSnapshot(load.now, 1))  # drained: the next plan is as before
+    again = planner._plan(load.now, planner.forecast.estimate(load.now, 20), counts)
+    assert again.targets == empty.targets and again.queued_requests == 0
+
+
+def test_a_forecast_of_falling_load_does_not_shrink_the_pools_before_it_falls():
+    """A forecast below the current rate (the far side of a peak): the plan is sized for the
+    current rate, as on a flat load at that rate."""
+    planner, load = flat_planner(20.0)
+    forecast = planner.forecast.estimate(load.now, 20)
+    falling = replace(forecast, predicted_rate=2.0)
+    counts = {PREFILL: 1, DECODE: 1}
+    assert planner._plan(load.now, falling, counts).targets == planner._plan(load.now, forecast, counts).targets
+    quiet, quiet_load = flat_planner(2.0)
+    small = quiet._plan(quiet_load.now, quiet.forecast.estimate(quiet_load.now, 20), counts).targets
+    assert sum(small.values()) < sum(planner._plan(load.now, falling, counts).targets.values())
