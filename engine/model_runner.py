@@ -4,7 +4,7 @@ colocated engine and the workers touch tensors."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -257,10 +257,16 @@ class ModelRunner:
     def forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, Any]:
         """Structured-output masking figures (EngineStats' grammar_mask_* fields), and the LoRA
-        slots (lora_slots, lora_slots_used) where adapters are served."""
+        slots (lora_slots, lora_slots_used) and the adapters they hold where adapters are served."""
         lora = (
-            {} if self.lora is None else {"lora_slots": self.lora.max_loras, "lora_slots_used": len(self.lora.slot_of)}
+            {}
+            if self.lora is None
+            else {
+                "lora_slots": self.lora.max_loras,
+                "lora_slots_used": len(self.lora.slot_of),
+                "lora_device_adapters": sorted(self.lora.slot_of),
+            }
         )
         return {**self.grammar_mask.stats(), **lora}

@@ -61,6 +61,10 @@ class EngineStats(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # LoRA (engine/lora/; both 0 when off): the device's adapter slots and those holding an adapter.
     lora_slots: int = 0
     lora_slots_used: int = 0
+    # The adapters resident in the device's slots and in a host cache now (the router scores
+    # replicas by them: cluster/routing/adapter_affinity.py); none in a host cache yet.
+    lora_device_adapters: list[str] = msgspec.field(default_factory=list)
+    lora_host_adapters: list[str] = msgspec.field(default_factory=list)
     num_timed_steps: int = 0
     step_forward_seconds: float = 0.0
     step_host_seconds: float = 0.0

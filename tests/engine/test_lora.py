@@ -91,6 +91,9 @@ def test_each_adapter_alone_gives_transformers_peft_greedy_tokens(checkpoint, ex
     # The adapters change the output: the parity above is not the base's tokens compared with themselves.
     assert all(expected[name] != expected[None] for name in ADAPTERS)
     assert_baseline(engine)
+    # Its stats name the adapters its slots hold: what the router's adapter affinity reads.
+    stats = engine.stats()
+    assert stats.lora_device_adapters == sorted(ADAPTERS) and stats.lora_host_adapters == []
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
