@@ -1,7 +1,7 @@
 """What loading a LoRA adapter costs a replica, in the router's unit (prefill tokens): the
 figures behind RouterConfig.adapter_load_tokens and adapter_host_load_tokens.
 
-On one engine serving a peft adapter (rank 16, every target module): the seconds to read an
+On one engine and an adapter in peft's files (rank 16, every target module): the seconds to read an
 adapter from its checkpoint (load_peft_adapter: disk -> host), to copy it into a device slot
 (LoraSlots.load: host -> device), and to prefill one prompt token (a 512-token prompt, no
 prefix hit); each load's seconds over the seconds per token is its cost in tokens.
@@ -12,43 +12,70 @@ prefix hit); each load's seconds over the seconds per token is its cost in token
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-import transformers
+from safetensors.torch import save_file
 
+from splitserve.engine.builtin_models.corpus_tokenizer import train_tokenizer, write_tokenizer
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.lora.lora_slots import LoraSlots
-from splitserve.engine.lora.peft_checkpoint import load_peft_adapter
+from splitserve.engine.lora.peft_checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_peft_adapter, target_shape
 from splitserve.proto.messages.sampling_params import SamplingParams
-from tests.helpers.peft_adapters import write_peft_adapter
-from tests.helpers.transformers_checkpoint import SERVABLE_SHAPE, write_transformers_checkpoint
 
-# The served test shape widened and deepened to a small but not toy model.
-SHAPE = {**SERVABLE_SHAPE, "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8}
-SHAPE.update(num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048)
+# A small but not toy Llama shape, with the corpus tokenizer's 512 tokens.
+SHAPE = dict(
+    vocab_size=512,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=2048,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=2,
+)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK = 16
 PROMPT_TOKENS = 512
 
 
+def write_base(out: Path) -> None:
+    """transformers' random Llama for SHAPE (the `train` extra), with the corpus tokenizer."""
+    import transformers
+
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SHAPE)).save_pretrained(out)
+    write_tokenizer(train_tokenizer(SHAPE["vocab_size"]), out, SHAPE["max_position_embeddings"])
+
+
+def write_adapter(engine: LLMEngine, out: Path) -> None:
+    """A random adapter in peft's files and key names, for the engine's model."""
+    out.mkdir()
+    config = {"peft_type": "LORA", "r": RANK, "lora_alpha": 2 * RANK, "target_modules": TARGETS, "bias": "none"}
+    (out / CONFIG_FILE).write_text(json.dumps(config))
+    tensors = {}
+    for layer in range(engine.model_config.num_hidden_layers):
+        for target in TARGETS:
+            out_dim, in_dim = target_shape(engine.model_config, target)
+            key = f"base_model.model.model.layers.{layer}.{'mlp' if target in TARGETS[4:] else 'self_attn'}.{target}"
+            tensors[f"{key}.lora_A.weight"] = 0.01 * torch.randn(RANK, in_dim)
+            tensors[f"{key}.lora_B.weight"] = 0.01 * torch.randn(out_dim, RANK)
+    save_file(tensors, str(out / WEIGHTS_FILE))
+
+
 def measure(work: Path, repeats: int) -> dict[str, float]:
     base = work / "base"
-    write_transformers_checkpoint(transformers.LlamaConfig(**SHAPE), base, seed=0, tokenizer=True)
-    adapter_dir = write_peft_adapter(base, work / "adapter", 1, RANK, 2 * RANK, TARGETS)
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(base),
-            num_kv_blocks=256,
-            enable_lora=True,
-            lora_modules={"a": str(adapter_dir)},
-            max_lora_rank=RANK,
-        )
-    )
+    write_base(base)
+    engine = LLMEngine(EngineConfig(model=str(base), num_kv_blocks=256, enable_lora=True, max_lora_rank=RANK))
+    adapter_dir = work / "adapter"
+    write_adapter(engine, adapter_dir)
     config, dtype, device = engine.model_config, engine.model.dtype, engine.model.device
     disk, copy, prefill = [], [], []
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)

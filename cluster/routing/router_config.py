@@ -13,8 +13,8 @@ ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)
 # A LoRA adapter's load in prefill tokens, measured on CPU (bench/results/lora_load_cost.md:
 # rank 16 on every target of an 8-layer, 512-wide model): from its checkpoint to a device
 # slot, and from the host to a slot.
-ADAPTER_LOAD_TOKENS = 7.0
-ADAPTER_HOST_LOAD_TOKENS = 2.8
+ADAPTER_LOAD_TOKENS = 8.4
+ADAPTER_HOST_LOAD_TOKENS = 3.7
 
 
 class RouterConfig(BaseModel):
