@@ -204,9 +204,11 @@ class ServeConfig(_Strict):
     lora_modules: dict[str, str] = Field(default_factory=dict)
     """LoRA adapters to serve as name=path, each a directory as `peft` saves it (adapter_config.json, adapter_model.safetensors): `--lora-modules sql=/adapters/sql chat=/adapters/chat`, or a JSON object; clients select one by its name as `model`. Needs enable_lora."""
     max_loras: int = Field(4, ge=1)
-    """LoRA adapter slots per replica on the device: every adapter served holds one, so at most this many are served."""
+    """LoRA adapter slots per replica on the device: at most this many adapters run in one step; more adapters are served, each copied into a slot (evicting the least recently used idle one) when its requests run."""
     max_lora_rank: int = Field(16, ge=1)
     """Largest LoRA rank served: the slots are sized for it, and an adapter of a higher rank is refused."""
+    max_cpu_loras: int | None = Field(None, ge=1)
+    """LoRA adapters each replica keeps in host memory (an LRU cache; a miss reads the adapter's directory again); unset: max_loras. At least max_loras."""
     router: RouterConfig = Field(default_factory=RouterConfig)
     """The router."""
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)

@@ -1,5 +1,5 @@
 """ServeConfig's LoRA settings (vLLM's names: --enable-lora, --lora-modules, --max-loras,
---max-lora-rank) checked where a deployment is described, torch-free: what the names must not
+--max-lora-rank, --max-cpu-loras) checked where a deployment is described, torch-free: what the names must not
 collide with, and what this deployment cannot serve yet. Each adapter's files are checked
 against the model at start-up (cluster/cli/preflight.py) and again where a replica loads it."""
 
@@ -19,11 +19,9 @@ def check_lora_settings(cfg: ServeConfig) -> None:
         return
     if cfg.models:
         raise ValueError("enable_lora with several models (models) is not supported yet: serve one base model")
-    if len(cfg.lora_modules) > cfg.max_loras:
-        # Until adapters can wait in a host cache, every adapter served holds a device slot.
-        raise ValueError(
-            f"{len(cfg.lora_modules)} LoRA adapters but max_loras={cfg.max_loras}: each needs a device slot"
-        )
+    if cfg.max_cpu_loras is not None and cfg.max_cpu_loras < cfg.max_loras:
+        # vLLM's rule: the host cache holds at least what the device's slots hold.
+        raise ValueError(f"max_cpu_loras={cfg.max_cpu_loras} is below max_loras={cfg.max_loras}")
     for pool_name, pool in (("prefill", cfg.prefill), ("decode", cfg.decode)):
         if pool.tensor_parallel_size > 1:
             raise ValueError(f"enable_lora with {pool_name}.tensor_parallel_size > 1 is not supported yet")

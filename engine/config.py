@@ -332,13 +332,15 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 300.0
     # LoRA (engine/lora/): enable_lora serves the PEFT adapters of lora_modules (name -> adapter
-    # directory), loaded at start into max_loras device slots of rank up to max_lora_rank; a
-    # request names its adapter in SamplingParams.lora_adapter. Every adapter holds a slot for
-    # now (no host cache to evict to yet), so there may be at most max_loras of them.
+    # directory), any number of them: max_loras device slots of rank up to max_lora_rank hold
+    # those the running requests use, an LRU host cache of max_cpu_loras (None: max_loras)
+    # the recently used, and a miss reads the directory again. A request names its adapter in
+    # SamplingParams.lora_adapter.
     enable_lora: bool = False
     lora_modules: dict[str, str] | None = None
     max_loras: int = 4
     max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         from splitserve.engine.speculative.speculative_config import SpeculativeConfig

@@ -18,6 +18,11 @@ class EngineStepError(RuntimeError):
         return (type(self), (str(self), self.request_ids))
 
 
+class LoraAdapterBusyError(RuntimeError):
+    """A LoRA adapter cannot be unloaded: requests waiting or running use it (the caller
+    unloads it once they are done; the adapter stays served meanwhile)."""
+
+
 class EngineLoopStopped(RuntimeError):
     """The engine loop is not running: shut down, or stopped for good after a failure it could
     not recover from. Everything it held has been released. A request that got no output yet

@@ -153,9 +153,14 @@ class EngineLoop:
         """Queue seq (from EngineProtocol.make_sequence); its outputs go to sink."""
 
         def add(engine: EngineProtocol) -> None:
-            self._sinks[seq.request_id] = sink
-            engine.add_sequence(seq)
+            try:
+                self._sinks[seq.request_id] = sink
+                engine.add_sequence(seq)
+            except BaseException:
+                self.faults.joined(seq.request_id)
+                raise
 
+        self.faults.joining(seq.request_id)  # a held step lets it in
         return self.call(add)
 
     def admit_prefilled(self, request_id: str, first: PrefillResult, sink: Sink) -> Future:
@@ -163,12 +168,19 @@ class EngineLoop:
         go to sink."""
 
         def admit(engine: EngineProtocol) -> None:
-            out = engine.admit_prefilled(request_id, first)
-            if not out.finished:
+            try:
+                out = engine.admit_prefilled(request_id, first)
+            except BaseException:
+                self.faults.joined(request_id)
+                raise
+            if out.finished:
+                self.faults.joined(request_id)
+            else:
                 self._sinks[request_id] = sink
             self._delivered = True
             sink(out)
 
+        self.faults.joining(request_id)
         return self.call(admit)
 
     def abort(self, request_id: str) -> Future:
@@ -177,6 +189,7 @@ class EngineLoop:
         def do_abort(engine: EngineProtocol) -> None:
             self._sinks.pop(request_id, None)
             engine.abort(request_id)
+            self.faults.joined(request_id)
 
         fut = self.call(do_abort)
         if fut.done() and isinstance(fut.exception(), EngineLoopStopped):
@@ -185,8 +198,8 @@ class EngineLoop:
         return fut
 
     def inject_faults(self, faults: StepFaults) -> None:
-        """Chaos testing (FaultInjector): fail or hang the next steps, hold the steps once a
-        sequence reaches an output length, or stop the loop for good."""
+        """Chaos testing (FaultInjector): fail or hang the next steps, hold the steps once
+        every sequence reached an output length, or stop the loop for good."""
         self.faults.arm(faults)
         self._wake.set()
 

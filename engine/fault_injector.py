@@ -7,9 +7,11 @@ Armed from any thread (a worker's inject_fault actor method), fired on the loop 
 - hang the next N steps for S seconds each, also mid-forward (a hung prefill or kernel);
   a loop stop() interrupts the hang, and so does arming again (a test switching the fault
   off ends a hang in progress, so a test can hang a step "until released", on any machine);
-- hold at an output length: a step whose batch has a sequence with at least N output tokens
-  hangs until released (armed again) or the loop stops, so a test can stop a replica before
-  any of its streams could finish, however long the machine takes to get there;
+- hold at an output length: a step whose every sequence has at least N output tokens hangs
+  until released (armed again) or the loop stops, so a test can stop a replica with all of
+  its streams mid-way, however long the machine takes to get there. A request queued to join
+  (EngineLoop.add_sequence, admit_prefilled) ends a held step so that it can: the next step
+  holds again once it, too, has N tokens -- a stream that arrives late still gets there;
 - stop the loop for good: the loop thread raises between steps, outside any step, which is
   the "cannot carry on" path.
 """
@@ -26,16 +28,17 @@ class InjectedFault(RuntimeError):
     """Raised by an armed fault: never by a healthy engine."""
 
 
-# How long one held step waits before the next step checks again (a release ends it at once).
-HOLD_CHECK_S = 60.0
+# A held step's safety net only: a test that never releases it still ends (that step then
+# completes, and the next one holds again).
+HOLD_SAFETY_S = 300.0
 
 
 @dataclass(frozen=True)
 class StepFaults:
     """What FaultInjector.arm sets, all at once (what is not given is off): fail the next
     fail_steps steps; hang the next hang_steps steps hang_s seconds each; stop the loop for
-    good; hold every step, until armed again, once a sequence in it has hold_at_output_tokens
-    output tokens."""
+    good; hold every step whose every sequence has hold_at_output_tokens output tokens, until
+    armed again."""
 
     fail_steps: int = 0
     hang_s: float = 0.0
@@ -50,28 +53,31 @@ class StepFaults:
 
 class FaultInjector:
     def __init__(self):
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
         self._num_failing_steps = 0
         self._hang_s = 0.0
         self._num_hanging_steps = 0
         self._stop_reason: str | None = None
         self._hold_at_output_tokens = 0
-        self._wake = threading.Event()  # ends the hangs claimed under the current arming
+        self._arming = 0  # counts arm(): a hang claimed under an earlier arming ends
+        # Requests queued to join the batch: a hold yields until a step has taken them in.
+        self._joining: set[str] = set()
         self._interrupted = False
         self.num_fired = 0
+        self.holding = False  # a step is held now (tests wait for it)
 
     def arm(self, faults: StepFaults) -> None:
         """Set every fault at once (what faults does not name is switched off)."""
-        with self._lock:
+        with self._cond:
             self._hold_at_output_tokens = faults.hold_at_output_tokens
             self._num_failing_steps = faults.fail_steps
             self._hang_s = faults.hang_s
             self._num_hanging_steps = faults.hang_steps if faults.hang_s > 0 else 0
             self._stop_reason = "injected loop stop" if faults.stop_loop else None
-            wake, self._wake = self._wake, threading.Event()
-            if self._interrupted:
-                self._wake.set()
-        wake.set()  # a hang in progress ends: it was armed under the old setting
+            self._arming += 1
+            if not faults.hold_at_output_tokens:
+                self._joining.clear()
+            self._cond.notify_all()  # a hang in progress ends: it was armed under the old setting
 
     @property
     def armed(self) -> bool:
@@ -81,11 +87,24 @@ class FaultInjector:
 
     def interrupt(self) -> None:
         """End a hang now and never hang again (the loop is stopping)."""
-        with self._lock:
+        with self._cond:
             self._interrupted = True
-            self._wake.set()
+            self._cond.notify_all()
+
+    def joining(self, request_id: str) -> None:
+        """A request was queued to join the batch: a held step ends, and no step holds, until
+        a step has it (or it was dropped: joined)."""
+        with self._cond:
+            if self._hold_at_output_tokens:
+                self._joining.add(request_id)
+                self._cond.notify_all()
 
     # ---- loop thread ---------------------------------------------------------------------
+    def joined(self, request_id: str) -> None:
+        """A joining request will never be in a step (it failed to join, or finished at once)."""
+        with self._cond:
+            self._joining.discard(request_id)
+
     def check_loop(self) -> None:
         """Between steps: raise if the loop was told to stop for good."""
         if self._stop_reason is not None:
@@ -100,16 +119,16 @@ class FaultInjector:
 
         def factory(batch):
             inner = layer_hook(batch) if layer_hook is not None else None
-            with self._lock:
+            with self._cond:
                 fail = self._num_failing_steps > 0
                 self._num_failing_steps -= fail
                 hang_s = self._hang_s if self._num_hanging_steps > 0 else 0.0
                 self._num_hanging_steps -= hang_s > 0
+                joiners = self._joining & {seq.request_id for seq in batch.seqs}
                 hold = self._hold_at_output_tokens
-                if hold and any(seq.num_output_tokens >= hold for seq in batch.seqs):
-                    hang_s = max(hang_s, HOLD_CHECK_S)  # until released; a later step holds again
-                wake = self._wake
-            if not fail and not hang_s:
+                held = bool(hold and batch.seqs) and all(seq.num_output_tokens >= hold for seq in batch.seqs)
+                arming = self._arming
+            if not (fail or hang_s or held or joiners):
                 return inner
 
             def on_layer_done(layer: int) -> None:
@@ -117,9 +136,12 @@ class FaultInjector:
                     inner(layer)
                 if layer != 0:
                     return
-                if hang_s:
+                if joiners:  # they are in a running step: a later step may hold them
+                    with self._cond:
+                        self._joining -= joiners
+                if hang_s or held:
                     self.num_fired += 1
-                    wake.wait(hang_s)
+                    self._hang(arming, hang_s, held)
                 if fail:
                     self.num_fired += 1
                     raise InjectedFault(f"injected step failure ({len(batch.seqs)} requests in the batch)")
@@ -127,3 +149,20 @@ class FaultInjector:
             return on_layer_done
 
         return factory
+
+    def _hang(self, arming: int, hang_s: float, held: bool) -> None:
+        """Wait hang_s, or while held until released (a joining request ends it too); an
+        arming after `arming` or an interrupt ends either at once."""
+        with self._cond:
+            held = held and not self._joining  # a request waits to join: let this step through
+            if not (hang_s or held):
+                return
+
+            def ended() -> bool:
+                return self._interrupted or self._arming != arming or (held and bool(self._joining))
+
+            self.holding = held
+            try:
+                self._cond.wait_for(ended, HOLD_SAFETY_S if held else hang_s)
+            finally:
+                self.holding = False

@@ -16,11 +16,13 @@ from collections.abc import Sequence as Seq
 import torch
 
 from splitserve.engine.config import EngineConfig, ModelConfig
+from splitserve.engine.engine_errors import LoraAdapterBusyError
 from splitserve.engine.engine_protocol import LayerHookFactory
 from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.engine.kv_cache_sizing import kv_bytes_per_block, resolve_num_kv_blocks
 from splitserve.engine.lora.lora_slots import LoraSlots
+from splitserve.engine.lora.peft_checkpoint import LoraAdapterError
 from splitserve.engine.model.loader import load_model
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.ops.host_kv_cache import HostKVCache, num_host_blocks
@@ -70,7 +72,8 @@ class LLMEngine(PagedEngine):
         # kv_cache_memory_bytes: as many blocks as fit, known now that the model's shape is.
         sizing = (cache_config, config.block_size, config.kv_cache_dtype, config.dtype)
         blocks = resolve_num_kv_blocks(*sizing, config.num_kv_blocks, config.kv_cache_memory_bytes, max_model_len)
-        config = dataclasses.replace(config, num_kv_blocks=blocks)
+        # Its own lora_modules: adapters loaded and unloaded at runtime change it (the caller's stays).
+        config = dataclasses.replace(config, num_kv_blocks=blocks, lora_modules=dict(config.lora_modules or {}))
         kv_cache = KVCache(cache_config, config)
         eos = tokenizer.eos_token_ids or model_config.eos_token_ids
         lora = (
@@ -109,6 +112,37 @@ class LLMEngine(PagedEngine):
     ) -> list[RequestOutput]:
         with torch.inference_mode():
             return super().generate(prompts, params)
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serve another LoRA adapter from now on (vLLM's /v1/load_lora_adapter): read and
+        checked against the model, a one-line LoraAdapterError if it cannot be served (nothing
+        changes then). The next request naming it runs with it."""
+        lora, served = self.runner.lora, self.config.lora_modules
+        if lora is None or served is None:
+            raise LoraAdapterError(f"LoRA adapter {name!r}: this engine serves no adapters (enable_lora)")
+        if name in served:
+            raise LoraAdapterError(f"LoRA adapter {name!r} is already served (from {served[name]})")
+        lora.register(name, path)
+        served[name] = path
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving a LoRA adapter (vLLM's /v1/unload_lora_adapter). Refused while any
+        request (waiting, running, or prefilled and held for its decode) uses it:
+        LoraAdapterBusyError, and it stays served; LoraAdapterError if it is not served."""
+        lora, served = self.runner.lora, self.config.lora_modules or {}
+        if lora is None or name not in served:
+            raise LoraAdapterError(f"LoRA adapter {name!r} is not served")
+        using = [
+            seq.request_id
+            for seq in [*self.scheduler.requests.values(), *self._reserved.values()]
+            if seq.params.lora_adapter == name
+        ]
+        if using:
+            raise LoraAdapterBusyError(
+                f"LoRA adapter {name!r} is in use by {len(using)} request(s); unload it when they finish"
+            )
+        lora.unload(name)
+        del served[name]
 
     @property
     def device(self) -> torch.device:

@@ -4,7 +4,7 @@ colocated engine and the workers touch tensors."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -39,8 +39,10 @@ class PreparedStep(NamedTuple):
     # placeholder fill, forward and argmax run as one TorchScript call without the GIL
     # (engine/model/scripted_decode.py). Then the placeholder rows as a tensor, built here.
     greedy_fill_rows: torch.Tensor | None = None
-    # The step's LoRA adapter tokens (engine/lora/); None when no sequence has an adapter.
-    lora: LoraBatch | None = None
+    # Each sequence's LoRA adapter (engine/lora/; None: the base); None when no sequence has
+    # one. run() brings them into the device's slots: with async scheduling the step before
+    # this one may still be running on the adapters the slots hold while this one is prepared.
+    lora_adapters: list[str | None] | None = None
 
 
 class ModelRunner:
@@ -142,9 +144,8 @@ class ModelRunner:
         # only the last. Recorded on the sequence after the forward (a chunk samples no token).
         prompt_rows = PromptLogprobs.plan(batch.seqs, batch.num_new_tokens, last_index)
         lora = None
-        if self.lora is not None:
-            adapters = [seq.params.lora_adapter for seq in batch.seqs]
-            lora = LoraBatch.for_sequences(self.lora, adapters, batch.num_new_tokens)
+        if self.lora is not None and any(seq.params.lora_adapter is not None for seq in batch.seqs):
+            lora = [seq.params.lora_adapter for seq in batch.seqs]
         greedy_fill_rows = None
         # The scripted decode computes no LoRA delta: a step with adapter tokens takes the
         # eager forward (measured on neither; the simplest correct choice).
@@ -193,7 +194,7 @@ class ModelRunner:
             # Constrained rows' masks are computed during the forward (each draft row its own).
             self.grammar_mask.start(seqs, seq_drafts if drafts else None)
         # Only a LoRA step passes lora: a tensor-parallel model (LoRA refused there) takes none.
-        lora = {} if step.lora is None else {"lora": step.lora}
+        lora = {} if step.lora_adapters is None else {"lora": self._lora_batch(step)}
         hidden = self.model(
             step.input_ids, step.positions, self.kv_cache, step.meta, on_layer_done=on_layer_done, **lora
         )
@@ -248,6 +249,16 @@ class ModelRunner:
         ids = torch.tensor(cls._placeholder_tokens(step, previous), dtype=step.input_ids.dtype, device=rows.device)
         step.input_ids.index_copy_(0, rows, ids)
 
+    def _lora_batch(self, step: PreparedStep) -> LoraBatch:
+        """The step's adapters made resident in the device's slots (on the thread that runs the
+        forwards, in order: no step in flight reads a slot replaced here), and its LoraBatch."""
+        assert self.lora is not None and step.lora_adapters is not None
+        names = {name for name in step.lora_adapters if name is not None}
+        self.lora.acquire(names, keep=step.batch.running_adapters)
+        batch = LoraBatch.for_sequences(self.lora, step.lora_adapters, step.batch.num_new_tokens)
+        assert batch is not None
+        return batch
+
     def execute(
         self, batch: ScheduledBatch, on_layer_done: Callable[[int], None] | None = None
     ) -> dict[str, SampledToken | list[SampledToken]]:
@@ -257,16 +268,17 @@ class ModelRunner:
     def forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)
 
-    def stats(self) -> dict[str, Any]:
-        """Structured-output masking figures (EngineStats' grammar_mask_* fields), and the LoRA
-        slots (lora_slots, lora_slots_used) and the adapters they hold where adapters are served."""
-        lora = (
-            {}
-            if self.lora is None
-            else {
-                "lora_slots": self.lora.max_loras,
-                "lora_slots_used": len(self.lora.slot_of),
-                "lora_device_adapters": sorted(self.lora.slot_of),
-            }
-        )
-        return {**self.grammar_mask.stats(), **lora}
+    def stats(self) -> dict:
+        """Structured-output masking figures (EngineStats' grammar_mask_* fields), and where
+        adapters are served the LoRA slots (lora_slots, lora_slots_used), the adapters resident
+        on the device and in the host cache, and loads and evictions by tier."""
+        if self.lora is None:
+            return self.grammar_mask.stats()
+        slots = self.lora
+        return {
+            **self.grammar_mask.stats(),
+            "lora_slots": slots.max_loras,
+            "lora_slots_used": len(slots.slot_of),
+            **slots.residency(),
+            **slots.stats.stats(),
+        }

@@ -108,7 +108,12 @@ class PagedEngine(KVHandoff, EngineProtocol):
             tokenizer.to_json(), model_config.vocab_size, self.eos_token_ids, config=config.grammar
         )
         self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, self.eos_token_ids
+            self.kv,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            self.eos_token_ids,
+            max_loras=config.max_loras if config.enable_lora else None,
         )
         self.runner = runner
         self.outputs = OutputProcessor(tokenizer)

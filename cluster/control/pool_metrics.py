@@ -1,7 +1,7 @@
 """PoolMetrics: the Prometheus series the controller owns -- one per pool or per replica,
 measured once (by the controller's probes), not once per ingress: replica counts, queue
 depth, running requests, KV usage, blocks and bytes per block per replica, preemptions, KV moved prefill -> decode, the
-replicas' grammar work, speculative decoding and host KV tier, and the autoscaler's decisions. Labelled `model_name` like the
+replicas' grammar work, speculative decoding, host KV tier and LoRA adapter tiers, and the autoscaler's decisions. Labelled `model_name` like the
 ingresses' series. A replica that leaves has its series removed."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 
 from splitserve.cluster.control.host_tier_metrics import HostTierMetrics
+from splitserve.cluster.control.lora_metrics import LoraMetrics
 from splitserve.cluster.control.spec_decode_metrics import SpecDecodeMetrics
 from splitserve.cluster.control.step_timing_metrics import StepTimingMetrics
 from splitserve.cluster.metric_families import ModelFamilies
@@ -65,6 +66,7 @@ class PoolMetrics:
             "pool",
             "replica",
         )
+        self.lora = LoraMetrics(f.counter, f.labeled_histogram)
         self.spec_decode = SpecDecodeMetrics(f.counter, f.gauge)
         self.host_tier = HostTierMetrics(f.counter, f.gauge)
         self.step_timing = StepTimingMetrics(f.counter, f.gauge)
@@ -104,6 +106,7 @@ class PoolMetrics:
             previous = self._last_grammar.get((replica_id, stat), 0.0)
             counter.labels(pool).inc(max(value - previous, 0))
             self._last_grammar[(replica_id, stat)] = value
+        self.lora.observe(pool, replica_id, poll.engine)
         self.spec_decode.observe(pool, replica_id, poll.engine)
         self.host_tier.observe(pool, replica_id, poll.engine)
         self.step_timing.observe(pool, replica_id, poll.engine)
@@ -131,6 +134,7 @@ class PoolMetrics:
             del self._last_preemptions[key]
         for key in [k for k in self._last_grammar if k[0] == replica_id]:
             del self._last_grammar[key]
+        self.lora.forget_replica(replica_id)
         self.spec_decode.forget_replica(replica_id)
         self.host_tier.forget_replica(pool, replica_id)
         self.step_timing.forget_replica(replica_id)

@@ -280,6 +280,7 @@ def engine_config_for(cfg: ServeConfig, pool: EnginePoolConfig, model_dir: str, 
         "lora_modules": dict(cfg.lora_modules) or None,
         "max_loras": cfg.max_loras,
         "max_lora_rank": cfg.max_lora_rank,
+        "max_cpu_loras": cfg.max_cpu_loras,
     }
 
 

@@ -30,6 +30,9 @@ class ScheduledBatch:
     starts: list[int] | None = None
     preemptions: list[int] = field(default_factory=list)
     placeholders: list[bool] = field(default_factory=list)
+    # The LoRA adapters of the running sequences when the batch was scheduled: the device's
+    # slots evict others first (engine/lora/lora_slots.py).
+    running_adapters: set[str] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from splitserve.engine.core.kv_cache_manager import KVCacheManager
+from splitserve.engine.core.lora_admission import AdapterLimit
 from splitserve.engine.core.scheduled_batch import ScheduledBatch
 from splitserve.engine.core.sequence import Sequence, SequenceStatus
 
@@ -36,8 +37,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
+        max_loras: int | None = None,
     ):
+        """max_loras: the LoRA adapters a step may use (engine/core/lora_admission.py); None
+        where the engine serves none."""
         self.kv = kv
+        self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -126,12 +131,14 @@ class Scheduler:
         # Higher priority first, admission order among equals (a stable sort): the budget goes
         # to them first, and pop() below preempts the lowest priority, newest first.
         self.running.sort(key=lambda s: s.params.priority)
+        adapters = AdapterLimit(self.max_loras, self.running)
         idx = 0
         blocked = False
         while idx < len(self.running) and budget > 0:
             seq = self.running[idx]
             num_new = min(seq.num_tokens_with_placeholders - seq.num_computed_tokens, budget)
-            if num_new <= 0 or self._ends_in_flight(seq):  # async scheduling only: nothing to run
+            # Async scheduling only: nothing to run. Or the step has max_loras adapters already.
+            if num_new <= 0 or self._ends_in_flight(seq) or not adapters.takes_running(seq):
                 idx += 1
                 continue
             stop = False
@@ -153,7 +160,9 @@ class Scheduler:
             budget -= num_new
             idx += 1
         if not batch.preempted and not blocked:
-            budget = self._admit_waiting(batch, budget, self._in_flight_block_hashes() if ahead else None)
+            budget = self._admit_waiting(batch, budget, adapters, self._in_flight_block_hashes() if ahead else None)
+        if self.max_loras is not None:
+            batch.running_adapters = {seq.params.lora_adapter for seq in self.running if seq.params.lora_adapter}
         if lookahead:
             self._reserve_lookahead(batch, lookahead, budget)
         return batch
@@ -195,11 +204,15 @@ class Scheduler:
                 hashes.update(seq.block_hashes[seq.num_registered_blocks : num_full])
         return hashes
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int, in_flight: set[int] | None = None) -> int:
+    def _admit_waiting(
+        self, batch: ScheduledBatch, budget: int, adapters: AdapterLimit, in_flight: set[int] | None = None
+    ) -> int:
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if len(self.running) >= self.max_num_seqs and not self._preempt_for(seq, batch):
                 break
+            if not adapters.takes_waiting(seq):
+                break  # it and those behind it wait for an adapter slot, in order
             # Prompt log-probabilities need every prompt position's logits: such a request reads
             # no cached blocks until they are all computed (it recomputes a cached prefix; its
             # own blocks still enter the cache, where another copy is not there already).

@@ -25,8 +25,9 @@ def check_lora_settings(config: EngineConfig) -> None:
         raise ConfigError("lora_modules needs enable_lora")
     if not config.enable_lora:
         return
-    if len(modules) > config.max_loras:
-        # Until adapters can wait in a host cache, every one served holds a device slot.
-        raise ConfigError(f"{len(modules)} LoRA adapters but max_loras={config.max_loras}: each needs a device slot")
+    cpu = config.max_cpu_loras
+    if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < config.max_loras):
+        # vLLM's rule: the host cache holds at least what the device's slots hold.
+        raise ConfigError(f"max_cpu_loras must be an integer >= max_loras={config.max_loras}, got {cpu!r}")
     if config.tensor_parallel_size > 1:
         raise ConfigError("enable_lora with tensor_parallel_size > 1 is not supported yet")

@@ -1,36 +1,53 @@
 """The device's adapter slots: per target module one stacked lora_A [layers, max_loras,
 max_lora_rank, in] and lora_B transposed [layers, max_loras, max_lora_rank, out], zero where
 an adapter has a smaller rank or does not target the module, so that a batch's tokens index
-their adapter's matrices by slot (engine/lora/lora_batch.py) and zeros add nothing."""
+their adapter's matrices by slot (engine/lora/lora_batch.py) and zeros add nothing.
+
+A replica serves more adapters than slots: each lives in the host tier
+(engine/lora/lora_host_cache.py) and is copied into a slot when a step needs it, evicting the
+least recently used slot whose adapter the step does not use (one no running sequence uses
+first). The scheduler never schedules a step of more than max_loras adapters
+(engine/core/lora_admission.py), so a step always finds its slots."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Collection, Mapping
 
 import torch
 
 from splitserve.engine.config import EngineConfig, ModelConfig
-from splitserve.engine.lora.peft_checkpoint import LoraAdapter, LoraAdapterError, load_peft_adapter, target_shape
+from splitserve.engine.lora.lora_host_cache import LoraHostCache
+from splitserve.engine.lora.lora_load_stats import LoraLoadStats
+from splitserve.engine.lora.peft_checkpoint import LoraAdapter, LoraAdapterError, target_shape
 
 # A token of the base model (no adapter) in a batch's per-token slot index.
 NO_ADAPTER = -1
 
 
 class LoraSlots:
-    """max_loras device slots holding adapters by name; each adapter's PEFT scaling per slot."""
+    """max_loras device slots holding adapters by name; each adapter's PEFT scaling per slot.
+    slot_of: the resident adapters, least recently used first."""
 
-    def __init__(self, config: ModelConfig, max_loras: int, max_rank: int, dtype: torch.dtype, device):
+    def __init__(self, config: ModelConfig, max_loras: int, max_rank: int, dtype: torch.dtype, device, host=None):
         self.config = config
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.dtype = dtype
         self.device = torch.device(device)
+        self.stats = LoraLoadStats() if host is None else host.stats
+        self.host: LoraHostCache = host or LoraHostCache(config, max_rank, max_loras, self.stats)
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, torch.Tensor] = {}
         self.scaling = torch.zeros(max_loras, dtype=dtype, device=self.device)
-        self.slot_of: dict[str, int] = {}
+        self.slot_of: OrderedDict[str, int] = OrderedDict()
         # Targets some loaded adapter has: the others' deltas are all zero and are not computed.
         self.targeted: set[str] = set()
+        # acquire runs on the thread running the forwards, register and unload on the engine
+        # loop's: one at a time over slot_of and the host cache.
+        self.lock = threading.Lock()
 
     def _stacks(self, target: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's stacked A and B, allocated the first time an adapter targets it."""
@@ -50,6 +67,11 @@ class LoraSlots:
         if not free:
             raise LoraAdapterError(f"LoRA adapter {adapter.name!r}: all max_loras={self.max_loras} slots hold adapters")
         slot = free[0]
+        start = time.perf_counter()
+        # The slot's previous adapter may have had a larger rank or other targets: zero it all.
+        for target in self.a:
+            self.a[target][:, slot].zero_()
+            self.b[target][:, slot].zero_()
         for (layer, target), (lora_a, lora_b) in adapter.weights.items():
             a, b = self._stacks(target)
             a[layer, slot, : adapter.rank].copy_(lora_a)
@@ -57,16 +79,70 @@ class LoraSlots:
         self.scaling[slot] = adapter.scaling
         self.slot_of[adapter.name] = slot
         self.targeted |= adapter.targets
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the copies done, so the seconds are the load's
+        self.stats.loaded("device", time.perf_counter() - start)
         return slot
+
+    def evict(self, name: str) -> None:
+        """Free the adapter's slot (its host copy stays in the host tier)."""
+        self.slot_of.pop(name)
+        self.stats.evicted("device")
+
+    def acquire(self, names: Collection[str], keep: Collection[str] = ()) -> None:
+        """Make every adapter of names resident (a step's adapters, at most max_loras), each
+        the most recently used now. A missing one takes a free slot, or evicts the least
+        recently used adapter not in names, preferring one not in keep (the running sequences')."""
+        if len(set(names)) > self.max_loras:
+            raise LoraAdapterError(f"a step of {len(set(names))} LoRA adapters but max_loras={self.max_loras}")
+        with self.lock:
+            self._acquire(names, keep)
+
+    def _acquire(self, names: Collection[str], keep: Collection[str]) -> None:
+        for name in names:
+            if name in self.slot_of:
+                self.slot_of.move_to_end(name)
+        for name in names:
+            if name in self.slot_of:
+                continue
+            if len(self.slot_of) == self.max_loras:
+                idle = [n for n in self.slot_of if n not in names]  # least recently used first
+                victim = next((n for n in idle if n not in keep), idle[0])
+                self.evict(victim)
+            self.load(self.host.get(name))
+
+    def register(self, name: str, path: str) -> None:
+        """Serve another adapter (at runtime): read and checked now, a one-line
+        LoraAdapterError if it cannot be served; it takes a slot when a step needs it."""
+        with self.lock:
+            self.host.register({name: path})
+
+    def unload(self, name: str) -> None:
+        """Stop serving the adapter: out of its slot and the host tier (no request uses it)."""
+        with self.lock:
+            if name in self.slot_of:
+                self.evict(name)
+            self.host.unregister(name)
+
+    def residency(self) -> dict[str, list[str]]:
+        """EngineStats' lora_device_adapters and lora_host_adapters (each sorted)."""
+        return {
+            "lora_device_adapters": sorted(self.slot_of),
+            "lora_host_adapters": sorted(self.host.cached),
+        }
 
     @classmethod
     def from_engine_config(
         cls, engine_config: EngineConfig, config: ModelConfig, dtype: torch.dtype, device
     ) -> LoraSlots:
-        """The slots with every adapter of engine_config.lora_modules loaded (one-line refusal
-        for one that cannot be served)."""
-        slots = cls(config, engine_config.max_loras, engine_config.max_lora_rank, dtype, device)
+        """Every adapter of engine_config.lora_modules read and checked (one-line refusal for
+        one that cannot be served), the first max_cpu_loras kept in the host cache and the
+        first max_loras copied into the device's slots."""
+        rank = engine_config.max_lora_rank
+        stats = LoraLoadStats()
+        host = LoraHostCache(config, rank, engine_config.max_cpu_loras or engine_config.max_loras, stats)
+        slots = cls(config, engine_config.max_loras, rank, dtype, device, host)
         modules: Mapping[str, str] = engine_config.lora_modules or {}
-        for name, path in modules.items():
-            slots.load(load_peft_adapter(name, path, config, engine_config.max_lora_rank))
+        host.register(modules)
+        slots.acquire(list(modules)[: slots.max_loras])
         return slots

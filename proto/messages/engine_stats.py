@@ -61,10 +61,16 @@ class EngineStats(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # LoRA (engine/lora/; both 0 when off): the device's adapter slots and those holding an adapter.
     lora_slots: int = 0
     lora_slots_used: int = 0
-    # The adapters resident in the device's slots and in a host cache now (the router scores
-    # replicas by them: cluster/routing/adapter_affinity.py); none in a host cache yet.
+    # The adapters resident in the device's slots and in the host cache (max_cpu_loras) now;
+    # since start, by tier ("device": host -> slot copies, "host": reads from the adapter's
+    # directory), loads, evictions and load seconds, and the last loads' seconds (oldest first;
+    # the controller's histogram takes those past the loads it has seen).
     lora_device_adapters: list[str] = msgspec.field(default_factory=list)
     lora_host_adapters: list[str] = msgspec.field(default_factory=list)
+    lora_loads: dict[str, int] = msgspec.field(default_factory=dict)
+    lora_evictions: dict[str, int] = msgspec.field(default_factory=dict)
+    lora_load_seconds: dict[str, float] = msgspec.field(default_factory=dict)
+    lora_recent_load_seconds: dict[str, list[float]] = msgspec.field(default_factory=dict)
     num_timed_steps: int = 0
     step_forward_seconds: float = 0.0
     step_host_seconds: float = 0.0

@@ -30,6 +30,11 @@ def test_lora_flags_take_vllms_forms(capsys):
     vllm_json = parse("m", "--enable-lora", "--lora-modules", '{"name": "sql", "path": "/a/sql"}')
     assert vllm_json.lora_modules == {"sql": "/a/sql"}
     assert parse("m", "--enable-lora", "--max-lora-rank", "64").max_lora_rank == 64
+    # More adapters than slots: the host cache's size passes to every engine (unset: max_loras).
+    many = parse("m", "--enable-lora", "--lora-modules", "a=/a", "b=/b", "c=/c", "--max-loras", "1")
+    assert many.max_cpu_loras is None and engine_config_for(many, many.decode, "m")["max_cpu_loras"] is None
+    cached = parse("m", "--enable-lora", "--max-loras", "2", "--max-cpu-loras", "8")
+    assert all(engine_config_for(cached, pool, "m")["max_cpu_loras"] == 8 for pool in (cached.prefill, cached.decode))
     with pytest.raises(SystemExit):  # argparse's own error: the usage, then the line
         parse("m", "--enable-lora", "--lora-modules", "sql")
     assert "argument --lora-modules: expected NAME=PATH (an adapter's name and its directory), got 'sql'" in (
@@ -45,7 +50,7 @@ def test_lora_flags_take_vllms_forms(capsys):
     "argv, message",
     [
         (["--lora-modules", "sql=/a"], "lora_modules needs enable_lora (--enable-lora)"),
-        (["--enable-lora", "--lora-modules", "a=/a", "b=/b", "--max-loras", "1"], "2 LoRA adapters but max_loras=1"),
+        (["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1"], "max_cpu_loras=1 is below max_loras=2"),
         (["--enable-lora", "--lora-modules", "m=/a"], "LoRA adapter 'm': the name is already the served model's"),
         (["--enable-lora", "--tensor-parallel-size", "2", "--prefill-replicas", "0"], "tensor_parallel_size > 1"),
         (["--enable-lora", "--max-lora-rank", "0"], "--max-lora-rank: Input should be greater than or equal to 1"),

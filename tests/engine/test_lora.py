@@ -91,9 +91,6 @@ def test_each_adapter_alone_gives_transformers_peft_greedy_tokens(checkpoint, ex
     # The adapters change the output: the parity above is not the base's tokens compared with themselves.
     assert all(expected[name] != expected[None] for name in ADAPTERS)
     assert_baseline(engine)
-    # Its stats name the adapters its slots hold: what the router's adapter affinity reads.
-    stats = engine.stats()
-    assert stats.lora_device_adapters == sorted(ADAPTERS) and stats.lora_host_adapters == []
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -234,8 +231,8 @@ def test_adapters_the_engine_cannot_serve_are_refused_in_one_line_at_load(checkp
 def test_lora_settings_the_engine_cannot_serve_are_refused(checkpoint):
     base, adapters = checkpoint
     modules = {name: str(path) for name, path in adapters.items()}
-    with pytest.raises(ConfigError, match="4 LoRA adapters but max_loras=2: each needs a device slot"):
-        EngineConfig(model=str(base), enable_lora=True, lora_modules=modules, max_loras=2)
+    with pytest.raises(ConfigError, match="max_cpu_loras must be an integer >= max_loras=2, got 1"):
+        EngineConfig(model=str(base), enable_lora=True, lora_modules=modules, max_loras=2, max_cpu_loras=1)
     with pytest.raises(ConfigError, match="lora_modules needs enable_lora"):
         EngineConfig(model=str(base), lora_modules=modules)
     with pytest.raises(ConfigError, match="max_lora_rank must be an integer >= 1, got 0"):

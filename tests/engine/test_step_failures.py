@@ -248,22 +248,38 @@ def test_stop_interrupts_a_hung_step(tiny_model):
     assert_baseline(loop.final_stats())
 
 
-def test_a_hold_at_an_output_length_stops_the_steps_until_released(tiny_model):
-    """Armed to hold at 5 output tokens: the request gets no further than its 5th (6th with a
-    step already sampled under async scheduling) however long the test waits, and arming again
-    releases it to finish with every block back."""
+def wait_for_tokens(got: Collector, request_id: str, num: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(got.tokens(request_id)) < num:
+        assert time.monotonic() < deadline, f"{request_id} never reached {num} tokens"
+        time.sleep(0.01)
+
+
+def test_a_hold_at_an_output_length_waits_for_every_request_until_released(tiny_model):
+    """Armed to hold at 5 output tokens: the first request gets no further than its 5th (6th
+    with a step already sampled under async scheduling) however long the test waits. One
+    added later ends the held step to join, gets to its own 5th, and then both are held again
+    (the first only the few steps past 5 the newcomer needed); arming again releases both to
+    finish with every block back."""
     loop = EngineLoop(engine_for(tiny_model), name="t").start()
     got = Collector()
     loop.inject_faults(StepFaults(hold_at_output_tokens=5))
-    add(loop, got, "held", prompt(20, 1), 12)
+    add(loop, got, "first", prompt(20, 1), 24)
     wait_until_hung(loop)
-    deadline = time.monotonic() + 30  # the 5th token's output may be handed over beside the held step
-    while len(got.tokens("held")) < 5:
-        assert time.monotonic() < deadline, "the held request never reached 5 tokens"
+    wait_for_tokens(got, "first", 5)  # its 5th token's output may be handed over beside the held step
+    assert len(got.tokens("first")) <= 6 and not got.ended["first"].is_set()
+    add(loop, got, "late", prompt(20, 2), 24)
+    wait_for_tokens(got, "late", 5)
+    deadline = time.monotonic() + 30
+    while not loop.faults.holding:  # held again
+        assert time.monotonic() < deadline, "the steps were not held again"
         time.sleep(0.01)
-    assert len(got.tokens("held")) <= 6 and not got.ended["held"].is_set()
+    # Upper bounds the hold enforces: the join lets the held step, the steps until the one
+    # that takes it in, and its own 5 through, plus one for async scheduling.
+    assert len(got.tokens("late")) <= 6 and len(got.tokens("first")) <= 6 + 8
+    assert not got.ended["first"].is_set() and not got.ended["late"].is_set()
     loop.inject_faults(StepFaults())  # released
-    got.wait("held")
-    assert len(got.tokens("held")) == 12 and "held" not in got.errors
+    got.wait("first", "late")
+    assert len(got.tokens("first")) == len(got.tokens("late")) == 24 and not got.errors
     loop.stop()
     assert_baseline(loop.final_stats())

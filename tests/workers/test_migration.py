@@ -24,13 +24,13 @@ from tests.helpers.cluster import LoopHttpServer, cluster_config, serving_backen
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 pb2, pb2_grpc = load_stubs()
-KILL_AFTER = 6  # tokens every client has received when the replica dies
+# Tokens every client has received when the replica dies. A decode replica holds its steps
+# (until released) once every stream there has this many tokens, and a stream joining it ends
+# a held step (it catches up, then the steps hold again): whatever the machine's pace, every
+# stream reaches the kill point and none can finish on the victim before it dies. The
+# survivors are released right after the kill.
+KILL_AFTER = 5
 MAX_TOKENS = 60
-STEP_HOLD_S = 0.05  # each decode step held this long: the streams reach the kill point together
-# A decode replica holds its steps (until released) once a stream there is this close to its
-# end: whatever the machine's stalls between the kill point and the kill, the victim still has
-# its streams when it dies. The survivors are released right after the kill.
-HOLD_AT = MAX_TOKENS - 2
 PROMPTS = [[(11 * i + 17 * s) % 380 + 20 for i in range(24 + s)] for s in range(7)]
 HTTP_CASES = [  # (prompt index, the request's sampling fields)
     (0, {"temperature": 0}),
@@ -149,10 +149,10 @@ def assert_same(got: dict, want: dict) -> None:
     assert (got["finish"], got["usage"]) == (want["finish"], want["usage"])
 
 
-def hold_decode_steps(cluster, hold_s: float, killed: str | None = None, hold_at: int = 0) -> None:
+def hold_decode_steps(cluster, hold_at: int, killed: str | None = None) -> None:
+    """Arm every live decode replica but `killed` to hold at hold_at output tokens (0 releases)."""
     handles = [r.handle for r in cluster.decode_pool.live_replicas() if r.replica_id != killed]
-    faults = {"hang_s": hold_s, "hang_steps": 10**9, "hold_at_output_tokens": hold_at}
-    ray.get([h.inject_fault.remote(**faults) for h in handles], timeout=10)
+    ray.get([h.inject_fault.remote(hold_at_output_tokens=hold_at) for h in handles], timeout=10)
 
 
 def gap_count_and_sum(backend) -> tuple[float, float]:
@@ -170,7 +170,7 @@ def kill_busiest_decode(cluster, kill: KillPoint) -> str:
     inflight = list(cluster.dispatcher.inflight.values())
     victim_id = max(set(inflight), key=inflight.count)
     ray.kill(cluster.decode_pool.get(victim_id).handle)
-    hold_decode_steps(cluster, 0.0, killed=victim_id)  # the survivors go on (the moved streams too)
+    hold_decode_steps(cluster, 0, killed=victim_id)  # the survivors go on (the moved streams too)
     kill.killed.set()
     return victim_id
 
@@ -180,7 +180,7 @@ def test_streams_survive_their_decode_replica(loop, cluster, backend, client, st
     assert all(r["usage"] == (len(PROMPTS[i]), MAX_TOKENS) for r, (i, _) in zip(references, HTTP_CASES + GRPC_CASES))
     moved = backend.metrics.migrations.total.labels(DECODE, "channel_closed")._value.get()
     gaps_before = gap_count_and_sum(backend)
-    hold_decode_steps(cluster, STEP_HOLD_S, hold_at=HOLD_AT)
+    hold_decode_steps(cluster, KILL_AFTER)
     kill = KillPoint(len(references))
     with ThreadPoolExecutor(1) as killer:
         victim = killer.submit(kill_busiest_decode, cluster, kill)
@@ -193,7 +193,7 @@ def test_streams_survive_their_decode_replica(loop, cluster, backend, client, st
     gaps = gap_count_and_sum(backend)  # one gap per move, each the client's real wait
     assert gaps[0] == gaps_before[0] + num_moved and gaps[1] > gaps_before[1]
     print(f"killed {victim_id} after {KILL_AFTER} tokens: {num_moved:.0f} of {len(answers)} streams moved")
-    hold_decode_steps(cluster, 0.0, killed=victim_id)
+    hold_decode_steps(cluster, 0, killed=victim_id)
     wait_until(lambda: victim_id not in cluster.router.replica_ids(DECODE), 10, "the dead replica is still routed")
     wait_until(lambda: victim_id not in live_decode_ids(cluster), 60, "the dead replica is still in its pool")
     wait_for_baseline(loop, cluster)
@@ -201,7 +201,7 @@ def test_streams_survive_their_decode_replica(loop, cluster, backend, client, st
 
 def test_a_stream_opted_out_of_migration_fails_with_its_replica(loop, cluster, backend, client):
     wait_until(lambda: cluster.live_replicas(DECODE) == 2, 120, "the decode pool was not refilled", 0.2)
-    hold_decode_steps(cluster, STEP_HOLD_S, hold_at=HOLD_AT)
+    hold_decode_steps(cluster, KILL_AFTER)
     refused = backend.metrics.migrations.refusals.labels("disabled")._value.get()
     kill = KillPoint(1)
     with ThreadPoolExecutor(1) as killer:
@@ -210,28 +210,28 @@ def test_a_stream_opted_out_of_migration_fails_with_its_replica(loop, cluster, b
             http_answer(client, backend.model_name, 0, {"temperature": 0, "extra_body": {"migration": False}}, kill)
         victim_id = victim.result(timeout=10)
     assert backend.metrics.migrations.refusals.labels("disabled")._value.get() == refused + 1
-    hold_decode_steps(cluster, 0.0, killed=victim_id)
+    hold_decode_steps(cluster, 0, killed=victim_id)
     wait_until(lambda: cluster.live_replicas(DECODE) == 2, 120, "the decode pool was not refilled", 0.2)
     wait_for_baseline(loop, cluster)
 
 
 def test_a_drained_replica_hands_its_streams_to_the_other(loop, cluster, backend, client, stub):
     """migration.migrate_after_s 0: the busiest decode replica is drained (as a scale-down
-    does) once every client has its 6th token; its streams go on from the other replica, every
+    does) once every client has its KILL_AFTER-th token; its streams go on from the other replica, every
     answer equal to its undisturbed reference, none failed, each move counted as a drain, and
     the drained replica removed with every pool back at baseline."""
     wait_until(lambda: cluster.live_replicas(DECODE) == 2, 120, "the decode pool was not refilled", 0.2)
     references = all_answers(client, stub, backend.model_name, None)
     drains = backend.metrics.migrations.total.labels(DECODE, "drain")
     before = drains._value.get()
-    hold_decode_steps(cluster, STEP_HOLD_S, hold_at=HOLD_AT)
+    hold_decode_steps(cluster, KILL_AFTER)
     kill, outcome = KillPoint(len(references)), {}
 
     def drain_busiest() -> None:
         kill.reached.wait(120)
         inflight = list(cluster.dispatcher.inflight.values())
         victim = outcome["victim"] = max(set(inflight), key=inflight.count)
-        hold_decode_steps(cluster, 0.0, killed=victim)  # the other replica goes on
+        hold_decode_steps(cluster, 0, killed=victim)  # the other replica goes on
         kill.killed.set()
         with ThreadPoolExecutor(1) as drainer:
             drained = drainer.submit(loop.run, cluster.drain_replica(DECODE, victim, 120), 150)
