@@ -346,8 +346,10 @@ class ServeConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_model_routes(self) -> ServeConfig:
-        """A route or alias naming a model that is not served is a startup error naming both."""
-        check_model_routes(self.served_model_names(), self.aliases, self.model_routes)
+        """A route or alias naming a model (or LoRA adapter) that is not served is a startup
+        error naming both."""
+        adapters = set(self.lora_modules) if self.enable_lora else set()
+        check_model_routes(self.served_model_names() | adapters, self.aliases, self.model_routes)
         return self
 
     def served_model_names(self) -> set[str]:

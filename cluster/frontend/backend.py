@@ -313,6 +313,10 @@ class ServingBackend:
     # ---- metrics plumbing ----------------------------------------------------------------
     def _on_route(self, decision) -> None:
         self.metrics.router_decisions.labels(decision.reason).inc()
+        for pool, hit in decision.adapter_hits:
+            self.metrics.router_lora_routes.labels(pool).inc()
+            if hit:
+                self.metrics.router_lora_adapter_hits.labels(pool).inc()
 
     async def render_metrics(self) -> bytes:
         """The deployment's /metrics: every ingress's samples merged with the controller's

@@ -62,6 +62,15 @@ class Metrics:
         self.prompt_tokens = f.counter("splitserve_prompt_tokens", "Prompt tokens received")
         self.generation_tokens = f.counter("splitserve_generation_tokens", "Tokens generated")
         self.router_decisions = f.counter("splitserve_router_decisions", "Router decisions by reason", "reason")
+        # The adapter-hit share: hits / routes, per pool (routing/adapter_affinity.py).
+        self.router_lora_routes = f.counter(
+            "splitserve_router_lora_routes", "LoRA requests routed, by the pool of the replica picked", "pool"
+        )
+        self.router_lora_adapter_hits = f.counter(
+            "splitserve_router_lora_adapter_hits",
+            "LoRA requests routed to a replica whose last report had their adapter in its device slots",
+            "pool",
+        )
         self.lora_requests = f.counter(
             "splitserve_lora_requests", "Requests for a LoRA adapter, by the adapter's name", "adapter"
         )

@@ -67,6 +67,10 @@ class ModelCatalog:
         """The adapter a request for `name` runs with (None: a model, alias or route)."""
         return name if name in self._adapters else None
 
+    def adapters(self) -> list[str]:
+        """The LoRA adapters' names, in registration order."""
+        return list(self._adapters)
+
     def parent(self, name: str) -> str | None:
         """The base model of a LoRA adapter (None for anything else): /v1/models' `parent`."""
         return self._adapters.get(name)

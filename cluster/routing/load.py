@@ -23,6 +23,11 @@ class LoadReport:
     num_running: int = 0  # requests in the running batch
     kv_usage: float = 0.0  # fraction of KV blocks in use, 0..1
     num_waiting: int = 0  # requests queued, not yet running
+    # LoRA (0 / empty where the replica serves none): its device adapter slots, and the
+    # adapters in them and in its host cache (routing/adapter_affinity.py scores them).
+    lora_slots: int = 0
+    device_adapters: frozenset[str] = frozenset()
+    host_adapters: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if min(self.queued_prefill_tokens, self.num_running, self.num_waiting) < 0:
@@ -40,6 +45,9 @@ class LoadReport:
             num_running=max(engine.num_running, poll.num_active),
             kv_usage=engine.kv_usage,
             num_waiting=engine.num_waiting,
+            lora_slots=engine.lora_slots,
+            device_adapters=frozenset(engine.lora_device_adapters),
+            host_adapters=frozenset(engine.lora_host_adapters),
         )
 
 
@@ -52,12 +60,15 @@ class ReplicaLoad:
     pending_requests: int = 0  # requests routed here since the last report
     updated_at: float = field(default_factory=time.monotonic)
     report_epoch: int = 0  # reports received: a claim made before the last one is covered by it
+    # LoRA adapters routed here since the last report: resident by the time they are served.
+    routed_adapters: set[str] = field(default_factory=set)
 
     def update(self, report: LoadReport) -> None:
         """Replace the load with a fresh report from the replica; forget pending counts."""
         self.report = report
         self.pending_tokens = 0
         self.pending_requests = 0
+        self.routed_adapters.clear()
         self.report_epoch += 1
         self.updated_at = time.monotonic()
 

@@ -12,6 +12,7 @@ recomputed to get the first logits), in token-equivalents, lowest wins:
           + (P - cached)                       # work left: tokens to prefill / to transfer
           - prefix_weight  * cached            # credit for reuse
           [+ kv_usage_weight * kv_usage]       # decode pool only: room for the new sequence
+          [+ adapter_cost(r)]                  # a LoRA request: its adapter's load (adapter_affinity.py)
 
 where cached = device_cached + host_hit_weight * host_cached: blocks in a replica's host KV
 tier (kv_offloading_size) extend its device prefix at a discount, as loading them back costs
@@ -38,6 +39,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from splitserve.cluster.routing.adapter_affinity import AdapterHits
 from splitserve.cluster.routing.batch_headroom import BatchHeadroom
 from splitserve.cluster.routing.index import KVIndex
 from splitserve.cluster.routing.load import LoadReport, PendingClaim, ReplicaLoad
@@ -90,6 +92,9 @@ class RouteDecision:
     # Of the cached tokens above, those in the replica's host tier (loaded back, not recomputed).
     prefill_host_cached_tokens: int = 0
     decode_host_cached_tokens: int = 0
+    # A LoRA request: per pool routed to, whether that replica reported its adapter in its
+    # device slots (the adapter-hit share's samples; empty for the base model).
+    adapter_hits: tuple[tuple[str, bool], ...] = ()
 
     @property
     def local_prefill(self) -> bool:
@@ -141,6 +146,7 @@ class Router:
         self._selector = selector
         self._selectors: dict[str, WorkerSelector] = {}  # by policy, so a new config's policy applies
         self._decisions: Counter[str] = Counter()
+        self._adapter_hits = AdapterHits()
 
     @property
     def selector(self) -> WorkerSelector:
@@ -212,6 +218,11 @@ class Router:
         headroom = BatchHeadroom(max_kv_usage, max_running)
         return {rid for rid, load in self._loads[pool].items() if not headroom.admits(load)}
 
+    def adapter_hit_counts(self) -> dict[str, tuple[int, int]]:
+        """pool -> (LoRA requests routed, those sent to a replica whose last report had their
+        adapter in its device slots): the adapter-hit share's numerator and denominator."""
+        return {pool: self._adapter_hits.counts(pool) for pool in POOLS}
+
     def decision_counts(self) -> dict[str, int]:
         """Decisions so far by reason (for the "router decisions by reason" counter)."""
         return dict(self._decisions)
@@ -244,7 +255,7 @@ class Router:
                 raise NoHeadroomError(DECODE)
         prefill_cands = self._candidates(PREFILL, exclude_prefill)
         selector = self.selector
-        picked = selector.select(self._view(DECODE, decode_cands), hashes, num_tokens)
+        picked = selector.select(self._view(DECODE, decode_cands, lora_adapter), hashes, num_tokens)
         decode, decode_cached, decode_host = picked.replica, picked.cached_tokens, picked.host_tokens
         remainder = num_tokens - decode_cached
         if remainder < self.config.local_prefill_threshold or not prefill_cands:
@@ -255,17 +266,19 @@ class Router:
             else:
                 reason = "local-prefill"
             claims: tuple[PendingClaim, ...] = (decode.add_pending(remainder),)
+            hits = self._adapter_hits.note(lora_adapter, (DECODE, decode))
             return self._decide(
-                None, decode, num_tokens, (0, 0), (decode_cached, decode_host), 0, reason, hashes, claims
+                None, decode, num_tokens, (0, 0), (decode_cached, decode_host), 0, reason, hashes, claims, hits
             )
 
-        picked = selector.select(self._view(PREFILL, prefill_cands), hashes, num_tokens)
+        picked = selector.select(self._view(PREFILL, prefill_cands, lora_adapter), hashes, num_tokens)
         prefill, prefill_cached, reason = picked.replica, picked.cached_tokens, picked.reason
         prefill_host = picked.host_tokens
         claims = (
             prefill.add_pending(num_tokens - prefill_cached),
             decode.add_pending(0),  # a new sequence on decode; its prompt is prefilled elsewhere
         )
+        hits = self._adapter_hits.note(lora_adapter, (PREFILL, prefill), (DECODE, decode))
         return self._decide(
             prefill,
             decode,
@@ -276,6 +289,7 @@ class Router:
             reason,
             hashes,
             claims,
+            hits,
         )
 
     def _prompt_hashes(
@@ -310,9 +324,10 @@ class Router:
         excluded = set(exclude)
         return [load for rid, load in self._loads[pool].items() if not load.draining and rid not in excluded]
 
-    def _view(self, pool: str, cands: list[ReplicaLoad]) -> PoolView:
+    def _view(self, pool: str, cands: list[ReplicaLoad], lora_adapter: str | None) -> PoolView:
         kv_usage_weight = self.kv_usage_weight if pool == DECODE else 0.0
-        return PoolView(pool, cands, self._indexes[pool], len(self._loads[pool]), kv_usage_weight, self.config)
+        num_registered = len(self._loads[pool])
+        return PoolView(pool, cands, self._indexes[pool], num_registered, kv_usage_weight, self.config, lora_adapter)
 
     def _decide(
         self,
@@ -325,6 +340,7 @@ class Router:
         reason: str,
         hashes: tuple[int, ...],
         claims: tuple[PendingClaim, ...],
+        adapter_hits: tuple[tuple[str, bool], ...] = (),
     ) -> RouteDecision:
         self._decisions[reason] += 1
         return RouteDecision(
@@ -339,6 +355,7 @@ class Router:
             claims=claims,
             prefill_host_cached_tokens=prefill_cached[1],
             decode_host_cached_tokens=decode_cached[1],
+            adapter_hits=adapter_hits,
         )
 
     def _pool(self, pool: str) -> dict[Hashable, ReplicaLoad]:

@@ -10,6 +10,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 RouterPolicy = Literal["kv", "round-robin", "least-loaded", "random"]
 ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)
+# A LoRA adapter's load in prefill tokens, measured on CPU (bench/results/lora_load_cost.md:
+# rank 16 on every target of an 8-layer, 512-wide model): from its checkpoint to a device
+# slot, and from the host to a slot.
+ADAPTER_LOAD_TOKENS = 8.4
+ADAPTER_HOST_LOAD_TOKENS = 3.7
 
 
 class RouterConfig(BaseModel):
@@ -30,3 +35,10 @@ class RouterConfig(BaseModel):
     local_prefill_threshold: int = Field(32, ge=0)
     """Conditional disaggregation: when fewer uncached prompt tokens than this remain on the
     chosen decode replica, it prefills them itself and no KV moves."""
+    adapter_load_tokens: float = Field(ADAPTER_LOAD_TOKENS, ge=0)
+    """kv policy: the cost of a LoRA adapter a replica holds in neither its device slots nor
+    its host cache (read from its checkpoint, then copied to a slot), in prefill tokens: load
+    seconds / prefill seconds per token, measured in bench/results/lora_load_cost.md."""
+    adapter_host_load_tokens: float = Field(ADAPTER_HOST_LOAD_TOKENS, ge=0)
+    """kv policy: the cost of an adapter in a replica's host cache (copied to a device slot),
+    and of evicting one from full slots; in prefill tokens, measured as above."""

@@ -19,6 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from splitserve.cluster.routing.adapter_affinity import adapter_cost
 from splitserve.cluster.routing.index import KVIndex
 from splitserve.cluster.routing.load import ReplicaLoad
 from splitserve.cluster.routing.router_config import RouterConfig, RouterPolicy
@@ -36,6 +37,7 @@ class PoolView:
     num_registered: int  # replicas in the pool, candidates or not
     kv_usage_weight: float  # the cost of a full KV cache (0 where it does not count: prefill)
     config: RouterConfig  # the router's current weights
+    lora_adapter: str | None = None  # the request's adapter (None: the base model)
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,8 @@ def _load_cost(view: PoolView, load: ReplicaLoad) -> float:
 
 
 class KVSelector(WorkerSelector):
-    """Lowest cost: load + work left - credit for the cached prefix; ties broken by rng. A prefix
+    """Lowest cost: load + work left - credit for the cached prefix + loading the request's LoRA
+    adapter where it is not in the device slots (adapter_affinity.py); ties broken by rng. A prefix
     block in a replica's host KV tier is credited at `host_hit_weight` of a device block (it is
     loaded back, not recomputed, but the load costs something), so device hit > host hit > miss."""
 
@@ -88,6 +91,7 @@ class KVSelector(WorkerSelector):
             cached = min(either.get(rid, 0) * bs, max_cached) if either else 0
             credited = on_device + hw * (cached - on_device)
             cost = _load_cost(view, load) + (num_tokens - credited) - pw * credited
+            cost += adapter_cost(load, view.lora_adapter, view.config)
             if cost < best_cost - TIE_EPSILON:
                 best_cost = cost
                 ties = [(load, cached, cached - on_device)]

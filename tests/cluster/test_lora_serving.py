@@ -5,8 +5,9 @@ under the official `openai` client, colocated (decode prefills its prompts) and 
 `parent`; each adapter, selected by its name as `model`, gives transformers + peft's greedy
 tokens over completions and chat; concurrent requests mixing the adapters and the base each
 equal their solo run; one gRPC request by adapter name gives the same tokens; an unknown name
-stays 404; the block pools are back to baseline after; /metrics counts each adapter's requests
-and every replica's slots in use."""
+stays 404; the block pools are back to baseline after; /metrics counts each adapter's requests,
+every replica's slots in use, and the router's adapter hits (the replicas' reported adapters
+reach the router with their KV events)."""
 
 from __future__ import annotations
 
@@ -141,5 +142,11 @@ def test_adapters_served_by_name_give_peft_tokens_alone_and_mixed(checkpoint, tm
         assert counted == {"sql": 4, "mlp": 3, "qv": 4}
         slots = {s.labels["pool"]: s.value for s in samples["splitserve_lora_slots_in_use"]}
         assert slots == ({"decode": 3} if path == "colocated" else {"prefill": 3, "decode": 3})
+        # The router's adapter-hit share: every LoRA request routed, per pool it was routed to,
+        # found its adapter in the replica's reported device slots (every adapter holds a slot).
+        pools = ["decode"] if path == "colocated" else ["prefill", "decode"]
+        for name in ("splitserve_router_lora_routes", "splitserve_router_lora_adapter_hits"):
+            by_pool = {s.labels["pool"]: s.value for s in samples[name] if s.name.endswith("_total")}
+            assert by_pool == dict.fromkeys(pools, sum(counted.values())), name
     finally:
         assert proc.stop() == 0, proc.log_path.read_text()[-3000:]

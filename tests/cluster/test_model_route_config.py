@@ -68,3 +68,20 @@ def test_aliases_and_routes_naming_the_served_model_validate():
 def test_a_route_or_alias_naming_a_missing_model_is_a_startup_error(extra, message):
     with pytest.raises(ValidationError, match=message):
         config(**extra)
+
+
+def test_an_alias_or_route_may_target_a_served_lora_adapter():
+    lora = {"enable_lora": True, "lora_modules": {"sql": "/adapters/sql"}}
+    cfg = config(
+        **lora,
+        aliases={"sql-stable": "sql", "canary": {"m": 1, "sql": 1}},
+        model_routes=[
+            {"name": "auto", "policy": "rules", "default": "m", "rules": [{"target": "sql", "header": "X-Sql"}]}
+        ],
+    )
+    assert alias_weights(cfg.aliases["canary"]) == {"m": 1, "sql": 1}
+    with pytest.raises(ValidationError, match="alias 'sql' is already a served model's name"):
+        config(**lora, aliases={"sql": "m"})
+    # Without LoRA served the adapter name is no model.
+    with pytest.raises(ValidationError, match="alias 'sql-stable' names model 'sql', which is not served"):
+        config(aliases={"sql-stable": "sql"})

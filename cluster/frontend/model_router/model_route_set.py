@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from splitserve.cluster.frontend.model_router.adapter_target import AdapterTarget
 from splitserve.cluster.frontend.model_router.cascade_route import CascadeRoute
 from splitserve.cluster.frontend.model_router.model_route_metrics import ModelRouteMetrics
 from splitserve.cluster.frontend.model_router.routed_model import RoutedModel
@@ -23,8 +24,8 @@ def build_model_routes(
     metrics: ModelRouteMetrics,
     rng: random.Random | None = None,
 ) -> dict[str, RoutedModel]:
-    """name -> RoutedModel for cfg.aliases and cfg.model_routes. served: served model id -> its
-    ServingAPI (ServingBackend) in this ingress; metrics: one per ingress registry.
+    """name -> RoutedModel for cfg.aliases and cfg.model_routes. served: served model id (or
+    LoRA adapter name) -> its ServingAPI (ServingBackend, AdapterTarget) in this ingress; metrics: one per ingress registry.
     ValueError (a startup error) when a scorer cannot be loaded or models differ in tokenizer."""
     built: dict[str, RoutedModel] = {}
     for name, target in aliases.items():
@@ -41,6 +42,8 @@ def register_model_routes(catalog: Any, cfg: Any, registry: Any) -> None:
     if not cfg.aliases and not cfg.model_routes:
         return
     served = {name: api for name, api in catalog.items()}
+    for adapter in catalog.adapters():  # a LoRA adapter is a target too, on its base model
+        served[adapter] = AdapterTarget(catalog.resolve(adapter), adapter)
     metrics = ModelRouteMetrics(registry)
     for name, routed in build_model_routes(cfg.aliases, cfg.model_routes, served, metrics).items():
         catalog.register(name, routed, routed=True)
