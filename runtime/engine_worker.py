@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +41,7 @@ from splitserve.proto.messages.kv_events import KVEvent
 from splitserve.proto.messages.poll_reply import PollReply, ReplicaStatus, TransferTotals
 from splitserve.proto.messages.request_channel import Submit
 from splitserve.runtime.replica_channel_server import IngressConnection, ReplicaChannelServer
+from splitserve.runtime.sigterm_drain import SigtermDrain
 from splitserve.runtime.state_publisher import StatePublisher
 from splitserve.runtime.tp_rank_actor import launch_rank_actors
 from splitserve.runtime.worker_config import WorkerConfig
@@ -76,6 +78,9 @@ class EngineWorker:
         self._channel: ReplicaChannelServer | None = None
         self._channel_lock = asyncio.Lock()
         self.event_loop: asyncio.AbstractEventLoop | None = None
+        self._last_state: PollReply | None = None
+        self.sigterm = SigtermDrain(replica_id, self._on_sigterm)
+        self.sigterm.install()
 
     def start_loop(self, layer_hook: LayerHookFactory | None = None, after_step=None, flush_outputs=None) -> None:
         """Start the engine thread; a subclass calls it once its own state (which the hooks
@@ -140,13 +145,22 @@ class EngineWorker:
             stats, num_pinned = await asyncio.wrap_future(self.loop.call(collect))
         except EngineLoopStopped:
             return await self._stopped_reply()
-        return PollReply(
+        self._last_state = PollReply(
             events=[],
             engine=stats,
             num_pinned=num_pinned,
             num_active=self.num_active,
             transfer=self.transfer_totals(),
+            terminating=self.sigterm.requested,
         )
+        return self._last_state
+
+    def _on_sigterm(self) -> None:
+        """The first SIGTERM (signal handler's thread): the controller hears of it at once,
+        from the last state read, without waiting for the engine loop (a long step)."""
+        if self.event_loop is not None and self._last_state is not None:
+            state = msgspec.structs.replace(self._last_state, terminating=True)
+            self.event_loop.call_soon_threadsafe(self.publisher.push_state_now, state)
 
     def events_after(self, since_seq: int | None) -> list[KVEvent]:
         if since_seq is None or not self.events or self.events[-1].seq <= since_seq:
@@ -181,6 +195,10 @@ class EngineWorker:
         for one that fell behind). Each call sets every fault (what it does not name is off)."""
         self.loop.inject_faults(StepFaults(**step_faults))
         self.publisher.frames_to_skip = skip_state_frames
+
+    async def process_id(self) -> int:
+        """The worker process's pid (operators and tests signal it: runtime/sigterm_drain.py)."""
+        return os.getpid()
 
     async def shutdown(self) -> None:
         await self.publisher.stop()

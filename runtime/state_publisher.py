@@ -119,6 +119,14 @@ class StatePublisher:
             self._last, self._last_at = state, now
         return state
 
+    def push_state_now(self, state: PollReply) -> None:
+        """Load and health to every subscriber without events at once, without reading the
+        engine (a SIGTERM'd replica tells the controller while a step may hold its loop)."""
+        frame = encode_frame(ReplicaState(self.seq, state))
+        for conn in list(self.state_subscribers):
+            if not conn.closed and conn.subscribed and not conn.send_state(frame):
+                self.num_skipped += 1
+
     def _push_state_only(self, state: PollReply, now: float) -> None:
         """Load and health to each subscriber without events whose interval is up."""
         frame = None

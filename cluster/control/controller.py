@@ -57,7 +57,7 @@ class PoolEvent:
     at: float  # monotonic seconds
     pool: str
     replica_id: str
-    what: str  # "starting" (a replacement) | "started" | "start-failed" | "lost" | "adopted" | "drained"
+    what: str  # "starting" (a replacement) | "started" | "start-failed" | "lost" | "adopted" | "sigterm" | "drained"
     detail: str = ""
     backoff_s: float = 0.0  # start-failed / lost: the pool's wait before its next start
 
@@ -245,16 +245,18 @@ class Controller:
         await self.wait_applied(self.version, timeout_s=5.0)
         return replicas
 
-    async def drain_replica(self, pool: str, replica_id: str, timeout_s: float = 120.0) -> bool:
+    async def drain_replica(self, pool: str, replica_id: str, timeout_s: float = 120.0, replace: bool = False) -> bool:
         """Stop routing to a replica, wait until every live ingress routes by that view and
         has nothing in flight there and the replica is idle, then remove it. Returns False
         if requests were still in flight at the timeout (it is removed anyway). Lowers the
-        pool's target: the replica is not replaced."""
+        pool's target (the replica is not replaced), unless replace (a SIGTERM'd replica:
+        its replacement starts once it is gone)."""
         replica = self.pools[pool].get(replica_id)
         if replica is None:
             return True
         if not replica.draining:
-            self.targets[pool] = max(self.targets[pool] - 1, 0)
+            if not replace:
+                self.targets[pool] = max(self.targets[pool] - 1, 0)
             self.roster.set_draining(replica)
         marked = self.version
         deadline = self.clock() + timeout_s
@@ -361,6 +363,11 @@ class Controller:
             self.roster.forget(pool, replica.replica_id, kill=result.kill)
             self.events.append(PoolEvent(now, pool, replica.replica_id, "lost", result.reason, delay))
         elif result.reply is not None:
+            if result.reply.terminating and not replica.draining:
+                logger.warning("%s replica %s got SIGTERM; draining it", pool, replica.replica_id)
+                self.events.append(PoolEvent(now, pool, replica.replica_id, "sigterm"))
+                self.roster.set_draining(replica)  # now, so the next probe does not drain it again
+                self.roster.spawn(self.drain_replica(pool, replica.replica_id, replace=True))
             self.loads.update(pool, replica.replica_id, LoadReport.from_poll(result.reply))
             self.metrics.observe_poll(pool, replica.replica_id, result.reply)
             self.backoff[pool].record_healthy(replica.ready_at, now)

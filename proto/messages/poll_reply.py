@@ -16,7 +16,7 @@ from splitserve.proto.messages.codec import MessageCodec
 from splitserve.proto.messages.engine_stats import EngineStats
 from splitserve.proto.messages.kv_events import KVEvent
 
-POLL_VERSION = 3  # 2: status and error; 3: KV events carry their tier, host-tier stats
+POLL_VERSION = 4  # 2: status and error; 3: KV events carry their tier, host-tier stats; 4: terminating
 _codec = MessageCodec(POLL_VERSION)
 
 
@@ -46,6 +46,8 @@ class PollReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     transfer: TransferTotals
     status: ReplicaStatus = ReplicaStatus.SERVING
     error: str = ""  # why the replica stopped serving ("" while it serves)
+    # Its worker process got SIGTERM (runtime/sigterm_drain.py): the controller drains it.
+    terminating: bool = False
 
     @property
     def is_serving(self) -> bool:

@@ -8,6 +8,8 @@ stream fails as before. Afterwards every pool is back to baseline (prefill pins 
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -248,4 +250,56 @@ def test_a_drained_replica_hands_its_streams_to_the_other(loop, cluster, backend
         assert_same(got, want)
     assert outcome["drained"] is True and drains._value.get() > before
     assert outcome["victim"] not in live_decode_ids(cluster)
+    wait_for_baseline(loop, cluster)
+
+
+def process_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_sigterm_on_a_decode_worker_moves_its_streams(loop, cluster, backend, client, stub):
+    """SIGTERM on the busiest decode replica's worker process (what Kubernetes sends a deleted
+    pod's processes) once every client has its KILL_AFTER-th token: the controller drains it
+    (migrate_after_s 0), its streams go on from the other replica, every answer equal to its
+    undisturbed reference and none failed, each move counted as a drain; the replica is
+    replaced (the pool is back at 2), its process has exited, and every pool is at baseline."""
+    if cluster.live_replicas(DECODE) < 2:  # the drain test before this one removed one for good
+        loop.run(cluster.add_replicas(DECODE, 2 - cluster.live_replicas(DECODE)), 180)
+    wait_until(lambda: cluster.live_replicas(DECODE) == 2, 120, "the decode pool was not refilled", 0.2)
+    references = all_answers(client, stub, backend.model_name, None)
+    drains = backend.metrics.migrations.total.labels(DECODE, "drain")
+    before = drains._value.get()
+    hold_decode_steps(cluster, KILL_AFTER)
+    kill, outcome = KillPoint(len(references)), {}
+
+    def sigterm_busiest() -> None:
+        kill.reached.wait(120)
+        inflight = list(cluster.dispatcher.inflight.values())
+        victim = outcome["victim"] = max(set(inflight), key=inflight.count)
+        handle = cluster.decode_pool.get(victim).handle
+        pid = outcome["pid"] = ray.get(handle.process_id.remote(), timeout=10)
+        hold_decode_steps(cluster, 0, killed=victim)  # the other replica goes on
+        kill.killed.set()
+        os.kill(pid, signal.SIGTERM)
+        # Its streams are handed off while its steps are still held: none could finish there.
+        wait_until(lambda: drains._value.get() == before + inflight.count(victim), 60, "no stream handed off")
+        try:
+            ray.get(handle.inject_fault.remote(), timeout=10)  # released, if not removed already
+        except ray.exceptions.RayActorError:
+            pass
+
+    with ThreadPoolExecutor(1) as background:
+        signalling = background.submit(sigterm_busiest)
+        answers = all_answers(client, stub, backend.model_name, kill)
+        signalling.result(timeout=180)
+    for got, want in zip(answers, references):
+        assert_same(got, want)
+    assert drains._value.get() > before
+    wait_until(lambda: outcome["victim"] not in live_decode_ids(cluster), 60, "the SIGTERM'd replica is still there")
+    wait_until(lambda: process_gone(outcome["pid"]), 60, "the SIGTERM'd worker process did not exit")
+    wait_until(lambda: cluster.live_replicas(DECODE) == 2, 120, "the SIGTERM'd replica was not replaced", 0.2)
     wait_for_baseline(loop, cluster)
