@@ -84,7 +84,16 @@ def test_poll_reply_events_are_typed_and_the_wire_is_compact():
     assert raw["v"] == POLL_VERSION and raw["kind"] == "poll_reply"
     assert raw["body"]["events"][0] == [1, "stored", [1, 2**64 - 1], "device"]  # an event is an array
     # Every field is present for both pools.
-    assert set(raw["body"]) == {"events", "engine", "num_pinned", "num_active", "transfer", "status", "error", "terminating"}
+    assert set(raw["body"]) == {
+        "events",
+        "engine",
+        "num_pinned",
+        "num_active",
+        "transfer",
+        "status",
+        "error",
+        "terminating",
+    }
     assert raw["body"]["status"] == "serving" and poll.is_serving and raw["body"]["terminating"] is False
     assert not poll.is_idle  # running, waiting and pinned
     idle_stats = msgspec.structs.replace(STATS, num_running=0, num_waiting=0)
