@@ -58,7 +58,7 @@ class LoraAdapterControl:
         taken = {cfg.model_id, *cfg.aliases, *(route.name for route in cfg.model_routes)}
         if name in taken:
             return f"LoRA adapter {name!r}: the name is already a served model, alias or route's"
-        if name in self.controller.pools[DECODE].engine_config.get("lora_modules") or {}:
+        if name in (self.controller.pools[DECODE].engine_config.get("lora_modules") or {}):
             return f"LoRA adapter {name!r} is already loaded"
         return None
 

@@ -1,6 +1,6 @@
 """Unloading a LoRA adapter that a request is using, on real replicas (local Ray, CPU, 1P+1D,
 every prompt prefilled remotely), through the controller (cluster/control/lora_adapter_control.py):
-the policy is to wait. With decode slowed so the request is still running, an unload whose
+the policy is to wait. The deployment starts with no adapter and loads it at runtime. With decode slowed so the request is still running, an unload whose
 timeout passes first is 409: the adapter is served again on every replica and in the ingress's
 view, and the request finishes with transformers + peft's tokens. An unload that may wait
 returns once the request finished (with peft's tokens, never failed), and then the adapter is
@@ -28,10 +28,12 @@ HANG_S = 0.4  # each decode step: the request stays in flight for seconds
 def test_unload_waits_for_the_adapters_request_or_gives_up_with_409(ray_cluster, loop, checkpoint):
     base, adapters, expected = checkpoint
     modules = {"sql": str(adapters["sql"])}
-    cfg = cluster_config(str(base), enable_lora=True, lora_modules=modules, max_loras=2, max_lora_rank=16)
+    cfg = cluster_config(str(base), enable_lora=True, max_loras=2, max_lora_rank=16)  # no adapter at start
     cluster = start_cluster(loop, cfg)
     controller = cluster.controller
     try:
+        assert loop.run(cluster.load_lora_adapter("sql", modules["sql"]), timeout=120)[0] == 200
+        assert cluster.follower.view.lora_adapters == ["sql"]  # applied before the load answered
         (decode,) = cluster.decode_pool.live_replicas()
 
         def running_on_decode() -> bool:
