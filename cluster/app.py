@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 
@@ -73,6 +74,12 @@ class ControllerDeployment:
     async def render_metrics(self, ingress_id: str, families: bytes, model: str | None = None) -> bytes:
         return self.controllers.render_metrics(ingress_id, families, model)
 
+    async def load_lora_adapter(self, name: str, path: str, model: str | None = None) -> tuple[int, str]:
+        return await self.controllers.load_lora_adapter(name, path, model)
+
+    async def unload_lora_adapter(self, name: str, model: str | None = None) -> tuple[int, str]:
+        return await self.controllers.unload_lora_adapter(name, model)
+
     async def __del__(self):
         """The app is deleted (or this replica is stopped by Serve): the pools go with it. A
         controller that is killed instead never gets here, so its pools keep serving."""
@@ -116,6 +123,10 @@ class SplitServeIngress:
                     )
                 )
             backend, catalog = backends[0], ModelCatalog.of(*backends)
+            for one_backend in backends:  # adapters loaded and unloaded at runtime, from the controller's view
+                one_backend.cluster.follower.on_view = functools.partial(
+                    _serve_adapters, catalog, one_backend.model_name
+                )
             # Aliases and virtual models resolve to the served models' backends.
             register_model_routes(catalog, cfg, backend.metrics.registry)
             if cfg.batch.enabled:  # opens the state store: a bad state_url fails the start, in one line
@@ -159,6 +170,10 @@ class SplitServeIngress:
         http_app.router.lifespan_context = lifespan
         http_app.state.backend = self.backend
         return http_app
+
+
+def _serve_adapters(catalog, model_name: str, view) -> None:
+    catalog.set_adapters(model_name, view.lora_adapters)
 
 
 def ingress_options(cfg: ServeConfig) -> dict:

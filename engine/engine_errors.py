@@ -4,6 +4,8 @@ tell them apart without importing the engine."""
 
 from __future__ import annotations
 
+from splitserve.engine.config import ConfigError
+
 
 class EngineStepError(RuntimeError):
     """An engine step raised. Every request of its batch was failed -- its blocks freed, its
@@ -16,6 +18,11 @@ class EngineStepError(RuntimeError):
 
     def __reduce__(self):  # crosses Ray: keep request_ids through pickling
         return (type(self), (str(self), self.request_ids))
+
+
+class LoraAdapterError(ConfigError):
+    """An adapter this engine cannot serve (one line: the adapter, the reason). Here, torch-free,
+    so a replica's worker and the simulated engine name it without importing torch."""
 
 
 class LoraAdapterBusyError(RuntimeError):

@@ -101,6 +101,17 @@ class EngineProtocol(Protocol):
 
     def stats(self) -> EngineStats: ...
 
+    # ---- LoRA adapters at runtime (vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter) ---
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serve another adapter from now on; LoraAdapterError (one line) if it cannot be
+        served, and nothing changes."""
+        ...
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving an adapter; LoraAdapterBusyError while requests use it (it stays),
+        LoraAdapterError if it is not served."""
+        ...
+
 
 def protocol_members() -> set[str]:
     """The names EngineProtocol declares: the whole engine API the workers may use."""

@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.engine_errors import EngineLoopStopped
+from splitserve.engine.engine_errors import EngineLoopStopped, LoraAdapterBusyError, LoraAdapterError
 from splitserve.engine.engine_factory import build_engine
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.engine_protocol import EngineProtocol, LayerHookFactory
@@ -187,6 +187,26 @@ class EngineWorker:
         """The peer replica left, or closed its side of the pair (epoch: the one it closed; a
         newer pair is kept): close ours too, so nothing waits on it until the timeout."""
         await asyncio.to_thread(self.transport.close_pair, peer_id, epoch)
+
+    async def load_lora_adapter(self, name: str, path: str) -> str | None:
+        """Serve another LoRA adapter (the controller's runtime load): None once loaded, else
+        the engine's one-line refusal (nothing changed). Runs on the engine loop between steps."""
+        try:
+            await asyncio.wrap_future(self.loop.call(lambda engine: engine.load_lora_adapter(name, path)))
+        except LoraAdapterError as exc:
+            return str(exc)
+        return None
+
+    async def unload_lora_adapter(self, name: str) -> tuple[bool, str] | None:
+        """Stop serving a LoRA adapter: None once unloaded, else (busy, why): busy while
+        requests here still use it (the controller retries), not busy if it is not served."""
+        try:
+            await asyncio.wrap_future(self.loop.call(lambda engine: engine.unload_lora_adapter(name)))
+        except LoraAdapterBusyError as exc:
+            return True, str(exc)
+        except LoraAdapterError as exc:
+            return False, str(exc)
+        return None
 
     async def inject_fault(self, skip_state_frames: int = 0, **step_faults) -> None:
         """Chaos testing, in the engine loop's real code paths: step_faults are StepFaults'

@@ -28,6 +28,7 @@ import ray
 from splitserve.cluster.bounded_log import BoundedLog
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.control.ingress_registry import IngressRegistry
+from splitserve.cluster.control.lora_adapter_control import UNLOAD_TIMEOUT_S, LoraAdapterControl
 from splitserve.cluster.control.metrics_aggregator import MetricsAggregator
 from splitserve.cluster.control.pool_roster import PoolRoster
 from splitserve.cluster.control.replica_probe import ProbeResult, probe
@@ -102,6 +103,7 @@ class Controller:
                 demand_source=self.demand_totals,
                 model_dir=model_dir,
             )
+        self.lora = LoraAdapterControl(self)
         self._reconciler: asyncio.Task | None = None
         self._last_idle_sweep = clock()
         self.state_feed = None  # with replica_state.updates "poll", every round probes every replica
@@ -194,6 +196,14 @@ class Controller:
             self._take_report(ingress_id, parsed, now)
         await self.roster.wait_changed(seen_version, wait_s)
         return None if seen_version == self.version else self.view().to_bytes()
+
+    async def load_lora_adapter(self, name: str, path: str) -> tuple[int, str]:
+        """Serve another LoRA adapter on every replica: (HTTP status, message); lora_adapter_control.py."""
+        return await self.lora.load(name, path)
+
+    async def unload_lora_adapter(self, name: str, timeout_s: float = UNLOAD_TIMEOUT_S) -> tuple[int, str]:
+        """Stop serving a LoRA adapter once its requests finished: (HTTP status, message)."""
+        return await self.lora.unload(name, timeout_s)
 
     def render_metrics(self, ingress_id: str | None = None, families: bytes | None = None) -> bytes:
         """The merged /metrics text; families: the calling ingress's current samples."""

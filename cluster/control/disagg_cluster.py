@@ -173,6 +173,14 @@ class DisaggCluster:
         await self._until_applied()
         return replicas
 
+    async def load_lora_adapter(self, name: str, path: str) -> tuple[int, str]:
+        """The controller loads a LoRA adapter on every replica: (HTTP status, message)."""
+        return await (self.controller or self.client).load_lora_adapter(name, path)
+
+    async def unload_lora_adapter(self, name: str) -> tuple[int, str]:
+        """The controller unloads a LoRA adapter from every replica: (HTTP status, message)."""
+        return await (self.controller or self.client).unload_lora_adapter(name)
+
     async def drain_replica(self, pool: str, replica_id: str, timeout_s: float = 120.0) -> bool:
         """Stop routing to a replica, wait for its in-flight requests, then drop it and remove
         its actor. Returns False if requests were still in flight at the timeout (it is

@@ -1,4 +1,4 @@
-"""InProcessControllerClient: ControllerClient's two calls (cluster/ingress/controller_client.py),
+"""InProcessControllerClient: ControllerClient's calls (cluster/ingress/controller_client.py),
 answered by a ModelControllers in this process for one model: an in-process ingress of a
 deployment of several models (tests, tools) talks to its controllers as a Serve replica does."""
 
@@ -21,3 +21,9 @@ class InProcessControllerClient:
 
     async def render_metrics(self, ingress_id: str, families: bytes) -> bytes:
         return self.controllers.render_metrics(ingress_id, families, self.model)
+
+    async def load_lora_adapter(self, name: str, path: str) -> tuple[int, str]:
+        return await self.controllers.load_lora_adapter(name, path, self.model)
+
+    async def unload_lora_adapter(self, name: str) -> tuple[int, str]:
+        return await self.controllers.unload_lora_adapter(name, self.model)

@@ -8,7 +8,8 @@ actors' full names include the model, a restarted controller re-adopts each mode
 by name, and a shutdown reaps one model's namespace without touching another's. A
 deployment of one model keeps the app's namespace, as before.
 
-The ingresses call membership() and render_metrics() naming the model (their
+The ingresses call membership(), render_metrics() and the LoRA adapter loads and unloads
+(load_lora_adapter, unload_lora_adapter) naming the model (their
 ControllerClient carries it). /metrics is one view: the controllers share one aggregator,
 which keeps each ingress's samples per model, and every model's pool series is rendered.
 """
@@ -81,6 +82,12 @@ class ModelControllers:
         self, seen_version: int, ingress_id: str, report: bytes | None, wait_s: float, model: str | None
     ) -> bytes | None:
         return await self.get(model).membership(seen_version, ingress_id, report, wait_s)
+
+    async def load_lora_adapter(self, name: str, path: str, model: str | None) -> tuple[int, str]:
+        return await self.get(model).load_lora_adapter(name, path)
+
+    async def unload_lora_adapter(self, name: str, model: str | None) -> tuple[int, str]:
+        return await self.get(model).unload_lora_adapter(name)
 
     def render_metrics(self, ingress_id: str, families: bytes, model: str | None) -> bytes:
         """The merged /metrics of every model; families: the calling ingress's samples of `model`."""

@@ -35,13 +35,18 @@ class PoolRoster:
         self.version = int(time.time() * 1000)
         self._changed = asyncio.Event()
         self.pending: dict[str, str] = {}  # per pool: why its last replica start failed
+        self.lora_adapters: list[str] = list(cfg.lora_modules)  # what the ingresses serve (the view's)
         self._tasks: set[asyncio.Task] = set()
 
     # ---- the view --------------------------------------------------------------------------
     def view(self) -> MembershipView:
         replicas = [r.info(self.namespace) for pool in self.pools.values() for r in pool.live_replicas()]
         return MembershipView(
-            version=self.version, replicas=replicas, expected=dict(self.targets), pending=dict(self.pending)
+            version=self.version,
+            replicas=replicas,
+            expected=dict(self.targets),
+            pending=dict(self.pending),
+            lora_adapters=list(self.lora_adapters),
         )
 
     def bump(self) -> None:

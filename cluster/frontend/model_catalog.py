@@ -11,6 +11,8 @@ needs one model's settings, e.g. the deployment-wide cfg).
 A LoRA adapter (--lora-modules) is a name of its own too: it resolves to its base model's
 ServingAPI, and lora_adapter(name) is what the ModelService sets as the request's
 SamplingParams.lora_adapter; /v1/models lists it after the models, with its base as `parent`.
+Adapters loaded or unloaded at runtime reach it with the controller's membership view
+(set_adapters).
 """
 
 from __future__ import annotations
@@ -62,6 +64,16 @@ class ModelCatalog:
         if not name or name in self._apis or name in self._adapters:
             raise ValueError(f"LoRA adapter {name!r}: the name is empty or already served")
         self._adapters[name] = base
+
+    def set_adapters(self, base: str, names: list[str]) -> None:
+        """The LoRA adapters `base` serves now (the controller's view: loaded and unloaded at
+        runtime): the ones gone stop resolving, the new ones resolve. A name that is a model's
+        is left out (the controller refuses such a load)."""
+        for name in [n for n, b in self._adapters.items() if b == base and n not in names]:
+            del self._adapters[name]
+        for name in names:
+            if name not in self._adapters and name not in self._apis:
+                self._adapters[name] = base
 
     def lora_adapter(self, name: str) -> str | None:
         """The adapter a request for `name` runs with (None: a model, alias or route)."""

@@ -1,6 +1,7 @@
 """ControllerClient: an ingress's calls to the controller deployment through its Serve handle,
-for one model of the deployment (the in-process Controller answers the same two methods
-directly, and InProcessControllerClient a ModelControllers in this process)."""
+for one model of the deployment: membership, merged metrics, and the LoRA adapters loaded and
+unloaded at runtime (the in-process Controller answers the same methods directly, and
+InProcessControllerClient a ModelControllers in this process)."""
 
 from __future__ import annotations
 
@@ -17,3 +18,10 @@ class ControllerClient:
 
     async def render_metrics(self, ingress_id: str, families: bytes) -> bytes:
         return await self.handle.render_metrics.remote(ingress_id, families, self.model)
+
+    async def load_lora_adapter(self, name: str, path: str) -> tuple[int, str]:
+        """(HTTP status, message): cluster/control/lora_adapter_control.py."""
+        return await self.handle.load_lora_adapter.remote(name, path, self.model)
+
+    async def unload_lora_adapter(self, name: str) -> tuple[int, str]:
+        return await self.handle.unload_lora_adapter.remote(name, self.model)

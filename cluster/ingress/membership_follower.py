@@ -5,7 +5,7 @@ It long-polls the controller's `membership(seen_version, ingress_id, report, wai
 Serve handle call, or the in-process Controller's method), diffs each new view against what
 the dispatcher routes to, and applies it: new replicas are indexed from their snapshot
 before they get traffic (add_replica), draining flags are set, removed replicas are
-dropped. Each call carries this ingress's report (IngressReport: in-flight requests per
+dropped; the view's LoRA adapters go to on_view (the ModelCatalog). Each call carries this ingress's report (IngressReport: in-flight requests per
 replica, recent latencies, and about once a second its Prometheus samples) and the version
 it has APPLIED, which is what the controller's drain waits on.
 
@@ -49,6 +49,8 @@ class MembershipFollower:
         self.call_timeout_s = call_timeout_s
         self.retry_s = retry_s
         self.view: MembershipView | None = None  # the last view applied in full
+        # Told every view as it is applied (the ingress's ModelCatalog takes its LoRA adapters).
+        self.on_view: Callable[[MembershipView], None] | None = None
         self.applied_version = -1
         self.last_contact: float | None = None  # monotonic: the controller's last answer
         self.incomplete = False  # the last view could not be applied in full (retried)
@@ -71,6 +73,8 @@ class MembershipFollower:
         """Make the dispatcher route by `view`. Drops and draining flags first (they only
         take traffic away), then the adds. A replica whose add failed for a reason other
         than its death keeps the version unapplied, so the next call brings the view again."""
+        if self.on_view is not None:
+            self.on_view(view)
         wanted = {(r.pool, r.replica_id): r for r in view.replicas}
         current = self.dispatcher.replica_infos()
         for pool, replica_id in current.keys() - wanted.keys():

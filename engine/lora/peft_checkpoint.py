@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from splitserve.engine.config import ConfigError, ModelConfig
+from splitserve.engine.config import ModelConfig
+from splitserve.engine.engine_errors import LoraAdapterError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -39,10 +40,6 @@ _UNSUPPORTED = {
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
     "layer_replication": "layer replication",
 }
-
-
-class LoraAdapterError(ConfigError):
-    """An adapter this engine cannot serve (one line: the adapter, the reason)."""
 
 
 @dataclass(frozen=True)

@@ -6,13 +6,15 @@ text) and its config.json sizes the KV blocks (bytes per block, for the KV link)
 vocabulary; its weights are never read. Torch is never imported on this path.
 
 Not simulated (refused with a 400 naming the field, as an unsupported parameter): structured
-output and prompt log-probabilities, which need real logits; speculative decoding is off.
+output and prompt log-probabilities, which need real logits; speculative decoding is off;
+LoRA adapters (loading one at runtime is refused with a LoraAdapterError).
 """
 
 from __future__ import annotations
 
 from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.core.sequence import Sequence
+from splitserve.engine.engine_errors import LoraAdapterError
 from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.engine.paged_engine import PagedEngine
 from splitserve.engine.simulated.simulated_kv_cache import SimulatedKVCache
@@ -54,3 +56,9 @@ class SimulatedEngine(PagedEngine):
     def simulated_seconds(self) -> float:
         """The profile's time of every step so far (wall time / speed_factor, ideally)."""
         return self.runner.simulated_seconds
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        raise LoraAdapterError(f"LoRA adapter {name!r}: LoRA adapters are not simulated; use the real engine")
+
+    def unload_lora_adapter(self, name: str) -> None:
+        raise LoraAdapterError(f"LoRA adapter {name!r} is not served (LoRA adapters are not simulated)")

@@ -42,6 +42,9 @@ class MembershipView(msgspec.Struct, forbid_unknown_fields=True):
     # Per pool, why its last replica start failed while it is below target (e.g. "decode
     # replica needs 4 GPUs on one node ..."), for /health; absent once a start succeeds.
     pending: dict[str, str] = msgspec.field(default_factory=dict)
+    # The LoRA adapters the pools serve now (loaded and unloaded at runtime too): the names each
+    # ingress's ModelCatalog resolves and /v1/models lists. An adapter being unloaded is out already.
+    lora_adapters: list[str] = msgspec.field(default_factory=list)
 
     def to_bytes(self) -> bytes:
         return _codec.encode("membership_view", self)

@@ -37,7 +37,12 @@ ENGINE_IMPORTS = {
     "splitserve.engine.config": {"EngineConfig"},
     "splitserve.engine.engine_loop": {"EngineLoop"},
     "splitserve.engine.fault_injector": {"StepFaults"},  # what the loop's inject_faults takes
-    "splitserve.engine.engine_errors": {"EngineLoopStopped", "EngineStepError"},
+    "splitserve.engine.engine_errors": {
+        "EngineLoopStopped",
+        "EngineStepError",
+        "LoraAdapterBusyError",
+        "LoraAdapterError",
+    },
     "splitserve.engine.engine_protocol": {"EngineProtocol", "LayerHookFactory"},
     "splitserve.engine.engine_factory": {"build_engine"},
     "splitserve.engine.core.scheduler": {"ScheduledBatch"},  # what a layer hook is given

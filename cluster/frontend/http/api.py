@@ -3,6 +3,7 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE with `stream: true`;
 several prompts and n > 1 fan out into one generation per choice), the Batch API (/v1/files,
 /v1/batches; cluster/batch/) when a BatchService is given, GET /v1/models,
+POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with enable_lora),
 POST /tokenize, POST /detokenize, GET /version (vLLM's shapes), GET /health, GET /ready,
 GET /metrics, and FastAPI's /openapi.json; HEAD works wherever GET does. A generation request
 may carry `x-request-timeout: SECONDS` (capped by request_timeout_s; past it: 504). Every error is
@@ -37,6 +38,7 @@ from splitserve.cluster.frontend.http.errors import (
 )
 from splitserve.cluster.frontend.http.guard import RequestGuard
 from splitserve.cluster.frontend.http.head import HeadAsGet
+from splitserve.cluster.frontend.http.lora_routes import add_lora_routes
 from splitserve.cluster.frontend.http.model_routes import add_model_routes
 from splitserve.cluster.frontend.http.openapi_bounds import state_bounds_in_openapi
 from splitserve.cluster.frontend.http.sse import SSEResponse, run_until_disconnected
@@ -117,6 +119,8 @@ def build_http_app(
         batch.install(app, auth, _ERRORS, callers)
     if tenants is not None:
         add_admin_routes(app, tenants, cfg.admin_api_key)
+    if cfg.enable_lora:
+        add_lora_routes(app, backend, callers, auth, _ERRORS)
 
     @app.post("/v1/completions", response_model=CompletionResponse, dependencies=auth, responses=GENERATION_RESPONSES)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:

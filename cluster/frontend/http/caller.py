@@ -2,7 +2,8 @@
 objects it sees, and which tenant a generation runs as.
 
 A request from the network is its bearer token's: with tenants, the tenant that key belongs to
-(the admin key may also read, cancel and delete every owner's batch objects, but runs nothing);
+(the admin key may also read, cancel and delete every owner's batch objects, and load and
+unload LoRA adapters, but runs nothing);
 without tenants there is one owner, "", and the key (if any) is the deployment's api_key. A
 batch line runs in process (cluster/batch/line_executor.py) with its batch's owner in the ASGI
 scope under BATCH_OWNER_SCOPE_KEY, which no client can set: it then runs as that tenant,
@@ -21,6 +22,7 @@ from splitserve.cluster.tenants.tenant_refusal import TenantRefusal
 
 BATCH_OWNER_SCOPE_KEY = "splitserve.batch_owner"
 BATCH_API_PREFIXES = ("/v1/files", "/v1/batches")  # where the admin key is let in
+LORA_ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")  # the admin key's alone, with tenants
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,8 @@ class Callers:
             return not self.api_key or _same(token, self.api_key)
         if self.tenants.directory.lookup(token) is not None:
             return True
-        return scope["path"].startswith(BATCH_API_PREFIXES) and _same(token, self.admin_api_key)
+        admin_paths = scope["path"].startswith(BATCH_API_PREFIXES) or scope["path"] in LORA_ADMIN_PATHS
+        return admin_paths and _same(token, self.admin_api_key)
 
     def of(self, scope: Scope) -> Caller:
         owner = scope.get(BATCH_OWNER_SCOPE_KEY)

@@ -114,3 +114,16 @@ def test_lora_adapters_resolve_to_their_base_and_set_the_requests_adapter():
     for model in ("sql", "base", ""):
         asyncio.run(run(model))
     assert [p.lora_adapter for p in base.seen] == ["sql", None, None]
+
+
+def test_adapters_loaded_and_unloaded_at_runtime_follow_the_controllers_list():
+    base = _LoraModel("base", {"sql": "/a/sql"})
+    catalog = ModelCatalog.of(base)
+    catalog.set_adapters("base", ["sql", "fr"])  # "fr" loaded at runtime
+    assert catalog.served() == ["base", "sql", "fr"] and catalog.parent("fr") == "base"
+    assert catalog.resolve("fr") is base and catalog.lora_adapter("fr") == "fr"
+    catalog.set_adapters("base", ["fr", "base"])  # "sql" unloaded; a model's name is never an adapter's
+    assert catalog.served() == ["base", "fr"] and catalog.lora_adapter("base") is None
+    with pytest.raises(RequestError) as refused:
+        catalog.resolve("sql")
+    assert refused.value.kind == ErrorKind.NOT_FOUND
