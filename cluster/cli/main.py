@@ -1,4 +1,4 @@
-"""`splitserve` command line: make-model, generate, serve, calibrate-route, plan, and the commands other packages
+"""`splitserve` command line: make-model, generate, serve, calibrate-route, plan, drain-node, and the commands other packages
 register under the `splitserve.commands` entry point group (bench/ registers `bench` in
 pyproject.toml), so the cluster never imports a layer above it."""
 
@@ -20,6 +20,7 @@ def add_registered_parsers(subparsers: argparse._SubParsersAction) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from splitserve.cluster.cli.calibrate_route import add_calibrate_route_parser
+    from splitserve.cluster.cli.drain_node import add_drain_node_parser
     from splitserve.cluster.cli.generate import add_generate_parser
     from splitserve.cluster.cli.plan import add_plan_parser
     from splitserve.cluster.cli.serve import add_serve_parser
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(subparsers)
     add_calibrate_route_parser(subparsers)
     add_plan_parser(subparsers)
+    add_drain_node_parser(subparsers)
     add_registered_parsers(subparsers)
     parser.set_defaults(command_parsers=subparsers.choices)
     return parser

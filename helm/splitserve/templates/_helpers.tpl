@@ -226,10 +226,19 @@ tensor_parallel_size x replicasPerPod of them. */}}
         {{- toYaml . | nindent 8 }}
       {{- end }}
       {{- with include "splitserve.modelInitContainers" $root }}{{ . | trim | nindent 6 }}{{ end }}
+      {{- /* Pod deletion drains the node's replicas first (their streams move to other
+      replicas): the preStop hook SIGTERMs each replica process, which asks the controller for
+      a drain (runtime/sigterm_drain.py), and waits until they are gone; the grace period
+      covers the drain's 120 s timeout. */}}
+      terminationGracePeriodSeconds: 180
       containers:
         - name: ray-worker
           image: {{ include "splitserve.image" $root }}
           imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          lifecycle:
+            preStop:
+              exec:
+                command: ["splitserve", "drain-node", "--timeout-s", "170"]
           env:
             {{- include "splitserve.frontDoorEnv" $root | nindent 12 }}
             {{- with $group.extraEnv }}

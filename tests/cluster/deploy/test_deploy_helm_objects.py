@@ -61,6 +61,21 @@ def test_head_and_every_worker_group_get_the_front_door_env(name):
 
 
 @pytest.mark.parametrize("name", VALUE_SETS)
+def test_a_worker_pod_drains_its_replicas_before_it_stops(name):
+    """Every worker pod's preStop hook is `splitserve drain-node` (SIGTERM to each replica,
+    which the controller then drains: cluster/cli/drain_node.py), waiting less than the pod's
+    grace period; the head, which hosts no replica, has none."""
+    cluster = ray_service_of(name)["spec"]["rayClusterConfig"]
+    for group in cluster["workerGroupSpecs"]:
+        spec = group["template"]["spec"]
+        (container,) = spec["containers"]
+        command = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert command[:2] == ["splitserve", "drain-node"] and command[2] == "--timeout-s"
+        assert float(command[3]) < spec["terminationGracePeriodSeconds"]
+    assert "lifecycle" not in cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
 def test_worker_groups_host_their_pools(name):
     values = merged_values_of(name)
     cluster = ray_service_of(name)["spec"]["rayClusterConfig"]
