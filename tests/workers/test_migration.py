@@ -217,11 +217,12 @@ def test_a_stream_opted_out_of_migration_fails_with_its_replica(loop, cluster, b
     wait_for_baseline(loop, cluster)
 
 
-def test_a_drained_replica_hands_its_streams_to_the_other(loop, cluster, backend, client, stub):
-    """migration.migrate_after_s 0: the busiest decode replica is drained (as a scale-down
-    does) once every client has its KILL_AFTER-th token; its streams go on from the other replica, every
-    answer equal to its undisturbed reference, none failed, each move counted as a drain, and
-    the drained replica removed with every pool back at baseline."""
+def drain_busiest_mid_stream(loop, cluster, backend, client, stub, start_drain) -> dict:
+    """Every client streams; once each has its KILL_AFTER-th token (the decode steps held),
+    start_drain(victim, outcome) drains the decode replica streaming most, the other replica
+    released; the victim is released once its streams were handed off (while its steps were
+    still held: none could finish there). Every answer must equal its undisturbed reference,
+    each move counted as a drain. Returns the outcome (victim, what start_drain put there)."""
     wait_until(lambda: cluster.live_replicas(DECODE) == 2, 120, "the decode pool was not refilled", 0.2)
     references = all_answers(client, stub, backend.model_name, None)
     drains = backend.metrics.migrations.total.labels(DECODE, "drain")
@@ -233,14 +234,16 @@ def test_a_drained_replica_hands_its_streams_to_the_other(loop, cluster, backend
         kill.reached.wait(120)
         inflight = list(cluster.dispatcher.inflight.values())
         victim = outcome["victim"] = max(set(inflight), key=inflight.count)
+        handle = cluster.decode_pool.get(victim).handle
         hold_decode_steps(cluster, 0, killed=victim)  # the other replica goes on
         kill.killed.set()
-        with ThreadPoolExecutor(1) as drainer:
-            drained = drainer.submit(loop.run, cluster.drain_replica(DECODE, victim, 120), 150)
-            # Its streams are handed off while its steps are still held: none could finish there.
-            wait_until(lambda: drains._value.get() == before + inflight.count(victim), 60, "no stream handed off")
-            ray.get(cluster.decode_pool.get(victim).handle.inject_fault.remote(), timeout=10)  # released
-            outcome["drained"] = drained.result(timeout=150)
+        finish = start_drain(victim, outcome)
+        wait_until(lambda: drains._value.get() == before + inflight.count(victim), 60, "no stream handed off")
+        try:
+            ray.get(handle.inject_fault.remote(), timeout=10)  # released, if not removed already
+        except ray.exceptions.RayActorError:
+            pass
+        finish()
 
     with ThreadPoolExecutor(1) as background:
         draining = background.submit(drain_busiest)
@@ -248,7 +251,23 @@ def test_a_drained_replica_hands_its_streams_to_the_other(loop, cluster, backend
         draining.result(timeout=180)
     for got, want in zip(answers, references):
         assert_same(got, want)
-    assert outcome["drained"] is True and drains._value.get() > before
+    assert drains._value.get() > before
+    return outcome
+
+
+def test_a_drained_replica_hands_its_streams_to_the_other(loop, cluster, backend, client, stub):
+    """migration.migrate_after_s 0: the busiest decode replica is drained (as a scale-down
+    does) once every client has its KILL_AFTER-th token; its streams go on from the other
+    replica, every answer equal to its undisturbed reference, none failed, each move counted
+    as a drain, and the drained replica removed with every pool back at baseline."""
+    with ThreadPoolExecutor(1) as drainer:
+
+        def start_drain(victim: str, outcome: dict):
+            drained = drainer.submit(loop.run, cluster.drain_replica(DECODE, victim, 120), 150)
+            return lambda: outcome.update(drained=drained.result(timeout=150))
+
+        outcome = drain_busiest_mid_stream(loop, cluster, backend, client, stub, start_drain)
+    assert outcome["drained"] is True
     assert outcome["victim"] not in live_decode_ids(cluster)
     wait_for_baseline(loop, cluster)
 
@@ -269,36 +288,14 @@ def test_sigterm_on_a_decode_worker_moves_its_streams(loop, cluster, backend, cl
     replaced (the pool is back at 2), its process has exited, and every pool is at baseline."""
     if cluster.live_replicas(DECODE) < 2:  # the drain test before this one removed one for good
         loop.run(cluster.add_replicas(DECODE, 2 - cluster.live_replicas(DECODE)), 180)
-    wait_until(lambda: cluster.live_replicas(DECODE) == 2, 120, "the decode pool was not refilled", 0.2)
-    references = all_answers(client, stub, backend.model_name, None)
-    drains = backend.metrics.migrations.total.labels(DECODE, "drain")
-    before = drains._value.get()
-    hold_decode_steps(cluster, KILL_AFTER)
-    kill, outcome = KillPoint(len(references)), {}
 
-    def sigterm_busiest() -> None:
-        kill.reached.wait(120)
-        inflight = list(cluster.dispatcher.inflight.values())
-        victim = outcome["victim"] = max(set(inflight), key=inflight.count)
+    def start_drain(victim: str, outcome: dict):
         handle = cluster.decode_pool.get(victim).handle
-        pid = outcome["pid"] = ray.get(handle.process_id.remote(), timeout=10)
-        hold_decode_steps(cluster, 0, killed=victim)  # the other replica goes on
-        kill.killed.set()
-        os.kill(pid, signal.SIGTERM)
-        # Its streams are handed off while its steps are still held: none could finish there.
-        wait_until(lambda: drains._value.get() == before + inflight.count(victim), 60, "no stream handed off")
-        try:
-            ray.get(handle.inject_fault.remote(), timeout=10)  # released, if not removed already
-        except ray.exceptions.RayActorError:
-            pass
+        outcome["pid"] = ray.get(handle.process_id.remote(), timeout=10)
+        os.kill(outcome["pid"], signal.SIGTERM)
+        return lambda: None
 
-    with ThreadPoolExecutor(1) as background:
-        signalling = background.submit(sigterm_busiest)
-        answers = all_answers(client, stub, backend.model_name, kill)
-        signalling.result(timeout=180)
-    for got, want in zip(answers, references):
-        assert_same(got, want)
-    assert drains._value.get() > before
+    outcome = drain_busiest_mid_stream(loop, cluster, backend, client, stub, start_drain)
     wait_until(lambda: outcome["victim"] not in live_decode_ids(cluster), 60, "the SIGTERM'd replica is still there")
     wait_until(lambda: process_gone(outcome["pid"]), 60, "the SIGTERM'd worker process did not exit")
     wait_until(lambda: cluster.live_replicas(DECODE) == 2, 120, "the SIGTERM'd replica was not replaced", 0.2)
