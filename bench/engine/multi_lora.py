@@ -118,7 +118,7 @@ def write_report(out: Path, results: list[dict], args: argparse.Namespace, commi
     met = "met" if eight["vs_base"] >= 0.8 else "not met"
     text = f"""# Multi-LoRA on one engine
 
-Command: `python -m splitserve.bench.engine.multi_lora --out bench/results` (Commit: {commit}).
+Command: `python -m splitserve.bench.engine.multi_lora --out bench/results` ({commit}).
 
 {args.num_requests} requests queued at once, each a distinct {args.prompt_len}-token prompt and
 {args.max_tokens} output tokens (greedy, ignore_eos), adapters assigned round-robin; an 8-layer
