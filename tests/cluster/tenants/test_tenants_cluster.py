@@ -10,6 +10,7 @@ One module-scoped cluster; two-replica enforcement is tested on two limiters sha
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import time
 
 import grpc
@@ -236,7 +237,10 @@ def test_revoked_by_reload_and_malformed_file_keeps_old(server, backend, tenants
     reply = http.post("/admin/reload", headers=admin)
     assert reply.status_code == 400 and "line 4" in reply.json()["error"]["message"]
     complete(server, backend, "sk-filed")  # the old tenants stay
-    tenants_file.write_text(yaml.safe_dump({"tenants": [{"name": "filed", "api_keys": ["sk-new"]}]}))
+    # Replaced whole, as an operator's deploy tool does: a poll never reads it half-written.
+    staged = tenants_file.with_suffix(".staged")
+    staged.write_text(yaml.safe_dump({"tenants": [{"name": "filed", "api_keys": ["sk-new"]}]}))
+    os.replace(staged, tenants_file)
 
     def revoked():
         try:
