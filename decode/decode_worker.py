@@ -242,7 +242,7 @@ class DecodeWorker(EngineWorker):
     async def _reserve(self, seq: Sequence) -> BlockReservation:
         deadline = time.monotonic() + self.reserve_timeout_s
         while True:
-            reservation = await asyncio.wrap_future(self.loop.call(lambda e: e.reserve_prompt_blocks(seq)))
+            reservation = await asyncio.wrap_future(self.loop.reserve_prompt_blocks(seq))
             if reservation is not None:
                 return reservation
             if time.monotonic() >= deadline:

@@ -183,6 +183,20 @@ class EngineLoop:
         self.faults.joining(request_id)
         return self.call(admit)
 
+    def reserve_prompt_blocks(self, seq: Sequence) -> Future:
+        """EngineProtocol.reserve_prompt_blocks on the loop thread (the blocks a remote prefill
+        writes into). A held step lets the call through, as a request joining: without its
+        blocks the request could never join."""
+
+        def reserve(engine: EngineProtocol):
+            try:
+                return engine.reserve_prompt_blocks(seq)
+            finally:
+                self.faults.joined(seq.request_id)  # it joins again when admitted (admit_prefilled)
+
+        self.faults.joining(seq.request_id)
+        return self.call(reserve)
+
     def abort(self, request_id: str) -> Future:
         """Abort a request. On a stopped loop it is a no-op: everything was released already."""
 

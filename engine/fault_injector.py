@@ -10,7 +10,8 @@ Armed from any thread (a worker's inject_fault actor method), fired on the loop 
 - hold at an output length: a step whose every sequence has at least N output tokens hangs
   until released (armed again) or the loop stops, so a test can stop a replica with all of
   its streams mid-way, however long the machine takes to get there. A request queued to join
-  (EngineLoop.add_sequence, admit_prefilled) ends a held step so that it can: the next step
+  (EngineLoop.add_sequence, admit_prefilled, or asking for blocks a remote prefill fills:
+  reserve_prompt_blocks) ends a held step so that it can: the next step
   holds again once it, too, has N tokens -- a stream that arrives late still gets there;
 - stop the loop for good: the loop thread raises between steps, outside any step, which is
   the "cannot carry on" path.

@@ -216,6 +216,11 @@ class EngineWorker:
         self.loop.inject_faults(StepFaults(**step_faults))
         self.publisher.frames_to_skip = skip_state_frames
 
+    async def holding(self) -> bool:
+        """Chaos testing: whether a step is held now (StepFaults.hold_at_output_tokens), i.e.
+        every sequence running here has its output length and none waits to join."""
+        return self.loop.faults.holding
+
     async def process_id(self) -> int:
         """The worker process's pid (operators and tests signal it: runtime/sigterm_drain.py)."""
         return os.getpid()

@@ -283,3 +283,28 @@ def test_a_hold_at_an_output_length_waits_for_every_request_until_released(tiny_
     assert len(got.tokens("first")) == len(got.tokens("late")) == 24 and not got.errors
     loop.stop()
     assert_baseline(loop.final_stats())
+
+
+def test_a_held_loop_serves_a_block_reservation(tiny_model):
+    """A remote prefill's request asks a held decode loop for its prompt blocks: the held step
+    lets the reservation through (without its blocks the request could never join, and the
+    hold would wait for it forever), and the steps hold again; the reservation's blocks go
+    back when it is released."""
+    loop = EngineLoop(engine_for(tiny_model), name="t").start()
+    got = Collector()
+    loop.inject_faults(StepFaults(hold_at_output_tokens=3))
+    add(loop, got, "first", prompt(20, 1), 24)
+    wait_until_hung(loop)
+    seq = loop.engine.make_sequence(None, prompt(20, 2), greedy(4), "remote")
+    reservation = loop.reserve_prompt_blocks(seq).result(timeout=60)
+    assert reservation is not None and reservation.block_ids
+    deadline = time.monotonic() + 60
+    while not loop.faults.holding:  # held again: the reservation is in no step
+        assert time.monotonic() < deadline, "the steps were not held again"
+        time.sleep(0.01)
+    assert not got.ended["first"].is_set()
+    loop.inject_faults(StepFaults())
+    loop.call(lambda engine: engine.release_reservation("remote")).result(timeout=60)
+    got.wait("first")
+    loop.stop()
+    assert_baseline(loop.final_stats())

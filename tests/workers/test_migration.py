@@ -1,53 +1,74 @@
 """Migration on local Ray (CPU, gloo), through the production ServingBackend, the OpenAI HTTP
-API (the openai client) and gRPC: one of two decode replicas is killed (ray.kill of its actor)
-once every stream's client has received its N-th token, while the streams run. Every stream
-completes as one answer (one id and created, no error event): greedy text equals an
-undisturbed run's, seeded sampled text its seeded reference, a regex-constrained answer its
-own, with the same log-probabilities and text offsets and the client's usage. Opted out, a
-stream fails as before. Afterwards every pool is back to baseline (prefill pins included)."""
+API (the openai client: completions and chat) and gRPC: 32 streams, half over each, run while
+one of two decode replicas is killed (ray.kill of its actor) once every client has received
+its KILL_AFTER-th token (a random token). Every stream completes as one answer (one id and
+created, no error event): greedy text equals an undisturbed run's, seeded sampled text its
+seeded reference, regex-, JSON-schema- and tool-call-constrained answers (cut mid-object)
+their own and valid, with the same log-probabilities, text offsets and the client's usage.
+Opted out, a stream fails as before. A drain and a SIGTERM move the streams too. Afterwards
+every pool is back to baseline (prefill pins included)."""
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import signal
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import jsonschema
 import openai
 import pytest
 import ray
 
+from splitserve.bench.serving.json_schemas import MAX_INSTANCE_TOKENS, SCHEMAS, WEATHER_TOOL
 from splitserve.cluster.frontend.grpc.server import GrpcFrontend
 from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.cluster.routing.router import DECODE
-from splitserve.proto import load_stubs
 from tests.helpers.cluster import LoopHttpServer, cluster_config, serving_backend, wait_for_baseline, wait_until
+from tests.helpers.migration_streams import assert_same, chat_answer, grpc_answer, http_answer, pb2_grpc
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
-pb2, pb2_grpc = load_stubs()
-# Tokens every client has received when the replica dies. A decode replica holds its steps
-# (until released) once every stream there has this many tokens, and a stream joining it ends
-# a held step (it catches up, then the steps hold again): whatever the machine's pace, every
-# stream reaches the kill point and none can finish on the victim before it dies. The
-# survivors are released right after the kill.
-KILL_AFTER = 5
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+# Output tokens every stream has when the replica dies: a random token of the answer (the
+# issue's "kill at a random token"; printed, and set by SPLITSERVE_TEST_KILL_AFTER to replay a
+# failure). A decode replica holds its steps (until released) once every stream there has this
+# many tokens, and a stream joining it ends a held step (it catches up, then the steps hold
+# again): whatever the machine's pace, every stream reaches the kill point and none can finish
+# on the victim before it dies. The survivors are released right after the kill.
+KILL_AFTER = int(os.environ.get("SPLITSERVE_TEST_KILL_AFTER") or random.Random().randint(2, 12))
 MAX_TOKENS = 60
-PROMPTS = [[(11 * i + 17 * s) % 380 + 20 for i in range(24 + s)] for s in range(7)]
-HTTP_CASES = [  # (prompt index, the request's sampling fields)
-    (0, {"temperature": 0}),
-    (1, {"temperature": 0}),
-    (2, {"temperature": 1.0, "seed": 7}),
-    (3, {"temperature": 0.8, "seed": 21, "top_p": 0.9}),
-    (4, {"temperature": 1.0, "seed": 3, "extra_body": {"guided_regex": "[a-z]{2,6}( [a-z]{2,6}){40,80}"}}),
+ORDER = SCHEMAS["order"]
+ORDER_FORMAT = {"type": "json_schema", "json_schema": {"name": "order", "schema": ORDER, "strict": True}}
+TOOL_CALL = {"tools": [WEATHER_TOOL], "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 96}
+# 32 streams, half over HTTP, half over gRPC: (client, the prompt's index, the request's fields).
+STREAMS = [
+    *[("completions", i, {"temperature": 0}) for i in range(4)],
+    *[("completions", i, {"temperature": 1.0, "seed": 7 + i}) for i in range(4, 7)],
+    ("completions", 7, {"temperature": 0.8, "seed": 21, "top_p": 0.9}),
+    ("completions", 8, {"temperature": 0.7, "seed": 5, "presence_penalty": 0.5, "extra_body": {"top_k": 20}}),
+    (
+        "completions",
+        9,
+        {"temperature": 1.0, "seed": 3, "extra_body": {"guided_regex": "[a-z]{2,6}( [a-z]{2,6}){40,80}"}},
+    ),
+    ("chat", 10, {"temperature": 0.8, "seed": 4, "response_format": ORDER_FORMAT, "max_tokens": MAX_INSTANCE_TOKENS}),
+    ("chat", 11, {"temperature": 0, "response_format": ORDER_FORMAT, "max_tokens": MAX_INSTANCE_TOKENS}),
+    ("chat", 12, {"temperature": 0.9, "seed": 8, **TOOL_CALL}),
+    ("chat", 13, {"temperature": 0, **TOOL_CALL}),
+    ("completions", 14, {"temperature": 0}),
+    ("completions", 15, {"temperature": 1.0, "seed": 30}),
+    *[("grpc", i, {"temperature": 0}) for i in range(16, 24)],
+    *[("grpc", i, {"temperature": 1.0, "seed": i}) for i in range(24, 30)],
+    *[("grpc", i, {"temperature": 0.8, "seed": i, "json_schema": json.dumps(ORDER)}) for i in range(30, 32)],
 ]
-GRPC_CASES = [(5, {"temperature": 0}), (6, {"temperature": 1.0, "seed": 9})]
+PROMPTS = [[(11 * i + 17 * s) % 380 + 20 for i in range(24 + s % 9)] for s in range(len(STREAMS))]
 
 
 @pytest.fixture(scope="module")
 def backend(ray_cluster, tiny_model, loop):
     cfg = cluster_config(
-        tiny_model, num_prefill=1, num_decode=2, policy="kv", num_blocks=128, migration={"migrate_after_s": 0}
+        tiny_model, num_prefill=1, num_decode=2, policy="kv", num_blocks=256, migration={"migrate_after_s": 0}
     )
     with serving_backend(loop, cfg, tiny_model) as serving:
         yield serving
@@ -61,7 +82,7 @@ def cluster(backend):
 @pytest.fixture(scope="module")
 def client(loop, backend):
     with LoopHttpServer(loop, build_http_app(backend)) as srv:
-        yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=240)
 
 
 @pytest.fixture(scope="module")
@@ -73,82 +94,66 @@ def stub(loop, backend):
     loop.run(frontend.stop(1.0))
 
 
-class KillPoint:
-    """Every stream waits after its KILL_AFTER-th token until the replica was killed."""
-
-    def __init__(self, num_streams: int):
-        self.reached = threading.Barrier(num_streams + 1)
-        self.killed = threading.Event()
-
-    def token_count(self, count: int, before: int) -> None:
-        if before < KILL_AFTER <= count:
-            self.reached.wait(60)
-            assert self.killed.wait(60)
+def one_answer(client, stub, model: str, stream: int) -> dict:
+    kind, index, fields = STREAMS[stream]
+    if kind == "completions":
+        return http_answer(client, model, PROMPTS[index], {"max_tokens": MAX_TOKENS, **fields})
+    if kind == "chat":
+        return chat_answer(client, model, f"Request {index}: " + " ".join(map(str, PROMPTS[index][:8])), fields)
+    max_tokens = MAX_INSTANCE_TOKENS if "json_schema" in fields else MAX_TOKENS
+    return grpc_answer(stub, PROMPTS[index], {"max_tokens": max_tokens, **fields})
 
 
-def http_answer(client, model: str, index: int, fields: dict, kill: KillPoint | None) -> dict:
-    fields = dict(fields)
-    extra = {"ignore_eos": True, **fields.pop("extra_body", {})}
-    stream = client.completions.create(
-        model=model,
-        prompt=PROMPTS[index],
-        max_tokens=MAX_TOKENS,
-        logprobs=1,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body=extra,
-        **fields,
-    )
-    answer: dict = {"text": "", "logprobs": [], "offsets": [], "ids": set(), "created": set(), "usage": None}
-    for chunk in stream:
-        answer["ids"].add(chunk.id)
-        answer["created"].add(chunk.created)
-        if chunk.usage is not None:
-            answer["usage"] = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
-        for choice in chunk.choices:
-            assert choice.index == 0
-            before = len(answer["logprobs"])
-            answer["text"] += choice.text
-            answer["logprobs"] += choice.logprobs.token_logprobs
-            answer["offsets"] += choice.logprobs.text_offset
-            answer["finish"] = choice.finish_reason or answer.get("finish")
-            if kill is not None:
-                kill.token_count(len(answer["logprobs"]), before)
-    return answer
+def all_answers(client, stub, model: str) -> list[dict]:
+    with ThreadPoolExecutor(len(STREAMS)) as pool:
+        futures = [pool.submit(one_answer, client, stub, model, s) for s in range(len(STREAMS))]
+        return [f.result(timeout=480) for f in futures]
 
 
-def grpc_answer(stub, index: int, fields: dict, kill: KillPoint | None) -> dict:
-    request = pb2.GenerateRequest(
-        token_ids=pb2.TokenIds(ids=PROMPTS[index]), max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=True, **fields
-    )
-    answer: dict = {"token_ids": [], "text": "", "logprobs": [], "ids": set()}
-    for response in stub.Generate(request, timeout=120):
-        before = len(answer["token_ids"])
-        answer["ids"].add(response.request_id)
-        answer["token_ids"] += response.token_ids
-        answer["text"] += response.text
-        answer["logprobs"] += response.logprobs
-        if response.finished:
-            answer["finish"] = response.finish_reason
-            answer["usage"] = (response.usage.prompt_tokens, response.usage.completion_tokens)
-        if kill is not None:
-            kill.token_count(len(answer["token_ids"]), before)
-    return answer
+def wait_for_every_stream_held(cluster, num_streams: int) -> list[str]:
+    """The kill point: every stream is on a decode replica (past its first token), and every
+    decode replica streaming holds its steps, so each stream there has KILL_AFTER output
+    tokens and none can finish; the decode replica of each stream."""
+
+    def held() -> bool:
+        inflight, waiting = cluster.dispatcher.inflight, cluster.dispatcher.inflight_prefill
+        if len(inflight) < num_streams or waiting:
+            return False
+        handles = [cluster.decode_pool.get(replica_id).handle for replica_id in set(inflight.values())]
+        return all(ray.get([h.holding.remote() for h in handles], timeout=10))
+
+    wait_until(held, 240, "the decode replicas never held every stream", 0.05)
+    return list(cluster.dispatcher.inflight.values())
 
 
-def all_answers(client, stub, model: str, kill: KillPoint | None) -> list[dict]:
-    with ThreadPoolExecutor(len(HTTP_CASES) + len(GRPC_CASES)) as pool:
-        futures = [pool.submit(http_answer, client, model, i, f, kill) for i, f in HTTP_CASES]
-        futures += [pool.submit(grpc_answer, stub, i, f, kill) for i, f in GRPC_CASES]
-        return [f.result(timeout=240) for f in futures]
+def answers_around(cluster, client, stub, model: str, at_kill_point) -> tuple[list[dict], object]:
+    """Every stream's answer while the decode steps hold at KILL_AFTER tokens, and what
+    at_kill_point(the decode replica of each stream) returns, called at the kill point; should
+    it fail, every replica is released so that the streams end."""
+    hold_decode_steps(cluster, KILL_AFTER)
+    with ThreadPoolExecutor(len(STREAMS)) as pool:
+        futures = [pool.submit(one_answer, client, stub, model, s) for s in range(len(STREAMS))]
+        try:
+            outcome = at_kill_point(wait_for_every_stream_held(cluster, len(STREAMS)))
+        except BaseException:
+            for replica in cluster.decode_pool.live_replicas():  # the streams end, and the test fails
+                replica.handle.inject_fault.remote()
+            raise
+        return [f.result(timeout=480) for f in futures], outcome
 
 
-def assert_same(got: dict, want: dict) -> None:
-    assert len(got["ids"]) == 1 and len(got.get("created", {0})) == 1
-    assert got["text"] == want["text"] and got.get("token_ids") == want.get("token_ids")
-    assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-3)
-    assert got.get("offsets") == want.get("offsets")
-    assert (got["finish"], got["usage"]) == (want["finish"], want["usage"])
+def check_references(references: list[dict]) -> None:
+    """The undisturbed answers: each long enough to be cut at KILL_AFTER; constrained ones valid."""
+    for (kind, index, fields), ref in zip(STREAMS, references):
+        assert ref["usage"][1] > KILL_AFTER, (kind, index, ref)
+        if "tools" in fields:
+            assert ref["finish"] == "tool_calls" and len(ref["tool_calls"]) == 1, ref
+            jsonschema.validate(json.loads(ref["tool_calls"][0][2]), WEATHER_TOOL["function"]["parameters"])
+        elif "response_format" in fields or "json_schema" in fields:
+            assert ref["finish"] == "stop", ref
+            jsonschema.validate(json.loads(ref["text"]), ORDER)
+        elif kind != "chat":
+            assert ref["usage"] == (len(PROMPTS[index]), MAX_TOKENS)
 
 
 def hold_decode_steps(cluster, hold_at: int, killed: str | None = None) -> None:
@@ -166,28 +171,20 @@ def live_decode_ids(cluster) -> set[str]:
     return {r.replica_id for r in cluster.decode_pool.live_replicas()}
 
 
-def kill_busiest_decode(cluster, kill: KillPoint) -> str:
-    """Once every client has its KILL_AFTER-th token: ray.kill the decode replica streaming most."""
-    kill.reached.wait(120)
-    inflight = list(cluster.dispatcher.inflight.values())
+def kill_busiest(cluster, inflight: list[str]) -> str:
+    """At the kill point: ray.kill the decode replica streaming most; the other goes on."""
     victim_id = max(set(inflight), key=inflight.count)
     ray.kill(cluster.decode_pool.get(victim_id).handle)
     hold_decode_steps(cluster, 0, killed=victim_id)  # the survivors go on (the moved streams too)
-    kill.killed.set()
     return victim_id
 
 
 def test_streams_survive_their_decode_replica(loop, cluster, backend, client, stub):
-    references = all_answers(client, stub, backend.model_name, None)
-    assert all(r["usage"] == (len(PROMPTS[i]), MAX_TOKENS) for r, (i, _) in zip(references, HTTP_CASES + GRPC_CASES))
+    references = all_answers(client, stub, backend.model_name)
+    check_references(references)
     moved = backend.metrics.migrations.total.labels(DECODE, "channel_closed")._value.get()
     gaps_before = gap_count_and_sum(backend)
-    hold_decode_steps(cluster, KILL_AFTER)
-    kill = KillPoint(len(references))
-    with ThreadPoolExecutor(1) as killer:
-        victim = killer.submit(kill_busiest_decode, cluster, kill)
-        answers = all_answers(client, stub, backend.model_name, kill)
-        victim_id = victim.result(timeout=10)
+    answers, victim_id = answers_around(cluster, client, stub, backend.model_name, lambda i: kill_busiest(cluster, i))
     for got, want in zip(answers, references):
         assert_same(got, want)
     num_moved = backend.metrics.migrations.total.labels(DECODE, "channel_closed")._value.get() - moved
@@ -205,11 +202,11 @@ def test_a_stream_opted_out_of_migration_fails_with_its_replica(loop, cluster, b
     wait_until(lambda: cluster.live_replicas(DECODE) == 2, 120, "the decode pool was not refilled", 0.2)
     hold_decode_steps(cluster, KILL_AFTER)
     refused = backend.metrics.migrations.refusals.labels("disabled")._value.get()
-    kill = KillPoint(1)
     with ThreadPoolExecutor(1) as killer:
-        victim = killer.submit(kill_busiest_decode, cluster, kill)
+        victim = killer.submit(lambda: kill_busiest(cluster, wait_for_every_stream_held(cluster, 1)))
         with pytest.raises(openai.APIError):
-            http_answer(client, backend.model_name, 0, {"temperature": 0, "extra_body": {"migration": False}}, kill)
+            fields = {"temperature": 0, "max_tokens": MAX_TOKENS, "extra_body": {"migration": False}}
+            http_answer(client, backend.model_name, PROMPTS[0], fields)
         victim_id = victim.result(timeout=10)
     assert backend.metrics.migrations.refusals.labels("disabled")._value.get() == refused + 1
     hold_decode_steps(cluster, 0, killed=victim_id)
@@ -218,25 +215,21 @@ def test_a_stream_opted_out_of_migration_fails_with_its_replica(loop, cluster, b
 
 
 def drain_busiest_mid_stream(loop, cluster, backend, client, stub, start_drain) -> dict:
-    """Every client streams; once each has its KILL_AFTER-th token (the decode steps held),
+    """Every client streams; at the kill point (the decode steps held at KILL_AFTER tokens)
     start_drain(victim, outcome) drains the decode replica streaming most, the other replica
     released; the victim is released once its streams were handed off (while its steps were
     still held: none could finish there). Every answer must equal its undisturbed reference,
     each move counted as a drain. Returns the outcome (victim, what start_drain put there)."""
     wait_until(lambda: cluster.live_replicas(DECODE) == 2, 120, "the decode pool was not refilled", 0.2)
-    references = all_answers(client, stub, backend.model_name, None)
+    references = all_answers(client, stub, backend.model_name)
     drains = backend.metrics.migrations.total.labels(DECODE, "drain")
     before = drains._value.get()
-    hold_decode_steps(cluster, KILL_AFTER)
-    kill, outcome = KillPoint(len(references)), {}
+    outcome: dict = {}
 
-    def drain_busiest() -> None:
-        kill.reached.wait(120)
-        inflight = list(cluster.dispatcher.inflight.values())
+    def drain_busiest(inflight: list[str]) -> None:
         victim = outcome["victim"] = max(set(inflight), key=inflight.count)
         handle = cluster.decode_pool.get(victim).handle
         hold_decode_steps(cluster, 0, killed=victim)  # the other replica goes on
-        kill.killed.set()
         finish = start_drain(victim, outcome)
         wait_until(lambda: drains._value.get() == before + inflight.count(victim), 60, "no stream handed off")
         try:
@@ -245,10 +238,7 @@ def drain_busiest_mid_stream(loop, cluster, backend, client, stub, start_drain) 
             pass
         finish()
 
-    with ThreadPoolExecutor(1) as background:
-        draining = background.submit(drain_busiest)
-        answers = all_answers(client, stub, backend.model_name, kill)
-        draining.result(timeout=180)
+    answers, _ = answers_around(cluster, client, stub, backend.model_name, drain_busiest)
     for got, want in zip(answers, references):
         assert_same(got, want)
     assert drains._value.get() > before

@@ -1,0 +1,104 @@
+"""The clients of the migration tests: streams over the OpenAI HTTP API (the openai client:
+completions and chat, structured output and tool calls included) and gRPC, each collected as
+one answer (text, tool calls, token ids, log-probabilities, the ids and `created` it carried,
+finish reason, usage), to compare with an undisturbed run's."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.proto import load_stubs
+
+pb2, pb2_grpc = load_stubs()
+
+
+def new_answer() -> dict:
+    return {"text": "", "logprobs": [], "offsets": [], "ids": set(), "created": set(), "usage": None, "finish": None}
+
+
+def http_answer(client, model: str, prompt: list[int], fields: dict) -> dict:
+    """A streamed /v1/completions answer (one choice)."""
+    fields = dict(fields)
+    extra = {"ignore_eos": True, **fields.pop("extra_body", {})}
+    stream = client.completions.create(
+        model=model,
+        prompt=prompt,
+        logprobs=1,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
+        **fields,
+    )
+    answer = new_answer()
+    for chunk in stream:
+        answer["ids"].add(chunk.id)
+        answer["created"].add(chunk.created)
+        if chunk.usage is not None:
+            answer["usage"] = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
+        for choice in chunk.choices:
+            assert choice.index == 0
+            answer["text"] += choice.text
+            answer["logprobs"] += choice.logprobs.token_logprobs
+            answer["offsets"] += choice.logprobs.text_offset
+            answer["finish"] = choice.finish_reason or answer["finish"]
+    return answer
+
+
+def chat_answer(client, model: str, message: str, fields: dict) -> dict:
+    """A streamed /v1/chat/completions answer: its content, or its tool calls as
+    (id, name, arguments) in order of index."""
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": message}],
+        logprobs=True,
+        stream=True,
+        stream_options={"include_usage": True},
+        **fields,
+    )
+    answer, calls = new_answer(), {}
+    for chunk in stream:
+        answer["ids"].add(chunk.id)
+        answer["created"].add(chunk.created)
+        if chunk.usage is not None:
+            answer["usage"] = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
+        for choice in chunk.choices:
+            assert choice.index == 0
+            answer["text"] += choice.delta.content or ""
+            for call in choice.delta.tool_calls or []:
+                entry = calls.setdefault(call.index, ["", "", ""])
+                entry[0] += call.id or ""
+                entry[1] += (call.function.name if call.function else None) or ""
+                entry[2] += (call.function.arguments if call.function else None) or ""
+            answer["logprobs"] += (
+                [entry.logprob for entry in (choice.logprobs.content or [])] if choice.logprobs else []
+            )
+            answer["finish"] = choice.finish_reason or answer["finish"]
+    answer["tool_calls"] = [tuple(calls[i]) for i in sorted(calls)]
+    return answer
+
+
+def grpc_answer(stub, prompt: list[int], fields: dict) -> dict:
+    request = pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=prompt), ignore_eos=True, logprobs=True, **fields)
+    answer = new_answer() | {"token_ids": []}
+    for response in stub.Generate(request, timeout=240):
+        answer["ids"].add(response.request_id)
+        answer["token_ids"] += response.token_ids
+        answer["text"] += response.text
+        answer["logprobs"] += response.logprobs
+        if response.finished:
+            answer["finish"] = response.finish_reason
+            answer["usage"] = (response.usage.prompt_tokens, response.usage.completion_tokens)
+    return answer
+
+
+def assert_same(got: dict, want: dict) -> None:
+    """One answer (one id, one `created`) equal to its undisturbed reference; tool call ids
+    are per request, so only their form is compared."""
+    assert len(got["ids"]) == 1 and len(got["created"]) <= 1
+    assert got["text"] == want["text"] and got.get("token_ids") == want.get("token_ids")
+    assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-3)
+    assert got["offsets"] == want["offsets"]
+    assert (got["finish"], got["usage"]) == (want["finish"], want["usage"])
+    got_calls, want_calls = got.get("tool_calls", []), want.get("tool_calls", [])
+    assert [c[1:] for c in got_calls] == [c[1:] for c in want_calls]
+    assert all(c[0].startswith("call_") for c in got_calls)
