@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 
 from splitserve.bench.loadgen.arrivals import poisson_arrival_offsets
+from splitserve.bench.loadgen.client import sse_lines
 from splitserve.bench.serving.migration_faults import (
     DISPATCHER_LOG,
     MovedLabels,
@@ -57,7 +58,8 @@ async def stream_one(http: httpx.AsyncClient, model: str, stream: Stream, max_to
             stream.status = r.status_code
             if r.status_code != 200:
                 stream.error = f"http_{r.status_code}: {(await r.aread())[:200]!r}"
-            async for line in r.aiter_lines() if r.status_code == 200 else _nothing():
+                return
+            async for line in sse_lines(r):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk, now = json.loads(line[6:]), time.perf_counter() - t0
@@ -74,12 +76,8 @@ async def stream_one(http: httpx.AsyncClient, model: str, stream: Stream, max_to
                     stream.finish = choice.get("finish_reason") or stream.finish
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         stream.error = f"{type(exc).__name__}: {exc}"
-    stream.end_s = time.perf_counter() - t0
-
-
-async def _nothing():
-    return
-    yield
+    finally:
+        stream.end_s = time.perf_counter() - t0
 
 
 def make_streams(num: int, prompt_len: int, seed: int, prefix: str) -> list[Stream]:
@@ -142,7 +140,9 @@ async def run_config(model_dir: str, name: str, host_tier_gib: float, args, rate
         while not server.started:
             await asyncio.sleep(0.05)
         base = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
+        # Idle connections expire well before uvicorn's 5 s keep-alive closes them: a request
+        # sent on one the server is closing fails with ReadError, which is no migration's doing.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=1.0)
         async with httpx.AsyncClient(base_url=base, timeout=args.request_timeout_s, limits=limits) as http:
             model, t0 = backend.model_name, time.perf_counter()
             await closed_loop(http, model, args, args.warmup_s, 4, t0)
@@ -192,6 +192,7 @@ async def run_config(model_dir: str, name: str, host_tier_gib: float, args, rate
             "gap_s": tap.gap_s,
             "recomputed_tokens": tap.recomputed_tokens,
             "moved_labels": sorted(moved.labels),
+            "retries": cluster.dispatcher.num_retries,  # requests moved before their first token
             "streams": [s.to_dict() for s in streams],
         }
     finally:

@@ -96,6 +96,7 @@ def summarize(run: dict, args) -> dict:
         "kills": len(run["kills"]),
         "streams_on_victims": sum(k["streams"] for k in run["kills"]),
         "moves": len(run["moves"]),
+        "retries": run.get("retries"),
         "moves_by_reason": {r: sum(1 for m, _ in run["moves"] if m == r) for r in {m for m, _ in run["moves"]}},
         "refusals": run["refusals"],
         "gap_s": _pct(run["gap_s"]),
@@ -126,7 +127,7 @@ def markdown(summaries: list[dict]) -> str:
             "kills / streams on the victims / moves",
             lambda s: f"{s['kills']} / {s['streams_on_victims']} / {s['moves']}",
         ),
-        ("refused moves", lambda s: str(len(s["refusals"]))),
+        ("retried before a first token / refused moves", lambda s: f"{s['retries']} / {len(s['refusals'])}"),
         (
             "gap at a move p50 / p99 (ingress), ms",
             lambda s: f"{_f(_k(s['gap_s'], 'p50'))} / {_f(_k(s['gap_s'], 'p99'))}",
