@@ -192,6 +192,7 @@ async def run_config(model_dir: str, name: str, host_tier_gib: float, args, rate
             "gap_s": tap.gap_s,
             "recomputed_tokens": tap.recomputed_tokens,
             "moved_labels": sorted(moved.labels),
+            "move_log": [(label, at - t0) for label, at in moved.moves],
             "retries": cluster.dispatcher.num_retries,  # requests moved before their first token
             "streams": [s.to_dict() for s in streams],
         }

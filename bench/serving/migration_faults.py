@@ -101,12 +101,17 @@ class MoveTap:
 
 
 class MovedLabels(logging.Handler):
-    """The client ids (x-request-id) of the streams the dispatcher moved, from its log line."""
+    """The client ids (x-request-id) of the streams the dispatcher moved, and when
+    (perf_counter), from its log line: written as it re-submits the continuation."""
 
     def __init__(self):
         super().__init__(logging.WARNING)
-        self.labels: set[str] = set()
+        self.moves: list[tuple[str, float]] = []
+
+    @property
+    def labels(self) -> set[str]:
+        return {label for label, _ in self.moves}
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.msg.startswith("moving ") and len(record.args) >= 2:
-            self.labels.add(str(record.args[1]))
+        if isinstance(record.args, tuple) and record.msg.startswith("moving ") and len(record.args) >= 2:
+            self.moves.append((str(record.args[1]), time.perf_counter()))

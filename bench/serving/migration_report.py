@@ -78,6 +78,7 @@ def summarize(run: dict, args) -> dict:
     moved = set(run["moved_labels"])
     client_gaps = [max(g for _, g in s.gaps()) for s in done if s.label in moved and len(s.chunks) > 1]
     carried = [n for _, n in run["moves"]]
+    detect, resume = move_stages(run, {s.label: s for s in streams})
     replaced = []
     for kill in run["kills"]:
         back = [t for t, ids in run["pool_samples"] if t > kill["at_s"] and kill["victim"] not in ids]
@@ -103,6 +104,8 @@ def summarize(run: dict, args) -> dict:
         "client_gap_s": _pct(client_gaps),
         "carried_tokens": _pct(carried),
         "recomputed_tokens": _pct(run["recomputed_tokens"]),
+        "kill_to_move_s": _pct(detect),
+        "move_to_next_token_s": _pct(resume),
         "phases": phases,
         "p99_ratio_failures_to_baseline": ratio,
         "replaced_after_s": replaced,
@@ -110,6 +113,20 @@ def summarize(run: dict, args) -> dict:
         "host_stored_loaded_blocks": run["baseline"]["host_stored_loaded_blocks"],
         "verify": run["verify"],
     }
+
+
+def move_stages(run: dict, by_label: dict[str, Stream]) -> tuple[list[float], list[float]]:
+    """Per move, the ingress's part of the gap: from the kill to the dispatcher re-submitting
+    the stream (the failure reaching it), and from there to the client's next token (routing,
+    prefill of the continuation, KV transfer, the new replica's first step)."""
+    detect, resume = [], []
+    for label, moved_at in run.get("move_log", []):
+        kills = [k["at_s"] for k in run["kills"] if k["at_s"] <= moved_at]
+        after = [at for at, _ in by_label[label].chunks if at > moved_at] if label in by_label else []
+        if kills and after:
+            detect.append(moved_at - kills[-1])
+            resume.append(after[0] - moved_at)
+    return detect, resume
 
 
 def _f(value, digits: int = 1) -> str:
@@ -135,6 +152,10 @@ def markdown(summaries: list[dict]) -> str:
         (
             "largest gap of a moved stream p50 / p99 (client), ms",
             lambda s: f"{_f(_k(s['client_gap_s'], 'p50'))} / {_f(_k(s['client_gap_s'], 'p99'))}",
+        ),
+        (
+            "of which kill -> re-submitted / -> next token p50, ms",
+            lambda s: f"{_f(_k(s['kill_to_move_s'], 'p50'))} / {_f(_k(s['move_to_next_token_s'], 'p50'))}",
         ),
         ("output tokens carried per move, mean", lambda s: _f(s["carried_tokens"]["mean"])),
         (

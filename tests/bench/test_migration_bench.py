@@ -39,6 +39,7 @@ def run() -> dict:
         "gap_s": [0.9],
         "recomputed_tokens": [4],
         "moved_labels": ["b"],
+        "move_log": [("b", 12.3)],
         "baseline": {
             "ok": True,
             "after_s": 2.0,
@@ -69,6 +70,8 @@ def test_summary_splits_the_phases_and_times_the_moves():
     assert summary["client_gap_s"]["p50"] == pytest.approx(1.0)
     assert summary["replaced_after_s"] == [2.0]  # the victim gone at 12.5, the pool full at 14.0
     assert (summary["moves"], summary["recomputed_tokens"]["mean"]) == (1, 4.0)
+    assert summary["kill_to_move_s"]["p50"] == pytest.approx(0.3)  # killed at 12.0, moved at 12.3
+    assert summary["move_to_next_token_s"]["p50"] == pytest.approx(0.2)  # its next token at 12.5
 
 
 def test_the_table_has_a_column_per_configuration():
