@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ __all__ = [
     "EndpointError",
     "PromptTextRenderer",
     "fetch_model_id",
+    "sse_lines",
     "DEFAULT_BASE_URL",
     "ENDPOINT_PATHS",
     "PROMPT_FORMATS",
@@ -48,6 +49,20 @@ __all__ = [
 
 _MAX_ERROR_BODY_CHARS = 300
 _SYLLABLES = tuple(c + v for c in "bdfgklmnprstvz" for v in "aeiou")
+
+
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """The lines of a Server-Sent Events body, split where SSE ends a line: at LF (a CR before
+    it dropped). httpx's aiter_lines also splits at U+0085, U+2028, U+2029 and the other
+    str.splitlines breaks, which JSON leaves unescaped inside a token's text (a model can emit
+    them), so it would cut such a chunk in two."""
+    rest = ""
+    async for text in response.aiter_text():
+        *lines, rest = (rest + text).split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if rest:
+        yield rest.removesuffix("\r")
 
 
 class EndpointError(RuntimeError):
@@ -212,7 +227,7 @@ class BenchClient:
                 await self._read_stream(response, record, clock)
 
     async def _read_stream(self, response: httpx.Response, record: RequestRecord, clock: Callable[[], float]) -> None:
-        async for line in response.aiter_lines():
+        async for line in sse_lines(response):
             now = clock()
             if not line.startswith("data:"):
                 continue

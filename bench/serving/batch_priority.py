@@ -22,6 +22,8 @@ import time
 
 import httpx
 
+from splitserve.bench.loadgen.client import sse_lines
+
 
 def p99(values: list[float]) -> float:
     ordered = sorted(values)
@@ -43,7 +45,7 @@ async def one_request(client: httpx.AsyncClient, model: str, i: int, max_tokens:
         if r.status_code != 200:
             stats["errors"] += 1
             return
-        async for line in r.aiter_lines():
+        async for line in sse_lines(r):
             if not line.startswith("data: {"):
                 continue
             now = time.perf_counter()

@@ -97,8 +97,8 @@ class Metrics:
 
 class MigrationMetrics:
     """Streams moved to another decode replica mid-stream, the tokens they carried, the gap
-    each move left in the client's stream, and the moves refused (the dispatcher's
-    MigrationObserver)."""
+    each move left in the client's stream, the tokens each continuation computed again, and
+    the moves refused (the dispatcher's MigrationObserver)."""
 
     def __init__(self, f: ModelFamilies):
         self.total = f.counter(
@@ -120,9 +120,18 @@ class MigrationMetrics:
             "splitserve_migration_gap_seconds",
             "Per move, the client's wait from the last token before its replica failed to the first after",
         )
+        self.recomputed_tokens = f.histogram(
+            "splitserve_migration_recomputed_tokens",
+            "Per move, the continuation's prompt tokens its new replica computed again "
+            "(not found in a prefix cache or the host KV tier)",
+            TOKEN_BUCKETS,
+        )
 
     def gap(self, seconds: float) -> None:
         self.gaps.observe(seconds)
+
+    def recomputed(self, num_tokens: int) -> None:
+        self.recomputed_tokens.observe(num_tokens)
 
     def moved(self, pool: str, reason: str, num_tokens: int) -> None:
         self.total.labels(pool, reason).inc()

@@ -35,13 +35,16 @@ DISABLED, MAX_ATTEMPTS, NO_REPLICA = "disabled", "max_attempts", "no_replica"
 
 
 class MigrationObserver(Protocol):
-    """Counts moves and refusals, and times the gap the client saw (the ingress's metrics)."""
+    """Counts moves and refusals, times the gap the client saw, and counts the tokens each
+    continuation's replica computed again (the ingress's metrics)."""
 
     def moved(self, pool: str, reason: str, num_tokens: int) -> None: ...
 
     def refused(self, reason: str) -> None: ...
 
     def gap(self, seconds: float) -> None: ...
+
+    def recomputed(self, num_tokens: int) -> None: ...
 
 
 def movable_reason(failure: Failed | ChannelClosed | BaseException) -> str | None:
@@ -62,7 +65,8 @@ class AnswerSoFar:
         clock: Callable[[], float] = time.monotonic,
     ):
         """observer: told the gap of each move, from the last token the client got before the
-        failure to the first one after (clock: monotonic seconds)."""
+        failure to the first one after (clock: monotonic seconds), and how many of the
+        continuation's prompt tokens its replica computed (found in no prefix cache or host tier)."""
         self.prompt_token_ids, self.params = prompt_token_ids, params
         self.observer, self.clock = observer, clock
         self._last_token_at: float | None = None
@@ -71,6 +75,7 @@ class AnswerSoFar:
         self.num_text_chars = 0  # characters of text the client was sent
         self.num_moves = 0
         self._resumed = 0  # output tokens at the end of the current attempt's prompt
+        self._continued = False  # a continuation was submitted; its first chunk not yet seen
         self._num_cached_tokens: int | None = None  # the first attempt's, what the client was told
         self._request_id = ""  # the id the client's first chunk carried (gRPC echoes it)
 
@@ -88,6 +93,10 @@ class AnswerSoFar:
         self.num_text_chars += len(chunk.text)
         if self._num_cached_tokens is None:
             self._num_cached_tokens, self._request_id = chunk.num_cached_tokens, chunk.request_id
+        if self._continued:  # every chunk carries its attempt's prompt and cache hit; count once
+            self._continued = False
+            if self.observer is not None:
+                self.observer.recomputed(chunk.num_prompt_tokens - chunk.num_cached_tokens)
         if not self._resumed:
             return chunk
         return msgspec.structs.replace(
@@ -111,6 +120,7 @@ class AnswerSoFar:
             continuation=Continuation(resumed, self.num_text_chars),
         )
         self._resumed = resumed
+        self._continued = True
         self.num_moves += 1
         if self._moved_at is None:  # a move before any token came back counts from the one before
             self._moved_at = self._last_token_at

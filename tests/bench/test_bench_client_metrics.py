@@ -136,6 +136,20 @@ def test_client_streams_records_and_errors(fake_server):
     assert chat.build_payload("m", requests[0])["messages"][0]["content"].count(" ") == 39
 
 
+def test_client_reads_text_with_unicode_line_breaks_as_one_chunk():
+    """U+0085, U+2028 and U+2029 end a line for str.splitlines (and httpx's aiter_lines) but
+    not for SSE; JSON sends them raw. A chunk whose text holds them is still one chunk."""
+    server = FakeServerThread(FakeServerState(token_text=" t{i}\x85\u2028\u2029\x1c")).start()
+    try:
+        options = ClientOptions(base_url=server.url, show_progress=False)
+        run = BenchClient(options).run([BenchRequest("odd", (5, 6, 7), max_tokens=4)], LoadPoint(concurrency=1))
+    finally:
+        server.stop()
+    (record,) = run.records
+    assert record.ok, record.error
+    assert len(record.chunk_times_s) == 4 and record.completion_tokens == 4
+
+
 def test_client_cached_share_and_dependencies(fake_server):
     workload = MultiTurnWorkload(
         num_conversations=2, num_turns=3, first_turn_len=32, user_turn_len=16, max_tokens=16, vocab=VOCAB

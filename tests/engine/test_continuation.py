@@ -154,6 +154,9 @@ def test_the_gap_of_a_move_runs_from_the_last_token_before_to_the_first_after():
         def gap(self, seconds: float) -> None:
             gaps.append(seconds)
 
+        def recomputed(self, num_tokens: int) -> None:
+            pass
+
     def chunk(*token_ids: int) -> StreamChunk:
         return StreamChunk("r", list(token_ids), "", False, None, len(PROMPT), 0, len(token_ids))
 
@@ -167,3 +170,28 @@ def test_the_gap_of_a_move_runs_from_the_last_token_before_to_the_first_after():
     assert gaps == [5.5]
     answer.client_chunk(chunk(4))  # t 8.0: an ordinary token, no gap
     assert gaps == [5.5]
+
+
+def test_each_move_counts_the_tokens_its_continuation_computed_again():
+    """Once per continuation that sent a chunk: its prompt (the client's prompt and answer so
+    far) less what its replica found cached; the first attempt's cache hit is not a move's."""
+    recomputed = []
+
+    class Observer:
+        def gap(self, seconds: float) -> None:
+            pass
+
+        def recomputed(self, num_tokens: int) -> None:
+            recomputed.append(num_tokens)
+
+    answer = AnswerSoFar([1, 2, 3], SamplingParams(max_tokens=10), Observer())
+    answer.client_chunk(StreamChunk("r", [7, 8], "ab", False, None, 3, 0, 2))
+    assert recomputed == []
+    answer.continuation()
+    answer.continuation()  # moved again before its replica sent anything: one count, the next attempt's
+    answer.client_chunk(StreamChunk("r.2", [], "", False, None, 5, 2, 0))  # 5 prompt tokens, 2 cached
+    answer.client_chunk(StreamChunk("r.2", [9], "c", False, None, 5, 2, 1))
+    assert recomputed == [3]
+    answer.continuation()
+    answer.client_chunk(StreamChunk("r.3", [4], "d", True, "length", 6, 6, 1))  # all cached
+    assert recomputed == [3, 0]

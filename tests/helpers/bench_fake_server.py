@@ -34,6 +34,7 @@ class FakeServerState:
     itl_s: float = 0.002
     vocab_size: int = 50_000
     model: str = "fake-model"
+    token_text: str = " tok{i}"  # the i-th output token's text
     seen_blocks: set[tuple[int, ...]] = field(default_factory=set)
     in_flight: list[int] = field(default_factory=lambda: [0] * NUM_REPLICAS)
     num_requests: int = 0
@@ -101,7 +102,8 @@ def create_app(state: FakeServerState) -> FastAPI:
             chunk = {"id": "cmpl-fake", "object": kind, "model": state.model, "choices": choices}
             if include_usage:
                 chunk["usage"] = usage
-            return f"data: {json.dumps(chunk)}\n\n"
+            # Non-ASCII text raw, as splitserve's and vLLM's JSON encoders send it.
+            return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
         async def chunks():
             state.in_flight[replica] += 1
@@ -113,7 +115,7 @@ def create_app(state: FakeServerState) -> FastAPI:
                     if i:
                         await asyncio.sleep(state.itl_s)
                     finish = "length" if i == max_tokens - 1 else None
-                    text = f" tok{i}"
+                    text = state.token_text.format(i=i)
                     choice = (
                         {"index": 0, "delta": {"content": text}, "finish_reason": finish}
                         if chat
