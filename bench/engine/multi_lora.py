@@ -87,14 +87,15 @@ def measure(work: Path, num_requests: int, prompt_len: int, max_tokens: int, rep
         paths[f"a{i}"] = str(work / f"a{i}")
         write_adapter(probe, Path(paths[f"a{i}"]))
     del probe
-    results = []
-    for count in CASES:
-        names = [f"a{i}" for i in range(count)]
-        runs = []
-        for _ in range(repeats + 1):  # the first run warms up (and is dropped)
+    # The cases take turns, one run each per round, so that a burst of load from another
+    # process on a shared machine lands on every case's runs alike, not on one case's.
+    runs: dict[int, list[dict]] = {count: [] for count in CASES}
+    for _ in range(repeats + 1):  # each case's first run warms up (and is dropped)
+        for count in CASES:
+            names = [f"a{i}" for i in range(count)]
             engine = engine_for(base, {n: paths[n] for n in names})
-            runs.append(run_case(engine, names, num_requests, prompt_len, max_tokens))
-        results.append(min(runs[1:], key=lambda r: r["seconds"]))  # the least disturbed run
+            runs[count].append(run_case(engine, names, num_requests, prompt_len, max_tokens))
+    results = [min(runs[count][1:], key=lambda r: r["seconds"]) for count in CASES]  # the least disturbed run
     base_run = results[0]
     for r in results:
         r["vs_base"] = r["tokens_per_s"] / base_run["tokens_per_s"]
@@ -124,7 +125,8 @@ Command: `python -m splitserve.bench.engine.multi_lora --out bench/results` ({co
 {args.max_tokens} output tokens (greedy, ignore_eos), adapters assigned round-robin; an 8-layer
 512-wide Llama, rank-16 adapters on all 7 target modules, `max_loras` {MAX_LORAS},
 `max_cpu_loras` {MAX_CPU_LORAS}; CPU, torch threads 1; best of {args.repeats} runs after a
-warm-up. TTFT counts from the moment all requests were queued (a batch, not an arrival process).
+warm-up, the cases taking turns run by run. TTFT counts from the moment all requests were
+queued (a batch, not an arrival process).
 
 {chr(10).join(rows)}
 
