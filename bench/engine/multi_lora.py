@@ -6,7 +6,8 @@ every target module), all requests queued at once and stepped to completion; a r
 is from the start to the step that gave its first token. Reported per case: output tokens/s and
 its ratio to the base alone, TTFT p50/p99, adapter loads per 1,000 requests (by tier), and the
 LoRA share of the step time, (time - base time) / time (the base alone takes the scripted CPU
-decode step, which LoRA steps do not: the share counts that too).
+decode step, which LoRA steps do not: the share counts that too). Then, in the same run,
+adapter-aware routing against the plain KV router on two real engines (lora_routing.py).
 
   .venv/bin/python -m splitserve.bench.engine.multi_lora --out bench/results
 """
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 from splitserve.bench import source_commit
+from splitserve.bench.engine import lora_routing
 from splitserve.bench.engine.lora_load_cost import RANK, write_adapter, write_base
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
@@ -78,7 +80,8 @@ def run_case(engine: LLMEngine, names: list[str], num_requests: int, prompt_len:
     }
 
 
-def measure(work: Path, num_requests: int, prompt_len: int, max_tokens: int, repeats: int) -> list[dict]:
+def measure(work: Path, num_requests: int, prompt_len: int, max_tokens: int, repeats: int) -> tuple[list, dict]:
+    """The cases' results, and the routing section's (lora_routing.measure)."""
     base = work / "base"
     write_base(base)
     probe = engine_for(base, {})
@@ -100,10 +103,10 @@ def measure(work: Path, num_requests: int, prompt_len: int, max_tokens: int, rep
     for r in results:
         r["vs_base"] = r["tokens_per_s"] / base_run["tokens_per_s"]
         r["lora_share"] = max(r["seconds"] - base_run["seconds"], 0.0) / r["seconds"]
-    return results
+    return results, lora_routing.measure(base, paths)
 
 
-def write_report(out: Path, results: list[dict], args: argparse.Namespace, commit: str) -> None:
+def write_report(out: Path, results: list[dict], routing: dict, args: argparse.Namespace, commit: str) -> None:
     rows = [
         "| adapters | tok/s | vs base | TTFT p50 / p99 ms | loads per 1,000 requests | LoRA share of step time |",
         "|---|---|---|---|---|---|",
@@ -134,7 +137,10 @@ Target (issue 39): throughput at 8 resident adapters >= 0.8x the base alone: **{
 
 ![throughput against the base alone, and TTFT, per case](multi_lora.png)
 
+{lora_routing.section(routing)}
 Raw: `{json.dumps(results)}`
+
+Raw (routing): `{json.dumps(routing)}`
 """
     (out / "multi_lora.md").write_text(text)
     plot(out / "multi_lora.png", results)
@@ -173,8 +179,8 @@ def main() -> None:
     commit = source_commit()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as work:
-        results = measure(Path(work), args.num_requests, args.prompt_len, args.max_tokens, args.repeats)
-    write_report(Path(args.out), results, args, commit)
+        results, routing = measure(Path(work), args.num_requests, args.prompt_len, args.max_tokens, args.repeats)
+    write_report(Path(args.out), results, routing, args, commit)
     print((Path(args.out) / "multi_lora.md").read_text())
 
 
