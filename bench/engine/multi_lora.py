@@ -6,7 +6,8 @@ every target module), all requests queued at once and stepped to completion; a r
 is from the start to the step that gave its first token. Reported per case: output tokens/s and
 its ratio to the base alone, TTFT p50/p99, adapter loads per 1,000 requests (by tier), and the
 LoRA share of the step time, (time - base time) / time (the base alone takes the scripted CPU
-decode step, which LoRA steps do not: the share counts that too).
+decode step, which LoRA steps do not: the share counts that too). Then, in the same run,
+adapter-aware routing against the plain KV router on two real engines (lora_routing.py).
 
   .venv/bin/python -m splitserve.bench.engine.multi_lora --out bench/results
 """
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 from splitserve.bench import source_commit
+from splitserve.bench.engine import lora_routing
 from splitserve.bench.engine.lora_load_cost import RANK, write_adapter, write_base
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
@@ -78,7 +80,8 @@ def run_case(engine: LLMEngine, names: list[str], num_requests: int, prompt_len:
     }
 
 
-def measure(work: Path, num_requests: int, prompt_len: int, max_tokens: int, repeats: int) -> list[dict]:
+def measure(work: Path, num_requests: int, prompt_len: int, max_tokens: int, repeats: int) -> tuple[list, dict]:
+    """The cases' results, and the routing section's (lora_routing.measure)."""
     base = work / "base"
     write_base(base)
     probe = engine_for(base, {})
@@ -87,22 +90,23 @@ def measure(work: Path, num_requests: int, prompt_len: int, max_tokens: int, rep
         paths[f"a{i}"] = str(work / f"a{i}")
         write_adapter(probe, Path(paths[f"a{i}"]))
     del probe
-    results = []
-    for count in CASES:
-        names = [f"a{i}" for i in range(count)]
-        runs = []
-        for _ in range(repeats + 1):  # the first run warms up (and is dropped)
+    # The cases take turns, one run each per round, so that a burst of load from another
+    # process on a shared machine lands on every case's runs alike, not on one case's.
+    runs: dict[int, list[dict]] = {count: [] for count in CASES}
+    for _ in range(repeats + 1):  # each case's first run warms up (and is dropped)
+        for count in CASES:
+            names = [f"a{i}" for i in range(count)]
             engine = engine_for(base, {n: paths[n] for n in names})
-            runs.append(run_case(engine, names, num_requests, prompt_len, max_tokens))
-        results.append(min(runs[1:], key=lambda r: r["seconds"]))  # the least disturbed run
+            runs[count].append(run_case(engine, names, num_requests, prompt_len, max_tokens))
+    results = [min(runs[count][1:], key=lambda r: r["seconds"]) for count in CASES]  # the least disturbed run
     base_run = results[0]
     for r in results:
         r["vs_base"] = r["tokens_per_s"] / base_run["tokens_per_s"]
         r["lora_share"] = max(r["seconds"] - base_run["seconds"], 0.0) / r["seconds"]
-    return results
+    return results, lora_routing.measure(base, paths)
 
 
-def write_report(out: Path, results: list[dict], args: argparse.Namespace, commit: str) -> None:
+def write_report(out: Path, results: list[dict], routing: dict, args: argparse.Namespace, commit: str) -> None:
     rows = [
         "| adapters | tok/s | vs base | TTFT p50 / p99 ms | loads per 1,000 requests | LoRA share of step time |",
         "|---|---|---|---|---|---|",
@@ -124,7 +128,8 @@ Command: `python -m splitserve.bench.engine.multi_lora --out bench/results` ({co
 {args.max_tokens} output tokens (greedy, ignore_eos), adapters assigned round-robin; an 8-layer
 512-wide Llama, rank-16 adapters on all 7 target modules, `max_loras` {MAX_LORAS},
 `max_cpu_loras` {MAX_CPU_LORAS}; CPU, torch threads 1; best of {args.repeats} runs after a
-warm-up. TTFT counts from the moment all requests were queued (a batch, not an arrival process).
+warm-up, the cases taking turns run by run. TTFT counts from the moment all requests were
+queued (a batch, not an arrival process).
 
 {chr(10).join(rows)}
 
@@ -132,7 +137,10 @@ Target (issue 39): throughput at 8 resident adapters >= 0.8x the base alone: **{
 
 ![throughput against the base alone, and TTFT, per case](multi_lora.png)
 
+{lora_routing.section(routing)}
 Raw: `{json.dumps(results)}`
+
+Raw (routing): `{json.dumps(routing)}`
 """
     (out / "multi_lora.md").write_text(text)
     plot(out / "multi_lora.png", results)
@@ -165,14 +173,14 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     commit = source_commit()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as work:
-        results = measure(Path(work), args.num_requests, args.prompt_len, args.max_tokens, args.repeats)
-    write_report(Path(args.out), results, args, commit)
+        results, routing = measure(Path(work), args.num_requests, args.prompt_len, args.max_tokens, args.repeats)
+    write_report(Path(args.out), results, routing, args, commit)
     print((Path(args.out) / "multi_lora.md").read_text())
 
 

@@ -1,7 +1,10 @@
-"""The device's adapter slots: per target module one stacked lora_A [layers, max_loras,
-max_lora_rank, in] and lora_B transposed [layers, max_loras, max_lora_rank, out], zero where
-an adapter has a smaller rank or does not target the module, so that a batch's tokens index
-their adapter's matrices by slot (engine/lora/lora_batch.py) and zeros add nothing.
+"""The device's adapter slots: per fused projection of the decoder layer (PROJECTION_GROUPS)
+one stacked lora_A, transposed and side by side over the group's targets, [layers, max_loras,
+in, targets * max_lora_rank], and per target one lora_B transposed [layers, max_loras,
+max_lora_rank, out]; zero where an adapter has a smaller rank or does not target the module,
+so that a batch's tokens index their adapter's matrices by slot (engine/lora/lora_batch.py)
+and zeros add nothing. The group's A side by side is one shrink matmul for q, k and v (and for
+gate and up) where each target's own would be three (two) smaller ones.
 
 A replica serves more adapters than slots: each lives in the host tier
 (engine/lora/lora_host_cache.py) and is copied into a slot when a step needs it, evicting the
@@ -25,6 +28,15 @@ from splitserve.engine.lora.peft_checkpoint import LoraAdapter, LoraAdapterError
 
 # A token of the base model (no adapter) in a batch's per-token slot index.
 NO_ADAPTER = -1
+# The decoder layer's projections (engine/model/layers.py), each with the targets whose outputs
+# are its output's column ranges, in order.
+PROJECTION_GROUPS = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+GROUP_OF = {target: group for group, targets in PROJECTION_GROUPS.items() for target in targets}
 
 
 class LoraSlots:
@@ -39,9 +51,19 @@ class LoraSlots:
         self.device = torch.device(device)
         self.stats = LoraLoadStats() if host is None else host.stats
         self.host: LoraHostCache = host or LoraHostCache(config, max_rank, max_loras, self.stats)
+        # a_t[group]: the group's stacked A transposed; a[target]: its target's [layers, slots,
+        # rank, in] view of it (what an adapter is copied into); b[target]: B transposed.
+        self.a_t: dict[str, torch.Tensor] = {}
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, torch.Tensor] = {}
         self.scaling = torch.zeros(max_loras, dtype=dtype, device=self.device)
+        self.slot_scaling = [0.0] * max_loras  # the same on the host: a step's layout reads it
+        # Per projection group, per target: (its first column in the group's output, its width).
+        self.columns: dict[str, list[tuple[str, int, int]]] = {}
+        for group, targets in PROJECTION_GROUPS.items():
+            widths = [target_shape(config, target)[0] for target in targets]
+            firsts = [sum(widths[:i]) for i in range(len(widths))]
+            self.columns[group] = list(zip(targets, firsts, widths))
         self.slot_of: OrderedDict[str, int] = OrderedDict()
         # Targets some loaded adapter has: the others' deltas are all zero and are not computed.
         self.targeted: set[str] = set()
@@ -50,12 +72,20 @@ class LoraSlots:
         self.lock = threading.Lock()
 
     def _stacks(self, target: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target's stacked A and B, allocated the first time an adapter targets it."""
-        if target not in self.a:
-            out_dim, in_dim = target_shape(self.config, target)
-            layers, slots, rank = self.config.num_hidden_layers, self.max_loras, self.max_rank
-            self.a[target] = torch.zeros(layers, slots, rank, in_dim, dtype=self.dtype, device=self.device)
-            # B transposed: a batch's slots' B^T, gathered, is one [slots * rank, out] matrix.
+        """The target's A (a view of its group's) and B, allocated the first time an adapter
+        targets it (its group's A then for all the group's targets)."""
+        layers, slots, rank = self.config.num_hidden_layers, self.max_loras, self.max_rank
+        group = GROUP_OF[target]
+        if group not in self.a_t:
+            targets = PROJECTION_GROUPS[group]
+            in_dim = target_shape(self.config, target)[1]  # a group's targets share their input
+            shape = (layers, slots, in_dim, len(targets) * rank)
+            self.a_t[group] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for i, name in enumerate(targets):
+                self.a[name] = self.a_t[group][..., i * rank : (i + 1) * rank].transpose(2, 3)
+        if target not in self.b:
+            out_dim = target_shape(self.config, target)[0]
+            # B transposed: a token's shrunk [rank] row times it is its [out] delta.
             self.b[target] = torch.zeros(layers, slots, rank, out_dim, dtype=self.dtype, device=self.device)
         return self.a[target], self.b[target]
 
@@ -69,14 +99,14 @@ class LoraSlots:
         slot = free[0]
         start = time.perf_counter()
         # The slot's previous adapter may have had a larger rank or other targets: zero it all.
-        for target in self.a:
-            self.a[target][:, slot].zero_()
-            self.b[target][:, slot].zero_()
+        for stacked in (*self.a_t.values(), *self.b.values()):
+            stacked[:, slot].zero_()
         for (layer, target), (lora_a, lora_b) in adapter.weights.items():
             a, b = self._stacks(target)
             a[layer, slot, : adapter.rank].copy_(lora_a)
             b[layer, slot, : adapter.rank].copy_(lora_b.T)
         self.scaling[slot] = adapter.scaling
+        self.slot_scaling[slot] = adapter.scaling
         self.slot_of[adapter.name] = slot
         self.targeted |= adapter.targets
         if self.device.type == "cuda":

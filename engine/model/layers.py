@@ -166,12 +166,10 @@ class DecoderLayer(nn.Module):
         lora: each adapter token's LoRA delta added to every targeted projection's output."""
         x = self.norm(hidden, self.input_norm, self.eps)
         num_tokens = x.shape[0]
-        i, q, kv = self.layer_index, self.q_size, self.kv_size
+        i = self.layer_index
         qkv = linear(x, self.qkv_weight, self.qkv_bias)
-        if lora is not None:  # q, k and v are column ranges of the fused output
-            lora.add_delta(qkv, i, "q_proj", x)
-            lora.add_delta(qkv, i, "k_proj", x, q)
-            lora.add_delta(qkv, i, "v_proj", x, q + kv)
+        if lora is not None:  # q, k and v are column ranges of the fused output, in that order
+            lora.add_delta(qkv, i, "qkv", x)
         # Rotate q and k in one go: they are adjacent columns of the fused projection.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
@@ -193,7 +191,7 @@ class DecoderLayer(nn.Module):
         attn = attn.reshape(num_tokens, self.q_size)
         out = linear(attn, self.o_weight)
         if lora is not None:
-            lora.add_delta(out, i, "o_proj", attn)
+            lora.add_delta(out, i, "o", attn)
         if self.all_reduce is not None:
             self.all_reduce(out)
         if self.attn_output_norm is not None:
@@ -206,12 +204,11 @@ class DecoderLayer(nn.Module):
         else:
             gate_up = linear(x, self.gate_up_weight)
             if lora is not None:
-                lora.add_delta(gate_up, i, "gate_proj", x)
-                lora.add_delta(gate_up, i, "up_proj", x, self.intermediate_size)
+                lora.add_delta(gate_up, i, "gate_up", x)
             act = self.activation(gate_up[:, : self.intermediate_size]).mul_(gate_up[:, self.intermediate_size :])
             out = linear(act, self.down_weight)
             if lora is not None:
-                lora.add_delta(out, i, "down_proj", act)
+                lora.add_delta(out, i, "down", act)
         if self.all_reduce is not None:
             self.all_reduce(out)
         if self.mlp_output_norm is not None:

@@ -1,7 +1,8 @@
 """Multi-LoRA in the engine (engine/lora/): adapters written by peft on a transformers
 checkpoint give transformers + peft's greedy tokens, alone and mixed with other adapters and
-the base model in one batch; no prefix-cache block is shared across adapters or with the base;
-adapters the engine cannot serve are refused in one line at load."""
+the base model in one batch (each layout of the delta: test_lora_layouts.py); no prefix-cache
+block is shared across adapters or with the base; adapters the engine cannot serve are refused
+in one line at load."""
 
 from __future__ import annotations
 
@@ -9,12 +10,10 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 import transformers
 
 from splitserve.engine.config import ConfigError, EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
-from splitserve.engine.lora.lora_batch import LoraBatch
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.proto.messages.invalid_request import InvalidRequestError
 from splitserve.proto.messages.sampling_params import SamplingParams
@@ -161,24 +160,6 @@ def test_no_prefix_cache_block_is_shared_across_adapters_or_with_the_base(checkp
     assert again.num_cached_tokens == 48
     assert again.token_ids == first.token_ids == expected["attn"][-1]
     assert_baseline(engine)
-
-
-def test_each_mixed_token_gets_its_own_adapters_delta_and_base_tokens_none(checkpoint):
-    """The grouped delta against each token's own adapter computed alone: base tokens get none."""
-    engine = lora_engine(checkpoint)
-    slots = engine.runner.lora
-    batch = LoraBatch.for_sequences(slots, [None, "attn", "qv", None, "attn"], [2, 3, 1, 2, 1])
-    x = torch.randn(9, SERVABLE_SHAPE["hidden_size"])
-    out = torch.zeros(9, 5 + slots.b["q_proj"].shape[3])
-    batch.add_delta(out, 1, "q_proj", x, first_col=5)
-    token_adapters = [None, None, "attn", "attn", "attn", "qv", None, None, "attn"]
-    for t, name in enumerate(token_adapters):
-        want = torch.zeros(out.shape[1])
-        if name is not None:
-            slot = slots.slot_of[name]
-            a, b = slots.a["q_proj"][1, slot], slots.b["q_proj"][1, slot]
-            want[5:] = (b.T @ (a @ x[t])) * slots.scaling[slot]
-        torch.testing.assert_close(out[t], want)
 
 
 def test_a_request_for_an_adapter_not_served_is_refused(checkpoint):
