@@ -68,9 +68,15 @@ def sinusoidal_workload(
     return Workload(tuple(requests), described)
 
 
-def serve_config(policy: str | None, static: Deployment, slo: Slo, profile: str, startup_s: float) -> ServeConfig:
+def serve_config(
+    policy: str | None, static: Deployment, slo: Slo, profile: str, startup_s: float, window_s: float | None = None
+) -> ServeConfig:
     """policy None: the static deployment; "reactive" / "sla": pools autoscaled from 1 up to the
-    static deployment's count, the SLOs as the latency targets."""
+    static deployment's count, the SLOs as the latency targets; window_s: planner.window_s
+    (None: its default)."""
+    planner = {"gpu_budget": static.gpus, "startup_s": startup_s, "percentile": slo.percentile}
+    if window_s is not None:
+        planner["window_s"] = window_s
 
     def scaling(enabled: bool, maximum: int) -> dict:
         return {
@@ -97,14 +103,14 @@ def serve_config(policy: str | None, static: Deployment, slo: Slo, profile: str,
                 "max_num_seqs": static.max_num_seqs,
                 "autoscaling": {**decode, "itl_target_ms": slo.itl_s * 1000},
             },
-            "planner": {"gpu_budget": static.gpus, "startup_s": startup_s, "percentile": slo.percentile},
+            "planner": planner,
         }
     )
 
 
 def run_policy(args, model: str, name: str, static: Deployment, slo: Slo, workload: Workload) -> PolicyRun:
     policy = None if name == "static" else name
-    cfg = serve_config(policy, static, slo, args.profile, args.startup_s)
+    cfg = serve_config(policy, static, slo, args.profile, args.startup_s, args.window_s)
     cluster = VirtualTimeCluster(
         model,
         args.profile,
@@ -137,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ttft-ms", type=float, default=3000.0)
     parser.add_argument("--itl-ms", type=float, default=35.0)
     parser.add_argument("--startup-s", type=float, default=30.0, help="seconds a new replica takes to serve")
+    parser.add_argument("--window-s", type=float, default=None, help="planner.window_s (default: its default)")
     parser.add_argument("--max-gpus", type=int, default=24, help="most GPUs the static search tries")
     parser.add_argument("--policies", default="static,reactive,sla")
     parser.add_argument("--seed", type=int, default=0)

@@ -74,6 +74,7 @@ def _abs_summary(values: list[float]) -> str:
 
 def write_report(out: Path, args, command: str, commit: str, workload: Workload, winner, slo: Slo, runs) -> None:
     static = winner.deployment
+    window_s = runs[0].cfg.planner.window_s  # every run's config carries the same planner settings
     lines = [
         SECTION,
         "",
@@ -95,7 +96,8 @@ def write_report(out: Path, args, command: str, commit: str, workload: Workload,
         "prefill: 2048 queued tokens/replica and TTFT; decode: KV usage 0.8, 32 running/replica and ITL), the SLOs "
         "as their latency targets, each pool 1..the static deployment's count.",
         f"- **sla**: the live `sla` policy (`SlaPlanner` + `SlaScalingPolicy`), same bounds, GPU budget {static.gpus}, "
-        f"interval 5 s, `planner.startup_s` {args.startup_s:g}, window 30 s, 400 forecast requests per sizing, "
+        f"interval 5 s, `planner.startup_s` {args.startup_s:g}, `planner.window_s` {window_s:g} s, 400 forecast "
+        "requests per sizing, "
         f"down after 30 s.",
         f"- Both autoscaled runs are the controller's `Autoscaler` on the virtual-time cluster "
         f"(`bench/control_plane/virtual_autoscaling.py`): each step it reads every replica's load, the TTFT/ITL p90 "

@@ -68,7 +68,7 @@ class VirtualControlPlane:
         report = LoadReport(scheduler.num_waiting_tokens, running, replica.engine.kv.usage, len(scheduler.waiting))
         return ReplicaLoad(replica_id, report, draining=replica.draining, updated_at=self.cluster.now)
 
-    def refilling(self, pool: str) -> bool:
+    def refilling(self, pool: str, starting: int = 0) -> bool:
         return False
 
     async def add_replicas(self, pool: str, num: int = 1) -> list[Replica]:

@@ -297,10 +297,11 @@ class Controller:
         self.events.append(PoolEvent(self.clock(), pool, replica_id, "drained", "" if drained else "timeout"))
         return drained
 
-    def refilling(self, pool: str) -> bool:
-        """The pool is below its target or has replicas starting: replacements are under way
-        (the autoscaler holds meanwhile, or it would count a dead replica's loss as load)."""
-        return self.roster.refilling(pool)
+    def refilling(self, pool: str, starting: int = 0) -> bool:
+        """The pool is below its target or has replicas starting (beyond the autoscaler's own
+        `starting`): replacements are under way (the autoscaler holds meanwhile, or it would
+        count a dead replica's loss as load)."""
+        return self.roster.refilling(pool, starting)
 
     async def wait_applied(self, version: int, timeout_s: float) -> bool:
         """Wait until every live ingress routes by `version` or later; False at the timeout."""

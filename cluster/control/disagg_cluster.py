@@ -112,9 +112,9 @@ class DisaggCluster:
         view = self.follower.view
         return dict(view.expected) if view is not None else {PREFILL: 0, DECODE: 0}
 
-    def refilling(self, pool: str) -> bool:
+    def refilling(self, pool: str, starting: int = 0) -> bool:
         """The in-process controller is replacing replicas of the pool (see Controller.refilling)."""
-        return self.controller is not None and self.controller.refilling(pool)
+        return self.controller is not None and self.controller.refilling(pool, starting)
 
     def live_replicas(self, pool: str) -> int:
         """Replicas of the pool that take new requests (routed, not draining)."""

@@ -108,10 +108,11 @@ class PoolRoster:
             self.spawn(asyncio.to_thread(WorkerPool.kill, replica, False))
         return replica
 
-    def refilling(self, pool: str) -> bool:
-        """The pool is below its target or has replicas starting: replacements are under way."""
+    def refilling(self, pool: str, starting: int = 0) -> bool:
+        """The pool is below its target or has more replicas starting than the autoscaler's
+        own `starting`: replacements are under way."""
         replicas = self.pools[pool].replicas
-        return len(replicas) < self.targets[pool] or any(not r.ready for r in replicas.values())
+        return len(replicas) < self.targets[pool] or sum(not r.ready for r in replicas.values()) > starting
 
     def missing(self, pool: str) -> int:
         """Replicas to start to reach the target (those starting count as there)."""

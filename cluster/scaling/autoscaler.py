@@ -13,7 +13,12 @@ pool's policy, and executes the decision:
         ones finish, the replica leaves every ingress's routing, actor removed; its Ray
         resources are freed, so Ray's autoscaler can later remove the idle node.
 
-At most one action per pool is in flight; the pool's loop only observes until it finishes.
+One action per pool is in flight at a time, with one exception: the `sla` policy may start
+more replicas while its earlier starts are in flight (its plan is a target count of serving +
+starting replicas, not a step, so each interval it starts the difference at once rather than
+waiting out a start-up time per move). The reactive policies keep one action at a time: each
+step is their answer to a measurement that cannot show a start in flight, so stepping again
+before it serves would compound. A scale-down never overlaps another action of its pool.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from splitserve.cluster.bounded_log import BoundedLog
-from splitserve.cluster.config import AutoscalingConfig, ServeConfig
+from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.cluster.scaling.cluster_view import ScalableCluster
 from splitserve.cluster.scaling.policy import (
@@ -62,6 +67,16 @@ class ScalingEvent:
     finished_at: float | None = None  # replicas ready and routed to / drained and removed
     ok: bool | None = None  # False: a replica failed to start or to drain in time
 
+    @property
+    def num(self) -> int:
+        return abs(self.to_replicas - self.from_replicas)
+
+
+@dataclass
+class _Action:
+    event: ScalingEvent
+    task: asyncio.Task
+
 
 class Autoscaler:
     def __init__(
@@ -91,7 +106,7 @@ class Autoscaler:
             planner = SlaPlanner(cfg, demand_source, sla_kv_bytes_per_token(cfg, model_dir), metrics)
             for pool in (PREFILL, DECODE):
                 if (cfg.prefill if pool == PREFILL else cfg.decode).autoscaling.enabled:
-                    self.policies[pool] = SlaScalingPolicy(pool, planner, self._serving_counts)
+                    self.policies[pool] = SlaScalingPolicy(pool, planner, self._planned_counts)
         else:
             if cfg.prefill.autoscaling.enabled:
                 self.policies[PREFILL] = PrefillScalingPolicy(cfg.prefill.autoscaling)
@@ -100,7 +115,7 @@ class Autoscaler:
         self.events: BoundedLog[ScalingEvent] = BoundedLog(EVENT_LOG_SIZE)
         self.last_decisions: dict[str, ScalingDecision] = {}
         self._last_scaled_at: dict[str, float | None] = {pool: None for pool in self.policies}
-        self._actions: dict[str, asyncio.Task] = {}
+        self._actions: dict[str, list[_Action]] = {pool: [] for pool in self.policies}
         self._loops: list[asyncio.Task] = []
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -122,20 +137,36 @@ class Autoscaler:
             )
 
     async def stop(self) -> None:
-        tasks = self._loops + list(self._actions.values())
+        tasks = self._loops + [a.task for actions in self._actions.values() for a in actions]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._loops = []
-        self._actions.clear()
+        for actions in self._actions.values():
+            actions.clear()
 
-    def _serving_counts(self) -> dict[str, int]:
+    def starting(self, pool: str) -> int:
+        """Replicas this autoscaler asked for in the pool that do not serve yet."""
+        return sum(a.event.num for a in self._actions.get(pool, ()) if a.event.action == "up")
+
+    def _planned_counts(self) -> dict[str, int]:
+        """Per pool, serving replicas plus those starting: what the `sla` plan's counts mean
+        (a replica starting holds its GPUs, and counts toward the budget)."""
         view = self.cluster.loads
-        return {pool: len(view.replica_ids(pool, include_draining=False)) for pool in (PREFILL, DECODE)}
+        return {
+            pool: len(view.replica_ids(pool, include_draining=False)) + self.starting(pool)
+            for pool in (PREFILL, DECODE)
+        }
 
     def scaling_in_progress(self, pool: str) -> bool:
-        task = self._actions.get(pool)
-        return task is not None and not task.done()
+        return any(not a.task.done() for a in self._actions.get(pool, ()))
+
+    def _may_decide(self, pool: str) -> bool:
+        """Nothing in flight, or (the `sla` policy) only starts: it may start more."""
+        actions = self._actions.get(pool, [])
+        if not actions:
+            return True
+        return isinstance(self.policies[pool], SlaScalingPolicy) and all(a.event.action == "up" for a in actions)
 
     # ---- one control step ----------------------------------------------------------------
     async def _run_pool(self, pool: str) -> None:
@@ -143,8 +174,8 @@ class Autoscaler:
         policy = self.policies[pool]
         while True:
             try:
-                if isinstance(policy, SlaScalingPolicy) and not self.scaling_in_progress(pool):
-                    await asyncio.to_thread(policy.planner.size, self.clock(), self._serving_counts())
+                if isinstance(policy, SlaScalingPolicy) and self._may_decide(pool):
+                    await asyncio.to_thread(policy.planner.size, self.clock(), self._planned_counts())
                 self.step(pool)
             except Exception:
                 logger.exception("autoscaler step for %s failed", pool)
@@ -162,13 +193,15 @@ class Autoscaler:
             loads=tuple(l.report for l in loads),
             ttft_p90_ms=latency if pool == PREFILL else None,
             itl_p90_ms=latency if pool == DECODE else None,
+            starting_replicas=self.starting(pool),
         )
 
     def step(self, pool: str) -> ScalingDecision | None:
-        """Decide once for `pool` and start the action; None while an action is in flight or
-        the controller is replacing lost replicas (their absence is not load)."""
+        """Decide once for `pool` and start the action; None while an action is in flight
+        (for the `sla` policy: while a drain is) or the controller is replacing lost replicas
+        (their absence is not load)."""
         self._set_replica_gauge(pool)
-        if self.scaling_in_progress(pool) or self.cluster.refilling(pool):
+        if not self._may_decide(pool) or self.cluster.refilling(pool, self.starting(pool)):
             return None
         now = self.clock()
         snap = self.snapshot(pool, now)
@@ -176,25 +209,25 @@ class Autoscaler:
         self.last_decisions[pool] = decision
         if self.metrics is not None:
             self.metrics.scaling_decisions.labels(pool, decision.action).inc()
-        if decision.action == "hold":
+        if decision.action == "hold" or (decision.action == "down" and snap.starting_replicas):
             logger.debug("autoscaler %s: hold at %d (%s)", pool, snap.num_replicas, decision.reason)
             return decision
         cfg = self.policies[pool].cfg
         target = min(max(decision.target_replicas, cfg.min_replicas), cfg.max_replicas)
-        num = abs(target - snap.num_replicas)
-        if num == 0:
+        current = snap.num_replicas + snap.starting_replicas  # a scale-down has none starting
+        if (target - current) * (1 if decision.action == "up" else -1) <= 0:
             return decision
-        logger.info(
-            "autoscaler %s: scale %s %d -> %d (%s)", pool, decision.action, snap.num_replicas, target, decision.reason
-        )
-        self.events.append(ScalingEvent(now, pool, decision.action, snap.num_replicas, target, decision.reason))
-        action = self._scale_up(pool, num) if decision.action == "up" else self._scale_down(pool, num, cfg)
-        self._actions[pool] = asyncio.get_running_loop().create_task(action, name=f"scale-{pool}")
+        logger.info("autoscaler %s: scale %s %d -> %d (%s)", pool, decision.action, current, target, decision.reason)
+        event = ScalingEvent(now, pool, decision.action, current, target, decision.reason)
+        self.events.append(event)
+        action = self._scale_up if decision.action == "up" else self._scale_down
+        task = asyncio.get_running_loop().create_task(action(pool, event), name=f"scale-{pool}")
+        self._actions[pool].append(_Action(event, task))
         return decision
 
     # ---- actions -------------------------------------------------------------------------
-    async def _scale_up(self, pool: str, num: int) -> None:
-        ok = False
+    async def _scale_up(self, pool: str, event: ScalingEvent) -> None:
+        ok, num = False, event.num
         try:
             replicas = await self.cluster.add_replicas(pool, num)
             logger.info("autoscaler %s: added %s", pool, ", ".join(r.replica_id for r in replicas))
@@ -202,12 +235,12 @@ class Autoscaler:
         except Exception:
             logger.exception("autoscaler %s: adding %d replica(s) failed", pool, num)
         finally:
-            self._finish_action(pool, ok)
+            self._finish_action(pool, event, ok)
 
-    async def _scale_down(self, pool: str, num: int, cfg: AutoscalingConfig) -> None:
+    async def _scale_down(self, pool: str, event: ScalingEvent) -> None:
         ok = False
         try:
-            victims = self._least_loaded(pool, num, cfg.min_replicas)
+            victims = self._least_loaded(pool, event.num, self.policies[pool].cfg.min_replicas)
             results = await asyncio.gather(
                 *(self.cluster.drain_replica(pool, rid, self.drain_timeout_s) for rid in victims),
                 return_exceptions=True,
@@ -226,7 +259,7 @@ class Autoscaler:
                     logger.info("autoscaler %s: drained and removed %s", pool, rid)
             ok = all(result is True for result in results)
         finally:
-            self._finish_action(pool, ok)
+            self._finish_action(pool, event, ok)
 
     def _least_loaded(self, pool: str, num: int, min_replicas: int) -> list[str]:
         """Up to num serving replicas that are quickest to drain, never leaving fewer than
@@ -247,11 +280,10 @@ class Autoscaler:
 
         return sorted(ids, key=drain_cost)[:num]
 
-    def _finish_action(self, pool: str, ok: bool) -> None:
+    def _finish_action(self, pool: str, event: ScalingEvent, ok: bool) -> None:
         now = self.clock()
-        event = next((e for e in reversed(self.events) if e.pool == pool), None)
-        if event is not None:
-            event.finished_at, event.ok = now, ok
+        event.finished_at, event.ok = now, ok
+        self._actions[pool] = [a for a in self._actions[pool] if a.event is not event]
         self._last_scaled_at[pool] = now
         self.policies[pool].mark_scaled(now)  # the cooldown starts once the change is done
         self._set_replica_gauge(pool)

@@ -24,8 +24,9 @@ class ScalableCluster(Protocol):
     @property
     def loads(self) -> LoadView: ...
 
-    def refilling(self, pool: str) -> bool:
-        """Replacing lost replicas of the pool (their absence is not load: hold)."""
+    def refilling(self, pool: str, starting: int = 0) -> bool:
+        """Replacing lost replicas of the pool (their absence is not load: hold). starting:
+        replicas the autoscaler itself is starting there, which are not a refill."""
         ...
 
     async def add_replicas(self, pool: str, num: int = 1) -> Sequence[Any]:

@@ -34,17 +34,20 @@ class MetricsSnapshot:
     replica report, so a stalled poller makes the snapshot stale).
 
     num_replicas counts serving (non-draining) replicas; loads has one entry per replica.
-    ttft_p90_ms / itl_p90_ms: recent measured latency, None when nothing was measured."""
+    ttft_p90_ms / itl_p90_ms: recent measured latency, None when nothing was measured.
+    starting_replicas: asked for and not serving yet (only the `sla` policy decides while a
+    start is in flight; the reactive policies always see 0)."""
 
     taken_at: float
     num_replicas: int
     loads: tuple[LoadReport, ...] = ()
     ttft_p90_ms: float | None = None
     itl_p90_ms: float | None = None
+    starting_replicas: int = 0
 
     def __post_init__(self) -> None:
-        if self.num_replicas < 0:
-            raise ValueError("num_replicas must be >= 0")
+        if self.num_replicas < 0 or self.starting_replicas < 0:
+            raise ValueError("num_replicas and starting_replicas must be >= 0")
         object.__setattr__(self, "loads", tuple(self.loads))
 
     def per_replica(self, total: float) -> float:

@@ -10,14 +10,18 @@ starts empty under-predicts TTFT on a ramp by the wait of the queue already ther
 larger of the current and the forecast rate (a forecast of falling load does not shrink the
 pools before the load has fallen), and takes the first that meets TTFT (prefill.autoscaling.ttft_target_ms)
 and ITL (decode.autoscaling.itl_target_ms) at the percentile; none does: the most the bounds
-allow. Each pool then moves to its planned count:
-  up    at once: the lead time is already in the forecast's horizon (a replica started now
-        serves when the forecast load arrives);
-  down  only once the plan has stayed below the pool for downscale_delay_s (no flapping), and
-        never while the measured latency (TTFT p90 for prefill, ITL p90 for decode) is over
-        its target; drained like any scale-down;
-  and where the measured latency is over its target but the plan sees no need, one step up:
-  the measurement overrides a model that under-predicts.
+allow. A pool's count is its serving replicas plus those starting. Each pool then moves to
+its planned count:
+  up    at once, even while earlier starts are in flight (the autoscaler lets this policy
+        start the difference then): the lead time is already in the forecast's horizon (a
+        replica started now serves when the forecast load arrives); never past the GPU budget
+        with the other pool's serving and starting replicas;
+  down  only once the plan has stayed below the pool for downscale_delay_s (no flapping), with
+        no start in flight, and never while the measured latency (TTFT p90 for prefill, ITL
+        p90 for decode) is over its target; drained like any scale-down;
+  and where the measured latency is over its target but the plan sees no need, one step up,
+  unless a start is in flight (the measurement cannot show it yet): the measurement
+  overrides a model that under-predicts.
 Every decision's reason carries the forecast and the prediction; they are also exported:
 splitserve_planner_predicted_{ttft,itl}_seconds and splitserve_planner_target_replicas{pool}.
 """
@@ -218,16 +222,23 @@ class SlaScalingPolicy:
         self._below_since = None
 
     def decide(self, snapshot: MetricsSnapshot, now: float) -> ScalingDecision:
-        n, cfg = snapshot.num_replicas, self.cfg
+        starting, cfg = snapshot.starting_replicas, self.cfg
+        n = snapshot.num_replicas + starting
         counts = {**self.cluster_counts(), self.pool: n}
         self.planner.observe_backlog(self.pool, snapshot)
         sizing = self.planner.size(now, counts)
         target = min(max(sizing.targets[self.pool], cfg.min_replicas), cfg.max_replicas)
+        # The plan's two counts fit the budget together, but the other pool may still hold
+        # more than its plan (waiting out its downscale delay): start only what fits.
+        while target > n and not self.planner.within_budget({**counts, self.pool: target}):
+            target -= 1
         measured = snapshot.ttft_p90_ms if self.pool == PREFILL else snapshot.itl_p90_ms
         limit = self.planner.slo.ttft_s if self.pool == PREFILL else self.planner.slo.itl_s
         breached = measured is not None and measured / 1000 > limit
         reason = sizing.describe()
-        if breached and target <= n and n < cfg.max_replicas:
+        if starting:
+            reason += f"; {starting} replica(s) starting"
+        if breached and target <= n and n < cfg.max_replicas and not starting:
             stepped = min(n + cfg.step, cfg.max_replicas)
             if self.planner.within_budget({**counts, self.pool: stepped}):
                 target = stepped
@@ -237,6 +248,9 @@ class SlaScalingPolicy:
         if target > n:
             self._below_since = None
             return ScalingDecision("up", target, reason)
+        if starting:  # no scale-down before the starts a plan asked for serve
+            self._below_since = None
+            return ScalingDecision("hold", n, reason)
         busy = any(load.num_running or load.num_waiting for load in snapshot.loads)
         if target < n and sizing.forecast is None and busy:
             # Requests run but none finished in the window (a stall, or very long requests):

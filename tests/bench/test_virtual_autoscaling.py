@@ -99,3 +99,48 @@ def test_on_the_ramp_the_reactive_policies_break_the_ttft_slo_where_sla_holds_it
         return percentile([r.ttft_s for r in run.requests if r.arrival_s < PERIOD_S / 2], 90)
 
     assert ramp_ttft_p90(sla_run[2]) <= SLO.ttft_s < ramp_ttft_p90(reactive)
+
+
+def test_on_a_step_up_the_sla_policy_starts_more_while_a_start_is_in_flight(tiny_model, tmp_path):
+    """2 -> 24 req/s at once, prefill 1..6 and decode 1..2 replicas under a 6-GPU budget,
+    replicas serving 20 s after they are asked for: the first plan after the step starts
+    replicas, the next (one interval on, the window now full of the new rate) starts several
+    more while those are still starting, rather than waiting out a start-up time; serving +
+    starting replicas never pass the budget or the bounds, and every request finishes. The
+    reactive policies on the same requests keep one action per pool at a time."""
+    model = long_context_copy(tiny_model, tmp_path / "long-context")
+    lengths = LengthDistribution(2000, 500), LengthDistribution(100, 20)
+    low = sinusoidal_workload(2.0, 2.0, 100.0, 40.0, *lengths, seed=1)
+    high = sinusoidal_workload(24.0, 24.0, 100.0, 60.0, *lengths, seed=2)
+    after = tuple(replace(r, arrival_s=r.arrival_s + 40.0) for r in high.requests)
+    workload = Workload(low.requests + after, f"{low.description}, then {high.description}")
+    bounds, budget, startup_s = Deployment(6, 2, 2048), 6, 20.0
+
+    def run(policy: str):
+        cfg = serve_config(policy, bounds, SLO, PROFILE, startup_s)
+        planner = cfg.planner.model_copy(update={"window_s": 10.0, "num_requests": 200, "gpu_budget": budget})
+        cfg = cfg.model_copy(update={"planner": planner})
+        cluster = VirtualTimeCluster(model, PROFILE, False, 64, 2048, workload.max_total_tokens, KV_BYTES)
+        return run_autoscaled(cfg, cluster, workload, {PREFILL: 1, DECODE: 1}, startup_s)
+
+    def overlapping(events):  # (earlier, later) starts of one pool, the later asked before the earlier served
+        ups = [e for e in events if e.action == "up"]
+        return [(a, b) for a in ups for b in ups if a.pool == b.pool and a.at < b.at < a.finished_at]
+
+    sla = run("sla")
+    pairs = overlapping(sla.events)
+    assert pairs, [(e.at, e.pool, e.from_replicas, e.to_replicas, e.finished_at) for e in sla.events]
+    first, more = pairs[0]
+    interval_s = serve_config("sla", bounds, SLO, PROFILE, startup_s).prefill.autoscaling.interval_s
+    assert first.at >= 40.0 and more.at - first.at <= interval_s
+    assert more.from_replicas == first.to_replicas and more.to_replicas - more.from_replicas >= 2
+    assert "replica(s) starting" in more.reason and all(e.ok for e in sla.events)
+    for sample in sla.samples:
+        held = {pool: sample.provisioned[pool] - sample.draining[pool] for pool in (PREFILL, DECODE)}
+        assert held[PREFILL] + held[DECODE] <= budget
+        assert held[PREFILL] <= bounds.prefill_replicas and held[DECODE] <= bounds.decode_replicas
+    assert max(s.provisioned[PREFILL] - s.draining[PREFILL] for s in sla.samples) > first.to_replicas
+    assert [len(r.token_times) for r in sla.requests] == [r.output_tokens for r in workload.requests]
+
+    reactive = run("reactive")
+    assert [e for e in reactive.events if e.action == "up"] and not overlapping(reactive.events)

@@ -31,7 +31,7 @@ class FakeCluster:
     def loads(self) -> PoolLoads:
         return self.pool_loads
 
-    def refilling(self, pool: str) -> bool:
+    def refilling(self, pool: str, starting: int = 0) -> bool:
         return self.is_refilling
 
     async def add_replicas(self, pool: str, num: int = 1) -> list[AddedReplica]:
@@ -87,3 +87,22 @@ def test_the_autoscaler_drives_a_cluster_double():
         assert fake.pool_loads.replica_ids(DECODE) == ["d0"]
 
     asyncio.run(scenario())
+
+
+def test_the_roster_tells_the_autoscalers_own_starts_from_a_refill(tiny_model):
+    """The controller's books, no Ray: replicas starting that the autoscaler asked for are not a
+    refill (the `sla` policy may start more meanwhile); one more starting than it asked for,
+    or a pool below its target (a replica lost), is."""
+    from splitserve.cluster.control.pool_roster import PoolRoster
+    from splitserve.cluster.control.worker_pool import Replica
+
+    roster = PoolRoster(_config(), tiny_model, "unit")
+    replicas = roster.pools[DECODE].replicas
+    replicas["decode-0"] = Replica("decode-0", DECODE, handle=None, ready=True)
+    assert not roster.refilling(DECODE)
+    roster.targets[DECODE] = 3  # the autoscaler asked for two more: both starting
+    replicas.update({rid: Replica(rid, DECODE, handle=None) for rid in ("decode-1", "decode-2")})
+    assert roster.refilling(DECODE) and roster.refilling(DECODE, starting=1)
+    assert not roster.refilling(DECODE, starting=2)
+    del replicas["decode-0"]  # lost while they start
+    assert roster.refilling(DECODE, starting=2)

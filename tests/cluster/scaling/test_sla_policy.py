@@ -58,7 +58,11 @@ def run(cfg: ServeConfig, load: VirtualLoad, seconds: int, start: dict[str, int]
     once. Returns the serving counts per second and the actions taken."""
     serving, starting = dict(start), []  # starting: (ready at, pool, count)
     planner = SlaPlanner(cfg, load.totals, kv_bytes_per_token=131072)
-    policies = {pool: SlaScalingPolicy(pool, planner, lambda: dict(serving)) for pool in (PREFILL, DECODE)}
+
+    def planned() -> dict[str, int]:  # serving + starting, as the autoscaler counts them
+        return {pool: serving[pool] + sum(s[2] for s in starting if s[1] == pool) for pool in serving}
+
+    policies = {pool: SlaScalingPolicy(pool, planner, planned) for pool in (PREFILL, DECODE)}
     history, actions = [], []
     for _ in range(seconds):
         load.advance(1.0)
@@ -69,7 +73,8 @@ def run(cfg: ServeConfig, load: VirtualLoad, seconds: int, start: dict[str, int]
         for pool, policy in policies.items():
             pending = sum(s[2] for s in starting if s[1] == pool)
             itl = breach_ms if pool == DECODE else None
-            decision = policy.decide(MetricsSnapshot(now, serving[pool] + pending, itl_p90_ms=itl), now)
+            snapshot = MetricsSnapshot(now, serving[pool], itl_p90_ms=itl, starting_replicas=pending)
+            decision = policy.decide(snapshot, now)
             if decision.action == "up":
                 starting.append((now + STARTUP_S, pool, decision.target_replicas - serving[pool] - pending))
             elif decision.action == "down":
