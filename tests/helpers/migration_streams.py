@@ -1,13 +1,16 @@
 """The clients of the migration tests: streams over the OpenAI HTTP API (the openai client:
 completions and chat, structured output and tool calls included) and gRPC, each collected as
 one answer (text, tool calls, token ids, log-probabilities, the ids and `created` it carried,
-finish reason, usage), to compare with an undisturbed run's."""
+finish reason, usage), to compare with an undisturbed run's; and the kill point: the decode
+replicas hold their steps at an output length until every stream there has it."""
 
 from __future__ import annotations
 
 import pytest
+import ray
 
 from splitserve.proto import load_stubs
+from tests.helpers.cluster import wait_until
 
 pb2, pb2_grpc = load_stubs()
 
@@ -102,3 +105,26 @@ def assert_same(got: dict, want: dict) -> None:
     got_calls, want_calls = got.get("tool_calls", []), want.get("tool_calls", [])
     assert [c[1:] for c in got_calls] == [c[1:] for c in want_calls]
     assert all(c[0].startswith("call_") for c in got_calls)
+
+
+def hold_decode_steps(cluster, hold_at: int, killed: str | None = None) -> None:
+    """Arm every live decode replica but `killed` to hold at hold_at output tokens (0 releases)."""
+    handles = [r.handle for r in cluster.decode_pool.live_replicas() if r.replica_id != killed]
+    ray.get([h.inject_fault.remote(hold_at_output_tokens=hold_at) for h in handles], timeout=10)
+
+
+def wait_for_every_stream_held(cluster, num_streams: int) -> list[str]:
+    """The kill point: num_streams streams are on decode replicas (past their first token),
+    and every decode replica streaming holds its steps (hold_decode_steps), so each stream
+    there has the output length and none can finish; the decode replica of each stream, in
+    the order the streams were submitted."""
+
+    def held() -> bool:
+        inflight, waiting = cluster.dispatcher.inflight, cluster.dispatcher.inflight_prefill
+        if len(inflight) < num_streams or waiting:
+            return False
+        handles = [cluster.decode_pool.get(replica_id).handle for replica_id in set(inflight.values())]
+        return all(ray.get([h.holding.remote() for h in handles], timeout=10))
+
+    wait_until(held, 240, "the decode replicas never held every stream", 0.05)
+    return list(cluster.dispatcher.inflight.values())

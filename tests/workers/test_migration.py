@@ -27,7 +27,15 @@ from splitserve.cluster.frontend.grpc.server import GrpcFrontend
 from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.cluster.routing.router import DECODE
 from tests.helpers.cluster import LoopHttpServer, cluster_config, serving_backend, wait_for_baseline, wait_until
-from tests.helpers.migration_streams import assert_same, chat_answer, grpc_answer, http_answer, pb2_grpc
+from tests.helpers.migration_streams import (
+    assert_same,
+    chat_answer,
+    grpc_answer,
+    hold_decode_steps,
+    http_answer,
+    pb2_grpc,
+    wait_for_every_stream_held,
+)
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 # Output tokens every stream has when the replica dies: a random token of the answer (the
@@ -110,22 +118,6 @@ def all_answers(client, stub, model: str) -> list[dict]:
         return [f.result(timeout=480) for f in futures]
 
 
-def wait_for_every_stream_held(cluster, num_streams: int) -> list[str]:
-    """The kill point: every stream is on a decode replica (past its first token), and every
-    decode replica streaming holds its steps, so each stream there has KILL_AFTER output
-    tokens and none can finish; the decode replica of each stream."""
-
-    def held() -> bool:
-        inflight, waiting = cluster.dispatcher.inflight, cluster.dispatcher.inflight_prefill
-        if len(inflight) < num_streams or waiting:
-            return False
-        handles = [cluster.decode_pool.get(replica_id).handle for replica_id in set(inflight.values())]
-        return all(ray.get([h.holding.remote() for h in handles], timeout=10))
-
-    wait_until(held, 240, "the decode replicas never held every stream", 0.05)
-    return list(cluster.dispatcher.inflight.values())
-
-
 def answers_around(cluster, client, stub, model: str, at_kill_point) -> tuple[list[dict], object]:
     """Every stream's answer while the decode steps hold at KILL_AFTER tokens, and what
     at_kill_point(the decode replica of each stream) returns, called at the kill point; should
@@ -154,12 +146,6 @@ def check_references(references: list[dict]) -> None:
             jsonschema.validate(json.loads(ref["text"]), ORDER)
         elif kind != "chat":
             assert ref["usage"] == (len(PROMPTS[index]), MAX_TOKENS)
-
-
-def hold_decode_steps(cluster, hold_at: int, killed: str | None = None) -> None:
-    """Arm every live decode replica but `killed` to hold at hold_at output tokens (0 releases)."""
-    handles = [r.handle for r in cluster.decode_pool.live_replicas() if r.replica_id != killed]
-    ray.get([h.inject_fault.remote(hold_at_output_tokens=hold_at) for h in handles], timeout=10)
 
 
 def gap_count_and_sum(backend) -> tuple[float, float]:
