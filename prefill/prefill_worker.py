@@ -33,6 +33,7 @@ class PrefillWorker(EngineWorker):
         self._jobs: dict[str, SendJob] = {}
         self._send_indices: dict[str, list[int]] = {}
         self._pinned: dict[str, float] = {}  # request id -> lease deadline (loop thread)
+        self._pin_peers: dict[str, str] = {}  # request id -> the decode replica it is pinned for (loop thread)
         self._tasks: dict[str, asyncio.Task] = {}  # request id -> its prefill() call, for cancel()
         self._cancelled: dict[str, float] = {}  # request ids cancelled before their prefill() ran -> when
         self.num_requests = 0
@@ -64,7 +65,13 @@ class PrefillWorker(EngineWorker):
 
     def _release(self, engine: EngineProtocol, request_id: str) -> None:
         self._pinned.pop(request_id, None)
+        self._pin_peers.pop(request_id, None)
         engine.release_prefilled(request_id)
+
+    def _release_pinned_for(self, engine: EngineProtocol, peer_id: str) -> None:
+        for rid in [rid for rid, peer in self._pin_peers.items() if peer == peer_id]:
+            logger.info("%s left before acknowledging %s; unpinning its blocks", peer_id, rid)
+            self._release(engine, rid)
 
     def num_pinned(self) -> int:
         return len(self._pinned)
@@ -113,6 +120,7 @@ class PrefillWorker(EngineWorker):
                 loop.call_soon_threadsafe(lambda: first.done() or first.set_exception(out))
                 return
             self._pinned[rid] = time.monotonic() + handoff.lease_s
+            self._pin_peers[rid] = job.peer_id
             if not job.layerwise:
                 self._bind_blocks(job)
                 self.sender.send_all(job)
@@ -186,6 +194,20 @@ class PrefillWorker(EngineWorker):
         """Decode has the blocks (or gave up): unpin them now instead of at lease expiry."""
         if self.loop.alive:  # a stopped loop released every block already
             await asyncio.wrap_future(self.loop.call(lambda e: self._release(e, request_id)))
+
+    async def forget_peer(self, peer_id: str, epoch: int | None = None) -> None:
+        """EngineWorker.forget_peer. A decode replica that left (no epoch: not an idle pair's
+        close) takes nothing more: each transfer to it stops and every block held for it is
+        freed now, not when its lease runs out (a dead decode replica never acks)."""
+        await super().forget_peer(peer_id, epoch)
+        if epoch is not None:
+            return
+        for rid, job in list(self._jobs.items()):
+            task = self._tasks.get(rid)
+            if job.peer_id == peer_id and task is not None:
+                task.cancel()  # its prefill() stops the send and frees the blocks
+        if self.loop.alive:
+            await asyncio.wrap_future(self.loop.call(lambda e: self._release_pinned_for(e, peer_id)))
 
     async def inject_fault(self, stall_send_s: float = 0.0, fail_sends: int = 0, **engine_faults) -> None:
         """Chaos testing: stall every KV send by stall_send_s, or fail the next fail_sends;
