@@ -128,3 +128,11 @@ def wait_for_every_stream_held(cluster, num_streams: int) -> list[str]:
 
     wait_until(held, 240, "the decode replicas never held every stream", 0.05)
     return list(cluster.dispatcher.inflight.values())
+
+
+def kill_busiest(cluster, inflight: list[str]) -> str:
+    """At the kill point: ray.kill the decode replica streaming most; the other goes on."""
+    victim_id = max(set(inflight), key=inflight.count)
+    ray.kill(cluster.decode_pool.get(victim_id).handle)
+    hold_decode_steps(cluster, 0, killed=victim_id)  # the survivors go on (the moved streams too)
+    return victim_id

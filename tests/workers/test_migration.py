@@ -33,6 +33,7 @@ from tests.helpers.migration_streams import (
     grpc_answer,
     hold_decode_steps,
     http_answer,
+    kill_busiest,
     pb2_grpc,
     wait_for_every_stream_held,
 )
@@ -155,14 +156,6 @@ def gap_count_and_sum(backend) -> tuple[float, float]:
 
 def live_decode_ids(cluster) -> set[str]:
     return {r.replica_id for r in cluster.decode_pool.live_replicas()}
-
-
-def kill_busiest(cluster, inflight: list[str]) -> str:
-    """At the kill point: ray.kill the decode replica streaming most; the other goes on."""
-    victim_id = max(set(inflight), key=inflight.count)
-    ray.kill(cluster.decode_pool.get(victim_id).handle)
-    hold_decode_steps(cluster, 0, killed=victim_id)  # the survivors go on (the moved streams too)
-    return victim_id
 
 
 def test_streams_survive_their_decode_replica(loop, cluster, backend, client, stub):
