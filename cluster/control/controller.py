@@ -21,7 +21,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import ray
 
@@ -31,11 +30,10 @@ from splitserve.cluster.control.ingress_registry import IngressRegistry
 from splitserve.cluster.control.lora_adapter_control import UNLOAD_TIMEOUT_S, LoraAdapterControl
 from splitserve.cluster.control.metrics_aggregator import MetricsAggregator
 from splitserve.cluster.control.pool_roster import PoolRoster
-from splitserve.cluster.control.replica_probe import ProbeResult, probe
+from splitserve.cluster.control.replica_health import PoolEvent, ReplicaHealth, short_reason
+from splitserve.cluster.control.replica_probe import probe
 from splitserve.cluster.control.replica_state_feed import ReplicaStateFeed
-from splitserve.cluster.control.restart_backoff import RestartBackoff
 from splitserve.cluster.control.worker_pool import Replica, WorkerPool, app_namespace
-from splitserve.cluster.routing.load import LoadReport
 from splitserve.cluster.routing.router import DECODE, POOLS, PREFILL
 from splitserve.cluster.scaling.autoscaler import Autoscaler
 from splitserve.cluster.scaling.latency_window import LatencyWindow
@@ -49,18 +47,6 @@ IDLE_PAIR_S = 300.0  # decode replicas close process groups idle this long
 # this covers hundreds of replacements while memory stays bounded however long the service runs.
 EVENT_LOG_SIZE = 1024
 SHUTDOWN_WITHDRAW_S = 1.0  # how long a shutdown waits for the ingresses to stop routing to the pools
-
-
-@dataclass(frozen=True)
-class PoolEvent:
-    """One replica lifecycle step (Controller.events, newest last)."""
-
-    at: float  # monotonic seconds
-    pool: str
-    replica_id: str
-    what: str  # "starting" (a replacement) | "started" | "start-failed" | "lost" | "adopted" | "sigterm" | "drained"
-    detail: str = ""
-    backoff_s: float = 0.0  # start-failed / lost: the pool's wait before its next start
 
 
 class Controller:
@@ -84,9 +70,7 @@ class Controller:
         self.model_name = cfg.model_id
         self.roster = PoolRoster(cfg, model_dir, namespace or app_namespace(app_name), hash_seed)
         c = cfg.controller
-        self.backoff = {
-            p: RestartBackoff(c.restart_backoff_s, c.restart_backoff_max_s, c.healthy_after_s) for p in POOLS
-        }
+        self.health = ReplicaHealth(self)
         self.ingresses = IngressRegistry(c.ingress_timeout_s)
         self.aggregator = aggregator or MetricsAggregator()
         # A shared aggregator hears every model's copy of an ingress's samples: keep them apart.
@@ -119,6 +103,7 @@ class Controller:
     loads = property(lambda self: self.roster.loads)
     metrics = property(lambda self: self.roster.metrics)
     version = property(lambda self: self.roster.version)
+    backoff = property(lambda self: self.health.backoff)  # per pool, against restart storms
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -170,7 +155,7 @@ class Controller:
         results = await asyncio.gather(*(self.roster.await_ready(r) for r in found), return_exceptions=True)
         for replica, result in zip(found, results):
             if isinstance(result, BaseException):
-                logger.warning("cannot adopt %s (%s); removing it", replica.replica_id, _short(result))
+                logger.warning("cannot adopt %s (%s); removing it", replica.replica_id, short_reason(result))
                 self.roster.forget(replica.pool, replica.replica_id, kill=True)
             else:
                 self.roster.admit(replica, result)
@@ -324,98 +309,25 @@ class Controller:
                 if prefill is not None:
                     prefill.handle.forget_peer.remote(decode.replica_id)
 
-    # ---- health and replacement -----------------------------------------------------------
+    # ---- health and replacement (the parts: replica_health.py) ------------------------------
     async def reconcile_once(self) -> None:
         """Probe every replica, drop the dead, retire silent ingresses, start what is missing."""
         live = [r for pool in self.pools.values() for r in pool.live_replicas()]
-        results = await asyncio.gather(*(self._probe(r) for r in live))
+        results = await asyncio.gather(*(self.health.probe(r) for r in live))
         if self.state_feed is not None:
             await self.state_feed.retain({r.replica_id for r in live})
         now = self.clock()
         for replica, result in zip(live, results):
-            self._observe(replica, result, now)
+            self.health.observe(replica, result, now)
         for ingress_id in self.ingresses.expire(now):
             logger.info("ingress %s went silent; retiring its metrics", ingress_id)
             self.aggregator.retire(self.metrics_source(ingress_id))
         for pool in POOLS:
-            self._replace_missing(pool, now)
+            self.health.replace_missing(pool, now)
         self.roster.refresh_gauges()
         if now - self._last_idle_sweep > IDLE_PAIR_S / 4:
             self._last_idle_sweep = now
             await self.close_idle_pairs(IDLE_PAIR_S)
-
-    async def _probe(self, replica: Replica) -> ProbeResult:
-        """Its pushed state if fresh, else one probe() call."""
-        result = None
-        if self.state_feed is not None:
-            result = await self.state_feed.result(replica)
-        if result is None:
-            result = await probe(replica)
-        if replica.gang is not None and not result.dead:  # any rank lost is the replica lost
-            broken = await replica.gang.probe_followers()
-            if broken is not None:
-                return ProbeResult(dead=True, kill=True, reason=broken)
-        return result
-
-    def _observe(self, replica: Replica, result: ProbeResult, now: float) -> None:
-        pool = replica.pool
-        if self.pools[pool].get(replica.replica_id) is not replica:
-            return  # removed while the probe ran
-        if result.dead:
-            young = self.backoff[pool].died_young(replica.ready_at, now)
-            delay = self.backoff[pool].record_failure(now) if young else 0.0
-            logger.warning(
-                "%s replica %s is gone (%s); replacing it%s",
-                pool,
-                replica.replica_id,
-                result.reason,
-                f" in {delay:.1f} s" if delay else "",
-            )
-            self.roster.forget(pool, replica.replica_id, kill=result.kill)
-            self.events.append(PoolEvent(now, pool, replica.replica_id, "lost", result.reason, delay))
-        elif result.reply is not None:
-            if result.reply.terminating and not replica.draining:
-                logger.warning("%s replica %s got SIGTERM; draining it", pool, replica.replica_id)
-                self.events.append(PoolEvent(now, pool, replica.replica_id, "sigterm"))
-                self.roster.set_draining(replica)  # now, so the next probe does not drain it again
-                self.roster.spawn(self.drain_replica(pool, replica.replica_id, replace=True))
-            self.loads.update(pool, replica.replica_id, LoadReport.from_poll(result.reply))
-            self.metrics.observe_poll(pool, replica.replica_id, result.reply)
-            self.backoff[pool].record_healthy(replica.ready_at, now)
-
-    def _replace_missing(self, pool: str, now: float) -> None:
-        missing = self.roster.missing(pool)
-        if missing <= 0 or not self.backoff[pool].may_start(now):
-            return
-        for _ in range(missing):
-            self.roster.spawn(self._replace_one(pool))
-
-    async def _replace_one(self, pool: str) -> None:
-        replica = self.pools[pool].start_replica()
-        self.events.append(PoolEvent(self.clock(), pool, replica.replica_id, "starting"))
-        try:
-            address = await self.roster.await_ready(replica)
-        except Exception as exc:
-            now = self.clock()
-            delay = self.backoff[pool].record_failure(now)
-            logger.warning(
-                "starting %s failed (%s); %s retries in %.1f s", replica.replica_id, _short(exc), pool, delay
-            )
-            self.roster.forget(pool, replica.replica_id, kill=True)
-            self.events.append(PoolEvent(now, pool, replica.replica_id, "start-failed", _short(exc), delay))
-            self.roster.pending[pool] = _short(exc)
-            self.roster.bump()  # /health shows it
-            return
-        self.roster.pending.pop(pool, None)
-        self.roster.admit(replica, address)
-        self.events.append(PoolEvent(self.clock(), pool, replica.replica_id, "started"))
-        logger.info(
-            "%s replica %s started (%d of %d)",
-            pool,
-            replica.replica_id,
-            len(self.pools[pool].replicas),
-            self.targets[pool],
-        )
 
     async def _reconcile_forever(self) -> None:
         while True:
@@ -424,8 +336,3 @@ class Controller:
             except Exception:
                 logger.exception("controller reconcile failed")
             await asyncio.sleep(self.cfg.controller.probe_interval_s)
-
-
-def _short(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[-1] if text else type(exc).__name__
