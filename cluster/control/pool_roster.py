@@ -115,8 +115,10 @@ class PoolRoster:
         return len(replicas) < self.targets[pool] or sum(not r.ready for r in replicas.values()) > starting
 
     def missing(self, pool: str) -> int:
-        """Replicas to start to reach the target (those starting count as there)."""
-        return self.targets[pool] - len(self.pools[pool].replicas)
+        """Replicas to start to reach the target: those starting count as there, those draining
+        do not (a scale-down lowered the target first; a SIGTERM'd replica's replacement starts
+        while it drains)."""
+        return self.targets[pool] - sum(not r.draining for r in self.pools[pool].replicas.values())
 
     async def kill_all(self, before_kill=None) -> None:
         """Kill every pool actor, then reap the namespace (an actor a previous controller was

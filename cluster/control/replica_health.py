@@ -75,10 +75,15 @@ class ReplicaHealth:
             c.events.append(PoolEvent(now, pool, replica.replica_id, "lost", result.reason, delay))
         elif result.reply is not None:
             if result.reply.terminating and not replica.draining:
-                logger.warning("%s replica %s got SIGTERM; draining it", pool, replica.replica_id)
+                logger.warning(
+                    "%s replica %s got SIGTERM; draining it, its replacement starting", pool, replica.replica_id
+                )
                 c.events.append(PoolEvent(now, pool, replica.replica_id, "sigterm"))
                 c.roster.set_draining(replica)  # now, so the next probe does not drain it again
                 c.roster.spawn(c.drain_replica(pool, replica.replica_id, replace=True))
+                # Not after the drain: the node is going away (a spot notice, a pod deletion),
+                # so the capacity is restored while its streams move.
+                self.replace_missing(pool, now)
             c.loads.update(pool, replica.replica_id, LoadReport.from_poll(result.reply))
             c.metrics.observe_poll(pool, replica.replica_id, result.reply)
             self.backoff[pool].record_healthy(replica.ready_at, now)

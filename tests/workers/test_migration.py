@@ -268,4 +268,9 @@ def test_sigterm_on_a_decode_worker_moves_its_streams(loop, cluster, backend, cl
     wait_until(lambda: outcome["victim"] not in live_decode_ids(cluster), 60, "the SIGTERM'd replica is still there")
     wait_until(lambda: process_gone(outcome["pid"]), 60, "the SIGTERM'd worker process did not exit")
     wait_until(lambda: cluster.live_replicas(DECODE) == 2, 120, "the SIGTERM'd replica was not replaced", 0.2)
+    # Its replacement started as the drain began, not once it ended.
+    events = [(e.what, e.replica_id) for e in cluster.controller.events if e.pool == DECODE]
+    sigterm = events.index(("sigterm", outcome["victim"]))
+    assert events[sigterm + 1][0] == "starting", events[sigterm:]
+    assert events.index(("drained", outcome["victim"])) > sigterm + 1
     wait_for_baseline(loop, cluster)
