@@ -25,6 +25,7 @@ CHECKS = [
     "tensor_parallel",
     "tp_transfer",
     "architectures",
+    "lora",
 ]
 
 
@@ -91,6 +92,11 @@ def test_cpu_dry_run_passes_every_check(dry_run):
         numbers = overlap["numbers"]
         assert numbers["overlap_ms_per_step"] > 0 and numbers["sync_ms_per_step"] > 0
         assert numbers["overlap_forward_ms"] > 0 and numbers["sync_host_ms"] > 0
+    # The Triton LoRA kernels (interpreted here) against the fp32 torch path, mixed steps, both 16-bit dtypes.
+    for dtype in ("float16", "bfloat16"):
+        for step in ("decode 5", "prefill 3x6"):
+            lora = items[("lora", f"{step} {dtype}")]
+            assert lora["status"] == "pass" and 0 < lora["numbers"]["err_kernel"], lora
 
 
 def test_report_is_markdown_with_every_check(dry_run):
@@ -107,6 +113,7 @@ def test_report_is_markdown_with_every_check(dry_run):
         "Host KV tier",
         "Quantized matmuls",
         "Async scheduling",
+        "Multi-LoRA",
     ):
         assert f"{title}" in text
     assert "| llama fp32 logits | pass |" in text
