@@ -28,7 +28,8 @@
                 transformers on the device (bench/gpu_check/gpu_check_architectures.py)
  13 lora        the Triton LoRA shrink/expand (mixed adapters and base tokens) vs the torch path
                 in fp32, bf16/fp16, decode and prefill steps, and their time vs the torch
-                path's (bench/gpu_check/gpu_check_lora.py)
+                path's (bench/gpu_check/gpu_check_lora.py; on CPU check 2 cross-compiles them
+                for sm_90)
 
 Each item is pass, fail, missed (a speed target not met) or info. OUT_DIR/gpu_check.md and
 gpu_check.json are rewritten after every check, so a run cut short still leaves its report; the

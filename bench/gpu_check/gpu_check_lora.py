@@ -70,6 +70,25 @@ def _as(slots: LoraSlots, dtype: torch.dtype) -> LoraSlots:
     return other
 
 
+def compile_cases() -> dict[str, tuple]:
+    """The LoRA kernels as gpu_check_ops._cross_compile compiles them for sm_90 without a GPU:
+    name -> (kernel, signature, constexprs), bf16 and fp16, at the layer's tile sizes."""
+    from splitserve.engine.ops import triton_lora
+
+    cases = {}
+    for dtype in ("bf16", "fp16"):
+        shrink = {"x_ptr": f"*{dtype}", "a_ptr": f"*{dtype}", "slots_ptr": "*i32", "out_ptr": "*fp32"}
+        shrink.update(dict.fromkeys("in_dim cols stride_xt stride_as stride_ak stride_an stride_ot".split(), "i32"))
+        consts = dict(BLOCK_K=triton_lora._BLOCK_K, BLOCK_N=triton_lora._BLOCK_N)
+        cases[f"lora shrink {dtype}"] = (triton_lora._lora_shrink_kernel, shrink, consts)
+        expand = {"s_ptr": "*fp32", "b_ptr": f"*{dtype}", "slots_ptr": "*i32", "scaling_ptr": f"*{dtype}"}
+        expand.update(out_ptr=f"*{dtype}")
+        expand.update(dict.fromkeys("rank cols stride_st stride_bs stride_br stride_bn stride_ot".split(), "i32"))
+        consts = dict(BLOCK_R=RANK, BLOCK_N=triton_lora._BLOCK_N)
+        cases[f"lora expand {dtype}"] = (triton_lora._lora_expand_kernel, expand, consts)
+    return cases
+
+
 def _deltas(batch: LoraBatch, inputs: dict[str, torch.Tensor], widths: dict[str, int]) -> dict[str, torch.Tensor]:
     outs = {}
     for group, x in inputs.items():

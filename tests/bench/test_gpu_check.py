@@ -61,6 +61,9 @@ def test_cpu_dry_run_passes_every_check(dry_run):
     assert "interpreted" in items[("kernels", "triton mode")]["note"]
     for kv in ("fp8", "int8"):  # the quantized-KV kernel variants cross-compile for Hopper
         assert items[("kernels", f"decode attention {kv} KV bf16 compiles for sm_90")]["status"] == "pass"
+    for kernel in ("shrink", "expand"):  # the LoRA kernels too (bench/gpu_check/gpu_check_lora.py)
+        for dtype in ("bf16", "fp16"):
+            assert items[("kernels", f"lora {kernel} {dtype} compiles for sm_90")]["status"] == "pass"
     # The same-device transport: each mode got its channel and moved both layouts bit-exactly.
     for mode, channel in (("auto", "gloo"), ("ipc", "ipc"), ("host", "host")):
         assert items[("transfer", f"{mode} channel")]["status"] == "pass"
