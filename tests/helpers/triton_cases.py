@@ -269,6 +269,12 @@ def case_lora_batch_kernel_matches_torch_layouts():
     check_lora_batch_kernel()
 
 
+def case_lora_engine_greedy_through_kernel():
+    from tests.helpers.triton_lora_cases import check_engine_greedy_through_kernel
+
+    check_engine_greedy_through_kernel()
+
+
 CASES = {name: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
 
 

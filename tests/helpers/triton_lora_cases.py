@@ -80,3 +80,51 @@ def check_lora_batch_kernel():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
         assert torch.equal(got[3:5], before[3:5]), f"{group}: the base tokens got a delta"
         assert not torch.equal(got, before), f"{group}: no delta at all"
+
+
+def check_engine_greedy_through_kernel():
+    """LLMEngine on CPU with every LoraBatch on the kernels (as on CUDA): a batch of two peft
+    adapters (ranks 8 and 4, different targets) and the base gives transformers + peft's greedy
+    tokens for each, prefill and decode."""
+    import tempfile
+    from pathlib import Path
+
+    import transformers
+
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.llm_engine import LLMEngine
+    from splitserve.engine.lora.lora_batch import KERNEL, LoraBatch
+    from splitserve.proto.messages.sampling_params import SamplingParams
+    from tests.helpers.peft_adapters import peft_greedy, write_peft_adapter
+    from tests.helpers.transformers_checkpoint import SERVABLE_SHAPE, write_transformers_checkpoint
+
+    build = LoraBatch.__init__
+    layouts: set[str] = set()
+
+    def on_kernels(self, slots, seq_slots, num_tokens, use_kernel=None):
+        build(self, slots, seq_slots, num_tokens, use_kernel=True)
+        layouts.add(self.layout)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        write_transformers_checkpoint(transformers.LlamaConfig(**SERVABLE_SHAPE), root / "base", seed=7, tokenizer=True)
+        adapters = {
+            "attn": write_peft_adapter(root / "base", root / "attn", 1, 8, 16, ["q_proj", "v_proj", "o_proj"], False),
+            "mlp": write_peft_adapter(root / "base", root / "mlp", 2, 4, 8, ["gate_proj", "down_proj"], False),
+        }
+        modules = {name: str(path) for name, path in adapters.items()}
+        config = EngineConfig(
+            model=str(root / "base"), num_kv_blocks=32, enable_lora=True, lora_modules=modules, max_lora_rank=8
+        )
+        names = ["attn", None, "mlp"]
+        prompts = [[5 + (7 * i + 3 * j) % 300 for j in range(6 + 3 * i)] for i in range(len(names))]
+        params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, lora_adapter=n) for n in names]
+        LoraBatch.__init__ = on_kernels  # type: ignore[method-assign]
+        try:
+            outputs = LLMEngine(config).generate(prompts, params)
+        finally:
+            LoraBatch.__init__ = build  # type: ignore[method-assign]
+        assert layouts == {KERNEL}, layouts
+        for name, prompt, out in zip(names, prompts, outputs):
+            want = peft_greedy(root / "base", None if name is None else adapters[name], prompt, 4)
+            assert out.token_ids == want, (name, out.token_ids, want)
