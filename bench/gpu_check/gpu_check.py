@@ -26,6 +26,10 @@
  12 architectures  the sliding-window decode kernel vs torch (freed blocks never read) and its
                 time vs the full-context kernel; Mistral and Gemma 3 with small windows vs
                 transformers on the device (bench/gpu_check/gpu_check_architectures.py)
+ 13 lora        the Triton LoRA shrink/expand (mixed adapters and base tokens) vs the torch path
+                in fp32, bf16/fp16, decode and prefill steps, and their time vs the torch
+                path's (bench/gpu_check/gpu_check_lora.py; on CPU check 2 cross-compiles them
+                for sm_90)
 
 Each item is pass, fail, missed (a speed target not met) or info. OUT_DIR/gpu_check.md and
 gpu_check.json are rewritten after every check, so a run cut short still leaves its report; the
@@ -64,6 +68,7 @@ CHECKS = {
     "tensor_parallel": "10. Tensor parallelism: a one-rank group, the sharded model, shard shapes",
     "tp_transfer": "11. KV transfer between prefill and decode TP sizes, rank by rank",
     "architectures": "12. Architectures: the sliding-window kernel, windowed models vs transformers",
+    "lora": "13. Multi-LoRA: the Triton LoRA kernels vs the torch path",
 }
 STATUSES = ("pass", "fail", "missed", "info")
 
@@ -198,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         gpu_check_architectures,
         gpu_check_engine,
         gpu_check_kv_quant,
+        gpu_check_lora,
         gpu_check_offload,
         gpu_check_ops,
         gpu_check_overlap,
@@ -225,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             "tensor_parallel": lambda: gpu_check_tensor_parallel.check_tensor_parallel(device, args.tiny, work),
             "tp_transfer": lambda: gpu_check_tp_transfer.check_tp_transfer(device, args.tiny),
             "architectures": lambda: gpu_check_architectures.check_architectures(device, args.tiny, work),
+            "lora": lambda: gpu_check_lora.check_lora(device, args.tiny),
         }
         for name in [n for n in CHECKS if n in args.only.split(",")]:
             check_started = time.monotonic()

@@ -194,6 +194,9 @@ def _cross_compile_items() -> list[dict]:
             copy_signature,
             dict(GATHER=gather, BLOCK=kernels._COPY_BLOCK),
         )
+    from splitserve.bench.gpu_check.gpu_check_lora import compile_cases  # it imports this module
+
+    cases.update(compile_cases())
     items = []
     for name, (kernel, signature, constants) in cases.items():
         fn = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)  # interpreted on CPU

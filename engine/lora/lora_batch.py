@@ -22,17 +22,24 @@ The segments are laid out once per step (every layer and group reuses the layout
 
 Before this, one GEMM over the step's slots' A and B side by side, each token masked to its own
 slot: arithmetic grew with the adapters in a step (8 slots: 8x the rank), 0.72x the base
-alone's throughput at 8 adapters (bench/results/multi_lora.md)."""
+alone's throughput at 8 adapters (bench/results/multi_lora.md).
+
+On CUDA, where triton imports, the delta is engine/ops/triton_lora.py's kernels instead (KERNEL):
+a shrink and an expand per target over every token at once, each token indexing its own slot,
+whatever the layout would have been; CPU keeps the torch layouts."""
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 
 import torch
 
-from splitserve.engine.lora.lora_slots import LoraSlots
+from splitserve.engine.lora.lora_slots import NO_ADAPTER, LoraSlots
 
-PADDED, RUNS, SORTED = "padded", "runs", "sorted"
+PADDED, RUNS, SORTED, KERNEL = "padded", "runs", "sorted", "kernel"
+# triton is an optional extra, imported on the first CUDA batch: CPU-only processes never pay for it.
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 # Padding the slots' segments to the longest is allowed up to this share of extra rows, or any
 # padding while the padded rows stay this few (a call per segment then costs more than them).
 PAD_SHARE, SMALL_ROWS = 0.25, 256
@@ -44,8 +51,27 @@ class LoraBatch:
     """seq_slots[i]: the slot of sequence i's adapter (None: the base), num_tokens[i] its
     tokens in the step, laid out one sequence after the other."""
 
-    def __init__(self, slots: LoraSlots, seq_slots: Sequence[int | None], num_tokens: Sequence[int]):
+    def __init__(
+        self,
+        slots: LoraSlots,
+        seq_slots: Sequence[int | None],
+        num_tokens: Sequence[int],
+        use_kernel: bool | None = None,
+    ):
+        """use_kernel: the Triton kernels (None: where the slots are on CUDA and triton imports;
+        True on CPU tensors runs them only under TRITON_INTERPRET=1, as the tests do)."""
         self.slots = slots
+        if use_kernel is None:
+            use_kernel = slots.device.type == "cuda" and HAS_TRITON
+        self.kernel = None
+        if use_kernel:
+            from splitserve.engine.ops import triton_lora
+
+            self.kernel = triton_lora
+            per_token = [
+                NO_ADAPTER if slot is None else slot for slot, n in zip(seq_slots, num_tokens) for _ in range(n)
+            ]
+            self.token_slots = torch.tensor(per_token, dtype=torch.int32, device=slots.device)
         rows_of: dict[int, list[int]] = {}
         runs: list[tuple[int, int, int]] = []  # (first row, rows, slot) in step order
         start = 0
@@ -84,6 +110,8 @@ class LoraBatch:
         self.scaling = torch.tensor(scaling, dtype=slots.dtype, device=device).unsqueeze(1)
         self.used = torch.tensor(used, dtype=torch.int64, device=device)
         self.every_slot = used == list(range(slots.max_loras))  # PADDED: the stacks as they are
+        if self.kernel is not None:
+            self.layout = KERNEL
 
     @classmethod
     def for_sequences(
@@ -101,6 +129,9 @@ class LoraBatch:
         (LoraSlots.columns: their outputs side by side are out's columns), in place."""
         if group not in self.slots.a_t or not self.segments:  # no adapter targets the group, or no token
             return
+        if self.kernel is not None:
+            self._kernel_delta(out, layer, group, x)
+            return
         if self.layout == RUNS:
             self._per_segment(x, out, layer, group)
             return
@@ -114,6 +145,21 @@ class LoraBatch:
             out.add_(delta)
         else:
             out.index_add_(0, self.order, delta)
+
+    def _kernel_delta(self, out: torch.Tensor, layer: int, group: str, x: torch.Tensor) -> None:
+        """The Triton shrink over the group's targets, then each target's expand into its columns."""
+        assert self.kernel is not None
+        rank = self.slots.max_rank
+        shrunk = self.kernel.lora_shrink(x, self.slots.a_t[group][layer], self.token_slots)
+        for i, (target, first, cols) in enumerate(self.slots.columns[group]):
+            if target in self.slots.b:
+                self.kernel.lora_expand(
+                    shrunk[:, i * rank : (i + 1) * rank],
+                    self.slots.b[target][layer],
+                    self.token_slots,
+                    self.slots.scaling,
+                    out[:, first : first + cols],
+                )
 
     def _padded(self, inputs: torch.Tensor, layer: int, group: str, width: int) -> torch.Tensor:
         """The delta of the padded rows [slots used * longest, width], by bmm over the slots."""

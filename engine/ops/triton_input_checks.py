@@ -1,4 +1,4 @@
-"""Argument checks of the Triton kernels (engine/ops/triton_kernels.py): shapes, dtypes,
+"""Argument checks of the Triton kernels (engine/ops/triton_kernels.py, triton_lora.py): shapes, dtypes,
 devices and layouts, raised as KernelInputError before anything launches. No triton import."""
 
 from __future__ import annotations
@@ -92,3 +92,47 @@ def check_copy(packed: torch.Tensor, paged: torch.Tensor, block_ids: torch.Tenso
         raise KernelInputError(f"dtype mismatch: {packed.dtype} vs {paged.dtype}")
     if len({packed.device, paged.device, block_ids.device}) != 1:
         raise KernelInputError("src, dst and block_ids must be on one device")
+
+
+def _check_token_slots(token_slots: torch.Tensor, tokens: int) -> None:
+    if token_slots.shape != (tokens,) or token_slots.dtype not in (torch.int32, torch.int64):
+        raise KernelInputError(
+            f"token_slots must be int32/int64 [{tokens}], got {token_slots.dtype} {tuple(token_slots.shape)}"
+        )
+
+
+def _check_rows(name: str, tensor: torch.Tensor) -> None:
+    if tensor.dim() != 2 or tensor.stride(-1) != 1:
+        raise KernelInputError(f"{name} must be [tokens, features] contiguous in features, got {tuple(tensor.shape)}")
+
+
+def _check_one_device(*tensors: torch.Tensor) -> None:
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise KernelInputError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+def check_lora_shrink(x, a_t, token_slots, out) -> None:
+    _check_rows("x", x)
+    if a_t.dim() != 3 or a_t.shape[1] != x.shape[1]:
+        raise KernelInputError(f"a_t must be [slots, {x.shape[1]}, cols], got {tuple(a_t.shape)}")
+    _check_token_slots(token_slots, x.shape[0])
+    if out is not None:
+        _check_rows("out", out)
+        if out.shape != (x.shape[0], a_t.shape[2]):
+            raise KernelInputError(f"out must be [{x.shape[0]}, {a_t.shape[2]}], got {tuple(out.shape)}")
+    _check_one_device(x, a_t, token_slots, *(() if out is None else (out,)))
+
+
+def check_lora_expand(shrunk, b, token_slots, scaling, out) -> None:
+    _check_rows("shrunk", shrunk)
+    _check_rows("out", out)
+    tokens, rank = shrunk.shape
+    if b.dim() != 3 or b.shape[1] != rank:
+        raise KernelInputError(f"b must be [slots, {rank}, cols], got {tuple(b.shape)}")
+    if out.shape != (tokens, b.shape[2]):
+        raise KernelInputError(f"out must be [{tokens}, {b.shape[2]}], got {tuple(out.shape)}")
+    if scaling.shape != (b.shape[0],):
+        raise KernelInputError(f"scaling must be [{b.shape[0]}] (one per slot), got {tuple(scaling.shape)}")
+    _check_token_slots(token_slots, tokens)
+    _check_one_device(shrunk, b, token_slots, scaling, out)

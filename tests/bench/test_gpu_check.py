@@ -25,6 +25,7 @@ CHECKS = [
     "tensor_parallel",
     "tp_transfer",
     "architectures",
+    "lora",
 ]
 
 
@@ -60,6 +61,9 @@ def test_cpu_dry_run_passes_every_check(dry_run):
     assert "interpreted" in items[("kernels", "triton mode")]["note"]
     for kv in ("fp8", "int8"):  # the quantized-KV kernel variants cross-compile for Hopper
         assert items[("kernels", f"decode attention {kv} KV bf16 compiles for sm_90")]["status"] == "pass"
+    for kernel in ("shrink", "expand"):  # the LoRA kernels too (bench/gpu_check/gpu_check_lora.py)
+        for dtype in ("bf16", "fp16"):
+            assert items[("kernels", f"lora {kernel} {dtype} compiles for sm_90")]["status"] == "pass"
     # The same-device transport: each mode got its channel and moved both layouts bit-exactly.
     for mode, channel in (("auto", "gloo"), ("ipc", "ipc"), ("host", "host")):
         assert items[("transfer", f"{mode} channel")]["status"] == "pass"
@@ -91,6 +95,11 @@ def test_cpu_dry_run_passes_every_check(dry_run):
         numbers = overlap["numbers"]
         assert numbers["overlap_ms_per_step"] > 0 and numbers["sync_ms_per_step"] > 0
         assert numbers["overlap_forward_ms"] > 0 and numbers["sync_host_ms"] > 0
+    # The Triton LoRA kernels (interpreted here) against the fp32 torch path, mixed steps, both 16-bit dtypes.
+    for dtype in ("float16", "bfloat16"):
+        for step in ("decode 5", "prefill 3x6"):
+            lora = items[("lora", f"{step} {dtype}")]
+            assert lora["status"] == "pass" and 0 < lora["numbers"]["err_kernel"], lora
 
 
 def test_report_is_markdown_with_every_check(dry_run):
@@ -107,6 +116,7 @@ def test_report_is_markdown_with_every_check(dry_run):
         "Host KV tier",
         "Quantized matmuls",
         "Async scheduling",
+        "Multi-LoRA",
     ):
         assert f"{title}" in text
     assert "| llama fp32 logits | pass |" in text

@@ -118,3 +118,21 @@ def test_block_copy_rejects_bad_arguments():
 
 def test_block_copy_reports_triton_availability():
     assert block_copy.HAS_TRITON == (importlib.util.find_spec("triton") is not None)
+
+
+@needs_triton
+def test_lora_kernels_reject_bad_inputs():
+    from splitserve.engine.ops.triton_lora import KernelInputError, lora_expand, lora_shrink
+
+    x, a_t, slots = torch.zeros(3, 8), torch.zeros(2, 8, 4), torch.zeros(3, dtype=torch.int32)
+    with pytest.raises(KernelInputError, match="token_slots must be int32/int64"):
+        lora_shrink(x, a_t, slots.float())
+    with pytest.raises(KernelInputError, match=r"a_t must be \[slots, 8, cols\]"):
+        lora_shrink(x, torch.zeros(2, 6, 4), slots)
+    with pytest.raises(KernelInputError, match="contiguous in features"):
+        lora_shrink(torch.zeros(8, 3).T, a_t, slots)
+    shrunk, b, out = torch.zeros(3, 4), torch.zeros(2, 4, 5), torch.zeros(3, 5)
+    with pytest.raises(KernelInputError, match="one per slot"):
+        lora_expand(shrunk, b, slots, torch.ones(3), out)
+    with pytest.raises(KernelInputError, match=r"out must be \[3, 5\]"):
+        lora_expand(shrunk, b, slots, torch.ones(2), torch.zeros(3, 6))

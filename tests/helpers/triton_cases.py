@@ -1,4 +1,4 @@
-"""Checks of splitserve.engine.ops.triton_kernels against torch references, run on CPU by the Triton interpreter.
+"""Checks of splitserve.engine.ops.triton_kernels and triton_lora against torch references, run on CPU by the Triton interpreter.
 
 TRITON_INTERPRET must be set before splitserve.engine.ops.triton_kernels is imported (triton.jit reads it when
 decorating), so tests/engine/test_triton_kernels.py runs this file in a subprocess with the env set:
@@ -245,6 +245,34 @@ def case_int8_kv_both_paths():
 
 def case_fp8_kv_fp16_queries():
     _check_quantized_decode("fp8", [11, 4], 6, 2, 8, 4, torch.float16)
+
+
+def case_lora_shrink_expand_fp32_rank4_and_rank8():
+    # in_dim 24 and out 40 are no multiples of the tiles: the masks; slots in any token order.
+    from tests.helpers.triton_lora_cases import check_lora
+
+    check_lora(torch.float32, rank=4)
+    check_lora(torch.float32, rank=8, in_dim=130, out_dim=70)
+
+
+def case_lora_shrink_expand_half_precision():
+    from tests.helpers.triton_lora_cases import check_lora
+
+    check_lora(torch.float16, rank=8)
+    check_lora(torch.bfloat16, rank=4)
+
+
+def case_lora_batch_kernel_matches_torch_layouts():
+    # engine/lora/lora_batch.py's CUDA path (use_kernel=True) against its torch layouts.
+    from tests.helpers.triton_lora_cases import check_lora_batch_kernel
+
+    check_lora_batch_kernel()
+
+
+def case_lora_engine_greedy_through_kernel():
+    from tests.helpers.triton_lora_cases import check_engine_greedy_through_kernel
+
+    check_engine_greedy_through_kernel()
 
 
 CASES = {name: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
