@@ -19,18 +19,15 @@ from splitserve.proto.messages.invalid_request import InvalidRequestError
 from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.handoff import finish_all, hand_off
 from tests.helpers.model import single_torch_thread
-from tests.helpers.peft_adapters import peft_greedy, write_peft_adapter
+from tests.helpers.peft_adapters import (
+    FOUR_ADAPTERS,
+    peft_greedy,
+    write_base_and_adapters,
+    write_peft_adapter,
+)
 from tests.helpers.transformers_checkpoint import SERVABLE_SHAPE, write_transformers_checkpoint
 
-ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
-MLP = ["gate_proj", "up_proj", "down_proj"]
-# name -> (seed, r, lora_alpha, targets, use_rslora): ranks, scalings and targets that differ.
-ADAPTERS = {
-    "attn": (1, 8, 16, ATTENTION, False),
-    "mlp": (2, 4, 8, MLP, False),
-    "all-rs": (3, 16, 8, ATTENTION + MLP, True),
-    "qv": (4, 2, 4, ["q_proj", "v_proj"], False),
-}
+ADAPTERS = FOUR_ADAPTERS
 MAX_TOKENS = 8
 PROMPTS = [[5 + (7 * i + j) % 500 for j in range(20 + 9 * i)] for i in range(len(ADAPTERS) + 1)]
 
@@ -44,13 +41,7 @@ def _one_thread():
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
     root = tmp_path_factory.mktemp("lora")
-    base = root / "base"
-    write_transformers_checkpoint(transformers.LlamaConfig(**SERVABLE_SHAPE), base, seed=11, tokenizer=True)
-    adapters = {
-        name: write_peft_adapter(base, root / name, seed, r, alpha, targets, rslora)
-        for name, (seed, r, alpha, targets, rslora) in ADAPTERS.items()
-    }
-    return base, adapters
+    return write_base_and_adapters(root, transformers.LlamaConfig(**SERVABLE_SHAPE), 11, ADAPTERS)
 
 
 @pytest.fixture(scope="module")

@@ -16,18 +16,10 @@ from splitserve.engine.lora import lora_batch
 from splitserve.engine.lora.lora_batch import PADDED, RUNS, SORTED, LoraBatch
 from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.model import single_torch_thread
-from tests.helpers.peft_adapters import peft_greedy, write_peft_adapter
-from tests.helpers.transformers_checkpoint import SERVABLE_SHAPE, write_transformers_checkpoint
+from tests.helpers.peft_adapters import FOUR_ADAPTERS, peft_greedy, write_base_and_adapters
+from tests.helpers.transformers_checkpoint import SERVABLE_SHAPE
 
-ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
-MLP = ["gate_proj", "up_proj", "down_proj"]
-# name -> (seed, r, lora_alpha, targets, use_rslora)
-ADAPTERS = {
-    "attn": (1, 8, 16, ATTENTION, False),
-    "mlp": (2, 4, 8, MLP, False),
-    "all-rs": (3, 16, 8, ATTENTION + MLP, True),
-    "qv": (4, 2, 4, ["q_proj", "v_proj"], False),
-}
+ADAPTERS = FOUR_ADAPTERS
 MAX_TOKENS = 6
 NAMES: list[str | None] = [None, *ADAPTERS, "attn"]  # two requests share an adapter
 PROMPTS = [[5 + (5 * i + 3 * j) % 400 for j in range(12 + 11 * i)] for i in range(len(NAMES))]
@@ -58,13 +50,7 @@ def _one_thread():
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
     root = tmp_path_factory.mktemp("lora-layouts")
-    base = root / "base"
-    write_transformers_checkpoint(transformers.LlamaConfig(**SERVABLE_SHAPE), base, seed=7, tokenizer=True)
-    adapters = {
-        name: write_peft_adapter(base, root / name, seed, r, alpha, targets, rslora)
-        for name, (seed, r, alpha, targets, rslora) in ADAPTERS.items()
-    }
-    return base, adapters
+    return write_base_and_adapters(root, transformers.LlamaConfig(**SERVABLE_SHAPE), 7, ADAPTERS)
 
 
 def lora_engine(checkpoint, **overrides) -> LLMEngine:

@@ -3,11 +3,15 @@ and waits on a batch's status through the official `openai` client."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import time
+from collections.abc import Iterator
 
 from splitserve.cluster.batch.batch_service import BatchService
+from splitserve.cluster.frontend.http.api import build_http_app
+from tests.helpers.cluster import LoopHttpServer
 
 FINAL = ("completed", "failed", "expired", "cancelled")
 
@@ -90,3 +94,14 @@ class TenantIngress:
         self.server.__exit__(None, None, None)
         self.engine.dispose()
         self.loop.stop()
+
+
+@contextlib.contextmanager
+def http_server_with_batches(loop, backend) -> Iterator:
+    """The real HTTP app over a ServingBackend, with a started BatchService (one ingress's),
+    served on 127.0.0.1; the service stops on exit."""
+    service = BatchService(backend.cfg, "ingress-a", backend.metrics.registry, backend.model_name)
+    with LoopHttpServer(loop, build_http_app(backend, batch=service)) as srv:
+        start_service(loop, service)
+        yield srv
+        loop.run(service.stop())

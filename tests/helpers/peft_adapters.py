@@ -9,7 +9,17 @@ import peft
 import torch
 import transformers
 
-from tests.helpers.transformers_checkpoint import hf_greedy
+from tests.helpers.transformers_checkpoint import hf_greedy, write_transformers_checkpoint
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+# name -> (seed, r, lora_alpha, targets, use_rslora): ranks, scalings and targets that differ.
+FOUR_ADAPTERS = {
+    "attn": (1, 8, 16, ATTENTION, False),
+    "mlp": (2, 4, 8, MLP, False),
+    "all-rs": (3, 16, 8, ATTENTION + MLP, True),
+    "qv": (4, 2, 4, ["q_proj", "v_proj"], False),
+}
 
 
 def write_peft_adapter(
@@ -33,3 +43,13 @@ def peft_greedy(base_dir: Path, adapter_dir: Path | None, ids: list[int], max_ne
     if adapter_dir is not None:
         model = peft.PeftModel.from_pretrained(model, adapter_dir).eval()
     return hf_greedy(model, ids, max_new_tokens)
+
+
+def write_base_and_adapters(
+    root: Path, config: transformers.PretrainedConfig, seed: int, adapters: dict
+) -> tuple[Path, dict[str, Path]]:
+    """A random transformers checkpoint (with its tokenizer) under root/base, and one peft
+    adapter per name under root/<name>, from its (seed, r, alpha, targets, rslora)."""
+    base = root / "base"
+    write_transformers_checkpoint(config, base, seed=seed, tokenizer=True)
+    return base, {name: write_peft_adapter(base, root / name, *spec) for name, spec in adapters.items()}

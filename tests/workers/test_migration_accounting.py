@@ -15,11 +15,15 @@ import httpx
 import openai
 import pytest
 
-from splitserve.cluster.batch.batch_service import BatchService
-from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.cluster.routing.router import DECODE
-from tests.helpers.batch_api import completion_line, jsonl, read_lines, start_service, wait_for_status
-from tests.helpers.cluster import LoopHttpServer, cluster_config, serving_backend, wait_for_baseline, wait_until
+from tests.helpers.batch_api import (
+    completion_line,
+    http_server_with_batches,
+    jsonl,
+    read_lines,
+    wait_for_status,
+)
+from tests.helpers.cluster import cluster_config, serving_backend, wait_for_baseline, wait_until
 from tests.helpers.migration_streams import hold_decode_steps, http_answer, kill_busiest, wait_for_every_stream_held
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -52,11 +56,8 @@ def backend(ray_cluster, tiny_model, loop, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(loop, backend):
-    service = BatchService(backend.cfg, "ingress-a", backend.metrics.registry, backend.model_name)
-    with LoopHttpServer(loop, build_http_app(backend, batch=service)) as srv:
-        start_service(loop, service)
+    with http_server_with_batches(loop, backend) as srv:
         yield srv
-        loop.run(service.stop())
 
 
 def client(server, key: str) -> openai.OpenAI:

@@ -19,12 +19,16 @@ import openai
 import pytest
 import yaml
 
-from splitserve.cluster.batch.batch_service import BatchService
 from splitserve.cluster.frontend.grpc.server import GrpcFrontend
-from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.proto import load_stubs
-from tests.helpers.batch_api import completion_line, jsonl, read_lines, start_service, wait_for_status
-from tests.helpers.cluster import LoopHttpServer, cluster_config, serving_backend, wait_for_baseline, wait_until
+from tests.helpers.batch_api import (
+    completion_line,
+    http_server_with_batches,
+    jsonl,
+    read_lines,
+    wait_for_status,
+)
+from tests.helpers.cluster import cluster_config, serving_backend, wait_for_baseline, wait_until
 
 pb2, pb2_grpc = load_stubs()
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -81,11 +85,8 @@ def backend(ray_cluster, tiny_model, loop, tmp_path_factory, tenants_file):
 
 @pytest.fixture(scope="module")
 def server(loop, backend):
-    service = BatchService(backend.cfg, "ingress-a", backend.metrics.registry, backend.model_name)
-    with LoopHttpServer(loop, build_http_app(backend, batch=service)) as srv:
-        start_service(loop, service)
+    with http_server_with_batches(loop, backend) as srv:
         yield srv
-        loop.run(service.stop())
 
 
 @pytest.fixture(scope="module")
