@@ -30,6 +30,9 @@
                 in fp32, bf16/fp16, decode and prefill steps, and their time vs the torch
                 path's (bench/gpu_check/gpu_check_lora.py; on CPU check 2 cross-compiles them
                 for sm_90)
+ 14 moe         the MoE experts: SparseMoeMlp, a padded bmm and torch._grouped_mm vs a float64
+                reference on Mixtral- and Qwen3-MoE-like layers in bf16/fp16 at 1/32/256 tokens,
+                and each one's time, to pick the CUDA path (bench/gpu_check/gpu_check_moe.py)
 
 Each item is pass, fail, missed (a speed target not met) or info. OUT_DIR/gpu_check.md and
 gpu_check.json are rewritten after every check, so a run cut short still leaves its report; the
@@ -69,6 +72,7 @@ CHECKS = {
     "tp_transfer": "11. KV transfer between prefill and decode TP sizes, rank by rank",
     "architectures": "12. Architectures: the sliding-window kernel, windowed models vs transformers",
     "lora": "13. Multi-LoRA: the Triton LoRA kernels vs the torch path",
+    "moe": "14. MoE experts: the engine's per-expert matmuls, bmm and grouped matmul vs float64",
 }
 STATUSES = ("pass", "fail", "missed", "info")
 
@@ -204,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         gpu_check_engine,
         gpu_check_kv_quant,
         gpu_check_lora,
+        gpu_check_moe,
         gpu_check_offload,
         gpu_check_ops,
         gpu_check_overlap,
@@ -232,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             "tp_transfer": lambda: gpu_check_tp_transfer.check_tp_transfer(device, args.tiny),
             "architectures": lambda: gpu_check_architectures.check_architectures(device, args.tiny, work),
             "lora": lambda: gpu_check_lora.check_lora(device, args.tiny),
+            "moe": lambda: gpu_check_moe.check_moe(device, args.tiny),
         }
         for name in [n for n in CHECKS if n in args.only.split(",")]:
             check_started = time.monotonic()

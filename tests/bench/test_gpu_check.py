@@ -26,6 +26,7 @@ CHECKS = [
     "tp_transfer",
     "architectures",
     "lora",
+    "moe",
 ]
 
 
@@ -100,6 +101,13 @@ def test_cpu_dry_run_passes_every_check(dry_run):
         for step in ("decode 5", "prefill 3x6"):
             lora = items[("lora", f"{step} {dtype}")]
             assert lora["status"] == "pass" and 0 < lora["numbers"]["err_kernel"], lora
+    # The MoE experts: the engine's path and the padded bmm against float64, both timed.
+    for shape in ("mixtral-like", "qwen3-moe-like"):
+        for dtype in ("float16", "bfloat16"):
+            for tokens in (1, 5, 17):
+                moe = items[("moe", f"{shape} {dtype} tokens {tokens}")]
+                numbers = moe["numbers"]
+                assert moe["status"] == "pass" and 0 < numbers["err_engine"] and numbers["bmm_ms"] > 0, moe
 
 
 def test_report_is_markdown_with_every_check(dry_run):
@@ -117,6 +125,7 @@ def test_report_is_markdown_with_every_check(dry_run):
         "Quantized matmuls",
         "Async scheduling",
         "Multi-LoRA",
+        "MoE experts",
     ):
         assert f"{title}" in text
     assert "| llama fp32 logits | pass |" in text
