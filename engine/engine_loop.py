@@ -211,6 +211,11 @@ class EngineLoop:
             fut.set_result(None)
         return fut
 
+    @property
+    def holding(self) -> bool:
+        """Chaos testing: a step is held now (StepFaults.hold_at_output_tokens)."""
+        return self.faults.holding
+
     def inject_faults(self, faults: StepFaults) -> None:
         """Chaos testing (FaultInjector): fail or hang the next steps, hold the steps once
         every sequence reached an output length, or stop the loop for good."""

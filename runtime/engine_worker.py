@@ -219,7 +219,7 @@ class EngineWorker:
     async def holding(self) -> bool:
         """Chaos testing: whether a step is held now (StepFaults.hold_at_output_tokens), i.e.
         every sequence running here has its output length and none waits to join."""
-        return self.loop.faults.holding
+        return self.loop.holding
 
     async def process_id(self) -> int:
         """The worker process's pid (operators and tests signal it: runtime/sigterm_drain.py)."""

@@ -25,6 +25,7 @@ ENGINE_LOOP_API = {
     "make_sequence",
     "add_sequence",
     "admit_prefilled",
+    "reserve_prompt_blocks",
     "abort",
     "stop",
     # a dead loop: whether it runs, why it stopped, what it left; and the chaos-test faults
@@ -32,6 +33,7 @@ ENGINE_LOOP_API = {
     "stop_reason",
     "final_stats",
     "inject_faults",
+    "holding",
 }
 ENGINE_IMPORTS = {
     "splitserve.engine.config": {"EngineConfig"},
