@@ -105,15 +105,16 @@ def wait_for_baseline(loop: LoopThread, cluster: DisaggCluster, timeout_s: float
         time.sleep(0.1)
 
 
-def wait_until(predicate, timeout_s: float, message: str, interval_s: float = 0.05):
-    """Poll predicate() until it returns something truthy (returned); AssertionError at the timeout."""
+def wait_until(predicate, timeout_s: float, message, interval_s: float = 0.05):
+    """Poll predicate() until it returns something truthy (returned); AssertionError at the
+    timeout, saying message (a str, or a callable that describes the state then)."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"{message} (after {timeout_s:.1f} s)")
+            raise AssertionError(f"{message() if callable(message) else message} (after {timeout_s:.1f} s)")
         time.sleep(interval_s)
 
 
