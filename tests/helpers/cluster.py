@@ -118,6 +118,29 @@ def wait_until(predicate, timeout_s: float, message, interval_s: float = 0.05):
         time.sleep(interval_s)
 
 
+def pool_diagnostics(cluster: DisaggCluster, pool: str) -> str:
+    """What a failed wait on a pool reports: its last lifecycle events, its routed replicas and
+    Ray's free CPUs (a replica Ray cannot place waits out its start timeout)."""
+    events = [(e.what, e.replica_id, e.detail) for e in getattr(cluster.controller, "events", ()) if e.pool == pool]
+    return (
+        f"{pool} events {events[-8:]}; routed {sorted(cluster.router.replica_ids(pool))}; "
+        f"Ray CPUs free {ray.available_resources().get('CPU', 0.0)} of {ray.cluster_resources().get('CPU', 0.0)}"
+    )
+
+
+def wait_for_refill(cluster: DisaggCluster, pool: str, num_replicas: int) -> None:
+    """Until the pool routes num_replicas again after a loss: a restart backoff, then a start the
+    pool's own start timeout bounds (the safety net waits past it, not for a guess at how long a
+    start takes on this machine)."""
+    timeout_s = cluster.pools[pool].start_timeout_s + 60
+    wait_until(
+        lambda: cluster.live_replicas(pool) == num_replicas,
+        timeout_s,
+        lambda: f"the {pool} pool was not refilled to {num_replicas}: {pool_diagnostics(cluster, pool)}",
+        0.2,
+    )
+
+
 class LoopHttpServer:
     """uvicorn serving `app` on 127.0.0.1 (OS-chosen port) inside a LoopThread's event loop,
     the loop that owns the cluster's dispatcher, so frontend and cluster share one loop."""

@@ -42,6 +42,7 @@ from tests.helpers.cluster import (
     fail_fast_bound_s,
     serving_backend,
     wait_for_baseline,
+    wait_for_refill,
     wait_until,
 )
 
@@ -311,7 +312,7 @@ def _replaced(loop, cluster, server_url: str, pool: str) -> None:
         cluster.controller.backoff[pool].next_start_at = float("-inf")
 
     loop.run(end_backoff(), timeout=10)
-    wait_until(lambda: cluster.live_replicas(pool) == 2, 120, f"the {pool} pool was not replenished", 0.2)
+    wait_for_refill(cluster, pool, 2)
     assert httpx.get(f"{server_url}/health", timeout=10).json()["ok"] is True
 
 

@@ -26,7 +26,15 @@ from splitserve.bench.serving.json_schemas import MAX_INSTANCE_TOKENS, SCHEMAS, 
 from splitserve.cluster.frontend.grpc.server import GrpcFrontend
 from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.cluster.routing.router import DECODE
-from tests.helpers.cluster import LoopHttpServer, cluster_config, serving_backend, wait_for_baseline, wait_until
+from tests.helpers.cluster import (
+    LoopHttpServer,
+    cluster_config,
+    pool_diagnostics,
+    serving_backend,
+    wait_for_baseline,
+    wait_for_refill,
+    wait_until,
+)
 from tests.helpers.migration_streams import (
     assert_same,
     chat_answer,
@@ -178,7 +186,7 @@ def test_streams_survive_their_decode_replica(loop, cluster, backend, client, st
 
 
 def test_a_stream_opted_out_of_migration_fails_with_its_replica(loop, cluster, backend, client):
-    wait_for_two_decode_replicas(cluster)
+    wait_for_refill(cluster, DECODE, 2)
     hold_decode_steps(cluster, KILL_AFTER)
     refused = backend.metrics.migrations.refusals.labels("disabled")._value.get()
     with ThreadPoolExecutor(1) as killer:
@@ -189,7 +197,7 @@ def test_a_stream_opted_out_of_migration_fails_with_its_replica(loop, cluster, b
         victim_id = victim.result(timeout=10)
     assert backend.metrics.migrations.refusals.labels("disabled")._value.get() == refused + 1
     hold_decode_steps(cluster, 0, killed=victim_id)
-    wait_for_two_decode_replicas(cluster)
+    wait_for_refill(cluster, DECODE, 2)
     wait_for_baseline(loop, cluster)
 
 
@@ -199,7 +207,7 @@ def drain_busiest_mid_stream(loop, cluster, backend, client, stub, start_drain) 
     released; the victim is released once its streams were handed off (while its steps were
     still held: none could finish there). Every answer must equal its undisturbed reference,
     each move counted as a drain. Returns the outcome (victim, what start_drain put there)."""
-    wait_for_two_decode_replicas(cluster)
+    wait_for_refill(cluster, DECODE, 2)
     references = all_answers(client, stub, backend.model_name)
     drains = backend.metrics.migrations.total.labels(DECODE, "drain")
     before = drains._value.get()
@@ -279,32 +287,15 @@ def test_sigterm_on_a_decode_worker_moves_its_streams(loop, cluster, backend, cl
     ended = wait_until(
         lambda: {"started", "start-failed"} & {what for what, rid in decode_events(cluster) if rid == replacement},
         cluster.decode_pool.start_timeout_s + 60,
-        lambda: f"{replacement}'s start did not end; {pool_diagnostics(cluster)}",
+        lambda: f"{replacement}'s start did not end; {pool_diagnostics(cluster, DECODE)}",
         0.2,
     )
-    assert ended == {"started"}, pool_diagnostics(cluster)
-    wait_until(lambda: cluster.live_replicas(DECODE) == 2, 60, lambda: f"not routed: {pool_diagnostics(cluster)}", 0.2)
-    wait_for_baseline(loop, cluster)
-
-
-def wait_for_two_decode_replicas(cluster) -> None:
-    """The pool refilled after a kill (a restart backoff, then a start bounded by the pool's start
-    timeout)."""
-    timeout_s = cluster.decode_pool.start_timeout_s + 60
+    assert ended == {"started"}, pool_diagnostics(cluster, DECODE)
     wait_until(
-        lambda: cluster.live_replicas(DECODE) == 2, timeout_s, lambda: f"not refilled: {pool_diagnostics(cluster)}", 0.2
+        lambda: cluster.live_replicas(DECODE) == 2, 60, lambda: f"not routed: {pool_diagnostics(cluster, DECODE)}", 0.2
     )
+    wait_for_baseline(loop, cluster)
 
 
 def decode_events(cluster) -> list[tuple[str, str]]:
     return [(e.what, e.replica_id) for e in cluster.controller.events if e.pool == DECODE]
-
-
-def pool_diagnostics(cluster) -> str:
-    """What a failed wait reports: the decode pool's events, routed replicas and Ray's free CPUs."""
-    events = [(e.what, e.replica_id, e.detail) for e in cluster.controller.events if e.pool == DECODE]
-    free = ray.available_resources().get("CPU", 0.0)
-    return (
-        f"decode events {events[-8:]}; routed {sorted(cluster.router.replica_ids(DECODE))}; "
-        f"Ray CPUs free {free} of {ray.cluster_resources().get('CPU', 0.0)}"
-    )

@@ -23,7 +23,7 @@ from tests.helpers.batch_api import (
     read_lines,
     wait_for_status,
 )
-from tests.helpers.cluster import cluster_config, serving_backend, wait_for_baseline, wait_until
+from tests.helpers.cluster import cluster_config, serving_backend, wait_for_baseline, wait_for_refill, wait_until
 from tests.helpers.migration_streams import hold_decode_steps, http_answer, kill_busiest, wait_for_every_stream_held
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -97,7 +97,7 @@ def kill_when_held(backend, num_streams: int) -> threading.Thread:
 
 def refilled(loop, backend) -> None:
     cluster = backend.cluster
-    wait_until(lambda: cluster.live_replicas(DECODE) == 2, 120, "the decode pool was not refilled", 0.2)
+    wait_for_refill(cluster, DECODE, 2)
     wait_for_baseline(loop, cluster)
 
 

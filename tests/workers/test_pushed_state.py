@@ -20,6 +20,7 @@ from tests.helpers.cluster import (
     cluster_config,
     start_cluster,
     wait_for_baseline,
+    wait_for_refill,
     wait_until,
 )
 
@@ -178,7 +179,7 @@ def test_a_replica_that_dies_mid_stream_leaves_routing_before_the_controller_act
 
         loop.run(resume(), timeout=10)
     wait_until(lambda: cluster.decode_pool.get("decode-1") is None, 30, "the controller did not drop it")
-    wait_until(lambda: cluster.live_replicas(DECODE) == 2, 120, "the decode pool was not refilled", 0.2)
+    wait_for_refill(cluster, DECODE, 2)
     run_requests(loop, cluster, [prompt(41), prompt(42)])
     wait_until(lambda: index_matches(cluster), 15, "the replacement is not followed")
     wait_for_baseline(loop, cluster)
