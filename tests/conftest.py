@@ -29,28 +29,6 @@ def tiny_model(models_root) -> str:
     return str(make_checkpoint(models_root, "tiny", "llama"))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_cpus_left_held():
-    """After each module, on the session's Ray cluster: a warning naming the module and the named
-    actors alive if its actors still hold CPUs (the next modules share those 8 CPUs; a replica
-    that cannot be placed waits for its start timeout)."""
-    yield
-    import sys
-    import time
-    import warnings
-
-    ray = sys.modules.get("ray")
-    if ray is None or not ray.is_initialized():
-        return
-    deadline = time.monotonic() + 10.0  # kills release their CPUs asynchronously
-    while (held := ray.cluster_resources().get("CPU", 0.0) - ray.available_resources().get("CPU", 0.0)) > 0:
-        if time.monotonic() > deadline:
-            named = ray.util.list_named_actors(all_namespaces=True)
-            warnings.warn(f"{held} Ray CPUs still held after the module; named actors alive: {named}", stacklevel=1)
-            return
-        time.sleep(0.5)
-
-
 @pytest.fixture(scope="module")
 def loop():
     """An asyncio loop in a thread, for driving a DisaggCluster from synchronous tests."""

@@ -94,12 +94,15 @@ class ReplicaHealth:
         if missing <= 0 or not self.backoff[pool].may_start(now):
             return
         for _ in range(missing):
-            c.roster.spawn(self._replace_one(pool))
+            # Created here, not in the task: the pool counts it at once, so the next
+            # replace_missing (the same round's, after a SIGTERM's) does not start another.
+            replica = c.pools[pool].start_replica()
+            c.events.append(PoolEvent(now, pool, replica.replica_id, "starting"))
+            c.roster.spawn(self._await_replacement(replica))
 
-    async def _replace_one(self, pool: str) -> None:
+    async def _await_replacement(self, replica: Replica) -> None:
         c = self.controller
-        replica = c.pools[pool].start_replica()
-        c.events.append(PoolEvent(c.clock(), pool, replica.replica_id, "starting"))
+        pool = replica.pool
         try:
             address = await c.roster.await_ready(replica)
         except Exception as exc:

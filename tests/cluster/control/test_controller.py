@@ -8,6 +8,8 @@ deployment under Serve: tests/cluster/test_serve_controller.py.)"""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 import time
 
@@ -20,7 +22,7 @@ from splitserve.cluster.control.worker_pool import named_actors
 from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.proto.messages.ingress_report import IngressReport
 from splitserve.proto.messages.sampling_params import SamplingParams
-from tests.helpers.cluster import cluster_config, start_cluster, wait_for_baseline, wait_until
+from tests.helpers.cluster import cluster_config, start_cluster, wait_for_baseline, wait_for_refill, wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -223,6 +225,29 @@ def test_drain_waits_for_every_ingress_to_route_by_the_draining_view(loop, clust
     assert rid not in cluster.router.replica_ids(DECODE) and controller.pools[DECODE].get(rid) is None
     # ray.kill returns before Ray drops the actor's name: its name goes soon after.
     wait_until(lambda: rid not in named_actors(controller.namespace), 30, "the drained actor still named")
+
+
+def test_a_sigtermed_replica_gets_exactly_one_replacement(loop, cluster):
+    """SIGTERM on an idle decode replica's process: the controller drains it and starts its
+    replacement at once. The round that sees the SIGTERM then starts what each pool misses, and
+    must count the replacement it just started: one start, and the pool ends at its target."""
+    controller = cluster.controller
+    target = controller.targets[DECODE]
+    wait_for_refill(cluster, DECODE, target)
+
+    async def end_backoff() -> None:  # earlier tests' failures would hold the start back
+        controller.backoff[DECODE].next_start_at = float("-inf")
+
+    loop.run(end_backoff(), timeout=10)
+    victim = sorted(serving(cluster, DECODE))[0]
+    pid = ray.get(controller.pools[DECODE].get(victim).handle.process_id.remote(), timeout=30)
+    os.kill(pid, signal.SIGTERM)
+    events = lambda: [(e.what, e.replica_id) for e in controller.events if e.pool == DECODE]  # noqa: E731
+    wait_until(lambda: ("drained", victim) in events(), 150, lambda: f"not drained: {events()[-6:]}")
+    wait_for_refill(cluster, DECODE, target)
+    after = events()[events().index(("sigterm", victim)) :]
+    assert [what for what, _ in after].count("starting") == 1, after
+    assert len(controller.pools[DECODE].replicas) == target, after
 
 
 def test_a_new_controller_adopts_the_live_pools_without_reloading(loop, cluster):
