@@ -40,7 +40,12 @@ THROUGHPUT_OPTIMIZED = {
     "RAY_SERVE_LOG_TO_STDERR": "0",
     "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
 }
-FLAGS = {"RAY_SERVE_ENABLE_HA_PROXY": "1", **THROUGHPUT_OPTIMIZED}
+# Serve's controller kills a proxy whose readiness check times out 3 times in a row (5 s each by
+# default); on a node busy loading models the HAProxy proxy's start (its imports, then HAProxy)
+# can take longer, and the app then fails to start ("HAProxyManager ... killed by ray.kill",
+# seen on a 2-core CI box). A slow proxy is not a broken one: give its checks room.
+PROXY_CHECK_TIMEOUTS = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
+FLAGS = {"RAY_SERVE_ENABLE_HA_PROXY": "1", **THROUGHPUT_OPTIMIZED, **PROXY_CHECK_TIMEOUTS}
 
 
 def haproxy_seconds(seconds: float) -> int:
