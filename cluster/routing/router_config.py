@@ -37,6 +37,10 @@ class RouterConfig(BaseModel):
     """Conditional disaggregation: when fewer uncached prompt tokens than this remain on the
     chosen decode replica, it prefills them itself and no KV moves (under either
     prefill_placement: an override)."""
+    # Default "threshold": `local_prefill_threshold: 0` has meant "every prompt to the prefill
+    # pool" -- the tests that cover the remote path (test_request_path, test_kv_quant_disagg,
+    # the frontend's echo and quantized tests...) and the bench deployments rely on it; under
+    # "measured" an idle decode replica, once measured, would take those prompts itself.
     prefill_placement: PrefillPlacement = "threshold"
     """Where a remainder of local_prefill_threshold tokens or more is prefilled. threshold: on
     a prefill replica, always. measured: where it costs less, from the replicas' measured step
