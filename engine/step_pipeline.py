@@ -208,7 +208,7 @@ class StepPipeline:
         finally:
             engine.timing.waited(time.perf_counter() - waited_from)
             self._release(step)
-        engine.timing.forward(start, end, stalled)
+        engine.timing.forward(start, end, stalled, step.batch.num_tokens, step.batch.num_prefill_tokens)
         try:
             advanced = engine.scheduler.update(step.batch, sampled)
         except Exception as exc:

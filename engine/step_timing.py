@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import time
 
+from splitserve.engine.step_cost_profile import StepCostProfile
+
 
 class StepTiming:
     def __init__(self) -> None:
@@ -30,6 +32,7 @@ class StepTiming:
         self._forward_end: float | None = None  # the last forward's end, while work followed it
         self._host_since: float | None = None  # the loop's last step() exit, while work followed it
         self._waited = 0.0  # seconds the current step() blocked on a forward
+        self.profile = StepCostProfile()
 
     # ---- the loop thread's step() ----------------------------------------------------------
     def step_entered(self) -> float:
@@ -57,16 +60,20 @@ class StepTiming:
             self._forward_end = None  # idle: the next forward waits for requests, not host work
 
     # ---- forward passes ----------------------------------------------------------------------
-    def forward(self, start: float, end: float, stalled: float = 0.0) -> None:
+    def forward(
+        self, start: float, end: float, stalled: float = 0.0, num_tokens: int = 0, num_prefill_tokens: int = 0
+    ) -> None:
         """A forward pass ran from start to end (perf_counter seconds, any thread), of which
         stalled seconds waiting for host work (async scheduling: its sampling waited for the
-        loop thread to take the previous step's tokens in): exposed, not forward."""
+        loop thread to take the previous step's tokens in): exposed, not forward. num_tokens,
+        num_prefill_tokens: the batch's shape, for the step cost profile."""
         if self._forward_end is not None:
             self.exposed_host_seconds += max(start - self._forward_end, 0.0)
         self._forward_end = end
         self.forward_seconds += end - start - stalled
         self.exposed_host_seconds += stalled
         self.num_steps += 1
+        self.profile.record(end - start - stalled, num_tokens, num_prefill_tokens)
 
     def stats(self) -> dict[str, float | int]:
         """EngineStats' step timing fields."""
@@ -75,4 +82,5 @@ class StepTiming:
             "step_forward_seconds": self.forward_seconds,
             "step_host_seconds": self.host_seconds,
             "step_exposed_host_seconds": self.exposed_host_seconds,
+            **self.profile.stats(),
         }

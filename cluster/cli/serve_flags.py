@@ -8,7 +8,7 @@ the field's docstring as its help, so a new field needs no edit here. On top of 
 - `--model` and `--served-model-name` given more than once: several models (`models`), paired
   by position;
 - the short forms users know (SHORT_FORMS): `--host`/`--port` (vLLM's names for the HTTP
-  address), `--prefill-replicas`, `--router`, `--decode-max-replicas` (which also turns
+  address), `--prefill-replicas`, `--router`, `--local-prefill-threshold`, `--prefill-placement`, `--decode-max-replicas` (which also turns
   autoscaling on), `--max-num-seqs`, `--kv-cache-dtype` and `--tensor-parallel-size` (both pools), `--ingress-replicas`,
   `--ingress-max-replicas` (Serve autoscaling of the ingress) ...;
 - `--config FILE.yaml` (ServeConfig fields; flags override it) and env SPLITSERVE_API_KEY
@@ -69,6 +69,7 @@ SHORT_FORMS: dict[str, ShortForm] = {
     "--port": ShortForm(("http_port",)),
     "--router": ShortForm(("router.policy",)),
     "--local-prefill-threshold": ShortForm(("router.local_prefill_threshold",)),
+    "--prefill-placement": ShortForm(("router.prefill_placement",)),
     "--max-num-seqs": ShortForm(("prefill.max_num_seqs", "decode.max_num_seqs")),
     "--kv-cache-dtype": ShortForm(("prefill.kv_cache_dtype", "decode.kv_cache_dtype")),
     "--tensor-parallel-size": ShortForm(("prefill.tensor_parallel_size", "decode.tensor_parallel_size")),

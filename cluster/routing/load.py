@@ -28,16 +28,27 @@ class LoadReport:
     lora_slots: int = 0
     device_adapters: frozenset[str] = frozenset()
     host_adapters: frozenset[str] = frozenset()
+    # Measured costs (0: not measured yet), for prefill placement (prefill_placement.py): the
+    # engine's EWMAs of forward seconds per token of its prefilling steps and of its
+    # decode-only step; bytes of one KV block; and the KV it sent, in bytes per second of
+    # sending (prefill replicas; the mean since start: TransferTotals' bytes over seconds).
+    prefill_seconds_per_token: float = 0.0
+    decode_step_seconds: float = 0.0
+    kv_block_bytes: int = 0
+    transfer_bytes_per_second: float = 0.0
 
     def __post_init__(self) -> None:
         if min(self.queued_prefill_tokens, self.num_running, self.num_waiting) < 0:
             raise ValueError("load counts must be >= 0")
+        measured = (self.prefill_seconds_per_token, self.decode_step_seconds, self.transfer_bytes_per_second)
+        if min(*measured, self.kv_block_bytes) < 0:
+            raise ValueError("measured costs must be >= 0")
         if not 0.0 <= self.kv_usage <= 1.0:
             raise ValueError(f"kv_usage must be in [0, 1], got {self.kv_usage}")
 
     @classmethod
     def from_poll(cls, poll: PollReply) -> LoadReport:
-        engine = poll.engine
+        engine, transfer = poll.engine, poll.transfer
         return cls(
             queued_prefill_tokens=engine.num_waiting_tokens,
             # num_active (decode) counts every request the replica holds: running, waiting
@@ -48,6 +59,10 @@ class LoadReport:
             lora_slots=engine.lora_slots,
             device_adapters=frozenset(engine.lora_device_adapters),
             host_adapters=frozenset(engine.lora_host_adapters),
+            prefill_seconds_per_token=engine.prefill_seconds_per_token,
+            decode_step_seconds=engine.decode_step_seconds,
+            kv_block_bytes=engine.kv_block_bytes,
+            transfer_bytes_per_second=transfer.num_bytes / transfer.seconds if transfer.seconds > 0 else 0.0,
         )
 
 

@@ -24,7 +24,9 @@ It is a weighted trade-off, not an imbalance gate: a prefix holder wins until it
 queue outweighs (1 + prefix_weight) * cached tokens. The decode replica is chosen first (its
 cached blocks need not be transferred); if fewer than local_prefill_threshold uncached tokens
 remain there, the decode replica prefills them itself (prefill replica None, no KV moves).
-Otherwise the prefill replica is chosen with the same formula over the prefill index.
+Otherwise the prefill replica is chosen with the same formula over the prefill index, and with
+RouterConfig.prefill_placement "measured" the two are weighed in seconds from the replicas'
+measured profiles (prefill_placement.py): the decode replica may still prefill locally.
 
 Herding: equal costs are broken by a seeded rng, and every routed request is added to its
 replicas' pending counts until their next update_load, so a burst arriving between two load
@@ -36,13 +38,14 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from splitserve.cluster.routing.adapter_affinity import AdapterHits
 from splitserve.cluster.routing.batch_headroom import BatchHeadroom
 from splitserve.cluster.routing.index import KVIndex
 from splitserve.cluster.routing.load import LoadReport, PendingClaim, ReplicaLoad
+from splitserve.cluster.routing.prefill_placement import placement_cost
+from splitserve.cluster.routing.route_decision import RouteDecision
 from splitserve.cluster.routing.router_config import RouterConfig
 from splitserve.cluster.routing.worker_selector import PoolView, WorkerSelector, make_selector
 from splitserve.engine.core.block_hash import hash_blocks, root_hash
@@ -74,41 +77,6 @@ class NoHeadroomError(NoReplicaError):
 
 class UnknownReplicaError(KeyError):
     """A replica id that is not registered in the named pool."""
-
-
-@dataclass(frozen=True)
-class RouteDecision:
-    prefill_replica: Hashable | None  # None: the decode replica prefills locally
-    decode_replica: Hashable
-    num_prompt_tokens: int
-    prefill_cached_tokens: int  # prompt tokens cached on the prefill replica, either tier (0 if None)
-    decode_cached_tokens: int  # prompt tokens already cached on the decode replica, either tier
-    num_transfer_tokens: int  # KV tokens to move prefill -> decode (0 if local)
-    reason: str  # "kv-prefix", "load", "local-prefill", ...
-    block_hashes: tuple[int, ...]  # chained hashes of the prompt's full blocks
-    # The request's shares of the chosen replicas' pending load (prefill's first, if any):
-    # the caller releases each when the request leaves that replica (release_claims).
-    claims: tuple[PendingClaim, ...] = field(default=(), compare=False, repr=False)
-    # Of the cached tokens above, those in the replica's host tier (loaded back, not recomputed).
-    prefill_host_cached_tokens: int = 0
-    decode_host_cached_tokens: int = 0
-    # A LoRA request: per pool routed to, whether that replica reported its adapter in its
-    # device slots (the adapter-hit share's samples; empty for the base model).
-    adapter_hits: tuple[tuple[str, bool], ...] = ()
-
-    @property
-    def local_prefill(self) -> bool:
-        return self.prefill_replica is None
-
-    def release_prefill(self) -> None:
-        """The prompt left the prefill replica's queue (its first token came back)."""
-        if not self.local_prefill and self.claims:
-            self.claims[0].release()
-
-    def release_claims(self) -> None:
-        """The request ended (or was never sent): it no longer loads any replica it was routed to."""
-        for claim in self.claims:
-            claim.release()
 
 
 class Router:
@@ -265,16 +233,17 @@ class Router:
                 reason = "no-prefill-replica"
             else:
                 reason = "local-prefill"
-            claims: tuple[PendingClaim, ...] = (decode.add_pending(remainder),)
-            hits = self._adapter_hits.note(lora_adapter, (DECODE, decode))
-            return self._decide(
-                None, decode, num_tokens, (0, 0), (decode_cached, decode_host), 0, reason, hashes, claims, hits
-            )
+            return self._local(decode, num_tokens, (decode_cached, decode_host), reason, hashes, lora_adapter)
 
         picked = selector.select(self._view(PREFILL, prefill_cands, lora_adapter), hashes, num_tokens)
         prefill, prefill_cached, reason = picked.replica, picked.cached_tokens, picked.reason
         prefill_host = picked.host_tokens
-        claims = (
+        if self.config.prefill_placement == "measured":
+            cost = placement_cost(decode, prefill, remainder, num_tokens - prefill_cached, self.block_size)
+            if cost is not None and cost.local_wins:
+                return self._local(decode, num_tokens, (decode_cached, decode_host), cost.reason, hashes, lora_adapter)
+            reason = cost.reason if cost is not None else reason  # cold: the threshold rule's remote prefill
+        claims: tuple[PendingClaim, ...] = (
             prefill.add_pending(num_tokens - prefill_cached),
             decode.add_pending(0),  # a new sequence on decode; its prompt is prefilled elsewhere
         )
@@ -291,6 +260,20 @@ class Router:
             claims,
             hits,
         )
+
+    def _local(
+        self,
+        decode: ReplicaLoad,
+        num_tokens: int,
+        decode_cached: tuple[int, int],
+        reason: str,
+        hashes: tuple[int, ...],
+        lora_adapter: str | None,
+    ) -> RouteDecision:
+        """The decode replica prefills what it lacks itself: no prefill replica, no KV moves."""
+        claims = (decode.add_pending(num_tokens - decode_cached[0]),)
+        hits = self._adapter_hits.note(lora_adapter, (DECODE, decode))
+        return self._decide(None, decode, num_tokens, (0, 0), decode_cached, 0, reason, hashes, claims, hits)
 
     def _prompt_hashes(
         self,

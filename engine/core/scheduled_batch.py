@@ -42,6 +42,13 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens of the rows that compute more than one token besides drafts: prompt chunks.
+        A one-token prompt chunk (a fully cached prompt's last token) counts as a decode row:
+        it costs one."""
+        return sum(n for n, d in zip(self.num_new_tokens, self.num_draft_tokens) if n - d > 1)
+
     def set_draft(self, index: int, token_ids: list[int], probs: Any = None) -> None:
         """Sequence index's draft for this step (at most the lookahead scheduled for it), and
         the distributions it was sampled from when a draft model sampled it."""

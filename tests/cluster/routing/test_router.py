@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from splitserve.cluster.routing.load import LoadReport
+from splitserve.cluster.routing.route_decision import RouteDecision
 from splitserve.cluster.routing.router import (
     DECODE,
     PREFILL,
     NoReplicaError,
-    RouteDecision,
     Router,
     UnknownReplicaError,
 )

@@ -1,0 +1,93 @@
+"""Local or remote prefill, by measured cost (RouterConfig.prefill_placement "measured").
+
+Once the router has picked a decode replica D (holding `decode_cached` of the prompt's P
+tokens) and a prefill replica R (holding `prefill_cached`), the uncached remainder
+P - decode_cached is prefilled either by D itself or by R, whose KV then moves to D. Each side
+is priced in seconds of delay summed over the requests it touches, from the figures the
+replicas report with their load (LoadReport: the engine's step cost profile,
+engine/step_cost_profile.py, and the KV it sent):
+
+  local  = queued_D * p_D                    # D's own queued prompt tokens go first
+         + (decode_step_D if running_D > 0)  # the prefill rides a step of D's running batch
+         + remainder * p_D                   # the prefill itself
+         + running_D * remainder * p_D       # the stall: every running sequence waits for it
+  remote = queued_R * p_R                    # R's queue
+         + (P - prefill_cached) * p_R        # R's prefill of what it does not hold
+         + ceil(remainder / block_size) * kv_block_bytes_R / transfer_bytes_per_second_R
+
+where p is a replica's measured forward seconds per prefilled token, queued and running count
+the requests routed there since its report (ReplicaLoad's pending counts). The lower wins, a
+tie going local (no KV moves). Where a figure is not measured yet -- a cold replica: no prefill
+step ran on it, or R sent no KV yet -- there is no cost: the router keeps its threshold rule.
+Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from splitserve.cluster.routing.load import ReplicaLoad
+
+LOCAL_CHEAPER = "local-prefill-cheaper"
+REMOTE_CHEAPER = "remote-prefill-cheaper"
+
+
+@dataclass(frozen=True)
+class PlacementCost:
+    """The two sides' priced delay, in seconds."""
+
+    local_seconds: float
+    remote_seconds: float
+
+    @property
+    def local_wins(self) -> bool:
+        return self.local_seconds <= self.remote_seconds
+
+    @property
+    def reason(self) -> str:
+        """The router's decision reason for this outcome."""
+        return LOCAL_CHEAPER if self.local_wins else REMOTE_CHEAPER
+
+
+def local_prefill_seconds(decode: ReplicaLoad, remainder: int) -> float | None:
+    """The decode replica prefilling `remainder` tokens inside its current batch; None if it
+    has no prefill measured yet."""
+    report = decode.report
+    per_token = report.prefill_seconds_per_token
+    if per_token <= 0:
+        return None
+    running = decode.effective_running
+    prefill = remainder * per_token
+    batch_step = report.decode_step_seconds if running else 0.0
+    return decode.effective_queued_tokens * per_token + batch_step + prefill + running * prefill
+
+
+def remote_prefill_seconds(
+    prefill: ReplicaLoad, num_uncached: int, num_transfer_tokens: int, block_size: int
+) -> float | None:
+    """The prefill replica's queue and its prefill of num_uncached tokens, then the transfer of
+    num_transfer_tokens' blocks; None if its prefill or its sending is not measured yet."""
+    report = prefill.report
+    per_token = report.prefill_seconds_per_token
+    if per_token <= 0 or report.transfer_bytes_per_second <= 0 or report.kv_block_bytes <= 0:
+        return None
+    num_blocks = math.ceil(num_transfer_tokens / block_size)
+    transfer = num_blocks * report.kv_block_bytes / report.transfer_bytes_per_second
+    return (prefill.effective_queued_tokens + num_uncached) * per_token + transfer
+
+
+def placement_cost(
+    decode: ReplicaLoad,
+    prefill: ReplicaLoad,
+    remainder: int,
+    num_prefill_uncached: int,
+    block_size: int,
+) -> PlacementCost | None:
+    """Both sides' cost for a prompt whose `remainder` tokens decode lacks and whose
+    `num_prefill_uncached` tokens the prefill replica lacks; None where either is cold."""
+    local = local_prefill_seconds(decode, remainder)
+    remote = remote_prefill_seconds(prefill, num_prefill_uncached, remainder, block_size)
+    if local is None or remote is None:
+        return None
+    return PlacementCost(local, remote)
