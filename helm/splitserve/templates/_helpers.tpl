@@ -426,6 +426,10 @@ The front door's environment (values.frontDoor), the same on the head and every 
   value: {{ .Values.serve.http_max_connections | default 4096 | toString | quote }}
 - name: RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S
   value: {{ .Values.serve.http_request_timeout_s | default 30 | ceil | int | toString | quote }}
+- name: RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S
+  value: {{ $fd.proxyCheckTimeoutS | default 30 | toString | quote }}
+- name: RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S
+  value: {{ $fd.proxyCheckTimeoutS | default 30 | toString | quote }}
 {{- else }}
 - name: RAY_SERVE_ENABLE_HA_PROXY
   value: "0"

@@ -54,6 +54,8 @@ def test_head_and_every_worker_group_get_the_front_door_env(name):
         serve_values = merged_values_of(name)["serve"]
         assert env["RAY_SERVE_HAPROXY_MAXCONN"] == str(serve_values["http_max_connections"])
         assert env["RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S"] == str(math.ceil(serve_values["http_request_timeout_s"]))
+        for check in ("READY", "HEALTH"):
+            assert env[f"RAY_SERVE_PROXY_{check}_CHECK_TIMEOUT_S"] == str(front_door["proxyCheckTimeoutS"])
     off = deploy.render_chart({"frontDoor": {"haproxy": False}, "head": {"extraEnv": [{"name": "X", "value": "1"}]}})
     head = next(o for o in deploy.rendered_objects(off) if o["kind"] == "RayService")
     head = head["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]

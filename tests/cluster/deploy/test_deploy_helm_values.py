@@ -24,6 +24,7 @@ BAD_VALUES = {
     "string port": {"serve": {"http_port": "8000"}},
     "unknown front door field": {"frontDoor": {"proxy": "nginx"}},
     "zero haproxy threads": {"frontDoor": {"haproxyThreads": 0}},
+    "zero proxy check timeout": {"frontDoor": {"proxyCheckTimeoutS": 0}},
     "unknown speculative method": {"serve": {"speculative": {"method": "medusa"}}},
     "zero speculative tokens": {"serve": {"speculative": {"num_speculative_tokens": 0}}},
     "unknown model entry field": {"serve": {"models": [{"model": "/m/a", "num_gpus": 1}]}},
