@@ -331,6 +331,10 @@ class EngineConfig:
     # runs none of it. The timeout bounds each rank's start, join and load and every collective.
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 300.0
+    # On CPU the ranks' collectives go over a shared-memory segment of their node
+    # (engine/parallel/shm_collectives.py), gloo carrying only tensors too large for its slots;
+    # False keeps them all on gloo. CUDA ranks use NCCL whatever this says.
+    tensor_parallel_shm_collectives: bool = True
     # LoRA (engine/lora/): enable_lora serves the PEFT adapters of lora_modules (name -> adapter
     # directory), any number of them: max_loras device slots of rank up to max_lora_rank hold
     # those the running requests use, an LRU host cache of max_cpu_loras (None: max_loras)
@@ -393,6 +397,10 @@ class EngineConfig:
             raise ConfigError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
         if not self.tensor_parallel_timeout_s > 0:
             raise ConfigError(f"tensor_parallel_timeout_s must be > 0, got {self.tensor_parallel_timeout_s}")
+        if not isinstance(self.tensor_parallel_shm_collectives, bool):
+            raise ConfigError(
+                f"tensor_parallel_shm_collectives must be true or false, got {self.tensor_parallel_shm_collectives!r}"
+            )
         from splitserve.engine.lora.lora_config import check_lora_settings
 
         check_lora_settings(self)

@@ -6,16 +6,18 @@ bench/results/tensor_parallel.md's "Step time" section.
 One process (rank 0 of the TP-2 engine; its follower a spawned process), the `bench` preset
 (`splitserve make-model --preset bench`: hidden 256, 2 layers, 4 heads), fp32, greedy, ignore_eos,
 16-token prompts, batches of 1, 8 and 32. A decode step is (t(N tokens) - t(1 token)) / (N - 1)
-with fresh prompts, so prefill drops out. Three engines interleave per repeat: TP 1 with the
-scripted CPU decode step (the default), TP 1 eager, TP 2 eager (TP refuses the scripted step:
-one TorchScript call leaves no place for the collectives), so TP 1 eager against TP 2 is the
-like-for-like pair.
+with fresh prompts, so prefill drops out. Four engines interleave per repeat: TP 1 with the
+scripted CPU decode step (the default), TP 1 eager, TP 2 eager with its collectives over shared
+memory (the default, engine/parallel/shm_collectives.py) and TP 2 eager all on gloo
+(tensor_parallel_shm_collectives=False). TP refuses the scripted step (one TorchScript call
+leaves no place for the collectives), so TP 1 eager against TP 2 is the like-for-like pair.
 
 Where rank 0's step goes, timed around the calls in this process only (the follower is not
 patched): `collectives` = the all-reduces (row-parallel outputs, the embedding) and the logits
 gather; `broadcast` = the step's header over each follower's pipe and the batch (ids,
 positions, slots, block tables) and the hidden rows broadcast on the group. A collective's time
-includes waiting for the slower rank, which is what the step pays for it.
+includes waiting for the slower rank, which is what the step pays for it; `waiting` is that part
+of both over shared memory (rank 0 waiting for rank 1's counters), which gloo does not show.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from collections import defaultdict
 from pathlib import Path
 
 BATCHES = (1, 8, 32)
-ENGINES = ("TP 1, scripted step", "TP 1, eager", "TP 2, eager")
+KINDS = ("collectives", "broadcast", "waiting")
+ENGINES = ("TP 1, scripted step", "TP 1, eager", "TP 2, eager", "TP 2, eager, gloo")
 
 
 class StepClock:
@@ -57,10 +60,12 @@ class StepClock:
 
 
 def install_clock() -> StepClock:
+    from splitserve.engine.parallel.shm_collectives import ShmCollectives
     from splitserve.engine.parallel.tp_group import TensorParallelGroup
     from splitserve.engine.parallel.tp_ranks import TensorParallelRanks
 
     clock = StepClock()
+    clock.wrap(ShmCollectives, "_await", "waiting")
     clock.wrap(TensorParallelGroup, "all_reduce", "collectives")
     clock.wrap(TensorParallelGroup, "gather_to_driver", "collectives")
     clock.wrap(TensorParallelGroup, "broadcast", "broadcast")
@@ -75,7 +80,14 @@ def build_engine(model: Path, name: str):
     # The decode forward is chosen when the model loads (engine/model/scripted_decode.py).
     os.environ["SPLITSERVE_CPU_DECODE_FORWARD"] = "scripted" if "scripted" in name else "eager"
     tp = 2 if name.startswith("TP 2") else 1
-    return LLMEngine(EngineConfig(model=str(model), num_kv_blocks=1024, max_num_seqs=64, tensor_parallel_size=tp))
+    config = EngineConfig(
+        model=str(model),
+        num_kv_blocks=1024,
+        max_num_seqs=64,
+        tensor_parallel_size=tp,
+        tensor_parallel_shm_collectives="gloo" not in name,
+    )
+    return LLMEngine(config)
 
 
 def decode_step(engine, clock: StepClock, batch: int, max_tokens: int, rng: random.Random) -> dict[str, float]:
@@ -90,10 +102,10 @@ def decode_step(engine, clock: StepClock, batch: int, max_tokens: int, rng: rand
         engine.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
         wall.append(time.perf_counter() - started)
         after = clock.snapshot()
-        spent.append({kind: after.get(kind, 0.0) - before.get(kind, 0.0) for kind in ("collectives", "broadcast")})
+        spent.append({kind: after.get(kind, 0.0) - before.get(kind, 0.0) for kind in KINDS})
     steps = max_tokens - 1
     row = {"step_ms": (wall[1] - wall[0]) / steps * 1000}
-    for kind in ("collectives", "broadcast"):
+    for kind in KINDS:
         row[f"{kind}_ms"] = max(spent[1][kind] - spent[0][kind], 0.0) / steps * 1000
     return row
 
@@ -128,16 +140,18 @@ def _share(row: dict[str, float], kind: str) -> str:
 
 def report(results: dict[str, dict[int, dict[str, float]]]) -> str:
     lines = [
-        "| engine | batch | ms / step | vs TP 1 eager | collectives ms (share) | broadcast ms (share) |",
-        "|---|---|---|---|---|---|",
+        "| engine | batch | ms / step | vs TP 1 eager | collectives ms (share) | broadcast ms (share) | of which waiting ms |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, per in results.items():
         for batch, row in sorted(per.items()):
             base = results["TP 1, eager"][batch]["step_ms"]
-            tp = name.startswith("TP 2")
+            tp, shm = name.startswith("TP 2"), "gloo" not in name
+            waiting = f"{row['waiting_ms']:.2f}" if tp and shm else "-"
             lines.append(
                 f"| {name} | {batch} | {row['step_ms']:.2f} | {row['step_ms'] / base:.2f} | "
-                f"{_share(row, 'collectives_ms') if tp else '-'} | {_share(row, 'broadcast_ms') if tp else '-'} |"
+                f"{_share(row, 'collectives_ms') if tp else '-'} | {_share(row, 'broadcast_ms') if tp else '-'} | "
+                f"{waiting} |"
             )
     return "\n".join(lines)
 

@@ -87,7 +87,9 @@ def run_follower(
         device = rank_device(config.device, rank, size, own_device)
         store = dist.TCPStore(host, port, size, is_master=False, timeout=_timeout(config))
         conn.send((ALIVE, None))
-        group = TensorParallelGroup.join(plan, device, store, host, config.tensor_parallel_timeout_s)
+        group = TensorParallelGroup.join(
+            plan, device, store, host, config.tensor_parallel_timeout_s, config.tensor_parallel_shm_collectives
+        )
         model, _ = load_model(
             config.model, dtype=config.dtype, device=device, quantization=config.quantization, tensor_parallel=group
         )

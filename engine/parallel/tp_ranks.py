@@ -122,7 +122,9 @@ class TensorParallelRanks:
         self._finalizer = weakref.finalize(self, _stop, self._processes, self._conns)
         try:
             self._expect(ALIVE, "start", deadline)
-            self.group = TensorParallelGroup.join(plan, device, store, _HOST, self.timeout_s)
+            self.group = TensorParallelGroup.join(
+                plan, device, store, _HOST, self.timeout_s, config.tensor_parallel_shm_collectives
+            )
         except BaseException:
             self.close()
             raise
