@@ -1,19 +1,27 @@
 """StepCostProfile: what an engine's steps cost lately, for the router's choice between a
 decode replica's local prefill and a remote one (cluster/routing/prefill_placement.py).
 
-- prefill seconds per token: an EWMA, over the steps that prefill anything (prompt chunks,
-  alone or mixed with decode rows), of the step's forward seconds per token it computed;
+- prefill: a step that prefills anything (prompt chunks, alone or mixed with decode rows)
+  costs about step + per_token * tokens. Both come from a least-squares line through the recent
+  steps' (tokens, forward seconds), over EWMAs of their moments. A step's fixed cost (kernel
+  launches, the layers' per-call overheads, sampling) is large against a short prompt's
+  tokens: a plain seconds-per-token figure read off short prompts overprices a long one (a
+  decode replica's own prefills are mostly short remainders) by several times.
+  While the recent steps are all about one size, no line can be fitted: the fixed cost is then
+  0 and per_token the ratio of the mean seconds to the mean tokens.
 - decode step seconds: an EWMA of the forward seconds of the steps that only decode.
 
-Both are 0.0 until a step of that kind ran (a cold replica: the router falls back to its
-threshold rule). An EWMA, not a running mean, so the figures follow the load and a replica's
-warm-up does not weigh forever. torch-free; two multiplications a step.
+All three are 0.0 until a step of that kind ran (a cold replica: the router falls back to its
+threshold rule). EWMAs, not running means, so the figures follow the load and a replica's
+warm-up does not weigh forever. torch-free; a few multiplications a step.
 """
 
 from __future__ import annotations
 
-# Weight of the newest step: about the last eight steps of a kind carry the figure.
+# Weight of the newest step: about the last eight steps of a kind carry the figures.
 EWMA_WEIGHT = 0.25
+# The recent prefill steps' token counts must spread by this coefficient of variation for a line.
+MIN_TOKENS_SPREAD = 0.05
 
 
 class StepCostProfile:
@@ -21,8 +29,9 @@ class StepCostProfile:
         if not 0.0 < weight <= 1.0:
             raise ValueError(f"the EWMA weight must be in (0, 1], got {weight}")
         self.weight = weight
-        self.prefill_seconds_per_token = 0.0
         self.decode_step_seconds = 0.0
+        # EWMAs over prefill steps of n (tokens), t (seconds), n*n and n*t; None while cold.
+        self._moments: list[float] | None = None
 
     def record(self, seconds: float, num_tokens: int, num_prefill_tokens: int) -> None:
         """One step's forward seconds, the tokens it computed and how many of them were prompt
@@ -30,16 +39,34 @@ class StepCostProfile:
         if num_tokens <= 0 or seconds < 0:
             return
         if num_prefill_tokens > 0:
-            self.prefill_seconds_per_token = self._mix(self.prefill_seconds_per_token, seconds / num_tokens)
+            sample = [float(num_tokens), seconds, float(num_tokens) ** 2, num_tokens * seconds]
+            if self._moments is None:
+                self._moments = sample
+            else:
+                self._moments = [m + self.weight * (s - m) for m, s in zip(self._moments, sample, strict=True)]
+        elif self.decode_step_seconds == 0.0:
+            self.decode_step_seconds = seconds
         else:
-            self.decode_step_seconds = self._mix(self.decode_step_seconds, seconds)
+            self.decode_step_seconds += self.weight * (seconds - self.decode_step_seconds)
 
-    def _mix(self, old: float, new: float) -> float:
-        return new if old == 0.0 else old + self.weight * (new - old)
+    def prefill_line(self) -> tuple[float, float]:
+        """(fixed seconds per prefill step, seconds per token); (0.0, 0.0) while cold."""
+        if self._moments is None:
+            return 0.0, 0.0
+        n, t, nn, nt = self._moments
+        variance = nn - n * n
+        if variance > (MIN_TOKENS_SPREAD * n) ** 2:
+            per_token = (nt - n * t) / variance
+            step = t - per_token * n
+            if per_token > 0 and step >= 0:
+                return step, per_token
+        return 0.0, t / n  # one size lately, or a line through an odd sample: the ratio of means
 
     def stats(self) -> dict[str, float]:
         """EngineStats' step cost fields."""
+        step, per_token = self.prefill_line()
         return {
-            "prefill_seconds_per_token": self.prefill_seconds_per_token,
+            "prefill_step_seconds": step,
+            "prefill_seconds_per_token": per_token,
             "decode_step_seconds": self.decode_step_seconds,
         }

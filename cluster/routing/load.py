@@ -29,18 +29,24 @@ class LoadReport:
     device_adapters: frozenset[str] = frozenset()
     host_adapters: frozenset[str] = frozenset()
     # Measured costs (0: not measured yet), for prefill placement (prefill_placement.py): the
-    # engine's EWMAs of forward seconds per token of its prefilling steps and of its
-    # decode-only step; bytes of one KV block; and the KV it sent, in bytes per second of
+    # engine's prefilling step as prefill_step_seconds + prefill_seconds_per_token * tokens,
+    # its decode-only step; bytes of one KV block; and the KV it sent, in bytes per second of
     # sending (prefill replicas; the mean since start: TransferTotals' bytes over seconds).
     prefill_seconds_per_token: float = 0.0
     decode_step_seconds: float = 0.0
+    prefill_step_seconds: float = 0.0
     kv_block_bytes: int = 0
     transfer_bytes_per_second: float = 0.0
 
     def __post_init__(self) -> None:
         if min(self.queued_prefill_tokens, self.num_running, self.num_waiting) < 0:
             raise ValueError("load counts must be >= 0")
-        measured = (self.prefill_seconds_per_token, self.decode_step_seconds, self.transfer_bytes_per_second)
+        measured = (
+            self.prefill_seconds_per_token,
+            self.decode_step_seconds,
+            self.prefill_step_seconds,
+            self.transfer_bytes_per_second,
+        )
         if min(*measured, self.kv_block_bytes) < 0:
             raise ValueError("measured costs must be >= 0")
         if not 0.0 <= self.kv_usage <= 1.0:
@@ -61,6 +67,7 @@ class LoadReport:
             host_adapters=frozenset(engine.lora_host_adapters),
             prefill_seconds_per_token=engine.prefill_seconds_per_token,
             decode_step_seconds=engine.decode_step_seconds,
+            prefill_step_seconds=engine.prefill_step_seconds,
             kv_block_bytes=engine.kv_block_bytes,
             transfer_bytes_per_second=transfer.num_bytes / transfer.seconds if transfer.seconds > 0 else 0.0,
         )

@@ -8,14 +8,16 @@ replicas report with their load (LoadReport: the engine's step cost profile,
 engine/step_cost_profile.py, and the KV it sent):
 
   local  = queued_D * p_D                    # D's own queued prompt tokens go first
-         + (decode_step_D if running_D > 0)  # the prefill rides a step of D's running batch
+         + (decode_step_D if running_D > 0   # the prefill rides a step of D's running batch,
+            else step_D)                     #   or is a step of its own
          + remainder * p_D                   # the prefill itself
          + running_D * remainder * p_D       # the stall: every running sequence waits for it
-  remote = queued_R * p_R                    # R's queue
+  remote = step_R                            # a step of R's
+         + queued_R * p_R                    # R's queue
          + (P - prefill_cached) * p_R        # R's prefill of what it does not hold
          + ceil(remainder / block_size) * kv_block_bytes_R / transfer_bytes_per_second_R
 
-where p is a replica's measured forward seconds per prefilled token, queued and running count
+where a prefilling step of a replica costs step + p * tokens (its measured line), queued and running count
 the requests routed there since its report (ReplicaLoad's pending counts). The lower wins, a
 tie going local (no KV moves). Where a figure is not measured yet -- a cold replica: no prefill
 step ran on it, or R sent no KV yet -- there is no cost: the router keeps its threshold rule.
@@ -59,7 +61,7 @@ def local_prefill_seconds(decode: ReplicaLoad, remainder: int) -> float | None:
         return None
     running = decode.effective_running
     prefill = remainder * per_token
-    batch_step = report.decode_step_seconds if running else 0.0
+    batch_step = report.decode_step_seconds if running else report.prefill_step_seconds
     return decode.effective_queued_tokens * per_token + batch_step + prefill + running * prefill
 
 
@@ -74,7 +76,7 @@ def remote_prefill_seconds(
         return None
     num_blocks = math.ceil(num_transfer_tokens / block_size)
     transfer = num_blocks * report.kv_block_bytes / report.transfer_bytes_per_second
-    return (prefill.effective_queued_tokens + num_uncached) * per_token + transfer
+    return report.prefill_step_seconds + (prefill.effective_queued_tokens + num_uncached) * per_token + transfer
 
 
 def placement_cost(

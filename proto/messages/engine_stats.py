@@ -75,10 +75,12 @@ class EngineStats(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     step_forward_seconds: float = 0.0
     step_host_seconds: float = 0.0
     step_exposed_host_seconds: float = 0.0
-    # The step cost profile (engine/step_cost_profile.py; 0.0 until measured): EWMAs of the
-    # forward seconds per token of steps that prefill, and of the seconds of steps that only
-    # decode. The router weighs local against remote prefill with them.
+    # The step cost profile (engine/step_cost_profile.py; 0.0 until measured): a prefilling
+    # step's forward seconds as step + per_token * tokens (a line through the recent steps),
+    # and an EWMA of the seconds of steps that only decode. The router weighs local against
+    # remote prefill with them.
     prefill_seconds_per_token: float = 0.0
     decode_step_seconds: float = 0.0
+    prefill_step_seconds: float = 0.0
     # Preemptions since start by the preempted request's priority (SamplingParams.priority).
     preemptions_by_priority: dict[int, int] = msgspec.field(default_factory=dict)

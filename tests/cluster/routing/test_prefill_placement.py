@@ -56,13 +56,17 @@ def loaded(placement: str = "measured", threshold: int = 0, decode=None, prefill
 
 
 def test_the_costs_follow_the_formula():
-    decode = ReplicaLoad("d0", measured(num_running=3, queued=10))
+    step = 0.002  # a prefilling step's fixed cost, on either replica
+    decode = ReplicaLoad("d0", measured(num_running=3, queued=10, prefill_step_seconds=step))
     decode.add_pending(6)  # routed since the report: one more running, 6 more queued tokens
-    prefill = ReplicaLoad("p0", measured(queued=20))
+    prefill = ReplicaLoad("p0", measured(queued=20, prefill_step_seconds=step))
     remainder = 40
+    # The prefill rides a step of decode's running batch: that step's cost, not the fixed one.
     local = (16 * PER_TOKEN) + DECODE_STEP + remainder * PER_TOKEN + 4 * remainder * PER_TOKEN
     assert local_prefill_seconds(decode, remainder) == pytest.approx(local)
-    remote = (20 + 50) * PER_TOKEN + 10 * BLOCK_BYTES / THROUGHPUT  # 40 tokens: 10 blocks of 4
+    idle = ReplicaLoad("d1", measured(prefill_step_seconds=step))
+    assert local_prefill_seconds(idle, remainder) == pytest.approx(step + remainder * PER_TOKEN)
+    remote = step + (20 + 50) * PER_TOKEN + 10 * BLOCK_BYTES / THROUGHPUT  # 40 tokens: 10 blocks of 4
     assert remote_prefill_seconds(prefill, 50, remainder, BS) == pytest.approx(remote)
     cost = placement_cost(decode, prefill, remainder, 50, BS)
     assert cost is not None and (cost.local_seconds, cost.remote_seconds) == pytest.approx((local, remote))
