@@ -284,6 +284,9 @@ class Dispatcher(RoutedReplicas):
                         sent_any = True
                         self.inflight_prefill.pop(rid, None)
                         decision.release_prefill()
+                        handoff = item.first_token_stages.get("handoff")
+                        if handoff is not None and not decision.local_prefill:
+                            self.router.observe_remote_handoff(handoff)
                     done = item.finished
                     yield item
                     if done:

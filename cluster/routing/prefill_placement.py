@@ -15,9 +15,14 @@ engine/step_cost_profile.py, and the KV it sent):
   remote = step_R                            # a step of R's
          + queued_R * p_R                    # R's queue
          + (P - prefill_cached) * p_R        # R's prefill of what it does not hold
-         + ceil(remainder / block_size) * kv_block_bytes_R / transfer_bytes_per_second_R
+         + max(handoff,                      # the hop, as the ingress measured it lately
+               ceil(remainder / block_size) * kv_block_bytes_R / transfer_bytes_per_second_R)
 
-where a prefilling step of a replica costs step + p * tokens (its measured line), queued and running count
+where a prefilling step of a replica costs step + p * tokens (its measured line), handoff is
+an EWMA of the remote requests' `handoff` stage (decode/first_token_clock.py: reserving blocks,
+the prefill call's round trip, the transfer's set-up and wire time; 0 until one was seen) --
+the hop's fixed cost, which no replica's figures hold -- unless this prompt's KV bytes take
+longer at the measured send throughput, and queued and running count
 the requests routed there since its report (ReplicaLoad's pending counts). The lower wins, a
 tie going local (no KV moves). Where a figure is not measured yet -- a cold replica: no prefill
 step ran on it, or R sent no KV yet -- there is no cost: the router keeps its threshold rule.
@@ -66,17 +71,19 @@ def local_prefill_seconds(decode: ReplicaLoad, remainder: int) -> float | None:
 
 
 def remote_prefill_seconds(
-    prefill: ReplicaLoad, num_uncached: int, num_transfer_tokens: int, block_size: int
+    prefill: ReplicaLoad, num_uncached: int, num_transfer_tokens: int, block_size: int, handoff_seconds: float = 0.0
 ) -> float | None:
-    """The prefill replica's queue and its prefill of num_uncached tokens, then the transfer of
-    num_transfer_tokens' blocks; None if its prefill or its sending is not measured yet."""
+    """The prefill replica's queue and its prefill of num_uncached tokens, then the handoff
+    (the measured hop, or the transfer of num_transfer_tokens' blocks if that takes longer);
+    None if its prefill or its sending is not measured yet."""
     report = prefill.report
     per_token = report.prefill_seconds_per_token
     if per_token <= 0 or report.transfer_bytes_per_second <= 0 or report.kv_block_bytes <= 0:
         return None
     num_blocks = math.ceil(num_transfer_tokens / block_size)
     transfer = num_blocks * report.kv_block_bytes / report.transfer_bytes_per_second
-    return report.prefill_step_seconds + (prefill.effective_queued_tokens + num_uncached) * per_token + transfer
+    compute = report.prefill_step_seconds + (prefill.effective_queued_tokens + num_uncached) * per_token
+    return compute + max(handoff_seconds, transfer)
 
 
 def placement_cost(
@@ -85,11 +92,26 @@ def placement_cost(
     remainder: int,
     num_prefill_uncached: int,
     block_size: int,
+    handoff_seconds: float = 0.0,
 ) -> PlacementCost | None:
     """Both sides' cost for a prompt whose `remainder` tokens decode lacks and whose
     `num_prefill_uncached` tokens the prefill replica lacks; None where either is cold."""
     local = local_prefill_seconds(decode, remainder)
-    remote = remote_prefill_seconds(prefill, num_prefill_uncached, remainder, block_size)
+    remote = remote_prefill_seconds(prefill, num_prefill_uncached, remainder, block_size, handoff_seconds)
     if local is None or remote is None:
         return None
     return PlacementCost(local, remote)
+
+
+class HandoffEstimate:
+    """An EWMA of the remote-prefill requests' measured handoff (seconds; 0.0 until one)."""
+
+    WEIGHT = 0.2  # about the last ten remote requests carry it
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def observe(self, seconds: float) -> None:
+        if seconds < 0:
+            return
+        self.seconds = seconds if self.seconds == 0.0 else self.seconds + self.WEIGHT * (seconds - self.seconds)

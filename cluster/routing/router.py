@@ -44,7 +44,7 @@ from splitserve.cluster.routing.adapter_affinity import AdapterHits
 from splitserve.cluster.routing.batch_headroom import BatchHeadroom
 from splitserve.cluster.routing.index import KVIndex
 from splitserve.cluster.routing.load import LoadReport, PendingClaim, ReplicaLoad
-from splitserve.cluster.routing.prefill_placement import placement_cost
+from splitserve.cluster.routing.prefill_placement import HandoffEstimate, placement_cost
 from splitserve.cluster.routing.route_decision import RouteDecision
 from splitserve.cluster.routing.router_config import RouterConfig
 from splitserve.cluster.routing.worker_selector import PoolView, WorkerSelector, make_selector
@@ -115,6 +115,8 @@ class Router:
         self._selectors: dict[str, WorkerSelector] = {}  # by policy, so a new config's policy applies
         self._decisions: Counter[str] = Counter()
         self._adapter_hits = AdapterHits()
+        # Remote prefill's hop, as the ingress measures it (observe_remote_handoff).
+        self.remote_handoff = HandoffEstimate()
 
     @property
     def selector(self) -> WorkerSelector:
@@ -191,6 +193,12 @@ class Router:
         adapter in its device slots): the adapter-hit share's numerator and denominator."""
         return {pool: self._adapter_hits.counts(pool) for pool in POOLS}
 
+    def observe_remote_handoff(self, seconds: float) -> None:
+        """A remote-prefill request's first token came with its handoff stage (the prefill
+        call's round trip, the transfer's set-up and wire time): prefill placement prices the
+        hop with it."""
+        self.remote_handoff.observe(seconds)
+
     def decision_counts(self) -> dict[str, int]:
         """Decisions so far by reason (for the "router decisions by reason" counter)."""
         return dict(self._decisions)
@@ -239,7 +247,9 @@ class Router:
         prefill, prefill_cached, reason = picked.replica, picked.cached_tokens, picked.reason
         prefill_host = picked.host_tokens
         if self.config.prefill_placement == "measured":
-            cost = placement_cost(decode, prefill, remainder, num_tokens - prefill_cached, self.block_size)
+            cost = placement_cost(
+                decode, prefill, remainder, num_tokens - prefill_cached, self.block_size, self.remote_handoff.seconds
+            )
             if cost is not None and cost.local_wins:
                 return self._local(decode, num_tokens, (decode_cached, decode_host), cost.reason, hashes, lora_adapter)
             reason = cost.reason if cost is not None else reason  # cold: the threshold rule's remote prefill

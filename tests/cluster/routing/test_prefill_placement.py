@@ -106,6 +106,21 @@ def test_a_queued_prefill_replica_loses_to_an_idle_decode_replica_only_by_its_qu
     assert r.route(PROMPT).reason == REMOTE_CHEAPER  # 80.8 ms against 138 ms
 
 
+def test_the_measured_hop_prices_remote_prefill_unless_the_transfer_takes_longer():
+    prefill = ReplicaLoad("p0", measured())
+    compute = 64 * PER_TOKEN
+    transfer = 16 * BLOCK_BYTES / THROUGHPUT
+    assert remote_prefill_seconds(prefill, 64, 64, BS, 0.080) == pytest.approx(compute + 0.080)
+    assert remote_prefill_seconds(prefill, 64, 64, BS, 0.001) == pytest.approx(compute + transfer)
+    r = loaded(decode=measured(num_running=1))
+    assert r.route(PROMPT).reason == REMOTE_CHEAPER  # 80.8 ms against 138 ms, no hop seen yet
+    for seconds in (0.080, 0.100, -1.0):  # what remote requests' first tokens reported (-1: ignored)
+        r.observe_remote_handoff(seconds)
+    assert r.remote_handoff.seconds == pytest.approx(0.080 + 0.2 * (0.100 - 0.080))
+    r.update_load(DECODE, "d0", measured(num_running=1))
+    assert r.route(PROMPT).reason == LOCAL_CHEAPER  # remote 64 ms + 84 ms of hop against 138 ms
+
+
 @pytest.mark.parametrize(
     "cold",
     [
