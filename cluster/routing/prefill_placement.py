@@ -19,8 +19,8 @@ engine/step_cost_profile.py, and the KV it sent):
                ceil(remainder / block_size) * kv_block_bytes_R / transfer_bytes_per_second_R)
 
 where a prefilling step of a replica costs step + p * tokens (its measured line), handoff is
-an EWMA of the remote requests' `handoff` stage (decode/first_token_clock.py: reserving blocks,
-the prefill call's round trip, the transfer's set-up and wire time; 0 until one was seen) --
+the median of the recent remote requests' `handoff` stage (decode/first_token_clock.py: reserving blocks,
+the prefill call's round trip, the transfer's set-up and wire time; 0 until a few were seen) --
 the hop's fixed cost, which no replica's figures hold -- unless this prompt's KV bytes take
 longer at the measured send throughput, and queued and running count
 the requests routed there since its report (ReplicaLoad's pending counts). The lower wins, a
@@ -32,6 +32,8 @@ Pure Python, no torch.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 from splitserve.cluster.routing.load import ReplicaLoad
@@ -104,14 +106,24 @@ def placement_cost(
 
 
 class HandoffEstimate:
-    """An EWMA of the remote-prefill requests' measured handoff (seconds; 0.0 until one)."""
+    """The median of the last WINDOW remote-prefill requests' measured handoff (seconds); 0.0
+    until MIN_SAMPLES were seen. A median, not a mean: a replica pair's first transfer also sets
+    up its connection (a process group), a one-off many times the usual hop."""
 
-    WEIGHT = 0.2  # about the last ten remote requests carry it
+    WINDOW = 16
+    MIN_SAMPLES = 3
 
     def __init__(self) -> None:
-        self.seconds = 0.0
+        self._recent: deque[float] = deque(maxlen=self.WINDOW)
 
     def observe(self, seconds: float) -> None:
-        if seconds < 0:
-            return
-        self.seconds = seconds if self.seconds == 0.0 else self.seconds + self.WEIGHT * (seconds - self.seconds)
+        if seconds >= 0:
+            self._recent.append(seconds)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._recent)
+
+    @property
+    def seconds(self) -> float:
+        return statistics.median(self._recent) if len(self._recent) >= self.MIN_SAMPLES else 0.0

@@ -107,7 +107,8 @@ def test_local_on_an_idle_decode_replica_remote_on_a_full_one(loop, serving, ref
     tokens, seen = route_one(loop, serving, cold)
     assert tokens == reference(cold)
     assert seen.get("handoff") == 1 and not {f"decision:{LOCAL_CHEAPER}", f"decision:{REMOTE_CHEAPER}"} & set(seen)
-    assert router.remote_handoff.seconds > 0  # its handoff stage: the hop placement prices from now on
+    # The dispatcher handed the router its handoff stage; one sample (the pair's set-up) prices no hop yet.
+    assert router.remote_handoff.num_samples == 1 and router.remote_handoff.seconds == 0.0
     # The threshold as an override: the decode replica prefills (and caches) the prefix itself.
     with_threshold(serving, 10**6)
     try:

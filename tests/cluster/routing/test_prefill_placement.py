@@ -114,11 +114,16 @@ def test_the_measured_hop_prices_remote_prefill_unless_the_transfer_takes_longer
     assert remote_prefill_seconds(prefill, 64, 64, BS, 0.001) == pytest.approx(compute + transfer)
     r = loaded(decode=measured(num_running=1))
     assert r.route(PROMPT).reason == REMOTE_CHEAPER  # 80.8 ms against 138 ms, no hop seen yet
-    for seconds in (0.080, 0.100, -1.0):  # what remote requests' first tokens reported (-1: ignored)
+    # What remote requests' first tokens reported: a pair's first (its connection set up), then
+    # the usual hop; -1 is ignored. Too few samples price no hop yet; then their median does.
+    for seconds in (2.0, 0.090, -1.0):
         r.observe_remote_handoff(seconds)
-    assert r.remote_handoff.seconds == pytest.approx(0.080 + 0.2 * (0.100 - 0.080))
+    assert r.remote_handoff.seconds == 0.0
+    for seconds in (0.080, 0.085):
+        r.observe_remote_handoff(seconds)
+    assert r.remote_handoff.seconds == pytest.approx(0.0875)  # the median of 2.0, 0.09, 0.08, 0.085
     r.update_load(DECODE, "d0", measured(num_running=1))
-    assert r.route(PROMPT).reason == LOCAL_CHEAPER  # remote 64 ms + 84 ms of hop against 138 ms
+    assert r.route(PROMPT).reason == LOCAL_CHEAPER  # remote 64 ms + 87.5 ms of hop against 138 ms
 
 
 @pytest.mark.parametrize(
