@@ -6,7 +6,8 @@ workers (their cache) and the benchmark all size a cache the same way.
 
 from __future__ import annotations
 
-from splitserve.engine.config import ConfigError, ModelConfig, parse_memory_bytes
+from splitserve.engine.config import ConfigError, parse_memory_bytes
+from splitserve.engine.model_config import ModelConfig
 
 # A quantized value is one byte; its scale is one float16 per (token, kv head)
 # (engine/ops/quantized_kv.py says why per token and why float16).

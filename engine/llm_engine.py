@@ -15,7 +15,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from splitserve.engine.config import EngineConfig, ModelConfig
+from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine_errors import LoraAdapterBusyError
 from splitserve.engine.engine_protocol import LayerHookFactory
 from splitserve.engine.io.request_output import RequestOutput
@@ -24,6 +24,7 @@ from splitserve.engine.kv_cache_sizing import kv_bytes_per_block, resolve_num_kv
 from splitserve.engine.lora.lora_slots import LoraSlots
 from splitserve.engine.lora.peft_checkpoint import LoraAdapterError
 from splitserve.engine.model.loader import load_model
+from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.ops.host_kv_cache import HostKVCache, num_host_blocks
 from splitserve.engine.ops.kv_cache import KVCache

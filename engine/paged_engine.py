@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any, Protocol
 
-from splitserve.engine.config import EngineConfig, ModelConfig, async_scheduling_pays
+from splitserve.engine.config import EngineConfig, async_scheduling_pays
 from splitserve.engine.core.block_hash import root_hash
 from splitserve.engine.core.kv_cache_manager import KVCacheManager
 from splitserve.engine.core.scheduler import ScheduledBatch, Scheduler
@@ -29,6 +29,7 @@ from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.io.request_validation import validate_prompt
 from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.engine.kv_handoff import KVHandoff
+from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.step_pipeline import Deliver, StepPipeline
 from splitserve.engine.step_timing import StepTiming
 from splitserve.engine.structured_output.grammar_compiler import GrammarCompiler

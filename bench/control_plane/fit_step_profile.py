@@ -139,7 +139,8 @@ def figures(model: str, reps: int, tensor_parallel_size: int) -> tuple[StepFigur
 
 def run_profile(args: argparse.Namespace) -> int:
     from splitserve.cluster.default_model import resolve_model
-    from splitserve.engine.config import ConfigError, ModelConfig
+    from splitserve.engine.config import ConfigError
+    from splitserve.engine.model_config import ModelConfig
     from splitserve.engine.simulated.simulated_kv_cache import kv_bytes_per_token
 
     try:

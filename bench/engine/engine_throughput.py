@@ -110,7 +110,7 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> tuple[int, floa
 
 
 def run(args: argparse.Namespace, model: str, out: Path) -> str:
-    from splitserve.engine.config import ModelConfig
+    from splitserve.engine.model_config import ModelConfig
 
     vocab_size = ModelConfig.from_pretrained(model).vocab_size
     sizes = parse_batch_sizes(args.batch_sizes)

@@ -95,7 +95,7 @@ def run(args: argparse.Namespace, model: str) -> str:
     import torch
 
     from splitserve.bench.engine.vllm_engine_process import VllmEngineProcess
-    from splitserve.engine.config import ModelConfig
+    from splitserve.engine.model_config import ModelConfig
 
     torch.set_num_threads(1)
     vocab = ModelConfig.from_pretrained(model).vocab_size

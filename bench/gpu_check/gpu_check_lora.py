@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 
 from splitserve.bench.gpu_check.gpu_check_ops import item, time_ms
-from splitserve.engine.config import ModelConfig
 from splitserve.engine.lora.lora_batch import KERNEL, LoraBatch
 from splitserve.engine.lora.lora_slots import PROJECTION_GROUPS, LoraSlots
+from splitserve.engine.model_config import ModelConfig
 
 SLOTS, RANK = 8, 16
 # Relative to the largest delta: the kernels accumulate in fp32, the torch path in 16 bits.

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.bench.gpu_check.gpu_check_ops import item, time_ms
-from splitserve.engine.config import ModelConfig
 from splitserve.engine.model.moe import SparseMoeMlp, route
+from splitserve.engine.model_config import ModelConfig
 
 # Relative to the reference output's largest value: the 16-bit paths round the projections,
 # the activation and (Qwen3-MoE) the routing weights to the model dtype.

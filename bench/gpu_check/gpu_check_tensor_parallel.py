@@ -150,7 +150,7 @@ def _shape_items(path: Path, config, device: torch.device) -> list[dict]:
 
 
 def check_tensor_parallel(device: torch.device, tiny: bool, work_dir: Path) -> dict:
-    from splitserve.engine.config import ModelConfig
+    from splitserve.engine.model_config import ModelConfig
 
     shape = dict(TINY) if tiny else dict(TINY, hidden_size=1024, intermediate_size=2816, num_attention_heads=16)
     path, _ = write_llama(work_dir / "llama-tp", shape, device)

@@ -21,7 +21,8 @@ import time
 import torch
 
 from splitserve.bench.gpu_check.gpu_check_ops import item
-from splitserve.engine.config import EngineConfig, ModelConfig
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.ops.kv_cache import KVCache
 from splitserve.kvtransfer.head_map import RECEIVER, SENDER, KVLayout, rank_endpoint, rank_routes
 from splitserve.kvtransfer.kv_receiver import PostedReceive

@@ -45,7 +45,8 @@ def _layouts(shape: dict) -> dict[str, tuple[list[int], list[int]]]:
 
 
 def _kv_cache(shape: dict, device: torch.device, seed: int | None):
-    from splitserve.engine.config import EngineConfig, ModelConfig
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.model_config import ModelConfig
     from splitserve.engine.ops.kv_cache import KVCache
 
     heads = shape["kv_heads"] * 4

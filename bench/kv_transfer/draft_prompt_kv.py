@@ -69,7 +69,7 @@ def measure(draft_dir: str, lengths=LENGTHS, repeats: int = 5) -> list[dict]:
 
 
 def vocab_size_of(model_dir: str) -> int:
-    from splitserve.engine.config import ModelConfig
+    from splitserve.engine.model_config import ModelConfig
 
     return ModelConfig.from_pretrained(Path(model_dir)).vocab_size
 

@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def kv_bytes_per_token(model_dir: str) -> int:
-    from splitserve.engine.config import ModelConfig
+    from splitserve.engine.model_config import ModelConfig
     from splitserve.engine.ops.kv_cache import DTYPE_BY_NAME
 
     cfg = ModelConfig.from_pretrained(model_dir)
@@ -86,7 +86,8 @@ def measure_copies(
     """What packing and unpacking scattered blocks cost here, against a plain copy of the bytes."""
     import torch
 
-    from splitserve.engine.config import EngineConfig, ModelConfig
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.model_config import ModelConfig
     from splitserve.engine.ops.block_copy import gather_blocks, scatter_blocks
     from splitserve.engine.ops.kv_cache import KVCache
 

@@ -68,7 +68,8 @@ def _block_ids(trial_index: int, trial: Trial, num_blocks: int, pool_blocks: int
 def _make_cache(model_dir: str, pool_blocks: int, block_size: int, fill_seed: int | None):
     import torch
 
-    from splitserve.engine.config import EngineConfig, ModelConfig
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.model_config import ModelConfig
     from splitserve.engine.ops.kv_cache import KVCache
 
     cache = KVCache(

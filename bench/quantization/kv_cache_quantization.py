@@ -27,9 +27,10 @@ from splitserve.bench.quantization.kv_quant_granularity import attention_errors,
 from splitserve.engine.builtin_models.corpus import PASSAGES
 from splitserve.engine.builtin_models.model_cache import cached_checkpoint
 from splitserve.engine.builtin_models.model_spec import ModelSpec
-from splitserve.engine.config import EngineConfig, ModelConfig
+from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache_sizing import kv_bytes_per_block
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.model_config import ModelConfig
 from splitserve.proto.messages.sampling_params import SamplingParams
 
 DEFAULT_OUT = RESULTS_DIR / "kv_cache_quantization.md"

@@ -72,8 +72,8 @@ def _specs(count: int, salt: str):
 def isolation_cost(model_dir: str, cold: int = 20, cached: int = 2000) -> dict[str, float]:
     """Milliseconds: an in-process compile (what a replica does) next to the ingress's check
     (bounds + a compile in an isolated worker process; a cached verdict)."""
-    from splitserve.engine.config import ModelConfig
     from splitserve.engine.io.tokenizer import Tokenizer
+    from splitserve.engine.model_config import ModelConfig
     from splitserve.engine.structured_output.grammar_compiler import GrammarCompiler
     from splitserve.engine.structured_output.grammar_config import GrammarConfig
     from splitserve.engine.structured_output.grammar_limits import check_limits

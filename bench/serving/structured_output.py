@@ -83,8 +83,8 @@ def scrape(base_url: str) -> dict[str, float]:
 
 
 def compile_times(model_dir: str, repeats: int = 300) -> dict[str, float]:
-    from splitserve.engine.config import ModelConfig
     from splitserve.engine.io.tokenizer import Tokenizer
+    from splitserve.engine.model_config import ModelConfig
     from splitserve.engine.structured_output.grammar_compiler import GrammarCompiler
     from splitserve.proto.messages.grammar_spec import GrammarSpec
 

@@ -22,7 +22,8 @@ import yaml
 from splitserve.cluster.planning.queue_model import Deployment, Prediction, Slo
 from splitserve.cluster.planning.search import BATCHED_TOKENS_GRID, Plan, search
 from splitserve.cluster.planning.workload import LengthDistribution, Workload
-from splitserve.engine.config import ConfigError, ModelConfig
+from splitserve.engine.config import ConfigError
+from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.simulated.simulated_kv_cache import kv_bytes_per_token
 from splitserve.engine.simulated.step_time_profile import StepTimeProfile
 

@@ -28,9 +28,10 @@ def check_model(cfg: ServeConfig) -> str:
     """The checkpoint directory to serve (the default one is made if needed), after checking
     its directory, config.json, weights, tokenizer and cfg.max_model_len against it."""
     from splitserve.cluster.default_model import resolve_model
-    from splitserve.engine.config import ConfigError, ModelConfig
+    from splitserve.engine.config import ConfigError
     from splitserve.engine.io.tokenizer import Tokenizer, TokenizerError
     from splitserve.engine.model.checkpoint import CheckpointError, require_model_dir, weight_files
+    from splitserve.engine.model_config import ModelConfig
 
     model_dir = resolve_model(cfg.model)
     try:
@@ -133,8 +134,9 @@ def _check_head_map(cfg: ServeConfig, model_config) -> None:
 def _check_draft_model(draft_dir: str, vocab_size: int) -> None:
     """The draft checkpoint loads and shares the served model's vocabulary (decode replicas
     would otherwise fail one by one at start-up)."""
-    from splitserve.engine.config import ConfigError, ModelConfig
+    from splitserve.engine.config import ConfigError
     from splitserve.engine.model.checkpoint import CheckpointError, require_model_dir, weight_files
+    from splitserve.engine.model_config import ModelConfig
 
     try:
         require_model_dir(draft_dir)

@@ -25,10 +25,10 @@ from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.cluster.state.database import open_state_engine, state_database_url
 from splitserve.cluster.tenants.tenant_gate import TenantGate
 from splitserve.cluster.tenants.tenant_metrics import TenantMetrics
-from splitserve.engine.config import ModelConfig
 from splitserve.engine.io.request_validation import validate_prompt
 from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.engine.kv_cache_sizing import kv_cache_summary
+from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.structured_output.grammar_limits import check_schema
 from splitserve.engine.structured_output.isolated_grammar_checker import IsolatedGrammarChecker
 from splitserve.proto.messages.grammar_spec import GrammarSpec

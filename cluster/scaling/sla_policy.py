@@ -40,7 +40,7 @@ from splitserve.cluster.planning.workload import LengthDistribution, PlannedRequ
 from splitserve.cluster.routing.router import DECODE, PREFILL
 from splitserve.cluster.scaling.load_forecast import DemandTotals, Forecast, LoadForecast
 from splitserve.cluster.scaling.policy import MetricsSnapshot, ScalingDecision
-from splitserve.engine.config import ModelConfig
+from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.simulated.simulated_kv_cache import kv_bytes_per_token
 from splitserve.engine.simulated.step_time_profile import StepTimeProfile
 

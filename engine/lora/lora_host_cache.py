@@ -10,9 +10,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 
-from splitserve.engine.config import ModelConfig
 from splitserve.engine.lora.lora_load_stats import LoraLoadStats
 from splitserve.engine.lora.peft_checkpoint import LoraAdapter, LoraAdapterError, load_peft_adapter
+from splitserve.engine.model_config import ModelConfig
 
 
 class LoraHostCache:

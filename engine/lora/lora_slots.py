@@ -21,10 +21,11 @@ from collections.abc import Collection, Mapping
 
 import torch
 
-from splitserve.engine.config import EngineConfig, ModelConfig
+from splitserve.engine.config import EngineConfig
 from splitserve.engine.lora.lora_host_cache import LoraHostCache
 from splitserve.engine.lora.lora_load_stats import LoraLoadStats
 from splitserve.engine.lora.peft_checkpoint import LoraAdapter, LoraAdapterError, target_shape
+from splitserve.engine.model_config import ModelConfig
 
 # A token of the base model (no adapter) in a batch's per-token slot index.
 NO_ADAPTER = -1

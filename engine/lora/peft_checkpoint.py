@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from splitserve.engine.config import ModelConfig
 from splitserve.engine.engine_errors import LoraAdapterError
+from splitserve.engine.model_config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

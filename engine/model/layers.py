@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.engine.config import ModelConfig
 from splitserve.engine.model.architectures import SLIDING
 from splitserve.engine.model.moe import SparseMoeMlp
 from splitserve.engine.model.rope import RotaryEmbedding
+from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.ops.attention import paged_attention, write_kv
 from splitserve.engine.ops.attention_metadata import AttentionMetadata
 from splitserve.engine.ops.sparse_decode import SparseDecodePlan

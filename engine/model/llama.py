@@ -11,11 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.engine.config import ConfigError, ModelConfig
+from splitserve.engine.config import ConfigError
 from splitserve.engine.model.checkpoint import CheckpointError
 from splitserve.engine.model.layers import DecoderLayer, rms_norm, rms_norm_plus_one
 from splitserve.engine.model.rope import RotaryEmbedding
 from splitserve.engine.model.scripted_decode import ScriptedDecodeForward, decode_plan_applies
+from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.ops.attention import make_decode_plan
 from splitserve.engine.ops.attention_metadata import AttentionMetadata
 from splitserve.engine.ops.kv_cache import KVCache

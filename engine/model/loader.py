@@ -8,10 +8,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from splitserve.engine.config import DTYPES, QUANTIZATIONS, ModelConfig
+from splitserve.engine.config import DTYPES, QUANTIZATIONS
 from splitserve.engine.model.checkpoint import CheckpointError, iterate_weights, require_model_dir, weight_files
 from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.model.scripted_decode import cpu_decode_forward
+from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.ops.kv_cache import DTYPE_BY_NAME
 from splitserve.engine.ops.onednn_packed_weight import cpu_matmul
 from splitserve.engine.parallel.quantized_shards import quantized_read_slice, shard_quantized

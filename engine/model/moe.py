@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.engine.config import ModelConfig
+from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.quant.quantize import linear
 
 

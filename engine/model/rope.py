@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from splitserve.engine.config import ModelConfig
+from splitserve.engine.model_config import ModelConfig
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from splitserve.engine.config import DTYPES, EngineConfig, ModelConfig
+from splitserve.engine.config import DTYPES, EngineConfig
 from splitserve.engine.kv_cache_sizing import SCALE_BYTES
+from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.ops.quantized_kv import SCALE_DTYPE, STORAGE_DTYPES, QuantizedKV
 
 DTYPE_BY_NAME = {name: getattr(torch, name) for name in DTYPES}

@@ -16,8 +16,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from splitserve.engine.config import CPU_DECODE_FORWARD_ENV, ConfigError, EngineConfig, ModelConfig
+from splitserve.engine.config import CPU_DECODE_FORWARD_ENV, ConfigError, EngineConfig
 from splitserve.engine.model.checkpoint import TensorSlice
+from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.quant.int4_groups import group_size_for
 
 _Q = ("self_attn.q_proj.weight", "self_attn.q_proj.bias")

@@ -25,8 +25,9 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from splitserve.engine.config import EngineConfig, ModelConfig
+from splitserve.engine.config import EngineConfig
 from splitserve.engine.model.loader import load_model
+from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.ops.host_kv_cache import HostKVCache, num_host_blocks
 from splitserve.engine.ops.kv_cache import KVCache
 from splitserve.engine.parallel.follower_extension import FollowerContext, FollowerExtension, FollowerExtensionFactory

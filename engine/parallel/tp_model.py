@@ -13,11 +13,12 @@ from collections.abc import Callable
 
 import torch
 
-from splitserve.engine.config import EngineConfig, ModelConfig
+from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache_sizing import resolve_num_kv_blocks
 from splitserve.engine.model.checkpoint import require_model_dir
 from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.model.loader import load_model
+from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.ops.attention_metadata import AttentionMetadata
 from splitserve.engine.ops.kv_cache import KVCache
 from splitserve.engine.parallel import shard_plan

@@ -12,10 +12,11 @@ LoRA adapters (loading one at runtime is refused with a LoraAdapterError).
 
 from __future__ import annotations
 
-from splitserve.engine.config import EngineConfig, ModelConfig
+from splitserve.engine.config import EngineConfig
 from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.engine_errors import LoraAdapterError
 from splitserve.engine.io.tokenizer import Tokenizer
+from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.paged_engine import PagedEngine
 from splitserve.engine.simulated.simulated_kv_cache import SimulatedKVCache
 from splitserve.engine.simulated.simulated_runner import SimulatedRunner

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from splitserve.engine.config import ModelConfig
+from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.simulated.step_time_profile import StepTimeProfile
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

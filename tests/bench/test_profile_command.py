@@ -5,8 +5,9 @@ model's KV bytes per token; bad sizes are a one-line error."""
 from __future__ import annotations
 
 from splitserve.cluster.cli.main import main
-from splitserve.engine.config import EngineConfig, ModelConfig
+from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine_factory import build_engine
+from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.simulated.simulated_kv_cache import kv_bytes_per_token
 from splitserve.engine.simulated.step_time_profile import StepTimeProfile
 

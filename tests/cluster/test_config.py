@@ -3,7 +3,8 @@
 import pytest
 
 from splitserve.cluster.config import ServeConfig
-from splitserve.engine.config import ConfigError, EngineConfig, ModelConfig
+from splitserve.engine.config import ConfigError, EngineConfig
+from splitserve.engine.model_config import ModelConfig
 
 BASE = {
     "architectures": ["MistralForCausalLM"],

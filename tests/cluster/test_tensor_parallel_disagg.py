@@ -21,9 +21,10 @@ from splitserve.cluster.control.model_controllers import ModelControllers, hash_
 from splitserve.cluster.frontend.backend import ServingBackend
 from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.cluster.frontend.model_catalog import ModelCatalog
-from splitserve.engine.config import EngineConfig, ModelConfig
+from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache_sizing import kv_bytes_per_block
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.model_config import ModelConfig
 from splitserve.proto.messages.poll_reply import PollReply
 from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.cluster import LoopHttpServer, wait_until

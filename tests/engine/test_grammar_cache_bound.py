@@ -9,8 +9,8 @@ import psutil
 import pytest
 
 from splitserve.bench.serving.json_schemas import SCHEMAS
-from splitserve.engine.config import ModelConfig
 from splitserve.engine.io.tokenizer import Tokenizer
+from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.structured_output.grammar_compiler import GrammarCompiler
 from splitserve.engine.structured_output.grammar_config import GrammarConfig
 from splitserve.engine.structured_output.isolated_grammar_checker import IsolatedGrammarChecker

@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from splitserve.engine.config import ModelConfig
 from splitserve.engine.io.tokenizer import Tokenizer
+from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.structured_output.grammar_compiler import GrammarCompiler
 from splitserve.engine.structured_output.grammar_config import GrammarConfig
 from splitserve.engine.structured_output.grammar_limits import (

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.engine.config import ConfigError, EngineConfig, ModelConfig, parse_memory_bytes
+from splitserve.engine.config import ConfigError, EngineConfig, parse_memory_bytes
 from splitserve.engine.kv_cache_sizing import kv_bytes_per_block, num_kv_blocks_for_memory
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.model_config import ModelConfig
 
 SMALL = ModelConfig("LlamaForCausalLM", 2048, 256, 768, 4, 4, 2, 64, 4096)  # the `small` preset's shape
 

@@ -12,12 +12,13 @@ import transformers
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 
 from splitserve.engine.builtin_models.model_spec import MakeModelError, ModelSpec
-from splitserve.engine.config import ConfigError, EngineConfig, ModelConfig
+from splitserve.engine.config import ConfigError, EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model import moe as moe_module
 from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.model.loader import load_model
 from splitserve.engine.model.moe import route
+from splitserve.engine.model_config import ModelConfig
 from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.model import greedy_generate, make_checkpoint
 from tests.helpers.transformers_checkpoint import hf_greedy, model_logits, write_transformers_checkpoint

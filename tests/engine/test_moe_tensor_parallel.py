@@ -9,8 +9,9 @@ import dataclasses
 
 import pytest
 
-from splitserve.engine.config import ConfigError, ModelConfig
+from splitserve.engine.config import ConfigError
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.parallel.shard_plan import ShardPlan, check_tensor_parallel_size
 from tests.engine.test_tensor_parallel import _assert_same, _config, _greedy
 from tests.helpers.model import make_checkpoint

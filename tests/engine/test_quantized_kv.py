@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
-from splitserve.engine.config import ConfigError, EngineConfig, ModelConfig
+from splitserve.engine.config import ConfigError, EngineConfig
 from splitserve.engine.kv_cache_sizing import kv_bytes_per_block
+from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.ops.attention import paged_attention, paged_decode_attention_torch
 from splitserve.engine.ops.attention_metadata import AttentionMetadata
 from splitserve.engine.ops.kv_cache import KVCache

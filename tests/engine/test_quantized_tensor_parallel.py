@@ -22,9 +22,10 @@ import torch
 
 from splitserve.engine.builtin_models.model_cache import cached_checkpoint
 from splitserve.engine.builtin_models.model_spec import ModelSpec
-from splitserve.engine.config import ConfigError, EngineConfig, ModelConfig
+from splitserve.engine.config import ConfigError, EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model.loader import load_model
+from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.parallel.shard_plan import ShardPlan
 from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.cli import run_cli

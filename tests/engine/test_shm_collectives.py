@@ -21,8 +21,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from splitserve.engine.config import ConfigError, EngineConfig, ModelConfig
+from splitserve.engine.config import ConfigError, EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.parallel.shard_plan import ShardPlan
 from splitserve.engine.parallel.shm_collectives import SEGMENT_DIR, SEGMENT_KEY, SEGMENT_PREFIX, SLOT_BYTES
 from splitserve.engine.parallel.tp_group import TensorParallelError, TensorParallelGroup

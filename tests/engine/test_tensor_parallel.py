@@ -18,9 +18,10 @@ import pytest
 
 from splitserve.engine.builtin_models.model_cache import cached_checkpoint
 from splitserve.engine.builtin_models.model_spec import ModelSpec
-from splitserve.engine.config import ConfigError, EngineConfig, ModelConfig
+from splitserve.engine.config import ConfigError, EngineConfig
 from splitserve.engine.engine_errors import EngineStepError
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.parallel.shard_plan import ShardPlan, check_tensor_parallel_size
 from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.cli import run_cli

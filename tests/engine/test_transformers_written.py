@@ -9,8 +9,9 @@ import torch
 import transformers
 
 from splitserve.engine.builtin_models.model_spec import MakeModelError, ModelSpec
-from splitserve.engine.config import ConfigError, ModelConfig
+from splitserve.engine.config import ConfigError
 from splitserve.engine.model.loader import load_model
+from splitserve.engine.model_config import ModelConfig
 from tests.helpers.model import contiguous_metadata, greedy_generate, make_kv_cache
 from tests.helpers.transformers_checkpoint import hf_greedy, model_logits, write_transformers_checkpoint
 

@@ -11,7 +11,8 @@ import math
 
 import torch
 
-from splitserve.engine.config import EngineConfig, ModelConfig
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.ops.kv_cache import KVCache
 
 # Largest |attention output - fp32 attention| allowed over a quantized cache, on N(0, 1) K/V:

@@ -53,9 +53,9 @@ def check_lora(dtype, rank, in_dim=24, out_dim=40, slot_of_tokens=(0, -1, 2, 2, 
 def check_lora_batch_kernel():
     """engine/lora/lora_batch.py with use_kernel=True (the CUDA path) against its torch
     layouts, on LoraSlots' own stacks (q, k, v side by side; ranks padded with zeros)."""
-    from splitserve.engine.config import ModelConfig
     from splitserve.engine.lora.lora_batch import KERNEL, LoraBatch
     from splitserve.engine.lora.lora_slots import PROJECTION_GROUPS, LoraSlots
+    from splitserve.engine.model_config import ModelConfig
 
     config = ModelConfig("LlamaForCausalLM", 100, 32, 48, 2, 4, 2, 8, 64)
     slots = LoraSlots(config, max_loras=3, max_rank=8, dtype=torch.float32, device="cpu")

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from splitserve.bench.gpu_check.gpu_check_tp_transfer import transfer_over_routes
-from splitserve.engine.config import ConfigError, ModelConfig
+from splitserve.engine.config import ConfigError
+from splitserve.engine.model_config import ModelConfig
 from splitserve.kvtransfer.head_map import (
     RECEIVER,
     SENDER,

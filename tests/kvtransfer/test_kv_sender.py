@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 
-from splitserve.engine.config import EngineConfig, ModelConfig
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.ops.kv_cache import KVCache
 from splitserve.kvtransfer import KVTransport, TransferError
 from splitserve.kvtransfer.kv_receiver import PostedReceive

@@ -11,8 +11,9 @@ import threading
 import pytest
 import torch
 
-from splitserve.engine.config import EngineConfig, ModelConfig
+from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache_sizing import kv_bytes_per_block
+from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.ops.kv_cache import KVCache
 from splitserve.kvtransfer import KVTransport
 from splitserve.kvtransfer.kv_receiver import PostedReceive

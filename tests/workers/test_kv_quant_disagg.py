@@ -14,9 +14,10 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.engine.config import EngineConfig, ModelConfig
+from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache_sizing import kv_bytes_per_block
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.model_config import ModelConfig
 from splitserve.proto.messages.poll_reply import PollReply
 from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.cluster import cluster_config, serving_backend, wait_for_baseline
