@@ -66,7 +66,7 @@ def _role_index(cmdline: str) -> int | None:
     return None
 
 
-def _role(cmdline: str) -> str:
+def role_of(cmdline: str) -> str:
     index = _role_index(cmdline)
     return f"{UNNAMED} ({cmdline[:60]})" if index is None else ROLES[index][0]
 
@@ -190,8 +190,8 @@ def profile(
         _descendants(root, start, ours)
     if threads is not None:
         for pid in ours:
-            if pid in start and threads.wants(_role(start[pid][1])):
-                threads.sample(pid, _role(start[pid][1]), first=True)
+            if pid in start and threads.wants(role_of(start[pid][1])):
+                threads.sample(pid, role_of(start[pid][1]), first=True)
     latest = dict(start)
     began = time.monotonic()
     proc = subprocess.Popen(list(command))
@@ -217,7 +217,7 @@ def profile(
         if pid == me:
             continue
         before = start[pid][0] if pid in start else 0.0
-        role = (ROLES[named[pid]][0] if pid in named else _role(cmdline)) if pid in ours else OTHERS
+        role = (ROLES[named[pid]][0] if pid in named else role_of(cmdline)) if pid in ours else OTHERS
         per_role[role] += max(0.0, seconds - before)
     return proc.returncode, wall, dict(per_role)
 

@@ -33,6 +33,7 @@ from splitserve.bench.loadgen.managed_server import ManagedServer
 from splitserve.bench.loadgen.metrics import compute_run_metrics
 from splitserve.bench.loadgen.records import ClientOptions, LoadPoint
 from splitserve.bench.loadgen.workloads import MixedLengthWorkload, VocabRange
+from splitserve.bench.serving.process_cpu_profile import psutil, role_of
 
 STAGE_METRIC = "splitserve_first_token_stage_seconds"
 # A client run may not outlast this: far above any point here (seconds), so it only ends a hang.
@@ -139,6 +140,39 @@ def stage_means_ms(before: dict, after: dict) -> dict[str, float]:
     return means
 
 
+# Process roles (process_cpu_profile.ROLES) by what they do for a token: the relay is every
+# process between the engine and the client socket.
+ENGINE_ROLES = ("decode worker (engine)", "prefill worker (engine)", "vLLM engine core / worker")
+RELAY_ROLES = (
+    "serve ingress replica (HTTP app, router, dispatcher)",
+    "serve HTTP proxy (Python; only the fallback behind HAProxy)",
+    "HAProxy (Ray's HA ingress)",
+    "vLLM API server",
+)
+
+
+def cpu_by_process(root_pid: int) -> dict[int, tuple[float, str]]:
+    """pid -> (user + system CPU seconds, role) of a server's process tree."""
+    out = {}
+    root = psutil.Process(root_pid)
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            times = process.cpu_times()
+            out[process.pid] = (times.user + times.system, role_of(" ".join(process.cmdline())))
+        except psutil.Error:  # exited since the listing
+            continue
+    return out
+
+
+def cpu_by_role(before: dict[int, tuple[float, str]], after: dict[int, tuple[float, str]]) -> dict[str, float]:
+    """CPU seconds each role used between two listings (a process started between them from 0)."""
+    used: dict[str, float] = {}
+    for pid, (seconds, role) in after.items():
+        start = before.get(pid, (0.0, role))[0]
+        used[role] = used.get(role, 0.0) + max(0.0, seconds - start)
+    return used
+
+
 def model_id(base_url: str) -> str:
     with httpx.Client(base_url=base_url, timeout=30.0) as http:
         return http.get("/v1/models").json()["data"][0]["id"]
@@ -172,18 +206,22 @@ def run_own_client(args: argparse.Namespace, point: BenchPoint, base_url: str, s
     return compute_run_metrics(run).to_dict()
 
 
-def measure(what: str, base_url: str, call: Callable[[], dict]) -> dict:
-    """Run one client, with each core's idle share and the first-token stages around it."""
-    with httpx.Client(base_url=base_url, timeout=30.0) as http:
+def measure(what: str, server: ManagedServer, call: Callable[[], dict]) -> dict:
+    """Run one client, with each core's idle share, the server's CPU by role and its
+    first-token stages around it."""
+    with httpx.Client(base_url=server.base_url, timeout=30.0) as http:
         stages_before, cores_before = read_stage_totals(http), read_core_times()
+        cpu_before = cpu_by_process(server.pid)
         started = time.monotonic()
         result = call()
         wall_s = time.monotonic() - started
+        cpu_after = cpu_by_process(server.pid)
         cores_after, stages_after = read_core_times(), read_stage_totals(http)
     return {
         "client": what,
         "wall_s": wall_s,
         "core_idle_share": idle_shares(cores_before, cores_after),
+        "server_cpu_s_by_role": cpu_by_role(cpu_before, cpu_after),
         "first_token_stage_ms": stage_means_ms(stages_before, stages_after),
         "result": result,
     }
@@ -217,7 +255,7 @@ def bench_server(args: argparse.Namespace, server: ServerUnderTest, points: list
                     "server": server.name,
                     "repeat": repeat,
                     "point": asdict(point),
-                    **measure(what, base_url, call),
+                    **measure(what, managed, call),
                 }
                 (out / f"{tag}-{what}.record.json").write_text(json.dumps(record, indent=1))
 

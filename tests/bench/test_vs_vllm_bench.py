@@ -5,12 +5,20 @@ the driver writes them."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
+from splitserve.bench.serving.process_cpu_profile import psutil
 from splitserve.bench.serving.vs_vllm_bench import (
+    ENGINE_ROLES,
+    RELAY_ROLES,
     STAGE_METRIC,
     BenchPoint,
+    cpu_by_process,
+    cpu_by_role,
     idle_shares,
     parse_stage_totals,
     stage_means_ms,
@@ -50,6 +58,31 @@ def test_idle_share_is_the_idle_part_of_each_cores_elapsed_time():
     assert shares == {"cpu0": 0.25, "cpu1": 1.0}
 
 
+def test_cpu_by_role_counts_a_servers_descendants_by_their_command_line():
+    burn = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass\ntime.sleep(60)\n"
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import subprocess, sys; subprocess.run([sys.executable, '-c', {burn!r}, 'vllm.entrypoints'])",
+        ]
+    )
+    try:
+        before = cpu_by_process(parent.pid)
+        deadline = time.monotonic() + 120  # a safety net only: the child burns 0.3 CPU-s
+        while time.monotonic() < deadline:
+            used = cpu_by_role(before, cpu_by_process(parent.pid))
+            if used.get("vLLM API server", 0.0) >= 0.25:
+                break
+            time.sleep(0.05)
+        assert used.get("vLLM API server", 0.0) >= 0.25, used
+    finally:
+        for child in psutil.Process(parent.pid).children(recursive=True):
+            child.kill()
+        parent.kill()
+        parent.wait(timeout=30)
+
+
 def _record(server: str, client: str, point: BenchPoint, repeat: int, tok_s: float, ttft_ms: float) -> dict:
     if client == "vllm-bench":
         result = {
@@ -57,11 +90,16 @@ def _record(server: str, client: str, point: BenchPoint, repeat: int, tok_s: flo
             "median_ttft_ms": ttft_ms,
             "p99_ttft_ms": 2 * ttft_ms,
             "median_itl_ms": 3.0,
+            "total_output_tokens": 1000,
         }
     else:
         summary = {"p50": ttft_ms, "p99": 2 * ttft_ms}
         result = {"output_tokens_per_s": tok_s, "ttft_ms": summary, "itl_ms": {"p50": 3.0, "p99": 9.0}}
+        result["total_completion_tokens"] = 1000
     stages = {} if server.startswith("vllm") else {"prefill_compute": ttft_ms / 2, "relay": 1.0}
+    relay_role = "vLLM API server" if server.startswith("vllm") else RELAY_ROLES[0]
+    relay_s = 0.2 if server.startswith("vllm") else 0.1  # per 1000 tokens: 0.2 and 0.1 ms a token
+    cpu = {relay_role: relay_s, ENGINE_ROLES[0]: 1.0, "ray daemons (gcs, raylet, agents)": 0.5}
     return {
         "server": server,
         "repeat": repeat,
@@ -70,6 +108,7 @@ def _record(server: str, client: str, point: BenchPoint, repeat: int, tok_s: flo
         "wall_s": 1.0,
         "core_idle_share": {"cpu0": 0.1, "cpu1": 0.4},
         "first_token_stage_ms": stages,
+        "server_cpu_s_by_role": cpu,
         "result": result,
     }
 
@@ -91,5 +130,7 @@ def test_tables_give_medians_over_repeats_and_ratios_to_vllm_with_the_same_clien
     assert "| 200 | 1 | vllm-2t | 2 | 200 | 30.0 | 60.0 | 3.0 |" in text
     assert "| 200 | splitserve-colocated | - | - | - | 7.5 | - | - | 1.0 | 8.5 |" in text
     assert "| 200 | 1 | splitserve-colocated | 10% | 40% |" in text
+    assert "| 200 | 1 | splitserve-colocated | 1.000 | 0.100 | 0.50x | 1.600 |" in text
+    assert "| 200 | 1 | vllm-2t | 1.000 | 0.200 | - | 1.700 |" in text
     png = plot(grouped(load_records(tmp_path)), tmp_path / "summary.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
