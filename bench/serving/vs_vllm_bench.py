@@ -81,11 +81,13 @@ def vllm_server(vllm_python: Path, model_dir: Path, threads: int) -> ServerUnder
 
 def splitserve_servers(model_dir: Path, splitserve_bin: Path) -> list[ServerUnderTest]:
     serve = f"{splitserve_bin} serve --model {model_dir} --http-port {{port}} --grpc-port 0 --decode-replicas 1"
+    one_p_one_d = f"{serve} --prefill-replicas 1 --prefill-num-cpus 1 --decode-num-cpus 1"
     return [
         ServerUnderTest("splitserve-colocated", f"{serve} --prefill-replicas 0 --decode-num-cpus 2", {}),
-        ServerUnderTest(
-            "splitserve-1p1d", f"{serve} --prefill-replicas 1 --prefill-num-cpus 1 --decode-num-cpus 1", {}
-        ),
+        ServerUnderTest("splitserve-1p1d", f"{one_p_one_d}", {}),
+        # The prefill replica's GEMMs on both cores: at low load the decode replica's core is
+        # idle while a prompt prefills.
+        ServerUnderTest("splitserve-1p1d-prefill2t", f"{one_p_one_d} --prefill.torch-threads 2", {}),
     ]
 
 
@@ -273,7 +275,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--warmup-prompts", type=int, default=16)
     parser.add_argument("--vllm-threads", type=int, default=2)
-    parser.add_argument("--servers", default="vllm,splitserve-colocated,splitserve-1p1d")
+    parser.add_argument("--servers", default="vllm,splitserve-colocated,splitserve-1p1d,splitserve-1p1d-prefill2t")
     parser.add_argument("--clients", default="vllm-bench,splitserve-bench")
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args(argv)

@@ -18,7 +18,7 @@ from typing import Any
 from splitserve.bench.loadgen.plots import plt
 from splitserve.bench.serving.vs_vllm_bench import ENGINE_ROLES, RELAY_ROLES
 
-SERVER_ORDER = ("vllm-2t", "splitserve-colocated", "splitserve-1p1d")
+SERVER_ORDER = ("vllm-2t", "splitserve-colocated", "splitserve-1p1d", "splitserve-1p1d-prefill2t")
 CLIENTS = {"vllm-bench": "vLLM's `vllm bench serve`", "splitserve-bench": "splitserve's BenchClient"}
 # (column, vLLM result key, BenchClient metrics path); higher is better only for tok/s.
 MEASURES = (
@@ -166,8 +166,8 @@ def plot(groups: dict[tuple, list[dict[str, Any]]], path: Path) -> Path:
             axis.set_title(f"{name}, {input_len}-token prompts (vllm bench serve)")
             axis.legend(fontsize=8)
         axis = axes[2][column]
-        bottoms = [0.0, 0.0]
-        servers = ["splitserve-colocated", "splitserve-1p1d"]
+        servers = [s for s in SERVER_ORDER[1:] if any(key[3] == s for key in groups)]
+        bottoms = [0.0] * len(servers)
         for stage in STAGES:
             heights = []
             for server in servers:
