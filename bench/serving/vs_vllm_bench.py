@@ -49,6 +49,8 @@ VLLM_BENCH_MAIN = (
 
 @dataclass(frozen=True)
 class BenchPoint:
+    """Random prompts of input_len tokens, num_prompts of them, at most concurrency in flight."""
+
     input_len: int
     concurrency: int
     num_prompts: int
@@ -56,6 +58,8 @@ class BenchPoint:
 
 @dataclass(frozen=True)
 class ServerUnderTest:
+    """A server command line (with {port}) and the environment it starts with."""
+
     name: str
     command: str  # contains {port}
     env: dict[str, str]
