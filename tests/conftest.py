@@ -16,6 +16,7 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 from tests.helpers.model import make_checkpoint  # noqa: E402
+from tests.helpers.wheel import WheelBuilds  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -115,6 +116,44 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(pytest.mark, tier))
         if runs_serially(item, tier):
             item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
+
+
+# ---- the checkout's wheel and a fresh venv with it, built once per session ------------------
+# The fresh venv (tests/helpers/wheel.py) takes ~1.5 min of pip; its users (test_serve_fresh_install)
+# run late in the serial group, so the first serial test on a worker starts it in the background.
+WHEEL_BUILDS = pytest.StashKey[WheelBuilds]()
+FRESH_VENV_WANTED = pytest.StashKey[bool]()
+FRESH_VENV_FIXTURE = "fresh_venv"
+
+
+def _wheel_builds(config) -> WheelBuilds:
+    if WHEEL_BUILDS not in config.stash:
+        # tmp_path_factory's own object: the builds land under the session's basetemp.
+        config.stash[WHEEL_BUILDS] = WheelBuilds(config._tmp_path_factory.mktemp)
+    return config.stash[WHEEL_BUILDS]
+
+
+def pytest_runtest_setup(item):
+    group = item.get_closest_marker("xdist_group")
+    if group is None or group.args != (SERIAL_GROUP,):
+        return
+    config = item.config
+    if FRESH_VENV_WANTED not in config.stash:  # the items left after -m/-k deselection
+        config.stash[FRESH_VENV_WANTED] = any(FRESH_VENV_FIXTURE in it.fixturenames for it in item.session.items)
+    if config.stash[FRESH_VENV_WANTED]:
+        _wheel_builds(config).start_fresh_venv()
+
+
+@pytest.fixture(scope="session")
+def wheel_builds(request):
+    """The session's WheelBuilds: build_wheel's wheel of this checkout, the fresh venv with it."""
+    return _wheel_builds(request.config)
+
+
+@pytest.fixture(scope="session")
+def fresh_venv(wheel_builds):
+    """install_in_fresh_venv's venv with this checkout's wheel (built once, started early)."""
+    return wheel_builds.fresh_venv()
 
 
 _state_db_names = itertools.count()

@@ -27,8 +27,8 @@ MAX_MODEL_LEN = 512  # below the tiny model's 1024: --max-model-len must reach t
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory):
-    return install_wheel(tmp_path_factory.mktemp("wheel"))
+def wheel(tmp_path_factory, wheel_builds):
+    return install_wheel(tmp_path_factory.mktemp("wheel"), wheel_builds.wheel())
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.compressed_checkpoint import write_compressed_checkpoint, write_hf_fp8_checkpoint
 from tests.helpers.model import make_checkpoint
 from tests.helpers.serve_process import ServeProcess
-from tests.helpers.wheel import build_wheel, install_in_fresh_venv
 
 # ~3 min on 2 cores: the fresh venv's pip install (~2 min, pip's cache warm), then one serve of all
 # five models (~40 s). slow keeps it out of `make test-e2e`; `make test` (CI) runs it. The timeout
@@ -40,9 +39,10 @@ FORMATS = {
 
 
 @pytest.fixture(scope="module")
-def venv(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fresh-install")
-    return install_in_fresh_venv(root, build_wheel(root))
+def venv(fresh_venv):
+    """tests/helpers/wheel.py's install_in_fresh_venv, built in the background from the serial
+    group's first test on (tests/conftest.py)."""
+    return fresh_venv
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,8 @@
 dependencies but not its editable install, so every `splitserve.*` import can only come from
 DIR (on PYTHONPATH) (install_wheel); or install it, dependencies and all but no extras, into a
 fresh venv, so a module missing from `[project] dependencies` is missing there too
-(install_in_fresh_venv).
+(install_in_fresh_venv). A session builds the wheel once and the fresh venv at most once, the
+venv in the background from the first test of the serial group on (WheelBuilds).
 """
 
 from __future__ import annotations
@@ -13,10 +14,15 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+T = TypeVar("T")
 # Never part of a wheel: copying them would only slow the build down.
 _NOT_SOURCE = (".venv", ".git", "__pycache__", "build", "dist", "*.egg-info", ".pytest_cache", "results", "*_pb2*")
 
@@ -32,14 +38,21 @@ class InstalledWheel:
         return {**env, "PYTHONPATH": str(self.site_dir), **extra}
 
 
-def _run(cmd: list[str], cwd: Path, timeout_s: float = 300) -> None:
+# A build in the background yields the CPU to the tests running meanwhile: it takes what they leave.
+BACKGROUND = ("nice", "-n", "19")
+
+
+def _run(cmd: list[str], cwd: Path, timeout_s: float = 300, background: bool = False) -> None:
+    if background:
+        cmd = [*BACKGROUND, *cmd]
     res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout_s)
     if res.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
 
 
-def build_wheel(root: Path) -> Path:
-    """The wheel of this checkout, built under `root` (a folder outside the repository)."""
+def build_wheel(root: Path, background: bool = False) -> Path:
+    """The wheel of this checkout, built under `root` (a folder outside the repository);
+    `background`: at the lowest CPU priority."""
     src, dist = root / "src", root / "dist"
     # A copy, so the build's build/ and *.egg-info never land in the checkout.
     shutil.copytree(REPO_ROOT, src, ignore=shutil.ignore_patterns(*_NOT_SOURCE))
@@ -47,15 +60,15 @@ def build_wheel(root: Path) -> Path:
     _run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist), str(src)],
         root,
+        background=background,
     )
     (wheel,) = dist.glob("splitserve-*.whl")
     return wheel
 
 
-def install_wheel(root: Path) -> InstalledWheel:
-    """Build, install and isolate under `root` (a folder outside the repository)."""
+def install_wheel(root: Path, wheel: Path) -> InstalledWheel:
+    """Install `wheel` (build_wheel's) and isolate it under `root` (a folder outside the repository)."""
     site_dir, venv = root / "site", root / "venv"
-    wheel = build_wheel(root)
     _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site_dir), str(wheel)], root)
     # A venv whose one .pth line adds this venv's site-packages as a plain path: .pth files
     # there (the editable install's finder among them) are not run, so no splitserve.
@@ -88,14 +101,67 @@ class FreshVenv:
         return {**env, "VIRTUAL_ENV": str(self.root), "PATH": f"{self.bin}{os.pathsep}{env.get('PATH', '')}"}
 
 
-def install_in_fresh_venv(root: Path, wheel: Path) -> FreshVenv:
+def install_in_fresh_venv(root: Path, wheel: Path, background: bool = False) -> FreshVenv:
     """`python -m venv`, then torch first, pinned exactly as pyproject.toml says to (a looser
-    spec would pull a CUDA build), then the wheel with its dependencies and no extras."""
+    spec would pull a CUDA build), then the wheel with its dependencies and no extras;
+    `background`: at the lowest CPU priority."""
     venv = FreshVenv(root / "venv")
-    _run([sys.executable, "-m", "venv", str(venv.root)], root)
+    _run([sys.executable, "-m", "venv", str(venv.root)], root, background=background)
     # pip byte-compiles what it installs (~10 s here): without it, the server's processes (the
     # CLI, Ray's agents, each replica) all compile torch and ray at once as they start, ~90 s more.
     pip = [str(venv.python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    _run([*pip, "torch==2.13.0"], root, timeout_s=900)
-    _run([*pip, str(wheel)], root, timeout_s=900)
+    _run([*pip, "torch==2.13.0"], root, timeout_s=900, background=background)
+    _run([*pip, str(wheel)], root, timeout_s=900, background=background)
     return venv
+
+
+class WheelBuilds:
+    """This session's wheel of the checkout and the fresh venv with it, each built at most once
+    on a thread of its own (the venv's after the wheel's). start_fresh_venv starts both early,
+    at the lowest CPU priority: the venv's ~1.5 min of pip runs on what the serial tests before
+    its users leave idle. Asked for before a start, a build runs at normal priority.
+    `mktemp` is tmp_path_factory.mktemp; a failed build raises in every caller."""
+
+    def __init__(self, mktemp: Callable[[str], Path]):
+        self._mktemp = mktemp
+        self._lock = threading.Lock()
+        self._wheel: Future[Path] | None = None
+        self._venv: Future[FreshVenv] | None = None
+
+    def wheel(self) -> Path:
+        return self._wheel_build(background=False).result()
+
+    def start_fresh_venv(self) -> None:
+        self._fresh_venv_build(background=True)
+
+    def fresh_venv(self) -> FreshVenv:
+        return self._fresh_venv_build(background=False).result()
+
+    def _wheel_build(self, background: bool) -> Future[Path]:
+        with self._lock:
+            if self._wheel is None:
+                root = self._mktemp("wheel-build")
+                self._wheel = _in_background(lambda: build_wheel(root, background))
+            return self._wheel
+
+    def _fresh_venv_build(self, background: bool) -> Future[FreshVenv]:
+        wheel = self._wheel_build(background)
+        with self._lock:
+            if self._venv is None:
+                root = self._mktemp("fresh-install")
+                self._venv = _in_background(lambda: install_in_fresh_venv(root, wheel.result(), background))
+            return self._venv
+
+
+def _in_background(build: Callable[[], T]) -> Future[T]:
+    """build() on a daemon thread (an interrupted session does not wait for its pip)."""
+    future: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(build())
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="wheel-build", daemon=True).start()
+    return future
