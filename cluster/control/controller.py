@@ -34,7 +34,7 @@ from splitserve.cluster.control.replica_health import PoolEvent, ReplicaHealth, 
 from splitserve.cluster.control.replica_probe import probe
 from splitserve.cluster.control.replica_state_feed import ReplicaStateFeed
 from splitserve.cluster.control.worker_pool import Replica, WorkerPool, app_namespace
-from splitserve.cluster.routing.router import DECODE, POOLS, PREFILL
+from splitserve.cluster.routing.replica_pools import DECODE, POOLS, PREFILL
 from splitserve.cluster.scaling.autoscaler import Autoscaler
 from splitserve.cluster.scaling.latency_window import LatencyWindow
 from splitserve.cluster.scaling.load_forecast import DemandTotals

@@ -14,7 +14,7 @@ from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.control.pool_loads import PoolLoads
 from splitserve.cluster.control.pool_metrics import PoolMetrics
 from splitserve.cluster.control.worker_pool import Replica, WorkerPool, pools_for, reap_namespace
-from splitserve.cluster.routing.router import DECODE, POOLS, PREFILL
+from splitserve.cluster.routing.replica_pools import DECODE, POOLS, PREFILL
 from splitserve.cluster.scaling.policy import initial_replicas, replica_floor
 from splitserve.proto.messages.membership import MembershipView
 

@@ -33,7 +33,9 @@ from splitserve.cluster.ingress.stream_migration import (
     movable_reason,
 )
 from splitserve.cluster.request_error import ErrorKind, RequestError
-from splitserve.cluster.routing.router import DECODE, PREFILL, NoHeadroomError, NoReplicaError, RouteDecision, Router
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
+from splitserve.cluster.routing.route_decision import RouteDecision
+from splitserve.cluster.routing.router import NoHeadroomError, NoReplicaError, Router
 from splitserve.proto.messages.handoff import StreamChunk
 from splitserve.proto.messages.poll_reply import PollReply
 from splitserve.proto.messages.request_channel import Failed, FailureKind, Submit
