@@ -122,7 +122,7 @@ class Router(ReplicaPools):
             self._selectors[policy] = make_selector(policy, self._rng, self.block_size)
         return self._selectors[policy]
 
-    # ---- queries (the replicas' own: ReplicaPools) --------------------------------------
+    # ---- routing's own counts and estimates (the replicas' queries: ReplicaPools) --------
     def adapter_hit_counts(self) -> dict[str, tuple[int, int]]:
         """pool -> (LoRA requests routed, those sent to a replica whose last report had their
         adapter in its device slots): the adapter-hit share's numerator and denominator."""
