@@ -11,7 +11,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from splitserve.cluster.routing.router import PREFILL
+from splitserve.cluster.routing.replica_pools import PREFILL
 from splitserve.cluster.scaling.latency_window import LatencyWindow
 from splitserve.proto.messages.sampling_params import SamplingParams
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from splitserve.bench import require_extra, source_commit
 from splitserve.bench.control_plane.autoscale_load import ClosedLoopLoad
 from splitserve.cluster.config import ServeConfig
-from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
 from splitserve.cluster.scaling.autoscaler import Autoscaler, ScalingEvent
 from splitserve.proto.messages.sampling_params import SamplingParams
 

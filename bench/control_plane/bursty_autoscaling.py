@@ -35,7 +35,7 @@ from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.planning.queue_model import Deployment, Slo
 from splitserve.cluster.planning.search import search
 from splitserve.cluster.planning.workload import LengthDistribution, PlannedRequest, Workload
-from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
 from splitserve.engine.builtin_models.model_cache import cached_checkpoint
 from splitserve.engine.builtin_models.model_spec import ModelSpec
 from splitserve.engine.simulated.step_time_profile import StepTimeProfile

@@ -14,7 +14,7 @@ from splitserve.bench.control_plane.virtual_time_cluster import MeasuredRequest
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.planning.queue_model import Prediction, Slo, percentile
 from splitserve.cluster.planning.workload import Workload
-from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
 
 MIN_REQUESTS = 10  # an interval's measured p90 needs at least this many requests to be compared
 BIN_S = 10.0  # the plot's load and TTFT bins

@@ -22,7 +22,8 @@ import time
 from splitserve.bench import source_commit
 from splitserve.cluster.routing.index import KVIndex
 from splitserve.cluster.routing.load import LoadReport
-from splitserve.cluster.routing.router import DECODE, PREFILL, Router
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
+from splitserve.cluster.routing.router import Router
 from splitserve.cluster.routing.router_config import RouterConfig
 
 TARGET_INGEST_BLOCKS_PER_S = 200_000

@@ -46,7 +46,8 @@ from splitserve.cluster.control.disagg_cluster import DisaggCluster  # noqa: E40
 from splitserve.cluster.control.replica_state_feed import ReplicaStateFeed  # noqa: E402
 from splitserve.cluster.ingress import request_channel_client  # noqa: E402
 from splitserve.cluster.ingress.pushed_state import PushedState  # noqa: E402
-from splitserve.cluster.routing.router import DECODE, Router  # noqa: E402
+from splitserve.cluster.routing.replica_pools import DECODE  # noqa: E402
+from splitserve.cluster.routing.router import Router  # noqa: E402
 from splitserve.proto.messages.sampling_params import SamplingParams  # noqa: E402
 
 ACTOR_MB = 110  # RSS of one simulated replica here (ray worker + splitserve imports)

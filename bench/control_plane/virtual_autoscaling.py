@@ -29,7 +29,7 @@ from splitserve.bench.control_plane.virtual_time_cluster import MeasuredRequest,
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.planning.workload import Workload
 from splitserve.cluster.routing.load import LoadReport, ReplicaLoad
-from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
 from splitserve.cluster.scaling.autoscaler import Autoscaler, ScalingEvent
 from splitserve.cluster.scaling.latency_window import LatencyWindow
 from splitserve.cluster.scaling.load_forecast import DemandTotals

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from splitserve.cluster.planning.queue_model import Deployment
 from splitserve.cluster.planning.workload import PlannedRequest, Workload
-from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.simulated.simulated_engine import SimulatedEngine
 from splitserve.proto.messages.handoff import PrefillResult

@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 from splitserve.cluster.routing.load import LoadReport
-from splitserve.cluster.routing.router import DECODE, Router
+from splitserve.cluster.routing.replica_pools import DECODE
+from splitserve.cluster.routing.router import Router
 from splitserve.cluster.routing.router_config import RouterConfig
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine

@@ -23,7 +23,7 @@ import msgspec
 
 from splitserve.cluster.config import PoolResources
 from splitserve.cluster.control.worker_pool import WorkerPool
-from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
 from splitserve.decode.decode_worker import DecodeWorker
 from splitserve.kvtransfer.wire_layout import ascending_run_start
 from splitserve.prefill.prefill_worker import PrefillWorker

@@ -9,7 +9,7 @@ import logging
 import time
 from collections import Counter
 
-from splitserve.cluster.routing.router import DECODE
+from splitserve.cluster.routing.replica_pools import DECODE
 
 # The dispatcher logs each move with the client's id (x-request-id): which streams moved.
 DISPATCHER_LOG = "splitserve.cluster.ingress.dispatcher"

@@ -30,11 +30,11 @@ from splitserve.cluster.control.ingress_registry import IngressRegistry
 from splitserve.cluster.control.lora_adapter_control import UNLOAD_TIMEOUT_S, LoraAdapterControl
 from splitserve.cluster.control.metrics_aggregator import MetricsAggregator
 from splitserve.cluster.control.pool_roster import PoolRoster
-from splitserve.cluster.control.replica_health import PoolEvent, ReplicaHealth, short_reason
-from splitserve.cluster.control.replica_probe import probe
+from splitserve.cluster.control.replica_drain import ReplicaDrain
+from splitserve.cluster.control.replica_health import PoolEvent, ReplicaHealth
 from splitserve.cluster.control.replica_state_feed import ReplicaStateFeed
-from splitserve.cluster.control.worker_pool import Replica, WorkerPool, app_namespace
-from splitserve.cluster.routing.router import DECODE, POOLS, PREFILL
+from splitserve.cluster.control.worker_pool import Replica, app_namespace
+from splitserve.cluster.routing.replica_pools import DECODE, POOLS, PREFILL
 from splitserve.cluster.scaling.autoscaler import Autoscaler
 from splitserve.cluster.scaling.latency_window import LatencyWindow
 from splitserve.cluster.scaling.load_forecast import DemandTotals
@@ -88,6 +88,7 @@ class Controller:
                 model_dir=model_dir,
             )
         self.lora = LoraAdapterControl(self)
+        self.replica_drain = ReplicaDrain(self)
         self._reconciler: asyncio.Task | None = None
         self._last_idle_sweep = clock()
         self.state_feed = None  # with replica_state.updates "poll", every round probes every replica
@@ -149,20 +150,11 @@ class Controller:
             self._reconciler = asyncio.get_running_loop().create_task(self._reconcile_forever(), name="controller")
 
     async def _adopt(self) -> int:
-        found = [r for pool in self.pools.values() for r in await asyncio.to_thread(pool.adopt)]
-        if not found:
-            return 0
-        results = await asyncio.gather(*(self.roster.await_ready(r) for r in found), return_exceptions=True)
-        for replica, result in zip(found, results):
-            if isinstance(result, BaseException):
-                logger.warning("cannot adopt %s (%s); removing it", replica.replica_id, short_reason(result))
-                self.roster.forget(replica.pool, replica.replica_id, kill=True)
-            else:
-                self.roster.admit(replica, result)
-                self.events.append(PoolEvent(self.clock(), replica.pool, replica.replica_id, "adopted"))
-        for pool_name, pool in self.pools.items():
-            self.targets[pool_name] = max(self.targets[pool_name], len(pool.replicas))
-        logger.info("re-adopted %s", ", ".join(r.replica_id for r in found))
+        """How many live replicas a previous controller left, adopted or not (PoolRoster.adopt):
+        any at all means a restart, which leaves what is missing to the reconciler."""
+        found, adopted = await self.roster.adopt()
+        for replica in adopted:
+            self.events.append(PoolEvent(self.clock(), replica.pool, replica.replica_id, "adopted"))
         return len(found)
 
     # ---- what ingresses call -------------------------------------------------------------
@@ -241,46 +233,9 @@ class Controller:
         return replicas
 
     async def drain_replica(self, pool: str, replica_id: str, timeout_s: float = 120.0, replace: bool = False) -> bool:
-        """Stop routing to a replica, wait until every live ingress routes by that view and
-        has nothing in flight there and the replica is idle, then remove it. Returns False
-        if requests were still in flight at the timeout (it is removed anyway). Lowers the
-        pool's target (the replica is not replaced), unless replace (a SIGTERM'd replica:
-        its replacement starts once it is gone)."""
-        replica = self.pools[pool].get(replica_id)
-        if replica is None:
-            return True
-        if not replica.draining:
-            if not replace:
-                self.targets[pool] = max(self.targets[pool] - 1, 0)
-            self.roster.set_draining(replica)
-        marked = self.version
-        deadline = self.clock() + timeout_s
-        migrate_after = self.cfg.migration.migrate_after_s if pool == DECODE else None
-        migrate_at = None if migrate_after is None else self.clock() + migrate_after
-        drained = False
-        while not drained and self.clock() < deadline:
-            now = self.clock()
-            if migrate_at is not None and now >= migrate_at and self.ingresses.all_applied(marked, now):
-                # No new request reaches it any more: hand what it still runs to the others.
-                migrate_at = None
-                try:
-                    handed = await asyncio.wait_for(replica.handle.migrate_streams.remote(), 30)
-                    logger.info("draining %s: %d stream(s) handed to other replicas", replica_id, handed)
-                except Exception as exc:  # gone meanwhile: nothing left to hand off
-                    logger.warning("draining %s: handing its streams off failed: %r", replica_id, exc)
-            drained = (
-                self.ingresses.all_applied(marked, now)
-                and self.ingresses.num_inflight(replica_id, now) == 0
-                and (await probe(replica)).idle
-            )
-            if not drained:
-                await asyncio.sleep(0.1)
-        self.roster.forget(pool, replica_id, kill=False)
-        # The ingresses stop polling it before it goes, so none sees a dead replica.
-        await self.wait_applied(self.version, timeout_s=5.0)
-        await asyncio.to_thread(WorkerPool.kill, replica)
-        self.events.append(PoolEvent(self.clock(), pool, replica_id, "drained", "" if drained else "timeout"))
-        return drained
+        """Take a replica out of service once nothing is in flight there (replica_drain.py);
+        False: requests were still in flight at the timeout (it is removed anyway)."""
+        return await self.replica_drain.drain(pool, replica_id, timeout_s, replace)
 
     def refilling(self, pool: str, starting: int = 0) -> bool:
         """The pool is below its target or has replicas starting (beyond the autoscaler's own

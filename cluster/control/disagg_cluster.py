@@ -22,7 +22,8 @@ from splitserve.cluster.ingress.controller_client import METRICS_TIMEOUT_S, Cont
 from splitserve.cluster.ingress.dispatcher import Dispatcher
 from splitserve.cluster.ingress.membership_follower import MembershipFollower
 from splitserve.cluster.routing.batch_headroom import BatchHeadroom
-from splitserve.cluster.routing.router import DECODE, PREFILL, Router
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
+from splitserve.cluster.routing.router import Router
 from splitserve.cluster.scaling.policy import replica_floor
 from splitserve.proto.messages.handoff import StreamChunk
 from splitserve.proto.messages.ingress_report import IngressReport

@@ -24,7 +24,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
 
 if TYPE_CHECKING:
     from splitserve.cluster.control.controller import Controller

@@ -5,7 +5,7 @@ through the same two queries it asks of a router (replica_ids, load)."""
 from __future__ import annotations
 
 from splitserve.cluster.routing.load import LoadReport, ReplicaLoad
-from splitserve.cluster.routing.router import POOLS
+from splitserve.cluster.routing.replica_pools import POOLS
 
 
 class PoolLoads:

@@ -13,8 +13,9 @@ import time
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.control.pool_loads import PoolLoads
 from splitserve.cluster.control.pool_metrics import PoolMetrics
+from splitserve.cluster.control.replica_health import short_reason
 from splitserve.cluster.control.worker_pool import Replica, WorkerPool, pools_for, reap_namespace
-from splitserve.cluster.routing.router import DECODE, POOLS, PREFILL
+from splitserve.cluster.routing.replica_pools import DECODE, POOLS, PREFILL
 from splitserve.cluster.scaling.policy import initial_replicas, replica_floor
 from splitserve.proto.messages.membership import MembershipView
 
@@ -65,6 +66,27 @@ class PoolRoster:
             pass
 
     # ---- replicas --------------------------------------------------------------------------
+    async def adopt(self) -> tuple[list[Replica], list[Replica]]:
+        """Re-adopt the live replicas a previous controller left (same actors, no reload): each
+        one that answers joins the view, one that does not is removed; each pool's target rises
+        to what it has. The replicas found, and those of them adopted."""
+        found = [r for pool in self.pools.values() for r in await asyncio.to_thread(pool.adopt)]
+        if not found:
+            return [], []
+        results = await asyncio.gather(*(self.await_ready(r) for r in found), return_exceptions=True)
+        adopted = []
+        for replica, result in zip(found, results):
+            if isinstance(result, BaseException):
+                logger.warning("cannot adopt %s (%s); removing it", replica.replica_id, short_reason(result))
+                self.forget(replica.pool, replica.replica_id, kill=True)
+            else:
+                self.admit(replica, result)
+                adopted.append(replica)
+        for pool_name, pool in self.pools.items():
+            self.targets[pool_name] = max(self.targets[pool_name], len(pool.replicas))
+        logger.info("re-adopted %s", ", ".join(r.replica_id for r in found))
+        return found, adopted
+
     async def await_ready(self, replica: Replica) -> tuple[str, int] | None:
         """Wait until the replica loaded its model; its request channel address."""
         timeout_s = self.pools[replica.pool].start_timeout_s

@@ -14,7 +14,7 @@ from splitserve.cluster.control.replica_probe import ProbeResult, probe
 from splitserve.cluster.control.restart_backoff import RestartBackoff
 from splitserve.cluster.control.worker_pool import Replica
 from splitserve.cluster.routing.load import LoadReport
-from splitserve.cluster.routing.router import POOLS
+from splitserve.cluster.routing.replica_pools import POOLS
 
 if TYPE_CHECKING:
     from splitserve.cluster.control.controller import Controller

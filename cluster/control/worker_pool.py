@@ -30,7 +30,7 @@ import ray
 
 from splitserve.cluster.config import EnginePoolConfig, PoolResources, ServeConfig
 from splitserve.cluster.control.replica_gang import PLACEMENT_TIMEOUT_S, ReplicaGang
-from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
 from splitserve.proto.messages.membership import ReplicaInfo
 from splitserve.runtime.worker_config import WorkerConfig
 

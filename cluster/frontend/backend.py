@@ -21,7 +21,7 @@ from splitserve.cluster.frontend.token_meter import TokenMeter
 from splitserve.cluster.ingress.controller_client import ControllerClient
 from splitserve.cluster.ingress.ingress_reporter import IngressReporter
 from splitserve.cluster.request_error import ErrorKind, RequestError, invalid
-from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
 from splitserve.cluster.state.database import open_state_engine, state_database_url
 from splitserve.cluster.tenants.tenant_gate import TenantGate
 from splitserve.cluster.tenants.tenant_metrics import TenantMetrics

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from splitserve.cluster.control.disagg_cluster import DisaggCluster
-from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
 
 
 def pool_health(cluster: DisaggCluster, kv_caches: dict[str, dict[str, Any]]) -> dict:

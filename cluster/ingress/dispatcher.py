@@ -1,7 +1,8 @@
 """Dispatcher: one ingress's request path. Routes each request to a (prefill, decode) pair,
 sends it over that decode replica's request channel (cluster/ingress/request_channel_client.py),
 streams its chunks back, retries on other replicas while nothing has streamed, moves it to
-another decode replica as a continuation when its own fails mid-stream (stream_migration.py),
+another decode replica as a continuation when its own fails mid-stream (stream_migration.py;
+what a failure before that means to a retry: attempt_failure.py),
 aborts it at its deadline or when its caller goes away. Which replicas it routes to, and the router's view
 of them (KV events, load), is its base class's: RoutedReplicas (routed_replicas.py).
 
@@ -22,38 +23,21 @@ from typing import Literal
 
 import msgspec
 
+from splitserve.cluster.ingress.attempt_failure import AttemptFailure
 from splitserve.cluster.ingress.request_channel_client import ChannelClosed
 from splitserve.cluster.ingress.routed_replicas import Member, RoutedReplicas
-from splitserve.cluster.ingress.stream_migration import (
-    DISABLED,
-    MAX_ATTEMPTS,
-    NO_REPLICA,
-    AnswerSoFar,
-    MigrationObserver,
-    movable_reason,
-)
+from splitserve.cluster.ingress.stream_migration import NO_REPLICA, AnswerSoFar, MigrationObserver, may_move
 from splitserve.cluster.request_error import ErrorKind, RequestError
-from splitserve.cluster.routing.router import DECODE, PREFILL, NoHeadroomError, NoReplicaError, RouteDecision, Router
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
+from splitserve.cluster.routing.route_decision import RouteDecision
+from splitserve.cluster.routing.router import NoHeadroomError, NoReplicaError, Router
 from splitserve.proto.messages.handoff import StreamChunk
 from splitserve.proto.messages.poll_reply import PollReply
-from splitserve.proto.messages.request_channel import Failed, FailureKind, Submit
+from splitserve.proto.messages.request_channel import Submit
 from splitserve.proto.messages.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 _DEADLINE = object()  # queued by a request's deadline timer
-# What a failure before the first token means: which replica a retry avoids, whether it uses
-# up retry budget (a dead replica is not the request's fault), and the kind when giving up.
-_RETRY: dict[FailureKind, tuple[str | None, bool, ErrorKind]] = {
-    FailureKind.PREFILL_FAILED: (PREFILL, True, ErrorKind.INTERNAL),
-    FailureKind.PREFILL_TIMEOUT: (PREFILL, True, ErrorKind.UNAVAILABLE),
-    FailureKind.PREFILL_DEAD: (PREFILL, False, ErrorKind.UNAVAILABLE),
-    FailureKind.BUSY: (DECODE, True, ErrorKind.UNAVAILABLE),
-    FailureKind.REPLICA_DEAD: (DECODE, False, ErrorKind.UNAVAILABLE),
-    FailureKind.REPLICA_DRAINING: (DECODE, False, ErrorKind.UNAVAILABLE),
-    FailureKind.INVALID: (None, True, ErrorKind.INVALID),
-    FailureKind.STEP_FAILED: (None, True, ErrorKind.INTERNAL),
-    FailureKind.INTERNAL: (None, True, ErrorKind.INTERNAL),
-}
 
 
 def deadline_exceeded(timeout_s: float) -> RequestError:
@@ -197,15 +181,11 @@ class Dispatcher(RoutedReplicas):
             if not outcome:
                 return
             failure, sent_any = outcome
-            if isinstance(failure, Failed):
-                avoid, costs_budget, give_up_kind = _RETRY[failure.kind]
-                retryable, message = failure.retryable and avoid is not None, failure.message
-            else:  # the channel to the decode replica broke: it died, most likely
-                avoid, costs_budget, give_up_kind = DECODE, False, ErrorKind.UNAVAILABLE
-                retryable, message = True, str(failure)
+            verdict = AttemptFailure.of(failure)
+            message = verdict.message
             if time.time() >= deadline:
                 raise deadline_exceeded(timeout_s)
-            if sent_any and self._may_move(failure, params, answer, migrations):
+            if sent_any and may_move(failure, params, answer, self.max_migrations, migrations):
                 # The stream goes on from another decode replica: the same answer, continued.
                 prompt_token_ids, params = answer.continuation()
                 moved_after = message
@@ -215,33 +195,16 @@ class Dispatcher(RoutedReplicas):
                 logger.warning("moving %s (client id %r) to another replica after: %s", base_id, label, message)
                 continue
             # Never after a chunk reached the caller without a move: a retry cannot resume it.
-            if sent_any or not retryable or (costs_budget and num_budgeted >= self.max_retries):
+            if sent_any or not verdict.retryable or (verdict.costs_budget and num_budgeted >= self.max_retries):
                 logger.info("request %s (client id %r) failed: %s", request_id, label, message)
-                if give_up_kind is ErrorKind.INVALID:
-                    raise RequestError(give_up_kind, message)
-                raise RequestError(give_up_kind, f"request failed: {message}")
+                if verdict.give_up_kind is ErrorKind.INVALID:
+                    raise RequestError(verdict.give_up_kind, message)
+                raise RequestError(verdict.give_up_kind, f"request failed: {message}")
             attempt += 1
-            num_budgeted += costs_budget
+            num_budgeted += verdict.costs_budget
             self.num_retries += 1
-            exclude[avoid].add(prefill_id if avoid == PREFILL else decode.info.replica_id)
+            exclude[verdict.avoid].add(prefill_id if verdict.avoid == PREFILL else decode.info.replica_id)
             logger.warning("retrying %s (client id %r, attempt %d) after: %s", base_id, label, attempt, message)
-
-    def _may_move(
-        self, failure, params: SamplingParams, answer: AnswerSoFar, migrations: MigrationObserver | None
-    ) -> bool:
-        """Whether a mid-stream failure moves the stream; counts the move or why not."""
-        reason = movable_reason(failure)
-        if reason is None:
-            return False  # the request itself failed, not its replica
-        refused = (
-            DISABLED if not params.migration else MAX_ATTEMPTS if answer.num_moves >= self.max_migrations else None
-        )
-        if migrations is not None:
-            if refused is None:
-                migrations.moved(DECODE, reason, len(answer.token_ids))
-            else:
-                migrations.refused(refused)
-        return refused is None
 
     async def _attempt(
         self, decode: Member, submit: Submit, decision: RouteDecision, timeout_s: float, outcome: list, started: float

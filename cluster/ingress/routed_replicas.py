@@ -26,7 +26,8 @@ from splitserve.cluster.ingress.pushed_state import PushedState
 from splitserve.cluster.ingress.request_channel_client import RequestChannelClient
 from splitserve.cluster.request_error import ErrorKind, RequestError
 from splitserve.cluster.routing.load import LoadReport
-from splitserve.cluster.routing.router import DECODE, PREFILL, Router
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
+from splitserve.cluster.routing.router import Router
 from splitserve.engine.engine_errors import EngineLoopStopped
 from splitserve.proto.messages.membership import ReplicaInfo
 from splitserve.proto.messages.poll_reply import PollReply

@@ -18,6 +18,7 @@ from typing import Protocol
 import msgspec
 
 from splitserve.cluster.ingress.request_channel_client import ChannelClosed
+from splitserve.cluster.routing.replica_pools import DECODE
 from splitserve.proto.messages.continuation import Continuation
 from splitserve.proto.messages.handoff import StreamChunk
 from splitserve.proto.messages.request_channel import Failed, FailureKind
@@ -45,6 +46,27 @@ class MigrationObserver(Protocol):
     def gap(self, seconds: float) -> None: ...
 
     def recomputed(self, num_tokens: int) -> None: ...
+
+
+def may_move(
+    failure: Failed | ChannelClosed,
+    params: SamplingParams,
+    answer: AnswerSoFar,
+    max_migrations: int,
+    migrations: MigrationObserver | None,
+) -> bool:
+    """Whether a mid-stream failure moves the stream: a movable one, while params.migration is on
+    and fewer than max_migrations moves were made. Counts the move, or why not."""
+    reason = movable_reason(failure)
+    if reason is None:
+        return False  # the request itself failed, not its replica
+    refused = DISABLED if not params.migration else MAX_ATTEMPTS if answer.num_moves >= max_migrations else None
+    if migrations is not None:
+        if refused is None:
+            migrations.moved(DECODE, reason, len(answer.token_ids))
+        else:
+            migrations.refused(refused)
+    return refused is None
 
 
 def movable_reason(failure: Failed | ChannelClosed | BaseException) -> str | None:

@@ -28,6 +28,9 @@ Otherwise the prefill replica is chosen with the same formula over the prefill i
 RouterConfig.prefill_placement "measured" the two are weighed in seconds from the replicas'
 measured profiles (prefill_placement.py): the decode replica may still prefill locally.
 
+The replicas' books (registration, load reports, KV events, draining) are the Router's base,
+ReplicaPools (replica_pools.py); the Router adds the routing over them.
+
 Herding: equal costs are broken by a seeded rng, and every routed request is added to its
 replicas' pending counts until their next update_load, so a burst arriving between two load
 reports spreads out.
@@ -38,21 +41,16 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
-from typing import Any
 
 from splitserve.cluster.routing.adapter_affinity import AdapterHits
 from splitserve.cluster.routing.batch_headroom import BatchHeadroom
-from splitserve.cluster.routing.index import KVIndex
-from splitserve.cluster.routing.load import LoadReport, PendingClaim, ReplicaLoad
+from splitserve.cluster.routing.load import PendingClaim, ReplicaLoad
 from splitserve.cluster.routing.prefill_placement import HandoffEstimate, placement_cost
+from splitserve.cluster.routing.replica_pools import DECODE, POOLS, PREFILL, ReplicaPools
 from splitserve.cluster.routing.route_decision import RouteDecision
 from splitserve.cluster.routing.router_config import RouterConfig
 from splitserve.cluster.routing.worker_selector import PoolView, WorkerSelector, make_selector
 from splitserve.engine.core.block_hash import hash_blocks, root_hash
-
-PREFILL = "prefill"
-DECODE = "decode"
-POOLS = (PREFILL, DECODE)
 
 # Cost of a completely full decode KV cache in token-equivalents (RouterConfig has no field
 # for it): as much as 16 running requests at the default running_weight of 64.
@@ -75,11 +73,9 @@ class NoHeadroomError(NoReplicaError):
         self.args = (f"no {pool} replica has headroom for batch work; retry later",)
 
 
-class UnknownReplicaError(KeyError):
-    """A replica id that is not registered in the named pool."""
+class Router(ReplicaPools):
+    """Routing over the replicas' books (ReplicaPools: registration, load reports, KV events)."""
 
-
-class Router:
     def __init__(
         self,
         config: RouterConfig | None = None,
@@ -101,6 +97,7 @@ class Router:
             raise ValueError("block_size must be >= 1")
         if kv_usage_weight < 0:
             raise ValueError("kv_usage_weight must be >= 0")
+        super().__init__()
         self.config = config if config is not None else RouterConfig()
         self.block_size = block_size
         self.hash_seed = hash_seed
@@ -109,8 +106,6 @@ class Router:
         self.kv_usage_weight = kv_usage_weight
         self.allow_local_prefill_fallback = allow_local_prefill_fallback
         self._rng = random.Random(seed)
-        self._loads: dict[str, dict[Hashable, ReplicaLoad]] = {p: {} for p in POOLS}
-        self._indexes: dict[str, KVIndex] = {p: KVIndex() for p in POOLS}
         self._selector = selector
         self._selectors: dict[str, WorkerSelector] = {}  # by policy, so a new config's policy applies
         self._decisions: Counter[str] = Counter()
@@ -127,67 +122,7 @@ class Router:
             self._selectors[policy] = make_selector(policy, self._rng, self.block_size)
         return self._selectors[policy]
 
-    # ---- registration and reports --------------------------------------------------------
-    def add_replica(self, pool: str, replica_id: Hashable, snapshot: tuple[Any, ...] | None = None) -> None:
-        """Register a replica; snapshot is its engine's snapshot(): (seq, device hashes), and
-        its host tier's hashes third when it has one (None: empty cache)."""
-        loads = self._pool(pool)
-        if replica_id in loads:
-            raise ValueError(f"{pool} replica {replica_id!r} is already registered")
-        seq, hashes, *host = snapshot if snapshot is not None else (0, ())
-        self._indexes[pool].add_replica(replica_id, seq, hashes, host[0] if host else ())
-        loads[replica_id] = ReplicaLoad(replica_id)
-
-    def remove_replica(self, pool: str, replica_id: Hashable) -> None:
-        """Forget a dead or drained replica and its index entries. Unknown ids are ignored."""
-        self._pool(pool).pop(replica_id, None)
-        self._indexes[pool].remove_replica(replica_id)
-
-    def set_draining(self, pool: str, replica_id: Hashable, draining: bool) -> None:
-        self._load(pool, replica_id).draining = draining
-
-    def update_load(self, pool: str, replica_id: Hashable, report: LoadReport) -> bool:
-        """Take a load report. Returns False (ignored) for a replica no longer registered:
-        a report can race with its removal."""
-        load = self._pool(pool).get(replica_id)
-        if load is None:
-            return False
-        load.update(report)
-        return True
-
-    def apply_events(self, pool: str, replica_id: Hashable, events: Sequence[Any]) -> bool:
-        """Feed a replica's KV events. False: unregistered replica, or a seq gap (the replica
-        is then listed by replicas_needing_resync until resync())."""
-        if replica_id not in self._pool(pool):
-            return False
-        return self._indexes[pool].apply_events(replica_id, events)
-
-    def resync(self, pool: str, replica_id: Hashable, snapshot: tuple[Any, ...]) -> None:
-        self._load(pool, replica_id)
-        seq, hashes, *host = snapshot
-        self._indexes[pool].resync(replica_id, seq, hashes, host[0] if host else ())
-
-    def replicas_needing_resync(self, pool: str) -> list[Hashable]:
-        loads = self._pool(pool)
-        return [r for r in self._indexes[pool].replicas_needing_resync() if r in loads]
-
-    # ---- queries -------------------------------------------------------------------------
-    def index(self, pool: str) -> KVIndex:
-        self._pool(pool)
-        return self._indexes[pool]
-
-    def load(self, pool: str, replica_id: Hashable) -> ReplicaLoad:
-        return self._load(pool, replica_id)
-
-    def replica_ids(self, pool: str, include_draining: bool = True) -> list[Hashable]:
-        return [r for r, load in self._pool(pool).items() if include_draining or not load.draining]
-
-    def replicas_without_headroom(self, pool: str, max_kv_usage: float, max_running: int) -> set[Hashable]:
-        """Replicas at or above either threshold (KV usage as last reported; running requests
-        including those routed since): where sheddable (batch) work must not go."""
-        headroom = BatchHeadroom(max_kv_usage, max_running)
-        return {rid for rid, load in self._loads[pool].items() if not headroom.admits(load)}
-
+    # ---- routing's own counts and estimates (the replicas' queries: ReplicaPools) --------
     def adapter_hit_counts(self) -> dict[str, tuple[int, int]]:
         """pool -> (LoRA requests routed, those sent to a replica whose last report had their
         adapter in its device slots): the adapter-hit share's numerator and denominator."""
@@ -313,10 +248,6 @@ class Router:
             raise ValueError("a prompt needs at least one token")
         return hashes, num_prompt_tokens
 
-    def _candidates(self, pool: str, exclude: Iterable[Hashable]) -> list[ReplicaLoad]:
-        excluded = set(exclude)
-        return [load for rid, load in self._loads[pool].items() if not load.draining and rid not in excluded]
-
     def _view(self, pool: str, cands: list[ReplicaLoad], lora_adapter: str | None) -> PoolView:
         kv_usage_weight = self.kv_usage_weight if pool == DECODE else 0.0
         num_registered = len(self._loads[pool])
@@ -350,15 +281,3 @@ class Router:
             decode_host_cached_tokens=decode_cached[1],
             adapter_hits=adapter_hits,
         )
-
-    def _pool(self, pool: str) -> dict[Hashable, ReplicaLoad]:
-        try:
-            return self._loads[pool]
-        except KeyError:
-            raise ValueError(f"unknown pool {pool!r}; expected one of {POOLS}") from None
-
-    def _load(self, pool: str, replica_id: Hashable) -> ReplicaLoad:
-        load = self._pool(pool).get(replica_id)
-        if load is None:
-            raise UnknownReplicaError(f"{pool} replica {replica_id!r} is not registered")
-        return load

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from splitserve.cluster.bounded_log import BoundedLog
 from splitserve.cluster.config import ServeConfig
-from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
 from splitserve.cluster.scaling.cluster_view import ScalableCluster
 from splitserve.cluster.scaling.policy import (
     DecodeScalingPolicy,

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.planning.queue_model import Deployment, Prediction, Slo, predict, saturated_pool
 from splitserve.cluster.planning.workload import LengthDistribution, PlannedRequest, Workload
-from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
 from splitserve.cluster.scaling.load_forecast import DemandTotals, Forecast, LoadForecast
 from splitserve.cluster.scaling.policy import MetricsSnapshot, ScalingDecision
 from splitserve.engine.model_config import ModelConfig

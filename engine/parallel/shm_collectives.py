@@ -6,7 +6,7 @@ loopback round trips took about 1.3 ms per all-reduce (bench/results/tensor_para
 
 The segment: a file in /dev/shm that rank 0 creates, whose path the others read from the group's
 TCPStore. Once every rank has mapped it (agreed over gloo) rank 0 unlinks it, so nothing is left
-in /dev/shm however the ranks end, a SIGKILL included. Its layout:
+in /dev/shm however the ranks end, a SIGKILL included (the file itself: shm_segment.py). Its layout:
 
     one 64-byte line per rank: ready, done (op sequence numbers), pid, pid namespace, start time
     then per rank two slots of slot_bytes each (double-buffered: op n uses slot n % 2)
@@ -37,7 +37,6 @@ import logging
 import mmap
 import os
 import platform
-import secrets
 import sys
 import time
 from collections.abc import Callable
@@ -45,12 +44,11 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from splitserve.engine.parallel.shm_segment import SEGMENT_DIR, map_segment, new_segment_path, unlink_segment
 from splitserve.engine.parallel.tp_group import TensorParallelError
 
 logger = logging.getLogger(__name__)
 
-SEGMENT_DIR = "/dev/shm"
-SEGMENT_PREFIX = "splitserve-tp-"
 # Per rank and buffer. A tensor larger than this (a long prefill's hidden states, a large
 # vocabulary's logits at a big batch) goes over gloo instead: every rank has the same shape for
 # a collective, so every rank makes the same choice. Two buffers per rank: 16 MiB for TP 2.
@@ -109,9 +107,9 @@ class ShmCollectives:
         nbytes = _data_offset(size) + 2 * size * slot_bytes
         try:
             if rank == 0:
-                path = os.path.join(SEGMENT_DIR, f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
+                path = new_segment_path()
                 try:
-                    segment = _map(path, nbytes, create=True)
+                    segment = map_segment(path, nbytes, create=True)
                 except OSError as exc:  # no /dev/shm room (a container's 64 MiB): gloo it is
                     logger.warning("tensor-parallel collectives stay on gloo: %s: %s", path, exc)
                 store.set(SEGMENT_KEY, path if segment is not None else "")
@@ -119,7 +117,7 @@ class ShmCollectives:
                 named = store.get(SEGMENT_KEY).decode()
                 if named:
                     try:
-                        segment = _map(named, nbytes, create=False)
+                        segment = map_segment(named, nbytes, create=False)
                     except OSError as exc:  # another /dev/shm (a container of its own)
                         logger.warning("tensor-parallel rank %d stays on gloo: %s: %s", rank, named, exc)
             if segment is not None:
@@ -133,7 +131,7 @@ class ShmCollectives:
             raise
         finally:
             if path is not None:
-                _unlink(path)
+                unlink_segment(path)
         if not agreed and shm is not None:
             shm.close()
         return shm if agreed else None
@@ -263,31 +261,6 @@ class ShmCollectives:
 
 def _data_offset(size: int) -> int:
     return -(-size * _LINE // _DATA_ALIGN) * _DATA_ALIGN
-
-
-def _map(path: str, nbytes: int, create: bool) -> mmap.mmap:
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(path, flags, 0o600)
-    try:
-        if create:
-            # Reserve the pages now: a tmpfs that runs out later would SIGBUS a rank mid-step.
-            os.posix_fallocate(fd, 0, nbytes)
-        elif os.fstat(fd).st_size != nbytes:
-            raise OSError(f"the segment has {os.fstat(fd).st_size} bytes, this rank expects {nbytes}")
-        return mmap.mmap(fd, nbytes)
-    except BaseException:
-        if create:
-            _unlink(path)
-        raise
-    finally:
-        os.close(fd)
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _pid_namespace() -> int:

@@ -19,7 +19,7 @@ from splitserve.bench.control_plane.virtual_autoscaling import run_autoscaled
 from splitserve.bench.control_plane.virtual_time_cluster import VirtualTimeCluster, long_context_copy
 from splitserve.cluster.planning.queue_model import Deployment, Slo, percentile
 from splitserve.cluster.planning.workload import LengthDistribution, Workload
-from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
 
 PROFILE, KV_BYTES = "llama-8b-h200", 131072
 PERIOD_S, STARTUP_S, BUDGET = 120.0, 10.0, 3

@@ -28,7 +28,7 @@ import pytest
 
 from splitserve.cluster.frontend.serving_api import ChoiceRequest
 from splitserve.cluster.routing.prefill_placement import LOCAL_CHEAPER, REMOTE_CHEAPER
-from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.proto.messages.sampling_params import SamplingParams

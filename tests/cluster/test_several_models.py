@@ -16,7 +16,7 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
 from splitserve.engine.core.block_hash import hash_blocks, root_hash
 from splitserve.proto import load_stubs
 from tests.helpers.cluster import cluster_config, wait_until

@@ -10,7 +10,7 @@ import pytest
 
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.frontend.pool_health import pool_health
-from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
 from splitserve.proto.messages.membership import MembershipView, ReplicaInfo
 
 pytestmark = pytest.mark.unit

@@ -14,7 +14,7 @@ import ray
 from splitserve.cluster.config import PoolResources, ServeConfig
 from splitserve.cluster.control.worker_pool import named_actors
 from splitserve.cluster.frontend.http.api import build_http_app
-from splitserve.cluster.routing.router import DECODE
+from splitserve.cluster.routing.replica_pools import DECODE
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.proto.messages.sampling_params import SamplingParams

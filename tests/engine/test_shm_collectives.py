@@ -25,7 +25,8 @@ from splitserve.engine.config import ConfigError, EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.parallel.shard_plan import ShardPlan
-from splitserve.engine.parallel.shm_collectives import SEGMENT_DIR, SEGMENT_KEY, SEGMENT_PREFIX, SLOT_BYTES
+from splitserve.engine.parallel.shm_collectives import SEGMENT_KEY, SLOT_BYTES
+from splitserve.engine.parallel.shm_segment import SEGMENT_DIR, SEGMENT_PREFIX
 from splitserve.engine.parallel.tp_group import TensorParallelError, TensorParallelGroup
 from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.model import make_checkpoint

@@ -18,7 +18,7 @@ import ray
 from splitserve.cluster.frontend.grpc.server import GrpcFrontend
 from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.cluster.request_error import ErrorKind, RequestError
-from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
 from splitserve.proto import load_stubs
 from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.cluster import (

@@ -11,7 +11,7 @@ import asyncio
 import pytest
 import ray
 
-from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
 from splitserve.cluster.routing.router_config import RouterConfig
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.core.block_hash import hash_blocks

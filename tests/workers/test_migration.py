@@ -25,7 +25,7 @@ import ray
 from splitserve.bench.serving.json_schemas import MAX_INSTANCE_TOKENS, SCHEMAS, WEATHER_TOOL
 from splitserve.cluster.frontend.grpc.server import GrpcFrontend
 from splitserve.cluster.frontend.http.api import build_http_app
-from splitserve.cluster.routing.router import DECODE
+from splitserve.cluster.routing.replica_pools import DECODE
 from tests.helpers.cluster import (
     LoopHttpServer,
     cluster_config,

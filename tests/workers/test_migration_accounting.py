@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from splitserve.cluster.routing.router import DECODE
+from splitserve.cluster.routing.replica_pools import DECODE
 from tests.helpers.batch_api import (
     completion_line,
     http_server_with_batches,

@@ -16,7 +16,7 @@ import pytest
 import ray
 
 from splitserve.cluster.frontend.http.api import build_http_app
-from splitserve.cluster.routing.router import DECODE
+from splitserve.cluster.routing.replica_pools import DECODE
 from splitserve.proto.messages.poll_reply import PollReply
 from tests.helpers.cluster import LoopHttpServer, cluster_config, serving_backend, wait_for_baseline, wait_until
 from tests.helpers.migration_streams import hold_decode_steps, wait_for_every_stream_held

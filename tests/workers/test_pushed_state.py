@@ -14,7 +14,8 @@ import pytest
 import ray
 
 from splitserve.cluster.ingress.dispatcher import Dispatcher
-from splitserve.cluster.routing.router import DECODE, PREFILL, Router
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
+from splitserve.cluster.routing.router import Router
 from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.cluster import (
     cluster_config,

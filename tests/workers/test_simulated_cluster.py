@@ -11,7 +11,7 @@ import pytest
 
 from splitserve.cluster.control.worker_pool import named_actors
 from splitserve.cluster.frontend.http.api import build_http_app
-from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
 from splitserve.engine.core.block_hash import hash_blocks
 from tests.helpers.cluster import (
     LoopHttpServer,

@@ -11,7 +11,7 @@ import pytest
 
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.control.worker_pool import named_actors
-from splitserve.cluster.routing.router import DECODE
+from splitserve.cluster.routing.replica_pools import DECODE
 from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.cluster import start_cluster, wait_for_baseline
 

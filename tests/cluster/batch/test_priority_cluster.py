@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.cluster.frontend.priority_class import PRIORITY_CLASS_HEADER
-from splitserve.cluster.routing.router import DECODE
+from splitserve.cluster.routing.replica_pools import DECODE
 from tests.helpers.cluster import (
     LoopHttpServer,
     cluster_config,

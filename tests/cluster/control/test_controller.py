@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.cluster.control.controller import Controller
 from splitserve.cluster.control.worker_pool import named_actors
-from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
 from splitserve.proto.messages.ingress_report import IngressReport
 from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.cluster import cluster_config, start_cluster, wait_for_baseline, wait_for_refill, wait_until

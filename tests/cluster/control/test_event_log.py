@@ -9,7 +9,7 @@ from splitserve.cluster.bounded_log import BoundedLog
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.control.controller import EVENT_LOG_SIZE, Controller
 from splitserve.cluster.control.replica_health import PoolEvent
-from splitserve.cluster.routing.router import DECODE
+from splitserve.cluster.routing.replica_pools import DECODE
 from splitserve.cluster.scaling import autoscaler
 from tests.cluster.scaling.test_cluster_view import FakeCluster
 

@@ -14,7 +14,8 @@ from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.cluster.frontend.priority_class import PRIORITY_CLASS_HEADER, resolve_priority
 from splitserve.cluster.routing.batch_headroom import BatchHeadroom
 from splitserve.cluster.routing.load import LoadReport
-from splitserve.cluster.routing.router import DECODE, NoHeadroomError, Router
+from splitserve.cluster.routing.replica_pools import DECODE
+from splitserve.cluster.routing.router import NoHeadroomError, Router
 from tests.helpers.http_api import MODEL_NAME, FakeBackend
 
 

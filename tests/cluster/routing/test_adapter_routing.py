@@ -15,7 +15,8 @@ import pytest
 
 from splitserve.cluster.routing.adapter_affinity import NOT_LOADED, ON_DEVICE, ON_HOST, residency
 from splitserve.cluster.routing.load import LoadReport
-from splitserve.cluster.routing.router import DECODE, Router
+from splitserve.cluster.routing.replica_pools import DECODE
+from splitserve.cluster.routing.router import Router
 from splitserve.cluster.routing.router_config import RouterConfig
 from splitserve.proto.messages.engine_stats import EngineStats
 from splitserve.proto.messages.kv_events import KVEvent

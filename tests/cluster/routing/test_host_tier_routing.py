@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from splitserve.cluster.routing.index import KVIndex
-from splitserve.cluster.routing.router import DECODE, PREFILL, Router
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
+from splitserve.cluster.routing.router import Router
 from splitserve.cluster.routing.router_config import RouterConfig
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from splitserve.cluster.routing.router import PREFILL
+from splitserve.cluster.routing.replica_pools import PREFILL
 from splitserve.engine.core.block_hash import hash_blocks
 from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.cluster import cluster_config, start_cluster, wait_for_baseline

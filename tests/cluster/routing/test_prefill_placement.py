@@ -17,7 +17,8 @@ from splitserve.cluster.routing.prefill_placement import (
     placement_cost,
     remote_prefill_seconds,
 )
-from splitserve.cluster.routing.router import DECODE, PREFILL, Router
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
+from splitserve.cluster.routing.router import Router
 from splitserve.cluster.routing.router_config import RouterConfig
 from splitserve.proto.messages.poll_reply import PollReply, TransferTotals
 from tests.helpers.engine_stats import STATS

@@ -11,14 +11,9 @@ from pathlib import Path
 import pytest
 
 from splitserve.cluster.routing.load import LoadReport
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL, UnknownReplicaError
 from splitserve.cluster.routing.route_decision import RouteDecision
-from splitserve.cluster.routing.router import (
-    DECODE,
-    PREFILL,
-    NoReplicaError,
-    Router,
-    UnknownReplicaError,
-)
+from splitserve.cluster.routing.router import NoReplicaError, Router
 from splitserve.cluster.routing.router_config import RouterConfig
 from splitserve.engine.core.block_hash import hash_blocks, root_hash
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from splitserve.cluster.routing.load import LoadReport
-from splitserve.cluster.routing.router import DECODE, PREFILL, Router
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
+from splitserve.cluster.routing.router import Router
 from splitserve.cluster.routing.router_config import ROUTER_POLICIES, RouterConfig
 from splitserve.cluster.routing.worker_selector import (
     KVSelector,

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from splitserve.bench.control_plane.autoscale_load import ClosedLoopLoad
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.control.pool_metrics import PoolMetrics
-from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
 from splitserve.cluster.scaling.autoscaler import Autoscaler
 from splitserve.cluster.scaling.load_forecast import DemandTotals
 from splitserve.cluster.scaling.sla_policy import SlaScalingPolicy

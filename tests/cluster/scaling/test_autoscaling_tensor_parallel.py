@@ -13,7 +13,7 @@ from splitserve.bench.control_plane.autoscale_load import ClosedLoopLoad
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.control.pool_metrics import PoolMetrics
 from splitserve.cluster.control.worker_pool import named_actors
-from splitserve.cluster.routing.router import DECODE
+from splitserve.cluster.routing.replica_pools import DECODE
 from splitserve.cluster.scaling.autoscaler import Autoscaler
 from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.cluster.scaling.test_autoscaling import prompt, rise_and_fall, serving, wait_until

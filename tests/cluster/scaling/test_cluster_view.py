@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.control.pool_loads import PoolLoads
 from splitserve.cluster.routing.load import LoadReport
-from splitserve.cluster.routing.router import DECODE
+from splitserve.cluster.routing.replica_pools import DECODE
 from splitserve.cluster.scaling.autoscaler import Autoscaler
 from splitserve.cluster.scaling.cluster_view import ScalableCluster
 

@@ -16,7 +16,7 @@ from splitserve.cluster.frontend.metrics import Metrics
 from splitserve.cluster.planning.queue_model import predict
 from splitserve.cluster.planning.workload import LengthDistribution, Workload
 from splitserve.cluster.routing.load import LoadReport
-from splitserve.cluster.routing.router import DECODE, PREFILL
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
 from splitserve.cluster.scaling.load_forecast import DemandTotals, LoadForecast
 from splitserve.cluster.scaling.policy import MetricsSnapshot
 from splitserve.cluster.scaling.sla_policy import SlaPlanner, SlaScalingPolicy
