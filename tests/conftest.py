@@ -57,6 +57,54 @@ def ray_cluster():
     ray.shutdown()
 
 
+# ---- the ways into a module's serving cluster ---------------------------------------------------
+# A module that serves a real cluster defines `backend` (a started ServingBackend: serving_backend
+# in tests/helpers/cluster.py); these fixtures reach it as its tests do. A module overrides one
+# where it needs another shape (a longer client timeout, a server that also runs batches).
+
+
+@pytest.fixture(scope="module")
+def cluster(backend):
+    """The module's DisaggCluster, behind its backend."""
+    return backend.cluster
+
+
+@pytest.fixture(scope="module")
+def server(loop, backend):
+    """The HTTP app over the module's backend, served on the cluster's own loop."""
+    from splitserve.cluster.frontend.http.api import build_http_app
+    from tests.helpers.cluster import LoopHttpServer
+
+    with LoopHttpServer(loop, build_http_app(backend)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """An OpenAI client of `server` that never retries."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def grpc_port(loop, backend):
+    """The port of a gRPC frontend over the module's backend."""
+    from tests.helpers.cluster import grpc_frontend_port
+
+    with grpc_frontend_port(loop, backend) as port:
+        yield port
+
+
+@pytest.fixture(scope="module")
+def stub(loop, backend):
+    """A gRPC SplitServeStub of a frontend over the module's backend."""
+    from tests.helpers.cluster import grpc_stub
+
+    with grpc_stub(loop, backend) as module_stub:
+        yield module_stub
+
+
 # ---- test tiers ------------------------------------------------------------------------------
 # Every test gets exactly one tier marker, from what it starts (see README, Development):
 #   e2e     - a `splitserve serve` subprocess (a fixture or the test builds a ServeProcess), or

@@ -7,18 +7,16 @@ a message naming the need while the server keeps answering /health."""
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 import ray
 
 from splitserve.cluster.config import PoolResources, ServeConfig
 from splitserve.cluster.control.worker_pool import named_actors
-from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.cluster.routing.replica_pools import DECODE
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.proto.messages.sampling_params import SamplingParams
-from tests.helpers.cluster import LoopHttpServer, serving_backend, wait_for_baseline, wait_until
+from tests.helpers.cluster import serving_backend, wait_for_baseline, wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 PROMPTS = ["Once upon a time", "The quick brown fox jumps over the lazy dog."]
@@ -38,17 +36,6 @@ def backend(ray_cluster, tiny_model, loop):
     )
     with serving_backend(loop, cfg, tiny_model) as serving:
         yield serving
-
-
-@pytest.fixture(scope="module")
-def server(loop, backend):
-    with LoopHttpServer(loop, build_http_app(backend)) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")

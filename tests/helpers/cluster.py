@@ -168,6 +168,32 @@ class LoopHttpServer:
         return f"http://127.0.0.1:{port}"
 
 
+@contextlib.contextmanager
+def grpc_frontend_port(loop: LoopThread, backend) -> Iterator[int]:
+    """The port of a GrpcFrontend serving `backend` on 127.0.0.1 (OS-chosen port) inside the
+    loop that owns the cluster, stopped on exit."""
+    from splitserve.cluster.frontend.grpc.server import GrpcFrontend
+
+    frontend = GrpcFrontend(backend)
+    port = loop.run(frontend.start("127.0.0.1", 0))
+    try:
+        yield port
+    finally:
+        loop.run(frontend.stop(1.0))
+
+
+@contextlib.contextmanager
+def grpc_stub(loop: LoopThread, backend) -> Iterator:
+    """A SplitServeStub on a channel to a grpc_frontend_port of `backend`."""
+    import grpc
+
+    from splitserve.proto import load_stubs
+
+    _, pb2_grpc = load_stubs()
+    with grpc_frontend_port(loop, backend) as port, grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        yield pb2_grpc.SplitServeStub(channel)
+
+
 HELD_S = 3600.0  # a chaos fault (hang, stall, delay) that holds a request until the test switches it off
 FAIL_FAST_S = 1.0  # what docs/RELIABILITY.md quotes, on this box when it is not overloaded
 RTTS_PER_FAILURE = 20  # a failure reaches its client in a few actor round trips and one step

@@ -15,16 +15,14 @@ import httpx
 import pytest
 import ray
 
-from splitserve.cluster.frontend.grpc.server import GrpcFrontend
-from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.cluster.request_error import ErrorKind, RequestError
 from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
 from splitserve.proto import load_stubs
 from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.cluster import (
     HELD_S,
-    LoopHttpServer,
     cluster_config,
+    grpc_stub,
     serving_backend,
     wait_for_baseline,
     wait_until,
@@ -36,7 +34,7 @@ LEASE_S = 3.0
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 # Three prompt families sharing 2-block prefixes, so the KV index has something to hold.
 PREFIXES = [[(13 * i + 7 * f) % 400 + 20 for i in range(32)] for f in range(3)]
-pb2, pb2_grpc = load_stubs()
+pb2, _ = load_stubs()
 
 
 @pytest.fixture(scope="module")
@@ -44,17 +42,6 @@ def backend(ray_cluster, tiny_model, loop):
     cfg = cluster_config(tiny_model, num_prefill=2, num_decode=2, policy="kv", lease_s=LEASE_S)
     with serving_backend(loop, cfg, tiny_model) as serving:
         yield serving
-
-
-@pytest.fixture(scope="module")
-def cluster(backend):
-    return backend.cluster
-
-
-@pytest.fixture(scope="module")
-def server(loop, backend):
-    with LoopHttpServer(loop, build_http_app(backend)) as srv:
-        yield srv
 
 
 def complete(loop, cluster, prompt, params=GREEDY, timeout=60):
@@ -267,32 +254,26 @@ def test_deadline_over_http_is_504_and_frees_blocks(loop, cluster, backend, serv
 
 
 def test_grpc_deadline_cancels_the_request_and_frees_blocks(loop, cluster, backend):
-    frontend = GrpcFrontend(backend)
-    port = loop.run(frontend.start("127.0.0.1", 0))
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = pb2_grpc.SplitServeStub(channel)
-            request = pb2.GenerateRequest(
-                token_ids=pb2.TokenIds(ids=PREFIXES[2]), max_tokens=2, temperature=0, ignore_eos=True
-            )
-            first_token_s = []
-            for _ in range(3):
-                start = time.monotonic()
-                responses = stub.Generate(request, timeout=60)
-                first = next(responses)
-                first_token_s.append(time.monotonic() - start)
-                assert [first, *responses][-1].finished
-            deadline_s = deadline_for(first_token_s)
-            request.max_tokens = LONG["max_tokens"]
-            with held_decode_steps(cluster, deadline_s, LONG["max_tokens"]):
-                with pytest.raises(grpc.RpcError) as err:
-                    list(stub.Generate(request, timeout=deadline_s))
-                assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-                wait_for_baseline(loop, cluster)
-            request.max_tokens = 3
-            assert list(stub.Generate(request, timeout=30))[-1].usage.completion_tokens == 3
-    finally:
-        loop.run(frontend.stop(1.0))
+    with grpc_stub(loop, backend) as stub:
+        request = pb2.GenerateRequest(
+            token_ids=pb2.TokenIds(ids=PREFIXES[2]), max_tokens=2, temperature=0, ignore_eos=True
+        )
+        first_token_s = []
+        for _ in range(3):
+            start = time.monotonic()
+            responses = stub.Generate(request, timeout=60)
+            first = next(responses)
+            first_token_s.append(time.monotonic() - start)
+            assert [first, *responses][-1].finished
+        deadline_s = deadline_for(first_token_s)
+        request.max_tokens = LONG["max_tokens"]
+        with held_decode_steps(cluster, deadline_s, LONG["max_tokens"]):
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(request, timeout=deadline_s))
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            wait_for_baseline(loop, cluster)
+        request.max_tokens = 3
+        assert list(stub.Generate(request, timeout=30))[-1].usage.completion_tokens == 3
     wait_for_baseline(loop, cluster)
 
 

@@ -78,11 +78,6 @@ def backend(ray_cluster, tiny_model, loop):
 
 
 @pytest.fixture(scope="module")
-def cluster(backend):
-    return backend.cluster
-
-
-@pytest.fixture(scope="module")
 def reference(tiny_model):
     engine = LLMEngine(EngineConfig(model=tiny_model, num_kv_blocks=64))
     return lambda ids, params=GREEDY: engine.generate([ids], params)[0].token_ids

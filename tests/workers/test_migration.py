@@ -16,18 +16,14 @@ import random
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import jsonschema
 import openai
 import pytest
 import ray
 
 from splitserve.bench.serving.json_schemas import MAX_INSTANCE_TOKENS, SCHEMAS, WEATHER_TOOL
-from splitserve.cluster.frontend.grpc.server import GrpcFrontend
-from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.cluster.routing.replica_pools import DECODE
 from tests.helpers.cluster import (
-    LoopHttpServer,
     cluster_config,
     pool_diagnostics,
     serving_backend,
@@ -42,7 +38,6 @@ from tests.helpers.migration_streams import (
     hold_decode_steps,
     http_answer,
     kill_busiest,
-    pb2_grpc,
     wait_for_every_stream_held,
 )
 
@@ -92,23 +87,9 @@ def backend(ray_cluster, tiny_model, loop):
 
 
 @pytest.fixture(scope="module")
-def cluster(backend):
-    return backend.cluster
-
-
-@pytest.fixture(scope="module")
-def client(loop, backend):
-    with LoopHttpServer(loop, build_http_app(backend)) as srv:
-        yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=240)
-
-
-@pytest.fixture(scope="module")
-def stub(loop, backend):
-    frontend = GrpcFrontend(backend)
-    port = loop.run(frontend.start("127.0.0.1", 0))
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        yield pb2_grpc.SplitServeStub(channel)
-    loop.run(frontend.stop(1.0))
+def client(server):
+    # A stream here outlives its replica's death and its migration: more than the usual 120 s.
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=240)
 
 
 def one_answer(client, stub, model: str, stream: int) -> dict:

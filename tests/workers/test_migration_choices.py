@@ -15,10 +15,9 @@ import openai
 import pytest
 import ray
 
-from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.cluster.routing.replica_pools import DECODE
 from splitserve.proto.messages.poll_reply import PollReply
-from tests.helpers.cluster import LoopHttpServer, cluster_config, serving_backend, wait_for_baseline, wait_until
+from tests.helpers.cluster import cluster_config, serving_backend, wait_for_baseline, wait_until
 from tests.helpers.migration_streams import hold_decode_steps, wait_for_every_stream_held
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -47,9 +46,9 @@ def backend(ray_cluster, tiny_model, loop):
 
 
 @pytest.fixture(scope="module")
-def client(loop, backend):
-    with LoopHttpServer(loop, build_http_app(backend)) as srv:
-        yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=240)
+def client(server):
+    # A stream here outlives its replica's death and its migration: more than the usual 120 s.
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=240)
 
 
 def choices_answer(client, model: str, stop: list[str] | None) -> dict:

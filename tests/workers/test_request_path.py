@@ -15,7 +15,6 @@ import httpx
 import pytest
 import ray
 
-from splitserve.cluster.frontend.grpc.server import GrpcFrontend
 from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.cluster.request_error import ErrorKind, RequestError
 from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
@@ -45,19 +44,6 @@ def backend(ray_cluster, tiny_model, loop):
     cfg = cluster_config(tiny_model, num_prefill=2, num_decode=1, policy="kv", lease_s=LEASE_S, num_blocks=256)
     with serving_backend(loop, cfg, tiny_model) as serving:
         yield serving
-
-
-@pytest.fixture(scope="module")
-def cluster(backend):
-    return backend.cluster
-
-
-@pytest.fixture(scope="module")
-def grpc_port(loop, backend):
-    frontend = GrpcFrontend(backend)
-    port = loop.run(frontend.start("127.0.0.1", 0))
-    yield port
-    loop.run(frontend.stop(1.0))
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,9 @@ import openai
 import pytest
 
 from splitserve.cluster.control.worker_pool import named_actors
-from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
 from splitserve.engine.core.block_hash import hash_blocks
 from tests.helpers.cluster import (
-    LoopHttpServer,
     cluster_config,
     pool_states,
     serving_backend,
@@ -33,12 +31,6 @@ def backend(ray_cluster, tiny_model, loop):
     cfg = cluster_config(tiny_model, num_blocks=64, **SIMULATED)
     with serving_backend(loop, cfg, tiny_model) as serving:
         yield serving
-
-
-@pytest.fixture(scope="module")
-def client(loop, backend):
-    with LoopHttpServer(loop, build_http_app(backend)) as server:
-        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def test_openai_requests_are_served_with_prefix_hits(loop, client, backend):

@@ -12,7 +12,6 @@ import ray
 from splitserve.cluster.ingress.dispatcher import Dispatcher
 from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
 from splitserve.cluster.routing.router import Router
-from splitserve.proto import load_stubs
 from splitserve.proto.messages.poll_reply import PollReply
 from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.cluster import (
@@ -25,7 +24,6 @@ from tests.helpers.cluster import (
 from tests.helpers.model import engine_reference
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
-pb2, pb2_grpc = load_stubs()
 LEASE_S = 5.0
 SHARED = [(11 * i) % 300 + 40 for i in range(32)]  # a 2-block prefix every prompt here shares
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -37,11 +35,6 @@ def backend(ray_cluster, tiny_model, loop):
     cfg = cluster_config(tiny_model, num_prefill=2, num_decode=1, policy="kv", lease_s=LEASE_S, num_blocks=256)
     with serving_backend(loop, cfg, tiny_model) as serving:
         yield serving
-
-
-@pytest.fixture(scope="module")
-def cluster(backend):
-    return backend.cluster
 
 
 @pytest.fixture(scope="module")

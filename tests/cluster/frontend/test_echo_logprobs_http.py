@@ -13,8 +13,7 @@ import openai
 import pytest
 import torch
 
-from splitserve.cluster.frontend.http.api import build_http_app
-from tests.helpers.cluster import LoopHttpServer, cluster_config, serving_backend, wait_for_baseline
+from tests.helpers.cluster import cluster_config, serving_backend, wait_for_baseline
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 TOL = 1e-4
@@ -27,12 +26,6 @@ def backend(ray_cluster, tiny_model, loop):
     cfg.prefill.max_num_batched_tokens = cfg.decode.max_num_batched_tokens = 16
     with serving_backend(loop, cfg, tiny_model) as serving:
         yield serving
-
-
-@pytest.fixture(scope="module")
-def client(loop, backend):
-    with LoopHttpServer(loop, build_http_app(backend)) as server:
-        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")

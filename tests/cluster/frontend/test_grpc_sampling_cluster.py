@@ -11,14 +11,13 @@ import grpc
 import httpx
 import pytest
 
-from splitserve.cluster.frontend.grpc.server import GrpcFrontend
 from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.proto import load_stubs
 from splitserve.proto.messages.sampling_params import MAX_TOP_LOGPROBS
 from tests.helpers.cluster import LoopHttpServer, cluster_config, serving_backend, wait_for_baseline
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
-pb2, pb2_grpc = load_stubs()
+pb2, _ = load_stubs()
 PROMPT = "Once upon a time"
 CRAFTED = [20, 21, 20, 21, 20, 21, 20, 21]  # with a +8 bias on 20, greedy repeats it (engine test)
 TIMEOUT_S = 120
@@ -28,15 +27,6 @@ TIMEOUT_S = 120
 def backend(ray_cluster, tiny_model, loop):
     with serving_backend(loop, cluster_config(tiny_model, num_blocks=64), tiny_model) as serving:
         yield serving
-
-
-@pytest.fixture(scope="module")
-def stub(loop, backend):
-    frontend = GrpcFrontend(backend)
-    port = loop.run(frontend.start("127.0.0.1", 0))
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        yield pb2_grpc.SplitServeStub(channel)
-    loop.run(frontend.stop(1.0))
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,10 @@ from __future__ import annotations
 import math
 import random
 
-import grpc
 import httpx
 import pytest
 
 from splitserve.cluster.frontend.backend import ServingBackend
-from splitserve.cluster.frontend.grpc.server import GrpcFrontend
 from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.cluster.frontend.model_router.cascade_binding import confidence_of
 from splitserve.cluster.frontend.model_router.model_route_decision import MODEL_HEADER, REASON_HEADER
@@ -28,10 +26,10 @@ from splitserve.engine.builtin_models.model_cache import cached_checkpoint
 from splitserve.engine.builtin_models.model_spec import ModelSpec
 from splitserve.proto import load_stubs
 from splitserve.proto.messages.sampling_params import SamplingParams
-from tests.helpers.cluster import LoopHttpServer, cluster_config, wait_for_baseline
+from tests.helpers.cluster import LoopHttpServer, cluster_config, grpc_stub, wait_for_baseline
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(400)]
-pb2, pb2_grpc = load_stubs()
+pb2, _ = load_stubs()
 WINDOW = 6
 MAX_TOKENS = 12
 GREEDY = dict(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -172,20 +170,14 @@ def test_a_weighted_alias_over_real_models_reports_who_answered_over_http_and_gr
                 assert resp.json()["choices"][0]["text"] == tokenizer.decode(own[model])  # that model's answer
                 answered.append(model)
     assert set(answered) == {"small", "large"}
-    frontend = GrpcFrontend(alias)
-    port = loop.run(frontend.start("127.0.0.1", 0))
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = pb2_grpc.SplitServeStub(channel)
-            call = stub.Generate(
-                pb2.GenerateRequest(
-                    model="chat", token_ids=pb2.TokenIds(ids=prompt), max_tokens=MAX_TOKENS, temperature=0.0
-                )
+    with grpc_stub(loop, alias) as stub:
+        call = stub.Generate(
+            pb2.GenerateRequest(
+                model="chat", token_ids=pb2.TokenIds(ids=prompt), max_tokens=MAX_TOKENS, temperature=0.0
             )
-            tokens = [t for response in call for t in response.token_ids]
-            metadata = dict(call.initial_metadata())
-    finally:
-        loop.run(frontend.stop())
+        )
+        tokens = [t for response in call for t in response.token_ids]
+        metadata = dict(call.initial_metadata())
     assert tokens == own[metadata[MODEL_HEADER]] and metadata[REASON_HEADER] == "weight"
     for backend in served.values():
         wait_for_baseline(loop, backend.cluster)

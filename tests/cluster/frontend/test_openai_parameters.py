@@ -18,11 +18,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.proto.messages.sampling_params import SamplingParams
-from tests.helpers.cluster import LoopHttpServer, cluster_config, serving_backend, wait_for_baseline, wait_until
+from tests.helpers.cluster import cluster_config, serving_backend, wait_for_baseline, wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 PROMPT = "Once upon a time"
@@ -36,17 +35,6 @@ def backend(ray_cluster, tiny_model, loop):
     cfg = cluster_config(tiny_model, num_blocks=64, max_queued_requests=4, max_requests_per_key=1)
     with serving_backend(loop, cfg, tiny_model) as serving:
         yield serving
-
-
-@pytest.fixture(scope="module")
-def server(loop, backend):
-    with LoopHttpServer(loop, build_http_app(backend)) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")

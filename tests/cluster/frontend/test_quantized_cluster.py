@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import re
 
-import openai
 import pytest
 
-from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.proto.messages.sampling_params import SamplingParams
-from tests.helpers.cluster import LoopHttpServer, cluster_config, serving_backend, wait_for_baseline
+from tests.helpers.cluster import cluster_config, serving_backend, wait_for_baseline
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 SCHEME = "int8"
@@ -29,12 +27,6 @@ def backend(ray_cluster, tiny_model, loop):
     cfg = cluster_config(tiny_model, num_blocks=64, quantization=SCHEME, speculative={"method": "ngram"})
     with serving_backend(loop, cfg, tiny_model) as serving:
         yield serving
-
-
-@pytest.fixture(scope="module")
-def client(loop, backend):
-    with LoopHttpServer(loop, build_http_app(backend)) as server:
-        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")

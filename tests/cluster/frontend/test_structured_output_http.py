@@ -16,13 +16,11 @@ import pytest
 
 from splitserve.bench.serving.json_schemas import MAX_INSTANCE_TOKENS, SCHEMAS, WEATHER_TOOL
 from splitserve.cluster.frontend.backend import ServingBackend
-from splitserve.cluster.frontend.grpc.server import GrpcFrontend
-from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.proto import load_stubs
-from tests.helpers.cluster import LoopHttpServer, cluster_config, wait_for_baseline
+from tests.helpers.cluster import cluster_config, grpc_stub, wait_for_baseline
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
-pb2, pb2_grpc = load_stubs()
+pb2, _ = load_stubs()
 NAMES = list(SCHEMAS)
 
 
@@ -32,12 +30,6 @@ def backend(ray_cluster, tiny_model, loop):
     loop.run(serving.start(), timeout=240)
     yield serving
     loop.run(serving.shutdown(), timeout=60)
-
-
-@pytest.fixture(scope="module")
-def server(loop, backend):
-    with LoopHttpServer(loop, build_http_app(backend)) as srv:
-        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -293,23 +285,17 @@ def test_client_disconnect_mid_constrained_stream_frees_blocks(backend, server, 
 
 
 def test_grpc_generate_with_structured_output(backend, loop):
-    frontend = GrpcFrontend(backend)
-    port = loop.run(frontend.start("127.0.0.1", 0))
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = pb2_grpc.SplitServeStub(channel)
-            schema = SCHEMAS["weather"]
-            request = pb2.GenerateRequest(
-                text="Weather:", max_tokens=MAX_INSTANCE_TOKENS, seed=1, json_schema=json.dumps(schema)
-            )
-            responses = list(stub.Generate(request, timeout=60))
-            assert responses[-1].finish_reason == "stop"
-            jsonschema.validate(json.loads("".join(r.text for r in responses)), schema)
-            choice = pb2.GenerateRequest(text="Pick:", max_tokens=8, choice=pb2.Choices(choices=["up", "down"]))
-            assert "".join(r.text for r in stub.Generate(choice, timeout=60)) in ("up", "down")
-            with pytest.raises(grpc.RpcError) as err:
-                list(stub.Generate(pb2.GenerateRequest(text="x", regex="[a-"), timeout=30))
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "regex" in err.value.details()
-    finally:
-        loop.run(frontend.stop(1.0))
+    with grpc_stub(loop, backend) as stub:
+        schema = SCHEMAS["weather"]
+        request = pb2.GenerateRequest(
+            text="Weather:", max_tokens=MAX_INSTANCE_TOKENS, seed=1, json_schema=json.dumps(schema)
+        )
+        responses = list(stub.Generate(request, timeout=60))
+        assert responses[-1].finish_reason == "stop"
+        jsonschema.validate(json.loads("".join(r.text for r in responses)), schema)
+        choice = pb2.GenerateRequest(text="Pick:", max_tokens=8, choice=pb2.Choices(choices=["up", "down"]))
+        assert "".join(r.text for r in stub.Generate(choice, timeout=60)) in ("up", "down")
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(pb2.GenerateRequest(text="x", regex="[a-"), timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "regex" in err.value.details()
     wait_for_baseline(loop, backend.cluster)

@@ -19,7 +19,6 @@ import openai
 import pytest
 import yaml
 
-from splitserve.cluster.frontend.grpc.server import GrpcFrontend
 from splitserve.proto import load_stubs
 from tests.helpers.batch_api import (
     completion_line,
@@ -30,7 +29,7 @@ from tests.helpers.batch_api import (
 )
 from tests.helpers.cluster import cluster_config, serving_backend, wait_for_baseline, wait_until
 
-pb2, pb2_grpc = load_stubs()
+pb2, _ = load_stubs()
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 ADMIN = "sk-admin"
 PROMPT = "Once upon a time"
@@ -289,15 +288,6 @@ def test_metrics_per_tenant_without_keys(http):
     assert 'splitserve_tenant_requests_total{outcome="ok",tenant="free"}' in text
     assert 'splitserve_tenant_budget_remaining{tenant="budget"}' in text
     assert "sk-" not in text
-
-
-@pytest.fixture(scope="module")
-def stub(loop, backend):
-    frontend = GrpcFrontend(backend)
-    port = loop.run(frontend.start("127.0.0.1", 0))
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        yield pb2_grpc.SplitServeStub(channel)
-    loop.run(frontend.stop(1.0))
 
 
 def test_grpc_status_codes_and_ratelimit_metadata(stub, backend):

@@ -12,9 +12,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from splitserve.cluster.frontend.grpc.server import GrpcFrontend
 from splitserve.cluster.frontend.http.api import build_http_app
-from tests.helpers.cluster import LoopHttpServer, LoopThread, cluster_config, serving_backend
+from tests.helpers.cluster import LoopHttpServer, LoopThread, cluster_config, grpc_frontend_port, serving_backend
 from tests.helpers.hostile_server import API_KEY, AUTH, MAX_BODY_BYTES
 
 
@@ -55,7 +54,5 @@ def http(server):
 
 @pytest.fixture(scope="package")
 def grpc_port(loop, backend):
-    frontend = GrpcFrontend(backend)
-    port = loop.run(frontend.start("127.0.0.1", 0))
-    yield port
-    loop.run(frontend.stop(1.0))
+    with grpc_frontend_port(loop, backend) as port:
+        yield port
