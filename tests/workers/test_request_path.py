@@ -20,29 +20,23 @@ from splitserve.cluster.request_error import ErrorKind, RequestError
 from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
 from splitserve.proto import load_stubs
 from splitserve.proto.messages.poll_reply import PollReply
-from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.cluster import (
     HELD_S,
     LoopHttpServer,
-    cluster_config,
     fail_fast_bound_s,
     serving_backend,
     wait_for_baseline,
 )
 from tests.helpers.model import engine_reference
+from tests.helpers.request_path import GREEDY, LONG, SHARED, request_path_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 pb2, pb2_grpc = load_stubs()
-LEASE_S = 5.0
-SHARED = [(11 * i) % 300 + 40 for i in range(32)]  # a 2-block prefix every prompt here shares
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def backend(ray_cluster, tiny_model, loop):
-    cfg = cluster_config(tiny_model, num_prefill=2, num_decode=1, policy="kv", lease_s=LEASE_S, num_blocks=256)
-    with serving_backend(loop, cfg, tiny_model) as serving:
+    with serving_backend(loop, request_path_config(tiny_model), tiny_model) as serving:
         yield serving
 
 

@@ -15,25 +15,20 @@ from splitserve.cluster.routing.router import Router
 from splitserve.proto.messages.poll_reply import PollReply
 from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.cluster import (
-    cluster_config,
     pool_states,
     serving_backend,
     wait_for_baseline,
     wait_until,
 )
 from tests.helpers.model import engine_reference
+from tests.helpers.request_path import GREEDY, SHARED, request_path_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
-LEASE_S = 5.0
-SHARED = [(11 * i) % 300 + 40 for i in range(32)]  # a 2-block prefix every prompt here shares
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def backend(ray_cluster, tiny_model, loop):
-    cfg = cluster_config(tiny_model, num_prefill=2, num_decode=1, policy="kv", lease_s=LEASE_S, num_blocks=256)
-    with serving_backend(loop, cfg, tiny_model) as serving:
+    with serving_backend(loop, request_path_config(tiny_model), tiny_model) as serving:
         yield serving
 
 
