@@ -21,6 +21,7 @@ from tests.helpers.handoff import finish_all, hand_off
 from tests.helpers.model import single_torch_thread
 from tests.helpers.peft_adapters import (
     FOUR_ADAPTERS,
+    lora_engine,
     peft_greedy,
     write_base_and_adapters,
     write_peft_adapter,
@@ -50,19 +51,6 @@ def expected(checkpoint) -> dict[str | None, list[list[int]]]:
     base, adapters = checkpoint
     named: dict[str | None, Path | None] = {None: None, **adapters}
     return {name: [peft_greedy(base, path, p, MAX_TOKENS) for p in PROMPTS] for name, path in named.items()}
-
-
-def lora_engine(checkpoint, **overrides) -> LLMEngine:
-    base, adapters = checkpoint
-    settings = dict(
-        model=str(base),
-        num_kv_blocks=64,
-        enable_lora=True,
-        lora_modules={name: str(path) for name, path in adapters.items()},
-        max_loras=4,
-        max_lora_rank=16,
-    )
-    return LLMEngine(EngineConfig(**{**settings, **overrides}))
 
 
 def greedy(adapter: str | None, max_tokens: int = MAX_TOKENS) -> SamplingParams:

@@ -15,8 +15,9 @@ from splitserve.engine.lora.peft_checkpoint import LoraAdapterError
 from splitserve.proto.messages.engine_stats import EngineStats
 from splitserve.proto.messages.invalid_request import InvalidRequestError
 from tests.engine import test_lora
-from tests.engine.test_lora import ADAPTERS, PROMPTS, assert_baseline, greedy, lora_engine
+from tests.engine.test_lora import ADAPTERS, PROMPTS, assert_baseline, greedy
 from tests.helpers.handoff import finish_all, hand_off
+from tests.helpers.peft_adapters import lora_engine
 
 # test_lora's checkpoint, adapters and transformers + peft's tokens, and its one torch thread.
 checkpoint = test_lora.checkpoint

@@ -10,13 +10,11 @@ import pytest
 import torch
 import transformers
 
-from splitserve.engine.config import EngineConfig
-from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.lora import lora_batch
 from splitserve.engine.lora.lora_batch import PADDED, RUNS, SORTED, LoraBatch
 from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.model import single_torch_thread
-from tests.helpers.peft_adapters import FOUR_ADAPTERS, peft_greedy, write_base_and_adapters
+from tests.helpers.peft_adapters import FOUR_ADAPTERS, lora_engine, peft_greedy, write_base_and_adapters
 from tests.helpers.transformers_checkpoint import SERVABLE_SHAPE
 
 ADAPTERS = FOUR_ADAPTERS
@@ -51,13 +49,6 @@ def _one_thread():
 def checkpoint(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
     root = tmp_path_factory.mktemp("lora-layouts")
     return write_base_and_adapters(root, transformers.LlamaConfig(**SERVABLE_SHAPE), 7, ADAPTERS)
-
-
-def lora_engine(checkpoint, **overrides) -> LLMEngine:
-    base, adapters = checkpoint
-    modules = {name: str(path) for name, path in adapters.items()}
-    settings = dict(model=str(base), num_kv_blocks=64, enable_lora=True, lora_modules=modules, max_lora_rank=16)
-    return LLMEngine(EngineConfig(**{**settings, "max_loras": 4, **overrides}))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

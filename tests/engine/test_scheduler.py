@@ -4,6 +4,7 @@ from splitserve.engine.core.kv_cache_manager import KVCacheManager
 from splitserve.engine.core.scheduler import Scheduler
 from splitserve.engine.core.sequence import Sequence, SequenceStatus
 from splitserve.proto.messages.sampling_params import SamplingParams
+from tests.helpers.scheduler_steps import FAKE_TOKEN, fake_step
 
 BS = 4
 
@@ -11,18 +12,6 @@ BS = 4
 def make(num_blocks=16, max_seqs=8, budget=16, max_len=256, eos=(0,)):
     kv = KVCacheManager(num_blocks, BS)
     return kv, Scheduler(kv, max_seqs, budget, max_len, list(eos))
-
-
-def fake_step(sched):
-    """Schedule, then 'sample' token 7 for every sequence that reached its end."""
-    batch = sched.schedule()
-    sampled = {
-        s.request_id: (7, None)
-        for s, n in zip(batch.seqs, batch.num_new_tokens)
-        if s.num_computed_tokens + n == s.num_tokens
-    }
-    sched.update(batch, sampled)
-    return batch
 
 
 def test_chunked_prefill_respects_budget_and_decodes_first():
@@ -69,12 +58,12 @@ def test_preemption_by_recompute_and_pool_baseline():
 
 
 def test_stop_conditions_and_abort():
-    kv, sched = make(eos=(7,))
+    kv, sched = make(eos=(FAKE_TOKEN,))
     s = Sequence("e", [1, 2, 3], SamplingParams(max_tokens=10), BS)
     sched.add(s)
     fake_step(sched)
     assert s.status is SequenceStatus.FINISHED and s.finish_reason == "stop"
-    t = Sequence("t", [1, 2, 3], SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=[7]), BS)
+    t = Sequence("t", [1, 2, 3], SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=[FAKE_TOKEN]), BS)
     sched.add(t)
     fake_step(sched)
     assert t.finish_reason == "stop"

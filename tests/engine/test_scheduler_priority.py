@@ -16,6 +16,7 @@ from splitserve.engine.core.sequence import Sequence, SequenceStatus
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.proto.messages.invalid_request import InvalidRequestError
 from splitserve.proto.messages.sampling_params import SamplingParams
+from tests.helpers.scheduler_steps import fake_step
 
 BOTH_SCHEDULINGS = True  # every engine test runs with async scheduling and without (conftest.py)
 
@@ -36,17 +37,6 @@ def seq(name: str, priority: int, prompt_len: int = 7, max_tokens: int = 50) -> 
     return Sequence(name, list(range(start, start + prompt_len)), params, BS)
 
 
-def step(sched):
-    batch = sched.schedule()
-    sampled = {
-        s.request_id: (7, None)
-        for s, n in zip(batch.seqs, batch.num_new_tokens)
-        if s.num_computed_tokens + n == s.num_tokens
-    }
-    sched.update(batch, sampled)
-    return batch
-
-
 def test_waiting_work_runs_by_priority_then_arrival():
     _, sched = make(max_seqs=1)
     for name, priority in (("b1", BATCH), ("i1", INTERACTIVE), ("b2", BATCH), ("i2", INTERACTIVE), ("u", -5)):
@@ -54,7 +44,7 @@ def test_waiting_work_runs_by_priority_then_arrival():
     assert [s.request_id for s in sched.waiting] == ["u", "i1", "i2", "b1", "b2"]
     order = []
     while sched.has_unfinished():
-        order += [s.request_id for s in step(sched).seqs]
+        order += [s.request_id for s in fake_step(sched).seqs]
     assert order == ["u", "i1", "i2", "b1", "b2"]
 
 
@@ -65,7 +55,7 @@ def test_equal_priorities_are_fcfs_and_a_preempted_sequence_returns_ahead_of_its
         sched.add(s)
     preempted = []
     while not preempted:
-        preempted = step(sched).preempted
+        preempted = fake_step(sched).preempted
     assert preempted[-1].request_id == "c"  # the newest
     late = seq("late", 0)
     sched.add(late)
@@ -78,19 +68,19 @@ def test_a_higher_priority_arrival_preempts_batch_work_for_a_batch_slot():
     b1, b2 = seq("b1", BATCH), seq("b2", BATCH)
     sched.add(b1)
     sched.add(b2)
-    step(sched)
+    fake_step(sched)
     assert sched.running == [b1, b2]
     urgent = seq("i", INTERACTIVE)
     sched.add(urgent)
-    batch = step(sched)
+    batch = fake_step(sched)
     assert batch.preempted == [b2] and urgent in batch.seqs and b2 not in batch.seqs
     assert b2.status is SequenceStatus.WAITING and b2.num_computed_tokens == 0 and b2.num_preemptions == 1
     assert [s.request_id for s in sched.running] == ["b1", "i"]
     peer = seq("b3", BATCH)  # an equal never preempts
     sched.add(peer)
-    assert step(sched).preempted == []
+    assert fake_step(sched).preempted == []
     while sched.has_unfinished():
-        step(sched)
+        fake_step(sched)
     assert kv.num_free_blocks == 16
 
 
@@ -99,14 +89,14 @@ def test_a_higher_priority_arrival_preempts_batch_work_for_kv_blocks():
     hogs = [seq(f"b{i}", BATCH, prompt_len=11, max_tokens=8) for i in range(2)]  # 3 blocks each, up to 5
     for s in hogs:
         sched.add(s)
-    step(sched)
+    fake_step(sched)
     urgent = seq("i", INTERACTIVE, prompt_len=11, max_tokens=8)
     sched.add(urgent)
-    batch = step(sched)
+    batch = fake_step(sched)
     assert urgent in batch.seqs and [s.request_id for s in batch.preempted] == ["b1"]
     assert urgent.status is SequenceStatus.RUNNING
     while sched.has_unfinished():
-        step(sched)
+        fake_step(sched)
     assert kv.num_free_blocks == 8
 
 

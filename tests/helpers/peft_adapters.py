@@ -9,6 +9,8 @@ import peft
 import torch
 import transformers
 
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.llm_engine import LLMEngine
 from tests.helpers.transformers_checkpoint import hf_greedy, write_transformers_checkpoint
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -53,3 +55,18 @@ def write_base_and_adapters(
     base = root / "base"
     write_transformers_checkpoint(config, base, seed=seed, tokenizer=True)
     return base, {name: write_peft_adapter(base, root / name, *spec) for name, spec in adapters.items()}
+
+
+def lora_engine(checkpoint: tuple[Path, dict[str, Path]], **overrides) -> LLMEngine:
+    """An engine on write_base_and_adapters' base with every adapter a LoRA module (4 GPU
+    slots, rank up to 16); overrides replace any of its EngineConfig fields."""
+    base, adapters = checkpoint
+    settings = dict(
+        model=str(base),
+        num_kv_blocks=64,
+        enable_lora=True,
+        lora_modules={name: str(path) for name, path in adapters.items()},
+        max_loras=4,
+        max_lora_rank=16,
+    )
+    return LLMEngine(EngineConfig(**{**settings, **overrides}))

@@ -11,7 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from splitserve.cluster.control.pool_metrics import PoolMetrics
 from splitserve.proto.messages.poll_reply import PollReply, TransferTotals
 from tests.engine import test_lora
-from tests.engine.test_lora import ADAPTERS, PROMPTS, greedy, lora_engine
+from tests.engine.test_lora import ADAPTERS, PROMPTS, greedy
+from tests.helpers.peft_adapters import lora_engine
 
 checkpoint = test_lora.checkpoint
 _one_thread = test_lora._one_thread
