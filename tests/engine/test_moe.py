@@ -21,20 +21,11 @@ from splitserve.engine.model.moe import route
 from splitserve.engine.model_config import ModelConfig
 from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.model import greedy_generate, make_checkpoint
-from tests.helpers.transformers_checkpoint import hf_greedy, model_logits, write_transformers_checkpoint
+from tests.helpers.transformers_checkpoint import PARITY_SHAPE, hf_greedy, model_logits, write_transformers_checkpoint
 
 pytestmark = pytest.mark.unit
 
-SHAPE = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-)
+SHAPE = dict(PARITY_SHAPE, head_dim=16)
 MIXTRAL = dict(**SHAPE, num_local_experts=4, num_experts_per_tok=2)
 
 

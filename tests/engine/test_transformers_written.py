@@ -13,18 +13,9 @@ from splitserve.engine.config import ConfigError
 from splitserve.engine.model.loader import load_model
 from splitserve.engine.model_config import ModelConfig
 from tests.helpers.model import contiguous_metadata, greedy_generate, make_kv_cache
-from tests.helpers.transformers_checkpoint import hf_greedy, model_logits, write_transformers_checkpoint
+from tests.helpers.transformers_checkpoint import PARITY_SHAPE, hf_greedy, model_logits, write_transformers_checkpoint
 
-SHAPE = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,  # explicit, and not hidden / heads: Qwen3 sets it so
-    max_position_embeddings=256,
-)
+SHAPE = dict(PARITY_SHAPE, head_dim=32)  # explicit, and not hidden / heads: Qwen3 sets it so
 CONFIGS = {
     "qwen3": lambda: transformers.Qwen3Config(**SHAPE, tie_word_embeddings=True, rope_theta=1_000_000.0),
     "qwen3-untied": lambda: transformers.Qwen3Config(**SHAPE, tie_word_embeddings=False),

@@ -14,17 +14,19 @@ from splitserve.engine.builtin_models.corpus_tokenizer import train_tokenizer, w
 # config with these can be served by an engine, which needs the tokenizer beside the weights.
 TOKENIZER_VOCAB = 512
 SPECIAL_IDS = dict(bos_token_id=0, eos_token_id=1, pad_token_id=2)
-# A tiny shape an engine serves with that tokenizer (GQA, two layers; override per test).
-SERVABLE_SHAPE = dict(
-    vocab_size=TOKENIZER_VOCAB,
+# The tiny layers of every shape below (GQA, two layers; override per test).
+TINY_LAYERS = dict(
     hidden_size=64,
     intermediate_size=96,
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
-    max_position_embeddings=512,
-    **SPECIAL_IDS,
 )
+# A tiny shape an engine serves with that tokenizer.
+SERVABLE_SHAPE = dict(vocab_size=TOKENIZER_VOCAB, **TINY_LAYERS, max_position_embeddings=512, **SPECIAL_IDS)
+# A tiny shape for parity with transformers on random token ids, with no tokenizer and no
+# special ids (a pad id would zero its embedding row).
+PARITY_SHAPE = dict(vocab_size=256, **TINY_LAYERS, max_position_embeddings=256)
 
 
 def write_transformers_checkpoint(config, path: Path, seed: int, tokenizer: bool = False):
