@@ -5,7 +5,6 @@ on the same-device channels (ipc: into the receiver's cache in shared memory; ho
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 
 import pytest
@@ -14,10 +13,11 @@ import torch
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.ops.kv_cache import KVCache
-from splitserve.kvtransfer import KVTransport, TransferError
+from splitserve.kvtransfer import TransferError
 from splitserve.kvtransfer.kv_receiver import PostedReceive
 from splitserve.kvtransfer.kv_sender import KVSender, SendJob
 from splitserve.kvtransfer.wire_layout import ascending_run_start, plane_messages
+from tests.helpers.paired_transports import CHANNEL_OF, SAME_DEVICE, paired_transports
 
 NUM_BLOCKS = 16
 TIMEOUT_S = 10.0
@@ -40,23 +40,12 @@ def _cache(model_dir: str, seed: int | None, shared: bool = False) -> KVCache:
     return cache
 
 
-@pytest.fixture(scope="module", params=["auto", "ipc", "host"], ids=["gloo", "ipc", "host"])
+@pytest.fixture(scope="module", params=SAME_DEVICE, ids=CHANNEL_OF.get)
 def pair(request, tiny_model):
-    previous = torch.multiprocessing.get_sharing_strategy()
-    torch.multiprocessing.set_sharing_strategy("file_system")
-    prefill = KVTransport("test-prefill", "cpu", timeout_s=TIMEOUT_S, same_device=request.param)
-    decode = KVTransport("test-decode", "cpu", timeout_s=TIMEOUT_S)
-    joined = threading.Thread(target=prefill.open_pair, args=("test-decode", None, "sender", 0))
-    joined.start()
-    channel = decode.open_pair("test-prefill", prefill.address, "receiver", 0).channel
-    joined.join(TIMEOUT_S)
-    assert channel == {"auto": "gloo"}.get(request.param, request.param)
-    sender = KVSender(prefill, _cache(tiny_model, seed=1))
-    yield sender, decode, tiny_model
-    sender.close()
-    decode.close()
-    prefill.close()
-    torch.multiprocessing.set_sharing_strategy(previous)
+    with paired_transports("test", request.param, TIMEOUT_S) as (prefill, decode):
+        sender = KVSender(prefill, _cache(tiny_model, seed=1))
+        yield sender, decode, tiny_model
+        sender.close()
 
 
 _transfer_ids = itertools.count(1)

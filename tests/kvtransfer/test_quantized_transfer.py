@@ -6,7 +6,6 @@ asserted from the transports' TransferStats."""
 from __future__ import annotations
 
 import itertools
-import threading
 
 import pytest
 import torch
@@ -15,9 +14,9 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache_sizing import kv_bytes_per_block
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.ops.kv_cache import KVCache
-from splitserve.kvtransfer import KVTransport
 from splitserve.kvtransfer.kv_receiver import PostedReceive
 from splitserve.kvtransfer.kv_sender import KVSender, SendJob
+from tests.helpers.paired_transports import CHANNEL_OF, SAME_DEVICE, paired_transports
 
 NUM_BLOCKS = 12
 TIMEOUT_S = 10.0
@@ -25,21 +24,10 @@ SRC_IDS, DST_IDS = [7, 1, 10, 4, 5], [0, 1, 2, 9, 3]  # scattered -> partly a ru
 _transfer_ids = itertools.count(1)
 
 
-@pytest.fixture(scope="module", params=["auto", "ipc", "host"], ids=["gloo", "ipc", "host"])
+@pytest.fixture(scope="module", params=SAME_DEVICE, ids=CHANNEL_OF.get)
 def pair(request):
-    previous = torch.multiprocessing.get_sharing_strategy()
-    torch.multiprocessing.set_sharing_strategy("file_system")
-    prefill = KVTransport("q-prefill", "cpu", timeout_s=TIMEOUT_S, same_device=request.param)
-    decode = KVTransport("q-decode", "cpu", timeout_s=TIMEOUT_S)
-    joined = threading.Thread(target=prefill.open_pair, args=("q-decode", None, "sender", 0))
-    joined.start()
-    channel = decode.open_pair("q-prefill", prefill.address, "receiver", 0).channel
-    joined.join(TIMEOUT_S)
-    assert channel == {"auto": "gloo"}.get(request.param, request.param)
-    yield prefill, decode
-    decode.close()
-    prefill.close()
-    torch.multiprocessing.set_sharing_strategy(previous)
+    with paired_transports("q", request.param, TIMEOUT_S) as endpoints:
+        yield endpoints
 
 
 def _cache(model_dir: str, kv_cache_dtype: str, dtype: str) -> KVCache:
