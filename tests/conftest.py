@@ -31,6 +31,16 @@ def tiny_model(models_root) -> str:
 
 
 @pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op torch thread from a module's first test to its last, for the modules that
+    ask (pytest.mark.usefixtures): tests/helpers/model.py's single_torch_thread, module-wide."""
+    from tests.helpers.model import single_torch_thread
+
+    with single_torch_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
 def loop():
     """An asyncio loop in a thread, for driving a DisaggCluster from synchronous tests."""
     from tests.helpers.cluster import LoopThread

@@ -18,7 +18,6 @@ from splitserve.engine.model_runner import ModelRunner
 from splitserve.proto.messages.invalid_request import InvalidRequestError
 from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.handoff import finish_all, hand_off
-from tests.helpers.model import single_torch_thread
 from tests.helpers.peft_adapters import (
     FOUR_ADAPTERS,
     lora_engine,
@@ -28,15 +27,11 @@ from tests.helpers.peft_adapters import (
 )
 from tests.helpers.transformers_checkpoint import SERVABLE_SHAPE, write_transformers_checkpoint
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 ADAPTERS = FOUR_ADAPTERS
 MAX_TOKENS = 8
 PROMPTS = [[5 + (7 * i + j) % 500 for j in range(20 + 9 * i)] for i in range(len(ADAPTERS) + 1)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_torch_thread():
-        yield
 
 
 @pytest.fixture(scope="module")

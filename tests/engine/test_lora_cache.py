@@ -22,7 +22,7 @@ from tests.helpers.peft_adapters import lora_engine
 # test_lora's checkpoint, adapters and transformers + peft's tokens, and its one torch thread.
 checkpoint = test_lora.checkpoint
 expected = test_lora.expected
-_one_thread = test_lora._one_thread
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 NAMES: list[str | None] = [None, *ADAPTERS]
 

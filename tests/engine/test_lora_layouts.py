@@ -13,9 +13,11 @@ import transformers
 from splitserve.engine.lora import lora_batch
 from splitserve.engine.lora.lora_batch import PADDED, RUNS, SORTED, LoraBatch
 from splitserve.proto.messages.sampling_params import SamplingParams
-from tests.helpers.model import single_torch_thread
 from tests.helpers.peft_adapters import FOUR_ADAPTERS, lora_engine, peft_greedy, write_base_and_adapters
 from tests.helpers.transformers_checkpoint import SERVABLE_SHAPE
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 ADAPTERS = FOUR_ADAPTERS
 MAX_TOKENS = 6
@@ -37,12 +39,6 @@ FORCED = {
     PADDED: dict(LONG_RUN=10**9, SMALL_ROWS=10**9),
     SORTED: dict(LONG_RUN=10**9, SMALL_ROWS=0, PAD_SHARE=-1.0),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_torch_thread():
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,10 @@ from tests.helpers.model import (
     greedy_generate,
     make_checkpoint,
     make_kv_cache,
-    single_torch_thread,
 )
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 ARCH_CASES = {
     "llama": dict(arch="llama", seed=1),
@@ -33,12 +35,6 @@ ARCH_CASES = {
     "llama3-rope": dict(arch="llama", seed=4, rope_scaling=True),
 }
 PROMPT = "The quick brown fox jumps over the lazy dog. It was the best of times. " * 6
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    with single_torch_thread():
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -16,23 +16,17 @@ from splitserve.cluster.default_model import DEFAULT_SPEC
 from splitserve.engine.builtin_models.model_cache import cached_checkpoint
 from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.engine.model.loader import load_model
-from tests.helpers.model import greedy_generate, single_torch_thread
+from tests.helpers.model import greedy_generate
 from tests.helpers.quantization_quality import PROMPTS, agreement, collapse_scales
 
 # On a machine without the cache, the fixture first trains the default model (about 100 s of CPU
 # on 2 quiet cores, 11 min measured on a heavily shared box): a generous safety net for that.
-pytestmark = pytest.mark.timeout(1200)
+pytestmark = [pytest.mark.timeout(1200), pytest.mark.usefixtures("one_torch_thread")]
 NEW_TOKENS = 24
 # Teacher-forced top-1 agreement each scheme must reach over 144 positions (measured: int8 0.986,
 # fp8 0.944, int4 0.854; with the scales collapsed to one per matrix: 0.792, 0.743, 0.743).
 # The arithmetic is deterministic on CPU (one thread), so the margins do not depend on load.
 REQUIRED_AGREEMENT = {"int8": 0.95, "fp8": 0.9, "int4": 0.8}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    with single_torch_thread():
-        yield
 
 
 @pytest.fixture(scope="module")

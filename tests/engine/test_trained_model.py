@@ -14,16 +14,12 @@ from splitserve.engine.builtin_models.make_model import TRAINING_FILE, MakeModel
 from splitserve.engine.builtin_models.make_model import main as make_model_main
 from splitserve.engine.builtin_models.model_cache import cache_entry_path, cached_checkpoint
 from splitserve.engine.model.loader import load_model
-from tests.helpers.model import contiguous_metadata, greedy_generate, make_kv_cache, single_torch_thread
+from tests.helpers.model import contiguous_metadata, greedy_generate, make_kv_cache
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TRAIN_STEPS = 24
 PROMPT = "It was the best of times, it was the worst of times, it was the age of wisdom"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    with single_torch_thread():
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ controller probes."""
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.cluster.control.pool_metrics import PoolMetrics
@@ -15,7 +16,7 @@ from tests.engine.test_lora import ADAPTERS, PROMPTS, greedy
 from tests.helpers.peft_adapters import lora_engine
 
 checkpoint = test_lora.checkpoint
-_one_thread = test_lora._one_thread
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _samples(text: bytes) -> dict[tuple[str, tuple], float]:
