@@ -48,3 +48,17 @@ def source_commit() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "Commit: unknown (not run from a git checkout)"
     return f"Commit: {commit}" + (" (with uncommitted changes)" if dirty else "")
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name, for the machine line of a committed result: psutil has no call
+    for it, so Linux's cpuinfo is read (elsewhere, what the platform module knows)."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -9,7 +9,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from splitserve.bench import source_commit
+from splitserve.bench import cpu_model, source_commit
 
 TARGET_RATIO = 1.2
 KEPT_SECTION = "## Analysis"  # a hand-written section from here on survives reruns
@@ -38,17 +38,6 @@ class EngineTimings:
         if not self.cpu_s or any(c is None or c <= 0 for c in self.cpu_s):
             return []
         return [batch * max_tokens / c for c in self.cpu_s]
-
-
-def cpu_model() -> str:
-    """The CPU's marketing name: psutil has no call for it, so Linux's cpuinfo is read."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _rate(value: float) -> str:

@@ -4,23 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import shlex
 from pathlib import Path
 
-from splitserve.bench import require_extra
+from splitserve.bench import cpu_model, require_extra
 
 KINDS = ("continue", "quote", "shuffled quote")
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _moving_average(values: list[float], window: int) -> list[float]:
