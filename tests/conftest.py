@@ -98,6 +98,15 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
+def http(server):
+    """An httpx client of `server`."""
+    import httpx
+
+    with httpx.Client(base_url=server.url, timeout=120) as module_http:
+        yield module_http
+
+
+@pytest.fixture(scope="module")
 def grpc_port(loop, backend):
     """The port of a gRPC frontend over the module's backend."""
     from tests.helpers.cluster import grpc_frontend_port

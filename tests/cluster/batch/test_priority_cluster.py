@@ -18,11 +18,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.cluster.frontend.priority_class import PRIORITY_CLASS_HEADER
 from splitserve.cluster.routing.replica_pools import DECODE
 from tests.helpers.cluster import (
-    LoopHttpServer,
     cluster_config,
     pool_states,
     serving_backend,
@@ -48,13 +46,6 @@ def backend(ray_cluster, tiny_model, loop):
     cfg.decode.max_num_seqs = 2
     with serving_backend(loop, cfg, tiny_model) as serving:
         yield serving
-
-
-@pytest.fixture(scope="module")
-def http(loop, backend):
-    with LoopHttpServer(loop, build_http_app(backend)) as server:
-        with httpx.Client(base_url=server.url, timeout=120) as client:
-            yield client
 
 
 class Stream:

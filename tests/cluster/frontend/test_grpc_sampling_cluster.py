@@ -8,13 +8,11 @@ from __future__ import annotations
 import math
 
 import grpc
-import httpx
 import pytest
 
-from splitserve.cluster.frontend.http.api import build_http_app
 from splitserve.proto import load_stubs
 from splitserve.proto.messages.sampling_params import MAX_TOP_LOGPROBS
-from tests.helpers.cluster import LoopHttpServer, cluster_config, serving_backend, wait_for_baseline
+from tests.helpers.cluster import cluster_config, serving_backend, wait_for_baseline
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 pb2, _ = load_stubs()
@@ -27,13 +25,6 @@ TIMEOUT_S = 120
 def backend(ray_cluster, tiny_model, loop):
     with serving_backend(loop, cluster_config(tiny_model, num_blocks=64), tiny_model) as serving:
         yield serving
-
-
-@pytest.fixture(scope="module")
-def http(loop, backend):
-    with LoopHttpServer(loop, build_http_app(backend)) as server:
-        with httpx.Client(base_url=server.url, timeout=TIMEOUT_S) as client:
-            yield client
 
 
 def generate(stub, prompt: list[int], **fields) -> tuple[list[int], str, list]:

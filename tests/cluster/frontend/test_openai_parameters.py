@@ -38,12 +38,6 @@ def backend(ray_cluster, tiny_model, loop):
 
 
 @pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def offline(tiny_model):
     engine = LLMEngine(EngineConfig(model=tiny_model, num_kv_blocks=128))
 
