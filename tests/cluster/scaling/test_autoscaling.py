@@ -23,18 +23,23 @@ from tests.helpers.cluster import start_cluster, wait_for_baseline
 # ---- on local Ray: graceful drain, and a load that rises then falls ----------------------
 
 
+# Autoscaling within [1, 2] with short delays: the tiny model's load turns within seconds.
+QUICK_SCALING = {
+    "enabled": True,
+    "min_replicas": 1,
+    "max_replicas": 2,
+    "upscale_delay_s": 0.5,
+    "downscale_delay_s": 2.0,
+    "interval_s": 0.2,
+    "metrics_stale_s": 2.0,
+}
+# A decode pool's: targets low enough that a dozen concurrent requests on the tiny model are over them.
+QUICK_DECODE_SCALING = {**QUICK_SCALING, "target_running_per_replica": 2, "itl_target_ms": 1}
+
+
 def scaled_config(model: str) -> ServeConfig:
-    """1 prefill + 1 decode, each autoscaled within [1, 2] with short delays; targets low
-    enough that a dozen concurrent requests on the tiny model are over them."""
-    timing = {
-        "enabled": True,
-        "min_replicas": 1,
-        "max_replicas": 2,
-        "upscale_delay_s": 0.5,
-        "downscale_delay_s": 2.0,
-        "interval_s": 0.2,
-        "metrics_stale_s": 2.0,
-    }
+    """1 prefill + 1 decode, each autoscaled by QUICK_SCALING; targets low enough that a dozen
+    concurrent requests on the tiny model are over them."""
     pool = {"replicas": 1, "num_kv_blocks": 64, "resources": {"num_cpus": 1}, "torch_threads": 1}
     return ServeConfig.model_validate(
         {
@@ -44,9 +49,9 @@ def scaled_config(model: str) -> ServeConfig:
             "prefill": {
                 **pool,
                 "max_num_batched_tokens": 64,
-                "autoscaling": {**timing, "target_queued_tokens_per_replica": 16, "ttft_target_ms": 5},
+                "autoscaling": {**QUICK_SCALING, "target_queued_tokens_per_replica": 16, "ttft_target_ms": 5},
             },
-            "decode": {**pool, "autoscaling": {**timing, "target_running_per_replica": 2, "itl_target_ms": 1}},
+            "decode": {**pool, "autoscaling": QUICK_DECODE_SCALING},
         }
     )
 

@@ -16,7 +16,7 @@ from splitserve.cluster.control.worker_pool import named_actors
 from splitserve.cluster.routing.replica_pools import DECODE
 from splitserve.cluster.scaling.autoscaler import Autoscaler
 from splitserve.proto.messages.sampling_params import SamplingParams
-from tests.cluster.scaling.test_autoscaling import prompt, rise_and_fall, serving, wait_until
+from tests.cluster.scaling.test_autoscaling import QUICK_DECODE_SCALING, prompt, rise_and_fall, serving, wait_until
 from tests.helpers.cluster import start_cluster, wait_for_baseline
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -24,17 +24,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
 @pytest.fixture(scope="module")
 def tp_cluster(ray_cluster, tiny_model, loop):
-    autoscaling = {
-        "enabled": True,
-        "min_replicas": 1,
-        "max_replicas": 2,
-        "upscale_delay_s": 0.5,
-        "downscale_delay_s": 2.0,
-        "interval_s": 0.2,
-        "metrics_stale_s": 2.0,
-        "target_running_per_replica": 2,
-        "itl_target_ms": 1,
-    }
     cfg = ServeConfig.model_validate(
         {
             "model": tiny_model,
@@ -45,7 +34,7 @@ def tp_cluster(ray_cluster, tiny_model, loop):
                 "num_kv_blocks": 64,
                 "resources": {"num_cpus": 1},
                 "torch_threads": 1,
-                "autoscaling": autoscaling,
+                "autoscaling": QUICK_DECODE_SCALING,
             },
         }
     )
