@@ -29,6 +29,13 @@ def backend(ray_cluster, tiny_model, loop):
 
 
 @pytest.fixture(scope="module")
+def client(server):
+    """An OpenAI client of the real cluster's server (this package's conftest `client` is a
+    TestClient on a fake backend)."""
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
 def reference(tiny_model) -> torch.Tensor:
     """transformers' log_softmax over the vocabulary at every position of PROMPT."""
     from transformers import AutoModelForCausalLM

@@ -38,6 +38,13 @@ def backend(ray_cluster, tiny_model, loop):
 
 
 @pytest.fixture(scope="module")
+def client(server):
+    """An OpenAI client of the real cluster's server (this package's conftest `client` is a
+    TestClient on a fake backend)."""
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
 def offline(tiny_model):
     engine = LLMEngine(EngineConfig(model=tiny_model, num_kv_blocks=128))
 

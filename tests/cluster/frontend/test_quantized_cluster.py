@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+import openai
 import pytest
 
 from splitserve.engine.config import EngineConfig
@@ -27,6 +28,13 @@ def backend(ray_cluster, tiny_model, loop):
     cfg = cluster_config(tiny_model, num_blocks=64, quantization=SCHEME, speculative={"method": "ngram"})
     with serving_backend(loop, cfg, tiny_model) as serving:
         yield serving
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """An OpenAI client of the real cluster's server (this package's conftest `client` is a
+    TestClient on a fake backend)."""
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
