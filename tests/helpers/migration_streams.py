@@ -19,6 +19,18 @@ def new_answer() -> dict:
     return {"text": "", "logprobs": [], "offsets": [], "ids": set(), "created": set(), "usage": None, "finish": None}
 
 
+def chunk_choices(answer: dict, chunk) -> list:
+    """An OpenAI stream chunk's choices (the one choice, index 0), its id, `created` and usage
+    recorded in answer on the way."""
+    answer["ids"].add(chunk.id)
+    answer["created"].add(chunk.created)
+    if chunk.usage is not None:
+        answer["usage"] = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
+    for choice in chunk.choices:
+        assert choice.index == 0
+    return chunk.choices
+
+
 def http_answer(client, model: str, prompt: list[int], fields: dict) -> dict:
     """A streamed /v1/completions answer (one choice)."""
     fields = dict(fields)
@@ -34,12 +46,7 @@ def http_answer(client, model: str, prompt: list[int], fields: dict) -> dict:
     )
     answer = new_answer()
     for chunk in stream:
-        answer["ids"].add(chunk.id)
-        answer["created"].add(chunk.created)
-        if chunk.usage is not None:
-            answer["usage"] = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
-        for choice in chunk.choices:
-            assert choice.index == 0
+        for choice in chunk_choices(answer, chunk):
             answer["text"] += choice.text
             answer["logprobs"] += choice.logprobs.token_logprobs
             answer["offsets"] += choice.logprobs.text_offset
@@ -60,12 +67,7 @@ def chat_answer(client, model: str, message: str, fields: dict) -> dict:
     )
     answer, calls = new_answer(), {}
     for chunk in stream:
-        answer["ids"].add(chunk.id)
-        answer["created"].add(chunk.created)
-        if chunk.usage is not None:
-            answer["usage"] = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
-        for choice in chunk.choices:
-            assert choice.index == 0
+        for choice in chunk_choices(answer, chunk):
             answer["text"] += choice.delta.content or ""
             for call in choice.delta.tool_calls or []:
                 entry = calls.setdefault(call.index, ["", "", ""])
