@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -65,7 +66,7 @@ class ServerUnderTest:
     env: dict[str, str]
 
 
-def vllm_server(vllm_python: Path, model_dir: Path, threads: int) -> ServerUnderTest:
+def vllm_server(vllm_python: Path, model_dir: Path, threads: int, kv_cache_gib: int) -> ServerUnderTest:
     """vLLM-CPU as its docs tune it: tcmalloc and the venv's Intel OpenMP preloaded, OpenMP
     threads bound to the cores it may use, its KV cache space set."""
     venv = vllm_python.parent.parent
@@ -77,15 +78,21 @@ def vllm_server(vllm_python: Path, model_dir: Path, threads: int) -> ServerUnder
     )
     env = {
         "LD_PRELOAD": ":".join(p for p in preload if Path(p).exists()),
-        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
     }
     return ServerUnderTest(f"vllm-{threads}t", command, env)
 
 
-def splitserve_servers(model_dir: Path, splitserve_bin: Path) -> list[ServerUnderTest]:
-    serve = f"{splitserve_bin} serve --model {model_dir} --http-port {{port}} --grpc-port 0 --decode-replicas 1"
-    one_p_one_d = f"{serve} --prefill-replicas 1 --prefill-num-cpus 1 --decode-num-cpus 1"
+def splitserve_servers(model_dir: Path, splitserve_bin: Path, kv_cache_gib: int) -> list[ServerUnderTest]:
+    """Each replica's KV cache as large as vLLM's (the default 1,024 blocks hold 16k tokens:
+    fewer than 32 requests of 1,000 prompt tokens, which would then queue for blocks)."""
+    kv = f"--decode.kv-cache-memory-bytes {kv_cache_gib}Gi"
+    serve = f"{splitserve_bin} serve --model {model_dir} --http-port {{port}} --grpc-port 0 --decode-replicas 1 {kv}"
+    one_p_one_d = (
+        f"{serve} --prefill-replicas 1 --prefill-num-cpus 1 --decode-num-cpus 1"
+        f" --prefill.kv-cache-memory-bytes {kv_cache_gib}Gi"
+    )
     return [
         ServerUnderTest("splitserve-colocated", f"{serve} --prefill-replicas 0 --decode-num-cpus 2", {}),
         ServerUnderTest("splitserve-1p1d", f"{one_p_one_d}", {}),
@@ -279,6 +286,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--warmup-prompts", type=int, default=16)
     parser.add_argument("--vllm-threads", type=int, default=2)
+    parser.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache per replica, both servers")
     parser.add_argument("--servers", default="vllm,splitserve-colocated,splitserve-1p1d,splitserve-1p1d-prefill2t")
     parser.add_argument("--clients", default="vllm-bench,splitserve-bench")
     parser.add_argument("--repeats", type=int, default=2)
@@ -295,8 +303,10 @@ def main(argv: list[str] | None = None) -> None:
         for c in args.concurrencies.split(",")
     ]
     splitserve_bin = Path(sys.executable).parent / "splitserve"
-    servers = {s.name: s for s in splitserve_servers(args.model, splitserve_bin)}
-    servers["vllm"] = vllm_server(args.vllm_python, args.model, args.vllm_threads)
+    servers = {s.name: s for s in splitserve_servers(args.model, splitserve_bin, args.kv_cache_gib)}
+    servers["vllm"] = vllm_server(args.vllm_python, args.model, args.vllm_threads, args.kv_cache_gib)
+    # A SIGTERM unwinds like Ctrl-C, so the running server is stopped by its process group.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     order = [servers[name] for name in args.servers.split(",")]
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     for repeat in range(args.repeats):
