@@ -146,7 +146,7 @@ def paged_decode_attention_torch(
         keys = _gather_context(key_cache, table, num_blocks, q.dtype)[:, visible]
         values = _gather_context(value_cache, table, num_blocks, q.dtype)[:, visible]
         out = F.scaled_dot_product_attention(q4, keys.transpose(1, 2), values.transpose(1, 2), scale=scale)
-        return out.view(batch, num_heads, head_dim)
+        return out.reshape(batch, num_heads, head_dim)
     tables, positions = _visible_blocks(block_tables, context_lens, max_context_len, block_size, window)
     keys = _gather_context(key_cache, tables, tables.shape[1], q.dtype)
     values = _gather_context(value_cache, tables, tables.shape[1], q.dtype)
@@ -156,7 +156,7 @@ def paged_decode_attention_torch(
         mask &= positions >= context - window
     mask = mask[:, None, None, :]
     out = F.scaled_dot_product_attention(q4, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale)
-    return out.view(batch, num_heads, head_dim)
+    return out.reshape(batch, num_heads, head_dim)
 
 
 def decode_attention(
