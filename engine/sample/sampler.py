@@ -123,9 +123,15 @@ class Sampler:
             # Keep the smallest set whose mass reaches top_p (always at least one token).
             drop = cumulative - sorted_probs > p.top_p
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-            choice = torch.multinomial(sorted_probs, 1, generator=gen)
-            return int(sorted_idx[choice])
-        return int(torch.multinomial(probs, 1, generator=gen))
+            return int(sorted_idx[Sampler.draw(sorted_probs, gen)])
+        return Sampler.draw(probs, gen)
+
+    @staticmethod
+    def draw(probs: torch.Tensor, gen: torch.Generator) -> int:
+        """One index drawn from probs with gen. The generators live on the host, so a seed gives
+        the same draws on every device; a CUDA row moves to the host for the draw (torch
+        refuses a CPU generator for a CUDA tensor)."""
+        return int(torch.multinomial(probs.to(gen.device), 1, generator=gen))
 
     @staticmethod
     def sampling_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor | None:

@@ -103,10 +103,10 @@ class RejectionSampler:
                 residual = p.clone()
                 residual[token] = 0.0
             else:
-                residual = (p - q[j].to(p.dtype)).clamp_(min=0.0)
+                residual = (p - q[j].to(p.device, p.dtype)).clamp_(min=0.0)
             if float(residual.sum()) <= 0.0:  # p <= q everywhere means p == q: nothing is rejected
                 residual = p
-            tokens.append(int(torch.multinomial(residual, 1, generator=gen)))
+            tokens.append(self.sampler.draw(residual, gen))
             return tokens
         tokens.append(self.sampler.sample_row(rows[len(draft)], params, gen))
         return tokens
