@@ -6,8 +6,9 @@ Issue #37 asks that experts on CUDA run as a grouped computation picked by measu
 (1, 32, 256 tokens), three ways to compute the same layer, each checked against a float64
 reference (every token through its top-k experts, weighted, from the same routing) relative to
 the reference output's largest value, then timed:
-- `engine`: SparseMoeMlp itself (one matmul pair per expert over its gathered tokens; the expert
-  counts go to the host, a sync per layer);
+- `engine`: SparseMoeMlp itself: one matmul pair per expert over its gathered tokens (the expert
+  counts go to the host, a sync per layer), or, on CUDA from STACKED_MIN_EXPERTS experts, its
+  own stacked bmm (`forward_stacked`, chosen from this check's first H200 run);
 - `bmm`: every expert over a padded [experts, most tokens of one expert, hidden] batch, two bmm;
 - `grouped`: torch._grouped_mm over the gathered rows with per-expert offsets (no host sync),
   where this torch on this device has it (else skipped, the reason recorded).

@@ -169,3 +169,35 @@ def test_an_engine_serves_a_mixture_of_experts_quantized_as_it_loads(tmp_path):
     model, _ = load_model(path, quantization="int4")
     assert list(out.token_ids) == greedy_generate(model, _prompt(20), 10)
     assert engine.kv.num_free_blocks == 64
+
+
+def test_the_stacked_experts_compute_what_the_per_expert_loop_computes(tmp_path, monkeypatch):
+    """forward_stacked (CUDA's path for many experts: two padded bmm) against forward's loop on
+    the same layer and tokens, with a skewed routing (some experts get none); stacking makes
+    each expert's parameters views of the stack, so the weights are held once."""
+    hf = write_transformers_checkpoint(
+        transformers.Qwen3MoeConfig(**{**QWEN3_MOE, "num_experts": 6, "num_experts_per_tok": 3}), tmp_path, seed=3
+    )
+    del hf
+    monkeypatch.setenv("SPLITSERVE_CPU_MATMUL", "blas")  # plain weights, as on CUDA (not oneDNN-packed)
+    model, _ = load_model(tmp_path)
+    moe = model.layers[0].moe
+    x = torch.randn(9, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(4))
+    x[:5] = x[0]  # five tokens route alike: the padded batch has unequal runs
+    with torch.inference_mode():
+        looped = moe(x, torch.nn.functional.silu)
+        assert not moe._stacked  # CPU runs the loop
+        stacked = moe.forward_stacked(x, torch.nn.functional.silu)
+    torch.testing.assert_close(stacked, looped, atol=1e-5, rtol=1e-5)
+    gate_up, down = moe.stacked_weights()
+    assert moe.experts[2].gate_up_weight.data_ptr() == gate_up.transpose(1, 2)[2].data_ptr()
+    assert moe.experts[5].down_weight.untyped_storage().data_ptr() == down.untyped_storage().data_ptr()
+    with torch.inference_mode():
+        torch.testing.assert_close(moe(x, torch.nn.functional.silu), looped, atol=0, rtol=0)  # views: same weights
+
+
+def test_quantized_or_packed_experts_are_never_stacked(tmp_path):
+    path = make_checkpoint(tmp_path, "tiny", "qwen3_moe")
+    for quantization in ("int8", "none"):  # "none" on CPU: oneDNN-packed
+        model, _ = load_model(path, quantization=quantization)
+        assert not model.layers[0].moe._plain_weights(), quantization
