@@ -84,7 +84,10 @@ def _recompute_per_block(engine, num_blocks: int, device: torch.device) -> float
 
     bs = engine.config.block_size
     params = SamplingParams(temperature=0, max_tokens=1)
-    ids = [(31 * i) % 400 + 20 for i in range(num_blocks * bs + 1)]
+    # Fill num_blocks blocks, less one token where the model's context is exactly that long
+    # (prompt plus the one sampled token must fit it).
+    length = min(num_blocks * bs, engine.max_model_len - 1)
+    ids = [(31 * i) % 400 + 20 for i in range(length)]
     engine.generate([ids], params)  # warm-up
     _sync(device)
     start = time.perf_counter()

@@ -100,11 +100,13 @@ def _busy_ms(trace_path: Path) -> float:
     return busy_us / 1e3
 
 
-def _run_batch(engine, batch: int, prompt_len: int, steps: dict, device: torch.device, trace: Path) -> dict:
+def _run_batch(
+    engine, batch: int, prompt_len: int, steps: dict, max_tokens: int, device: torch.device, trace: Path
+) -> dict:
     from splitserve.proto.messages.sampling_params import SamplingParams
 
     gen = torch.Generator().manual_seed(batch)
-    params = SamplingParams(max_tokens=sum(steps.values()) + 2, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for _ in range(batch):
         engine.add_request(prompt_token_ids=torch.randint(5, 500, (prompt_len,), generator=gen).tolist(), params=params)
     started, decoding = set(), True
@@ -150,14 +152,19 @@ def check_throughput(device: torch.device, tiny: bool, work_dir: Path) -> dict:
     batches = (1, 4, 8) if tiny else (1, 32, 256)
     prompt_len = 32 if tiny else 512
     steps = {"warmup": 2, "timed": 4, "profiled": 2} if tiny else {"warmup": 8, "timed": 32, "profiled": 8}
-    blocks_per_seq = -(-(prompt_len + sum(steps.values()) + 2) // 16)
+    max_batched = 512 if tiny else 8192
+    # The first requests decode while the last still prefill (chunked, max_batched tokens a
+    # step, one step more under async scheduling): they need that many more tokens, or they
+    # finish inside the measured steps and the batch shrinks.
+    max_tokens = sum(steps.values()) + 2 + -(-max(batches) * prompt_len // max_batched) + 2
+    blocks_per_seq = -(-(prompt_len + max_tokens) // 16)
     config = EngineConfig(
         model=str(path),
         dtype="bfloat16",
         device=str(device),
         num_kv_blocks=max(batches) * blocks_per_seq + 16,
         max_num_seqs=max(batches),
-        max_num_batched_tokens=512 if tiny else 8192,
+        max_num_batched_tokens=max_batched,
         enable_prefix_caching=False,
     )
     engine = LLMEngine(config)
@@ -166,7 +173,7 @@ def check_throughput(device: torch.device, tiny: bool, work_dir: Path) -> dict:
     ]
     with torch.inference_mode():
         for batch in batches:
-            result = _run_batch(engine, batch, prompt_len, steps, device, work_dir / f"trace-{batch}.json")
+            result = _run_batch(engine, batch, prompt_len, steps, max_tokens, device, work_dir / f"trace-{batch}.json")
             full = result.pop("full_batch_every_step")
             notes = [] if full else ["a decode step returned fewer outputs than the batch"]
             if "host_share" in result:
