@@ -18,7 +18,7 @@ PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider --durations=25
 TEST_WORKERS ?= 2
 PYTEST_PARALLEL := $(PYTEST) -n $(TEST_WORKERS) --dist loadgroup
 
-.PHONY: install lint typecheck test test-fast test-cluster test-e2e serve proto clean gpu-check gpu-check-cpu
+.PHONY: install lint typecheck test test-fast test-cluster test-e2e serve proto clean gpu-check gpu-check-cpu gpu-check-wheels
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -65,6 +65,10 @@ serve: install
 # safetensors and tokenizers must be importable by $(GPU_PY). See bench/README.md.
 gpu-check:
 	$(GPU_PY) bench/gpu_check/gpu_check.py $(GPU_CHECK_OUT)
+
+# The wheels a lent GPU machine lacks (msgspec, pydantic, ...), into .whl/ to carry there.
+gpu-check-wheels: install
+	$(BIN)/python bench/gpu_check/device_wheels.py .whl
 
 # The same checks at tiny sizes on CPU, Triton interpreted (CI runs this in tests/bench).
 gpu-check-cpu: install

@@ -4,8 +4,10 @@ copy        HostKVCache save -> load round trip is bit-exact; on CUDA the host t
             pinned and the copies run on the side stream (the compute stream waits for them)
 bandwidth   save and load throughput in GB/s (one contiguous copy per block, all layers), and
             load vs recompute per block: the router's host_hit_weight = 1 - load / recompute
-engine      a multi-turn workload on a device pool too small for it: greedy tokens equal to the
-            engine without the tier, with blocks loaded back from host memory
+engine      a multi-turn workload on a device pool too small for it: greedy tokens equal to an
+            engine whose device pool holds it all, with blocks loaded back from host memory (the
+            same KV bits either way; an engine that recomputes what it evicted rounds differently
+            in 16 bits, and its greedy tokens drift: the first H200 run saw that)
 """
 
 from __future__ import annotations
@@ -129,15 +131,15 @@ def check_offload(device: torch.device, tiny: bool, work: Path) -> dict:
     )
     del sizing
     tier = 64 * 1e6 / 2**30  # 64 MB: the whole workload fits
-    plain, tiered = _engine(model_dir, device, 12, 0.0), _engine(model_dir, device, 12, tier)
-    same = _chat(plain, 5, 3) == _chat(tiered, 5, 3)
+    roomy, tiered = _engine(model_dir, device, 64, 0.0), _engine(model_dir, device, 12, tier)
+    same = _chat(roomy, 5, 3) == _chat(tiered, 5, 3)
     stats = tiered.stats()
     ok = same and stats.host_loaded_blocks > 0 and stats.num_free_blocks == stats.num_blocks
     items.append(
         item(
             "multi-turn greedy with the tier",
             "pass" if ok else "fail",
-            f"identical to no tier: {same}",
+            f"identical to a device pool that holds it all: {same}",
             loaded_blocks=stats.host_loaded_blocks,
             stored_blocks=stats.host_stored_blocks,
             load_ms_mean=1e3 * stats.host_load_seconds / max(stats.host_loads, 1),

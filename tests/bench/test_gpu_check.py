@@ -1,14 +1,19 @@
 """bench/gpu_check/gpu_check.py: the CPU dry run of the GPU checks (tiny sizes, Triton interpreted) passes,
-so the script a lent GPU runs cannot rot; and it runs without an installed splitserve."""
+so the script a lent GPU runs cannot rot; and it runs as it must there: without an installed
+splitserve, importing only what the device's image has and the wheels carried to it
+(bench/gpu_check/device_wheels.py; tests/helpers/device_python makes this python look so)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from splitserve.bench.gpu_check.device_wheels import CARRIED_MODULES, DEVICE_IMAGE_MODULES
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check" / "gpu_check.py"
@@ -33,9 +38,16 @@ CHECKS = [
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT / "tests" / "helpers" / "device_python"),
+        SPLITSERVE_DEVICE_ROOT=str(ROOT),
+        SPLITSERVE_DEVICE_MODULES=",".join(DEVICE_IMAGE_MODULES + CARRIED_MODULES),
+    )
     completed = subprocess.run(
         [sys.executable, str(SCRIPT), str(out), "--device", "cpu", "--tiny"],
         cwd=ROOT,
+        env=env,
         capture_output=True,
         text=True,
         timeout=600,
