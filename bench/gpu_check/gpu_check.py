@@ -109,7 +109,8 @@ def _environment(torch, device, args) -> dict:
         commit = ""
     env = {
         "command": " ".join(["python", "bench/gpu_check/gpu_check.py", *sys.argv[1:]]),
-        "commit": commit or os.environ.get("GPU_CHECK_COMMIT", "unknown"),
+        # The caller's commit first: a device's copy of .git can be older than the tree sent.
+        "commit": os.environ.get("GPU_CHECK_COMMIT") or commit or "unknown",
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "python": platform.python_version(),
         "torch": torch.__version__,
