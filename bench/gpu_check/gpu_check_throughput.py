@@ -100,6 +100,17 @@ def _busy_ms(trace_path: Path) -> float:
     return busy_us / 1e3
 
 
+def _host_top(prof, num_steps: int, count: int = 6) -> str:
+    """The torch ops with the most host (self CPU) time per step, after all ops' total: where the
+    host share goes (what the ops do not cover is Python between them)."""
+    averages = list(prof.key_averages())
+    total_ms = sum(e.self_cpu_time_total for e in averages) / 1e3 / num_steps
+    top = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:count]
+    return f"all ops {total_ms:.2f} ms; " + ", ".join(
+        f"{e.key} {e.self_cpu_time_total / 1e3 / num_steps:.2f} ms x{e.count // num_steps}" for e in top
+    )
+
+
 def _run_batch(
     engine, batch: int, prompt_len: int, steps: dict, max_tokens: int, device: torch.device, trace: Path
 ) -> dict:
@@ -126,7 +137,7 @@ def _run_batch(
         try:
             from torch.profiler import ProfilerActivity, profile
 
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(steps["profiled"]):
                     decoding &= len(engine.step()) == batch
                     profiled += 1
@@ -134,6 +145,7 @@ def _run_batch(
             gpu_ms = _busy_ms(trace) / steps["profiled"]
             result.update(gpu_ms_per_step=gpu_ms, host_ms_per_step=max(wall_ms - gpu_ms, 0.0))
             result["host_share"] = result["host_ms_per_step"] / wall_ms
+            result["host_top"] = _host_top(prof, steps["profiled"])
         except Exception as exc:  # keep the wall-clock numbers; say why the split is missing
             result["profiler_error"] = f"{type(exc).__name__}: {exc}"
     for _ in range(steps["profiled"] - profiled):
@@ -178,6 +190,8 @@ def check_throughput(device: torch.device, tiny: bool, work_dir: Path) -> dict:
             notes = [] if full else ["a decode step returned fewer outputs than the batch"]
             if "host_share" in result:
                 notes.insert(0, f"host overhead {result['host_share']:.0%} of a step")
+            if "host_top" in result:
+                notes.append(f"host time per step by op: {result.pop('host_top')}")
             if "profiler_error" in result:
                 notes.append(f"no GPU/host split: the profiler failed ({result.pop('profiler_error')})")
             note = "; ".join(notes)
