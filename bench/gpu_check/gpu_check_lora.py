@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from splitserve.bench.gpu_check.gpu_check_ops import item, time_ms
-from splitserve.engine.lora.lora_batch import KERNEL, LoraBatch
+from splitserve.engine.lora.lora_batch import KERNEL, KERNEL_MAX_TOKENS, LoraBatch
 from splitserve.engine.lora.lora_slots import PROJECTION_GROUPS, LoraSlots
 from splitserve.engine.model_config import ModelConfig
 
@@ -115,11 +115,14 @@ def check_lora(device: torch.device, tiny: bool) -> dict:
         reference_slots = _as(slots, torch.float32)
         widths = {group: sum(w for _, _, w in slots.columns[group]) for group in PROJECTION_GROUPS}
         auto = LoraBatch(slots, [0], [1])
+        long = LoraBatch(slots, [0], [KERNEL_MAX_TOKENS + 1])  # past it: a torch layout everywhere
         expected_layout = KERNEL if device.type == "cuda" else "a torch layout"
-        picked = (auto.layout == KERNEL) == (device.type == "cuda")
+        picked = (auto.layout == KERNEL) == (device.type == "cuda") and long.layout != KERNEL
         items.append(
             item(
-                f"{str(dtype)[6:]} dispatch", "pass" if picked else "fail", f"{auto.layout}; expected {expected_layout}"
+                f"{str(dtype)[6:]} dispatch",
+                "pass" if picked else "fail",
+                f"1 token: {auto.layout}, expected {expected_layout}; {KERNEL_MAX_TOKENS + 1} tokens: {long.layout}",
             )
         )
         gen = torch.Generator(device="cpu").manual_seed(10 + index)

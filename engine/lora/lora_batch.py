@@ -24,9 +24,12 @@ Before this, one GEMM over the step's slots' A and B side by side, each token ma
 slot: arithmetic grew with the adapters in a step (8 slots: 8x the rank), 0.72x the base
 alone's throughput at 8 adapters (bench/results/multi_lora.md).
 
-On CUDA, where triton imports, the delta is engine/ops/triton_lora.py's kernels instead (KERNEL):
-a shrink and an expand per target over every token at once, each token indexing its own slot,
-whatever the layout would have been; CPU keeps the torch layouts."""
+On CUDA, where triton imports, a step of up to KERNEL_MAX_TOKENS tokens runs
+engine/ops/triton_lora.py's kernels instead (KERNEL): a shrink and an expand per target over every
+token at once, each token indexing its own slot, whatever the layout would have been. Longer
+steps and CPU keep the torch layouts: bench/gpu_check/gpu_check.py check 13 on an H200 (8 slots of
+rank 16, a Llama-3-8B-like layer) measured the kernels 1.06-1.17x the torch layouts at 1 and 64
+tokens, 0.76-0.95x at 256 and 0.44-0.49x on an 8 x 256-token prefill."""
 
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 PAD_SHARE, SMALL_ROWS = 0.25, 256
 # Runs this long on average are matmuls in place; shorter ones would be too many calls.
 LONG_RUN = 32
+KERNEL_MAX_TOKENS = 128  # between the measured 64 (the kernels win) and 256 (they lose)
 
 
 class LoraBatch:
@@ -58,11 +62,12 @@ class LoraBatch:
         num_tokens: Sequence[int],
         use_kernel: bool | None = None,
     ):
-        """use_kernel: the Triton kernels (None: where the slots are on CUDA and triton imports;
-        True on CPU tensors runs them only under TRITON_INTERPRET=1, as the tests do)."""
+        """use_kernel: the Triton kernels (None: where the slots are on CUDA, triton imports and
+        the step has at most KERNEL_MAX_TOKENS tokens; True on CPU tensors runs them only under
+        TRITON_INTERPRET=1, as the tests do)."""
         self.slots = slots
         if use_kernel is None:
-            use_kernel = slots.device.type == "cuda" and HAS_TRITON
+            use_kernel = slots.device.type == "cuda" and HAS_TRITON and sum(num_tokens) <= KERNEL_MAX_TOKENS
         self.kernel = None
         if use_kernel:
             from splitserve.engine.ops import triton_lora
