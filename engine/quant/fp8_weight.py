@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,7 +15,14 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 def fp8_hardware(device: torch.device) -> bool:
     """Whether torch._scaled_mm runs natively here: CUDA with compute capability >= 8.9
     (Ada, Hopper). On CPU it exists but is emulated, and measured slower than the fallback."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cuda" and _capability(device.index) >= (8, 9)
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    # Asked once per device: every fp8 matmul asks, and a query per call is host time on a step
+    # the H200 already found host-bound (bench/results/gpu_check.md).
+    return torch.cuda.get_device_capability(index)
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
