@@ -12,6 +12,8 @@ under TRITON_INTERPRET=1 they run on CPU tensors, which is how the tests check t
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -193,6 +195,7 @@ def _combine_splits_kernel(
     tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
+@functools.lru_cache(maxsize=8)
 def multiprocessors(device: torch.device) -> int:
     """The device's SM count (what the split choice fills)."""
     if device.type == "cuda":
@@ -284,18 +287,12 @@ def paged_decode_attention(
         float(scale),
         int(window or 0),
         num_splits,
-        q.stride(0),
-        q.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
+        *q.stride()[:2],
+        *key_cache.stride()[:3],
+        *value_cache.stride()[:3],
         *scale_strides,
         block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        *out.stride()[:2],
         GROUP=group,
         BLOCK_G=block_g,
         BLOCK_SIZE=block_size,
@@ -314,8 +311,7 @@ def paged_decode_attention(
             partials,
             out,
             num_splits,
-            out.stride(0),
-            out.stride(1),
+            *out.stride()[:2],
             HEAD_DIM=head_dim,
             BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d,
