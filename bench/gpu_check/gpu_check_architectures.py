@@ -32,7 +32,7 @@ def _window_cases(tiny: bool) -> list[tuple[int, int, int, torch.dtype]]:
 
 def _sliding_window_kernel(device: torch.device, tiny: bool) -> list[dict]:
     from splitserve.engine.ops import attention
-    from splitserve.engine.ops import triton_kernels as kernels
+    from splitserve.engine.ops import triton_decode_attention as kernels
 
     items = []
     for index, (batch, context, window, dtype) in enumerate(_window_cases(tiny)):

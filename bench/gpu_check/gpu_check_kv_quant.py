@@ -39,7 +39,7 @@ def _cases(tiny: bool) -> list[tuple[int, int, torch.dtype]]:
 
 def check_fp8_kv(device: torch.device, tiny: bool) -> dict:
     from splitserve.engine.ops import attention
-    from splitserve.engine.ops import triton_kernels as kernels
+    from splitserve.engine.ops import triton_decode_attention as kernels
     from splitserve.engine.ops.quantized_kv import QuantizedKV, dequantize
 
     timing = {"reps": 1, "warmup": 0} if tiny else {"reps": 20, "warmup": 3}

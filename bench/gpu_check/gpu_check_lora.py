@@ -71,7 +71,7 @@ def _as(slots: LoraSlots, dtype: torch.dtype) -> LoraSlots:
 
 
 def compile_cases() -> dict[str, tuple]:
-    """The LoRA kernels as gpu_check_ops._cross_compile compiles them for sm_90 without a GPU:
+    """The LoRA kernels as gpu_check_cross_compile.cross_compile compiles them for sm_90 without a GPU:
     name -> (kernel, signature, constexprs), bf16 and fp16, at the layer's tile sizes."""
     from splitserve.engine.ops import triton_lora
 

@@ -78,10 +78,14 @@ def _attention_cases(tiny: bool) -> list[tuple[int, int, torch.dtype]]:
 def check_kernels(device: torch.device, tiny: bool) -> dict:
     """Paged decode attention and block gather/scatter against the torch paths, with ragged
     contexts and shuffled blocks; on a GPU the kernels must be compiled, not interpreted."""
-    from splitserve.engine.ops import attention, block_copy
+    from splitserve.engine.ops import attention, block_copy, triton_decode_attention
     from splitserve.engine.ops import triton_kernels as kernels
 
-    mode = "interpreted" if type(kernels._paged_decode_kernel).__name__ == "InterpretedFunction" else "compiled"
+    mode = (
+        "interpreted"
+        if type(triton_decode_attention._paged_decode_kernel).__name__ == "InterpretedFunction"
+        else "compiled"
+    )
     wanted = "interpreted" if device.type == "cpu" else "compiled"
     items = [item("triton mode", "pass" if mode == wanted else "fail", f"{mode}; expected {wanted} on {device.type}")]
     for index, (batch, context, dtype) in enumerate(_attention_cases(tiny)):
@@ -94,11 +98,17 @@ def check_kernels(device: torch.device, tiny: bool) -> dict:
         q, key_cache, value_cache, tables, lens_t = paged_problem(lens, dtype, device, seed=index)
         scale = HEAD_DIM**-0.5
         out = torch.full_like(q, float("nan"))  # every element must be written
-        kernels.paged_decode_attention(q, key_cache, value_cache, tables, lens_t, scale, out=out)
+        triton_decode_attention.paged_decode_attention(q, key_cache, value_cache, tables, lens_t, scale, out=out)
         reference = attention.paged_decode_attention_torch(
             q.float(), key_cache.float(), value_cache.float(), tables, lens_t, scale, max(lens)
         )
         error = (out.float() - reference).abs().max().item()
+        # The split-context path forced (whatever the automatic choice), and the single pass.
+        for forced in (1, 5):
+            forced_out = triton_decode_attention.paged_decode_attention(
+                q, key_cache, value_cache, tables, lens_t, scale, num_splits=forced
+            )
+            error = max(error, (forced_out.float() - reference).abs().max().item())
         limit = TOLERANCE[dtype] * (1 + reference.abs().max().item())
         dispatched = torch.equal(
             attention.decode_attention(q, key_cache, value_cache, tables, lens_t, scale, max(lens)), out
@@ -109,7 +119,7 @@ def check_kernels(device: torch.device, tiny: bool) -> dict:
             item(
                 f"decode attention b={batch} ctx<={context} {str(dtype)[6:]}",
                 "pass" if ok else "fail",
-                note,
+                f"{note}; also with 1 and 5 context splits",
                 max_abs_error=error,
                 tolerance=limit,
             )
@@ -138,86 +148,10 @@ def check_kernels(device: torch.device, tiny: bool) -> dict:
                 )
             )
     if device.type == "cpu":
-        items += _cross_compile()
+        from splitserve.bench.gpu_check.gpu_check_cross_compile import cross_compile
+
+        items += cross_compile()
     return {"items": items}
-
-
-def _cross_compile() -> list[dict]:
-    """Compile the kernels for sm_90 (Hopper) without a GPU, as launches on one would, so a
-    kernel that cannot compile fails in CI and not first on a lent device. In a fresh process:
-    interpreted launches leave triton.language patched in theirs (seen on Triton 3.9)."""
-    import concurrent.futures
-    import multiprocessing
-
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_cross_compile_items).result(timeout=300)
-
-
-def _cross_compile_items() -> list[dict]:
-    import os
-
-    os.environ.pop("TRITON_INTERPRET", None)  # before the kernels are imported in this process
-    try:
-        import triton
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-        from triton.runtime.jit import JITFunction
-    except ImportError as exc:
-        return [item("compiles for sm_90", "info", f"this Triton cannot cross-compile: {exc}")]
-    from splitserve.engine.ops import triton_kernels as kernels
-
-    decode_strides = "qb qh kblock koff khead vblock voff vhead sblock soff bt ob oh".split()
-    decode_consts = dict(GROUP=4, BLOCK_G=16, BLOCK_SIZE=16, BLOCK_N=16, HEAD_DIM=128, BLOCK_D=128, USE_DOT=True)
-    cases = {}
-    # (q dtype, cache dtype, scales): 16/32-bit caches, and fp8 (bytes, bitcast) / int8 with float16 scales.
-    for dtype, cache, scales in [(d, d, d) for d in ("bf16", "fp16", "fp32")] + [
-        ("bf16", "u8", "fp16"),
-        ("bf16", "i8", "fp16"),
-    ]:
-        signature = {"q_ptr": f"*{dtype}", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "out_ptr": f"*{dtype}"}
-        signature.update(k_scale_ptr=f"*{scales}", v_scale_ptr=f"*{scales}")
-        signature.update(block_tables_ptr="*i32", context_lens_ptr="*i32", scale="fp32", window="i32")
-        signature.update({f"stride_{name}": "i32" for name in decode_strides})
-        quant = {"u8": "fp8 KV ", "i8": "int8 KV "}.get(cache, "")
-        consts = {**decode_consts, "QUANT": bool(quant), "FP8": cache == "u8"}
-        cases[f"decode attention {quant}{dtype}"] = (kernels._paged_decode_kernel, signature, consts)
-    copy_args = "num_ids row_numel stride_src_plane stride_src_row stride_dst_plane stride_dst_row".split()
-    copy_signature = {
-        "src_ptr": "*bf16",
-        "dst_ptr": "*bf16",
-        "block_ids_ptr": "*i64",
-        **dict.fromkeys(copy_args, "i32"),
-    }
-    for gather in (True, False):
-        cases[f"block {'gather' if gather else 'scatter'} bf16"] = (
-            kernels._copy_rows_kernel,
-            copy_signature,
-            dict(GATHER=gather, BLOCK=kernels._COPY_BLOCK),
-        )
-    from splitserve.bench.gpu_check.gpu_check_lora import compile_cases  # it imports this module
-
-    cases.update(compile_cases())
-    items = []
-    for name, (kernel, signature, constants) in cases.items():
-        fn = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)  # interpreted on CPU
-        try:
-            source = ASTSource(
-                fn=fn,
-                signature={**signature, **dict.fromkeys(constants, "constexpr")},
-                constexprs={(fn.arg_names.index(key),): value for key, value in constants.items()},
-            )
-        except TypeError as exc:  # another Triton's internal API: say so, do not fail
-            items.append(item(f"{name} compiles for sm_90", "info", f"cannot cross-compile with this Triton: {exc}"))
-            continue
-        try:
-            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-        except Exception as exc:
-            items.append(item(f"{name} compiles for sm_90", "fail", f"{type(exc).__name__}: {exc}"[:2000]))
-            continue
-        items.append(
-            item(f"{name} compiles for sm_90", "pass", "cross-compiled, no GPU", cubin_bytes=len(compiled.asm["cubin"]))
-        )
-    return items
 
 
 def copy_bandwidth(device: torch.device, tiny: bool) -> float:
@@ -245,13 +179,14 @@ def _attention_speed(batch: int, context: int, dtype: torch.dtype, device: torch
     """(K/V bytes, kernel ms, SDPA ms) for batch sequences of exactly context tokens."""
     import torch.nn.functional as F
 
-    from splitserve.engine.ops import triton_kernels as kernels
+    from splitserve.engine.ops import triton_decode_attention as decode
 
     q, key_cache, value_cache, tables, lens = paged_problem([context] * batch, dtype, device, seed)
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * key_cache.element_size()
     out, scale = torch.empty_like(q), HEAD_DIM**-0.5
+    # As the engine calls it: the context split chosen from the shapes.
     ms = time_ms(
-        lambda: kernels.paged_decode_attention(q, key_cache, value_cache, tables, lens, scale, out), device, **timing
+        lambda: decode.paged_decode_attention(q, key_cache, value_cache, tables, lens, scale, out), device, **timing
     )
     # The same K/V laid out contiguously per sequence, [B, kv_heads, ctx, D], queries grouped per KV head.
     keys = key_cache[tables.long()].reshape(batch, -1, NUM_KV_HEADS, HEAD_DIM)[:, :context].transpose(1, 2).contiguous()
@@ -268,6 +203,7 @@ def _attention_speed(batch: int, context: int, dtype: torch.dtype, device: torch
 def check_bandwidth(device: torch.device, tiny: bool) -> dict:
     """K/V bytes read per second by paged decode attention (vs copy bandwidth and SDPA on
     contiguous K/V), and bytes moved per second by block gather/scatter."""
+    from splitserve.engine.ops import triton_decode_attention as decode
     from splitserve.engine.ops import triton_kernels as kernels
 
     copy_bw = copy_bandwidth(device, tiny)
@@ -278,12 +214,15 @@ def check_bandwidth(device: torch.device, tiny: bool) -> dict:
         kv_bytes, ms, sdpa_ms = _attention_speed(batch, context, dtype, device, timing, seed=100 + index)
         achieved = kv_bytes / (ms / 1e3)
         applies = batch >= 32 and context >= 4096
+        table_tokens = -(-context // BLOCK_SIZE) * BLOCK_SIZE
+        splits = decode.choose_num_splits(batch, NUM_KV_HEADS, table_tokens, decode.multiprocessors(device))
         items.append(
             item(
                 f"decode attention b={batch} ctx={context}",
                 _target_status(achieved, copy_bw, applies, device),
                 "target >= 70% of copy" if applies else "no target at this shape",
                 ms=ms,
+                context_splits=splits,
                 kv_gb_per_s=achieved / 1e9,
                 of_copy=achieved / copy_bw,
                 sdpa_ms=sdpa_ms,

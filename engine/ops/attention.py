@@ -53,9 +53,9 @@ def write_kv(
 
 @functools.lru_cache(maxsize=1)
 def _triton_decode():
-    """splitserve.engine.ops.triton_kernels.paged_decode_attention, or None where Triton cannot run."""
+    """splitserve.engine.ops.triton_decode_attention.paged_decode_attention, or None where Triton cannot run."""
     try:
-        from splitserve.engine.ops.triton_kernels import paged_decode_attention
+        from splitserve.engine.ops.triton_decode_attention import paged_decode_attention
     except ImportError:
         return None
     return paged_decode_attention

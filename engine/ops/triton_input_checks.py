@@ -1,4 +1,5 @@
-"""Argument checks of the Triton kernels (engine/ops/triton_kernels.py, triton_lora.py): shapes, dtypes,
+"""Argument checks of the Triton kernels (engine/ops/triton_decode_attention.py, triton_kernels.py,
+triton_lora.py): shapes, dtypes,
 devices and layouts, raised as KernelInputError before anything launches. No triton import."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""splitserve.engine.ops.triton_kernels (run by the Triton interpreter on CPU) and splitserve.engine.ops.block_copy (torch path).
+"""splitserve.engine.ops.triton_decode_attention and triton_kernels (run by the Triton interpreter on CPU) and splitserve.engine.ops.block_copy (torch path).
 
 The kernel checks live in tests/helpers/triton_cases.py and run once, in a subprocess with
 TRITON_INTERPRET=1 (triton.jit reads it at decoration time, and this pytest process may already
@@ -58,7 +58,7 @@ def test_kernel_case_under_interpreter(interpreted_results, case):
 
 @needs_triton
 def test_attention_rejects_bad_inputs():
-    from splitserve.engine.ops.triton_kernels import KernelInputError, paged_decode_attention
+    from splitserve.engine.ops.triton_decode_attention import KernelInputError, paged_decode_attention
 
     q = torch.zeros(2, 3, 8)
     cache = torch.zeros(4, 4, 2, 8)
@@ -74,10 +74,27 @@ def test_attention_rejects_bad_inputs():
     with pytest.raises(KernelInputError, match="head_dim mismatch"):
         paged_decode_attention(torch.zeros(2, 4, 16), cache, cache, tables, lens, 1.0)
 
+    with pytest.raises(KernelInputError, match="num_splits must be >= 1"):
+        paged_decode_attention(q, cache, cache, tables, lens, 1.0, num_splits=0)
+
+
+@needs_triton
+def test_split_choice_fills_the_sms_only_where_the_batch_cannot():
+    from splitserve.engine.ops.triton_decode_attention import choose_num_splits
+
+    # 32 sequences x 8 KV heads = 256 programs for 132 SMs: split to ~8 programs per SM.
+    assert choose_num_splits(32, 8, 4096, 132) == 5
+    assert choose_num_splits(1, 8, 32768, 132) == 64  # capped
+    # Enough programs already, or too short a context to split (>= 256 tokens a split): one pass.
+    assert choose_num_splits(256, 8, 8192, 132) == 1
+    assert choose_num_splits(4, 8, 300, 132) == 1
+    assert choose_num_splits(4, 8, 1024, 132) == 4  # limited by the context, not the SMs
+
 
 @needs_triton
 def test_kernel_copy_rejects_mismatched_buffer():
-    from splitserve.engine.ops.triton_kernels import KernelInputError, gather_blocks
+    from splitserve.engine.ops.triton_input_checks import KernelInputError
+    from splitserve.engine.ops.triton_kernels import gather_blocks
 
     with pytest.raises(KernelInputError, match="does not match"):
         gather_blocks(torch.zeros(2, 5, 6), torch.tensor([1, 2]), torch.empty(2, 3, 6))

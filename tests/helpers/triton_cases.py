@@ -1,6 +1,6 @@
-"""Checks of splitserve.engine.ops.triton_kernels and triton_lora against torch references, run on CPU by the Triton interpreter.
+"""Checks of splitserve.engine.ops.triton_decode_attention, triton_kernels and triton_lora against torch references, run on CPU by the Triton interpreter.
 
-TRITON_INTERPRET must be set before splitserve.engine.ops.triton_kernels is imported (triton.jit reads it when
+TRITON_INTERPRET must be set before the kernel modules are imported (triton.jit reads it when
 decorating), so tests/engine/test_triton_kernels.py runs this file in a subprocess with the env set:
     TRITON_INTERPRET=1 python tests/helpers/triton_cases.py [case ...]
 It prints one JSON object {case_name: "ok" | traceback}. Shapes are tiny: the interpreter is slow.
@@ -60,19 +60,25 @@ def _random_paged_problem(context_lens, num_q_heads, num_kv_heads, head_dim, blo
     return q, key_cache, value_cache, block_tables, torch.tensor(context_lens, dtype=torch.int32)
 
 
-def _check_decode(context_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
-    from splitserve.engine.ops.triton_kernels import paged_decode_attention
+def _check_decode(context_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed=0, num_splits=None):
+    from splitserve.engine.ops.attention import paged_decode_attention_torch
+    from splitserve.engine.ops.triton_decode_attention import paged_decode_attention
 
     q, key_cache, value_cache, block_tables, lens = _random_paged_problem(
         context_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed
     )
     scale = head_dim**-0.5
-    out = paged_decode_attention(q, key_cache, value_cache, block_tables, lens, scale)
+    out = torch.full_like(q, float("nan"))  # every element must be written
+    paged_decode_attention(q, key_cache, value_cache, block_tables, lens, scale, out=out, num_splits=num_splits)
     expected = reference_decode_attention(q, key_cache, value_cache, block_tables, lens, scale)
     assert out.dtype == dtype and out.shape == q.shape
     tolerance = _DTYPE_TOLERANCE[dtype]
     error = (out.double() - expected).abs().max().item()
     assert error <= tolerance, f"max abs error {error} > {tolerance}"
+    if dtype == torch.float32 and min(context_lens) > 0:  # the engine's torch path, same inputs
+        torch_out = paged_decode_attention_torch(q, key_cache, value_cache, block_tables, lens, scale)
+        error = (out - torch_out).abs().max().item()
+        assert error <= tolerance, f"vs paged_decode_attention_torch: {error} > {tolerance}"
 
 
 def case_gqa_fp32_small_tiles():
@@ -101,8 +107,38 @@ def case_gqa_fp16_both_paths():
     _check_decode([20, 3], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float16)
 
 
+def case_split_context_gqa_groups_head_dims():
+    # Several context splits, ragged lengths (a 1-token context leaves most splits empty),
+    # query groups of 1, 4 and 5, head_dim 64 and 80 (BLOCK_D 128 masked), multi-block tiles.
+    _check_decode(
+        [1, 9, 37], num_q_heads=2, num_kv_heads=2, head_dim=64, block_size=4, dtype=torch.float32, num_splits=3
+    )
+    _check_decode([30, 5], num_q_heads=8, num_kv_heads=2, head_dim=80, block_size=4, dtype=torch.float32, num_splits=4)
+    _check_decode([21, 40], num_q_heads=5, num_kv_heads=1, head_dim=64, block_size=4, dtype=torch.float32, num_splits=5)
+    # More splits than a sequence has blocks; a block size that is not a power of two.
+    _check_decode([7, 2], num_q_heads=4, num_kv_heads=1, head_dim=8, block_size=3, dtype=torch.float32, num_splits=6)
+
+
+def case_split_context_half_precision_and_dot_tiles():
+    _check_decode(
+        [33, 70], num_q_heads=8, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float16, num_splits=2
+    )
+    _check_decode([19, 6], num_q_heads=4, num_kv_heads=1, head_dim=8, block_size=4, dtype=torch.bfloat16, num_splits=3)
+
+
+def case_split_context_empty_context_gives_zeros():
+    from splitserve.engine.ops.triton_decode_attention import paged_decode_attention
+
+    q, key_cache, value_cache, block_tables, _ = _random_paged_problem([9, 9], 2, 1, 8, 4, torch.float32, seed=5)
+    lens = torch.tensor([0, 9], dtype=torch.int32)
+    out = paged_decode_attention(q, key_cache, value_cache, block_tables, lens, 0.5, num_splits=3)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    expected = reference_decode_attention(q, key_cache, value_cache, block_tables, lens, 0.5)
+    assert torch.allclose(out[1].double(), expected[1], atol=1e-5)
+
+
 def case_empty_context_gives_zeros_and_out_is_reused():
-    from splitserve.engine.ops.triton_kernels import paged_decode_attention
+    from splitserve.engine.ops.triton_decode_attention import paged_decode_attention
 
     q, key_cache, value_cache, block_tables, _ = _random_paged_problem([4, 4], 2, 1, 8, 4, torch.float32, seed=1)
     lens = torch.tensor([0, 4], dtype=torch.int32)
@@ -116,7 +152,7 @@ def case_empty_context_gives_zeros_and_out_is_reused():
 
 def case_decode_reads_layer_view_of_full_cache():
     # The engine passes kv[layer, 0] / kv[layer, 1]: views into the 6-D cache.
-    from splitserve.engine.ops.triton_kernels import paged_decode_attention
+    from splitserve.engine.ops.triton_decode_attention import paged_decode_attention
 
     generator = torch.Generator().manual_seed(2)
     kv = torch.randn(2, 2, 6, 4, 2, 8, generator=generator)  # [layer, K|V, block, offset, head, dim]
@@ -128,12 +164,12 @@ def case_decode_reads_layer_view_of_full_cache():
     assert torch.allclose(out.double(), expected, atol=1e-5)
 
 
-def _check_windowed_decode(context_lens, window, num_q_heads, num_kv_heads, head_dim, block_size, dtype):
+def _check_windowed_decode(context_lens, window, num_q_heads, num_kv_heads, head_dim, block_size, dtype, splits=None):
     """A sliding-window layer's decode: the kernel reads only each sequence's last `window`
     tokens. The table entries wholly before a window point at a NaN block, as a freed block
     (engine/core/kv_cache_manager.py) may hold anything: one read of it would show."""
     from splitserve.engine.ops.attention import paged_decode_attention_torch
-    from splitserve.engine.ops.triton_kernels import paged_decode_attention
+    from splitserve.engine.ops.triton_decode_attention import paged_decode_attention
 
     q, key_cache, value_cache, block_tables, lens = _random_paged_problem(
         context_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed=4
@@ -144,7 +180,7 @@ def _check_windowed_decode(context_lens, window, num_q_heads, num_kv_heads, head
     value_cache = torch.cat((value_cache, torch.full_like(value_cache[:1], float("nan"))))
     for seq, length in enumerate(context_lens):
         block_tables[seq, : max(length - window, 0) // block_size] = freed
-    out = paged_decode_attention(q, key_cache, value_cache, block_tables, lens, 0.4, window=window)
+    out = paged_decode_attention(q, key_cache, value_cache, block_tables, lens, 0.4, window=window, num_splits=splits)
     # The torch paths: the batch (CPU fp32: the sparse plan; else gather + SDPA) and one sequence.
     torch_batch = paged_decode_attention_torch(q, key_cache, value_cache, block_tables, lens, 0.4, window=window)
     torch_single = torch.cat(
@@ -169,6 +205,13 @@ def case_sliding_window_decode_both_paths():
     _check_windowed_decode(
         [17, 40, 64], 16, num_q_heads=8, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32
     )
+
+
+def case_sliding_window_decode_split_context():
+    # Split boundaries inside the window (window 22 = 6-7 blocks of 4 over 3 splits); a context
+    # shorter than its window; group 5, head_dim 80.
+    _check_windowed_decode([9, 30, 47], 22, 5, 1, 80, 4, torch.float32, splits=3)
+    _check_windowed_decode([40, 64], 33, 8, 2, 16, 16, torch.float32, splits=2)
 
 
 def case_sliding_window_decode_half_precision():
@@ -209,8 +252,10 @@ def case_gather_from_strided_planes():
     assert torch.count_nonzero(target[::2]) == 0
 
 
-def _check_quantized_decode(kv_cache_dtype, context_lens, num_q_heads, num_kv_heads, head_dim, block_size, q_dtype):
-    from splitserve.engine.ops.triton_kernels import paged_decode_attention
+def _check_quantized_decode(
+    kv_cache_dtype, context_lens, num_q_heads, num_kv_heads, head_dim, block_size, q_dtype, splits=None
+):
+    from splitserve.engine.ops.triton_decode_attention import paged_decode_attention
     from tests.helpers.quantized_kv_cases import ATTENTION_TOLERANCE, dequantized_layer, quantized_paged_problem
 
     q, cache, keys, values, tables, lens = quantized_paged_problem(
@@ -219,7 +264,8 @@ def _check_quantized_decode(kv_cache_dtype, context_lens, num_q_heads, num_kv_he
     q = q.to(q_dtype)
     k, v = cache.key_cache(0), cache.value_cache(0)
     scale = head_dim**-0.5
-    out = paged_decode_attention(q, k.values, v.values, tables, lens, scale, key_scales=k.scales, value_scales=v.scales)
+    scales = {"key_scales": k.scales, "value_scales": v.scales}
+    out = paged_decode_attention(q, k.values, v.values, tables, lens, scale, **scales, num_splits=splits)
     assert out.dtype == q_dtype
     # Exact against the dequantized cache (the kernel's own error) ...
     dense_k, dense_v = dequantized_layer(cache)
@@ -241,6 +287,13 @@ def case_fp8_kv_both_paths():
 def case_int8_kv_both_paths():
     _check_quantized_decode("int8", [6, 13], 4, 1, 8, 4, torch.float32)
     _check_quantized_decode("int8", [20, 3], 4, 2, 16, 16, torch.float32)
+
+
+def case_quantized_kv_split_context():
+    # 8-bit K/V with per-(token, head) scales, over several splits: groups 4 and 5, head_dim 64/80.
+    _check_quantized_decode("int8", [3, 29, 40], 8, 2, 64, 4, torch.float32, splits=4)
+    _check_quantized_decode("fp8", [26, 11], 5, 1, 80, 4, torch.float32, splits=3)
+    _check_quantized_decode("fp8", [35, 16], 8, 2, 16, 16, torch.float16, splits=2)
 
 
 def case_fp8_kv_fp16_queries():
