@@ -148,7 +148,12 @@ def _serve(
                 input_ids, positions, meta = receive_forward(group, header)
                 work = header.rank_work
                 on_layer_done = ext.forward_hook(work) if ext is not None and work is not None else None
-                model(input_ids, positions, kv_cache, meta, on_layer_done=on_layer_done)
+                hidden = model(input_ids, positions, kv_cache, meta, on_layer_done=on_layer_done)
+                rows = header.logits_rows
+                if rows is not None:  # the driver's next logits call, without a command of its own
+                    if len(rows) < hidden.shape[0]:  # as ModelRunner selects them
+                        hidden = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
+                    model.share_logits(hidden)
             elif header[0] == LOGITS:
                 model.share_logits(receive_hidden(group, header, hidden_size, dtype))
             elif header[0] == HOST_KV and host_kv is not None:
