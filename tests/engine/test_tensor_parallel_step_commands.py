@@ -1,9 +1,11 @@
-"""What a tensor-parallel step sends its follower rank (engine/parallel/tp_model.py): a step's
-logits go out with its forward command (the follower computes its vocabulary rows' logits from
-its own final hidden states), so a decode step is one command and 3 + 2 x layers collectives;
-prompt log-probabilities still take a logits command of their own; and a forward whose
-announced logits no compute_logits took (its step failed in between) leaves the ranks paired,
-the next call's results equal to TP 1's. Two real ranks over shared memory."""
+"""What a tensor-parallel step sends its follower rank and which collectives it runs
+(engine/parallel/tp_model.py, shard_plan.py): a step's logits go out with its forward command
+(the follower computes its vocabulary rows' logits from its own final hidden states), so a
+decode step is one command; a small untied embedding is held whole by every rank, so its step
+runs 2 + 2 x layers collectives, a tied or large one 3 + 2 x layers (the embedding's all-reduce);
+prompt log-probabilities still take a logits command of their own; and a forward whose announced
+logits no compute_logits took (its step failed in between) leaves the ranks paired, the next
+call's results equal to TP 1's. Two real ranks over shared memory."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import torch
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.parallel.shard_plan import REPLICATED_EMBEDDING_MAX_PARAMS, ShardPlan
 from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.model import contiguous_metadata, make_checkpoint
 
@@ -43,9 +47,17 @@ def tiny(models_root) -> str:
     return str(make_checkpoint(models_root, "tiny", "llama"))
 
 
-def test_a_step_is_one_command_and_its_logits_one_gather(tiny, monkeypatch):
-    engine = _engine(tiny, 2)
+@pytest.mark.parametrize(
+    ("arch", "replicated", "per_step"),
+    [
+        ("llama", True, lambda layers: 2 + 2 * layers),  # the batch, o and down per layer, the logits gather
+        ("qwen2", False, lambda layers: 3 + 2 * layers),  # tied: the vocabulary-parallel embedding's all-reduce too
+    ],
+)
+def test_a_step_is_one_command_and_its_collectives(models_root, monkeypatch, arch, replicated, per_step):
+    engine = _engine(str(make_checkpoint(models_root, "tiny", arch)), 2)
     try:
+        assert engine.tensor_parallel.group.plan.replicated_embedding is replicated
         shm = engine.tensor_parallel.group.shm
         assert shm is not None  # Linux on x86-64: the collectives are counted over shared memory
         sent = _count_headers(engine, monkeypatch)
@@ -53,9 +65,7 @@ def test_a_step_is_one_command_and_its_logits_one_gather(tiny, monkeypatch):
         params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
         engine.generate([PROMPT], params)  # a prefill step and 8 decode steps
         assert dict(sent) == {"forward": 9}  # no logits command: each went out with its forward
-        layers = engine.model_config.num_hidden_layers
-        # The batch, the embedding, two per layer (o and down), and the logits gather.
-        assert shm.collectives - before == 9 * (3 + 2 * layers)
+        assert shm.collectives - before == 9 * per_step(engine.model_config.num_hidden_layers)
         sent.clear()
         with_prompt_logprobs = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=1)
         engine.generate([[p + 1 for p in PROMPT]], with_prompt_logprobs)
@@ -97,3 +107,30 @@ def test_announced_logits_that_no_call_takes_leave_the_ranks_paired(tiny):
     finally:
         engine.close()
         reference_engine.close()
+
+
+def test_only_a_small_untied_embedding_is_replicated():
+    def plan(vocab: int, hidden: int, tied: bool = False, size: int = 2) -> ShardPlan:
+        config = ModelConfig(
+            architecture="LlamaForCausalLM",
+            vocab_size=vocab,
+            hidden_size=hidden,
+            num_hidden_layers=1,
+            head_dim=hidden // 4,
+            intermediate_size=2 * hidden,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=tied,
+        )
+        return ShardPlan(config, size, size - 1)
+
+    at_bound = plan(REPLICATED_EMBEDDING_MAX_PARAMS // 512, 512)
+    assert at_bound.replicated_embedding
+    assert at_bound.checkpoint_slice("model.embed_tokens.weight") is None  # the whole table on every rank
+    assert at_bound.checkpoint_slice("lm_head.weight") == (0, at_bound.vocab_start, at_bound.config.vocab_size)
+    assert not plan(REPLICATED_EMBEDDING_MAX_PARAMS // 512 + 1, 512).replicated_embedding  # larger: split
+    split = plan(2048, 256, tied=True)  # tied: the table is also lm_head, which stays split
+    assert not split.replicated_embedding
+    assert split.checkpoint_slice("model.embed_tokens.weight") == (0, 1024, 2048)
+    assert not plan(2048, 256, size=1).replicated_embedding  # TP 1: nothing to replicate
