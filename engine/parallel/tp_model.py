@@ -6,7 +6,7 @@ There is no scripted decode step (its one TorchScript call has no place for the 
 a tensor-parallel engine runs the eager step.
 
 A forward whose caller names the rows it will take logits of next (logits_rows: ModelRunner's
-step does) carries them in its command, so each follower computes its vocabulary rows' logits
+step does) carries them in its command, where the gather goes over shared memory (a CPU group), so each follower computes its vocabulary rows' logits
 from its own copy of the final hidden states (every rank's is the same: the all-reduces sum in
 rank order) right after its forward, and the driver's compute_logits for those rows sends
 nothing: one command per step instead of two, and no broadcast of the hidden rows
@@ -67,6 +67,8 @@ class TensorParallelModel:
         (hidden.index_select(0, rows)); the followers then compute theirs with this forward."""
         with self.ranks.lock, self.ranks.stop_on_failure():
             self._drain_announced()
+            if logits_rows and not self._gather_never_waits(len(logits_rows)):
+                logits_rows = None
             self.ranks.send_forward(input_ids, positions, meta, rank_work_of(on_layer_done), logits_rows)
             if logits_rows:
                 self._announced_rows = len(logits_rows)
@@ -79,6 +81,14 @@ class TensorParallelModel:
                 return self.shard.compute_logits(hidden)
             self._drain_announced()
             return self.shard.compute_logits(self.ranks.send_logits(hidden))
+
+    def _gather_never_waits(self, rows: int) -> bool:
+        """Whether a follower's logits gather of rows returns without the driver's part: over
+        shared memory it does (it only publishes its slot). Over gloo or NCCL it could hold the
+        follower's pipe loop until the driver's compute_logits, and a command the driver sends
+        in between (the KV plane's) would wait on it: those logits stay a command of their own."""
+        shm = self.ranks.group.shm
+        return shm is not None and rows * self.ranks.group.plan.vocab_rows * 4 <= shm.slot_bytes  # float32
 
     def _drain_announced(self) -> None:
         """Take the followers' logits of an announced forward that no compute_logits took (its

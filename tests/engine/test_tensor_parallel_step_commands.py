@@ -1,7 +1,8 @@
 """What a tensor-parallel step sends its follower rank and which collectives it runs
 (engine/parallel/tp_model.py, shard_plan.py): a step's logits go out with its forward command
 (the follower computes its vocabulary rows' logits from its own final hidden states), so a
-decode step is one command; a small untied embedding is held whole by every rank, so its step
+decode step is one command (over shared memory; over gloo the logits stay a command of their
+own); a small untied embedding is held whole by every rank, so its step
 runs 2 + 2 x layers collectives, a tied or large one 3 + 2 x layers (the embedding's all-reduce);
 prompt log-probabilities still take a logits command of their own; and a forward whose announced
 logits no compute_logits took (its step failed in between) leaves the ranks paired, the next
@@ -25,8 +26,8 @@ LOGIT_TOL = 1e-4  # fp32; the row-parallel sums add partial dot products in anot
 PROMPT = [5, 17, 33, 2, 9, 41, 77, 100, 3, 8, 12, 60, 61, 62, 63, 64, 65, 66, 67]
 
 
-def _engine(model: str, tp: int) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=model, num_kv_blocks=64, tensor_parallel_size=tp))
+def _engine(model: str, tp: int, **kwargs) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model, num_kv_blocks=64, tensor_parallel_size=tp, **kwargs))
 
 
 def _count_headers(engine: LLMEngine, monkeypatch) -> Counter:
@@ -72,6 +73,18 @@ def test_a_step_is_one_command_and_its_collectives(models_root, monkeypatch, arc
         # The prompt's logits are taken first (its own command), so its step's forward
         # announces none: the sampled row's logits are a logits command too.
         assert dict(sent) == {"forward": 2, "logits": 2}
+    finally:
+        engine.close()
+
+
+def test_over_gloo_the_logits_stay_a_command_of_their_own(tiny, monkeypatch):
+    """A gloo gather could hold the follower until the driver's part: no logits ride on a forward."""
+    engine = _engine(tiny, 2, tensor_parallel_shm_collectives=False)
+    try:
+        assert engine.tensor_parallel.group.shm is None
+        sent = _count_headers(engine, monkeypatch)
+        engine.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+        assert dict(sent) == {"forward": 3, "logits": 3}
     finally:
         engine.close()
 
