@@ -64,6 +64,8 @@ class ModelRunner:
         self.grammar_mask = GrammarMask(model.config.vocab_size)
         self.verifier = RejectionSampler(self.sampler)
         self.prompt_logprobs = PromptLogprobs(model.compute_logits)
+        # The model takes the rows run() computes logits of with the forward (tensor-parallel).
+        self.announces_logits_rows = getattr(model, "takes_logits_rows", False)
 
     @property
     def scripted_decode(self):
@@ -194,9 +196,13 @@ class ModelRunner:
             # Constrained rows' masks are computed during the forward (each draft row its own).
             self.grammar_mask.start(seqs, seq_drafts if drafts else None)
         # Only a LoRA step passes lora: a tensor-parallel model (LoRA refused there) takes none.
-        lora = {} if step.lora_adapters is None else {"lora": self._lora_batch(step)}
+        extra = {} if step.lora_adapters is None else {"lora": self._lora_batch(step)}
+        if rows and not step.prompt_rows and self.announces_logits_rows:
+            # A tensor-parallel model's other ranks then compute their logits with the forward
+            # (engine/parallel/tp_model.py); prompt log-probabilities would take logits first.
+            extra["logits_rows"] = rows
         hidden = self.model(
-            step.input_ids, step.positions, self.kv_cache, step.meta, on_layer_done=on_layer_done, **lora
+            step.input_ids, step.positions, self.kv_cache, step.meta, on_layer_done=on_layer_done, **extra
         )
         if step.prompt_rows:
             self.prompt_logprobs.record(hidden, step.prompt_rows)

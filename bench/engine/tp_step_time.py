@@ -13,9 +13,10 @@ memory (the default, engine/parallel/shm_collectives.py) and TP 2 eager all on g
 leaves no place for the collectives), so TP 1 eager against TP 2 is the like-for-like pair.
 
 Where rank 0's step goes, timed around the calls in this process only (the follower is not
-patched): `collectives` = the all-reduces (row-parallel outputs, the embedding) and the logits
-gather; `broadcast` = the step's header over each follower's pipe and the batch (ids,
-positions, slots, block tables) and the hidden rows broadcast on the group. A collective's time
+patched): `collectives` = the all-reduces (row-parallel outputs; the embedding's where it is
+vocabulary-parallel) and the logits gather; `broadcast` = the step's command over each
+follower's pipe and the batch (ids, positions, slots, block tables) broadcast on the group (a
+decode step's logits go out with its forward: no command or hidden-rows broadcast of their own). A collective's time
 includes waiting for the slower rank, which is what the step pays for it; `waiting` is that part
 of both over shared memory (rank 0 waiting for rank 1's counters), which gloo does not show.
 """

@@ -134,7 +134,7 @@ def _shape_items(path: Path, config, device: torch.device) -> list[dict]:
                 layer.gate_up_weight[:inter]
             ),
             "down": torch.cat([lay.down_weight for lay in layers], dim=1).equal(layer.down_weight),
-            "embed": torch.cat([s.embed_tokens for s in shards])[: config.vocab_size].equal(whole.embed_tokens),
+            "embed": _embedding_ok(shards, whole, config.vocab_size),
         }
         replicas = max(size // config.num_key_value_heads, 1)
         k_rows = [lay.qkv_weight[sq : sq + lay.kv_size] for lay in layers]
@@ -147,6 +147,14 @@ def _shape_items(path: Path, config, device: torch.device) -> list[dict]:
             item(f"TP {size} shards tile the model", "pass" if ok else "fail", f"KV heads {kind}; wrong: {bad}")
         )
     return items
+
+
+def _embedding_ok(shards: list, whole, vocab_size: int) -> bool:
+    """Each shard's embedding is the whole table where the plan replicates it (a small untied
+    one), else its vocabulary rows: together they tile the table."""
+    if shards[0].tensor_parallel.plan.replicated_embedding:
+        return all(s.embed_tokens.equal(whole.embed_tokens) for s in shards)
+    return torch.cat([s.embed_tokens for s in shards])[:vocab_size].equal(whole.embed_tokens)
 
 
 def check_tensor_parallel(device: torch.device, tiny: bool, work_dir: Path) -> dict:

@@ -65,12 +65,16 @@ class LlamaForCausalLM(nn.Module):
         linear_device = None if quantization == "none" else "meta"
         hidden = config.hidden_size
         layer_config, vocab_rows, all_reduce = config, config.vocab_size, None
+        # A tensor-parallel shard's embedding is its vocabulary rows, or the whole table when
+        # the plan replicates it (then its lookup needs no all-reduce).
+        self._embedding_is_whole = tensor_parallel is None or tensor_parallel.plan.replicated_embedding
         if tensor_parallel is not None:
             plan = tensor_parallel.plan
             layer_config, vocab_rows, all_reduce = plan.local_config, plan.vocab_rows, tensor_parallel.all_reduce
         self.num_heads = layer_config.num_attention_heads  # this rank's
+        embed_rows = config.vocab_size if self._embedding_is_whole else vocab_rows
         self.embed_tokens = nn.Parameter(
-            torch.empty(vocab_rows, hidden, dtype=dtype, device=device), requires_grad=False
+            torch.empty(embed_rows, hidden, dtype=dtype, device=device), requires_grad=False
         )
         self.layers = nn.ModuleList(
             DecoderLayer(layer_config, i, dtype, device, linear_device, all_reduce)
@@ -141,9 +145,10 @@ class LlamaForCausalLM(nn.Module):
         ):
             # CPU decode: the same ops as below as one TorchScript call, which holds no GIL.
             return self._scripted_decode(input_ids, positions, kv_cache, meta)
-        if self.tensor_parallel is None:
+        if self._embedding_is_whole:
             hidden = F.embedding(input_ids, self.embed_tokens)
         else:
+            assert self.tensor_parallel is not None
             hidden = vocab_parallel_embedding(input_ids, self.embed_tokens, self.tensor_parallel)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
@@ -216,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _weight_targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
         targets = {
-            "model.embed_tokens.weight": (self.embed_tokens, 0, self._vocab_rows_loaded),
+            "model.embed_tokens.weight": (self.embed_tokens, 0, self._embed_rows_loaded),
             "model.norm.weight": (self.final_norm, 0, self.final_norm.shape[0]),
         }
         if not self.config.tie_word_embeddings:
@@ -225,6 +230,10 @@ class LlamaForCausalLM(nn.Module):
             for sub, target in layer.weight_slices().items():
                 targets[f"model.layers.{i}.{sub}"] = target
         return targets
+
+    @property
+    def _embed_rows_loaded(self) -> int:
+        return self.config.vocab_size if self._embedding_is_whole else self._vocab_rows_loaded
 
     @property
     def _vocab_rows_loaded(self) -> int:

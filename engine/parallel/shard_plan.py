@@ -4,7 +4,8 @@ each checkpoint tensor it reads. Torch-free: the driver checks a TP size before 
 Megatron's split (as vLLM does it): q/k/v and gate/up are column-parallel (each rank its heads'
 rows, its share of the intermediate rows), o and down row-parallel (the matching input
 columns; one all-reduce each sums the partial outputs), embedding and lm_head split by
-vocabulary rows. A mixture of experts splits every expert's intermediate dimension the same way
+vocabulary rows -- except a small untied embedding, which every rank holds whole
+(replicated_embedding: its lookup then needs no all-reduce). A mixture of experts splits every expert's intermediate dimension the same way
 (each rank a slice of every expert; the router whole on each, so every rank routes alike). When the TP size exceeds the KV heads (GQA), each KV head is replicated on
 TP / kv_heads ranks: rank r holds KV head r // (TP / kv_heads), the one its query heads read.
 """
@@ -24,7 +25,12 @@ from splitserve.engine.quant.int4_groups import group_size_for
 _Q = ("self_attn.q_proj.weight", "self_attn.q_proj.bias")
 _KV = ("self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight", "self_attn.v_proj.bias")
 _MLP_IN = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
-_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+_EMBED, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+# An untied embedding table up to this many parameters (32 MiB in 16 bits, 64 MiB in fp32) is
+# held whole by every rank: its lookup then needs no all-reduce, one collective fewer per step,
+# for at most that much memory per rank. Larger tables (any real model's: Llama-2-7B's has 131M)
+# stay vocabulary-parallel; a tied table is also lm_head, which stays vocabulary-parallel.
+REPLICATED_EMBEDDING_MAX_PARAMS = 1 << 24
 # Phi-3's fused tensors and the unfused ones they stack, in row order.
 _FUSED = {
     "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
@@ -137,6 +143,13 @@ class ShardPlan:
         return -(-self.config.vocab_size // self.size)
 
     @property
+    def replicated_embedding(self) -> bool:
+        """Whether every rank holds the whole embedding table (REPLICATED_EMBEDDING_MAX_PARAMS)."""
+        config = self.config
+        small = config.vocab_size * config.hidden_size <= REPLICATED_EMBEDDING_MAX_PARAMS
+        return self.size > 1 and small and not config.tie_word_embeddings
+
+    @property
     def vocab_start(self) -> int:
         return self.rank * self.vocab_rows
 
@@ -162,7 +175,9 @@ class ShardPlan:
         (norms, which every rank holds whole). A fused tensor (Phi-3's qkv_proj, gate_up_proj)
         gives a list: this rank's rows of each part (q, k, v; gate, up), in that order, which
         is how the rank's own fused weight holds them."""
-        if name.endswith(_VOCAB):
+        if name.endswith(_EMBED) and self.replicated_embedding:
+            return None
+        if name.endswith((_EMBED, _LM_HEAD)):
             return 0, self.vocab_start, self.vocab_start + self.vocab_rows_loaded
         sub = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
         if sub in _FUSED:

@@ -19,7 +19,7 @@ import torch
 from splitserve.engine.ops.attention_metadata import AttentionMetadata
 from splitserve.engine.parallel.tp_group import TensorParallelGroup
 
-FORWARD = "forward"  # run the model on the broadcast batch (writes its KV into the rank's cache)
+FORWARD = "forward"  # run the model on the broadcast batch (writes its KV), maybe its logits too
 LOGITS = "logits"  # compute this rank's vocabulary rows' logits for the broadcast hidden rows
 STOP = "stop"  # leave the loop and exit
 COMMAND = "command"  # hand the payload to the rank's FollowerExtension (follower_extension.py)
@@ -34,6 +34,9 @@ class ForwardHeader(NamedTuple):
     context_lens: list[int]
     max_query_len: int
     rank_work: Any = None  # the extension's work for this forward (follower_extension.py)
+    # The output rows whose logits the rank computes and gathers right after this forward (the
+    # driver's next compute_logits: tp_model.py); None: a LOGITS command will say.
+    logits_rows: list[int] | None = None
 
 
 class LogitsHeader(NamedTuple):
@@ -56,7 +59,9 @@ class HostCopyHeader(NamedTuple):
     device_blocks: list[int]
 
 
-def forward_header(input_ids: torch.Tensor, meta: AttentionMetadata, rank_work: Any = None) -> ForwardHeader:
+def forward_header(
+    input_ids: torch.Tensor, meta: AttentionMetadata, rank_work: Any = None, logits_rows: list[int] | None = None
+) -> ForwardHeader:
     return ForwardHeader(
         FORWARD,
         int(input_ids.shape[0]),
@@ -65,6 +70,7 @@ def forward_header(input_ids: torch.Tensor, meta: AttentionMetadata, rank_work: 
         list(meta.context_lens_cpu),
         meta.max_query_len,
         rank_work,
+        list(logits_rows) if logits_rows else None,
     )
 
 

@@ -1,6 +1,9 @@
 """A follower rank's process (ranks 1..N-1 of a tensor-parallel engine): join the group, load
 this rank's shard and KV cache, then run each forward and logits command the driver sends.
 
+Between commands it polls its pipe for a few milliseconds before it blocks on it (_POLL_S), so
+the next step's command does not wait for a sleeping process to wake.
+
 It exits when the driver says stop, when its pipe closes, when a collective fails or times
 out, and -- whatever it is doing -- when the driver process dies: a watchdog thread waits on
 the parent's sentinel and ends the process, so no rank outlives its driver.
@@ -19,6 +22,7 @@ import logging
 import multiprocessing
 import os
 import threading
+import time
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
@@ -49,6 +53,13 @@ logger = logging.getLogger(__name__)
 ALIVE = "alive"  # imports done, about to join the group
 READY = "ready"  # shard and KV cache loaded, serving commands
 FAILED = "failed"  # (FAILED, one-line reason): the driver raises it
+# How long a rank polls its pipe after each command before it blocks on it. A decode step's
+# next command follows the last one's logits within a millisecond (0.2-0.8 ms at batches 1-32
+# on the bench preset: the driver samples and schedules), and a rank asleep in the pipe's read
+# wakes tens to hundreds of microseconds after it is written, which the driver then waits at
+# the step's first collective (bench/results/tensor_parallel.md). Polling yields the core to
+# anything else runnable on it; an idle engine's ranks block again 5 ms after their last command.
+_POLL_S = 5e-3
 
 
 def _exit_with_parent() -> None:
@@ -141,6 +152,7 @@ def _serve(
     with torch.inference_mode():
         while True:
             try:
+                _poll_briefly(conn)
                 header = conn.recv()
             except (EOFError, OSError):
                 return  # the driver closed its end
@@ -148,7 +160,12 @@ def _serve(
                 input_ids, positions, meta = receive_forward(group, header)
                 work = header.rank_work
                 on_layer_done = ext.forward_hook(work) if ext is not None and work is not None else None
-                model(input_ids, positions, kv_cache, meta, on_layer_done=on_layer_done)
+                hidden = model(input_ids, positions, kv_cache, meta, on_layer_done=on_layer_done)
+                rows = header.logits_rows
+                if rows is not None:  # the driver's next logits call, without a command of its own
+                    if len(rows) < hidden.shape[0]:  # as ModelRunner selects them
+                        hidden = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
+                    model.share_logits(hidden)
             elif header[0] == LOGITS:
                 model.share_logits(receive_hidden(group, header, hidden_size, dtype))
             elif header[0] == HOST_KV and host_kv is not None:
@@ -160,6 +177,13 @@ def _serve(
                 ext.handle(header.payload)
             elif header[0] == STOP:
                 return
+
+
+def _poll_briefly(conn: Connection) -> None:
+    """Return once conn has data or _POLL_S has passed (the caller's recv then blocks)."""
+    deadline = time.monotonic() + _POLL_S
+    while not conn.poll(0) and time.monotonic() < deadline:
+        os.sched_yield()
 
 
 def _timeout(config: EngineConfig) -> timedelta:

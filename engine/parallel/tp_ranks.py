@@ -179,11 +179,17 @@ class TensorParallelRanks:
             raise TensorParallelError(f"tensor-parallel rank {rank} did not {what} within {self.timeout_s:.0f}s")
 
     def send_forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, rank_work=None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        rank_work=None,
+        logits_rows: list[int] | None = None,
     ) -> None:
-        """Hand the step to every follower (with the extension's work for it); the caller then
-        runs its own forward (the group's collectives pair them up)."""
-        header = forward_header(input_ids, meta, rank_work)
+        """Hand the step to every follower (with the extension's work for it, and the rows whose
+        logits each then computes); the caller then runs its own forward (the group's
+        collectives pair them up)."""
+        header = forward_header(input_ids, meta, rank_work, logits_rows)
         self._send(header)
         broadcast_forward(self.group, input_ids, positions, meta)
 

@@ -1,7 +1,8 @@
 """The vocabulary-parallel ends of the sharded model: the embedding lookup and the logits.
 
-Each rank holds ShardPlan.vocab_rows rows of the embedding and of lm_head (the same rows when
-they are tied). The embedding looks up the ids in its rows, zeroes the others and all-reduces:
+Each rank holds ShardPlan.vocab_rows rows of lm_head and of the embedding (the same rows when
+they are tied; a small untied embedding is held whole instead, ShardPlan.replicated_embedding,
+and looked up as the unsharded model does). The embedding looks up the ids in its rows, zeroes the others and all-reduces:
 one rank contributes each row and the rest add exact zeros, so the result is bitwise the
 unsharded lookup. The logits are gathered to the driver only, not all-gathered: only rank 0
 samples (and it broadcasts nothing back: the next step's batch carries the token), so the other
