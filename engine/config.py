@@ -36,13 +36,17 @@ class ConfigError(ValueError):
 CPU_DECODE_FORWARD_ENV = "SPLITSERVE_CPU_DECODE_FORWARD"
 
 
-def async_scheduling_pays(device: str, scripted_decode: bool = False) -> bool:
-    """Where async scheduling is on unless configured: a CUDA device, and a CPU engine whose
-    decode steps run as one TorchScript call that holds no GIL (scripted_decode:
-    engine/model/scripted_decode.py; an fp32 unquantized model and cache). An eager CPU forward
-    needs the GIL back after every torch op, so the host work the overlap was meant to hide
-    delays it instead (bench/results/overlap.md measured it slower there)."""
-    return str(device).startswith("cuda") or scripted_decode
+def async_scheduling_pays(scripted_decode: bool) -> bool:
+    """Where async scheduling is on unless configured: a CPU engine whose decode steps run as
+    one TorchScript call that holds no GIL (scripted_decode: engine/model/scripted_decode.py; an
+    fp32 unquantized model and cache). An eager forward needs the GIL back after every torch op,
+    so the host work the overlap was meant to hide delays it instead: on CPU
+    (bench/results/overlap.md) and on CUDA too, where without CUDA graphs each step is Python
+    launching ~300 kernels. gpu_check check 9 on an H200 (bench/results/gpu_check.md, 3 runs,
+    ~1B Llama, bf16) measured the overlap 0.48-0.74x the synchronous step at batch 1 and 0.87x
+    over batches 1-256 (geometric mean). CUDA graphs, which would take the forward off the GIL,
+    would change that."""
+    return scripted_decode
 
 
 def parse_memory_bytes(value: int | str, name: str = "kv_cache_memory_bytes") -> int:
@@ -86,10 +90,11 @@ class EngineConfig:
     seed: int = 0
     # Async scheduling (engine/step_pipeline.py): the next step is scheduled and submitted
     # while one runs on the forward thread, with placeholders for its tokens. Speculative
-    # decoding steps synchronously whatever this says. None (the default): where it pays, i.e.
-    # on a CUDA device, whose forward runs off the host; on CPU the synchronous step, because
-    # there the forward thread and the host work share one GIL and the overlap measured slower
-    # (bench/results/overlap.md). __post_init__ resolves it to a bool.
+    # decoding steps synchronously whatever this says. None (the default): where it pays
+    # (async_scheduling_pays: a scripted CPU decode step); elsewhere the synchronous step,
+    # because an eager forward and the host work share one GIL and the overlap measured slower,
+    # on CPU (bench/results/overlap.md) and on an H200 (bench/results/gpu_check.md).
+    # PagedEngine resolves it to a bool.
     async_scheduling: bool | None = None
     # Speculative decoding (engine/speculative): a SpeculativeConfig, or its dict (how Ray ships it).
     speculative: Any = None
@@ -127,9 +132,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         from splitserve.engine.speculative.speculative_config import SpeculativeConfig
         from splitserve.engine.structured_output.grammar_config import GrammarConfig
-
-        if self.async_scheduling is None and async_scheduling_pays(self.device):
-            self.async_scheduling = True  # on CPU it depends on the model: PagedEngine decides
 
         if self.grammar is None or isinstance(self.grammar, dict):
             try:

@@ -125,9 +125,9 @@ class PagedEngine(KVHandoff, EngineProtocol):
         self.num_steps = 0
         self.timing = StepTiming()
         # Async scheduling: the next step scheduled while one runs (engine/step_pipeline.py).
-        if config.async_scheduling is None:  # unset on CPU: on where the decode step is scripted
+        if config.async_scheduling is None:  # unset: on where the decode step is scripted
             scripted = getattr(runner, "scripted_decode", None) is not None and config.kv_cache_dtype == "auto"
-            config.async_scheduling = async_scheduling_pays(config.device, scripted)
+            config.async_scheduling = async_scheduling_pays(scripted)
         self.pipeline = StepPipeline(self) if config.async_scheduling and speculator is None else None
 
     # ---- requests ------------------------------------------------------------------------
