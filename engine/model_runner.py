@@ -66,6 +66,8 @@ class ModelRunner:
         self.prompt_logprobs = PromptLogprobs(model.compute_logits)
         # The model takes the rows run() computes logits of with the forward (tensor-parallel).
         self.announces_logits_rows = getattr(model, "takes_logits_rows", False)
+        # LlamaForCausalLM.forward's output_rows (a tensor-parallel driver's model has none).
+        self.selects_output_rows = bool(getattr(model, "selects_output_rows", False))
 
     @property
     def scripted_decode(self):
@@ -196,11 +198,15 @@ class ModelRunner:
             # Constrained rows' masks are computed during the forward (each draft row its own).
             self.grammar_mask.start(seqs, seq_drafts if drafts else None)
         # Only a LoRA step passes lora: a tensor-parallel model (LoRA refused there) takes none.
-        extra = {} if step.lora_adapters is None else {"lora": self._lora_batch(step)}
+        extra: dict = {} if step.lora_adapters is None else {"lora": self._lora_batch(step)}
         if rows and not step.prompt_rows and self.announces_logits_rows:
             # A tensor-parallel model's other ranks then compute their logits with the forward
             # (engine/parallel/tp_model.py); prompt log-probabilities would take logits first.
             extra["logits_rows"] = rows
+        # A prefill reads out few rows: the last layer computes only those (LlamaForCausalLM.forward).
+        read_out = self._reads_out_rows(step)
+        if read_out:
+            extra["output_rows"] = rows
         hidden = self.model(
             step.input_ids, step.positions, self.kv_cache, step.meta, on_layer_done=on_layer_done, **extra
         )
@@ -211,7 +217,7 @@ class ModelRunner:
         if before_sampling is not None:  # the grammars hold the last step's tokens from here
             before_sampling()
             self.grammar_mask.start(seqs)
-        if len(rows) == hidden.shape[0]:
+        if read_out or len(rows) == hidden.shape[0]:
             selected = hidden
         else:
             selected = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
@@ -226,6 +232,17 @@ class ModelRunner:
         # The scheduler advances each grammar by the tokens its request emits.
         results = self.sampler.sample(logits, seqs)
         return {s.request_id: r for s, r in zip(seqs, results)}
+
+    def _reads_out_rows(self, step: PreparedStep) -> bool:
+        """Whether the forward returns only the sampled rows: where the model takes output_rows,
+        the step has rows it does not sample, and nothing reads every row (prompt
+        log-probabilities) or adds per-token deltas (LoRA)."""
+        return (
+            self.selects_output_rows
+            and len(step.rows) < step.input_ids.shape[0]
+            and not step.prompt_rows
+            and step.lora_adapters is None
+        )
 
     def _run_scripted_greedy(
         self, step: PreparedStep, previous: dict, before_sampling: Callable[[], None] | None

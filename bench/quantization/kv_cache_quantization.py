@@ -46,7 +46,7 @@ def engine(model_dir: str, kv_cache_dtype: str, num_kv_blocks: int = 1024, **kw)
 def granularity(model_dir: str) -> dict:
     records: list = []
     auto = engine(model_dir, "auto")
-    with captured_attention_inputs(records):
+    with captured_attention_inputs(auto, records):
         auto.generate(HELD_OUT, SamplingParams(max_tokens=1, temperature=0))
     return attention_errors(records, auto.model_config.head_dim, BLOCK_SIZE)
 

@@ -24,11 +24,16 @@ SCHEMES = ("token", "block")
 
 
 @contextlib.contextmanager
-def captured_attention_inputs(records: list):
-    """Append (q, k, v) [T, H, D] of every layer's paged_attention call while active."""
+def captured_attention_inputs(engine, records: list):
+    """Append (q, k, v) [T, H, D] of every layer's paged_attention call while active, each over
+    every prompt row: engine's runner passes the model no output_rows meanwhile (which would
+    leave the last layer attending for the sampled rows only)."""
     from splitserve.engine.model import layers
 
     original = layers.paged_attention
+    runner = engine.runner
+    reads_out = runner.selects_output_rows
+    runner.selects_output_rows = False
 
     def recording(q, key_cache, value_cache, meta, scale, new_keys=None, new_values=None, **kw):
         records.append((q.detach().clone(), new_keys.detach().clone(), new_values.detach().clone()))
@@ -39,6 +44,7 @@ def captured_attention_inputs(records: list):
         yield records
     finally:
         layers.paged_attention = original
+        runner.selects_output_rows = reads_out
 
 
 def _block_quantized(x: torch.Tensor, storage: torch.dtype, block_size: int) -> torch.Tensor:

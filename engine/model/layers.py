@@ -17,7 +17,7 @@ from splitserve.engine.model.moe import SparseMoeMlp
 from splitserve.engine.model.rope import RotaryEmbedding
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.ops.attention import paged_attention, write_kv
-from splitserve.engine.ops.attention_metadata import AttentionMetadata
+from splitserve.engine.ops.attention_metadata import AttentionMetadata, OutputRows
 from splitserve.engine.ops.sparse_decode import SparseDecodePlan
 from splitserve.engine.quant.quantize import linear
 
@@ -161,9 +161,12 @@ class DecoderLayer(nn.Module):
         on_kv_written: Callable[[int], None] | None = None,
         decode_plan: SparseDecodePlan | None = None,
         lora: LoraBatch | None = None,
+        output_rows: OutputRows | None = None,
     ) -> torch.Tensor:
         """hidden [T, hidden] -> [T, hidden]; writes this layer's new K/V into the cache.
-        lora: each adapter token's LoRA delta added to every targeted projection's output."""
+        lora: each adapter token's LoRA delta added to every targeted projection's output.
+        output_rows (the last layer, without LoRA): once every row's K/V is written, only
+        these rows go on; returns [R, hidden]."""
         x = self.norm(hidden, self.input_norm, self.eps)
         num_tokens = x.shape[0]
         i = self.layer_index
@@ -183,12 +186,18 @@ class DecoderLayer(nn.Module):
         write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
         if on_kv_written is not None:
             on_kv_written(self.layer_index)
+        if output_rows is not None:
+            if output_rows.meta is None:
+                return hidden[:0]
+            # Each row a decode query over its own context (OutputRows); its own K/V is in the cache.
+            q, hidden = q.index_select(0, output_rows.index), hidden.index_select(0, output_rows.index)
+            meta, decode_plan = output_rows.meta, None
         attn = paged_attention(
             q, key_cache, value_cache, meta, self.scale, k, v, decode_plan=decode_plan, window=self.window
         )
         # Residual adds in place on the fresh matmul outputs (x + r == r + x exactly); under
         # tensor parallelism after the partial outputs are summed, so the residual counts once.
-        attn = attn.reshape(num_tokens, self.q_size)
+        attn = attn.reshape(q.shape[0], self.q_size)
         out = linear(attn, self.o_weight)
         if lora is not None:
             lora.add_delta(out, i, "o", attn)

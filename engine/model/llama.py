@@ -18,7 +18,7 @@ from splitserve.engine.model.rope import RotaryEmbedding
 from splitserve.engine.model.scripted_decode import ScriptedDecodeForward, decode_plan_applies
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.ops.attention import make_decode_plan
-from splitserve.engine.ops.attention_metadata import AttentionMetadata
+from splitserve.engine.ops.attention_metadata import AttentionMetadata, OutputRows
 from splitserve.engine.ops.kv_cache import KVCache
 from splitserve.engine.ops.onednn_packed_weight import OneDnnPackedWeight
 from splitserve.engine.parallel.vocab_parallel import gather_vocab_logits, vocab_parallel_embedding
@@ -129,6 +129,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         on_layer_done: Callable[[int], None] | None = None,
         lora: LoraBatch | None = None,
+        output_rows: list[int] | None = None,
     ) -> torch.Tensor:
         """input_ids/positions int64 [T] -> final hidden states [T, hidden].
 
@@ -136,10 +137,17 @@ class LlamaForCausalLM(nn.Module):
         on_layer_done(i) runs as soon as layer i's K/V is in the cache, so a KV sender can ship
         layer i while later layers compute. lora: the step's adapter tokens (engine/lora/),
         whose LoRA deltas every layer adds; the scripted decode has none, so it steps aside.
+        output_rows: only these rows' hidden states are wanted, [len(output_rows), hidden] in
+        that order: the last layer computes them alone once every row's K/V is written
+        (OutputRows; a prefill's rows but one skip its attention and MLP). Not with lora or
+        under tensor parallelism (the follower ranks run every row).
         """
+        if output_rows is not None and (lora is not None or self.tensor_parallel is not None):
+            raise ValueError("output_rows is not supported with LoRA or tensor parallelism")
         if (
             on_layer_done is None
             and lora is None
+            and output_rows is None
             and self._scripted_decode is not None
             and decode_plan_applies(meta, kv_cache)
         ):
@@ -158,12 +166,22 @@ class LlamaForCausalLM(nn.Module):
             local = self.local_rotary.cos_sin(positions)
         # Block tables are the same for every layer: index them once per step (per window).
         plans = {w: make_decode_plan(meta, hidden, kv_cache.key_cache(0), self.num_heads, w) for w in self._windows}
+        rows = None if output_rows is None else OutputRows.of(meta, output_rows)
+        last = len(self._layer_list) - 1
         for i, layer in enumerate(self._layer_list):
             layer_cos, layer_sin = local if layer.sliding else (cos, sin)
             key_cache, value_cache = kv_cache.key_cache(i), kv_cache.value_cache(i)
             plan = plans[layer.window]
-            hidden = layer(hidden, layer_cos, layer_sin, key_cache, value_cache, meta, on_layer_done, plan, lora)
+            layer_rows = rows if i == last else None
+            hidden = layer(
+                hidden, layer_cos, layer_sin, key_cache, value_cache, meta, on_layer_done, plan, lora, layer_rows
+            )
         return self.norm(hidden, self.final_norm, self.config.rms_norm_eps)
+
+    @property
+    def selects_output_rows(self) -> bool:
+        """Whether forward takes output_rows: not a tensor-parallel shard's."""
+        return self.tensor_parallel is None
 
     def use_scripted_decode(self) -> bool:
         """Run CPU pure-decode steps as one TorchScript call (engine/model/scripted_decode.py),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -58,3 +59,41 @@ class AttentionMetadata:
     def is_pure_decode(self) -> bool:
         """Every sequence has exactly one new token (the common decode step)."""
         return self.max_query_len == 1
+
+
+@dataclass
+class OutputRows:
+    """The rows of a flattened batch a forward pass reads out (those whose logits are
+    computed), for the last layer to finish alone.
+
+    Every row's K/V is needed in every layer, but after the last layer writes its K/V only
+    the rows read out matter: their attention, output projection and MLP are all that is left
+    to compute (a prompt of T tokens samples from one row, so T - 1 rows' work is skipped).
+    Each row attends as a decode query would: one query over its own sequence's context up
+    to and including itself (meta, a pure-decode AttentionMetadata with a row per query).
+    """
+
+    index: torch.Tensor  # int64 [R]: the rows, in the order the output has them
+    meta: AttentionMetadata | None  # None when R == 0 (a prompt chunk that samples nothing)
+
+    @classmethod
+    def of(cls, batch: AttentionMetadata, rows: list[int]) -> OutputRows:
+        device = batch.slot_mapping.device
+        index = torch.tensor(rows, dtype=torch.int64, device=device)
+        if not rows:
+            return cls(index, None)
+        starts = batch.query_start_loc_cpu
+        seqs = [bisect.bisect_right(starts, row) - 1 for row in rows]
+        # Row r of sequence s is query r - starts[s] of the ones at the end of its context.
+        context_lens = [batch.context_lens_cpu[s] - (starts[s + 1] - row) + 1 for row, s in zip(rows, seqs)]
+        meta = AttentionMetadata(
+            slot_mapping=batch.slot_mapping.index_select(0, index),
+            query_start_loc=torch.arange(len(rows) + 1, dtype=torch.int32, device=device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            block_tables=batch.block_tables.index_select(0, torch.tensor(seqs, device=device)),
+            query_start_loc_cpu=list(range(len(rows) + 1)),
+            context_lens_cpu=context_lens,
+            max_query_len=1,
+            max_context_len=max(context_lens),
+        )
+        return cls(index, meta)

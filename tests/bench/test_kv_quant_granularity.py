@@ -38,7 +38,7 @@ def test_an_outlier_token_hurts_per_block_scales_only(kv_cache_dtype, outlier):
 def test_capture_records_every_layers_attention_inputs_and_errors_are_ordered(tiny_model):
     engine = LLMEngine(EngineConfig(model=tiny_model, num_kv_blocks=16))
     records: list = []
-    with captured_attention_inputs(records):
+    with captured_attention_inputs(engine, records):
         engine.generate([list(range(5, 45))], SamplingParams(max_tokens=1, temperature=0))
     layers = engine.model_config.num_hidden_layers
     assert len(records) == layers and all(q.shape[0] == k.shape[0] == 40 for q, k, _ in records)
