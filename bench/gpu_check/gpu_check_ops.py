@@ -175,6 +175,24 @@ def _target_status(achieved: float, copy_bw: float, applies: bool, device: torch
     return "pass" if achieved >= TARGET_FRACTION * copy_bw else "missed"
 
 
+def _split_sweep(device: torch.device, tiny: bool, dtype: torch.dtype, timing: dict) -> list[dict]:
+    """The kernel's ms at forced context-split counts, per shape: what choose_num_splits is tuned by."""
+    from splitserve.engine.ops import triton_decode_attention as decode
+
+    items = []
+    for batch, context in [(2, 64)] if tiny else [(32, 4096), (64, 4096), (8, 32768)]:
+        q, key_cache, value_cache, tables, lens = paged_problem([context] * batch, dtype, device, seed=7)
+        args = (q, key_cache, value_cache, tables, lens, HEAD_DIM**-0.5, torch.empty_like(q))
+        ms = {
+            splits: time_ms(lambda n=splits, a=args: decode.paged_decode_attention(*a, num_splits=n), device, **timing)
+            for splits in ((1, 2) if tiny else (1, 2, 3, 5, 8, 12, 16, 24, 32))
+        }
+        best = min(ms, key=ms.__getitem__)
+        note = ", ".join(f"{n}: {t:.3f} ms" for n, t in ms.items())
+        items.append(item(f"decode attention split sweep b={batch} ctx={context}", "info", note, fastest_splits=best))
+    return items
+
+
 def _attention_speed(batch: int, context: int, dtype: torch.dtype, device: torch.device, timing: dict, seed: int):
     """(K/V bytes, kernel ms, SDPA ms) for batch sequences of exactly context tokens."""
     import torch.nn.functional as F
@@ -229,6 +247,7 @@ def check_bandwidth(device: torch.device, tiny: bool) -> dict:
                 sdpa_gb_per_s=kv_bytes / (sdpa_ms / 1e3) / 1e9,
             )
         )
+    items += _split_sweep(device, tiny, dtype, timing)
     row_numel = BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM
     num_blocks, count = (8, 2) if tiny else (16384, 4096)
     planes = torch.randn(2, num_blocks, row_numel, device=device).to(dtype)
