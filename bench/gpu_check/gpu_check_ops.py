@@ -6,6 +6,7 @@ Also the result-item and timing helpers the other gpu_check modules share.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -182,9 +183,10 @@ def _split_sweep(device: torch.device, tiny: bool, dtype: torch.dtype, timing: d
     items = []
     for batch, context in [(2, 64)] if tiny else [(32, 4096), (64, 4096), (8, 32768)]:
         q, key_cache, value_cache, tables, lens = paged_problem([context] * batch, dtype, device, seed=7)
-        args = (q, key_cache, value_cache, tables, lens, HEAD_DIM**-0.5, torch.empty_like(q))
+        scale, out = HEAD_DIM**-0.5, torch.empty_like(q)
+        call = functools.partial(decode.paged_decode_attention, q, key_cache, value_cache, tables, lens, scale, out)
         ms = {
-            splits: time_ms(lambda n=splits, a=args: decode.paged_decode_attention(*a, num_splits=n), device, **timing)
+            splits: time_ms(lambda n=splits, c=call: c(num_splits=n), device, **timing)
             for splits in ((1, 2) if tiny else (1, 2, 3, 5, 8, 12, 16, 24, 32))
         }
         best = min(ms, key=ms.__getitem__)
