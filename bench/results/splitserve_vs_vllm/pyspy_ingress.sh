@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
 # Where the relay's CPU goes inside the ingress replica (and the decode actor): py-spy samples
 # both for 25 s while two 96-request, concurrency-32 loads run against splitserve-1t, then
-# pyspy_summary.py prints the self and inclusive shares of each function. Needs py-spy
+# splitserve.bench.serving.pyspy_summary prints the self and inclusive shares of each function. Needs py-spy
 # (`pip install py-spy`). Raw stacks go to $SPY_OUT (default /tmp). Run from the repo root.
 set -u
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 M=${MODEL_DIR:-/tmp/splitserve-bench/bench}
 SPY_OUT=${SPY_OUT:-/tmp}
-HERE=bench/results/splitserve_vs_vllm
 PORT=$(.venv/bin/python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 setsid .venv/bin/splitserve serve --model "$M" --http-port "$PORT" --grpc-port 0 --prefill-replicas 0 \
   --decode-replicas 1 --decode-num-cpus 1 > "$SPY_OUT/pyspy-server.log" 2>&1 &
@@ -37,5 +36,5 @@ for k in 1 2; do
 done
 wait $SPY1 $SPY2
 kill -INT "$SERVER"; sleep 10; kill -TERM -- -"$SERVER" 2> /dev/null
-.venv/bin/python "$HERE/pyspy_summary.py" "$SPY_OUT/pyspy-ingress.txt"
-.venv/bin/python "$HERE/pyspy_summary.py" "$SPY_OUT/pyspy-decode.txt"
+.venv/bin/python -m splitserve.bench.serving.pyspy_summary "$SPY_OUT/pyspy-ingress.txt"
+.venv/bin/python -m splitserve.bench.serving.pyspy_summary "$SPY_OUT/pyspy-decode.txt"

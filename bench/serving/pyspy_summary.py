@@ -1,4 +1,8 @@
-"""Self and inclusive share of each function in a py-spy `--format raw` file (collapsed stacks)."""
+"""Self and inclusive share of each function in a py-spy `--format raw` file (collapsed stacks):
+`python -m splitserve.bench.serving.pyspy_summary FILE` (bench/results/splitserve_vs_vllm/pyspy_ingress.sh
+runs it on the ingress replica's and the decode actor's profiles)."""
+
+from __future__ import annotations
 
 import collections
 import re
@@ -8,10 +12,10 @@ import sys
 def summarize(path: str, top: int = 30) -> str:
     own, inclusive = collections.Counter(), collections.Counter()
     total = 0
-    for line in open(path, encoding="utf-8"):
+    for line in open(path, encoding="utf-8").read().splitlines():
         if not line.strip():
             continue
-        stack, count = line.rstrip("\n").rsplit(" ", 1)
+        stack, count = line.rsplit(" ", 1)
         frames = [re.sub(r":\d+\)", ")", frame) for frame in stack.split(";")]  # one line per function
         total += int(count)
         own[frames[-1]] += int(count)
