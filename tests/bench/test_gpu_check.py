@@ -35,6 +35,11 @@ CHECKS = [
 ]
 
 
+# The whole dry run in one subprocess: 34 s on a quiet CI machine, many times that on a busy one.
+# Only a hang is bounded (the suite's 300 s per-test default would bound the work).
+HANG_SAFETY_NET_S = 1800
+
+
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
@@ -50,11 +55,12 @@ def dry_run(tmp_path_factory):
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=HANG_SAFETY_NET_S,
     )
     return completed, out
 
 
+@pytest.mark.timeout(HANG_SAFETY_NET_S)
 def test_cpu_dry_run_passes_every_check(dry_run):
     completed, out = dry_run
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
@@ -122,6 +128,7 @@ def test_cpu_dry_run_passes_every_check(dry_run):
                 assert moe["status"] == "pass" and 0 < numbers["err_engine"] and numbers["bmm_ms"] > 0, moe
 
 
+@pytest.mark.timeout(HANG_SAFETY_NET_S)
 def test_report_is_markdown_with_every_check(dry_run):
     _, out = dry_run
     text = (out / "gpu_check.md").read_text()
