@@ -152,7 +152,7 @@ class ServeConfig(_Strict):
     grpc_host: str = "127.0.0.1"
     """gRPC address."""
     grpc_port: int = Field(50051, ge=0, le=65535)
-    """gRPC port."""
+    """gRPC port (0: each ingress replica listens on a free port of its own)."""
     grpc: GrpcConnectionConfig = Field(default_factory=GrpcConnectionConfig)
     """gRPC connection limits: handshake and request-message timeout, idle timeout, keepalive, caps."""
     api_key: str | None = None

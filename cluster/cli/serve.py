@@ -139,7 +139,10 @@ def _serve(cfg, args: argparse.Namespace, controller_options: dict | None) -> in
     for name, one in cfg.model_deployments():
         print(f"splitserve: model {name} ({one.model})", flush=True)
     print(f"splitserve: OpenAI HTTP on http://{cfg.http_host}:{cfg.http_port}/v1", flush=True)
-    print(f"splitserve: gRPC on {cfg.grpc_host}:{cfg.grpc_port}", flush=True)
+    if cfg.grpc_port:
+        print(f"splitserve: gRPC on {cfg.grpc_host}:{cfg.grpc_port}", flush=True)
+    else:  # each ingress replica bound a port of its own; no one address to announce
+        print(f"splitserve: gRPC on {cfg.grpc_host}, a free port per ingress replica (--grpc-port 0)", flush=True)
     print("splitserve: ready (Ctrl-C to stop)", flush=True)
     watch = _AppWatch(serve)
     while not stop.wait(1.0):
