@@ -10,6 +10,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from splitserve.engine.config import DEFAULT_NUM_KV_BLOCKS, ConfigError, EngineKind, KvCacheDtype, parse_memory_bytes
 
+# A served CPU step below this many tokens runs on one torch thread (engine/step_threads.py):
+# measured colocated on 2 cores (bench/results/vs_vllm_bench.md), decode steps up to batch 32
+# and 200-token prompts ran faster on one thread, 1,000-token prompts on two.
+THREADED_STEP_MIN_TOKENS = 512
+
 
 class StrictConfig(BaseModel):
     """Settings that refuse unknown keys; each field's docstring is its help and schema text."""
@@ -89,6 +94,8 @@ class EnginePoolConfig(StrictConfig):
     """Token budget of one engine step (chunked prefill)."""
     torch_threads: int | None = Field(None, ge=1)
     """torch threads per replica; unset: its num_cpus."""
+    threaded_step_min_tokens: int = Field(THREADED_STEP_MIN_TOKENS, ge=0)
+    """On CPU, an engine step computing fewer tokens runs on one torch thread, a larger one on all torch_threads (a small step's second thread waits for a core that the node's ingress, proxy and Ray hold); 0: every step on all."""
     engine: EngineKind | None = None
     """This pool's engine (real or simulated); unset: the top-level `engine`."""
     tensor_parallel_size: int = Field(1, ge=1)

@@ -96,6 +96,10 @@ class EngineConfig:
     # on CPU (bench/results/overlap.md) and on an H200 (bench/results/gpu_check.md).
     # PagedEngine resolves it to a bool.
     async_scheduling: bool | None = None
+    # A CPU step computing fewer tokens than this runs its forward on one torch thread, a
+    # larger one on all of the engine's (engine/step_threads.py: a small step's second thread
+    # waits for a core the replica's neighbours hold); 0: every step on all of them.
+    threaded_step_min_tokens: int = 0
     # Speculative decoding (engine/speculative): a SpeculativeConfig, or its dict (how Ray ships it).
     speculative: Any = None
     # Structured-output bounds and cache size (engine/structured_output/grammar_config.py), or their dict.
@@ -154,6 +158,8 @@ class EngineConfig:
             raise ConfigError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.threaded_step_min_tokens < 0:
+            raise ConfigError(f"threaded_step_min_tokens must be >= 0, got {self.threaded_step_min_tokens}")
         if self.max_num_batched_tokens < self.block_size:
             raise ConfigError("max_num_batched_tokens must be >= block_size")
         if self.dtype is not None and self.dtype not in DTYPES:

@@ -34,6 +34,7 @@ from splitserve.engine.parallel.tp_host_kv import TensorParallelHostKV
 from splitserve.engine.parallel.tp_model import launch_tensor_parallel
 from splitserve.engine.parallel.tp_ranks import FollowerLauncher, TensorParallelRanks
 from splitserve.engine.speculative.speculator import Speculator
+from splitserve.engine.step_threads import StepThreads
 from splitserve.proto.messages.sampling_params import SamplingParams
 
 __all__ = ["LLMEngine", "LayerHookFactory"]
@@ -87,7 +88,7 @@ class LLMEngine(PagedEngine):
             model_config,
             tokenizer,
             kv_cache,
-            ModelRunner(model, kv_cache, config.seed, eos, lora),
+            ModelRunner(model, kv_cache, config.seed, eos, lora, step_threads(config, model)),
             Speculator.for_engine(config, model_config.vocab_size),
             kv_block_bytes=kv_bytes_per_block(*sizing),
             num_host_blocks=num_host_blocks(kv_cache, config.kv_offloading_size),
@@ -149,3 +150,13 @@ class LLMEngine(PagedEngine):
     def device(self) -> torch.device:
         """Where the KV cache lives (the transport opens NCCL pairs for CUDA, gloo for CPU)."""
         return self.kv_cache.device
+
+
+def step_threads(config: EngineConfig, model) -> StepThreads | None:
+    """Each step's torch threads by its size, on a CPU engine that runs its model in this
+    process alone (a tensor-parallel one's ranks keep theirs)."""
+    if config.threaded_step_min_tokens == 0 or config.tensor_parallel_size > 1:
+        return None
+    if model.device.type != "cpu":
+        return None
+    return StepThreads(config.threaded_step_min_tokens)

@@ -18,6 +18,7 @@ from splitserve.engine.ops.kv_cache import KVCache
 from splitserve.engine.sample.prompt_logprobs import PromptLogprobs, PromptRows
 from splitserve.engine.sample.sampler import SampledToken, Sampler
 from splitserve.engine.speculative.rejection_sampler import RejectionSampler
+from splitserve.engine.step_threads import StepThreads
 from splitserve.engine.structured_output.grammar_mask import GrammarMask
 
 
@@ -53,9 +54,12 @@ class ModelRunner:
         seed: int = 0,
         eos_token_ids: list[int] | tuple[int, ...] = (),
         lora: LoraSlots | None = None,
+        step_threads: StepThreads | None = None,
     ):
-        """lora: the device's adapter slots, where the engine serves LoRA adapters."""
+        """lora: the device's adapter slots, where the engine serves LoRA adapters; step_threads:
+        the torch threads of each step's forward by its size (None: torch's setting, untouched)."""
         self.model = model
+        self.step_threads = step_threads
         self.lora = lora
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
@@ -188,6 +192,8 @@ class ModelRunner:
         seeds see every token the synchronous step's sampling sees."""
         if step is None:
             return {}
+        if self.step_threads is not None:
+            self.step_threads.enter(step.batch.num_tokens)
         batch, rows, seqs, seq_drafts = step.batch, step.rows, step.seqs, step.seq_drafts
         if step.greedy_fill_rows is not None and on_layer_done is None:  # the call has no per-layer hook
             return self._run_scripted_greedy(step, previous or {}, before_sampling)
