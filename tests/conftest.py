@@ -8,6 +8,13 @@ import os
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# torch's c10d reverse-resolves the peer of every store connection (a KV pair opening, a TP
+# rendezvous): ::ffff:127.0.0.1, which /etc/hosts does not list, so each is a DNS PTR query. A
+# resolver that drops some (this sandbox's drops one in ~25, machine-wide) costs glibc's default
+# 5 s timeout each time, hundreds of seconds over the suite. Retrying after 1 s instead changes
+# no result: the lookup only names the peer in torch's logs. Every process the tests start
+# (Ray workers, `splitserve serve`) inherits it.
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:3")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
