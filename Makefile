@@ -12,9 +12,10 @@ GPU_CHECK_CPU_OUT ?= $(or $(TMPDIR),/tmp)/splitserve-gpu-check
 
 # Test tiers (markers set in tests/conftest.py, see README "Development"): unit, cluster, e2e.
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider --durations=25
-# `make test` and `make test-fast` run on TEST_WORKERS pytest-xdist workers: the tests that start Ray,
-# `splitserve serve`, HAProxy or Postgres (the xdist group "serial", tests/conftest.py) all on one
-# of them, one at a time, the rest of the unit tier on the others. TEST_WORKERS=0 runs in-process.
+# `make test` and `make test-fast` run on TEST_WORKERS pytest-xdist workers (tests/conftest.py): the
+# tests that start `splitserve serve`, HAProxy or Postgres (the xdist group "serial") on one of them,
+# one at a time, the rest of the cluster tier (the group "ray", on that worker's own Ray instance) on
+# another, and the unit tier on whichever is free. TEST_WORKERS=0 runs in-process.
 TEST_WORKERS ?= 2
 PYTEST_PARALLEL := $(PYTEST) -n $(TEST_WORKERS) --dist loadgroup
 

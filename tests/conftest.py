@@ -59,11 +59,14 @@ def loop():
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """One local Ray instance for the whole session, on 127.0.0.1."""
+    """One local Ray instance for the whole session, on 127.0.0.1: a new one of this process's
+    own (address "local"), never one found on the machine, since under pytest-xdist two workers
+    each hold one (the xdist groups below) and must not share named actors."""
     import ray
 
     if not ray.is_initialized():
         ray.init(
+            address="local",
             num_cpus=8,
             include_dashboard=False,
             _node_ip_address="127.0.0.1",
@@ -134,7 +137,8 @@ def stub(loop, backend):
 # ---- test tiers ------------------------------------------------------------------------------
 # Every test gets exactly one tier marker, from what it starts (see README, Development):
 #   e2e     - a `splitserve serve` subprocess (a fixture or the test builds a ServeProcess), or
-#             marked e2e by hand (a test that runs the CLI until Ray Serve starts);
+#             marked e2e by hand (a test that runs the CLI until Ray Serve starts, or whose
+#             helpers start `splitserve serve`: the tier rule sees only fixtures and the test);
 #   cluster - the session's local Ray cluster (the ray_cluster fixture, however indirectly),
 #             or marked `ray` (it starts Ray some other way);
 #   unit    - everything else: in-process objects, sockets, short subprocesses.
@@ -163,22 +167,35 @@ def tier_of(item) -> str:
     return "unit"
 
 
-# ---- what runs alone under pytest-xdist -------------------------------------------------------
-# `make test` runs with `-n 2 --dist loadgroup`: every test in the xdist group SERIAL_GROUP runs on
-# one worker, one at a time, while the others share the rest. In it: the cluster and e2e tiers (a
-# Ray cluster, `splitserve serve`: Ray's HAProxy binds the fixed ports 8404/9101, so two servers
-# collide), a test on the session's Postgres server (one server, on the worker that runs them all),
-# and one marked `serial` (it starts HAProxy or binds a fixed port some other way).
+# ---- what runs apart under pytest-xdist ------------------------------------------------------
+# `make test` runs with `-n 2 --dist loadgroup`: xdist hands each group whole to one worker, which
+# runs its tests one at a time, while the other workers share the ungrouped (unit) tests and take
+# some once their group is done. Two groups:
+# - SERIAL_GROUP: what binds a fixed port or holds the one server of its kind: the e2e tier
+#   (`splitserve serve`: Ray Serve's HAProxy binds the fixed ports 8404/9101, so two servers
+#   collide), a test on the session's Postgres server (one server, on the worker that runs them
+#   all) and a test marked `serial` (it starts HAProxy or binds a fixed port some other way);
+# - RAY_GROUP: the rest of the cluster tier (actors, a DisaggCluster, a ServingBackend on the
+#   session's Ray cluster; no Serve, no fixed port). Its worker holds a Ray instance of its own
+#   (ray_cluster: address "local"), beside the one the serial worker starts for the e2e tests
+#   that join the session's cluster (`--address`), so the two chains of Ray tests overlap.
 SERIAL_GROUP = "serial"
+RAY_GROUP = "ray"
 
 
 def runs_serially(item, tier: str) -> bool:
-    if tier != "unit" or item.get_closest_marker("serial") is not None:
+    if tier == "e2e" or item.get_closest_marker("serial") is not None:
         return True
     if "postgres_url" in getattr(item, "fixturenames", ()):
         return True
     callspec = getattr(item, "callspec", None)
     return callspec is not None and callspec.params.get("state_url") == "postgres"
+
+
+def xdist_group_of(item, tier: str) -> str | None:
+    if runs_serially(item, tier):
+        return SERIAL_GROUP
+    return RAY_GROUP if tier == "cluster" else None
 
 
 # tryfirst: xdist's own hook (registered after this file) reads the xdist_group markers.
@@ -188,8 +205,9 @@ def pytest_collection_modifyitems(config, items):
         tier = tier_of(item)
         if item.get_closest_marker(tier) is None:
             item.add_marker(getattr(pytest.mark, tier))
-        if runs_serially(item, tier):
-            item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
+        group = xdist_group_of(item, tier)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 # ---- the checkout's wheel and a fresh venv with it, built once per session ------------------

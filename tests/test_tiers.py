@@ -1,11 +1,15 @@
 """Every collected test carries exactly one tier marker (tests/conftest.py), and the tier
 follows what the test starts: `make test-fast` (the unit tier) must never start Ray or
-`splitserve serve`. Under pytest-xdist, what starts Ray, a server, HAProxy or Postgres is in the
-one xdist group that a single worker runs alone."""
+`splitserve serve`. Under pytest-xdist, what starts `splitserve serve`, HAProxy or Postgres is in
+the xdist group `serial`, the rest of the cluster tier in the group `ray`: each group runs on one
+worker, test after test."""
 
 from __future__ import annotations
 
-from tests.conftest import SERIAL_GROUP, TIERS
+import inspect
+import re
+
+from tests.conftest import RAY_GROUP, SERIAL_GROUP, TIERS
 
 # Files whose tests all start the same thing; checked when they are collected with this one.
 EXPECTED = {
@@ -40,16 +44,35 @@ def xdist_groups_of(item) -> list[str]:
     return [mark.args[0] if mark.args else mark.kwargs["name"] for mark in item.iter_markers("xdist_group")]
 
 
-def test_cluster_e2e_postgres_and_serial_tests_share_one_xdist_group(request):
+def expected_xdist_group(item) -> str | None:
+    callspec = getattr(item, "callspec", None)
+    on_postgres = callspec is not None and callspec.params.get("state_url") == "postgres"
+    serial = tiers_of(item) == ["e2e"] or on_postgres or "postgres_url" in item.fixturenames
+    serial = serial or item.get_closest_marker("serial") is not None
+    if serial:
+        return SERIAL_GROUP
+    return RAY_GROUP if tiers_of(item) == ["cluster"] else None
+
+
+def test_e2e_postgres_and_serial_tests_share_one_xdist_group_and_the_cluster_tier_another(request):
     # On an xdist worker under --dist loadgroup, xdist's scheduler reads the group from a suffix
     # it appends to the node id: without it (pytest-dev/pytest-xdist#1386) the group is ignored.
     grouped_by_id = getattr(request.config.option, "loadgroup", False)
     for item in request.session.items:
-        callspec = getattr(item, "callspec", None)
-        on_postgres = callspec is not None and callspec.params.get("state_url") == "postgres"
-        serial = tiers_of(item) != ["unit"] or on_postgres or "postgres_url" in item.fixturenames
-        serial = serial or item.get_closest_marker("serial") is not None
-        assert xdist_groups_of(item) == ([SERIAL_GROUP] if serial else []), item.nodeid
+        group = expected_xdist_group(item)
+        assert xdist_groups_of(item) == ([group] if group else []), item.nodeid
         if grouped_by_id:
-            assert item.nodeid.endswith(f"@{SERIAL_GROUP}") == serial, item.nodeid
+            suffixes = [name for name in (SERIAL_GROUP, RAY_GROUP) if item.nodeid.endswith(f"@{name}")]
+            assert suffixes == ([group] if group else []), item.nodeid
     assert xdist_groups_of(request.node) == []
+
+
+# What starts Ray Serve (its HAProxy binds fixed ports), in a test module's source.
+STARTS_SERVE = re.compile(r"\bServeProcess\b|\bshutdown_serve\b|from ray import serve|\bray\.serve\b")
+
+
+def test_nothing_in_the_ray_group_starts_serve(request):
+    """The ray group's worker runs beside the serial one: a test there that starts `splitserve
+    serve` or Ray Serve (through a helper the tier rule does not see) must be marked e2e."""
+    modules = {item.module for item in request.session.items if RAY_GROUP in xdist_groups_of(item)}
+    assert [m.__name__ for m in modules if STARTS_SERVE.search(inspect.getsource(m))] == []

@@ -32,7 +32,7 @@ from tests.helpers.batch_api import completion_line, jsonl, read_lines, wait_for
 from tests.helpers.cluster import wait_until
 from tests.helpers.serve_process import ServeProcess, shutdown_serve
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]  # its helpers start `splitserve serve`
 APP = "splitserve"
 NAMESPACE = app_namespace(APP)
 LINES, TOKENS = 16, 48

@@ -20,7 +20,7 @@ from tests.helpers.peft_adapters import write_peft_adapter
 from tests.helpers.serve_process import ServeProcess
 from tests.helpers.transformers_checkpoint import SERVABLE_SHAPE, write_transformers_checkpoint
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]  # its helpers start `splitserve serve`
 ADAPTERS = {"sql": (1, 8, 16, ["q_proj", "v_proj"]), "mlp": (2, 4, 8, ["gate_proj", "up_proj"])}
 ROUNDS = 6
 # Pacing between requests, so each replica's pushed state (every 0.1 s when it changed)
