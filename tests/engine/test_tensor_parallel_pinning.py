@@ -1,0 +1,103 @@
+"""Each CPU rank's forward thread on cores of its own (engine/parallel/rank_cpus.py): the blocks
+the driver assigns, none on a node with fewer cores than ranks, the driver's thread put back on
+its cores when the engine closes (also when two engines pinned it), and a real TP-2 engine's
+two ranks each on its own block -- the same greedy tokens pinned or not."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from splitserve.engine.config import ConfigError, EngineConfig
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.parallel.rank_cpus import PinnedThreads, node_cores, rank_cores
+from splitserve.proto.messages.sampling_params import SamplingParams
+from tests.helpers.model import make_checkpoint
+
+CORES = sorted(os.sched_getaffinity(0))
+needs_two_cores = pytest.mark.skipif(len(CORES) < 2, reason="pinning two ranks apart needs two cores")
+PROMPTS = [[5, 17, 33, 2, 9, 41, 77], [100, 3, 8, 12, 60]]
+
+
+def test_each_rank_gets_its_own_block_of_the_drivers_cores():
+    assert [rank_cores(r, 2, [0, 1]) for r in range(2)] == [(0,), (1,)]
+    assert [rank_cores(r, 2, list(range(8))) for r in range(2)] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert [rank_cores(r, 2, [2, 5, 7]) for r in range(2)] == [(2,), (5,)]  # the set's own ids
+    assert [rank_cores(r, 4, list(range(6))) for r in range(4)] == [(0,), (1,), (2,), (3,)]
+    assert rank_cores(0, 2, [3]) is None  # fewer cores than ranks: nothing is pinned
+    assert rank_cores(1, 4, [0, 1, 2]) is None
+
+
+def _pinned_in_a_thread(cores: tuple[int, ...]) -> set[int]:
+    """A fresh thread's affinity once it pinned itself to cores (then released)."""
+    seen: list[set[int]] = []
+
+    def run() -> None:
+        pinned = PinnedThreads(cores)
+        pinned.pin_calling_thread()
+        seen.append(os.sched_getaffinity(0))
+        pinned.release()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(60)
+    return seen[0]
+
+
+@needs_two_cores
+def test_a_pinned_thread_is_put_back_once_its_last_holder_releases_it():
+    before = os.sched_getaffinity(0)
+    first, second = PinnedThreads((CORES[1],)), PinnedThreads((CORES[1],))
+    try:
+        first.pin_calling_thread()
+        assert os.sched_getaffinity(0) == {CORES[1]}
+        assert node_cores() == CORES  # the main thread's set before the pin, not the pin
+        second.pin_calling_thread()
+        first.release()
+        assert os.sched_getaffinity(0) == {CORES[1]}  # the second engine still holds it
+        second.release()
+        assert os.sched_getaffinity(0) == before
+    finally:
+        first.release()
+        second.release()
+        os.sched_setaffinity(0, before)
+    assert PinnedThreads(None).pin_calling_thread() is None and os.sched_getaffinity(0) == before
+    assert _pinned_in_a_thread((CORES[0],)) == {CORES[0]}  # only the calling thread: this one is not
+    assert os.sched_getaffinity(0) == before
+
+
+def _thread_cores(pid: int) -> set[int]:
+    """The cores the process's main thread may run on (the follower's forward thread)."""
+    return os.sched_getaffinity(pid)
+
+
+@needs_two_cores
+def test_a_tp2_engines_ranks_run_on_cores_of_their_own(models_root):
+    model = str(make_checkpoint(models_root, "tiny", "llama"))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outputs = {}
+    before = os.sched_getaffinity(0)
+    for pin in (True, False):
+        engine = LLMEngine(
+            EngineConfig(model=model, num_kv_blocks=64, tensor_parallel_size=2, tensor_parallel_pin_cpus=pin)
+        )
+        try:
+            (follower,) = engine.tensor_parallel.pids
+            outputs[pin] = [out.token_ids for out in engine.generate(PROMPTS, params)]
+            if pin:
+                assert os.sched_getaffinity(0) == set(rank_cores(0, 2, CORES))  # this thread ran rank 0
+                assert _thread_cores(follower) == set(rank_cores(1, 2, CORES))
+            else:
+                assert os.sched_getaffinity(0) == before
+                assert _thread_cores(follower) == before
+        finally:
+            engine.close()
+        assert os.sched_getaffinity(0) == before  # closed: the driver's thread is back on every core
+    assert outputs[True] == outputs[False]
+
+
+def test_pin_cpus_must_be_a_bool():
+    with pytest.raises(ConfigError, match="tensor_parallel_pin_cpus must be true or false"):
+        EngineConfig(model="m", tensor_parallel_pin_cpus="yes")
