@@ -3,10 +3,10 @@ thread is pinned to (EngineConfig.tensor_parallel_pin_cpus).
 
 Why pin: the ranks of a CPU engine meet at every collective (six in a decode step of the bench
 preset), so a rank the scheduler migrates, or puts on its partner's core for a while, makes the
-other wait at the next one. On a 2-core machine with the ranks free to move, rank 0 waited
-0.2-4 ms a step at batch 32 for rank 1, whose segments between collectives ran 10-20% longer
-than rank 0's; with each rank's thread on a core of its own the two ran level and the waiting
-fell to tens of microseconds (bench/results/tensor_parallel.md, "pinned ranks").
+other wait at the next one. Off by default: in one-process traces on a 2-core machine the
+pinned ranks' segments between collectives ran level where unpinned ones drifted 10-20% apart,
+but over whole benchmark runs on that shared machine pinning did not measurably change the
+step or the share spent in collectives (bench/results/tensor_parallel.md, "pinned ranks").
 
 The driver assigns the cores (rank_cores): rank r gets the r-th block of threads_per_rank
 cores of the driver's own allowed set, so every rank's share comes from one decision and no
