@@ -122,6 +122,11 @@ class EngineConfig:
     # (engine/parallel/shm_collectives.py), gloo carrying only tensors too large for its slots;
     # False keeps them all on gloo. CUDA ranks use NCCL whatever this says.
     tensor_parallel_shm_collectives: bool = True
+    # True: on CPU each rank's forward thread is pinned to cores of its own (rank r: the r-th
+    # block of cores / size of the node's), where the node has at least as many cores as ranks
+    # (engine/parallel/rank_cpus.py). Off by default: on a shared 2-core machine it did not
+    # measurably shorten the step or the ranks' waiting (bench/results/tensor_parallel.md).
+    tensor_parallel_pin_cpus: bool = False
     # LoRA (engine/lora/): enable_lora serves the PEFT adapters of lora_modules (name -> adapter
     # directory), any number of them: max_loras device slots of rank up to max_lora_rank hold
     # those the running requests use, an LRU host cache of max_cpu_loras (None: max_loras)
@@ -187,6 +192,8 @@ class EngineConfig:
             raise ConfigError(
                 f"tensor_parallel_shm_collectives must be true or false, got {self.tensor_parallel_shm_collectives!r}"
             )
+        if not isinstance(self.tensor_parallel_pin_cpus, bool):
+            raise ConfigError(f"tensor_parallel_pin_cpus must be true or false, got {self.tensor_parallel_pin_cpus!r}")
         from splitserve.engine.lora.lora_config import check_lora_settings
 
         check_lora_settings(self)

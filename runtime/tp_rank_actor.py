@@ -51,6 +51,7 @@ class TensorParallelRankActor:
             conn,
             start.extension,
             own_device=True,
+            cores=start.cores,
         )
 
     def node(self) -> str:

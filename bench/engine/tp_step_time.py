@@ -116,7 +116,7 @@ def run(repeats: int, max_tokens: int, work: Path) -> dict[str, dict[int, dict[s
 
     from splitserve.engine.builtin_models.make_model import write_random_checkpoint
 
-    torch.set_num_threads(1)  # rank 0's; the follower gets its own share (tp_ranks.threads_per_rank)
+    torch.set_num_threads(1)  # rank 0's; the follower gets its own share (rank_cpus.threads_per_rank)
     model = write_random_checkpoint(work / "bench", preset="bench", arch="llama")
     clock = install_clock()
     engines = {name: build_engine(model, name) for name in ENGINES}

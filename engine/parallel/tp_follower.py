@@ -36,6 +36,7 @@ from splitserve.engine.ops.host_kv_cache import HostKVCache, num_host_blocks
 from splitserve.engine.ops.kv_cache import KVCache
 from splitserve.engine.parallel.follower_extension import FollowerContext, FollowerExtension, FollowerExtensionFactory
 from splitserve.engine.parallel.follower_replies import REPLY
+from splitserve.engine.parallel.rank_cpus import PinnedThreads, rank_cores
 from splitserve.engine.parallel.shard_plan import ShardPlan
 from splitserve.engine.parallel.step_broadcast import (
     COMMAND,
@@ -84,10 +85,15 @@ def run_follower(
     conn: Connection,
     extension: FollowerExtensionFactory | None = None,
     own_device: bool = False,
+    cores: list[int] | None = None,
 ) -> None:
     """The spawned process's entry point (multiprocessing spawn: a fresh interpreter), and a
-    Ray rank actor's (own_device: its CUDA_VISIBLE_DEVICES holds its own GPU only)."""
+    Ray rank actor's (own_device: its CUDA_VISIBLE_DEVICES holds its own GPU only). cores: the
+    driver's, of which this thread pins itself to its rank's block (rank_cpus.py); None: no pin.
+    The pin lasts as long as the thread: it is the rank's for the rest of its life."""
     _exit_with_parent()
+    if cores:
+        PinnedThreads(rank_cores(rank, size, cores)).pin_calling_thread()
     if threads > 0:
         torch.set_num_threads(threads)
     group = None

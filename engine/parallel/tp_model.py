@@ -65,6 +65,7 @@ class TensorParallelModel:
     ) -> torch.Tensor:
         """logits_rows: the rows of the result whose logits the next compute_logits call takes
         (hidden.index_select(0, rows)); the followers then compute theirs with this forward."""
+        self.ranks.pinned.pin_calling_thread()  # once per thread: rank 0's core (rank_cpus.py)
         with self.ranks.lock, self.ranks.stop_on_failure():
             self._drain_announced()
             if logits_rows and not self._gather_never_waits(len(logits_rows)):

@@ -22,25 +22,24 @@ work for that forward, and listen() reads its replies.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import multiprocessing
-import os
-import secrets
 import threading
 import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing.connection import Connection, Listener, wait
+from multiprocessing.connection import Connection, wait
 
 import torch
 import torch.distributed as dist
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.ops.attention_metadata import AttentionMetadata
+from splitserve.engine.parallel.follower_connections import accept_followers
 from splitserve.engine.parallel.follower_extension import FollowerExtensionFactory
 from splitserve.engine.parallel.follower_replies import ReplyListener
+from splitserve.engine.parallel.rank_cpus import PinnedThreads, node_cores, rank_cores, threads_per_rank
 from splitserve.engine.parallel.shard_plan import ShardPlan
 from splitserve.engine.parallel.step_broadcast import (
     COMMAND,
@@ -73,6 +72,7 @@ class FollowerStart:
     address: tuple[str, int]
     authkey: bytes
     extension: FollowerExtensionFactory | None = None  # what each rank runs beside its forward
+    cores: list[int] | None = None  # the driver's cores, each rank pins to its block (rank_cpus.py)
 
 
 # Starts ranks 1..size-1 somewhere on the driver's node without waiting for them. Launched
@@ -80,11 +80,6 @@ class FollowerStart:
 # sets each one's CUDA_VISIBLE_DEVICES to its own GPU), unlike spawned ranks, which share the
 # driver's view of every GPU of the node (tp_group.rank_device).
 FollowerLauncher = Callable[[FollowerStart], None]
-
-
-def threads_per_rank(size: int) -> int:
-    """CPU ranks share the node's cores instead of each taking all of them."""
-    return max((os.cpu_count() or 1) // size, 1)
 
 
 class TensorParallelRanks:
@@ -111,15 +106,18 @@ class TensorParallelRanks:
         timeout = timedelta(seconds=self.timeout_s)
         store = dist.TCPStore(_HOST, 0, plan.size, is_master=True, timeout=timeout, wait_for_workers=False)
         threads = threads_per_rank(plan.size) if device.type == "cpu" else 0
+        cores = node_cores() if device.type == "cpu" and config.tensor_parallel_pin_cpus else None
+        # The thread that runs rank 0's forward pins itself at its first call (tp_model.py).
+        self.pinned = PinnedThreads(rank_cores(0, plan.size, cores) if cores else None)
         self._processes: list = []
         self._conns: list[Connection] = []
         deadline = time.monotonic() + self.timeout_s
         if launch is None:
-            self._spawn(plan.size, store.port, threads)
+            self._spawn(plan.size, store.port, threads, cores)
         else:
-            start = FollowerStart(plan.size, _HOST, store.port, config, threads, ("", 0), b"", extension)
-            self._conns = _accept_followers(launch, start, deadline, self.timeout_s)
-        self._finalizer = weakref.finalize(self, _stop, self._processes, self._conns)
+            start = FollowerStart(plan.size, _HOST, store.port, config, threads, ("", 0), b"", extension, cores)
+            self._conns = accept_followers(launch, start, deadline, self.timeout_s)
+        self._finalizer = weakref.finalize(self, _stop, self._processes, self._conns, self.pinned)
         try:
             self._expect(ALIVE, "start", deadline)
             self.group = TensorParallelGroup.join(
@@ -132,13 +130,13 @@ class TensorParallelRanks:
         if threads:
             torch.set_num_threads(threads)
 
-    def _spawn(self, size: int, store_port: int, threads: int) -> None:
+    def _spawn(self, size: int, store_port: int, threads: int, cores: list[int] | None) -> None:
         context = multiprocessing.get_context("spawn")
         for rank in range(1, size):
             parent_end, child_end = context.Pipe()
             process = context.Process(
                 target=run_follower,
-                args=(rank, size, _HOST, store_port, self.config, threads, child_end, self.extension),
+                args=(rank, size, _HOST, store_port, self.config, threads, child_end, self.extension, False, cores),
                 name=f"splitserve-tp-rank-{rank}",
                 daemon=True,
             )
@@ -253,42 +251,8 @@ class TensorParallelRanks:
             group.shutdown()
 
 
-def _accept_followers(
-    launch: FollowerLauncher, start: FollowerStart, deadline: float, timeout_s: float
-) -> list[Connection]:
-    """Have launch start ranks 1..size-1 (start: all but the listener's address and key) and
-    take each one's connection, in rank order; a rank that does not dial in by the deadline is
-    a start-up error naming the ranks missing."""
-    size = start.size
-    authkey = secrets.token_bytes(16)
-    listener = Listener((_HOST, 0), authkey=authkey)
-    conns: dict[int, Connection] = {}
-
-    def accept() -> None:
-        try:
-            while len(conns) < size - 1:
-                conn = listener.accept()
-                if conn.poll(max(deadline - time.monotonic(), 0.0)):
-                    conns[int(conn.recv())] = conn
-        except (OSError, EOFError):
-            pass  # the listener closed at the deadline, or a rank hung up: reported as missing
-
-    acceptor = threading.Thread(target=accept, name="tp-accept", daemon=True)
-    try:
-        acceptor.start()
-        launch(dataclasses.replace(start, address=listener.address, authkey=authkey))
-        acceptor.join(max(deadline - time.monotonic(), 0.0))
-    finally:
-        listener.close()  # ends a pending accept()
-    missing = [rank for rank in range(1, size) if rank not in conns]
-    if missing:
-        for conn in conns.values():
-            conn.close()
-        raise TensorParallelError(f"tensor-parallel ranks {missing} did not connect within {timeout_s:.0f}s")
-    return [conns[rank] for rank in range(1, size)]
-
-
-def _stop(processes: list, conns: list[Connection]) -> None:
+def _stop(processes: list, conns: list[Connection], pinned: PinnedThreads) -> None:
+    pinned.release()
     for conn in conns:
         try:
             conn.send((STOP,))
