@@ -179,8 +179,16 @@ def tier_of(item) -> str:
 #   session's Ray cluster; no Serve, no fixed port). Its worker holds a Ray instance of its own
 #   (ray_cluster: address "local"), beside the one the serial worker starts for the e2e tests
 #   that join the session's cluster (`--address`), so the two chains of Ray tests overlap.
+# And a unit-tier file marked `one_worker` (its tests share a costly module fixture: the one
+# subprocess that runs every interpreted Triton case, say) is a group of its own, its file's
+# path, so that fixture is built once on one worker and never once on each.
 SERIAL_GROUP = "serial"
 RAY_GROUP = "ray"
+
+
+def file_group(item) -> str:
+    """The xdist group of a test in a file marked `one_worker`: the file's path."""
+    return item.nodeid.split("::", 1)[0]
 
 
 def runs_serially(item, tier: str) -> bool:
@@ -195,7 +203,9 @@ def runs_serially(item, tier: str) -> bool:
 def xdist_group_of(item, tier: str) -> str | None:
     if runs_serially(item, tier):
         return SERIAL_GROUP
-    return RAY_GROUP if tier == "cluster" else None
+    if tier == "cluster":
+        return RAY_GROUP
+    return file_group(item) if item.get_closest_marker("one_worker") is not None else None
 
 
 # tryfirst: xdist's own hook (registered after this file) reads the xdist_group markers.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 import re
 
-from tests.conftest import RAY_GROUP, SERIAL_GROUP, TIERS
+from tests.conftest import RAY_GROUP, SERIAL_GROUP, TIERS, file_group
 
 # Files whose tests all start the same thing; checked when they are collected with this one.
 EXPECTED = {
@@ -51,7 +51,9 @@ def expected_xdist_group(item) -> str | None:
     serial = serial or item.get_closest_marker("serial") is not None
     if serial:
         return SERIAL_GROUP
-    return RAY_GROUP if tiers_of(item) == ["cluster"] else None
+    if tiers_of(item) == ["cluster"]:
+        return RAY_GROUP
+    return file_group(item) if item.get_closest_marker("one_worker") is not None else None
 
 
 def test_e2e_postgres_and_serial_tests_share_one_xdist_group_and_the_cluster_tier_another(request):
@@ -63,6 +65,8 @@ def test_e2e_postgres_and_serial_tests_share_one_xdist_group_and_the_cluster_tie
         assert xdist_groups_of(item) == ([group] if group else []), item.nodeid
         if grouped_by_id:
             suffixes = [name for name in (SERIAL_GROUP, RAY_GROUP) if item.nodeid.endswith(f"@{name}")]
+            if group not in (None, SERIAL_GROUP, RAY_GROUP):  # a one_worker file's own group
+                suffixes += [group] if item.nodeid.endswith(f"@{group}") else []
             assert suffixes == ([group] if group else []), item.nodeid
     assert xdist_groups_of(request.node) == []
 

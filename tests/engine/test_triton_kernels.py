@@ -32,6 +32,8 @@ def _load_cases_module():
 
 
 cases = _load_cases_module()
+# One worker runs this file: the interpreted cases' one subprocess (interpreted_results) then runs once.
+pytestmark = pytest.mark.one_worker
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
 

@@ -13,6 +13,9 @@ from splitserve.kvtransfer import KVTransport, TransferError, TransportUsageErro
 from splitserve.kvtransfer.kv_channel import DeviceIdentity, choose_channel, local_identity
 from tests.helpers import transport as helpers
 
+# One worker runs this file: its three child processes (the `children` fixture) start once.
+pytestmark = pytest.mark.one_worker
+
 # A safety net for the transfers that must succeed, not a bound on how long they take: a busy
 # machine can hold a peer off its core for seconds. Tests of a timeout pass their own.
 PEER_TIMEOUT_S = 60.0

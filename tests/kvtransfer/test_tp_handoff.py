@@ -18,6 +18,9 @@ from splitserve.engine.llm_engine import LLMEngine
 from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.model import make_checkpoint
 
+# One worker runs this file: its TP 1 and 2 replicas (the `replicas` fixture) start once.
+pytestmark = pytest.mark.one_worker
+
 # fp32; a TP-2 replica's row-parallel sums add the ranks' partial products in another order
 # than one matmul, so log-probabilities may differ in the last bits, never by more than this.
 LOGPROB_TOL = 1e-4

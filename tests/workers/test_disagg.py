@@ -15,7 +15,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.proto.messages.poll_reply import PollReply
 from splitserve.proto.messages.sampling_params import SamplingParams
-from tests.helpers.cluster import HELD_S, cluster_config, start_cluster, wait_for_baseline
+from tests.helpers.cluster import HELD_S, cluster_config, start_cluster, wait_for_baseline, wait_until
 
 pytestmark = pytest.mark.ray
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -127,11 +127,13 @@ def cluster_2p1d(ray_cluster, tiny_model, loop):
     loop.run(cluster.shutdown(), timeout=60)
 
 
-def set_stall(cluster, stall_send_s: float) -> None:
-    ray.get([r.handle.inject_fault.remote(stall_send_s=stall_send_s) for r in cluster.prefill_pool.live_replicas()])
+def set_stall(cluster, stall_send_s: float, killed: str | None = None) -> None:
+    """Every live prefill replica's sends stalled stall_send_s (0: not), but `killed`'s."""
+    replicas = [r for r in cluster.prefill_pool.live_replicas() if r.replica_id != killed]
+    ray.get([r.handle.inject_fault.remote(stall_send_s=stall_send_s) for r in replicas])
 
 
-async def until_sending(replica_handle, timeout_s: float = 30.0) -> None:
+async def until_sending(replica_handle, timeout_s: float = 60.0) -> None:
     """Until the prefill replica has finished a prefill and holds its blocks for the transfer
     (pinned until decode acks): with a stalled sender, the request is then mid-transfer."""
     deadline = time.monotonic() + timeout_s
@@ -143,8 +145,11 @@ async def until_sending(replica_handle, timeout_s: float = 30.0) -> None:
 def test_prefill_killed_mid_prefill_is_retried_on_another(loop, cluster_2p1d, reference):
     cluster = cluster_2p1d
     retries = cluster.dispatcher.num_retries
-    set_stall(cluster, 0.5)
-    chosen = []
+    # Every send stalled until switched off: the victim's transfer is still under way at the
+    # kill however slow the poll that finds it sending (a stall of seconds, a loaded machine
+    # could outlast: the transfer then completed before the kill and nothing was retried).
+    set_stall(cluster, HELD_S)
+    chosen, killed = [], []
 
     async def go():
         prompt = mixed_prompts()[3]
@@ -152,24 +157,28 @@ def test_prefill_killed_mid_prefill_is_retried_on_another(loop, cluster_2p1d, re
         while not chosen:
             await asyncio.sleep(0.005)
         victim = cluster.prefill_pool.get(chosen[0].prefill_replica)
+        killed.append(victim)
         await until_sending(victim.handle)  # its send is stalled: kill it mid-transfer
+        set_stall(cluster, 0.0, killed=victim.replica_id)  # the retry's prefill replica sends at once
         ray.kill(victim.handle)
         return await asyncio.wait_for(task, 60)
 
     try:
         result = loop.run(go(), timeout=90)
     finally:
-        set_stall(cluster, 0.0)
+        set_stall(cluster, 0.0, killed=chosen[0].prefill_replica if chosen else None)
     assert result["token_ids"] == reference[tuple(mixed_prompts()[3])]
     assert result["prefill_replica"] != chosen[0].prefill_replica
     assert cluster.dispatcher.num_retries == retries + 1
+    # The retry no longer waits out a stall: the controller may not have dropped the victim yet.
+    wait_until(lambda: all(r is not killed[0] for r in cluster.prefill_pool.live_replicas()), 60, "victim still live")
     wait_for_baseline(loop, cluster)
 
 
 def test_decode_killed_mid_transfer_fails_fast_and_frees_prefill_blocks(loop, cluster_2p1d):
     cluster = cluster_2p1d
     # The previous test's victim is replaced: both prefill replicas serve again.
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 180  # a safety net: a replacement loads its model first
     while len(cluster.router.replica_ids(PREFILL)) < 2:
         assert time.monotonic() < deadline, "the killed prefill replica was not replaced"
         time.sleep(0.1)
@@ -203,7 +212,7 @@ def test_decode_killed_mid_transfer_fails_fast_and_frees_prefill_blocks(loop, cl
                 time.sleep(0.05)
     finally:
         set_stall(cluster, 0.0)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # a safety net: the controller's next probe finds the death
     while decode_id in cluster.router.replica_ids(DECODE):
         assert time.monotonic() < deadline, "dead decode replica still routed"
         time.sleep(0.1)

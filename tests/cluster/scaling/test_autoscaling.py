@@ -56,6 +56,11 @@ def scaled_config(model: str) -> ServeConfig:
     )
 
 
+# Output tokens at which the drain test holds the decode replica it drains: well short of its
+# streams' 96, so each stream there is certainly mid-stream at the drain.
+HOLD_AT = 8
+
+
 def prompt(i: int, length: int = 40) -> list[int]:
     return [(13 * i + 7 * k) % 400 + 20 for k in range(length)]
 
@@ -128,24 +133,35 @@ def test_draining_completes_every_in_flight_request(loop, scaled_cluster):
             started.add(i)
         return rec
 
+    async def hold_new_decode(hold_at: int) -> None:  # 0 releases
+        await new_decode.handle.inject_fault.remote(hold_at_output_tokens=hold_at)
+
     async def scenario():
         started: set[int] = set()
-        tasks = [asyncio.ensure_future(stream(i, started)) for i in range(6)]
-        await asyncio.sleep(0)  # every stream is routed, none has reached prefill
-        prefill_drain = asyncio.ensure_future(cluster.drain_replica(PREFILL, new_prefill.replica_id, 60))
-        await wait_until(lambda: len(started) == 6, 30, "every stream's first token")
-        on_decode = cluster.dispatcher.num_inflight(DECODE, new_decode.replica_id)
-        # The same moment, per stream (a fast machine may already have finished one there).
-        there = [i for i, r in recs.items() if r.get("decode") == new_decode.replica_id and r["finish"] is None]
-        decode_drain = asyncio.ensure_future(cluster.drain_replica(DECODE, new_decode.replica_id, 60))
-        await asyncio.sleep(0)  # the drain task marks the replica draining
-        draining = cluster.router.load(DECODE, new_decode.replica_id).draining and not decode_drain.done()
-        late = await stream(100, set())  # arrives during the drain: must go elsewhere
+        # The streams on the decode replica to drain stop at HOLD_AT tokens until released
+        # below: mid-stream at the drain however long the others take to start (on a loaded
+        # machine they finished there while the last stream waited for its first token).
+        await hold_new_decode(HOLD_AT)
+        try:
+            tasks = [asyncio.ensure_future(stream(i, started)) for i in range(6)]
+            await asyncio.sleep(0)  # every stream is routed, none has reached prefill
+            prefill_drain = asyncio.ensure_future(cluster.drain_replica(PREFILL, new_prefill.replica_id, 60))
+            await wait_until(lambda: len(started) == 6, 60, "every stream's first token")
+            on_decode = cluster.dispatcher.num_inflight(DECODE, new_decode.replica_id)
+            there = [i for i, r in recs.items() if r.get("decode") == new_decode.replica_id and r["finish"] is None]
+            decode_drain = asyncio.ensure_future(cluster.drain_replica(DECODE, new_decode.replica_id, 60))
+            await asyncio.sleep(0)  # the drain task marks the replica draining
+            draining = cluster.router.load(DECODE, new_decode.replica_id).draining and not decode_drain.done()
+            late_task = asyncio.ensure_future(stream(100, set()))  # arrives during the drain: must go elsewhere
+            await wait_until(lambda: "decode" in recs.get(100, {}), 60, "the late stream's route")
+        finally:
+            await hold_new_decode(0)  # the held streams finish where they are
+        late = await asyncio.wait_for(late_task, 60)
         results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
         drained = await asyncio.wait_for(asyncio.gather(prefill_drain, decode_drain), 60)
         return on_decode, there, results, late, draining, drained
 
-    on_decode, there, results, late, was_draining, drained = loop.run(scenario(), timeout=120)
+    on_decode, there, results, late, was_draining, drained = loop.run(scenario(), timeout=240)
     assert any(r["first_prefill"] == new_prefill.replica_id for r in results), "nothing routed to the prefill"
     assert on_decode >= 1, "no stream was in flight on the drained decode replica"
     assert there, "no stream was mid-stream on the drained decode replica"
