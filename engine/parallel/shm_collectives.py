@@ -108,7 +108,7 @@ class ShmCollectives:
         True when every rank's ok was (a gloo all-reduce): if any rank could not map it, all
         stay on gloo (None). Rank 0 unlinks the file once agree returns, or raises."""
         path, segment, shm = None, None, None
-        nbytes = _data_offset(size) + 2 * size * slot_bytes + 2 * MAILBOX_BYTES
+        nbytes = segment_bytes(size, slot_bytes)
         try:
             if rank == 0:
                 path = new_segment_path()
@@ -273,6 +273,11 @@ class ShmCollectives:
             return False
         start = _start_time(self._counters[line + _PID])
         return start is None or start != self._counters[line + _START]
+
+
+def segment_bytes(size: int, slot_bytes: int) -> int:
+    """The segment's size: the counters' lines, every rank's two slots, the mailbox's buffers."""
+    return _data_offset(size) + 2 * size * slot_bytes + 2 * MAILBOX_BYTES
 
 
 def _data_offset(size: int) -> int:
