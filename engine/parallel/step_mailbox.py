@@ -179,8 +179,8 @@ class FollowerInbox:
         data = buf[:end].clone()  # the buffer is the driver's again for forward number + 2
         self._counters[self._line + _TAKEN] = number
         self._taken = number
-        ids, positions, slots, logits_rows = data[8 * _HEAD : end64].view(torch.int64).split(
-            [tokens, tokens, tokens, max(rows, 0)]
+        ids, positions, slots, logits_rows = (
+            data[8 * _HEAD : end64].view(torch.int64).split([tokens, tokens, tokens, max(rows, 0)])
         )
         starts, context_lens, tables = data[end64:end].view(torch.int32).split([seqs + 1, seqs, seqs * width])
         meta = AttentionMetadata(
