@@ -200,7 +200,7 @@ class TensorParallelRanks:
     def _post(self, input_ids, positions, meta: AttentionMetadata, logits_rows: list[int] | None) -> bool:
         """The forward through the step mailbox (step_mailbox.py), in order with the pipe's
         messages; False when it does not fit there."""
-        self._check_running()
+        self.check_running()
         with self._pipe_lock:
             assert self._mailbox is not None
             if not self._mailbox.post_forward(input_ids, positions, meta, logits_rows):
@@ -250,14 +250,15 @@ class TensorParallelRanks:
         self._listener = ReplyListener(self._conns, handler)
 
     def _send(self, header) -> None:
-        self._check_running()
+        self.check_running()
         with self._pipe_lock:
             # With a mailbox, tagged with the forwards posted before it: the follower's order.
             message = header if self._mailbox is None else (self._mailbox.posted, header)
             for rank, conn in enumerate(self._conns, start=1):
                 self._write(rank, conn, message)
 
-    def _check_running(self) -> None:
+    def check_running(self) -> None:
+        """Raise, naming the first failure, once a failed command stopped the ranks."""
         if self._failure is not None:
             raise TensorParallelError(f"the tensor-parallel ranks were stopped after a failed step ({self._failure})")
 
