@@ -202,8 +202,7 @@ class TensorParallelRanks:
         messages; False when it does not fit there."""
         self.check_running()
         with self._pipe_lock:
-            assert self._mailbox is not None
-            if not self._mailbox.post_forward(input_ids, positions, meta, logits_rows):
+            if self._mailbox is None or not self._mailbox.post_forward(input_ids, positions, meta, logits_rows):
                 return False
             for rank in self._mailbox.parked():
                 self._write(rank, self._conns[rank - 1], WAKE)
@@ -256,6 +255,8 @@ class TensorParallelRanks:
             message = header if self._mailbox is None else (self._mailbox.posted, header)
             for rank, conn in enumerate(self._conns, start=1):
                 self._write(rank, conn, message)
+            if self._mailbox is not None:
+                self._mailbox.message_sent()
 
     def check_running(self) -> None:
         """Raise, naming the first failure, once a failed command stopped the ranks."""

@@ -64,14 +64,20 @@ def _assert_forward(taken, batch, rows: list[int] | None) -> None:
     assert (taken.logits_rows is None) if rows is None else taken.logits_rows.tolist() == rows
 
 
+def _send(pipe, mailbox: StepMailbox, header) -> None:
+    """As TensorParallelRanks sends a command: tagged, then counted."""
+    pipe.send((mailbox.posted, header))
+    mailbox.message_sent()
+
+
 def test_forwards_and_pipe_commands_arrive_in_the_drivers_order(pair):
     mailbox, inbox, pipe, _ = pair
     copy = HostCopyHeader(HOST_KV, "save", [1], [2])
     prefill, decode, another = _batch([5, 9], [5, 9], 100), _batch([6, 10], [1, 1], 200), _batch([7], [1], 300)
-    pipe.send((mailbox.posted, copy))  # before any forward
+    _send(pipe, mailbox, copy)  # before any forward
     assert mailbox.post_forward(*prefill, [4, 13])
     pipe.send(WAKE)  # a nudge is no command
-    pipe.send((mailbox.posted, copy._replace(op="load")))  # between forwards 1 and 2
+    _send(pipe, mailbox, copy._replace(op="load"))  # between forwards 1 and 2
     assert mailbox.post_forward(*decode, None)
     assert inbox.next() == copy
     _assert_forward(inbox.next(), prefill, [4, 13])
@@ -79,7 +85,7 @@ def test_forwards_and_pipe_commands_arrive_in_the_drivers_order(pair):
     _assert_forward(inbox.next(), decode, None)
     assert mailbox.post_forward(*another, [0])  # forward 1's buffer again: it was taken
     _assert_forward(inbox.next(), another, [0])
-    pipe.send((STOP,))
+    pipe.send((STOP,))  # the driver's close: untagged, uncounted, found when the follower parks
     assert inbox.next() == (STOP,)
 
 
