@@ -7,21 +7,24 @@ it reached the step's first all-reduce 25-150 us after rank 0, which waited ther
 (bench/results/tensor_parallel.md). Through the mailbox the driver writes the whole forward --
 sizes, ids, positions, slots, the rows whose logits follow, and the metadata's int32 tensors as
 rank 0 built them -- into one of two buffers and publishes its number; a follower polling that
-number copies the buffer out once and runs its forward on views of the copy.
+number runs its forward on views of the buffer (the driver writes that buffer again two
+forwards later, once the follower has said it is done with it).
 
 Every other command (a forward with an extension's work, one too large for a buffer, logits,
 host KV copies, the extension's commands) still goes over the pipe, tagged with the number of
 forwards posted before it: a follower takes a pipe message tagged t right after forward t and
 before forward t + 1, so it runs every command in the driver's order, whichever thread sent it.
-A message written before forward t + 1 was posted is in the pipe once the follower sees t + 1's
-number, so it drains the pipe before taking that forward.
+The driver also counts the tagged messages it has written: a follower that sees forward t + 1's
+number reads that count after it and receives every message counted before it takes the
+forward, so its spin reads counters only and never polls the pipe (a syscall that cost more
+than the rest of taking a forward).
 
 A follower polls for _POLL_S after each command (the next step follows within a millisecond),
 yielding its core between polls; then it parks: it sets its parked flag and blocks on its pipe
 for up to _PARK_S, and a driver that posts a forward while a follower is parked writes it a WAKE
 message. An idle engine's followers thus sleep (waking every _PARK_S to look again, the safety
 net of the flag's handshake). The counters live in each rank's line of the segment: forwards
-posted (rank 0's), forwards taken and parked (each follower's).
+posted and tagged messages sent (rank 0's), forwards taken and parked (each follower's).
 """
 
 from __future__ import annotations
