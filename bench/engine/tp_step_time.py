@@ -14,9 +14,11 @@ leaves no place for the collectives), so TP 1 eager against TP 2 is the like-for
 
 Where rank 0's step goes, timed around the calls in this process only (the follower is not
 patched): `collectives` = the all-reduces (row-parallel outputs; the embedding's where it is
-vocabulary-parallel) and the logits gather; `broadcast` = the step's command over each
-follower's pipe and the batch (ids, positions, slots, block tables) broadcast on the group (a
-decode step's logits go out with its forward: no command or hidden-rows broadcast of their own). A collective's time
+vocabulary-parallel) and the logits gather; `broadcast` = handing the step to the follower: with
+the collectives over shared memory, its forward and batch written to the step mailbox
+(engine/parallel/step_mailbox.py); on gloo, the command over its pipe and the batch (ids,
+positions, slots, block tables) broadcast on the group (a decode step's logits go out with its
+forward: no command or hidden-rows broadcast of their own). A collective's time
 includes waiting for the slower rank, which is what the step pays for it; `waiting` is that part
 of both over shared memory (rank 0 waiting for rank 1's counters), which gloo does not show.
 """
@@ -66,11 +68,12 @@ def install_clock() -> StepClock:
     from splitserve.engine.parallel.tp_ranks import TensorParallelRanks
 
     clock = StepClock()
-    clock.wrap(ShmCollectives, "_await", "waiting")
+    clock.wrap(ShmCollectives, "wait_for", "waiting")
     clock.wrap(TensorParallelGroup, "all_reduce", "collectives")
     clock.wrap(TensorParallelGroup, "gather_to_driver", "collectives")
     clock.wrap(TensorParallelGroup, "broadcast", "broadcast")
     clock.wrap(TensorParallelRanks, "_send", "broadcast")
+    clock.wrap(TensorParallelRanks, "_post", "broadcast")  # a CPU group's forward: the step mailbox
     return clock
 
 

@@ -8,8 +8,10 @@ The segment: a file in /dev/shm that rank 0 creates, whose path the others read 
 TCPStore. Once every rank has mapped it (agreed over gloo) rank 0 unlinks it, so nothing is left
 in /dev/shm however the ranks end, a SIGKILL included (the file itself: shm_segment.py). Its layout:
 
-    one 64-byte line per rank: ready, done (op sequence numbers), pid, pid namespace, start time
+    one 64-byte line per rank: ready, done (op sequence numbers), pid, pid namespace, start time,
+        and three fields of the step mailbox (step_mailbox.py: MAILBOX_FIELDS)
     then per rank two slots of slot_bytes each (double-buffered: op n uses slot n % 2)
+    then the step mailbox's two buffers of MAILBOX_BYTES each (the driver's forwards)
 
 Every rank counts the group's collectives alike (they are called in the same order on every
 rank). In op n a rank that contributes data first waits until every peer is done with op n - 2
@@ -55,8 +57,10 @@ logger = logging.getLogger(__name__)
 SLOT_BYTES = 4 << 20
 SEGMENT_KEY = "splitserve/tp_shm_segment"  # in the group's TCPStore: the segment's path ("": none)
 _LINE = 64  # one cache line of counters per rank: ranks never write the same line
-_FIELDS = _LINE // 8
+_FIELDS = LINE_FIELDS = _LINE // 8
 _READY, _DONE, _PID, _PIDNS, _START = range(5)
+MAILBOX_FIELDS = (5, 6, 7)  # the line's fields left to the step mailbox (step_mailbox.py)
+MAILBOX_BYTES = 256 << 10  # per buffer, two of them: a forward's batch up to ~10k tokens
 _DATA_ALIGN = 4096
 _MAX_VIEWS = 512
 _SPIN_S = 20e-6
@@ -104,7 +108,7 @@ class ShmCollectives:
         True when every rank's ok was (a gloo all-reduce): if any rank could not map it, all
         stay on gloo (None). Rank 0 unlinks the file once agree returns, or raises."""
         path, segment, shm = None, None, None
-        nbytes = _data_offset(size) + 2 * size * slot_bytes
+        nbytes = segment_bytes(size, slot_bytes)
         try:
             if rank == 0:
                 path = new_segment_path()
@@ -141,16 +145,26 @@ class ShmCollectives:
         """How many collectives this rank has run over the segment."""
         return self._seq
 
+    @property
+    def counters(self) -> memoryview:
+        """The ranks' lines as int64 (rank r's field f at r * LINE_FIELDS + f)."""
+        return self._counters
+
+    def mailbox(self, buf: int) -> torch.Tensor:
+        """The step mailbox's buffer buf (0 or 1), as bytes."""
+        start = self._data_offset + 2 * self.size * self.slot_bytes + buf * MAILBOX_BYTES
+        return self._bytes[start : start + MAILBOX_BYTES]
+
     def fits(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cpu" and tensor.nbytes <= self.slot_bytes
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum in place; the slots added in rank order, so every rank's result is bitwise equal."""
         seq, buf = self._next()
-        self._await(_DONE, self._peers, seq - 2, "all-reduce")
+        self.wait_for(_DONE, self._peers, seq - 2, "all-reduce")
         self._slot(self.rank, buf, tensor).copy_(tensor)
         self._publish(_READY, seq)
-        self._await(_READY, self._peers, seq, "all-reduce")
+        self.wait_for(_READY, self._peers, seq, "all-reduce")
         slots = [self._slot(r, buf, tensor) for r in range(self.size)]
         torch.add(slots[0], slots[1], out=tensor)
         for slot in slots[2:]:
@@ -162,11 +176,11 @@ class ShmCollectives:
         """Rank 0's tensor into every rank's, in place."""
         seq, buf = self._next()
         if self.rank == 0:
-            self._await(_DONE, self._peers, seq - 2, "broadcast")
+            self.wait_for(_DONE, self._peers, seq - 2, "broadcast")
             self._slot(0, buf, tensor).copy_(tensor)
             self._publish(_READY, seq)
         else:
-            self._await(_READY, [0], seq, "broadcast")
+            self.wait_for(_READY, [0], seq, "broadcast")
             tensor.copy_(self._slot(0, buf, tensor))
         self._publish(_DONE, seq)
         return tensor
@@ -176,10 +190,10 @@ class ShmCollectives:
         seq, buf = self._next()
         outputs = None
         if self.rank == 0:
-            self._await(_READY, self._peers, seq, "gather")
+            self.wait_for(_READY, self._peers, seq, "gather")
             outputs = [tensor.clone()] + [self._slot(r, buf, tensor).clone() for r in self._peers]
         else:
-            self._await(_DONE, self._peers, seq - 2, "gather")
+            self.wait_for(_DONE, self._peers, seq - 2, "gather")
             self._slot(self.rank, buf, tensor).copy_(tensor)
             self._publish(_READY, seq)
         self._publish(_DONE, seq)
@@ -216,7 +230,8 @@ class ShmCollectives:
     def _publish(self, field: int, seq: int) -> None:
         self._counters[self.rank * _FIELDS + field] = seq
 
-    def _await(self, field: int, ranks: list[int], target: int, what: str) -> None:
+    def wait_for(self, field: int, ranks: list[int], target: int, what: str) -> None:
+        """Until every rank in ranks has published field >= target (bounded by the timeout)."""
         counters = self._counters
         waiting = [r for r in ranks if counters[r * _FIELDS + field] < target]
         if not waiting:
@@ -234,9 +249,10 @@ class ShmCollectives:
                 os.sched_yield()
                 continue
             if now >= deadline:
+                reached = f"collective #{self._seq}" if field in (_READY, _DONE) else f"{what} #{target}"
                 raise TensorParallelError(
                     f"tensor-parallel {what} on rank {self.rank} failed: rank {waiting[0]} did not reach "
-                    f"collective #{self._seq} within {self.timeout_s:g}s"
+                    f"{reached} within {self.timeout_s:g}s"
                 )
             if now >= next_check:
                 next_check = now + _LIVENESS_PERIOD_S
@@ -257,6 +273,11 @@ class ShmCollectives:
             return False
         start = _start_time(self._counters[line + _PID])
         return start is None or start != self._counters[line + _START]
+
+
+def segment_bytes(size: int, slot_bytes: int) -> int:
+    """The segment's size: the counters' lines, every rank's two slots, the mailbox's buffers."""
+    return _data_offset(size) + 2 * size * slot_bytes + 2 * MAILBOX_BYTES
 
 
 def _data_offset(size: int) -> int:

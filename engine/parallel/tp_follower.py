@@ -1,8 +1,10 @@
 """A follower rank's process (ranks 1..N-1 of a tensor-parallel engine): join the group, load
 this rank's shard and KV cache, then run each forward and logits command the driver sends.
 
-Between commands it polls its pipe for a few milliseconds before it blocks on it (_POLL_S), so
-the next step's command does not wait for a sleeping process to wake.
+Between commands it polls for a few milliseconds before it blocks (_POLL_S here; on a CPU group
+the step mailbox's counter and the pipe, step_mailbox.py), so the next step's command does not
+wait for a sleeping process to wake. On a CPU group the forwards themselves come through that
+mailbox in shared memory; every other command, and every command on CUDA, over the pipe.
 
 It exits when the driver says stop, when its pipe closes, when a collective fails or times
 out, and -- whatever it is doing -- when the driver process dies: a watchdog thread waits on
@@ -47,6 +49,7 @@ from splitserve.engine.parallel.step_broadcast import (
     receive_forward,
     receive_hidden,
 )
+from splitserve.engine.parallel.step_mailbox import FollowerInbox, MailboxForward
 from splitserve.engine.parallel.tp_group import TensorParallelGroup, rank_device
 
 logger = logging.getLogger(__name__)
@@ -155,22 +158,32 @@ def _serve(
     ext: FollowerExtension | None,
 ):
     hidden_size, dtype = model.config.hidden_size, model.dtype
+    # A CPU group's forwards come through shared memory, in order with the pipe's other commands
+    # (step_mailbox.py); the driver decides alike (the group's shm is every rank's or none's).
+    inbox = FollowerInbox(group.shm, conn) if group.shm is not None else None
     with torch.inference_mode():
         while True:
             try:
-                _poll_briefly(conn)
-                header = conn.recv()
+                if inbox is not None:
+                    header = inbox.next()
+                else:
+                    _poll_briefly(conn)
+                    header = conn.recv()
             except (EOFError, OSError):
                 return  # the driver closed its end
             if header[0] == FORWARD:
-                input_ids, positions, meta = receive_forward(group, header)
+                if isinstance(header, MailboxForward):  # the batch came with it
+                    input_ids, positions, meta = header.input_ids, header.positions, header.meta
+                else:
+                    input_ids, positions, meta = receive_forward(group, header)
                 work = header.rank_work
                 on_layer_done = ext.forward_hook(work) if ext is not None and work is not None else None
                 hidden = model(input_ids, positions, kv_cache, meta, on_layer_done=on_layer_done)
                 rows = header.logits_rows
                 if rows is not None:  # the driver's next logits call, without a command of its own
                     if len(rows) < hidden.shape[0]:  # as ModelRunner selects them
-                        hidden = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
+                        index = rows if isinstance(rows, torch.Tensor) else torch.tensor(rows, device=hidden.device)
+                        hidden = hidden.index_select(0, index)
                     model.share_logits(hidden)
             elif header[0] == LOGITS:
                 model.share_logits(receive_hidden(group, header, hidden_size, dtype))

@@ -67,6 +67,7 @@ class TensorParallelModel:
         (hidden.index_select(0, rows)); the followers then compute theirs with this forward."""
         self.ranks.pinned.pin_calling_thread()  # once per thread: rank 0's core (rank_cpus.py)
         with self.ranks.lock, self.ranks.stop_on_failure():
+            self.ranks.check_running()  # before any collective: a stopped group pairs with no rank
             self._drain_announced()
             if logits_rows and not self._gather_never_waits(len(logits_rows)):
                 logits_rows = None
@@ -77,6 +78,7 @@ class TensorParallelModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with self.ranks.lock, self.ranks.stop_on_failure():
+            self.ranks.check_running()
             if self._announced_rows is not None and self._announced_rows == hidden.shape[0]:
                 self._announced_rows = None  # the followers' share went out with the forward
                 return self.shard.compute_logits(hidden)

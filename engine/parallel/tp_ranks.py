@@ -52,6 +52,7 @@ from splitserve.engine.parallel.step_broadcast import (
     broadcast_forward,
     forward_header,
 )
+from splitserve.engine.parallel.step_mailbox import WAKE, StepMailbox
 from splitserve.engine.parallel.tp_follower import ALIVE, FAILED, READY, run_follower
 from splitserve.engine.parallel.tp_group import TensorParallelError, TensorParallelGroup, rank_device
 
@@ -102,6 +103,7 @@ class TensorParallelRanks:
         self._pipe_lock = threading.Lock()  # one header at a time on the pipes, from any thread
         self._listener: ReplyListener | None = None
         self._failure: str | None = None  # the first failed command's error (stop_on_failure)
+        self._mailbox: StepMailbox | None = None
         device = rank_device(config.device, 0, plan.size, own_device=launch is not None)
         timeout = timedelta(seconds=self.timeout_s)
         store = dist.TCPStore(_HOST, 0, plan.size, is_master=True, timeout=timeout, wait_for_workers=False)
@@ -127,6 +129,8 @@ class TensorParallelRanks:
             self.close()
             raise
         self._store = store  # the followers' rendezvous: kept while they may still read it
+        # A CPU group's forwards go through shared memory (step_mailbox.py); else the pipe.
+        self._mailbox = StepMailbox(self.group.shm) if self.group.shm is not None else None
         if threads:
             torch.set_num_threads(threads)
 
@@ -187,9 +191,22 @@ class TensorParallelRanks:
         """Hand the step to every follower (with the extension's work for it, and the rows whose
         logits each then computes); the caller then runs its own forward (the group's
         collectives pair them up)."""
+        if self._mailbox is not None and rank_work is None and self._post(input_ids, positions, meta, logits_rows):
+            return
         header = forward_header(input_ids, meta, rank_work, logits_rows)
         self._send(header)
         broadcast_forward(self.group, input_ids, positions, meta)
+
+    def _post(self, input_ids, positions, meta: AttentionMetadata, logits_rows: list[int] | None) -> bool:
+        """The forward through the step mailbox (step_mailbox.py), in order with the pipe's
+        messages; False when it does not fit there."""
+        self.check_running()
+        with self._pipe_lock:
+            if self._mailbox is None or not self._mailbox.post_forward(input_ids, positions, meta, logits_rows):
+                return False
+            for rank in self._mailbox.parked():
+                self._write(rank, self._conns[rank - 1], WAKE)
+        return True
 
     def send_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hand the hidden rows whose logits the driver computes next; returns them contiguous."""
@@ -232,14 +249,26 @@ class TensorParallelRanks:
         self._listener = ReplyListener(self._conns, handler)
 
     def _send(self, header) -> None:
+        self.check_running()
+        with self._pipe_lock:
+            # With a mailbox, tagged with the forwards posted before it: the follower's order.
+            message = header if self._mailbox is None else (self._mailbox.posted, header)
+            for rank, conn in enumerate(self._conns, start=1):
+                self._write(rank, conn, message)
+            if self._mailbox is not None:
+                self._mailbox.message_sent()
+
+    def check_running(self) -> None:
+        """Raise, naming the first failure, once a failed command stopped the ranks."""
         if self._failure is not None:
             raise TensorParallelError(f"the tensor-parallel ranks were stopped after a failed step ({self._failure})")
-        with self._pipe_lock:
-            for rank, conn in enumerate(self._conns, start=1):
-                try:
-                    conn.send(header)
-                except (BrokenPipeError, OSError) as exc:
-                    raise TensorParallelError(f"tensor-parallel rank {rank} is gone: {exc}") from exc
+
+    @staticmethod
+    def _write(rank: int, conn: Connection, message) -> None:
+        try:
+            conn.send(message)
+        except (BrokenPipeError, OSError) as exc:
+            raise TensorParallelError(f"tensor-parallel rank {rank} is gone: {exc}") from exc
 
     def close(self) -> None:
         """Stop the followers (idempotent)."""

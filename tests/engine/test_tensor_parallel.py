@@ -214,7 +214,9 @@ def test_a_dead_rank_fails_the_step_and_every_later_one(models_root):
         follower = engine.tensor_parallel._processes[0]
         os.kill(follower.pid, signal.SIGKILL)
         follower.join(10)
-        with pytest.raises(EngineStepError, match="tensor-parallel rank 1 is gone"):
+        # The forward goes through the step mailbox (shared memory: no pipe write to fail), so
+        # the first all-reduce finds the rank's process gone; over a pipe the write fails.
+        with pytest.raises(EngineStepError, match=r"tensor-parallel rank 1 is gone|rank 1 \(pid \d+\) exited"):
             engine.generate([[5, 6, 7]])
         with pytest.raises(EngineStepError, match="stopped after a failed step"):
             engine.generate([[5, 6, 7]])  # at once: no collective is waited for

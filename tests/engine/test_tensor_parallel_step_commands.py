@@ -1,9 +1,10 @@
 """What a tensor-parallel step sends its follower rank and which collectives it runs
 (engine/parallel/tp_model.py, shard_plan.py): a step's logits go out with its forward command
 (the follower computes its vocabulary rows' logits from its own final hidden states), so a
-decode step is one command (over shared memory; over gloo the logits stay a command of their
-own); a small untied embedding is held whole by every rank, so its step
-runs 2 + 2 x layers collectives, a tied or large one 3 + 2 x layers (the embedding's all-reduce);
+decode step is one command (over shared memory, where the forward and its batch go through the
+step mailbox, no collective; over gloo the logits stay a command of their own, and the batch a
+broadcast); a small untied embedding is held whole by every rank, so its step
+runs 1 + 2 x layers collectives, a tied or large one 2 + 2 x layers (the embedding's all-reduce);
 prompt log-probabilities still take a logits command of their own; and a forward whose announced
 logits no compute_logits took (its step failed in between) leaves the ranks paired, the next
 call's results equal to TP 1's. Two real ranks over shared memory."""
@@ -31,15 +32,22 @@ def _engine(model: str, tp: int, **kwargs) -> LLMEngine:
 
 
 def _count_headers(engine: LLMEngine, monkeypatch) -> Counter:
-    """The commands the driver sends its follower, by kind (the real ones, counted on the way)."""
+    """The commands the driver sends its follower, by kind (the real ones, counted on the way):
+    over its pipe, and a CPU group's forwards through the step mailbox (step_mailbox.py)."""
     ranks, sent = engine.tensor_parallel, Counter()
-    send = ranks._send
+    send, post = ranks._send, ranks._post
 
     def counted(header) -> None:
         sent[header[0]] += 1
         send(header)
 
+    def counted_post(*args) -> bool:
+        posted = post(*args)
+        sent["forward" if posted else "forward too large for the mailbox"] += 1
+        return posted
+
     monkeypatch.setattr(ranks, "_send", counted)
+    monkeypatch.setattr(ranks, "_post", counted_post)
     return sent
 
 
@@ -51,8 +59,8 @@ def tiny(models_root) -> str:
 @pytest.mark.parametrize(
     ("arch", "replicated", "per_step"),
     [
-        ("llama", True, lambda layers: 2 + 2 * layers),  # the batch, o and down per layer, the logits gather
-        ("qwen2", False, lambda layers: 3 + 2 * layers),  # tied: the vocabulary-parallel embedding's all-reduce too
+        ("llama", True, lambda layers: 1 + 2 * layers),  # o and down per layer, the logits gather
+        ("qwen2", False, lambda layers: 2 + 2 * layers),  # tied: the vocabulary-parallel embedding's all-reduce too
     ],
 )
 def test_a_step_is_one_command_and_its_collectives(models_root, monkeypatch, arch, replicated, per_step):
