@@ -34,6 +34,8 @@ class ConfigError(ValueError):
 # The scripted CPU decode step's switch (engine/model/scripted_decode.py); torch-free here, so
 # the tensor-parallel start-up check (engine/parallel/shard_plan.py) reads it too.
 CPU_DECODE_FORWARD_ENV = "SPLITSERVE_CPU_DECODE_FORWARD"
+# The scripted prefill of one fresh prompt (engine/model/prefill_graph.py): scripted or eager.
+CPU_PREFILL_FORWARD_ENV = "SPLITSERVE_CPU_PREFILL_FORWARD"
 
 
 def async_scheduling_pays(scripted_decode: bool) -> bool:

@@ -35,6 +35,13 @@ from splitserve.bench.loadgen.metrics import compute_run_metrics
 from splitserve.bench.loadgen.records import ClientOptions, LoadPoint
 from splitserve.bench.loadgen.workloads import MixedLengthWorkload, VocabRange
 from splitserve.bench.serving.process_cpu_profile import psutil, role_of
+from splitserve.bench.serving.vs_vllm_servers import (
+    ServerUnderTest,
+    shell_command,
+    splitserve_servers,
+    vllm_server,
+    with_overrides,
+)
 
 STAGE_METRIC = "splitserve_first_token_stage_seconds"
 # A client run may not outlast this: far above any point here (seconds), so it only ends a hang.
@@ -55,51 +62,6 @@ class BenchPoint:
     input_len: int
     concurrency: int
     num_prompts: int
-
-
-@dataclass(frozen=True)
-class ServerUnderTest:
-    """A server command line (with {port}) and the environment it starts with."""
-
-    name: str
-    command: str  # contains {port}
-    env: dict[str, str]
-
-
-def vllm_server(vllm_python: Path, model_dir: Path, threads: int, kv_cache_gib: int) -> ServerUnderTest:
-    """vLLM-CPU as its docs tune it: tcmalloc and the venv's Intel OpenMP preloaded, OpenMP
-    threads bound to the cores it may use, its KV cache space set."""
-    venv = vllm_python.parent.parent
-    iomp = sorted(venv.glob("lib/libiomp5.so")) + sorted(venv.glob("lib/python3*/site-packages/**/libiomp5.so"))
-    preload = ["/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"] + [str(p) for p in iomp[:1]]
-    command = (
-        f"{vllm_python} -m vllm.entrypoints.openai.api_server --model {model_dir} --host 127.0.0.1 --port {{port}}"
-        " --dtype float32 --max-num-seqs 64 --max-model-len 4096"
-    )
-    env = {
-        "LD_PRELOAD": ":".join(p for p in preload if Path(p).exists()),
-        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
-    }
-    return ServerUnderTest(f"vllm-{threads}t", command, env)
-
-
-def splitserve_servers(model_dir: Path, splitserve_bin: Path, kv_cache_gib: int) -> list[ServerUnderTest]:
-    """Each replica's KV cache as large as vLLM's (the default 1,024 blocks hold 16k tokens:
-    fewer than 32 requests of 1,000 prompt tokens, which would then queue for blocks)."""
-    kv = f"--decode.kv-cache-memory-bytes {kv_cache_gib}Gi"
-    serve = f"{splitserve_bin} serve --model {model_dir} --http-port {{port}} --grpc-port 0 --decode-replicas 1 {kv}"
-    one_p_one_d = (
-        f"{serve} --prefill-replicas 1 --prefill-num-cpus 1 --decode-num-cpus 1"
-        f" --prefill.kv-cache-memory-bytes {kv_cache_gib}Gi"
-    )
-    return [
-        ServerUnderTest("splitserve-colocated", f"{serve} --prefill-replicas 0 --decode-num-cpus 2", {}),
-        ServerUnderTest("splitserve-1p1d", f"{one_p_one_d}", {}),
-        # The prefill replica's GEMMs on both cores: at low load the decode replica's core is
-        # idle while a prompt prefills.
-        ServerUnderTest("splitserve-1p1d-prefill2t", f"{one_p_one_d} --prefill.torch-threads 2", {}),
-    ]
 
 
 def read_core_times() -> dict[str, tuple[int, int]]:
@@ -243,8 +205,7 @@ def measure(what: str, server: ManagedServer, call: Callable[[], dict]) -> dict:
 def bench_server(args: argparse.Namespace, server: ServerUnderTest, points: list[BenchPoint], repeat: int) -> None:
     out = Path(args.out) / f"rep{repeat}-{server.name}"
     out.mkdir(parents=True, exist_ok=True)
-    env_prefix = " ".join(f"{k}={v}" for k, v in server.env.items())
-    managed = ManagedServer(f"{env_prefix} {server.command}".strip(), log_path=out / "server.log")
+    managed = ManagedServer(shell_command(server), log_path=out / "server.log")
     print(f"[vs-vllm] {server.name}: starting", file=sys.stderr, flush=True)
     with managed:
         base_url = managed.base_url
@@ -290,6 +251,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--servers", default="vllm,splitserve-colocated,splitserve-1p1d,splitserve-1p1d-prefill2t")
     parser.add_argument("--clients", default="vllm-bench,splitserve-bench")
     parser.add_argument("--repeats", type=int, default=2)
+    variants = parser.add_argument_group(
+        "variants", "servers compared in one run: a copy of a server under a new name, with its own flags and env"
+    )
+    variants.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=BASE",
+        help="start BASE (a server name above) again as NAME; list NAME in --servers (repeatable)",
+    )
+    variants.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="NAME=ARGS",
+        help="append ARGS to server NAME's command line, e.g. 'splitserve-colocated=--decode.torch-threads 1' (repeatable)",
+    )
+    variants.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="NAME=KEY=VALUE",
+        help="set KEY=VALUE in server NAME's environment (repeatable)",
+    )
     args = parser.parse_args(argv)
     args.clients = args.clients.split(",")
     return args
@@ -305,9 +290,13 @@ def main(argv: list[str] | None = None) -> None:
     splitserve_bin = Path(sys.executable).parent / "splitserve"
     servers = {s.name: s for s in splitserve_servers(args.model, splitserve_bin, args.kv_cache_gib)}
     servers["vllm"] = vllm_server(args.vllm_python, args.model, args.vllm_threads, args.kv_cache_gib)
+    try:
+        servers = with_overrides(servers, args.variant, args.server_arg, args.server_env)
+        order = [servers[name] for name in args.servers.split(",")]
+    except (ValueError, KeyError) as error:
+        raise SystemExit(f"vs_vllm_bench: {error}; servers: {', '.join(sorted(servers))}") from None
     # A SIGTERM unwinds like Ctrl-C, so the running server is stopped by its process group.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    order = [servers[name] for name in args.servers.split(",")]
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     for repeat in range(args.repeats):
         for server in order if repeat % 2 == 0 else order[::-1]:

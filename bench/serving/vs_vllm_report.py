@@ -19,6 +19,15 @@ from splitserve.bench.loadgen.plots import plt
 from splitserve.bench.serving.vs_vllm_bench import ENGINE_ROLES, RELAY_ROLES
 
 SERVER_ORDER = ("vllm-2t", "splitserve-colocated", "splitserve-1p1d", "splitserve-1p1d-prefill2t")
+
+
+def servers_in(groups: dict[tuple, list[dict[str, Any]]]) -> list[str]:
+    """The servers the records hold: SERVER_ORDER's first, then any variant (vs_vllm_bench's
+    --variant) by name."""
+    names = {key[3] for key in groups}
+    return [s for s in SERVER_ORDER if s in names] + sorted(names - set(SERVER_ORDER))
+
+
 CLIENTS = {"vllm-bench": "vLLM's `vllm bench serve`", "splitserve-bench": "splitserve's BenchClient"}
 # (column, vLLM result key, BenchClient metrics path); higher is better only for tok/s.
 MEASURES = (
@@ -71,7 +80,7 @@ def measure_table(groups: dict[tuple, list[dict[str, Any]]], client: str) -> lis
     points = sorted({(key[1], key[2]) for key in groups if key[0] == client})
     for input_len, concurrency in points:
         baseline = groups.get((client, input_len, concurrency, "vllm-2t"), [])
-        for server in SERVER_ORDER:
+        for server in servers_in(groups):
             records = groups.get((client, input_len, concurrency, server))
             if not records:
                 continue
@@ -153,7 +162,7 @@ def plot(groups: dict[tuple, list[dict[str, Any]]], path: Path) -> Path:
     for column, input_len in enumerate(lengths):
         for row, (name, vllm_key, own_path) in enumerate(MEASURES[:2]):
             axis = axes[row][column]
-            for server in SERVER_ORDER:
+            for server in servers_in(groups):
                 points = sorted(
                     (c, median([measure_of(r, vllm_key, own_path) for r in records]))
                     for (client, n, c, s), records in groups.items()
@@ -166,7 +175,7 @@ def plot(groups: dict[tuple, list[dict[str, Any]]], path: Path) -> Path:
             axis.set_title(f"{name}, {input_len}-token prompts (vllm bench serve)")
             axis.legend(fontsize=8)
         axis = axes[2][column]
-        servers = [s for s in SERVER_ORDER[1:] if any(key[3] == s for key in groups)]
+        servers = [s for s in servers_in(groups) if s != "vllm-2t"]
         bottoms = [0.0] * len(servers)
         for stage in STAGES:
             heights = []

@@ -153,6 +153,10 @@ class LlamaForCausalLM(nn.Module):
         ):
             # CPU decode: the same ops as below as one TorchScript call, which holds no GIL.
             return self._scripted_decode(input_ids, positions, kv_cache, meta)
+        scripted = self._scripted_decode
+        if scripted is not None and on_layer_done is None and lora is None and output_rows is not None:
+            if scripted.prefill_applies(meta, kv_cache, output_rows):  # one fresh prompt, likewise
+                return scripted.prefill(input_ids, positions, kv_cache, meta, output_rows)
         if self._embedding_is_whole:
             hidden = F.embedding(input_ids, self.embed_tokens)
         else:

@@ -15,6 +15,9 @@ placeholder fill, forward, logits and argmax are one call (ModelRunner's greedy 
 otherwise the forward is, and sampling runs as before. Everything else (prefill, quantized
 weights or KV, one sequence, a KV sender's per-layer hook, CUDA) runs the eager forward.
 SPLITSERVE_CPU_DECODE_FORWARD=eager turns it off (the benchmark's A/B switch).
+
+The same scripted module also runs the prefill of one fresh prompt (engine/model/prefill_graph.py:
+the first token's forward at low load) unless SPLITSERVE_CPU_PREFILL_FORWARD=eager.
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ import warnings
 
 import torch
 
-from splitserve.engine.config import CPU_DECODE_FORWARD_ENV
-from splitserve.engine.model.decode_graph import DecodeGraph
+from splitserve.engine.config import CPU_DECODE_FORWARD_ENV, CPU_PREFILL_FORWARD_ENV
 from splitserve.engine.model.layers import DecoderLayer
+from splitserve.engine.model.prefill_graph import PrefillGraph, prefill_graph_applies
 from splitserve.engine.ops.onednn_packed_weight import OneDnnPackedWeight
 
 logger = logging.getLogger(__name__)
@@ -37,11 +40,12 @@ logger = logging.getLogger(__name__)
 CPU_DECODE_FORWARDS = ("scripted", "eager")
 
 
-def cpu_decode_forward() -> str:
-    """The configured CPU decode forward; ValueError naming the choices."""
-    value = os.environ.get(CPU_DECODE_FORWARD_ENV, "scripted").strip().lower() or "scripted"
+def cpu_decode_forward(env: str = CPU_DECODE_FORWARD_ENV) -> str:
+    """The configured CPU decode forward (or, env CPU_PREFILL_FORWARD_ENV, the fresh prompt's
+    prefill forward); ValueError naming the choices."""
+    value = os.environ.get(env, "scripted").strip().lower() or "scripted"
     if value not in CPU_DECODE_FORWARDS:
-        raise ValueError(f"{CPU_DECODE_FORWARD_ENV} must be one of {', '.join(CPU_DECODE_FORWARDS)}, got {value!r}")
+        raise ValueError(f"{env} must be one of {', '.join(CPU_DECODE_FORWARDS)}, got {value!r}")
     return value
 
 
@@ -61,9 +65,11 @@ class ScriptedDecodeForward:
     """A model's DecodeGraph, scripted; build() returns None where the model's weights are not
     all plain float32 tensors or all oneDNN-packed, or TorchScript cannot compile it."""
 
-    def __init__(self, graph: torch.jit.ScriptModule, num_layers: int):
+    def __init__(self, graph: torch.jit.ScriptModule, num_layers: int, prefills: bool):
+        """prefills: run a fresh prompt's prefill too (prefill_applies), where no layer is windowed."""
         self.graph = graph
         self.num_layers = num_layers
+        self.prefills = prefills
         self._kv_cache = None  # the KVCache whose planes the graph holds
 
     @classmethod
@@ -91,11 +97,13 @@ class ScriptedDecodeForward:
                 # gives a call that runs without the GIL and without a compile per process that
                 # takes minutes on two cores; TorchScript does, and torch still ships it.
                 warnings.simplefilter("ignore", DeprecationWarning)
-                graph = torch.jit.script(DecodeGraph(model, packed, lm_head, lm_head_packed))
+                graph = torch.jit.script(PrefillGraph(model, packed, lm_head, lm_head_packed))
         except (RuntimeError, AttributeError, ValueError) as exc:  # a torch whose TorchScript cannot take it
             logger.warning("CPU decode steps run eagerly: TorchScript failed (%s)", exc)
             return None
-        return cls(graph, len(model._layer_list))
+        windowed = any(layer.window is not None for layer in model._layer_list)
+        prefills = not windowed and cpu_decode_forward(CPU_PREFILL_FORWARD_ENV) == "scripted"
+        return cls(graph, len(model._layer_list), prefills)
 
     def __call__(self, input_ids, positions, kv_cache, meta) -> torch.Tensor:
         """LlamaForCausalLM.forward's final hidden states."""
@@ -109,6 +117,15 @@ class ScriptedDecodeForward:
         nothing changing its logits; fill_rows/fill_ids: the placeholder rows and their tokens."""
         step = self._step_inputs(input_ids, positions, kv_cache, meta, fill_rows, fill_ids)
         return self.graph.greedy_step(fill_rows, fill_ids, *step, meta.max_context_len)
+
+    def prefill_applies(self, meta, kv_cache, output_rows: list[int] | None) -> bool:
+        """A step prefill() runs: one fresh prompt reading out no row or its last one."""
+        return self.prefills and prefill_graph_applies(meta, kv_cache, output_rows)
+
+    def prefill(self, input_ids, positions, kv_cache, meta, output_rows: list[int] | None) -> torch.Tensor:
+        """LlamaForCausalLM.forward(output_rows=...) for a step prefill_applies to."""
+        self._step_inputs(input_ids, positions, kv_cache, meta)
+        return self.graph.prefill(input_ids, positions, meta.slot_mapping, meta.block_tables, bool(output_rows))
 
     def _step_inputs(self, input_ids, positions, kv_cache, meta, *more: torch.Tensor) -> list[torch.Tensor]:
         if self._kv_cache is not kv_cache:

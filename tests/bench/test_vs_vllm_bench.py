@@ -134,3 +134,17 @@ def test_tables_give_medians_over_repeats_and_ratios_to_vllm_with_the_same_clien
     assert "| 200 | 1 | vllm-2t | 1.000 | 0.200 | - | 1.700 |" in text
     png = plot(grouped(load_records(tmp_path)), tmp_path / "summary.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_variants_rows_follow_the_built_in_servers_with_their_ratios_to_vllm(tmp_path):
+    point = BenchPoint(200, 1, 8)
+    for server, tok_s in (("splitserve-colocated-1t", 300.0), ("vllm-2t", 200.0), ("splitserve-colocated", 250.0)):
+        folder = tmp_path / f"rep0-{server}"
+        folder.mkdir()
+        record = _record(server, "vllm-bench", point, 0, tok_s, 20.0)
+        (folder / "in200-c1-vllm-bench.record.json").write_text(json.dumps(record))
+    text = render(tmp_path)
+    rows = [line for line in text.splitlines() if line.startswith("| 200 | 1 |") and "tok" not in line]
+    assert [row.split(" | ")[2] for row in rows][:3] == ["vllm-2t", "splitserve-colocated", "splitserve-colocated-1t"]
+    assert "| 200 | 1 | splitserve-colocated-1t | 1 | 300 (1.50x) |" in text
+    assert "| 200 | splitserve-colocated-1t |" in text  # its first-token stages
