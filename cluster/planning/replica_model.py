@@ -101,7 +101,9 @@ class ReplicaModel:
         admitted, self.joining = self.joining, []
         num_decoding = len(self.decoding)
         budget = self.budget - num_decoding - len(admitted)
-        context = self.decoding_computed + num_decoding + sum(o.computed + 1 for o in admitted)
+        context = self.decoding_computed + num_decoding
+        if admitted:
+            context += sum(o.computed + 1 for o in admitted)
         chunks: list[tuple[PlannedOutcome, int]] = []
         for outcome in self.prefilling:
             if budget <= 0:
@@ -145,12 +147,13 @@ class ReplicaModel:
         self.slow_steps += duration > self.itl_target_s
         self.decoding_computed += num_decoding
         prefilled: list[PlannedOutcome] = []
-        for outcome, chunk in chunks:
-            outcome.computed += chunk
-            self.queued_prompt_tokens -= chunk
-            if outcome.computed == outcome.input_tokens:
-                prefilled.append(outcome)
-        self.prefilling = [o for o in self.prefilling if o.computed < o.input_tokens]
+        if chunks:  # a decode-only step (most of them) changes no prompt
+            for outcome, chunk in chunks:
+                outcome.computed += chunk
+                self.queued_prompt_tokens -= chunk
+                if outcome.computed == outcome.input_tokens:
+                    prefilled.append(outcome)
+            self.prefilling = [o for o in self.prefilling if o.computed < o.input_tokens]
         finished: list[PlannedOutcome] = []
         while self.decoding and self.decoding[0].last_step <= step:
             done = heapq.heappop(self.decoding)
