@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import IO
@@ -19,6 +20,15 @@ psutil = require_extra("psutil")
 
 HEALTH_PATHS = ("/health", "/v1/models")
 _LOG_TAIL_CHARS = 2000
+# The shell runs with SIGINT at its default action. A process started with SIGINT ignored (a
+# background job of a non-interactive shell, `nohup ... &`) passes that on across exec, and a
+# server that inherits it never sees stop()'s SIGINT: it then lingers until the SIGTERM
+# stop_timeout_s later, skipping its graceful shutdown. Only a disposition set before exec
+# reaches the shell (a shell cannot trap a signal ignored on entry), hence this small exec.
+_SHELL_WITH_DEFAULT_SIGINT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv('/bin/sh', ['/bin/sh', '-c', sys.argv[1]])"
+)
 
 
 class ServerStartError(RuntimeError):
@@ -97,7 +107,7 @@ class ManagedServer:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(
-            ["/bin/sh", "-c", self.command],
+            [sys.executable, "-c", _SHELL_WITH_DEFAULT_SIGINT, self.command],
             stdin=subprocess.DEVNULL,
             stdout=self._log if self._log is not None else subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
