@@ -106,6 +106,66 @@ class DecodeGraph(nn.Module):
             return (torch.rms_norm(x.float(), [x.shape[-1]], None, eps) * (1.0 + weight.float())).to(x.dtype)
         return torch.rms_norm(x, [x.shape[-1]], weight, eps)
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = F.embedding(input_ids, self.embed)
+        embed_scale = self.embed_scale
+        if embed_scale is not None:
+            hidden = hidden * embed_scale
+        return hidden
+
+    def _qkv(
+        self, i: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer i's attention input for every row of hidden: q and k normed (where the model
+        norms them) and rotated, and v; each [rows, heads, head_dim]."""
+        num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        q_size, kv_size, eps = num_heads * head_dim, num_kv_heads * head_dim, self.eps
+        num_tokens = hidden.shape[0]
+        x = self._norm(hidden, self.norms[2 * i], eps)
+        qkv = _linear(x, self.weights[4 * i], self.packed, self.biases[i])
+        qk = qkv[:, : q_size + kv_size].view(num_tokens, num_heads + num_kv_heads, head_dim)
+        q_norm, k_norm = self.q_norms[i], self.k_norms[i]
+        if q_norm is not None and k_norm is not None:
+            q_normed = self._norm(qk[:, :num_heads], q_norm, eps)
+            qk = torch.cat((q_normed, self._norm(qk[:, num_heads:], k_norm, eps)), 1)
+        qk = rotate(qk, cos, sin)
+        v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
+        return qk[:, :num_heads], qk[:, num_heads:], v
+
+    def _layer_tail(self, i: int, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Layer i after attention: o_proj, the residual, then the MLP (or MoE) and its residual."""
+        eps, packed, inter = self.eps, self.packed, self.intermediate_size
+        out = _linear(attn, self.weights[4 * i + 1], packed, None)
+        attn_output_norm = self.attn_output_norms[i]
+        if attn_output_norm is not None:
+            out = self._norm(out, attn_output_norm, eps)
+        hidden = out.add_(hidden)
+        x = self._norm(hidden, self.norms[2 * i + 1], eps)
+        router = self.moe_routers[i]
+        if router is not None:
+            out = scripted_moe(
+                x,
+                router,
+                self.expert_weights[i],
+                packed,
+                self.moe_inter,
+                self.top_k,
+                self.renormalise,
+                self.moe_in_model_dtype,
+                self.gelu,
+            )
+        else:
+            gate_up = _linear(x, self.weights[4 * i + 2], packed, None)
+            if self.gelu:
+                act = F.gelu(gate_up[:, :inter], approximate="tanh").mul_(gate_up[:, inter:])
+            else:
+                act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+            out = _linear(act, self.weights[4 * i + 3], packed, None)
+        mlp_output_norm = self.mlp_output_norms[i]
+        if mlp_output_norm is not None:
+            out = self._norm(out, mlp_output_norm, eps)
+        return out.add_(hidden)
+
     def _plan(
         self, block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int, window: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -146,11 +206,8 @@ class DecodeGraph(nn.Module):
     ) -> torch.Tensor:
         """LlamaForCausalLM.forward for one decode token per sequence: final hidden states."""
         num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        inter, eps, packed = self.intermediate_size, self.eps, self.packed
-        hidden = F.embedding(input_ids, self.embed)
-        embed_scale = self.embed_scale
-        if embed_scale is not None:
-            hidden = hidden * embed_scale
+        eps = self.eps
+        hidden = self._embed(input_ids)
         cos = self.cos_table.index_select(0, positions)
         sin = self.sin_table.index_select(0, positions)
         local_cos = self.local_cos_table.index_select(0, positions)
@@ -164,24 +221,15 @@ class DecodeGraph(nn.Module):
         num_blocks_total, block_size = self.key_caches[0].shape[0], self.key_caches[0].shape[1]
         num_rows = num_blocks_total * block_size * num_kv_heads
 
-        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        q_size = num_heads * head_dim
         num_tokens = hidden.shape[0]
         flat = [num_blocks_total * block_size, num_kv_heads, head_dim]
         for i in range(len(self.key_caches)):
             key_cache, value_cache = self.key_caches[i], self.value_caches[i]
-            x = self._norm(hidden, self.norms[2 * i], eps)
-            qkv = _linear(x, self.weights[4 * i], packed, self.biases[i])
-            qk = qkv[:, : q_size + kv_size].view(num_tokens, num_heads + num_kv_heads, head_dim)
-            q_norm, k_norm = self.q_norms[i], self.k_norms[i]
-            if q_norm is not None and k_norm is not None:
-                q_normed = self._norm(qk[:, :num_heads], q_norm, eps)
-                qk = torch.cat((q_normed, self._norm(qk[:, num_heads:], k_norm, eps)), 1)
             if self.sliding[i]:
-                qk = rotate(qk, local_cos, local_sin)
+                q, k, v = self._qkv(i, hidden, local_cos, local_sin)
             else:
-                qk = rotate(qk, cos, sin)
-            q, k = qk[:, :num_heads], qk[:, num_heads:]
-            v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
+                q, k, v = self._qkv(i, hidden, cos, sin)
             key_cache.view(flat).index_copy_(0, slot_mapping, k)  # write_kv
             value_cache.view(flat).index_copy_(0, slot_mapping, v)
             rows, padding, crow, zeros = local_plan if self.windowed[i] else full_plan
@@ -198,37 +246,7 @@ class DecodeGraph(nn.Module):
             values = value_cache.view(num_rows, head_dim)
             bag_offsets = crow[:-1]  # F.embedding_bag's, for 2-D input
             attn = torch.embedding_bag(values, cols, bag_offsets, False, 0, False, probs.reshape(-1), False, None)[0]
-            out = _linear(attn.reshape(num_tokens, q_size), self.weights[4 * i + 1], packed, None)
-            attn_output_norm = self.attn_output_norms[i]
-            if attn_output_norm is not None:
-                out = self._norm(out, attn_output_norm, eps)
-            hidden = out.add_(hidden)
-            x = self._norm(hidden, self.norms[2 * i + 1], eps)
-            router = self.moe_routers[i]
-            if router is not None:
-                experts = self.expert_weights[i]
-                out = scripted_moe(
-                    x,
-                    router,
-                    experts,
-                    packed,
-                    self.moe_inter,
-                    self.top_k,
-                    self.renormalise,
-                    self.moe_in_model_dtype,
-                    self.gelu,
-                )
-            else:
-                gate_up = _linear(x, self.weights[4 * i + 2], packed, None)
-                if self.gelu:
-                    act = F.gelu(gate_up[:, :inter], approximate="tanh").mul_(gate_up[:, inter:])
-                else:
-                    act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
-                out = _linear(act, self.weights[4 * i + 3], packed, None)
-            mlp_output_norm = self.mlp_output_norms[i]
-            if mlp_output_norm is not None:
-                out = self._norm(out, mlp_output_norm, eps)
-            hidden = out.add_(hidden)
+            hidden = self._layer_tail(i, attn.reshape(num_tokens, q_size), hidden)
         return self._norm(hidden, self.final_norm, eps)
 
     @torch.jit.export

@@ -19,9 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.engine.model.decode_graph import DecodeGraph
-from splitserve.engine.model.graph_ops import scripted_linear as _linear
-from splitserve.engine.model.graph_ops import scripted_moe
-from splitserve.engine.model.rope import rotate
 
 
 def prefill_graph_applies(meta, kv_cache, output_rows: list[int] | None) -> bool:
@@ -52,15 +49,12 @@ class PrefillGraph(DecodeGraph):
         """LlamaForCausalLM.forward(output_rows=[T - 1] if read_out_last else []) for one fresh
         prompt of T tokens: the final hidden state of its last row [1, hidden], or [0, hidden]."""
         num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        inter, eps, packed = self.intermediate_size, self.eps, self.packed
-        hidden = F.embedding(input_ids, self.embed)
-        embed_scale = self.embed_scale
-        if embed_scale is not None:
-            hidden = hidden * embed_scale
+        eps = self.eps
+        hidden = self._embed(input_ids)
         cos = self.cos_table.index_select(0, positions)
         sin = self.sin_table.index_select(0, positions)
         num_blocks_total, block_size = self.key_caches[0].shape[0], self.key_caches[0].shape[1]
-        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        q_size = num_heads * head_dim
         num_tokens = hidden.shape[0]
         flat = [num_blocks_total * block_size, num_kv_heads, head_dim]
         shape = [1, num_tokens, -1, head_dim]
@@ -68,16 +62,7 @@ class PrefillGraph(DecodeGraph):
         last = len(self.key_caches) - 1
         for i in range(len(self.key_caches)):
             key_cache, value_cache = self.key_caches[i], self.value_caches[i]
-            x = self._norm(hidden, self.norms[2 * i], eps)
-            qkv = _linear(x, self.weights[4 * i], packed, self.biases[i])
-            qk = qkv[:, : q_size + kv_size].view(num_tokens, num_heads + num_kv_heads, head_dim)
-            q_norm, k_norm = self.q_norms[i], self.k_norms[i]
-            if q_norm is not None and k_norm is not None:
-                q_normed = self._norm(qk[:, :num_heads], q_norm, eps)
-                qk = torch.cat((q_normed, self._norm(qk[:, num_heads:], k_norm, eps)), 1)
-            qk = rotate(qk, cos, sin)
-            q, k = qk[:, :num_heads], qk[:, num_heads:]
-            v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
+            q, k, v = self._qkv(i, hidden, cos, sin)
             key_cache.view(flat).index_copy_(0, slot_mapping, k)  # write_kv
             value_cache.view(flat).index_copy_(0, slot_mapping, v)
             if i == last:
@@ -110,34 +95,5 @@ class PrefillGraph(DecodeGraph):
                 )
                 out[0:num_tokens] = attended.transpose(1, 2).reshape(num_tokens, num_heads, head_dim)
                 attn = out.reshape(num_tokens, q_size)
-            out = _linear(attn, self.weights[4 * i + 1], packed, None)
-            attn_output_norm = self.attn_output_norms[i]
-            if attn_output_norm is not None:
-                out = self._norm(out, attn_output_norm, eps)
-            hidden = out.add_(hidden)
-            x = self._norm(hidden, self.norms[2 * i + 1], eps)
-            router = self.moe_routers[i]
-            if router is not None:
-                out = scripted_moe(
-                    x,
-                    router,
-                    self.expert_weights[i],
-                    packed,
-                    self.moe_inter,
-                    self.top_k,
-                    self.renormalise,
-                    self.moe_in_model_dtype,
-                    self.gelu,
-                )
-            else:
-                gate_up = _linear(x, self.weights[4 * i + 2], packed, None)
-                if self.gelu:
-                    act = F.gelu(gate_up[:, :inter], approximate="tanh").mul_(gate_up[:, inter:])
-                else:
-                    act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
-                out = _linear(act, self.weights[4 * i + 3], packed, None)
-            mlp_output_norm = self.mlp_output_norms[i]
-            if mlp_output_norm is not None:
-                out = self._norm(out, mlp_output_norm, eps)
-            hidden = out.add_(hidden)
+            hidden = self._layer_tail(i, attn, hidden)
         return self._norm(hidden, self.final_norm, eps)
