@@ -17,7 +17,8 @@ weights or KV, one sequence, a KV sender's per-layer hook, CUDA) runs the eager 
 SPLITSERVE_CPU_DECODE_FORWARD=eager turns it off (the benchmark's A/B switch).
 
 The same scripted module also runs the prefill of one fresh prompt (engine/model/prefill_graph.py:
-the first token's forward at low load) unless SPLITSERVE_CPU_PREFILL_FORWARD=eager.
+the first token's forward at low load) when SPLITSERVE_CPU_PREFILL_FORWARD=scripted (off by
+default: see PREFILL_FORWARD_DEFAULT).
 """
 
 from __future__ import annotations
@@ -38,12 +39,17 @@ logger = logging.getLogger(__name__)
 
 # SPLITSERVE_CPU_DECODE_FORWARD=eager keeps the eager forward (the benchmark's A/B switch).
 CPU_DECODE_FORWARDS = ("scripted", "eager")
+# The scripted fresh-prompt prefill is opt-in (SPLITSERVE_CPU_PREFILL_FORWARD=scripted): it makes
+# a prefill replica's measured cost per token ~6x below a decode replica's eager prefill of a
+# prompt's tail, which the local/remote prefill choice prices per token alike, so with it on that
+# choice flipped to remote on an idle decode replica. On again once the choice prices each path.
+PREFILL_FORWARD_DEFAULT = "eager"
 
 
-def cpu_decode_forward(env: str = CPU_DECODE_FORWARD_ENV) -> str:
+def cpu_decode_forward(env: str = CPU_DECODE_FORWARD_ENV, default: str = "scripted") -> str:
     """The configured CPU decode forward (or, env CPU_PREFILL_FORWARD_ENV, the fresh prompt's
     prefill forward); ValueError naming the choices."""
-    value = os.environ.get(env, "scripted").strip().lower() or "scripted"
+    value = os.environ.get(env, default).strip().lower() or default
     if value not in CPU_DECODE_FORWARDS:
         raise ValueError(f"{env} must be one of {', '.join(CPU_DECODE_FORWARDS)}, got {value!r}")
     return value
@@ -102,7 +108,7 @@ class ScriptedDecodeForward:
             logger.warning("CPU decode steps run eagerly: TorchScript failed (%s)", exc)
             return None
         windowed = any(layer.window is not None for layer in model._layer_list)
-        prefills = not windowed and cpu_decode_forward(CPU_PREFILL_FORWARD_ENV) == "scripted"
+        prefills = not windowed and cpu_decode_forward(CPU_PREFILL_FORWARD_ENV, PREFILL_FORWARD_DEFAULT) == "scripted"
         return cls(graph, len(model._layer_list), prefills)
 
     def __call__(self, input_ids, positions, kv_cache, meta) -> torch.Tensor:

@@ -44,7 +44,7 @@ def _both(model, ids, positions, cache, meta, rows):
 def test_scripted_prefill_is_bitwise_the_eager_forward(models_root, monkeypatch, matmul, arch):
     monkeypatch.setenv(CPU_MATMUL_ENV, matmul)
     monkeypatch.delenv(CPU_DECODE_FORWARD_ENV, raising=False)
-    monkeypatch.delenv(CPU_PREFILL_FORWARD_ENV, raising=False)
+    monkeypatch.setenv(CPU_PREFILL_FORWARD_ENV, "scripted")
     model, config = load_model(make_checkpoint(models_root, "tiny", arch))
     scripted = model._scripted_decode
     assert scripted is not None and scripted.prefills
@@ -60,7 +60,7 @@ def test_scripted_prefill_is_bitwise_the_eager_forward(models_root, monkeypatch,
 
 def test_steps_the_scripted_prefill_does_not_take(models_root, monkeypatch):
     monkeypatch.delenv(CPU_DECODE_FORWARD_ENV, raising=False)
-    monkeypatch.delenv(CPU_PREFILL_FORWARD_ENV, raising=False)
+    monkeypatch.setenv(CPU_PREFILL_FORWARD_ENV, "scripted")
     model, config = load_model(make_checkpoint(models_root, "tiny", "llama"))
     scripted = model._scripted_decode
     ids, positions, cache, meta = _prompt(model, config, 9)
@@ -77,6 +77,8 @@ def test_steps_the_scripted_prefill_does_not_take(models_root, monkeypatch):
     assert not scripted.prefill_applies(meta, fp8_cache, [8])
     # Sliding-window layers (Gemma 3) and the switch set to eager keep the eager prefill.
     assert not load_model(make_checkpoint(models_root, "tiny", "gemma3"))[0]._scripted_decode.prefills
+    monkeypatch.delenv(CPU_PREFILL_FORWARD_ENV)  # off by default
+    assert not load_model(make_checkpoint(models_root, "tiny", "llama"))[0]._scripted_decode.prefills
     monkeypatch.setenv(CPU_PREFILL_FORWARD_ENV, "eager")
     reloaded = load_model(make_checkpoint(models_root, "tiny", "llama"))[0]._scripted_decode
     assert reloaded is not None and not reloaded.prefills
@@ -115,7 +117,7 @@ def test_scripted_and_eager_prefill_engines_generate_the_same(models_root, monke
 def test_the_scripted_prefill_runs_without_the_gil(models_root, monkeypatch):
     """Every layer's K/V of a prompt is written while another thread holds the GIL."""
     monkeypatch.delenv(CPU_DECODE_FORWARD_ENV, raising=False)
-    monkeypatch.delenv(CPU_PREFILL_FORWARD_ENV, raising=False)
+    monkeypatch.setenv(CPU_PREFILL_FORWARD_ENV, "scripted")
     model, config = load_model(make_checkpoint(models_root, "small", "llama"))
     ids, positions, cache, meta = _prompt(model, config, 24)
     slot = int(meta.slot_mapping[-1])
