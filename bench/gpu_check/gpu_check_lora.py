@@ -109,7 +109,7 @@ def check_lora(device: torch.device, tiny: bool) -> dict:
     items = [item("triton mode", "pass" if mode == wanted else "fail", f"{mode}; expected {wanted} on {device.type}")]
     config = _config(tiny)
     dtypes = (torch.float16, torch.bfloat16)
-    reps = dict(reps=2, warmup=1) if tiny else {}
+    reps = dict(reps=1, warmup=0) if tiny else {}  # tiny: only that the timing runs
     for index, dtype in enumerate(dtypes):
         slots = _slots(config, dtype, device, seed=index)
         reference_slots = _as(slots, torch.float32)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import struct
 import time
 from collections import deque
 from collections.abc import Callable
@@ -114,7 +115,8 @@ class SimulatedRunner:
         """The request's token at this position: a hash of (seed, prompt, position), never EOS."""
         key = self._keys.get(seq.request_id)
         if key is None:
-            prompt = b"".join(t.to_bytes(4, "little") for t in seq.prompt_token_ids)
+            ids = seq.prompt_token_ids
+            prompt = struct.pack(f"<{len(ids)}I", *ids)  # each id as 4 little-endian bytes
             key = hashlib.blake2b(prompt, digest_size=16, key=self.seed.to_bytes(8, "little")).digest()
             self._keys[seq.request_id] = key
         digest = hashlib.blake2b(position.to_bytes(8, "little"), digest_size=8, key=key).digest()
