@@ -220,7 +220,7 @@ class ServingBackend:
         status = OK
         first = True
         finished = False
-        meter = TokenMeter(self.metrics)
+        meter = TokenMeter(self.metrics, self.reporter if reported else None)
         try:
             async for chunk in self.cluster.generate(
                 prompt_token_ids,
@@ -246,8 +246,6 @@ class ServingBackend:
                     first = False
                 elif chunk.token_ids:
                     gap = (now - last) / len(chunk.token_ids)
-                    if reported:
-                        self.reporter.observe_itl(gap)
                 last = now
                 meter.add(len(chunk.token_ids), gap)
                 if chunk.finished:

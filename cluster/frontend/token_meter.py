@@ -2,8 +2,9 @@
 engine step, and updating the ITL histogram and the token counter for each (three locks
 and a bucket scan per token) was a measurable share of the ingress's CPU per token. A
 TokenMeter keeps them and records them every FLUSH_TOKENS tokens and when the request ends,
-so /metrics lags a stream by at most that many tokens. (The controller's ITL samples stay
-per chunk: they are timestamped for the autoscaler's window.)"""
+so /metrics lags a stream by at most that many tokens. The controller's ITL samples (the
+IngressReporter's, for the autoscaler's window) stay one per chunk, handed over in the same
+batches, so each is stamped at most that many tokens late."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from bisect import bisect_left
 from collections import Counter
 
 from splitserve.cluster.frontend.metrics import Metrics
+from splitserve.cluster.ingress.ingress_reporter import IngressReporter
 
 FLUSH_TOKENS = 32
 
@@ -28,10 +30,13 @@ def observe_many(histogram, values: list[float]) -> None:
 class TokenMeter:
     """The generated tokens and inter-token gaps of one request, not yet recorded."""
 
-    def __init__(self, metrics: Metrics):
+    def __init__(self, metrics: Metrics, reporter: IngressReporter | None = None):
+        """reporter: also gets one gap per chunk (None: the request is not reported)."""
         self.metrics = metrics
+        self.reporter = reporter
         self.num_tokens = 0
         self.itl: list[float] = []  # one gap per token after the first chunk
+        self.chunk_gaps: list[float] = []  # the reporter's: one per chunk after the first
 
     def add(self, num_tokens: int, gap: float | None) -> None:
         """A chunk of num_tokens tokens; gap: seconds per token since the previous chunk
@@ -39,6 +44,8 @@ class TokenMeter:
         self.num_tokens += num_tokens
         if gap is not None and num_tokens:
             self.itl.extend([gap] * num_tokens)
+            if self.reporter is not None:
+                self.chunk_gaps.append(gap)
         if self.num_tokens >= FLUSH_TOKENS:
             self.flush()
 
@@ -49,3 +56,6 @@ class TokenMeter:
         if self.itl:
             observe_many(self.metrics.itl, self.itl)
             self.itl = []
+        if self.chunk_gaps and self.reporter is not None:
+            self.reporter.observe_itls(self.chunk_gaps)
+            self.chunk_gaps = []

@@ -28,9 +28,12 @@ class IngressReporter:
         with self._lock:
             self._ttft.append((time.monotonic(), seconds))
 
-    def observe_itl(self, seconds: float) -> None:
+    def observe_itls(self, seconds: list[float]) -> None:
+        """Inter-chunk gaps of one request, one per chunk, handed over in batches
+        (TokenMeter): stamped now, at most a batch's tokens after they were seen."""
         with self._lock:
-            self._itl.append((time.monotonic(), seconds))
+            now = time.monotonic()
+            self._itl.extend([(now, gap) for gap in seconds])
 
     def report(self, inflight: dict[str, int]) -> bytes:
         now = time.monotonic()

@@ -18,6 +18,7 @@ import time
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from splitserve.cluster.frontend.first_token_stages import RECEIVED_AT
+from splitserve.cluster.frontend.http.sse import BODY_SEND
 
 logger = logging.getLogger("splitserve.access")
 QUIET_PATHS = frozenset({"/metrics", "/health"})  # scraped every few seconds
@@ -53,6 +54,7 @@ class AccessLog:
             await self.app(scope, receive, send)
             return
         start = scope[RECEIVED_AT] = time.perf_counter()  # the first token's ingress stage starts
+        scope[BODY_SEND] = send  # an event stream's body skips the layers inside (sse.py)
         status = 499  # nginx's "client closed request": no response was started
         label = client_request_id(scope.get("headers", ()))
         extra = []

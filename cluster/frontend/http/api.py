@@ -41,7 +41,7 @@ from splitserve.cluster.frontend.http.head import HeadAsGet
 from splitserve.cluster.frontend.http.lora_routes import add_lora_routes
 from splitserve.cluster.frontend.http.model_routes import add_model_routes
 from splitserve.cluster.frontend.http.openapi_bounds import state_bounds_in_openapi
-from splitserve.cluster.frontend.http.sse import SSEResponse, run_until_disconnected
+from splitserve.cluster.frontend.http.sse import LastEvent, SSEResponse, run_until_disconnected
 from splitserve.cluster.frontend.http.tokenize_routes import add_tokenize_routes, splitserve_version
 from splitserve.cluster.frontend.model_catalog import ModelCatalog
 from splitserve.cluster.frontend.model_service import GenerationRequest, ModelService
@@ -289,26 +289,33 @@ def _request_timeout(request: Request) -> float | None:
 
 
 async def _stream_events(renderer: ResponseRenderer, firsts: list, rest):
-    """SSE events of one request; a failure after the first chunk becomes an error event."""
-    for event in renderer.opening_events():
-        yield event
+    """SSE events of one request, as one string per chunk (its events written at once); a
+    failure after the first chunk becomes an error event. The chunk that finishes the last
+    choice is held until the sources end (at once: nothing is left to wait for) and goes out
+    with the closing events as the stream's LastEvent: one write, instead of one for the
+    finish, one for [DONE] and one for the end of the chunked body."""
+    pending = "".join(renderer.opening_events())
     try:
         for index, first in enumerate(firsts):
             if first is not None:
-                for event in renderer.chunk_events(first, index):
-                    yield event
+                pending += "".join(renderer.chunk_events(first, index))
+        if pending and not renderer.all_finished():
+            yield pending
+            pending = ""
         async for index, chunk in rest:
-            for event in renderer.chunk_events(chunk, index):
-                yield event
+            events = renderer.chunk_events(chunk, index)
+            if not events:
+                continue
+            if chunk.finished and renderer.all_finished():
+                pending += "".join(events)
+            else:
+                yield events[0] if len(events) == 1 else "".join(events)
     except RequestError as exc:
         status, error_type = HTTP_STATUS_BY_KIND[exc.kind]
-        yield sse_event(error_body(exc.message, error_type, code=status))
-        yield SSE_DONE
+        yield LastEvent(pending + sse_event(error_body(exc.message, error_type, code=status)) + SSE_DONE)
         return
     except Exception:
         logger.exception("stream %s failed", renderer.request_id)
-        yield sse_event(error_body("internal server error", "server_error", code=500))
-        yield SSE_DONE
+        yield LastEvent(pending + sse_event(error_body("internal server error", "server_error", code=500)) + SSE_DONE)
         return
-    for event in renderer.closing_events():
-        yield event
+    yield LastEvent(pending + "".join(renderer.closing_events()))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from splitserve.cluster.frontend.http.sse import BODY_SEND
+
 
 class HeadAsGet:
     def __init__(self, app: ASGIApp):
@@ -30,4 +32,5 @@ class HeadAsGet:
             else:
                 await send(message)
 
-        await self.app({**scope, "method": "GET"}, receive, send_headers_only)
+        # A streamed body must not skip send_headers_only (sse.py's BODY_SEND).
+        await self.app({**scope, "method": "GET", BODY_SEND: send_headers_only}, receive, send_headers_only)

@@ -18,6 +18,11 @@ from starlette.types import Receive, Scope, Send
 logger = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# The ASGI scope key under which the app's outermost middleware (AccessLog) leaves the `send`
+# it was given. An event stream's body messages go straight to it: every layer between (that
+# middleware's own, Starlette's error and exception middleware, the route's) looks only at
+# http.response.start, and each was a coroutine call per token on the relay's hot path.
+BODY_SEND = "splitserve.body_send"
 
 
 class ClientDisconnected(Exception):
@@ -56,9 +61,15 @@ async def run_until_disconnected(receive: Receive, work):
     return value
 
 
+class LastEvent(str):
+    """The last text of an event stream: SSEResponse sends it as the body's final part (one
+    write with the chunked body's end) and reads nothing after it."""
+
+
 class SSEResponse(StreamingResponse):
-    """text/event-stream of `events`; `source` (the backend generator feeding them) is closed
-    when the response ends for any reason: finished, client disconnect, or error."""
+    """text/event-stream of `events` (str; a LastEvent ends the body); `source` (the backend
+    generator feeding them) is closed when the response ends for any reason: finished,
+    client disconnect, or error."""
 
     def __init__(
         self,
@@ -80,7 +91,7 @@ class SSEResponse(StreamingResponse):
 
                 async def stream() -> None:
                     try:
-                        await self.stream_response(send)
+                        await self.stream_events(send, scope.get(BODY_SEND, send))
                     except OSError:  # ASGI 2.4 servers raise on send after a disconnect
                         logger.debug("client disconnected while streaming")
                     group.cancel_scope.cancel()
@@ -91,6 +102,18 @@ class SSEResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.close_sources()
+
+    async def stream_events(self, send: Send, body_send: Send) -> None:
+        """StreamingResponse.stream_response, but the body goes to body_send (BODY_SEND), and
+        the LastEvent carries the body's end (more_body False) instead of an empty message
+        after it: one socket write less per stream."""
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for event in self.body_iterator:
+            last = type(event) is LastEvent
+            await body_send({"type": "http.response.body", "body": event.encode(), "more_body": not last})
+            if last:
+                return
+        await body_send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def close_sources(self) -> None:
         aclose = getattr(self.body_iterator, "aclose", None)

@@ -44,8 +44,10 @@ class ChoiceState:
         if not self.echo_only:
             self.text_parts.append(chunk.text)
             self.token_ids.extend(chunk.token_ids)
-            self.logprobs.extend(finite_logprob(lp) for lp in chunk.logprobs)
-            self.top_logprobs.extend([(int(t), finite_logprob(lp)) for t, lp in top] for top in chunk.top_logprobs)
+            if chunk.logprobs:  # once per token: no generator built for the usual empty list
+                self.logprobs.extend(finite_logprob(lp) for lp in chunk.logprobs)
+            if chunk.top_logprobs:
+                self.top_logprobs.extend([(int(t), finite_logprob(lp)) for t, lp in top] for top in chunk.top_logprobs)
         if chunk.prompt_logprobs:
             self.prompt_logprobs.extend(finite_logprob(lp) for lp in chunk.prompt_logprobs)
             self.prompt_top_logprobs.extend(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from json.encoder import encode_basestring
 from typing import TYPE_CHECKING
 
 from splitserve.cluster.frontend.openai.choice import MIN_LOGPROB, ChoiceState, finite_logprob
@@ -31,10 +32,15 @@ if TYPE_CHECKING:  # kvtransfer's package import is heavy; only the type is need
 
 __all__ = ["MIN_LOGPROB", "SSE_DONE", "ChatRenderer", "ResponseRenderer", "finite_logprob"]
 SSE_DONE = "data: [DONE]\n\n"
+# json.dumps(x, ensure_ascii=False) builds a JSONEncoder (and its C encoder) on every call;
+# one shared encoder gives the same bytes without that per-event cost.
+JSON = json.JSONEncoder(ensure_ascii=False)
+# Stands for a streamed chunk's text while its choice's template is rendered (see text_event).
+_TEXT_MARK = "\x00splitserve-text\x00"
 
 
 def sse_event(payload: dict | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    data = payload if isinstance(payload, str) else JSON.encode(payload)
     return f"data: {data}\n\n"
 
 
@@ -43,10 +49,7 @@ def chunk_envelope(request_id: str, object_name: str, created: int, model: str) 
     `choices` list: `data: {"id": ..., "object": ..., "created": ..., "model": ..., "choices": [`.
     Streamed chunks are this plus one choice and `]}`, the same bytes the chunk models dump
     to, without building and dumping a pydantic model per token (the relay's hot path)."""
-    empty = json.dumps(
-        {"id": request_id, "object": object_name, "created": created, "model": model, "choices": []},
-        ensure_ascii=False,
-    )
+    empty = JSON.encode({"id": request_id, "object": object_name, "created": created, "model": model, "choices": []})
     return "data: " + empty[: -len("]}")]
 
 
@@ -80,6 +83,8 @@ class ResponseRenderer(ABC):
         echoes = echoes or [""] * len(self.prompt_lengths)
         self.choices = [ChoiceState(p * n + i, p, echoes[p]) for p in range(len(self.prompt_lengths)) for i in range(n)]
         self._envelope = chunk_envelope(request_id, self.chunk_object, created, model)
+        # Per choice index: a text-only chunk's event up to its text and after it (text_event).
+        self._text_templates: dict[int, tuple[str, str]] = {}
         self.prompt_logprobs_ids = prompt_logprobs_ids
 
     def answered_by(self, model: str) -> None:
@@ -87,10 +92,15 @@ class ResponseRenderer(ABC):
         of every chunk and of the response. Before the first event is rendered."""
         self.model = model
         self._envelope = chunk_envelope(self.request_id, self.chunk_object, self.created, model)
+        self._text_templates.clear()
 
     # ---- accumulation --------------------------------------------------------------------
     def observe(self, chunk: StreamChunk, index: int = 0) -> None:
         self.choices[index].observe(chunk)
+
+    def all_finished(self) -> bool:
+        """Every choice has had its last chunk."""
+        return all(choice.finish_reason is not None for choice in self.choices)
 
     def mark_unfinished(self) -> None:
         for choice in self.choices:
@@ -139,8 +149,23 @@ class ResponseRenderer(ABC):
 
     def chunk_event(self, choice: ChoiceState, text: str, first_token: int, finish_reason: str | None) -> str:
         """The SSE event of one streamed chunk of `choice` (see render_choice)."""
-        rendered = json.dumps(self.render_choice(choice, text, first_token, finish_reason), ensure_ascii=False)
+        if finish_reason is None and not self.include_logprobs:
+            return self.text_event(choice, text)
+        rendered = JSON.encode(self.render_choice(choice, text, first_token, finish_reason))
         return f"{self._envelope}{rendered}]}}\n\n"
+
+    def text_event(self, choice: ChoiceState, text: str) -> str:
+        """A chunk of text alone (no log-probabilities, not the last): nearly every event of a
+        stream. Its choice's event is rendered once with a marker for the text and split
+        there; each chunk is then the two halves around its JSON-encoded text: the same bytes
+        as chunk_event's full rendering, with one string encode per token instead of a dict
+        and an encoder pass."""
+        template = self._text_templates.get(choice.index)
+        if template is None:
+            rendered = JSON.encode(self.render_choice(choice, _TEXT_MARK, len(choice.token_ids), None))
+            head, tail = rendered.split(encode_basestring(_TEXT_MARK))
+            template = self._text_templates[choice.index] = (f"{self._envelope}{head}", f"{tail}]}}\n\n")
+        return f"{template[0]}{encode_basestring(text)}{template[1]}"
 
     def closing_events(self) -> list[str]:
         """After the last chunk: a finish chunk for each choice that got none, the usage

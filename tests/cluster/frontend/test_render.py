@@ -134,3 +134,23 @@ def test_echoed_prompt_logprobs_stream_as_the_models_dump(tokenizer):
     assert (
         logprobs["tokens"] == tokens and logprobs["token_logprobs"] == first["token_logprobs"] + last["token_logprobs"]
     )
+
+
+@pytest.mark.parametrize("cls", [CompletionRenderer, ChatRenderer])
+def test_text_events_from_the_template_are_the_full_rendering(tokenizer, cls):
+    """A text-only chunk's event is its choice's template around the encoded text
+    (ResponseRenderer.text_event): the same bytes as rendering the choice's dict, for any text,
+    and for the served model named after the first event (answered_by renders it afresh)."""
+    renderer = cls('r"1', MODEL_NAME, 7, tokenizer, False, include_usage=False, n=2)
+    texts = ["", "a", 'q"uo\\te', "line\nnext\ttab", "\x00\x1f\x7f", "ünï 中文 🙂", "\ud800"]
+
+    def full(choice, text: str) -> str:
+        return f"{renderer._envelope}{json.dumps(renderer.render_choice(choice, text, 0, None), ensure_ascii=False)}]}}\n\n"
+
+    for name in (MODEL_NAME, "other-model"):
+        renderer.answered_by(name)
+        for choice in renderer.choices:
+            for text in texts:
+                event = renderer.text_event(choice, text)
+                assert event == full(choice, text)
+                assert json.loads(event[len("data: ") : -2])["model"] == name

@@ -8,6 +8,8 @@ from prometheus_client import CollectorRegistry, Histogram
 
 from splitserve.cluster.frontend.metrics import LATENCY_BUCKETS, Metrics
 from splitserve.cluster.frontend.token_meter import FLUSH_TOKENS, TokenMeter, observe_many
+from splitserve.cluster.ingress.ingress_reporter import IngressReporter
+from splitserve.proto.messages.ingress_report import IngressReport
 
 
 def test_observe_many_is_observe_per_value():
@@ -54,3 +56,27 @@ def test_meter_flushes_every_flush_tokens_and_on_demand():
     meter.flush()
     meter.flush()  # nothing left: no double count
     assert samples(metrics) == (FLUSH_TOKENS + 4, FLUSH_TOKENS + 3, (FLUSH_TOKENS - 2) * 0.5 + 3.5)
+
+
+def test_meter_hands_the_reporter_one_gap_per_chunk_in_its_batches():
+    """The controller's ITL samples: one per chunk after the first (a chunk of several tokens
+    is one gap, as the client saw it), handed to the IngressReporter when the meter flushes."""
+    reporter = IngressReporter()
+    meter = TokenMeter(Metrics("m"), reporter)
+
+    def reported_itl() -> list[float]:
+        return [gap for _, gap in IngressReport.from_bytes(reporter.report({})).itl]
+
+    meter.add(1, None)
+    for _ in range(FLUSH_TOKENS - 3):
+        meter.add(1, 0.5)
+    assert reported_itl() == []  # below the batch size: held
+    meter.add(2, 0.25)  # reaches FLUSH_TOKENS: the batch goes out
+    assert reported_itl() == [0.5] * (FLUSH_TOKENS - 3) + [0.25]
+    meter.add(1, 1.0)
+    meter.flush()
+    assert reported_itl() == [1.0]
+    unreported = TokenMeter(Metrics("m"))  # batch work, not reported: no reporter
+    unreported.add(1, None)
+    unreported.add(FLUSH_TOKENS, 0.5)
+    assert unreported.chunk_gaps == []
