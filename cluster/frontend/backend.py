@@ -115,7 +115,10 @@ class ServingBackend:
     async def start(self) -> None:
         if self.tenants is not None and self._owns_tenants:
             self.tenants.start()
-        await asyncio.gather(self.cluster.start(), asyncio.to_thread(self.grammar.warm))
+        if self.grammar.config.prestart_workers:
+            await asyncio.gather(self.cluster.start(), asyncio.to_thread(self.grammar.warm))
+        else:
+            await self.cluster.start()
 
     def _indexed_blocks(self) -> dict[str, int]:
         router = self.cluster.router

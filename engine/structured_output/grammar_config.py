@@ -33,6 +33,9 @@ class GrammarConfig(BaseModel):
     """Compiled grammars each process keeps (LRU); the ingress keeps as many verdicts."""
     compile_workers: int = Field(2, ge=1, le=64)
     """Isolated processes per ingress that compile new grammars (a crash there costs one request)."""
+    prestart_workers: bool = True
+    """Start the compile workers with the ingress, so no constrained request waits for one to start
+    (~1 s: an interpreter, llguidance and the tokenizer); off, each starts on its first compile."""
     compile_timeout_s: float = Field(10.0, gt=0)
     """Longest an isolated grammar compile may run before its worker is killed (the request: 400)."""
     compile_memory_mb: int = Field(2048, ge=256)

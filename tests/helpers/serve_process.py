@@ -53,6 +53,10 @@ class ServeProcess:
             "6",
             *extra,
         ]
+        if not any("grammar.prestart-workers" in flag for flag in extra):
+            # Each compile worker starts on its first constrained request: most servers here
+            # never get one, and two idle workers per ingress cost ~1.5 CPU-s per server start.
+            cmd.append("--no-grammar.prestart-workers")
         if "--state-dir" not in extra and "--state-url" not in extra:
             # Its own state store (batch jobs): never the user's cache, never another test's.
             cmd += ["--state-dir", str(cwd / "state")]
