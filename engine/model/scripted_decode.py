@@ -17,8 +17,7 @@ weights or KV, one sequence, a KV sender's per-layer hook, CUDA) runs the eager 
 SPLITSERVE_CPU_DECODE_FORWARD=eager turns it off (the benchmark's A/B switch).
 
 The same scripted module also runs the prefill of one fresh prompt (engine/model/prefill_graph.py:
-the first token's forward at low load) when SPLITSERVE_CPU_PREFILL_FORWARD=scripted (off by
-default: see PREFILL_FORWARD_DEFAULT).
+the first token's forward at low load); SPLITSERVE_CPU_PREFILL_FORWARD=eager turns that off.
 """
 
 from __future__ import annotations
@@ -39,11 +38,11 @@ logger = logging.getLogger(__name__)
 
 # SPLITSERVE_CPU_DECODE_FORWARD=eager keeps the eager forward (the benchmark's A/B switch).
 CPU_DECODE_FORWARDS = ("scripted", "eager")
-# The scripted fresh-prompt prefill is opt-in (SPLITSERVE_CPU_PREFILL_FORWARD=scripted): it makes
-# a prefill replica's measured cost per token ~6x below a decode replica's eager prefill of a
-# prompt's tail, which the local/remote prefill choice prices per token alike, so with it on that
-# choice flipped to remote on an idle decode replica. On again once the choice prices each path.
-PREFILL_FORWARD_DEFAULT = "eager"
+# The scripted fresh-prompt prefill is on unless SPLITSERVE_CPU_PREFILL_FORWARD=eager. Its steps
+# cost differently from the eager forward's, so the step cost profile keeps them on a line of
+# their own (engine/step_cost_profile.py) and the local/remote prefill choice prices each path
+# on the line of the forward it runs (cluster/routing/prefill_placement.py).
+PREFILL_FORWARD_DEFAULT = "scripted"
 
 
 def cpu_decode_forward(env: str = CPU_DECODE_FORWARD_ENV, default: str = "scripted") -> str:
@@ -53,6 +52,26 @@ def cpu_decode_forward(env: str = CPU_DECODE_FORWARD_ENV, default: str = "script
     if value not in CPU_DECODE_FORWARDS:
         raise ValueError(f"{env} must be one of {', '.join(CPU_DECODE_FORWARDS)}, got {value!r}")
     return value
+
+
+def warm_prefill(graph: torch.jit.ScriptModule, num_layers: int) -> None:
+    """Run the scripted prefill twice on a scratch cache. TorchScript's profiling executor runs
+    a method's first call instrumented and optimizes it on the second: for the tiny test model's
+    256-token prompt 46 and 18 ms against 1.4 ms after (the eager forward's first call: 6.6 ms).
+    Unwarmed, a replica's first requests paid that in their first token, and the step cost
+    profile read it as the replica's cost per token: 6x the eager prefill replica's, so the
+    router sent an idle decode replica's 32-token tail remote (vs_vllm_bench.md, issue 41)."""
+    block_size, num_tokens = 16, 20  # two blocks: a read-out over a block table like a prompt's
+    shape = (2, block_size, graph.num_kv_heads, graph.head_dim)
+    graph.key_caches = [torch.zeros(shape) for _ in range(num_layers)]
+    graph.value_caches = [torch.zeros(shape) for _ in range(num_layers)]
+    ids = torch.arange(num_tokens, dtype=torch.int64)
+    tables = torch.tensor([[0, 1]], dtype=torch.int32)
+    graph.pinned = [ids, tables]
+    with torch.inference_mode():  # as LlamaForCausalLM.forward runs it
+        for _ in range(2):
+            graph.prefill(ids, ids, ids, tables, True)
+    graph.key_caches, graph.value_caches, graph.pinned = [], [], []
 
 
 def decode_plan_applies(meta, kv_cache) -> bool:
@@ -109,6 +128,8 @@ class ScriptedDecodeForward:
             return None
         windowed = any(layer.window is not None for layer in model._layer_list)
         prefills = not windowed and cpu_decode_forward(CPU_PREFILL_FORWARD_ENV, PREFILL_FORWARD_DEFAULT) == "scripted"
+        if prefills:
+            warm_prefill(graph, len(model._layer_list))
         return cls(graph, len(model._layer_list), prefills)
 
     def __call__(self, input_ids, positions, kv_cache, meta) -> torch.Tensor:
