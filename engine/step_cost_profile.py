@@ -6,9 +6,11 @@ decode replica's local prefill and a remote one (cluster/routing/prefill_placeme
     the scripted prefill (engine/model/prefill_graph.py), one TorchScript call;
   - mixed: any other prefilling step (a prompt's tail after a prefix hit, later chunks,
     prompts mixed with each other or with decode rows) -- the eager forward.
-  The two differ by more than their forwards: TorchScript's profiling executor makes a scripted
-  method's first calls several times slower than its steady state, and a short tail's step is
-  mostly fixed cost. One line over both priced one kind from the other's steps (issue 41).
+  The two differ by more than their forwards: a short tail's step is mostly fixed cost (the
+  tiny test model: a 32-token tail 1.2 ms, a whole 256-token prompt 1.4 ms scripted, 1.75 eager),
+  and an unwarmed scripted method's first calls are TorchScript's profiling runs (46 and 18 ms;
+  scripted_decode.warm_prefill). One line over both priced one kind from the other's steps, and
+  sent an idle decode replica's tail remote (issue 41).
   Each prices a step as step + per_token * tokens, from a least-squares line through its recent
   steps' (tokens, forward seconds), over EWMAs of their moments. A step's fixed cost (kernel
   launches, the layers' per-call overheads, sampling) is large against a short prompt's
