@@ -260,7 +260,9 @@ class PagedEngine(KVHandoff, EngineProtocol):
             forward_start = time.perf_counter()
             sampled = self.runner.execute(batch, on_layer_done)
             end = time.perf_counter()
-            self.timing.forward(forward_start, end, 0.0, batch.num_tokens, batch.num_prefill_tokens)
+            self.timing.forward(
+                forward_start, end, 0.0, batch.num_tokens, batch.num_prefill_tokens, batch.is_fresh_prompt
+            )
             self.timing.waited(end - forward_start)
             advanced = self.scheduler.update(batch, sampled)
             if speculator is not None:

@@ -208,7 +208,8 @@ class StepPipeline:
         finally:
             engine.timing.waited(time.perf_counter() - waited_from)
             self._release(step)
-        engine.timing.forward(start, end, stalled, step.batch.num_tokens, step.batch.num_prefill_tokens)
+        batch = step.batch
+        engine.timing.forward(start, end, stalled, batch.num_tokens, batch.num_prefill_tokens, batch.is_fresh_prompt)
         try:
             advanced = engine.scheduler.update(step.batch, sampled)
         except Exception as exc:

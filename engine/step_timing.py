@@ -61,19 +61,25 @@ class StepTiming:
 
     # ---- forward passes ----------------------------------------------------------------------
     def forward(
-        self, start: float, end: float, stalled: float = 0.0, num_tokens: int = 0, num_prefill_tokens: int = 0
+        self,
+        start: float,
+        end: float,
+        stalled: float = 0.0,
+        num_tokens: int = 0,
+        num_prefill_tokens: int = 0,
+        fresh_prompt: bool = False,
     ) -> None:
         """A forward pass ran from start to end (perf_counter seconds, any thread), of which
         stalled seconds waiting for host work (async scheduling: its sampling waited for the
         loop thread to take the previous step's tokens in): exposed, not forward. num_tokens,
-        num_prefill_tokens: the batch's shape, for the step cost profile."""
+        num_prefill_tokens, fresh_prompt: the batch's shape, for the step cost profile."""
         if self._forward_end is not None:
             self.exposed_host_seconds += max(start - self._forward_end, 0.0)
         self._forward_end = end
         self.forward_seconds += end - start - stalled
         self.exposed_host_seconds += stalled
         self.num_steps += 1
-        self.profile.record(end - start - stalled, num_tokens, num_prefill_tokens)
+        self.profile.record(end - start - stalled, num_tokens, num_prefill_tokens, fresh_prompt)
 
     def stats(self) -> dict[str, float | int]:
         """EngineStats' step timing fields."""

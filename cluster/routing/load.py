@@ -29,14 +29,32 @@ class LoadReport:
     device_adapters: frozenset[str] = frozenset()
     host_adapters: frozenset[str] = frozenset()
     # Measured costs (0: not measured yet), for prefill placement (prefill_placement.py): the
-    # engine's prefilling step as prefill_step_seconds + prefill_seconds_per_token * tokens,
-    # its decode-only step; bytes of one KV block; and the KV it sent, in bytes per second of
-    # sending (prefill replicas; the mean since start: TransferTotals' bytes over seconds).
+    # engine's prefilling step as prefill_step_seconds + prefill_seconds_per_token * tokens
+    # (a prompt's tail, chunks, mixed steps: the eager forward), the same for a fresh prompt's
+    # step alone (fresh_*: the CPU's scripted prefill), its decode-only step; bytes of one KV
+    # block; and the KV it sent, in bytes per second of sending (prefill replicas; the mean
+    # since start: TransferTotals' bytes over seconds).
     prefill_seconds_per_token: float = 0.0
     decode_step_seconds: float = 0.0
     prefill_step_seconds: float = 0.0
+    fresh_prefill_seconds_per_token: float = 0.0
+    fresh_prefill_step_seconds: float = 0.0
     kv_block_bytes: int = 0
     transfer_bytes_per_second: float = 0.0
+
+    def prefill_line(self, fresh: bool) -> tuple[float, float] | None:
+        """(fixed seconds per step, seconds per token) of the forward this replica runs for a
+        prefill: `fresh` (one prompt with no cached prefix, alone in its step) on the fresh
+        line, anything else on the other; the other line while that one is not measured yet
+        (a replica that ran only fresh prompts, or only tails); None while neither is."""
+        lines = [
+            (self.fresh_prefill_step_seconds, self.fresh_prefill_seconds_per_token),
+            (self.prefill_step_seconds, self.prefill_seconds_per_token),
+        ]
+        for step, per_token in lines if fresh else lines[::-1]:
+            if per_token > 0:
+                return step, per_token
+        return None
 
     def __post_init__(self) -> None:
         if min(self.queued_prefill_tokens, self.num_running, self.num_waiting) < 0:
@@ -45,6 +63,8 @@ class LoadReport:
             self.prefill_seconds_per_token,
             self.decode_step_seconds,
             self.prefill_step_seconds,
+            self.fresh_prefill_seconds_per_token,
+            self.fresh_prefill_step_seconds,
             self.transfer_bytes_per_second,
         )
         if min(*measured, self.kv_block_bytes) < 0:
@@ -68,6 +88,8 @@ class LoadReport:
             prefill_seconds_per_token=engine.prefill_seconds_per_token,
             decode_step_seconds=engine.decode_step_seconds,
             prefill_step_seconds=engine.prefill_step_seconds,
+            fresh_prefill_seconds_per_token=engine.fresh_prefill_seconds_per_token,
+            fresh_prefill_step_seconds=engine.fresh_prefill_step_seconds,
             kv_block_bytes=engine.kv_block_bytes,
             transfer_bytes_per_second=transfer.num_bytes / transfer.seconds if transfer.seconds > 0 else 0.0,
         )

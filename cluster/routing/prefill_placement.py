@@ -18,15 +18,21 @@ engine/step_cost_profile.py, and the KV it sent):
          + max(handoff,                      # the hop, as the ingress measured it lately
                ceil(remainder / block_size) * kv_block_bytes_R / transfer_bytes_per_second_R)
 
-where a prefilling step of a replica costs step + p * tokens (its measured line), handoff is
-the median of the recent remote requests' `handoff` stage (decode/first_token_clock.py: reserving blocks,
-the prefill call's round trip, the transfer's set-up and wire time; 0 until a few were seen) --
-the hop's fixed cost, which no replica's figures hold -- unless this prompt's KV bytes take
-longer at the measured send throughput, and queued and running count
-the requests routed there since its report (ReplicaLoad's pending counts). The lower wins, a
-tie going local (no KV moves). Where a figure is not measured yet -- a cold replica: no prefill
-step ran on it, or R sent no KV yet -- there is no cost: the router keeps its threshold rule.
-Pure Python, no torch.
+where a prefilling step of a replica costs step + p * tokens, on the line of the forward that
+replica would run for it (LoadReport.prefill_line): a fresh prompt -- nothing of it cached
+there, and nothing queued or running there to share its step -- runs as a step of its own (on
+CPU the scripted prefill, engine/model/prefill_graph.py) and is priced on the replica's fresh
+line; a tail after a prefix hit, or a prompt that joins a running batch or a queue, runs the
+eager forward, priced on the other line. One line over both kinds priced an idle decode
+replica's 32-token tail by its costly first scripted prefill and sent it remote (issue 41).
+Handoff is the median of the recent remote requests' `handoff` stage (decode/first_token_clock.py:
+reserving blocks, the prefill call's round trip, the transfer's set-up and wire time; 0 until a
+few were seen) -- the hop's fixed cost, which no replica's figures hold -- unless this prompt's
+KV bytes take longer at the measured send throughput, and queued and running count the
+requests routed there since its report (ReplicaLoad's pending counts). The lower wins, a tie
+going local (no KV moves). Where a figure is not measured yet -- a cold replica: no prefill
+step of either kind ran on it, or R sent no KV yet -- there is no cost: the router keeps its
+threshold rule. Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -59,47 +65,69 @@ class PlacementCost:
         return LOCAL_CHEAPER if self.local_wins else REMOTE_CHEAPER
 
 
-def local_prefill_seconds(decode: ReplicaLoad, remainder: int) -> float | None:
-    """The decode replica prefilling `remainder` tokens inside its current batch; None if it
-    has no prefill measured yet."""
+def runs_alone(load: ReplicaLoad, num_uncached: int, num_tokens: int) -> bool:
+    """The replica would prefill this prompt as a fresh prompt in a step of its own: none of it
+    cached there, nothing queued or running there (routed since its report included)."""
+    return num_uncached == num_tokens and load.effective_running == 0 and load.effective_queued_tokens == 0
+
+
+def local_prefill_seconds(decode: ReplicaLoad, remainder: int, fresh: bool = False) -> float | None:
+    """The decode replica prefilling `remainder` tokens inside its current batch (fresh: the
+    whole prompt, alone in its step: runs_alone); None if it has no prefill measured yet."""
     report = decode.report
-    per_token = report.prefill_seconds_per_token
-    if per_token <= 0:
+    line = report.prefill_line(fresh)
+    if line is None:
         return None
+    step, per_token = line
     running = decode.effective_running
     prefill = remainder * per_token
-    batch_step = report.decode_step_seconds if running else report.prefill_step_seconds
+    batch_step = report.decode_step_seconds if running else step
     return decode.effective_queued_tokens * per_token + batch_step + prefill + running * prefill
 
 
 def remote_prefill_seconds(
-    prefill: ReplicaLoad, num_uncached: int, num_transfer_tokens: int, block_size: int, handoff_seconds: float = 0.0
+    prefill: ReplicaLoad,
+    num_uncached: int,
+    num_transfer_tokens: int,
+    block_size: int,
+    handoff_seconds: float = 0.0,
+    fresh: bool = False,
 ) -> float | None:
-    """The prefill replica's queue and its prefill of num_uncached tokens, then the handoff
-    (the measured hop, or the transfer of num_transfer_tokens' blocks if that takes longer);
-    None if its prefill or its sending is not measured yet."""
+    """The prefill replica's queue and its prefill of num_uncached tokens (fresh: the whole
+    prompt, alone in its step: runs_alone), then the handoff (the measured hop, or the transfer
+    of num_transfer_tokens' blocks if that takes longer); None if its prefill or its sending is
+    not measured yet."""
     report = prefill.report
-    per_token = report.prefill_seconds_per_token
-    if per_token <= 0 or report.transfer_bytes_per_second <= 0 or report.kv_block_bytes <= 0:
+    line = report.prefill_line(fresh)
+    if line is None or report.transfer_bytes_per_second <= 0 or report.kv_block_bytes <= 0:
         return None
+    step, per_token = line
     num_blocks = math.ceil(num_transfer_tokens / block_size)
     transfer = num_blocks * report.kv_block_bytes / report.transfer_bytes_per_second
-    compute = report.prefill_step_seconds + (prefill.effective_queued_tokens + num_uncached) * per_token
+    compute = step + (prefill.effective_queued_tokens + num_uncached) * per_token
     return compute + max(handoff_seconds, transfer)
 
 
 def placement_cost(
     decode: ReplicaLoad,
     prefill: ReplicaLoad,
+    num_tokens: int,
     remainder: int,
     num_prefill_uncached: int,
     block_size: int,
     handoff_seconds: float = 0.0,
 ) -> PlacementCost | None:
-    """Both sides' cost for a prompt whose `remainder` tokens decode lacks and whose
-    `num_prefill_uncached` tokens the prefill replica lacks; None where either is cold."""
-    local = local_prefill_seconds(decode, remainder)
-    remote = remote_prefill_seconds(prefill, num_prefill_uncached, remainder, block_size, handoff_seconds)
+    """Both sides' cost for a `num_tokens` prompt whose `remainder` tokens decode lacks and
+    whose `num_prefill_uncached` tokens the prefill replica lacks; None where either is cold."""
+    local = local_prefill_seconds(decode, remainder, runs_alone(decode, remainder, num_tokens))
+    remote = remote_prefill_seconds(
+        prefill,
+        num_prefill_uncached,
+        remainder,
+        block_size,
+        handoff_seconds,
+        runs_alone(prefill, num_prefill_uncached, num_tokens),
+    )
     if local is None or remote is None:
         return None
     return PlacementCost(local, remote)

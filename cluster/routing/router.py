@@ -183,7 +183,13 @@ class Router(ReplicaPools):
         prefill_host = picked.host_tokens
         if self.config.prefill_placement == "measured":
             cost = placement_cost(
-                decode, prefill, remainder, num_tokens - prefill_cached, self.block_size, self.remote_handoff.seconds
+                decode,
+                prefill,
+                num_tokens,
+                remainder,
+                num_tokens - prefill_cached,
+                self.block_size,
+                self.remote_handoff.seconds,
             )
             if cost is not None and cost.local_wins:
                 return self._local(decode, num_tokens, (decode_cached, decode_host), cost.reason, hashes, lora_adapter)

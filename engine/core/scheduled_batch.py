@@ -49,6 +49,16 @@ class ScheduledBatch:
         it costs one."""
         return sum(n for n, d in zip(self.num_new_tokens, self.num_draft_tokens) if n - d > 1)
 
+    @property
+    def is_fresh_prompt(self) -> bool:
+        """One prompt's first chunk alone (no cached prefix, no other row): the step the CPU's
+        scripted prefill runs (engine/model/prefill_graph.py), priced on its own line
+        (engine/step_cost_profile.py). Before the scheduler's update (async: its commit)."""
+        if len(self.seqs) != 1 or self.num_prefill_tokens == 0:
+            return False
+        start = self.starts[0] if self.starts is not None else self.seqs[0].num_computed_tokens
+        return start == 0
+
     def set_draft(self, index: int, token_ids: list[int], probs: Any = None) -> None:
         """Sequence index's draft for this step (at most the lookahead scheduled for it), and
         the distributions it was sampled from when a draft model sampled it."""

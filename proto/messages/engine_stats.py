@@ -77,10 +77,14 @@ class EngineStats(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     step_exposed_host_seconds: float = 0.0
     # The step cost profile (engine/step_cost_profile.py; 0.0 until measured): a prefilling
     # step's forward seconds as step + per_token * tokens (a line through the recent steps),
+    # one line for a fresh prompt's step alone (fresh_*: the CPU's scripted prefill) and one
+    # for every other prefilling step (a prompt's tail, chunks, mixed steps: the eager forward),
     # and an EWMA of the seconds of steps that only decode. The router weighs local against
     # remote prefill with them.
     prefill_seconds_per_token: float = 0.0
     decode_step_seconds: float = 0.0
     prefill_step_seconds: float = 0.0
+    fresh_prefill_seconds_per_token: float = 0.0
+    fresh_prefill_step_seconds: float = 0.0
     # Preemptions since start by the preempted request's priority (SamplingParams.priority).
     preemptions_by_priority: dict[int, int] = msgspec.field(default_factory=dict)

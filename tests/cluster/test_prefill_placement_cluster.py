@@ -118,10 +118,10 @@ def test_local_on_an_idle_decode_replica_remote_on_a_full_one(loop, serving, ref
     assert seen.get("decision:local-prefill") == 1 and "handoff" not in seen
     wait_until(
         lambda: (
-            router.load(DECODE, "decode-0").report.prefill_seconds_per_token > 0
+            router.load(DECODE, "decode-0").report.prefill_line(fresh=True) is not None
             and router.load(DECODE, "decode-0").report.num_running == 0
             and router.load(PREFILL, "prefill-0").report.transfer_bytes_per_second > 0
-            and router.load(PREFILL, "prefill-0").report.prefill_seconds_per_token > 0
+            and router.load(PREFILL, "prefill-0").report.prefill_line(fresh=True) is not None
         ),
         60,
         lambda: f"no measured, idle reports: {figures(serving)}",

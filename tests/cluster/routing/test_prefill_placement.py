@@ -16,6 +16,7 @@ from splitserve.cluster.routing.prefill_placement import (
     local_prefill_seconds,
     placement_cost,
     remote_prefill_seconds,
+    runs_alone,
 )
 from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
 from splitserve.cluster.routing.router import Router
@@ -69,9 +70,61 @@ def test_the_costs_follow_the_formula():
     assert local_prefill_seconds(idle, remainder) == pytest.approx(step + remainder * PER_TOKEN)
     remote = step + (20 + 50) * PER_TOKEN + 10 * BLOCK_BYTES / THROUGHPUT  # 40 tokens: 10 blocks of 4
     assert remote_prefill_seconds(prefill, 50, remainder, BS) == pytest.approx(remote)
-    cost = placement_cost(decode, prefill, remainder, 50, BS)
+    cost = placement_cost(decode, prefill, 60, remainder, 50, BS)
     assert cost is not None and (cost.local_seconds, cost.remote_seconds) == pytest.approx((local, remote))
     assert not cost.local_wins and cost.reason == REMOTE_CHEAPER
+
+
+# A fresh prompt alone in its step (on CPU the scripted prefill): 1 ms + 0.2 ms a token, a
+# fifth of the other prefilling steps' (tails, mixed steps: the eager forward) per token.
+FRESH = dict(fresh_prefill_step_seconds=0.001, fresh_prefill_seconds_per_token=2e-4)
+
+
+def test_each_side_is_priced_on_the_line_of_the_forward_it_runs():
+    step = 0.004
+    idle = ReplicaLoad("d0", measured(prefill_step_seconds=step, **FRESH))
+    # The whole prompt, nothing else there: its own step on the fresh line.
+    assert runs_alone(idle, 64, 64)
+    assert local_prefill_seconds(idle, 64, fresh=True) == pytest.approx(0.001 + 64 * 2e-4)
+    # A tail after a prefix hit runs the eager forward: the other line.
+    assert not runs_alone(idle, 32, 64)
+    assert local_prefill_seconds(idle, 32) == pytest.approx(step + 32 * PER_TOKEN)
+    # Joining a running batch or a queue is a mixed step, even for a whole prompt.
+    assert not runs_alone(ReplicaLoad("d1", measured(num_running=1, **FRESH)), 64, 64)
+    assert not runs_alone(ReplicaLoad("d2", measured(queued=8, **FRESH)), 64, 64)
+    busy = ReplicaLoad("d3", measured(**FRESH))
+    busy.add_pending(64)  # routed there since its report
+    assert not runs_alone(busy, 64, 64)
+    prefill = ReplicaLoad("p0", measured(prefill_step_seconds=step, **FRESH))
+    transfer = 16 * BLOCK_BYTES / THROUGHPUT
+    assert remote_prefill_seconds(prefill, 64, 64, BS, fresh=True) == pytest.approx(0.001 + 64 * 2e-4 + transfer)
+    assert remote_prefill_seconds(prefill, 64, 64, BS) == pytest.approx(step + 64 * PER_TOKEN + transfer)
+    # placement_cost decides each side's forward: decode holds 32 (a tail), the prefill replica none.
+    cost = placement_cost(idle, prefill, 64, 32, 64, BS)
+    assert cost is not None
+    assert (cost.local_seconds, cost.remote_seconds) == pytest.approx(
+        (step + 32 * PER_TOKEN, 0.001 + 64 * 2e-4 + 8 * BLOCK_BYTES / THROUGHPUT)
+    )
+
+
+def test_a_replica_with_one_line_measured_prices_both_kinds_on_it():
+    only_fresh = ReplicaLoad("d0", measured(prefill_seconds_per_token=0.0, **FRESH))
+    assert local_prefill_seconds(only_fresh, 32) == pytest.approx(0.001 + 32 * 2e-4)
+    only_mixed = ReplicaLoad("d1", measured())
+    assert local_prefill_seconds(only_mixed, 64, fresh=True) == pytest.approx(64 * PER_TOKEN)
+    cold = ReplicaLoad("d2", measured(prefill_seconds_per_token=0.0))
+    assert local_prefill_seconds(cold, 64, fresh=True) is None and local_prefill_seconds(cold, 64) is None
+
+
+def test_an_idle_decode_replica_prices_a_fresh_prompt_on_its_scripted_line():
+    """The same idle replicas with their fresh lines measured: the decode replica's whole prompt
+    on its fresh line (13.8 ms) against the prefill replica's (13.8 ms + 16.8 ms of transfer);
+    priced on the eager line alone, a full decode replica's stall would have been 5x it."""
+    r = loaded(decode=measured(**FRESH), prefill=measured(**FRESH))
+    assert r.route(PROMPT).reason == LOCAL_CHEAPER
+    # Full: 10 ms + 8 x 64 ms of stall on the eager line, against 13.8 + 16.8 ms remote.
+    r = loaded(decode=measured(num_running=8, **FRESH), prefill=measured(**FRESH))
+    assert r.route(PROMPT).reason == REMOTE_CHEAPER
 
 
 def test_an_idle_decode_replica_prefills_locally():
@@ -166,11 +219,17 @@ def test_routed_requests_count_until_the_next_report():
 
 def test_a_poll_reply_carries_the_measured_figures():
     stats = msgspec.structs.replace(
-        STATS, prefill_seconds_per_token=2e-4, decode_step_seconds=0.02, kv_block_bytes=4096
+        STATS,
+        prefill_seconds_per_token=2e-4,
+        decode_step_seconds=0.02,
+        kv_block_bytes=4096,
+        fresh_prefill_step_seconds=0.003,
+        fresh_prefill_seconds_per_token=5e-5,
     )
     poll = PollReply([], stats, 0, 0, TransferTotals(num_blocks=10, num_bytes=40960, seconds=0.5))
     report = LoadReport.from_poll(PollReply.from_bytes(poll.to_bytes()))
     assert (report.prefill_seconds_per_token, report.decode_step_seconds) == (2e-4, 0.02)
+    assert report.prefill_line(fresh=True) == (0.003, 5e-5)
     assert report.kv_block_bytes == 4096 and report.transfer_bytes_per_second == pytest.approx(81920.0)
     assert LoadReport.from_poll(PollReply([], STATS, 0, 0, TransferTotals())).transfer_bytes_per_second == 0.0
     with pytest.raises(ValueError):
