@@ -92,6 +92,8 @@ class EnginePoolConfig(StrictConfig):
     """Sequences in one running batch."""
     max_num_batched_tokens: int = Field(2048, ge=16)
     """Token budget of one engine step (chunked prefill)."""
+    mixed_step_prefill_tokens: int = Field(0, ge=0)
+    """Prompt tokens a step that also decodes may compute (a step with no decode row takes max_num_batched_tokens): a smaller cap stretches the time between the running requests' tokens less while prompts arrive; 0: no cap."""
     torch_threads: int | None = Field(None, ge=1)
     """torch threads per replica; unset: its num_cpus."""
     threaded_step_min_tokens: int = Field(THREADED_STEP_MIN_TOKENS, ge=0)

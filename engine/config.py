@@ -78,6 +78,10 @@ class EngineConfig:
     num_kv_blocks: int = DEFAULT_NUM_KV_BLOCKS  # blocks in the preallocated cache tensor (any device)
     max_num_seqs: int = 64  # sequences in one running batch
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill)
+    # The prompt tokens a step that also decodes may compute (the scheduler's cap on a mixed
+    # step's prompt chunks, so they stretch the running sequences' ITL less); a step with no
+    # decode row still takes max_num_batched_tokens. 0: no cap (bench/results/vs_vllm_bench.md).
+    mixed_step_prefill_tokens: int = 0
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     enable_prefix_caching: bool = True
     # GiB of host memory per engine for the host KV tier (blocks the device evicts); 0 = off.
@@ -169,6 +173,8 @@ class EngineConfig:
             raise ConfigError(f"threaded_step_min_tokens must be >= 0, got {self.threaded_step_min_tokens}")
         if self.max_num_batched_tokens < self.block_size:
             raise ConfigError("max_num_batched_tokens must be >= block_size")
+        if self.mixed_step_prefill_tokens < 0:
+            raise ConfigError(f"mixed_step_prefill_tokens must be >= 0, got {self.mixed_step_prefill_tokens}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

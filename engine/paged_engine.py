@@ -115,6 +115,7 @@ class PagedEngine(KVHandoff, EngineProtocol):
             self.max_model_len,
             self.eos_token_ids,
             max_loras=config.max_loras if config.enable_lora else None,
+            mixed_step_prefill_tokens=config.mixed_step_prefill_tokens,
         )
         self.runner = runner
         self.outputs = OutputProcessor(tokenizer)

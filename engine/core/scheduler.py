@@ -38,13 +38,19 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
         max_loras: int | None = None,
+        mixed_step_prefill_tokens: int = 0,
     ):
         """max_loras: the LoRA adapters a step may use (engine/core/lora_admission.py); None
-        where the engine serves none."""
+        where the engine serves none. mixed_step_prefill_tokens: the prompt tokens (chunks of
+        running prefills and new admissions together) a step that carries decode rows may
+        compute; a step with no decode row takes the whole max_num_batched_tokens for them, so
+        a prompt alone still prefills in one step. Every running sequence waits for its step's
+        prompt chunks: the cap bounds how much they stretch its inter-token latency. 0: no cap."""
         self.kv = kv
         self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.mixed_step_prefill_tokens = mixed_step_prefill_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
@@ -132,11 +138,13 @@ class Scheduler:
         # to them first, and pop() below preempts the lowest priority, newest first.
         self.running.sort(key=lambda s: s.params.priority)
         adapters = AdapterLimit(self.max_loras, self.running)
+        prompt_budget = self._prompt_budget()
         idx = 0
         blocked = False
         while idx < len(self.running) and budget > 0:
             seq = self.running[idx]
-            num_new = min(seq.num_tokens_with_placeholders - seq.num_computed_tokens, budget)
+            remaining = seq.num_tokens_with_placeholders - seq.num_computed_tokens
+            num_new = min(remaining, budget, prompt_budget if remaining > 1 else budget)
             # Async scheduling only: nothing to run. Or the step has max_loras adapters already.
             if num_new <= 0 or self._ends_in_flight(seq) or not adapters.takes_running(seq):
                 idx += 1
@@ -158,14 +166,28 @@ class Scheduler:
             batch.num_new_tokens.append(num_new)
             batch.num_draft_tokens.append(0)
             budget -= num_new
+            if remaining > 1:
+                prompt_budget -= num_new
             idx += 1
         if not batch.preempted and not blocked:
-            budget = self._admit_waiting(batch, budget, adapters, self._in_flight_block_hashes() if ahead else None)
+            in_flight = self._in_flight_block_hashes() if ahead else None
+            budget = self._admit_waiting(batch, budget, prompt_budget, adapters, in_flight)
         if self.max_loras is not None:
             batch.running_adapters = {seq.params.lora_adapter for seq in self.running if seq.params.lora_adapter}
         if lookahead:
             self._reserve_lookahead(batch, lookahead, budget)
         return batch
+
+    def _prompt_budget(self) -> int:
+        """The step's budget for prompt chunks (rows of more than one token): the cap while a
+        running sequence decodes this step (one token to compute), else the whole budget."""
+        cap = self.mixed_step_prefill_tokens
+        if cap and any(
+            s.num_tokens_with_placeholders - s.num_computed_tokens == 1 and not self._ends_in_flight(s)
+            for s in self.running
+        ):
+            return min(cap, self.max_num_batched_tokens)
+        return self.max_num_batched_tokens
 
     def _ends_in_flight(self, seq: Sequence) -> bool:
         """The step in flight samples seq's last token (max_tokens or the context length):
@@ -205,9 +227,16 @@ class Scheduler:
         return hashes
 
     def _admit_waiting(
-        self, batch: ScheduledBatch, budget: int, adapters: AdapterLimit, in_flight: set[int] | None = None
+        self,
+        batch: ScheduledBatch,
+        budget: int,
+        prompt_budget: int,
+        adapters: AdapterLimit,
+        in_flight: set[int] | None = None,
     ) -> int:
-        while self.waiting and budget > 0:
+        """Admits waiting sequences in order while the step's budgets allow; prompt_budget: what
+        of the step's budget prompt chunks may still take (_prompt_budget). The budget left."""
+        while self.waiting and budget > 0 and prompt_budget > 0:
             seq = self.waiting[0]
             if len(self.running) >= self.max_num_seqs and not self._preempt_for(seq, batch):
                 break
@@ -219,7 +248,7 @@ class Scheduler:
             cached = [] if seq.needs_prompt_logprobs else self.kv.find_cached_blocks(seq)
             if in_flight and not seq.needs_prompt_logprobs and self._next_block_in_flight(seq, cached, in_flight):
                 break  # it and those behind it wait a step, in order
-            num_new = min(seq.num_tokens - len(cached) * self.kv.block_size, budget)
+            num_new = min(seq.num_tokens - len(cached) * self.kv.block_size, budget, prompt_budget)
             if not self.kv.allocate_prompt(seq, cached, num_new):
                 if self._preempt_for(seq, batch):
                     budget = self.max_num_batched_tokens - batch.num_tokens
@@ -234,6 +263,7 @@ class Scheduler:
             batch.num_new_tokens.append(num_new)
             batch.num_draft_tokens.append(0)
             budget -= num_new
+            prompt_budget -= num_new
         return budget
 
     def _next_block_in_flight(self, seq: Sequence, cached: list[int], in_flight: set[int]) -> bool:
