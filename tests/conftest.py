@@ -181,13 +181,21 @@ def tier_of(item) -> str:
 #   that join the session's cluster (`--address`), so the two chains of Ray tests overlap.
 # And a unit-tier file marked `one_worker` (its tests share a costly module fixture: the one
 # subprocess that runs every interpreted Triton case, say) is a group of its own, its file's
-# path, so that fixture is built once on one worker and never once on each.
+# path, so that fixture is built once on one worker and never once on each. `one_worker(name)`
+# joins the tests of several files in one group, `name`: those that read one costly shared
+# thing, such as a trained checkpoint of the machine's model cache (tests/helpers/model.py's
+# READS_TRAINED_CHECKPOINT),
+# which the first reader trains (~100 s of one core where the cache lacks it) while any other
+# reader waits on the cache's lock: on one worker, the other worker runs other tests meanwhile.
 SERIAL_GROUP = "serial"
 RAY_GROUP = "ray"
 
 
 def file_group(item) -> str:
-    """The xdist group of a test in a file marked `one_worker`: the file's path."""
+    """The xdist group of a test marked `one_worker`: the marker's name, else the file's path."""
+    mark = item.get_closest_marker("one_worker")
+    if mark is not None and mark.args:
+        return mark.args[0]
     return item.nodeid.split("::", 1)[0]
 
 

@@ -25,6 +25,8 @@ PROFILE, KV_BYTES = "llama-8b-h200", 131072
 PERIOD_S, STARTUP_S, BUDGET = 120.0, 10.0, 3
 QUIET_S = 60.0
 BOUNDS = Deployment(3, 2, 2048)  # prefill 1..3, decode 1..2 replicas: 5 GPUs, more than the budget
+# The module's sla run (~8 s of CPU) once, on one worker: split over two, each would run it.
+pytestmark = pytest.mark.one_worker
 
 
 SLO = Slo(1.0, 0.035)

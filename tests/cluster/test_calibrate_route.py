@@ -12,6 +12,7 @@ from splitserve.cluster.model_route_config import ModelRouteConfig
 from splitserve.engine.builtin_models.model_cache import cached_checkpoint
 from splitserve.engine.builtin_models.model_spec import ModelSpec
 from splitserve.engine.llm_engine import LLMEngine
+from tests.helpers.model import READS_TRAINED_CHECKPOINT
 
 
 @pytest.mark.parametrize("share", [0.0, 0.25, 0.5, 0.75, 1.0])
@@ -27,6 +28,7 @@ def test_a_share_outside_0_1_is_refused():
         pick_threshold([0.5], 1.5)
 
 
+@READS_TRAINED_CHECKPOINT
 def test_calibrate_route_writes_a_cascade_route_at_the_target_share(models_root, tmp_path, capsys):
     small = cached_checkpoint(ModelSpec("draft", "llama", seed=0, train_steps=300)).path  # the shared model cache
     large = cached_checkpoint(ModelSpec("draft", "llama", seed=1), root=models_root).path

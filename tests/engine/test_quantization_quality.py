@@ -16,12 +16,12 @@ from splitserve.cluster.default_model import DEFAULT_SPEC
 from splitserve.engine.builtin_models.model_cache import cached_checkpoint
 from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.engine.model.loader import load_model
-from tests.helpers.model import greedy_generate
+from tests.helpers.model import READS_TRAINED_CHECKPOINT, greedy_generate
 from tests.helpers.quantization_quality import PROMPTS, agreement, collapse_scales
 
 # On a machine without the cache, the fixture first trains the default model (about 100 s of CPU
 # on 2 quiet cores, 11 min measured on a heavily shared box): a generous safety net for that.
-pytestmark = [pytest.mark.timeout(1200), pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.timeout(1200), pytest.mark.usefixtures("one_torch_thread"), READS_TRAINED_CHECKPOINT]
 NEW_TOKENS = 24
 # Teacher-forced top-1 agreement each scheme must reach over 144 positions (measured: int8 0.986,
 # fp8 0.944, int4 0.854; with the scales collapsed to one per matrix: 0.792, 0.743, 0.743).

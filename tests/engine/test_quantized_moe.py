@@ -21,13 +21,13 @@ from splitserve.engine.builtin_models.model_cache import cached_checkpoint
 from splitserve.engine.io.tokenizer import Tokenizer
 from splitserve.engine.model.loader import load_model
 from splitserve.engine.quant.quantize import WEIGHT_CLASSES, weight_bytes
-from tests.helpers.model import greedy_generate
+from tests.helpers.model import READS_TRAINED_CHECKPOINT, greedy_generate
 from tests.helpers.quantization_quality import PROMPTS, agreement, collapse_scales, logits
 from tests.helpers.upcycled_moe import upcycle_to_mixtral
 
 # Training the default model on a machine without the cache takes minutes (see
 # test_quantization_quality.py): a generous safety net for that.
-pytestmark = [pytest.mark.timeout(1200), pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.timeout(1200), pytest.mark.usefixtures("one_torch_thread"), READS_TRAINED_CHECKPOINT]
 NEW_TOKENS = 24
 PERPLEXITY_TOLERANCE = {"int8": 0.01, "fp8": 0.01, "int4": 0.05}  # bench/results/quantization.md's
 # Teacher-forced top-1 agreement over 144 positions (measured: int8 0.986, fp8 0.938, int4 0.847;

@@ -30,7 +30,7 @@ from splitserve.engine.parallel.shard_plan import ShardPlan
 from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.cli import run_cli
 from tests.helpers.compressed_checkpoint import write_compressed_checkpoint, write_hf_fp8_checkpoint
-from tests.helpers.model import make_checkpoint
+from tests.helpers.model import READS_TRAINED_CHECKPOINT, make_checkpoint
 
 LOGPROB_TOL = 0.06  # bf16 rounding of each rank's partial sums (measured up to ~0.03)
 TIE_MARGIN = 2 * LOGPROB_TOL
@@ -84,12 +84,14 @@ def _assert_greedy_parity(model: str, quantization: str = "none") -> None:
 
 
 @pytest.mark.slow  # the trained model, where the shared cache lacks it
+@READS_TRAINED_CHECKPOINT
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_tp2_quantized_greedy_equals_tp1(trained_small, quantization):
     _assert_greedy_parity(trained_small, quantization)
 
 
 @pytest.mark.slow
+@READS_TRAINED_CHECKPOINT
 def test_tp2_compressed_tensors_checkpoint_equals_tp1(trained_small, tmp_path):
     """A W4A16 (pack-quantized int4, groups of 128) checkpoint written by compressed-tensors:
     each rank cuts the assembled values, scales and zero points."""
@@ -163,6 +165,7 @@ def test_each_rank_holds_its_slice_of_a_prequantized_checkpoint(tmp_path_factory
                 assert torch.equal(mine, theirs[:, cols])
 
 
+@READS_TRAINED_CHECKPOINT
 def test_int4_ranks_hold_whole_groups_of_tp1(trained_small):
     whole, _ = load_model(trained_small, quantization="int4")
     for rank in range(2):

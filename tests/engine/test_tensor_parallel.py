@@ -25,7 +25,7 @@ from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.parallel.shard_plan import ShardPlan, check_tensor_parallel_size
 from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.cli import run_cli
-from tests.helpers.model import make_checkpoint
+from tests.helpers.model import READS_TRAINED_CHECKPOINT, make_checkpoint
 
 # fp32; the row-parallel sums add the ranks' partial dot products in another order than one
 # matmul does, so log-probabilities may differ in the last bits, never by more than this.
@@ -88,6 +88,7 @@ def test_tp2_greedy_equals_tp1(models_root, preset, arch, kv_cache_dtype):
 
 
 @pytest.mark.slow  # trains the model (about 100 s of CPU) where the shared cache lacks it
+@READS_TRAINED_CHECKPOINT
 @pytest.mark.parametrize("preset", ["small", "draft"])  # KV heads split / replicated
 def test_tp2_greedy_text_equals_tp1_on_the_trained_models(preset):
     model = str(cached_checkpoint(ModelSpec(preset, "llama", seed=0, train_steps=300)).path)

@@ -20,7 +20,7 @@ from splitserve.engine.llm_engine import LLMEngine
 from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.engine.test_worker_api import assert_baseline
 from tests.helpers.cli import run_cli
-from tests.helpers.model import make_checkpoint
+from tests.helpers.model import READS_TRAINED_CHECKPOINT, make_checkpoint
 
 PROMPTS = ["Hello, how are you today? Hello, how are you today? Hello, how", "The river runs"]
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -31,6 +31,7 @@ def _trained(preset: str) -> str:
 
 
 @pytest.mark.slow  # the trained models (about 100 s of CPU each where the shared cache lacks them)
+@READS_TRAINED_CHECKPOINT
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_tp2_speculative_greedy_equals_tp1(method):
     model = _trained("small")

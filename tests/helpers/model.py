@@ -7,12 +7,18 @@ import functools
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
 
 from splitserve.engine.builtin_models.make_model import write_random_checkpoint
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.ops.attention_metadata import AttentionMetadata
 from splitserve.engine.ops.kv_cache import KVCache
+
+# A test that reads a trained checkpoint of the machine's model cache (cached_checkpoint of a
+# ModelSpec with train_steps): all of them run on one xdist worker (tests/conftest.py), since
+# the first reader trains it where the cache lacks it and any other would wait on the lock.
+READS_TRAINED_CHECKPOINT = pytest.mark.one_worker("trained-checkpoint")
 
 
 @functools.cache
