@@ -136,23 +136,34 @@ def test_local_on_an_idle_decode_replica_remote_on_a_full_one(loop, serving, ref
     # A full one: NUM_FILLERS sequences held on it (prefilled there: the threshold override).
     hold_decode_steps(serving.cluster, 2)
     with_threshold(serving, 10**6)
+    unfilled = counts(serving)
     fillers = [
         asyncio.run_coroutine_threadsafe(stream(serving, tail(100 + i, 8), FILLER), loop.loop)
         for i in range(NUM_FILLERS)
     ]
     probe = None
     try:
+        # Every filler's first token relayed too, so that the probe's is the one first token
+        # after `before`: the decode replica reports a sequence running from its prefill's
+        # step on, and that report reaches the router apart from (often before) the token.
         wait_until(
-            lambda: router.load(DECODE, "decode-0").report.num_running >= NUM_FILLERS,
+            lambda: (
+                router.load(DECODE, "decode-0").report.num_running >= NUM_FILLERS
+                and delta(counts(serving), unfilled).get("relay") == NUM_FILLERS
+            ),
             120,
-            lambda: f"the decode replica did not fill: {figures(serving)}",
+            lambda: f"the decode replica did not fill: {delta(counts(serving), unfilled)}; {figures(serving)}",
         )
         with_threshold(serving, 0)
         before = counts(serving)
         full_prompt = PREFIX + tail(2)
         probe = asyncio.run_coroutine_threadsafe(stream(serving, full_prompt, GREEDY), loop.loop)
         # Its first chunk came back (held sequences let a joining one through).
-        wait_until(lambda: delta(counts(serving), before).get("relay") == 1, 120, "the probe's first token never came")
+        wait_until(
+            lambda: delta(counts(serving), before).get("relay") == 1,
+            120,
+            lambda: f"the probe's first token never came: {delta(counts(serving), before)}; {figures(serving)}",
+        )
         seen = delta(counts(serving), before)
         assert seen.get(f"decision:{REMOTE_CHEAPER}") == 1 and seen.get("handoff") == 1, (seen, figures(serving))
     finally:
