@@ -30,7 +30,10 @@ Every ServeConfig field is a flag (see above); --config FILE.yaml holds the same
 flags override it. The model id clients send is --served-model-name, else MODEL exactly as
 given. The local Ray cluster runs with Ray's token authentication (RAY_AUTH_MODE=token, token
 in ~/.ray/auth_token); set RAY_AUTH_MODE=disabled to turn it off. SPLITSERVE_LOG_LEVEL=DEBUG
-also logs /metrics and /health requests. HTTP goes through Ray's HAProxy ingress
+also logs /metrics and /health requests. On CPU (float32), decode steps and a fresh prompt's
+prefill each run as one TorchScript call; SPLITSERVE_CPU_DECODE_FORWARD=eager and
+SPLITSERVE_CPU_PREFILL_FORWARD=eager, in the replicas' environment, keep the eager forward
+(the A/B switches). HTTP goes through Ray's HAProxy ingress
 (RAY_SERVE_ENABLE_HA_PROXY=1 and the throughput-optimized Serve settings are set before Ray
 starts; your own values of those variables win)."""
 

@@ -17,8 +17,7 @@ weights or KV, one sequence, a KV sender's per-layer hook, CUDA) runs the eager 
 SPLITSERVE_CPU_DECODE_FORWARD=eager turns it off (the benchmark's A/B switch).
 
 The same scripted module also runs the prefill of one fresh prompt (engine/model/prefill_graph.py:
-the first token's forward at low load) when SPLITSERVE_CPU_PREFILL_FORWARD=scripted (off by
-default: see PREFILL_FORWARD_DEFAULT).
+the first token's forward at low load); SPLITSERVE_CPU_PREFILL_FORWARD=eager turns that off.
 """
 
 from __future__ import annotations
@@ -39,12 +38,12 @@ logger = logging.getLogger(__name__)
 
 # SPLITSERVE_CPU_DECODE_FORWARD=eager keeps the eager forward (the benchmark's A/B switch).
 CPU_DECODE_FORWARDS = ("scripted", "eager")
-# The scripted fresh-prompt prefill is opt-in (SPLITSERVE_CPU_PREFILL_FORWARD=scripted). Its steps
-# are priced on a line of their own (engine/step_cost_profile.py, cluster/routing/
-# prefill_placement.py) and warmed at build (warm_prefill), which fixed the local/remote choice
-# it flipped; but on by default, tests/cluster/test_prefill_placement_cluster.py's decode replica
-# stopped answering polls while holding 48 sequences (2 runs of 2, cause not found yet).
-PREFILL_FORWARD_DEFAULT = "eager"
+# The scripted fresh-prompt prefill is on unless SPLITSERVE_CPU_PREFILL_FORWARD=eager. Its steps
+# cost differently from the eager forward's, so the step cost profile keeps them on a line of
+# their own (engine/step_cost_profile.py) and the local/remote prefill choice prices each path
+# on the line of the forward it runs (cluster/routing/prefill_placement.py); warm_prefill keeps
+# TorchScript's first, instrumented calls out of that line.
+PREFILL_FORWARD_DEFAULT = "scripted"
 
 
 def cpu_decode_forward(env: str = CPU_DECODE_FORWARD_ENV, default: str = "scripted") -> str:

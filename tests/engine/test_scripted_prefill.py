@@ -77,8 +77,8 @@ def test_steps_the_scripted_prefill_does_not_take(models_root, monkeypatch):
     assert not scripted.prefill_applies(meta, fp8_cache, [8])
     # Sliding-window layers (Gemma 3) and the switch set to eager keep the eager prefill.
     assert not load_model(make_checkpoint(models_root, "tiny", "gemma3"))[0]._scripted_decode.prefills
-    monkeypatch.delenv(CPU_PREFILL_FORWARD_ENV)  # off by default
-    assert not load_model(make_checkpoint(models_root, "tiny", "llama"))[0]._scripted_decode.prefills
+    monkeypatch.delenv(CPU_PREFILL_FORWARD_ENV)  # on by default
+    assert load_model(make_checkpoint(models_root, "tiny", "llama"))[0]._scripted_decode.prefills
     monkeypatch.setenv(CPU_PREFILL_FORWARD_ENV, "eager")
     reloaded = load_model(make_checkpoint(models_root, "tiny", "llama"))[0]._scripted_decode
     assert reloaded is not None and not reloaded.prefills
