@@ -89,8 +89,12 @@ class FrontDoor:
     def environment(self, cfg=None) -> dict[str, str]:
         """The variables to set; a user's own value of one (in this environment) wins.
         cfg (a ServeConfig): its connection cap becomes HAProxy's maxconn."""
-        if self.listener == "ingress":  # no HAProxy: only the handlers on the replica's main loop
-            return {key: os.environ.get(key, value) for key, value in THROUGHPUT_OPTIMIZED.items()}
+        if self.listener == "ingress":
+            # No HAProxy: only the handlers on the replica's main loop. Not direct ingress either:
+            # with it Serve's controller overrides proxy_location Disabled to HeadOnly, and its
+            # proxy would take the port the replica listens on.
+            env = {**THROUGHPUT_OPTIMIZED, "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+            return {key: os.environ.get(key, value) for key, value in env.items()}
         env = {**FLAGS, "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": CLI_DRAINING_PERIOD_S}
         if cfg is not None:
             # Ray 2.60's HAProxy config has no knob for `timeout http-request`; without it HAProxy

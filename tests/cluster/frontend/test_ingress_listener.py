@@ -96,6 +96,7 @@ def test_the_replica_listener_runs_serve_with_no_proxy_nor_haproxy():
     env = door.environment(ServeConfig())
     assert door.proxy_location == "Disabled" and door.state_dir is None
     assert "RAY_SERVE_ENABLE_HA_PROXY" not in env and env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
+    assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "0"  # else Serve's controller starts a proxy on the port
     behind = FrontDoor(local=True)
     try:
         assert behind.environment(ServeConfig())["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
