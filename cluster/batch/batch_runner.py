@@ -119,6 +119,7 @@ class BatchRunner:
     async def _advance(self, batch: BatchRecord, now: float) -> None:
         if batch.status == VALIDATING:  # the lines were checked when the batch was created
             await asyncio.to_thread(self.store.transition, batch.id, (VALIDATING,), IN_PROGRESS, int(now))
+            self.wake()  # its lines start on the next pass, now
         elif batch.status == IN_PROGRESS and now >= batch.expires_at:
             await self._abort([k for k in self.inflight if k[0] == batch.id])
             await self._close_unrun(batch, "batch_expired", "the batch expired before this request ran")
@@ -140,6 +141,7 @@ class BatchRunner:
         lines = await asyncio.to_thread(self.store.pending_lines, batch.id, free, running)
         if not lines and not running:
             await asyncio.to_thread(self.store.transition, batch.id, (IN_PROGRESS,), FINALIZING, int(now))
+            self.wake()  # its files are written on the next pass, now
             return
         for line in lines:
             key = (batch.id, line.custom_id)
