@@ -35,6 +35,9 @@ APP_IMPORT_PATH = "splitserve.cluster.app:build_app"
 DEPLOYMENT_NAME = "splitserve"
 CONTROLLER_DEPLOYMENT_NAME = "splitserve-controller"
 logger = logging.getLogger(__name__)
+# Seconds the replica's own listener lets open requests finish when the replica stops; under
+# Serve's graceful_shutdown_timeout_s (20 s), which bounds the whole lifespan shutdown.
+LISTENER_GRACE_S = 10.0
 
 
 class ControllerDeployment:
@@ -108,7 +111,7 @@ class SplitServeIngress:
 
         header_timeout.install(cfg.http_request_timeout_s)
         backends: list = []
-        grpc = batch = None
+        grpc = batch = listener = None
         try:
             # One backend per model (tokenizer, router and KV index, dispatcher, metrics), all
             # sharing the first one's admission and tenant gate; the catalog resolves `model`.
@@ -137,6 +140,7 @@ class SplitServeIngress:
             # every ingress replica on a node serves the port
             grpc = GrpcFrontend(backend, share_port=True, catalog=catalog)
             await grpc.start(cfg.grpc_host, cfg.grpc_port)
+            listener = _own_listener(cfg)  # a taken HTTP port fails the start here, named
         except Exception as exc:
             with contextlib.suppress(Exception):  # free what did start; the cause is what matters
                 if batch is not None:
@@ -147,20 +151,27 @@ class SplitServeIngress:
                     await b.shutdown()
             raise StartupError(root_cause(exc)) from None
         self.backend, self.backends, self.catalog, self.grpc, self.batch = backend, backends, catalog, grpc, batch
+        self.listener = listener
 
     def __serve_build_asgi_app__(self):
         from splitserve.cluster.frontend.http.api import build_http_app
 
-        # Serve echoes x-request-id itself
-        http_app = build_http_app(self.backend, echo_request_id=False, batch=self.batch, catalog=self.catalog)
+        # Serve echoes x-request-id itself; the replica's own listener does not
+        http_app = build_http_app(
+            self.backend, echo_request_id=self.listener is not None, batch=self.batch, catalog=self.catalog
+        )
 
         @contextlib.asynccontextmanager
         async def lifespan(_app):
             if self.batch is not None:
                 self.batch.start()  # works only while this replica holds the runner lease
+            if self.listener is not None:
+                await self.listener.serve(http_app)
             try:
                 yield
             finally:
+                if self.listener is not None:  # first: no new request reaches a backend shutting down
+                    await self.listener.stop(LISTENER_GRACE_S)
                 if self.batch is not None:
                     await self.batch.stop()
                 await self.grpc.stop(5.0)
@@ -170,6 +181,20 @@ class SplitServeIngress:
         http_app.router.lifespan_context = lifespan
         http_app.state.backend = self.backend
         return http_app
+
+
+def _own_listener(cfg: ServeConfig):
+    """The replica's own bound HTTP listener where cfg says it answers on the port itself."""
+    if cfg.http_listener != "ingress":
+        return None
+    from splitserve.cluster.frontend.http.ingress_listener import IngressListener
+
+    listener = IngressListener(cfg.http_host, cfg.http_port, cfg.http_keep_alive_timeout_s)
+    try:
+        listener.bind()
+    except OSError as exc:
+        raise RuntimeError(f"cannot listen for HTTP on {cfg.http_host}:{cfg.http_port}: {exc.strerror}") from None
+    return listener
 
 
 def _serve_adapters(catalog, model_name: str, view) -> None:

@@ -84,8 +84,8 @@ class BatchConfig(_Strict):
     """Most lines of batch jobs in flight at once; the runner stays below it while requests are refused."""
     lease_s: float = Field(10.0, gt=0)
     """One ingress replica at a time runs the batches, holding a lease in the state store; another takes over this long after it stops renewing."""
-    poll_interval_s: float = Field(0.5, gt=0)
-    """Seconds between the runner's looks at the store for new, cancelled or finished work."""
+    poll_interval_s: float = Field(2.0, gt=0)
+    """Seconds between the runner's looks at the store for work changed by other replicas and for expiry (it also renews its lease then: keep it well under lease_s); work changed in its own replica (a batch created or cancelled, a line done) it looks at immediately."""
     retention_s: float = Field(30 * 86400.0, gt=0)
     """Finished batches and their input, output and error files are deleted this long after the batch was created."""
 
@@ -149,6 +149,10 @@ class ServeConfig(_Strict):
     """OpenAI HTTP address (0.0.0.0: all interfaces)."""
     http_port: int = Field(8000, ge=0, le=65535)
     """OpenAI HTTP port."""
+    http_listener: Literal["auto", "ingress", "haproxy"] = "auto"
+    """Who listens on the HTTP port: ingress (the one ingress replica's own uvicorn; Serve runs no
+    proxy), haproxy (Ray's HAProxy in front of every ingress replica), auto (`splitserve serve`:
+    ingress for one fixed ingress replica on a local cluster, else haproxy; the Helm chart: haproxy)."""
     grpc_host: str = "127.0.0.1"
     """gRPC address."""
     grpc_port: int = Field(50051, ge=0, le=65535)
@@ -286,6 +290,16 @@ class ServeConfig(_Strict):
     def _check_lora(self) -> ServeConfig:
         check_lora_settings(self)
         return self
+
+    @model_validator(mode="after")
+    def _check_http_listener(self) -> ServeConfig:
+        if self.http_listener == "ingress" and not self.ingress_is_single():
+            raise ValueError("http_listener 'ingress' needs one ingress replica (ingress.replicas 1, no autoscaling)")
+        return self
+
+    def ingress_is_single(self) -> bool:
+        """Exactly one ingress replica, always: the one that can own the HTTP port itself."""
+        return self.ingress.replicas == 1 and not self.ingress.autoscaling.enabled
 
     @model_validator(mode="after")
     def _check_block_size(self) -> ServeConfig:

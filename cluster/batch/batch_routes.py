@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Literal
 
 from fastapi import FastAPI, Query, Request
@@ -52,8 +53,17 @@ class BatchCreateRequest(BaseModel):
 
 
 def add_batch_routes(
-    app: FastAPI, store: BatchStore, cfg: ServeConfig, auth: list, errors: dict, callers: Callers
+    app: FastAPI,
+    store: BatchStore,
+    cfg: ServeConfig,
+    auth: list,
+    errors: dict,
+    callers: Callers,
+    on_change: Callable[[], None] = lambda: None,
 ) -> None:
+    """on_change: called when a batch was created or cancelled here (this replica's runner looks
+    at once instead of at its next poll)."""
+
     async def existing_batch(batch_id: str, owner: str | None) -> BatchRecord:
         record = await asyncio.to_thread(store.get_batch, batch_id, owner)
         if record is None:
@@ -98,6 +108,7 @@ def add_batch_routes(
         )
         stored = [BatchLine(x.line_no, x.custom_id, x.body) for x in lines]
         await asyncio.to_thread(store.create_batch, record, stored)
+        on_change()
         # The batch as created (OpenAI answers `validating`), not read back: a runner may already
         # have moved it on.
         return JSONResponse(batch_object(record))
@@ -123,7 +134,9 @@ def add_batch_routes(
         moved = await asyncio.to_thread(
             store.transition, batch_id, (VALIDATING, IN_PROGRESS), CANCELLING, int(time.time())
         )
-        if not moved:
+        if moved:
+            on_change()
+        else:
             record = await existing_batch(batch_id, owner)
             if record.status not in (CANCELLING, CANCELLED):
                 raise OpenAIHTTPError(

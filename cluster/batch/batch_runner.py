@@ -54,6 +54,10 @@ class BatchRunner:
         self.inflight: dict[tuple[str, str], asyncio.Task] = {}  # (batch id, custom_id) -> task
         self.holding = False
         self._stopped = asyncio.Event()
+        # Set when there is work to look at now (a batch created or cancelled in this replica, a
+        # line done): the runner looks at once, so poll_interval_s only paces what other
+        # replicas change, expiry and the lease's renewal, and an idle runner rarely wakes.
+        self._wake = asyncio.Event()
         self._last_retention = 0.0
 
     async def run(self) -> None:
@@ -63,8 +67,24 @@ class BatchRunner:
                 await self.step()
             except Exception:
                 logger.exception("batch runner pass failed; retrying")
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._stopped.wait(), self.cfg.poll_interval_s)
+            await self._sleep(self.cfg.poll_interval_s)
+
+    async def _sleep(self, seconds: float) -> None:
+        """Until stop(), wake() or seconds pass."""
+        if self._wake.is_set():
+            self._wake.clear()
+            return
+        waits = [asyncio.ensure_future(self._stopped.wait()), asyncio.ensure_future(self._wake.wait())]
+        try:
+            await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in waits:
+                waiting.cancel()
+        self._wake.clear()
+
+    def wake(self) -> None:
+        """Look at the store now (called on the runner's loop)."""
+        self._wake.set()
 
     async def stop(self) -> None:
         """Abort the lines in flight and hand the lease back, so another replica resumes at once."""
@@ -99,6 +119,7 @@ class BatchRunner:
     async def _advance(self, batch: BatchRecord, now: float) -> None:
         if batch.status == VALIDATING:  # the lines were checked when the batch was created
             await asyncio.to_thread(self.store.transition, batch.id, (VALIDATING,), IN_PROGRESS, int(now))
+            self.wake()  # its lines start on the next pass, now
         elif batch.status == IN_PROGRESS and now >= batch.expires_at:
             await self._abort([k for k in self.inflight if k[0] == batch.id])
             await self._close_unrun(batch, "batch_expired", "the batch expired before this request ran")
@@ -120,12 +141,17 @@ class BatchRunner:
         lines = await asyncio.to_thread(self.store.pending_lines, batch.id, free, running)
         if not lines and not running:
             await asyncio.to_thread(self.store.transition, batch.id, (IN_PROGRESS,), FINALIZING, int(now))
+            self.wake()  # its files are written on the next pass, now
             return
         for line in lines:
             key = (batch.id, line.custom_id)
             task = asyncio.get_running_loop().create_task(self._run_line(batch, line))
             self.inflight[key] = task
-            task.add_done_callback(lambda _t, key=key: self.inflight.pop(key, None))
+            task.add_done_callback(lambda _t, key=key: self._line_done(key))
+
+    def _line_done(self, key: tuple[str, str]) -> None:
+        self.inflight.pop(key, None)
+        self.wake()  # its slot is free, or its batch may be finished
 
     async def _run_line(self, batch: BatchRecord, line: BatchLine) -> None:
         try:

@@ -37,9 +37,9 @@ class BatchService:
         """Adds the routes to app (each scoped to its caller's objects); the runner runs lines
         through app itself, each as its batch's owner."""
         add_file_routes(app, self.store, self.cfg, auth, errors, callers)
-        add_batch_routes(app, self.store, self.cfg, auth, errors, callers)
         self.executor = LineExecutor(app)
         self.runner = BatchRunner(self.store, self.cfg.batch, self.executor.run, self.holder, self.metrics)
+        add_batch_routes(app, self.store, self.cfg, auth, errors, callers, on_change=self.runner.wake)
 
     def start(self) -> None:
         """Starts the runner on the running loop (the one that serves the app)."""

@@ -8,6 +8,11 @@ import, in the controller, proxies and replicas, so they are set before Ray star
 process's environment for a local cluster, or in the Serve controller's runtime_env when
 joining one (`--address`), which the proxies and replicas it creates inherit.
 
+With one fixed ingress replica on a local cluster (http_listener "ingress", the default there)
+there is nothing to balance: no HAProxy, Serve starts no proxy (proxy_location Disabled), and
+the replica serves HTTP from its own listener (cluster/frontend/http/ingress_listener.py);
+only the throughput-optimized settings are set.
+
 HAProxy's defaults are fixed ports (stats 8404, metrics 9101, fallback proxy 8500/9500) and
 files under /tmp/haproxy-serve; a local cluster gets free ports and a private folder instead,
 so several clusters on one machine (parallel test runs) never collide. docs/ARCHITECTURE.md
@@ -59,14 +64,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def resolve_http_listener(cfg, local: bool) -> str:
+    """cfg.http_listener with "auto" decided: the ingress replica's own listener for one fixed
+    ingress replica on a local cluster (nothing to balance, and HAProxy's hop and Serve's
+    fallback proxy cost CPU per token and idle), else HAProxy (several replicas share the port;
+    a joined cluster may place the replica on any node, where HAProxy runs on each)."""
+    if cfg.http_listener != "auto":
+        return cfg.http_listener
+    return "ingress" if local and cfg.ingress_is_single() else "haproxy"
+
+
 class FrontDoor:
-    def __init__(self, local: bool):
-        self.local = local
+    def __init__(self, local: bool, listener: str = "haproxy"):
+        """listener: "haproxy" (Ray's HAProxy in front), or "ingress" (the replica's own uvicorn
+        on the HTTP port: no HAProxy, and Serve starts no proxy, serve.start's proxy_location)."""
+        self.local, self.listener = local, listener
         self.state_dir: str | None = None
+
+    @property
+    def proxy_location(self) -> str | None:
+        """serve.start's proxy_location: none with the replica's own listener, else Serve's default."""
+        return "Disabled" if self.listener == "ingress" else None
 
     def environment(self, cfg=None) -> dict[str, str]:
         """The variables to set; a user's own value of one (in this environment) wins.
         cfg (a ServeConfig): its connection cap becomes HAProxy's maxconn."""
+        if self.listener == "ingress":
+            # No HAProxy: only the handlers on the replica's main loop. Not direct ingress either:
+            # with it Serve's controller overrides proxy_location Disabled to HeadOnly, and its
+            # proxy would take the port the replica listens on.
+            env = {**THROUGHPUT_OPTIMIZED, "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+            return {key: os.environ.get(key, value) for key, value in env.items()}
         env = {**FLAGS, "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": CLI_DRAINING_PERIOD_S}
         if cfg is not None:
             # Ray 2.60's HAProxy config has no knob for `timeout http-request`; without it HAProxy

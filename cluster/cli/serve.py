@@ -18,7 +18,7 @@ import urllib.request
 
 import yaml
 
-from splitserve.cluster.cli.front_door import FrontDoor
+from splitserve.cluster.cli.front_door import FrontDoor, resolve_http_listener
 from splitserve.cluster.cli.preflight import PreflightError, check_imports, check_model, check_ports, check_tenants
 from splitserve.cluster.cli.serve_flags import SERVE_USAGE, ServeFlagsError, add_serve_flags, config_from_args
 from splitserve.cluster.config import ServeConfig
@@ -33,9 +33,11 @@ in ~/.ray/auth_token); set RAY_AUTH_MODE=disabled to turn it off. SPLITSERVE_LOG
 also logs /metrics and /health requests. On CPU (float32), decode steps and a fresh prompt's
 prefill each run as one TorchScript call; SPLITSERVE_CPU_DECODE_FORWARD=eager and
 SPLITSERVE_CPU_PREFILL_FORWARD=eager, in the replicas' environment, keep the eager forward
-(the A/B switches). HTTP goes through Ray's HAProxy ingress
-(RAY_SERVE_ENABLE_HA_PROXY=1 and the throughput-optimized Serve settings are set before Ray
-starts; your own values of those variables win)."""
+(the A/B switches). With one ingress replica (the default) on a local cluster, that replica
+answers HTTP on --http-port itself and Serve runs no proxy; otherwise HTTP goes through Ray's
+HAProxy ingress (RAY_SERVE_ENABLE_HA_PROXY=1); --http-listener chooses. The
+throughput-optimized Serve settings are set before Ray starts; your own values of those
+variables win."""
 
 
 def add_serve_parser(subparsers) -> None:
@@ -72,7 +74,10 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.print_config:
         print(yaml.safe_dump(cfg.model_dump(), sort_keys=False), end="")
         return 0
-    front_door = FrontDoor(local=not args.address)
+    local = not args.address
+    # "auto" decided here, once: the replicas read the resolved value from the config they get.
+    cfg = cfg.model_copy(update={"http_listener": resolve_http_listener(cfg, local)})
+    front_door = FrontDoor(local=local, listener=cfg.http_listener)
     # Before anything imports ray: Ray and Serve read them once.
     front_door_env = _ray_environment(front_door, cfg)
     try:
@@ -86,7 +91,7 @@ def run_serve(args: argparse.Namespace) -> int:
             return fail(str(exc), 2)
         # The replicas load the resolved directory; clients keep sending the id as the user gave it.
         cfg = _with_resolved_models(cfg, model_dirs)
-        return _serve(cfg, args, front_door.controller_options(front_door_env))
+        return _serve(cfg, args, front_door.controller_options(front_door_env), front_door.proxy_location)
     finally:
         front_door.cleanup()
 
@@ -122,13 +127,13 @@ def _ray_environment(front_door: FrontDoor, cfg) -> dict[str, str]:
     return env
 
 
-def _serve(cfg, args: argparse.Namespace, controller_options: dict | None) -> int:
+def _serve(cfg, args: argparse.Namespace, controller_options: dict | None, proxy_location: str | None) -> int:
     import ray
     from ray import serve
 
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # "Started Serve", "Application is ready"...
     try:
-        failure = _start(ray, serve, cfg, args, controller_options)
+        failure = _start(ray, serve, cfg, args, controller_options, proxy_location)
     except KeyboardInterrupt:
         print("splitserve: interrupted during start-up; shutting down", flush=True)
         _shutdown(ray, serve)
@@ -157,8 +162,11 @@ def _serve(cfg, args: argparse.Namespace, controller_options: dict | None) -> in
     return 0
 
 
-def _start(ray, serve, cfg, args: argparse.Namespace, controller_options: dict | None) -> str | None:
-    """Start Ray, Serve and the app, and wait until it is healthy; the failure, if any."""
+def _start(
+    ray, serve, cfg, args: argparse.Namespace, controller_options: dict | None, proxy_location: str | None
+) -> str | None:
+    """Start Ray, Serve and the app, and wait until it is healthy; the failure, if any.
+    proxy_location: "Disabled" where the ingress replica listens on the HTTP port itself."""
     from splitserve.cluster.app import build_app
 
     try:
@@ -185,6 +193,7 @@ def _start(ray, serve, cfg, args: argparse.Namespace, controller_options: dict |
             },
             logging_config={"log_level": "WARNING"},
             controller_options=controller_options,
+            proxy_location=proxy_location,
         )
     except Exception as exc:
         return f"cannot start Ray Serve: {exc}"

@@ -43,6 +43,7 @@ class DisaggCluster:
         ingress_id: str | None = None,
         autoscale: bool = False,
         membership_wait_s: float = 0.25,
+        membership_idle_wait_s: float = 1.0,
         on_drop: Callable[[str, str], None] | None = None,
         hash_seed: str | None = None,
     ):
@@ -86,6 +87,7 @@ class DisaggCluster:
             ingress_id,
             make_report=lambda: self._make_report(self.dispatcher.inflight_counts()),
             wait_s=membership_wait_s,
+            idle_wait_s=membership_idle_wait_s,
         )
         self.min_replicas = {
             PREFILL: replica_floor(cfg.prefill.replicas, cfg.prefill.autoscaling),

@@ -406,6 +406,9 @@ initContainers:
 {{- if eq .Values.serve.http_port .Values.serve.grpc_port }}
 {{- fail "serve.http_port and serve.grpc_port must differ" }}
 {{- end }}
+{{- if eq (.Values.serve.http_listener | default "auto") "ingress" }}
+{{- fail "serve.http_listener: ingress is for `splitserve serve` on one machine; the chart serves HTTP through Ray's HAProxy (auto or haproxy)" }}
+{{- end }}
 {{- end }}
 
 {{/*

@@ -51,6 +51,7 @@ CROSS_FIELD_ERRORS = {
         {"serve": {"prefill": {"autoscaling": {"min_replicas": 5, "max_replicas": 2}}}},
         "min_replicas",
     ),
+    "the replica's own listener": ({"serve": {"http_listener": "ingress"}}, "HAProxy"),
 }
 
 
