@@ -1,11 +1,11 @@
-"""tests/helpers/ports.py: the ports servers in tests bind come from outside the kernel's
+"""cluster/cli/free_port.py: the ports servers bind come from outside the kernel's
 ephemeral range (where outgoing connections and Ray's port-0 binds take theirs) and are free."""
 
 from __future__ import annotations
 
 import socket
 
-from tests.helpers import ports
+from splitserve.cluster.cli import free_port as ports
 
 
 def test_free_port_is_below_the_ephemeral_range_above_rays_worker_ports_and_bindable():

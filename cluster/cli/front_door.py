@@ -24,8 +24,9 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import socket
 import tempfile
+
+from splitserve.cluster.cli.free_port import free_port
 
 # The replicas' listeners close this long after a replica starts draining. Ray's default,
 # 30 s, is every Ctrl-C's wait (deleting the app drains each ingress replica); behind Ray's
@@ -56,12 +57,6 @@ FLAGS = {"RAY_SERVE_ENABLE_HA_PROXY": "1", **THROUGHPUT_OPTIMIZED, **PROXY_CHECK
 def haproxy_seconds(seconds: float) -> int:
     """Ray reads HAProxy's timeouts as whole seconds; round up, never to 0 (no timeout)."""
     return max(1, math.ceil(seconds))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def resolve_http_listener(cfg, local: bool) -> str:
@@ -110,10 +105,10 @@ class FrontDoor:
             env.update(
                 {
                     "RAY_SERVE_HAPROXY_NBTHREAD": "1",  # a few cores at most on a local box
-                    "RAY_SERVE_HAPROXY_STATS_PORT": str(_free_port()),
-                    "RAY_SERVE_HAPROXY_METRICS_PORT": str(_free_port()),
-                    "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(_free_port()),
-                    "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(_free_port()),
+                    "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+                    "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+                    "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
+                    "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(free_port()),
                     "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(d, "haproxy.cfg"),
                     "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(d, "admin.sock"),
                     "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": d,

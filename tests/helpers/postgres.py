@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.ports import free_port
+from splitserve.cluster.cli.free_port import free_port
 
 REQUIRE_ENV = "SPLITSERVE_REQUIRE_POSTGRES"
 START_TIMEOUT_S = 120  # a safety net only: a quiet machine starts it in about a second

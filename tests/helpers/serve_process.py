@@ -14,7 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tests.helpers.ports import free_port
+from splitserve.cluster.cli.free_port import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

