@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from splitserve.engine.core.sampled_tokens import check_stop
 from splitserve.engine.core.sequence import Sequence, SequenceStatus
 from splitserve.engine.io.block_reservation import BlockReservation
 from splitserve.engine.io.request_output import RequestOutput
@@ -96,7 +97,7 @@ class KVHandoff:
         seq.queue_seconds = first.queue_seconds
         top = [(int(t), float(lp)) for t, lp in first.first_top_logprobs] if seq.params.top_logprobs else None
         seq.append_token(first_token, first.first_logprob if seq.params.logprobs else None, top)
-        reason = self.scheduler.check_stop(seq)
+        reason = check_stop(self.scheduler, seq)
         self.scheduler.add_prefilled(seq)  # also enters its received full blocks into the cache
         del self._reserved[request_id]  # only now: until here, abort() still frees its blocks
         if reason is not None:

@@ -13,20 +13,19 @@ head of its priority's place in the waiting queue. With every priority equal thi
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
+from splitserve.engine.core.draft_lookahead import reserve_lookahead
 from splitserve.engine.core.kv_cache_manager import KVCacheManager
 from splitserve.engine.core.lora_admission import AdapterLimit
+from splitserve.engine.core.sampled_tokens import apply_sampled
 from splitserve.engine.core.scheduled_batch import ScheduledBatch
 from splitserve.engine.core.sequence import Sequence, SequenceStatus
 
 __all__ = ["ScheduledBatch", "Scheduler"]
-
-logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -175,7 +174,7 @@ class Scheduler:
         if self.max_loras is not None:
             batch.running_adapters = {seq.params.lora_adapter for seq in self.running if seq.params.lora_adapter}
         if lookahead:
-            self._reserve_lookahead(batch, lookahead, budget)
+            reserve_lookahead(self, batch, lookahead, budget)
         return batch
 
     def _prompt_budget(self) -> int:
@@ -272,25 +271,6 @@ class Scheduler:
             hashes[len(cached)] in in_flight
         )
 
-    def _reserve_lookahead(self, batch: ScheduledBatch, lookahead: dict[str, int], budget: int) -> None:
-        for index, seq in enumerate(batch.seqs):
-            if budget <= 0:
-                return
-            num_draft = self._num_lookahead(seq, lookahead.get(seq.request_id, 0), batch.num_new_tokens[index], budget)
-            if num_draft and self.kv.allocate_slots(seq, 1 + num_draft):
-                batch.num_new_tokens[index] += num_draft
-                batch.num_draft_tokens[index] = num_draft
-                budget -= num_draft
-
-    def _num_lookahead(self, seq: Sequence, asked: int, num_new: int, budget: int) -> int:
-        """Draft tokens seq may verify this step: what was asked, within the token budget, the
-        context length and what is left of max_tokens (a draft past the end is wasted)."""
-        if asked <= 0 or num_new != 1 or seq.num_tokens - seq.num_computed_tokens != 1 or seq.prefill_only:
-            return 0
-        # The step emits up to num_draft + 1 tokens; none may pass max_tokens or the context.
-        remaining = seq.params.max_tokens - seq.num_output_tokens - 1
-        return max(0, min(asked, budget, self.max_model_len - seq.num_tokens - 1, remaining))
-
     def _preempt_for(self, seq: Sequence, batch: ScheduledBatch) -> bool:
         """Preempts the lowest-priority running sequence (newest among equals) if its priority
         is strictly lower than seq's, taking it out of this step's batch if it was in it.
@@ -324,86 +304,6 @@ class Scheduler:
     def update(
         self, batch: ScheduledBatch, sampled: dict[str, tuple[Any, ...] | list[tuple[Any, ...]]]
     ) -> list[Sequence]:
-        """Advance computed counts, cache full blocks, append sampled tokens, stop finished
-        sequences. Returns the sequences that received a token this step.
-
-        sampled maps a request id to its token (token, logprob, top logprobs), or, for a
-        sequence that verified a draft, the list of tokens it emits: the accepted draft tokens
-        and one more. They are appended one by one, each advancing the grammar and checked
-        against the stop conditions; a stop drops the rest. Only the accepted tokens' KV
-        counts as computed, and the slots reserved past them are given back."""
-        advanced = []
-        committed = batch.starts is not None
-        starts = batch.starts or []
-        for index, (seq, num_new, num_draft) in enumerate(
-            zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens)
-        ):
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # aborted or preempted while the step ran
-            if committed:  # async scheduling: its computed count moved when it was submitted
-                if seq.num_preemptions != batch.preemptions[index]:
-                    continue  # preempted (maybe readmitted) since: it recomputes
-                start = starts[index]
-                seq.num_output_placeholders -= batch.placeholders[index]
-            else:
-                start = seq.num_computed_tokens
-            num_real = num_new - num_draft
-            if start < seq.num_prompt_tokens:
-                self.num_computed_prompt_tokens += min(num_real, seq.num_prompt_tokens - start)
-            result = sampled.get(seq.request_id)
-            tokens = result if isinstance(result, list) else [] if result is None else [result]
-            reason = None
-            for token in tokens:
-                seq.append_token(*token)
-                self._advance_grammar(seq, token[0])
-                if not seq.prefill_only:
-                    reason = self.check_stop(seq)
-                    if reason is not None:
-                        break
-            if committed:  # only the KV this batch wrote: a later step may still be running
-                written = start + num_real
-                self.kv.cache_computed_blocks(seq, written)
-            else:
-                # The real tokens' KV, and each accepted draft token's (the last emitted token is new).
-                n = seq.num_computed_tokens + num_real + max(len(tokens) - 1, 0)
-                seq.num_computed_tokens = written = min(n, seq.num_tokens)
-                self.kv.cache_computed_blocks(seq)
-            if not seq.prefill_only:
-                # Sliding windows: no later query (a step in flight's included: its queries
-                # start at `written`) sees the blocks wholly before written's window.
-                self.kv.free_dead_blocks(seq, written)
-            if not tokens:
-                continue
-            advanced.append(seq)
-            if seq.prefill_only:
-                self.running.remove(seq)
-                seq.status = SequenceStatus.PREFILLED
-            elif reason is not None:
-                self.finish(seq, reason)
-            elif not committed:
-                self.kv.trim_slots(seq)  # slots reserved for rejected (or unproposed) drafts go back
-        return advanced
-
-    @staticmethod
-    def _advance_grammar(seq: Sequence, token: int) -> None:
-        if seq.grammar is not None and not seq.grammar.accept_token(token):
-            # The mask forbids such tokens; the matcher is now failed and the request
-            # finishes with "abort" instead of claiming a valid output.
-            logger.error("grammar rejected sampled token %d of %s: %s", token, seq.request_id, seq.grammar.error)
-
-    def check_stop(self, seq: Sequence) -> str | None:
-        """Token-level stop conditions; stop strings are checked by the output processor.
-        Before min_tokens outputs neither EOS nor a stop token ends it (the sampler masks them)."""
-        last = seq.token_ids[-1]
-        if seq.num_output_tokens > seq.params.min_tokens:
-            if last in seq.params.stop_token_ids:
-                seq.stop_reason, seq.stopped_by_token = last, True
-                return "stop"
-            if not seq.params.ignore_eos and last in self.eos_token_ids:
-                seq.stopped_by_token = True
-                return "stop"
-        if seq.grammar is not None and seq.grammar.is_terminated:  # the output is complete
-            return seq.grammar.finish_reason
-        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+        """A finished step's sampled tokens applied (engine/core/sampled_tokens.py): the
+        sequences that received a token this step."""
+        return apply_sampled(self, batch, sampled)
