@@ -56,6 +56,8 @@ def _candidates(annotation, default) -> list:
 # with its partner set to the same value.
 # Fields whose type (str) says too little: a value their own validator accepts.
 KNOWN_VALID = {
+    # "ingress" (the Literal's first non-default) needs one ingress replica; all at once has two
+    "http_listener": "haproxy",
     "state_url": "sqlite:////tmp/splitserve-cli-test/state.db",
     # the sla policy's profile is loaded when both pools autoscale on it (as they do all at once)
     "planner.profile": "llama-8b-h200",
