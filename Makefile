@@ -5,6 +5,12 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_USAGE_STATS_ENABLED := 0
+# Python's default, bytecode cached in __pycache__, even where the environment turns it off (this
+# machine's image sets PYTHONDONTWRITEBYTECODE=1): the suite imports the repository's
+# modules in hundreds of processes (xdist workers, Ray workers, `splitserve serve`), and without
+# the cache each of them compiles every module again (and pytest rewrites every test module's
+# asserts again): ~5 CPU-s per collecting worker alone.
+unexport PYTHONDONTWRITEBYTECODE
 
 GPU_PY ?= python3
 GPU_CHECK_OUT ?= bench/results/gpu_check
