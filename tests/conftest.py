@@ -229,7 +229,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 # ---- the checkout's wheel and a fresh venv with it, built once per session ------------------
-# The fresh venv (tests/helpers/wheel.py) takes ~1.5 min of pip; its users (test_serve_fresh_install)
+# The fresh venv (tests/helpers/wheel.py) takes ~10 s; its users (test_serve_fresh_install)
 # run late in the serial group, so the first serial test on a worker starts it in the background.
 WHEEL_BUILDS = pytest.StashKey[WheelBuilds]()
 FRESH_VENV_WANTED = pytest.StashKey[bool]()

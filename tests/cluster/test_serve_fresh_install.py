@@ -1,6 +1,7 @@
 """What `pip install splitserve` (no extras) gives a user serves every checkpoint format the
-docs/FEATURES.md lists (Quantization). A fresh venv gets torch==2.13.0 and then the built wheel with its dependencies
-only; its `splitserve serve`, started outside the repository, serves a plain checkpoint,
+docs/FEATURES.md lists (Quantization). A fresh venv gets the built wheel with its dependencies
+only (no extras; tests/helpers/wheel.py); its `splitserve serve`, started outside the
+repository, serves a plain checkpoint,
 compressed-tensors FP8_DYNAMIC, W8A16 and W4A16 (what llm-compressor writes) and an HF fp8 one
 side by side, and each answers a completion through the openai client with the text this
 checkout's engine gives. A module the loader imports that only an extra installs fails here,
@@ -20,9 +21,8 @@ from tests.helpers.compressed_checkpoint import write_compressed_checkpoint, wri
 from tests.helpers.model import make_checkpoint
 from tests.helpers.serve_process import ServeProcess
 
-# ~3 min on 2 cores: the fresh venv's pip install (~2 min, pip's cache warm), then one serve of all
-# five models (~40 s). slow keeps it out of `make test-e2e`; `make test` (CI) runs it. The timeout
-# covers a cold pip cache (torch and ray downloaded) in the first test's setup.
+# ~50 s on 2 cores: the fresh venv (~10 s), then one serve of all five models (~40 s). slow keeps it
+# out of `make test-e2e`; `make test` (CI) runs it.
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1200)]
 PROMPT = "Once upon a time"
 MAX_TOKENS = 8

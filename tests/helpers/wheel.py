@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from tests.helpers.installed_closure import dependency_closure, link_into, wheel_requirements
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
 # Never part of a wheel: copying them would only slow the build down.
@@ -105,15 +107,17 @@ class FreshVenv:
 
 
 def install_in_fresh_venv(root: Path, wheel: Path, background: bool = False) -> FreshVenv:
-    """`python -m venv`, then torch first, pinned exactly as pyproject.toml says to (a looser
-    spec would pull a CUDA build), then the wheel with its dependencies and no extras;
+    """`python -m venv`, the wheel's dependency closure (no extras) linked in from this
+    environment (tests/helpers/installed_closure.py: what pip would fetch and unpack again), then
+    `pip install --no-index` of the wheel, which fails unless every dependency is there;
     `background`: at the lowest CPU priority."""
     venv = FreshVenv(root / "venv")
     _run([sys.executable, "-m", "venv", str(venv.root)], root, background=background)
-    # pip byte-compiles what it installs (~10 s here): without it, the server's processes (the
-    # CLI, Ray's agents, each replica) all compile torch and ray at once as they start, ~90 s more.
-    pip = [str(venv.python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    _run([*pip, "torch==2.13.0"], root, timeout_s=900, background=background)
+    purelib = subprocess.check_output(
+        [str(venv.python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
+    ).strip()
+    link_into(dependency_closure(wheel_requirements(wheel)), Path(purelib), venv.python)
+    pip = [str(venv.python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-index"]
     _run([*pip, str(wheel)], root, timeout_s=900, background=background)
     return venv
 
@@ -121,7 +125,7 @@ def install_in_fresh_venv(root: Path, wheel: Path, background: bool = False) -> 
 class WheelBuilds:
     """This session's wheel of the checkout and the fresh venv with it, each built at most once
     on a thread of its own (the venv's after the wheel's). start_fresh_venv starts both early,
-    at the lowest CPU priority: the venv's ~1.5 min of pip runs on what the serial tests before
+    at the lowest CPU priority: the venv's ~10 s of links and pip run on what the serial tests before
     its users leave idle. Asked for before a start, a build runs at normal priority.
     `mktemp` is tmp_path_factory.mktemp; a failed build raises in every caller."""
 
