@@ -261,9 +261,9 @@ class DecodeWorker(EngineWorker):
     def transfer_totals(self) -> TransferTotals:
         return self.prefill.transfer_totals()
 
-    async def close_idle_pairs(self, max_idle_s: float) -> list[str]:
-        """Close the pairs unused for max_idle_s; returns the prefill ids affected
-        (the caller tells those replicas to drop their side)."""
+    async def close_idle_pairs(self, max_idle_s: float) -> list[tuple[str, int]]:
+        """Close the pairs unused for max_idle_s; returns the prefill ids affected, each with
+        the epoch closed (the caller tells those replicas to drop their side of that epoch)."""
         return await self.prefill.close_idle_pairs(max_idle_s)
 
     async def forget_peer(self, prefill_id: str, epoch: int | None = None) -> None:

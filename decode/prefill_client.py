@@ -201,13 +201,17 @@ class PrefillClient:
     def transfer_totals(self) -> TransferTotals:
         return TransferTotals(self.num_blocks_received, self.num_bytes_received, self.transfer_seconds)
 
-    async def close_idle_pairs(self, max_idle_s: float) -> list[str]:
-        """Close the pairs unused for max_idle_s; returns the prefill ids affected."""
+    async def close_idle_pairs(self, max_idle_s: float) -> list[tuple[str, int]]:
+        """Close the pairs unused for max_idle_s; returns each prefill id affected with the
+        epoch closed (its side must close that epoch only: a request may open the next one first)."""
         closed = await asyncio.to_thread(self.transport.close_idle, max_idle_s)
+        epochs = []
         for prefill_id in closed:
             self._open_pairs.discard(prefill_id)
-            self._epochs[prefill_id] = self._epochs.get(prefill_id, 0) + 1
-        return closed
+            epoch = self._epochs.get(prefill_id, 0)
+            self._epochs[prefill_id] = epoch + 1
+            epochs.append((prefill_id, epoch))
+        return epochs
 
     def forget_peer(self, prefill_id: str, epoch: int | None = None) -> None:
         """A prefill replica left: drop the pair with it (the next pair with it is a new

@@ -18,6 +18,7 @@ DisaggCluster runs it in-process for tests and the bench.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -253,16 +254,22 @@ class Controller:
         return True
 
     async def close_idle_pairs(self, max_idle_s: float) -> None:
-        """Decode replicas drop process groups idle for max_idle_s; their prefill peers follow."""
+        """Decode replicas drop process groups idle for max_idle_s; their prefill peers follow,
+        closing that epoch only: without it a prefill replica takes the close for the decode
+        replica's exit and cancels the prefills of a pair a new request already reopened."""
         for decode in list(self.pools[DECODE].live_replicas()):
             try:
                 closed = await asyncio.wait_for(decode.handle.close_idle_pairs.remote(max_idle_s), 30)
             except (TimeoutError, ray.exceptions.RayError):
                 continue
-            for prefill_id in closed:
+            forgets = []
+            for prefill_id, epoch in closed:
                 prefill = self.pools[PREFILL].get(prefill_id)
                 if prefill is not None:
-                    prefill.handle.forget_peer.remote(decode.replica_id)
+                    forgets.append(prefill.handle.forget_peer.remote(decode.replica_id, epoch))
+            # Both sides are closed when this returns (one that died meanwhile has none to close).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*forgets, return_exceptions=True), 30)
 
     # ---- health and replacement (the parts: replica_health.py) ------------------------------
     async def reconcile_once(self) -> None:
