@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.host_heap import retain_freed_heap
 from splitserve.engine.model.loader import load_model
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.ops.host_kv_cache import HostKVCache, num_host_blocks
@@ -95,6 +96,7 @@ def run_follower(
     driver's, of which this thread pins itself to its rank's block (rank_cpus.py); None: no pin.
     The pin lasts as long as the thread: it is the rank's for the rest of its life."""
     _exit_with_parent()
+    retain_freed_heap()  # its forwards allocate as rank 0's do
     if cores:
         PinnedThreads(rank_cores(rank, size, cores)).pin_calling_thread()
     if threads > 0:
