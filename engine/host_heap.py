@@ -3,10 +3,13 @@
 Why: a forward allocates its activations afresh each step (a 1,000-token prompt on the bench
 model: several MiB per layer). glibc serves blocks that large with mmap, or trims them off the
 heap top when freed, so the next step faults the same pages back in, zero-filled by the
-kernel: ~4,000 minor faults per 1,000-token prefill, and its median forward 26-27 ms against
-21-22 ms with the thresholds raised (2 threads, bench model, 32k KV blocks). vLLM's CPU
-backend gets the same by preloading tcmalloc. A replica process calls retain_freed_heap once
-before its first forward; the cost is that its resident memory stays at its peak.
+kernel: ~4,000 minor faults per 1,000-token prefill where the forward runs on the main
+thread's arena (LLMEngine offline, a tensor-parallel follower rank), and its median forward
+26-30 ms against 24 ms with the thresholds raised (2 threads, bench model, 32k KV blocks). A
+served replica's engine-loop thread has an arena of its own, which faulted 37 pages per such
+prefill (0 raised; TTFT within noise, bench/results/vs_vllm_bench.md). vLLM's CPU backend gets
+the same by preloading tcmalloc. A replica process calls retain_freed_heap once before its
+first forward; the cost is that its resident memory stays at its peak.
 SPLITSERVE_HOST_HEAP=default keeps glibc's own thresholds (the benchmark's A/B switch).
 """
 
