@@ -20,6 +20,8 @@ def build_engine(config: EngineConfig, launch_followers=None, follower_extension
         from splitserve.engine.simulated.simulated_engine import SimulatedEngine
 
         return SimulatedEngine(config)
+    from splitserve.engine.host_heap import retain_freed_heap
     from splitserve.engine.llm_engine import LLMEngine  # torch
 
+    retain_freed_heap()  # the replica process's forwards (a library user's LLMEngine keeps its own heap)
     return LLMEngine(config, launch_followers, follower_extension)

@@ -35,7 +35,6 @@ from splitserve.engine.engine_factory import build_engine
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.engine_protocol import EngineProtocol, LayerHookFactory
 from splitserve.engine.fault_injector import StepFaults
-from splitserve.engine.host_heap import retain_freed_heap
 from splitserve.kvtransfer.data_plane import data_plane_for, open_replica_transport
 from splitserve.kvtransfer.protocols import KVDataPlane, KVTransportProtocol
 from splitserve.proto.messages.kv_events import KVEvent
@@ -54,8 +53,6 @@ class EngineWorker:
 
     def __init__(self, replica_id: str, worker: WorkerConfig):
         config = EngineConfig(**worker.engine_config)
-        if config.engine == "real":
-            retain_freed_heap()
         if worker.torch_threads and config.engine == "real":
             import torch  # the real engine's: a simulated replica never imports torch
 
