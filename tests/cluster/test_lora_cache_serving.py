@@ -73,17 +73,19 @@ def test_three_adapters_on_one_slot_give_peft_tokens_and_count_loads_by_tier(che
 
         wait_until(counted, 30, "adapter loads not exported", interval_s=0.2)
 
+        scraped: list[dict] = []
+
         def timed() -> bool:  # a scrape is not atomic with the probe that folds in a late load
-            series = _tier_series(proc.base_url)
+            scraped[:] = [_tier_series(proc.base_url)]
             return all(
-                series[("splitserve_lora_loads_total", pool, tier)]
-                == series[("splitserve_lora_load_seconds_count", pool, tier)]
+                scraped[0][("splitserve_lora_loads_total", pool, tier)]
+                == scraped[0][("splitserve_lora_load_seconds_count", pool, tier)]
                 for pool in ("prefill", "decode")
                 for tier in TIERS
             )
 
         wait_until(timed, 30, "adapter loads and timed loads never agree", interval_s=0.2)
-        series = _tier_series(proc.base_url)
+        (series,) = scraped  # the scrape that agreed: the next may come from behind another ingress
         for pool in ("prefill", "decode"):
             for tier in TIERS:
                 loads = series[("splitserve_lora_loads_total", pool, tier)]

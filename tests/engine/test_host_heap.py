@@ -1,6 +1,7 @@
-"""engine/host_heap.py: after retain_freed_heap a buffer freed and allocated again comes from the
-heap, its pages already resident (no minor faults), where glibc's own thresholds hand a block
-that large back to the OS and fault it in again, zero-filled, on every allocation. Each case
+"""engine/host_heap.py: after retain_freed_heap a forward's buffers freed and allocated again come
+from the heap, their pages already resident (few minor faults), where glibc's own thresholds
+often hand them back to the OS and fault them in again (4,096 of 4,096 pages measured here,
+512 on a busier run: it depends on glibc's allocation history, so only retain is bounded). Each case
 runs in a fresh interpreter: the thresholds are process-wide."""
 
 from __future__ import annotations
@@ -50,10 +51,9 @@ def test_a_retained_heap_reuses_freed_pages():
     assert faults <= PAGES // 4  # 1/8 measured: one block of eight faulted in again
 
 
-def test_the_default_heap_faults_a_large_buffer_in_again():
-    retained, faults = probe("default")
+def test_the_default_mode_leaves_glibc_alone():
+    retained, _ = probe("default")  # how often glibc's own thresholds fault varies with its history
     assert retained == "False"
-    assert faults >= PAGES * 3 // 4  # every page, measured
 
 
 def test_a_bad_mode_names_the_choices(monkeypatch):
