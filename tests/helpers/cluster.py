@@ -105,17 +105,29 @@ def wait_for_baseline(loop: LoopThread, cluster: DisaggCluster, timeout_s: float
         time.sleep(0.1)
 
 
-def wait_until(predicate, timeout_s: float, message, interval_s: float = 0.05):
+def wait_until(predicate, timeout_s: float | None, message, interval_s: float = 0.05):
     """Poll predicate() until it returns something truthy (returned); AssertionError at the
-    timeout, saying message (a str, or a callable that describes the state then)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{message() if callable(message) else message} (after {timeout_s:.1f} s)")
-        time.sleep(interval_s)
+    timeout, saying message (a str, or a callable that describes the state then).
+
+    timeout_s None: no deadline of its own, for waits whose length no wall-clock bound can
+    know on a busy machine; the test's own timeout cancels it, and the failure then carries
+    message as a note."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        while True:
+            value = predicate()
+            if value:
+                return value
+            if deadline is not None and time.monotonic() > deadline:
+                raise AssertionError(f"{message() if callable(message) else message} (after {timeout_s:.1f} s)")
+            time.sleep(interval_s)
+    except BaseException as cancelled:
+        if deadline is None:
+            try:
+                cancelled.add_note(f"while waiting: {message() if callable(message) else message}")
+            except Exception as describing:  # the state could not be described: say why, keep the cause
+                cancelled.add_note(f"while waiting (state not described: {describing!r})")
+        raise
 
 
 def pool_diagnostics(cluster: DisaggCluster, pool: str) -> str:
