@@ -21,8 +21,10 @@ PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider --durations=25
 # `make test` and `make test-fast` run on TEST_WORKERS pytest-xdist workers (tests/conftest.py): the
 # tests that start `splitserve serve`, HAProxy or Postgres (the xdist group "serial") on one of them,
 # one at a time, the rest of the cluster tier (the group "ray", on that worker's own Ray instance) on
-# another, and the unit tier on whichever is free. TEST_WORKERS=0 runs in-process.
-TEST_WORKERS ?= 2
+# another, and the unit tier on whichever is free. Three workers on 2 cores: with two, the CPUs sat
+# ~16 % idle (the tests wait on probes, restarts and streams), which the third fills with unit tests.
+# TEST_WORKERS=0 runs in-process.
+TEST_WORKERS ?= 3
 PYTEST_PARALLEL := $(PYTEST) -n $(TEST_WORKERS) --dist loadgroup
 
 .PHONY: install lint typecheck test test-fast test-cluster test-e2e serve proto clean gpu-check gpu-check-cpu gpu-check-wheels

@@ -168,7 +168,7 @@ def tier_of(item) -> str:
 
 
 # ---- what runs apart under pytest-xdist ------------------------------------------------------
-# `make test` runs with `-n 2 --dist loadgroup`: xdist hands each group whole to one worker, which
+# `make test` runs with `-n 3 --dist loadgroup`: xdist hands each group whole to one worker, which
 # runs its tests one at a time, while the other workers share the ungrouped (unit) tests and take
 # some once their group is done. Two groups:
 # - SERIAL_GROUP: what binds a fixed port or holds the one server of its kind: the e2e tier
@@ -186,7 +186,7 @@ def tier_of(item) -> str:
 # thing, such as a trained checkpoint of the machine's model cache (tests/helpers/model.py's
 # READS_TRAINED_CHECKPOINT),
 # which the first reader trains (~100 s of one core where the cache lacks it) while any other
-# reader waits on the cache's lock: on one worker, the other worker runs other tests meanwhile.
+# reader waits on the cache's lock: on one worker, the other workers run other tests meanwhile.
 SERIAL_GROUP = "serial"
 RAY_GROUP = "ray"
 

@@ -123,7 +123,7 @@ def test_local_on_an_idle_decode_replica_remote_on_a_full_one(loop, serving, ref
             and router.load(PREFILL, "prefill-0").report.transfer_bytes_per_second > 0
             and router.load(PREFILL, "prefill-0").report.prefill_line(fresh=True) is not None
         ),
-        60,
+        None,
         lambda: f"no measured, idle reports: {figures(serving)}",
     )
 
@@ -151,7 +151,7 @@ def test_local_on_an_idle_decode_replica_remote_on_a_full_one(loop, serving, ref
                 router.load(DECODE, "decode-0").report.num_running >= NUM_FILLERS
                 and delta(counts(serving), unfilled).get("relay") == NUM_FILLERS
             ),
-            120,
+            None,
             lambda: f"the decode replica did not fill: {delta(counts(serving), unfilled)}; {figures(serving)}",
         )
         with_threshold(serving, 0)
@@ -161,7 +161,7 @@ def test_local_on_an_idle_decode_replica_remote_on_a_full_one(loop, serving, ref
         # Its first chunk came back (held sequences let a joining one through).
         wait_until(
             lambda: delta(counts(serving), before).get("relay") == 1,
-            120,
+            None,
             lambda: f"the probe's first token never came: {delta(counts(serving), before)}; {figures(serving)}",
         )
         seen = delta(counts(serving), before)

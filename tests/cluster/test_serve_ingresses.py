@@ -64,7 +64,7 @@ def server(ray_cluster, tiny_model, tmp_path_factory):
         with httpx.Client(base_url=proc.base_url, timeout=60) as http:
             # Answering is not enough: an ingress routes by the membership it has applied, so
             # wait until both see every pool replica.
-            wait_until(lambda: len(ingresses_seeing_all(http, 8)) == 2, 120, "an ingress never saw every replica")
+            wait_until(lambda: len(ingresses_seeing_all(http, 8)) == 2, None, "an ingress never saw every replica")
     except BaseException:
         proc.stop()
         raise
@@ -140,7 +140,7 @@ def test_two_ingresses_send_a_prefix_group_to_one_prefill_replica(http, model, t
                 indexed = indexed_prefill_blocks(http)
                 return len(indexed) == 2 and all(n == held for n in indexed.values())
 
-            wait_until(converged, 60, "the ingresses' indexes never matched the replicas' blocks", 0.5)
+            wait_until(converged, None, "the ingresses' indexes never matched the replicas' blocks", 0.5)
         res = http.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0})
         assert res.status_code == 200, res.text
         body = res.json()
@@ -269,6 +269,6 @@ def test_killing_an_ingress_replica_loses_only_its_streams(server, http, model):
         seen = ingresses_seen(http, 8)
         return len(seen) == 2 and victim not in seen
 
-    wait_until(two_ingresses, 120, "no second ingress replica after the kill")
+    wait_until(two_ingresses, None, "no second ingress replica after the kill")
     res = http.post("/v1/completions", json={"model": model, "prompt": "after", "max_tokens": 4})
     assert res.status_code == 200, res.text

@@ -99,7 +99,9 @@ def test_a_prompt_cached_under_one_model_is_never_credited_to_the_other(models, 
     grpc_tokens(stub, "alpha", prompt, 2)
     hashes = hash_blocks(prompt, 16, root_hash("alpha"))  # the chain alpha's engines and router use
     assert set(hashes).isdisjoint(hash_blocks(prompt, 16, root_hash("beta")))  # beta's never coincide
-    wait_until(lambda: alpha_router.index(DECODE).holders(hashes[0]), 30, "alpha's KV events never indexed the prompt")
+    wait_until(
+        lambda: alpha_router.index(DECODE).holders(hashes[0]), None, "alpha's KV events never indexed the prompt"
+    )
     assert not any(beta_router.index(pool).holders(h) for pool in (PREFILL, DECODE) for h in hashes)
     before = prefix_hits(models)
     _, cached = grpc_tokens(stub, "alpha", prompt, 2)
@@ -108,7 +110,7 @@ def test_a_prompt_cached_under_one_model_is_never_credited_to_the_other(models, 
     assert cached == 0  # the same token ids under beta: nothing of alpha's is credited
     after = prefix_hits(models)
     assert after["alpha"] - before["alpha"] >= 32 and after["beta"] == before["beta"]
-    wait_until(lambda: merged_hits(models) == after, 30, "/metrics never showed both models' counts")
+    wait_until(lambda: merged_hits(models) == after, None, "/metrics never showed both models' counts")
     models.baseline()
 
 
@@ -154,13 +156,13 @@ def test_pools_scale_independently(models, stub):
     loop = models.loop
     (added,) = loop.run(alpha.add_replicas(DECODE, 1), timeout=300)  # what alpha's autoscaler calls
     assert len(alpha.pools[DECODE].live_replicas()) == 2 and len(beta.pools[DECODE].live_replicas()) == 1
-    wait_until(lambda: models.backends["alpha"].cluster.live_replicas(DECODE) == 2, 30, "alpha's ingress missed it")
+    wait_until(lambda: models.backends["alpha"].cluster.live_replicas(DECODE) == 2, None, "alpha's ingress missed it")
     assert models.backends["beta"].cluster.live_replicas(DECODE) == 1
     assert added.replica_id not in models.backends["beta"].cluster.router.replica_ids(DECODE)
     assert models.catalog.health()["models"]["alpha"]["pools"][DECODE]["live"] == 2
     assert grpc_tokens(stub, "beta", PROMPT[:20], 4)[0]  # beta serves on, untouched
     assert loop.run(alpha.drain_replica(DECODE, added.replica_id), timeout=180)
-    wait_until(lambda: models.backends["alpha"].cluster.live_replicas(DECODE) == 1, 30, "alpha did not scale back")
+    wait_until(lambda: models.backends["alpha"].cluster.live_replicas(DECODE) == 1, None, "alpha did not scale back")
     models.baseline()
 
 
@@ -182,9 +184,9 @@ def test_killing_one_models_pools_leaves_the_other_serving(models, client, stub)
         live = {r.replica_id for pool in alpha.pools.values() for r in pool.live_replicas()}
         return state["ok"] and not live & gone
 
-    wait_until(alpha_back, 240, "alpha's pools were not replaced", interval_s=0.5)
+    wait_until(alpha_back, None, "alpha's pools were not replaced", interval_s=0.5)
     reference = engine_reference(models.backends["alpha"].model_dir)(PROMPT[:20], 6)
-    wait_until(lambda: _serves(stub, "alpha", reference), 60, "alpha does not serve after its replacement")
+    wait_until(lambda: _serves(stub, "alpha", reference), None, "alpha does not serve after its replacement")
     assert models.catalog.health()["ok"]
     models.baseline()
 

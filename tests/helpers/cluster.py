@@ -112,6 +112,9 @@ def wait_until(predicate, timeout_s: float | None, message, interval_s: float = 
     timeout_s None: no deadline of its own, for waits whose length no wall-clock bound can
     know on a busy machine; the test's own timeout cancels it, and the failure then carries
     message as a note."""
+    if timeout_s is None and threading.current_thread() is not threading.main_thread():
+        # pytest-timeout interrupts the main thread only: this wait would outlive the test.
+        raise ValueError("wait_until without a deadline runs only on the test's main thread")
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         while True:
@@ -165,7 +168,7 @@ class LoopHttpServer:
 
     def __enter__(self) -> LoopHttpServer:
         self._done = asyncio.run_coroutine_threadsafe(self.server.serve(), self.loop.loop)
-        wait_until(lambda: self.server.started or self._done.done(), 15, "uvicorn did not start")
+        wait_until(lambda: self.server.started or self._done.done(), None, "uvicorn did not start")
         if self._done.done():
             self._done.result()  # raises what stopped it
         return self

@@ -128,6 +128,7 @@ def wait_for_every_stream_held(cluster, num_streams: int) -> list[str]:
         handles = [cluster.decode_pool.get(replica_id).handle for replica_id in set(inflight.values())]
         return all(ray.get([h.holding.remote() for h in handles], timeout=10))
 
+    # A deadline of its own: this runs on the tests' killer threads too, which no test timeout reaches.
     wait_until(held, 240, "the decode replicas never held every stream", 0.05)
     return list(cluster.dispatcher.inflight.values())
 

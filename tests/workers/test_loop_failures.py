@@ -93,9 +93,9 @@ def poll(handle) -> PollReply:
 def test_step_failure_on_decode_fails_its_batch_and_the_loop_serves_on(loop, cluster, reference):
     decode = cluster.decode_pool.get("decode-0").handle
     running = [ChannelStream(loop, decode, f"long-{i}", prompt(20, i), LONG) for i in range(2)]
-    wait_until(lambda: all(s.chunks for s in running), 30, "the long requests did not start")
+    wait_until(lambda: all(s.chunks for s in running), None, "the long requests did not start")
     waiting = [ChannelStream(loop, decode, f"short-{i}", prompt(20, 10 + i), GREEDY) for i in range(2)]
-    wait_until(lambda: poll(decode).engine.num_waiting == 2, 10, "the short requests are not queued")
+    wait_until(lambda: poll(decode).engine.num_waiting == 2, None, "the short requests are not queued")
     bound_s = fail_fast_bound_s(decode)
     armed = time.monotonic()
     ray.get(decode.inject_fault.remote(fail_steps=1))
@@ -168,7 +168,7 @@ def _leaves_routing(loop, cluster, caplog, pool: str, replica_id: str) -> float:
     """Resume polling; seconds until replica_id is out of routing. Then checks it was said once."""
     since, started = time.time(), time.monotonic()
     resume_polling(loop, cluster)
-    wait_until(lambda: replica_id not in cluster.router.replica_ids(pool), 10, f"{replica_id} is still routed", 0.002)
+    wait_until(lambda: replica_id not in cluster.router.replica_ids(pool), None, f"{replica_id} is still routed", 0.002)
     took = time.monotonic() - started
     time.sleep(1.0)  # ten more poll intervals: nothing more to say about it
     lines = _routing_lines(caplog, replica_id, since)
@@ -234,7 +234,7 @@ def test_a_dead_decode_loop_leaves_routing_and_its_requests_are_retried(loop, cl
     cluster.dispatcher.max_retries = 0  # a dead replica must not need the budget
     try:
         holding = ChannelStream(loop, victim.handle, "holding", prompt(40, 50), LONG)  # holds blocks when it dies
-        wait_until(lambda: holding.chunks, 30, "the request on the victim did not start")
+        wait_until(lambda: holding.chunks, None, "the request on the victim did not start")
         bound_s = fail_fast_bound_s(victim.handle)
         stopped_at = time.monotonic()
         ray.get(victim.handle.inject_fault.remote(stop_loop=True))
@@ -260,10 +260,10 @@ def test_a_dead_decode_loop_leaves_routing_and_its_requests_are_retried(loop, cl
         cluster.dispatcher.max_retries = 1
         resume_polling(loop, cluster)
         resume_controller(loop, cluster)
-    wait_until(lambda: cluster.decode_pool.get(victim.replica_id) is None, 5, "the controller still lists it")
+    wait_until(lambda: cluster.decode_pool.get(victim.replica_id) is None, None, "the controller still lists it")
     _check_lost_capacity(url, grpc_port, DECODE, victim.replica_id, degraded=[DECODE])
     _twenty_requests(url, backend)
-    wait_until(lambda: _actor_gone(victim.handle), 20, "the dead replica's actor was not shut down")
+    wait_until(lambda: _actor_gone(victim.handle), None, "the dead replica's actor was not shut down")
     _replaced(loop, cluster, url, DECODE)
     wait_for_baseline(loop, cluster)
 
@@ -277,7 +277,7 @@ def test_a_dead_prefill_loop_leaves_routing_and_its_requests_are_retried(loop, c
     cluster.dispatcher.max_retries = 0
     try:
         ray.get(victim.handle.inject_fault.remote(stop_loop=True))
-        wait_until(lambda: not poll(victim.handle).is_serving, 5, "the prefill loop did not stop")
+        wait_until(lambda: not poll(victim.handle).is_serving, None, "the prefill loop did not stop")
         state = poll(victim.handle)
         assert state.engine.num_free_blocks == state.engine.num_blocks and state.num_pinned == 0
         retries = cluster.dispatcher.num_retries
@@ -292,7 +292,7 @@ def test_a_dead_prefill_loop_leaves_routing_and_its_requests_are_retried(loop, c
         cluster.dispatcher.max_retries = 1
         resume_polling(loop, cluster)
         resume_controller(loop, cluster)
-    wait_until(lambda: cluster.prefill_pool.get(victim.replica_id) is None, 5, "the controller still lists it")
+    wait_until(lambda: cluster.prefill_pool.get(victim.replica_id) is None, None, "the controller still lists it")
     _check_lost_capacity(url, grpc_port, PREFILL, victim.replica_id, degraded=[PREFILL])
     _twenty_requests(url, backend)
     _replaced(loop, cluster, url, PREFILL)

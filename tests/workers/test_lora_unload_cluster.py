@@ -52,7 +52,7 @@ def test_unload_waits_for_the_adapters_request_or_gives_up_with_409(ray_cluster,
         assert status == 409 and "still in use" in message, message
         assert result["token_ids"] == expected["sql"]
         assert controller.roster.lora_adapters == ["sql"]
-        wait_until(lambda: cluster.follower.view.lora_adapters == ["sql"], 10, "the ingress's view lacks sql")
+        wait_until(lambda: cluster.follower.view.lora_adapters == ["sql"], None, "the ingress's view lacks sql")
         assert loop.run(cluster.complete(PROMPT, SQL), timeout=120)["token_ids"] == expected["sql"]
 
         (status, message), finished_first, result = loop.run(unload_during_request(60.0), timeout=180)

@@ -127,7 +127,7 @@ def test_opt_out_is_never_drafted_for_and_metrics_show_speculation(loop, client,
             (s := scraped()).get(("splitserve_spec_decode_num_drafts_total", "decode", method)) == stats.spec_num_drafts
             and s
         ),
-        10,
+        None,
         "the decode pool's spec_decode series never matched its replica's counts",
     )
     assert series("num_draft_tokens_total") == stats.spec_proposed_tokens > 0
@@ -148,5 +148,5 @@ def test_client_leaving_mid_speculation_frees_every_block(loop, server, backend)
                 if decode_stats(loop, backend).spec_num_drafts > drafts_before:
                     break
     assert decode_stats(loop, backend).spec_num_drafts > drafts_before
-    wait_until(lambda: backend.num_inflight == 0, 20, "request still running after the client left")
+    wait_until(lambda: backend.num_inflight == 0, None, "request still running after the client left")
     wait_for_baseline(loop, backend.cluster)

@@ -312,7 +312,7 @@ def test_keyless_clients_are_bounded_by_the_global_queue_only(loop, http, backen
         refused = http.post("/v1/completions", json={**body, "n": 5})
         assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["type"] == "rate_limit_error"
-    wait_until(lambda: backend.num_inflight == 0, 10, "refused choices still counted in flight")
+    wait_until(lambda: backend.num_inflight == 0, None, "refused choices still counted in flight")
     wait_for_baseline(loop, backend.cluster)
 
 
@@ -322,7 +322,7 @@ def test_stream_disconnect_aborts_every_choice(loop, server, backend):
         with client.stream("POST", "/v1/completions", json={**body, "ignore_eos": True}) as resp:
             assert resp.status_code == 200
             assert next(resp.iter_lines()).startswith("data: ")
-    wait_until(lambda: backend.num_inflight == 0, 20, "choices still running after the client left")
+    wait_until(lambda: backend.num_inflight == 0, None, "choices still running after the client left")
     wait_for_baseline(loop, backend.cluster)
 
 

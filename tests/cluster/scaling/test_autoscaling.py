@@ -79,12 +79,18 @@ def serving(cluster, pool: str) -> list:
     return cluster.router.replica_ids(pool, include_draining=False)
 
 
-async def wait_until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        await asyncio.sleep(0.05)
+async def wait_until(predicate, timeout_s: float | None, what: str) -> None:
+    """timeout_s None: no deadline of its own (the test's timeout cancels it, noting what)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        while not predicate():
+            if deadline is not None and time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+            await asyncio.sleep(0.05)
+    except BaseException as cancelled:
+        if deadline is None:
+            cancelled.add_note(f"while waiting for {what}")
+        raise
 
 
 async def rise_and_fall(autoscaler, load, concurrency: int, at, served=None, timeout_s: float = 60) -> None:
@@ -146,14 +152,14 @@ def test_draining_completes_every_in_flight_request(loop, scaled_cluster):
             tasks = [asyncio.ensure_future(stream(i, started)) for i in range(6)]
             await asyncio.sleep(0)  # every stream is routed, none has reached prefill
             prefill_drain = asyncio.ensure_future(cluster.drain_replica(PREFILL, new_prefill.replica_id, 60))
-            await wait_until(lambda: len(started) == 6, 60, "every stream's first token")
+            await wait_until(lambda: len(started) == 6, None, "every stream's first token")
             on_decode = cluster.dispatcher.num_inflight(DECODE, new_decode.replica_id)
             there = [i for i, r in recs.items() if r.get("decode") == new_decode.replica_id and r["finish"] is None]
             decode_drain = asyncio.ensure_future(cluster.drain_replica(DECODE, new_decode.replica_id, 60))
             await asyncio.sleep(0)  # the drain task marks the replica draining
             draining = cluster.router.load(DECODE, new_decode.replica_id).draining and not decode_drain.done()
             late_task = asyncio.ensure_future(stream(100, set()))  # arrives during the drain: must go elsewhere
-            await wait_until(lambda: "decode" in recs.get(100, {}), 60, "the late stream's route")
+            await wait_until(lambda: "decode" in recs.get(100, {}), None, "the late stream's route")
         finally:
             await hold_new_decode(0)  # the held streams finish where they are
         late = await asyncio.wait_for(late_task, 60)

@@ -83,7 +83,7 @@ def test_a_tp2_pool_scales_up_and_back_down_as_whole_gangs(loop, tp_cluster):
     removed = second if left.replica_id == first.replica_id else first
     gone = {removed.replica_id, f"{removed.replica_id}-rank-1"}
     wait_until_sync = lambda: not gone & set(named_actors(namespace))  # noqa: E731
-    loop.run(wait_until(wait_until_sync, 30, "the removed gang's rank actors to exit"), timeout=40)
+    loop.run(wait_until(wait_until_sync, None, "the removed gang's rank actors to exit"), timeout=40)
     state = placement_group_table(removed.gang.placement_group)["state"]
     assert state == "REMOVED", state
     assert left.gang is not None and f"{left.replica_id}-rank-1" in named_actors(namespace)

@@ -165,7 +165,7 @@ def test_budget_stops_concurrent_long_streams_at_admission(server, backend, loop
     for stream in streams:
         stream.close()  # cancelled: settled to what was generated
     wait_for_baseline(loop, backend.cluster)
-    usage = wait_until(lambda: _usage(server, "budget"), 30, "budget usage not written")
+    usage = wait_until(lambda: _usage(server, "budget"), None, "budget usage not written")
     assert usage["requests"] == 3 and usage["completion_tokens"] <= 3 * 200
 
 
@@ -216,7 +216,7 @@ def test_usage_read_back_equals_what_clients_received(server, backend, loop):
         row = _usage(server, "usage")
         return row if row and row["requests"] == 5 else None
 
-    row = wait_until(settled, 30, "usage of 5 requests not written")
+    row = wait_until(settled, None, "usage of 5 requests not written")
     assert row["errors"] == 1
     assert row["prompt_tokens"] == got["prompt"] + 2 * len(prompt_ids)
     assert row["cached_tokens"] >= got["cached"]
@@ -243,7 +243,7 @@ def test_revoked_by_reload_and_malformed_file_keeps_old(server, backend, tenants
         except openai.AuthenticationError:
             return True
 
-    wait_until(revoked, 30, "the revoked key still works")  # reloaded by polling, no admin call
+    wait_until(revoked, None, "the revoked key still works")  # reloaded by polling, no admin call
     complete(server, backend, "sk-new")
     assert http.post("/admin/reload").status_code == 401
 
@@ -273,7 +273,7 @@ def test_a_batch_runs_as_its_tenant_and_stops_at_its_budget(server, backend, loo
         row = _usage(server, "batch-budget")
         return row if row and row["requests"] == BATCH_FIT else None
 
-    row = wait_until(billed, 30, "the batch's usage was not written under its tenant")
+    row = wait_until(billed, None, "the batch's usage was not written under its tenant")
     assert row["model"] == backend.model_name and row["completion_tokens"] == BATCH_FIT * BATCH_TOKENS
 
 

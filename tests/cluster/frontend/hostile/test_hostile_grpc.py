@@ -121,7 +121,7 @@ def test_hostile_constraints_are_refused_and_concurrent_streams_finish_whole(loo
     try:
         for t in threads:
             t.start()
-        wait_until(lambda: backend.num_inflight == 2, 20, "the two streams were not admitted")
+        wait_until(lambda: backend.num_inflight == 2, None, "the two streams were not admitted")
         for path, extra, field, word in HOSTILE_HTTP:
             body = {"model": model, "max_tokens": 2, **extra}
             if path.endswith("chat/completions"):
