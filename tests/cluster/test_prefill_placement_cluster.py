@@ -25,6 +25,7 @@ import asyncio
 import re
 
 import pytest
+import ray
 
 from splitserve.cluster.frontend.serving_api import ChoiceRequest
 from splitserve.cluster.routing.prefill_placement import LOCAL_CHEAPER, REMOTE_CHEAPER
@@ -38,6 +39,7 @@ from tests.helpers.migration_streams import hold_decode_steps
 pytestmark = pytest.mark.ray
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 FILLER = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+HOLD_AT = 2  # the fillers' output length when their steps are held
 NUM_FILLERS = 48  # running on the decode replica (max_num_seqs 64 leaves the probe a slot)
 PREFIX = [(11 * i) % 300 + 20 for i in range(224)]  # 14 blocks of 16
 DECISION = re.compile(r'^splitserve_router_decisions_total\{[^}]*reason="([\w-]+)"[^}]*\} (\S+)$', re.M)
@@ -100,6 +102,24 @@ def figures(serving) -> str:
     return f"decode {router.load(DECODE, 'decode-0').report}; prefill {router.load(PREFILL, 'prefill-0').report}"
 
 
+def holding(serving) -> bool:
+    return ray.get(serving.cluster.decode_pool.get("decode-0").handle.holding.remote(), timeout=10)
+
+
+def let_reports_through(serving) -> None:
+    """The router sees the held fillers running. A replica reads its state between steps, so a
+    read queued while the fillers' step is held waits there (the report may still say idle, as
+    it did before they came): each hold one token further lets one step through, and the read
+    queued behind it with it. The fillers stay held, as their max_tokens is past every hold."""
+    router = serving.cluster.router
+    for hold_at in range(HOLD_AT + 1, FILLER.max_tokens):
+        if router.load(DECODE, "decode-0").report.num_running >= NUM_FILLERS:
+            return
+        hold_decode_steps(serving.cluster, hold_at)
+        wait_until(lambda: holding(serving), None, f"the fillers' steps were not held again at {hold_at} tokens")
+    raise AssertionError(f"the router never saw the {NUM_FILLERS} fillers running: {figures(serving)}")
+
+
 def test_local_on_an_idle_decode_replica_remote_on_a_full_one(loop, serving, reference):
     router = serving.cluster.router
     # Cold: nothing measured, so the threshold rule (0 here): a remote prefill.
@@ -134,7 +154,7 @@ def test_local_on_an_idle_decode_replica_remote_on_a_full_one(loop, serving, ref
     assert seen.get("relay") == 1 and tokens == reference(idle_prompt)
 
     # A full one: NUM_FILLERS sequences held on it (prefilled there: the threshold override).
-    hold_decode_steps(serving.cluster, 2)
+    hold_decode_steps(serving.cluster, HOLD_AT)
     with_threshold(serving, 10**6)
     unfilled = counts(serving)
     fillers = [
@@ -144,16 +164,13 @@ def test_local_on_an_idle_decode_replica_remote_on_a_full_one(loop, serving, ref
     probe = None
     try:
         # Every filler's first token relayed too, so that the probe's is the one first token
-        # after `before`: the decode replica reports a sequence running from its prefill's
-        # step on, and that report reaches the router apart from (often before) the token.
+        # after `before`.
         wait_until(
-            lambda: (
-                router.load(DECODE, "decode-0").report.num_running >= NUM_FILLERS
-                and delta(counts(serving), unfilled).get("relay") == NUM_FILLERS
-            ),
+            lambda: delta(counts(serving), unfilled).get("relay") == NUM_FILLERS and holding(serving),
             None,
-            lambda: f"the decode replica did not fill: {delta(counts(serving), unfilled)}; {figures(serving)}",
+            lambda: f"the decode replica did not fill and hold: {delta(counts(serving), unfilled)}; {figures(serving)}",
         )
+        let_reports_through(serving)
         with_threshold(serving, 0)
         before = counts(serving)
         full_prompt = PREFIX + tail(2)
