@@ -10,7 +10,6 @@ on by default, off with tensor_parallel_shm_collectives=False, the same greedy t
 from __future__ import annotations
 
 import hashlib
-import multiprocessing
 import os
 import signal
 import time
@@ -28,6 +27,7 @@ from splitserve.engine.parallel.shard_plan import ShardPlan
 from splitserve.engine.parallel.shm_collectives import SEGMENT_KEY, SLOT_BYTES
 from splitserve.engine.parallel.shm_segment import SEGMENT_DIR, SEGMENT_PREFIX
 from splitserve.engine.parallel.tp_group import TensorParallelError, TensorParallelGroup
+from splitserve.engine.parallel.tp_ranks import follower_context
 from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.model import make_checkpoint
 
@@ -153,7 +153,8 @@ def _half_setup(rank: int, size: int, ports, conn) -> dict:
 SCENARIOS = {"compare": _compare, "stall": _stall, "stall_driver": _stall_driver, "half_setup": _half_setup}
 
 
-def _rank_main(rank: int, size: int, ports, scenario: str, conn) -> None:
+def _rank_main(rank: int, size: int, ports, scenario: str, timeout_s: float, conn) -> None:
+    os.environ["TEST_SHM_TIMEOUT_S"] = str(timeout_s)  # a forked server's child has the server's environment
     try:
         conn.send(("done", {"pid": os.getpid(), **SCENARIOS[scenario](rank, size, ports, conn)}))
     except Exception as exc:
@@ -161,20 +162,22 @@ def _rank_main(rank: int, size: int, ports, scenario: str, conn) -> None:
 
 
 class Ranks:
-    """size spawned rank processes over fresh stores (one per group), killed at the end."""
+    """size rank processes (started as the engine's followers are) over fresh stores (one per
+    group), killed at the end."""
 
     def __init__(self, size: int, scenario: str, groups: int = 1, timeout_s: float = 60.0):
-        context = multiprocessing.get_context("spawn")
+        context = follower_context()
         self.stores = [
             dist.TCPStore(HOST, 0, size, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
             for _ in range(groups)
         ]
         ports = [store.port for store in self.stores]
         self.conns, self.processes = [], []
-        os.environ["TEST_SHM_TIMEOUT_S"] = str(timeout_s)  # the spawned ranks inherit it
         for rank in range(size):
             parent_end, child_end = context.Pipe()
-            process = context.Process(target=_rank_main, args=(rank, size, ports, scenario, child_end), daemon=True)
+            process = context.Process(
+                target=_rank_main, args=(rank, size, ports, scenario, timeout_s, child_end), daemon=True
+            )
             process.start()
             child_end.close()
             self.conns.append(parent_end)
