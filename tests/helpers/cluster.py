@@ -42,6 +42,9 @@ def cluster_config(
     **extra,
 ) -> ServeConfig:
     pool = {"num_kv_blocks": num_blocks, "resources": {"num_cpus": 1}, "torch_threads": 1}
+    # As tests/helpers/serve_process.py: a compile worker starts on its module's first
+    # constrained request, not with every backend (two idle processes each, most never used).
+    extra["grammar"] = {"prestart_workers": False, **extra.get("grammar", {})}
     return ServeConfig.model_validate(
         {
             "model": model,
