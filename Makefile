@@ -19,10 +19,9 @@ GPU_CHECK_CPU_OUT ?= $(or $(TMPDIR),/tmp)/splitserve-gpu-check
 # Test tiers (markers set in tests/conftest.py, see README "Development"): unit, cluster, e2e.
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider --durations=25
 # `make test` and `make test-fast` run on TEST_WORKERS pytest-xdist workers (tests/conftest.py): the
-# tests that start `splitserve serve` into the session's Ray cluster, HAProxy or Postgres (the xdist
-# group "serial") on one of them, one at a time, the other `splitserve serve` tests (the group "serve":
-# each a local cluster of its own, on free ports) on one, the rest of the cluster tier (the group
-# "ray", on that worker's own Ray instance) on another, and the unit tier on whichever is free. Three workers on 2 cores: with two, the CPUs sat
+# tests that start `splitserve serve`, HAProxy or Postgres (the xdist group "serial") on one of them,
+# one at a time, the rest of the cluster tier (the group "ray", on that worker's own Ray instance) on
+# another, and the unit tier on whichever is free. Three workers on 2 cores: with two, the CPUs sat
 # ~16 % idle (the tests wait on probes, restarts and streams), which the third fills with unit tests.
 # TEST_WORKERS=0 runs in-process.
 TEST_WORKERS ?= 3

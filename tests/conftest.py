@@ -170,24 +170,15 @@ def tier_of(item) -> str:
 # ---- what runs apart under pytest-xdist ------------------------------------------------------
 # `make test` runs with `-n 3 --dist loadgroup`: xdist hands each group whole to one worker, which
 # runs its tests one at a time, while the other workers share the ungrouped (unit) tests and take
-# some once their group is done. Three groups:
-# - SERIAL_GROUP: what binds a fixed port or holds the one server of its kind: an e2e test whose
-#   `splitserve serve` joins the session's Ray cluster (`--address`: Ray Serve's HAProxy then
-#   binds its fixed ports 8404/9101, so two such servers collide) or installs the checkout's
-#   wheel (built once, on this worker; the fresh venv with it started early), an
-#   e2e test that serves in-process, a test on the session's Postgres server (one server, on the
-#   worker that runs them all) and a test marked `serial` (it starts HAProxy or binds a fixed
-#   port some other way);
-# - SERVE_GROUP: the other e2e tests, each `splitserve serve` on a local Ray cluster of its own
-#   (free ports for everything, HAProxy's too: cluster/cli/front_door.py), so one of them runs
-#   beside a SERIAL_GROUP test; one at a time among themselves, each server a few cores' worth;
+# some once their group is done. Two groups:
+# - SERIAL_GROUP: what binds a fixed port or holds the one server of its kind: the e2e tier
+#   (`splitserve serve`: Ray Serve's HAProxy binds the fixed ports 8404/9101, so two servers
+#   collide), a test on the session's Postgres server (one server, on the worker that runs them
+#   all) and a test marked `serial` (it starts HAProxy or binds a fixed port some other way);
 # - RAY_GROUP: the rest of the cluster tier (actors, a DisaggCluster, a ServingBackend on the
 #   session's Ray cluster; no Serve, no fixed port). Its worker holds a Ray instance of its own
 #   (ray_cluster: address "local"), beside the one the serial worker starts for the e2e tests
 #   that join the session's cluster (`--address`), so the two chains of Ray tests overlap.
-#   (Split in two chains, each on a Ray instance of its own, the run took longer: 689.6 s against
-#   660.6 s, as one chain waited for another's worker; started first, the chains left their
-#   waits idle that the unit tests fill: 728.9 s. 2026-12-05, full runs.)
 # And a unit-tier file marked `one_worker` (its tests share a costly module fixture: the one
 # subprocess that runs every interpreted Triton case, say) is a group of its own, its file's
 # path, so that fixture is built once on one worker and never once on each. `one_worker(name)`
@@ -197,7 +188,6 @@ def tier_of(item) -> str:
 # which the first reader trains (~100 s of one core where the cache lacks it) while any other
 # reader waits on the cache's lock: on one worker, the other workers run other tests meanwhile.
 SERIAL_GROUP = "serial"
-SERVE_GROUP = "serve"
 RAY_GROUP = "ray"
 
 
@@ -218,23 +208,7 @@ def runs_serially(item, tier: str) -> bool:
     return callspec is not None and callspec.params.get("state_url") == "postgres"
 
 
-def serves_on_its_own_cluster(item) -> bool:
-    """An e2e test whose `splitserve serve` starts a local Ray cluster of its own (its module's
-    ServeProcess, never into the session's cluster) and which needs no other one-per-machine
-    thing. One that installs the checkout's wheel stays with the others that do (the serial
-    worker builds it once)."""
-    names = set(getattr(item, "fixturenames", ()))
-    if names & {"ray_cluster", "wheel_builds", "postgres_url"} or item.get_closest_marker("serial") is not None:
-        return False
-    callspec = getattr(item, "callspec", None)
-    if callspec is not None and callspec.params.get("state_url") == "postgres":
-        return False
-    return getattr(getattr(item, "module", None), "ServeProcess", None) is not None
-
-
 def xdist_group_of(item, tier: str) -> str | None:
-    if tier == "e2e" and serves_on_its_own_cluster(item):
-        return SERVE_GROUP
     if runs_serially(item, tier):
         return SERIAL_GROUP
     if tier == "cluster":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 import re
 
-from tests.conftest import RAY_GROUP, SERIAL_GROUP, SERVE_GROUP, TIERS, file_group
+from tests.conftest import RAY_GROUP, SERIAL_GROUP, TIERS, file_group
 
 # Files whose tests all start the same thing; checked when they are collected with this one.
 EXPECTED = {
@@ -48,20 +48,15 @@ def expected_xdist_group(item) -> str | None:
     callspec = getattr(item, "callspec", None)
     on_postgres = callspec is not None and callspec.params.get("state_url") == "postgres"
     serial = tiers_of(item) == ["e2e"] or on_postgres or "postgres_url" in item.fixturenames
-    marked_serial = item.get_closest_marker("serial") is not None
-    if tiers_of(item) == ["e2e"] and not (on_postgres or marked_serial):
-        # Its own local cluster (free ports), unless it joins the session's or installs the wheel.
-        own_cluster = "ServeProcess" in vars(item.module)
-        if own_cluster and not {"ray_cluster", "wheel_builds", "postgres_url"} & set(item.fixturenames):
-            return SERVE_GROUP
-    if serial or marked_serial:
+    serial = serial or item.get_closest_marker("serial") is not None
+    if serial:
         return SERIAL_GROUP
     if tiers_of(item) == ["cluster"]:
         return RAY_GROUP
     return file_group(item) if item.get_closest_marker("one_worker") is not None else None
 
 
-def test_e2e_postgres_and_serial_tests_share_xdist_groups_and_the_cluster_tier_another(request):
+def test_e2e_postgres_and_serial_tests_share_one_xdist_group_and_the_cluster_tier_another(request):
     # On an xdist worker under --dist loadgroup, xdist's scheduler reads the group from a suffix
     # it appends to the node id: without it (pytest-dev/pytest-xdist#1386) the group is ignored.
     grouped_by_id = getattr(request.config.option, "loadgroup", False)
@@ -69,9 +64,8 @@ def test_e2e_postgres_and_serial_tests_share_xdist_groups_and_the_cluster_tier_a
         group = expected_xdist_group(item)
         assert xdist_groups_of(item) == ([group] if group else []), item.nodeid
         if grouped_by_id:
-            named = (SERIAL_GROUP, SERVE_GROUP, RAY_GROUP)
-            suffixes = [name for name in named if item.nodeid.endswith(f"@{name}")]
-            if group not in (None, *named):  # a one_worker file's own group
+            suffixes = [name for name in (SERIAL_GROUP, RAY_GROUP) if item.nodeid.endswith(f"@{name}")]
+            if group not in (None, SERIAL_GROUP, RAY_GROUP):  # a one_worker file's own group
                 suffixes += [group] if item.nodeid.endswith(f"@{group}") else []
             assert suffixes == ([group] if group else []), item.nodeid
     assert xdist_groups_of(request.node) == []
@@ -86,10 +80,3 @@ def test_nothing_in_the_ray_group_starts_serve(request):
     serve` or Ray Serve (through a helper the tier rule does not see) must be marked e2e."""
     modules = {item.module for item in request.session.items if RAY_GROUP in xdist_groups_of(item)}
     assert [m.__name__ for m in modules if STARTS_SERVE.search(inspect.getsource(m))] == []
-
-
-def test_nothing_in_the_serve_group_joins_the_sessions_cluster(request):
-    """The serve group's worker runs beside the serial one: a `splitserve serve --address` into
-    a running cluster binds HAProxy's fixed ports, so only the serial group may start one."""
-    modules = {item.module for item in request.session.items if SERVE_GROUP in xdist_groups_of(item)}
-    assert [m.__name__ for m in modules if '"--address"' in inspect.getsource(m)] == []
