@@ -24,8 +24,10 @@ from tests.helpers.quantization_quality import PROMPTS, agreement, collapse_scal
 pytestmark = [pytest.mark.timeout(1200), pytest.mark.usefixtures("one_torch_thread"), READS_TRAINED_CHECKPOINT]
 NEW_TOKENS = 24
 # Teacher-forced top-1 agreement each scheme must reach over 144 positions (measured: int8 0.986,
-# fp8 0.944, int4 0.854; with the scales collapsed to one per matrix: 0.792, 0.743, 0.743).
-# The arithmetic is deterministic on CPU (one thread), so the margins do not depend on load.
+# fp8 0.944, int4 0.854; with the scales collapsed to one per matrix: 0.792, 0.743, 0.743, on an AMD
+# EPYC; on an Intel Xeon, whose kernels train a slightly different checkpoint: 0.993, 0.965, 0.903,
+# collapsed 0.743, 0.729, 0.729). The arithmetic is deterministic on one CPU (one thread), so the
+# margins do not depend on load.
 REQUIRED_AGREEMENT = {"int8": 0.95, "fp8": 0.9, "int4": 0.8}
 
 

@@ -30,9 +30,15 @@ from tests.helpers.upcycled_moe import upcycle_to_mixtral
 pytestmark = [pytest.mark.timeout(1200), pytest.mark.usefixtures("one_torch_thread"), READS_TRAINED_CHECKPOINT]
 NEW_TOKENS = 24
 PERPLEXITY_TOLERANCE = {"int8": 0.01, "fp8": 0.01, "int4": 0.05}  # bench/results/quantization.md's
-# Teacher-forced top-1 agreement over 144 positions (measured: int8 0.986, fp8 0.938, int4 0.847;
-# experts' scales collapsed: 0.882, 0.868, 0.819). Deterministic on CPU with one thread.
+# Teacher-forced top-1 agreement over 144 positions. Deterministic on one CPU with one thread,
+# but not across CPUs: the trained checkpoint itself differs with the machine's kernels. Measured
+# on an AMD EPYC: int8 0.986, fp8 0.938, int4 0.847, and with the experts' scales collapsed 0.882,
+# 0.868, 0.819; on an Intel Xeon: 0.986, 0.965, 0.889, collapsed 0.903, 0.896, 0.847. So one
+# machine's broken int4 agrees as well as another's correct one: the broken quantization is told
+# apart by what it loses against the correct one on the same machine (EPYC 15, 10 and 4 positions;
+# Xeon 12, 10 and 6), not by an absolute bar.
 REQUIRED_AGREEMENT = {"int8": 0.95, "fp8": 0.9, "int4": 0.83}
+BROKEN_LOSES_AT_LEAST = {"int8": 8 / 144, "fp8": 6 / 144, "int4": 3 / 144}
 
 
 @pytest.fixture(scope="module")
@@ -77,4 +83,4 @@ def test_quantized_experts_stay_within_the_perplexity_tolerance_and_a_broken_one
     assert agreed >= REQUIRED_AGREEMENT[scheme], (scheme, agreed)
     collapse_scales(getattr(e, n) for e in experts for n in e.MATMUL_WEIGHTS)  # the experts' only
     broken = agreement(model, sequences, prompt_lens)
-    assert broken < REQUIRED_AGREEMENT[scheme], (scheme, broken)
+    assert agreed - broken >= BROKEN_LOSES_AT_LEAST[scheme], (scheme, agreed, broken)

@@ -46,6 +46,13 @@ class FakeCluster:
         self.pool_loads.remove(pool, replica_id)
         return True
 
+    def report(self, pool: str, replica_id: str, report: LoadReport, at: float) -> None:
+        """A replica's load report, received at `at` on the test's clock (a real one is stamped
+        with time.monotonic(), which the test's clock is not: the autoscaler would read a report
+        from the clock's future or past as fresh or stale by the machine's uptime)."""
+        self.pool_loads.update(pool, replica_id, report)
+        self.pool_loads.load(pool, replica_id).updated_at = at
+
 
 def _config() -> ServeConfig:
     autoscaling = {"enabled": True, "min_replicas": 1, "max_replicas": 3, "upscale_delay_s": 0, "downscale_delay_s": 0}
@@ -62,9 +69,9 @@ def test_the_autoscaler_drives_a_cluster_double():
         fake = FakeCluster()
         cluster: ScalableCluster = fake  # the double type-checks as the autoscaler's cluster
         assert isinstance(cluster, ScalableCluster)
-        fake.pool_loads.add(DECODE, "d0")
-        fake.pool_loads.update(DECODE, "d0", LoadReport(num_running=1000, kv_usage=1.0))
         now = [100.0]
+        fake.pool_loads.add(DECODE, "d0")
+        fake.report(DECODE, "d0", LoadReport(num_running=1000, kv_usage=1.0), now[0])
         autoscaler = Autoscaler(cluster, _config(), clock=lambda: now[0])
 
         fake.is_refilling = True  # lost replicas are being replaced: their absence is not load
@@ -78,8 +85,9 @@ def test_the_autoscaler_drives_a_cluster_double():
         assert [(e.action, e.from_replicas, e.to_replicas, e.ok) for e in autoscaler.events] == [("up", 1, 2, True)]
 
         # idle now: the busier replica stays, the idle new one is drained
-        fake.pool_loads.update(DECODE, "d0", LoadReport(num_running=1))
         now[0] += 1000.0
+        fake.report(DECODE, "d0", LoadReport(num_running=1), now[0])
+        fake.report(DECODE, "decode-new-1-0", LoadReport(), now[0])
         decision = autoscaler.step(DECODE)
         assert decision is not None and decision.action == "down", decision
         await _settle(autoscaler)
