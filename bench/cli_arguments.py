@@ -222,6 +222,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="send ignore_eos=true (vLLM extension) so every request generates exactly max_tokens",
     )
     load.add_argument("--extra-body", default="{}", metavar="JSON", help="JSON object merged into every request body")
+    load.add_argument(
+        "--first-token-stages",
+        action="store_true",
+        help="ask a splitserve server for each request's first-token stages (return_first_token_stages) "
+        "and summarise them per stage in the report",
+    )
 
     slo = parser.add_argument_group("SLO")
     slo.add_argument(

@@ -92,6 +92,7 @@ def build_plan(args: argparse.Namespace) -> BenchPlan:
         extra_body=extra_body,
         show_progress=not args.no_progress,
         num_warmup_requests=args.warmup,
+        first_token_stages=args.first_token_stages,
     )
     return BenchPlan(
         workload=workload,

@@ -149,6 +149,8 @@ class BenchClient:
         }
         if self.options.ignore_eos:
             body["ignore_eos"] = True
+        if self.options.first_token_stages:
+            body["return_first_token_stages"] = True  # in the usage chunk
         text = None
         if self.options.sends_text:
             text = request.prompt_text or self.text_renderer.render(request.prompt_token_ids)
@@ -252,6 +254,9 @@ class BenchClient:
             details = usage.get("prompt_tokens_details") or {}
             if details.get("cached_tokens") is not None:
                 record.cached_tokens = int(details["cached_tokens"])
+            stages = usage.get("first_token_stages")
+            if stages:  # one per choice; the client asks for one
+                record.first_token_stages = {str(stage): float(s) for stage, s in stages[0].items()}
         if any(_carries_token(choice, self.options.endpoint) for choice in chunk.get("choices") or []):
             if record.first_token_time_s is None:
                 record.first_token_time_s = now

@@ -13,6 +13,9 @@ Definitions (all latencies from the moment the request was sent):
         ITL is the p90 (default) or the mean of its own gaps; a request with a single chunk has
         no gaps and passes the ITL part. Failed requests never attain.
   goodput  the highest swept rate whose SLO attainment is >= the threshold (0.9).
+  first-token stages  (a splitserve server, --first-token-stages) each stage of the requests
+        that report them, and `outside`: the client's TTFT less their sum (its connection, the
+        proxy, the first event's rendering and delivery: what no stage holds).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -87,9 +90,30 @@ class RunMetrics:
     e2e_ms: LatencySummary
     tpot_ms: LatencySummary
     slo_attainment: float | None
+    # stage -> its summary in ms, over the successful requests that reported stages, in the
+    # order the server listed them, then "outside"; empty when none did.
+    first_token_stages_ms: dict[str, LatencySummary] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+OUTSIDE_STAGES = "outside"
+
+
+def first_token_stage_summaries(records: Sequence[RequestRecord]) -> dict[str, LatencySummary]:
+    """Each first-token stage over the requests that report stages (a stage a request did not
+    go through, as handoff on a local prefill, counts only where it was), and `outside`."""
+    staged = [record for record in records if record.first_token_stages and record.ttft_s is not None]
+    names = list(dict.fromkeys(stage for record in staged for stage in record.first_token_stages))
+    summaries = {
+        stage: LatencySummary.of(_to_ms(r.first_token_stages[stage] for r in staged if stage in r.first_token_stages))
+        for stage in names
+    }
+    if staged:
+        outside = (record.ttft_s - sum(record.first_token_stages.values()) for record in staged)
+        summaries[OUTSIDE_STAGES] = LatencySummary.of(_to_ms(outside))
+    return summaries
 
 
 def _to_ms(values: Iterable[float]) -> list[float]:
@@ -165,4 +189,5 @@ def compute_run_metrics(run: RunResult, slo: SloTarget | None = None) -> RunMetr
         e2e_ms=LatencySummary.of(_to_ms(record.e2e_s for record in ok)),
         tpot_ms=LatencySummary.of([t for t in map(request_tpot_ms, ok) if t is not None]),
         slo_attainment=None if slo is None else slo_attainment(records, slo),
+        first_token_stages_ms=first_token_stage_summaries(ok),
     )

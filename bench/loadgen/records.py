@@ -156,6 +156,8 @@ class ClientOptions:
     # Untimed requests sent first (short prompts unlike the workload's, so they warm connections
     # and the server's code paths but not its prefix cache).
     num_warmup_requests: int = 0
+    # Ask a splitserve server for each request's first-token stages (return_first_token_stages).
+    first_token_stages: bool = False
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINT_PATHS:
@@ -236,6 +238,8 @@ class RequestRecord:
     cached_tokens: int | None = None
     status: int | None = None
     error: str | None = None
+    # stage -> seconds, as the server measured this request's first token (ClientOptions.first_token_stages)
+    first_token_stages: dict[str, float] | None = None
 
     @property
     def ok(self) -> bool:

@@ -120,6 +120,7 @@ def render_markdown(results: Sequence[ConfigResult], workload: Mapping[str, Any]
     lines += ["", "## Goodput", "", "| config | goodput (req/s) |", "|---|---|"]
     for result in results:
         lines.append(f"| {result.name} | {_fmt(result.goodput_rps, 2)} |")
+    lines += _first_token_stage_lines(results)
     error_rows = [
         (result.name, run.load.label, kind, count)
         for result in results
@@ -130,6 +131,40 @@ def render_markdown(results: Sequence[ConfigResult], workload: Mapping[str, Any]
         lines += ["", "## Errors", "", "| config | load | kind | count |", "|---|---|---|---|"]
         lines += [f"| {name} | {label} | {kind} | {count} |" for name, label, kind, count in error_rows]
     return "\n".join(lines) + "\n"
+
+
+def _first_token_stage_lines(results: Sequence[ConfigResult]) -> list[str]:
+    """Per config and load, each first-token stage's mean / p50 / p99 (ms), where the requests
+    reported them (--first-token-stages against a splitserve server)."""
+    rows = [
+        (result.name, run.load.label, m.first_token_stages_ms)
+        for result in results
+        for run, m in zip(result.runs, result.metrics)
+        if m.first_token_stages_ms
+    ]
+    if not rows:
+        return []
+    stages = list(dict.fromkeys(stage for _, _, summaries in rows for stage in summaries))
+    lines = [
+        "",
+        "## First-token stages",
+        "",
+        "Per request, as the server measured them (ms, mean / p50 / p99); `outside` is the client's TTFT "
+        "less their sum.",
+        "",
+        "| config | load | requests | " + " | ".join(stages) + " |",
+        "|---|---|---|" + "---|" * len(stages),
+    ]
+    for name, label, summaries in rows:
+        count = max(summary.count for summary in summaries.values())
+        cells = [
+            f"{_fmt(summaries[stage].mean)} / {_fmt(summaries[stage].p50)} / {_fmt(summaries[stage].p99)}"
+            if stage in summaries
+            else "-"
+            for stage in stages
+        ]
+        lines.append(f"| {name} | {label} | {count} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _slo_series(

@@ -12,7 +12,7 @@ from splitserve.cluster.config import ServeConfig
 from splitserve.cluster.control.disagg_cluster import DisaggCluster
 from splitserve.cluster.control.in_process_controller_client import InProcessControllerClient
 from splitserve.cluster.frontend.admission import Admission
-from splitserve.cluster.frontend.first_token_stages import observe_first_token
+from splitserve.cluster.frontend.first_token_stages import observe_first_token, with_ingress_stage
 from splitserve.cluster.frontend.ingress_identity import check_unicode, default_ingress_id
 from splitserve.cluster.frontend.metrics import GrammarCheckCollector, Metrics, RouterViewCollector
 from splitserve.cluster.frontend.pool_health import pool_health
@@ -239,7 +239,8 @@ class ServingBackend:
                 if first:
                     self.metrics.ttft.observe(now - start)
                     ingress_s = None if choice.received_at is None else start - choice.received_at
-                    observe_first_token(self.metrics.first_token_stage, chunk, ingress_s)
+                    chunk = with_ingress_stage(chunk, ingress_s)
+                    observe_first_token(self.metrics.first_token_stage, chunk)
                     if reported:
                         self.reporter.observe_ttft(now - start)
                     self.metrics.prefix_query_tokens.inc(len(prompt_token_ids))

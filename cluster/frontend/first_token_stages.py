@@ -16,6 +16,8 @@ client also sees its own connection and the response's rendering, which no stage
 
 from __future__ import annotations
 
+import msgspec
+
 from splitserve.proto.messages.handoff import StreamChunk
 
 STAGES = (
@@ -31,14 +33,19 @@ STAGES = (
 RECEIVED_AT = "splitserve.received_at"
 
 
-def observe_first_token(histogram, chunk: StreamChunk, ingress_s: float | None) -> None:
+def with_ingress_stage(chunk: StreamChunk, ingress_s: float | None) -> StreamChunk:
+    """The first chunk with the ingress stage among its stages, so that what /metrics observes
+    and what the response reports (return_first_token_stages) are the same figures. A chunk
+    without stages (a continuation after a migration) stays as it is."""
+    if not chunk.first_token_stages or ingress_s is None:
+        return chunk
+    return msgspec.structs.replace(chunk, first_token_stages={**chunk.first_token_stages, "ingress": ingress_s})
+
+
+def observe_first_token(histogram, chunk: StreamChunk) -> None:
     """One observation per stage the request went through (handoff only with a remote prefill;
-    nothing where the chunk carries no stages, as a continuation after a migration)."""
-    if not chunk.first_token_stages:
-        return
-    stages = dict(chunk.first_token_stages)
-    if ingress_s is not None:
-        stages["ingress"] = ingress_s
+    nothing where the chunk carries no stages). Negative durations (clock granularity) count as 0."""
+    stages = chunk.first_token_stages
     for stage in STAGES:
         if stage in stages:
             histogram.labels(stage).observe(max(stages[stage], 0.0))

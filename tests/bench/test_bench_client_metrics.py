@@ -84,6 +84,25 @@ def test_run_metrics_from_synthetic_timings():
     assert compute_run_metrics(no_cache).cached_token_share is None
 
 
+def test_first_token_stages_per_stage_and_outside():
+    local = {"routing": 0.002, "prefill_compute": 0.040}
+    remote = {"routing": 0.004, "prefill_compute": 0.030, "handoff": 0.010}
+    records = [
+        _record("a", 0.0, [0.050, 0.06], first_token_stages=local),  # TTFT 50 ms: 8 ms outside
+        _record("b", 0.0, [0.060, 0.07], first_token_stages=remote),  # TTFT 60 ms: 16 ms outside
+        _record("c", 0.0, [0.1]),  # reported none (another server): left out
+        _record("d", 0.0, [], status=500, error="http_500: boom", first_token_stages=local),  # failed
+    ]
+    m = compute_run_metrics(RunResult("cfg", LoadPoint(concurrency=2), "m", "u", 1.0, records))
+    stages = m.first_token_stages_ms
+    assert list(stages) == ["routing", "prefill_compute", "handoff", "outside"]
+    assert stages["routing"].count == 2 and stages["routing"].mean == pytest.approx(3.0)
+    assert stages["handoff"].count == 1 and stages["handoff"].p50 == pytest.approx(10.0)  # remote only
+    assert stages["outside"].count == 2 and stages["outside"].mean == pytest.approx(12.0)
+    none = RunResult("cfg", LoadPoint(concurrency=1), "m", "u", 1.0, [_record("e", 0.0, [0.1])])
+    assert compute_run_metrics(none).first_token_stages_ms == {}
+
+
 def test_slo_itl_statistic_p90_versus_mean():
     chunks = [0.05]
     for gap in [0.010] * 19 + [1.0]:

@@ -1,6 +1,8 @@
 """`splitserve_first_token_stage_seconds{stage}` on a real server (`splitserve serve`, Ray,
 the openai client): one streamed request's stages, read from /metrics, add up to the TTFT the
-client measured, on the colocated path (decode prefills locally) and with a remote prefill.
+client measured, on the colocated path (decode prefills locally) and with a remote prefill;
+the request's own report of its stages (return_first_token_stages, in the usage chunk) is what
+/metrics observed.
 
 The stated error: the stages cover the request's arrival at the ingress to its first chunk
 reaching the backend; the client's TTFT also holds its connection, the HTTP request's
@@ -15,7 +17,10 @@ stage's size is asserted: this is no speed test.
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 import time
 
 import httpx
@@ -39,26 +44,56 @@ def _stages(http: httpx.Client) -> tuple[dict[str, float], dict[str, float]]:
     return sums, counts
 
 
-def _streamed_ttft(client, model: str, prompt: str) -> float:
+def _streamed_ttft(client, model: str, prompt: str) -> tuple[float, dict[str, float]]:
+    """The client's TTFT, and the stages the response reported (return_first_token_stages)."""
     start = time.perf_counter()
-    stream = client.completions.create(model=model, prompt=prompt, max_tokens=4, stream=True)
-    ttft = None
+    stream = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"return_first_token_stages": True},
+    )
+    ttft, reported = None, None
     for chunk in stream:
         if ttft is None and chunk.choices and chunk.choices[0].text is not None:
             ttft = time.perf_counter() - start
-    assert ttft is not None
-    return ttft
+        if chunk.usage is not None:
+            (reported,) = chunk.usage.model_extra["first_token_stages"]  # one choice
+    assert ttft is not None and reported is not None
+    return ttft, reported
 
 
 def _staged_request(client, http: httpx.Client, model: str) -> tuple[float, dict[str, float]]:
-    """One streamed request: the client's TTFT, and each stage it went through (once)."""
+    """One streamed request: the client's TTFT, and each stage it went through (once), as
+    /metrics observed it; the response's own report of its stages is the same figures."""
     before, counts_before = _stages(http)
-    ttft = _streamed_ttft(client, model, "Once upon a time, in a land far away, there lived")
+    ttft, reported = _streamed_ttft(client, model, "Once upon a time, in a land far away, there lived")
     # /metrics is this ingress's own registry: the observation is in once the chunk left.
     after, counts_after = _stages(http)
     seen = {s for s in counts_after if counts_after[s] - counts_before.get(s, 0.0) == 1}
     assert all(counts_after[s] - counts_before.get(s, 0.0) in (0, 1) for s in counts_after), counts_after
-    return ttft, {s: after[s] - before.get(s, 0.0) for s in seen}
+    observed = {s: after[s] - before.get(s, 0.0) for s in seen}
+    # The histogram clamps a negative duration to 0; its sums are floats (hence the tolerance).
+    assert {s: max(v, 0.0) for s, v in reported.items()} == pytest.approx(observed, abs=1e-6), (reported, observed)
+    return ttft, observed
+
+
+def _bench_summarises_the_stages(base_url: str, out, expected: set[str]) -> None:
+    """`splitserve bench --first-token-stages`: every request's stages recorded, and the report's
+    table of them (each stage of the path, and what the client saw outside them)."""
+    command = [sys.executable, "-m", "splitserve.cluster.cli.main", "bench", "--url", base_url, "--num-requests", "4"]
+    command += ["--concurrency", "2", "--vocab-range", "5:300", "--max-tokens", "3", "--first-token-stages"]
+    run = subprocess.run([*command, "--out", str(out), "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    (result,) = json.loads((out / "results.json").read_text())["configs"]
+    records = result["runs"][0]["records"]
+    assert len(records) == 4 and all(set(r["first_token_stages"]) == expected for r in records), records
+    assert set(result["runs"][0]["metrics"]["first_token_stages_ms"]) == expected | {"outside"}
+    table = (out / "results.md").read_text().split("## First-token stages")[1]
+    header = next(line for line in table.splitlines() if line.startswith("| config | load | requests |"))
+    assert all(f" {stage} |" in header for stage in expected | {"outside"}), table
 
 
 @pytest.mark.parametrize("path", list(PATHS))
@@ -88,5 +123,6 @@ def test_first_token_stages_add_up_to_the_clients_ttft(tiny_model, tmp_path, pat
                 if abs(ttft - total) <= 0.25 * ttft + 0.05:
                     break
                 misses.append((round(total, 4), round(ttft, 4)))
+        _bench_summarises_the_stages(proc.base_url, tmp_path / "bench", expected)
     finally:
         assert proc.stop() == 0, proc.log_path.read_text()[-3000:]

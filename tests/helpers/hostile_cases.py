@@ -132,6 +132,7 @@ POSITIVE_REFUSALS = (
     "KV cache",  # state: the pools' cache size
     "min_tokens must be",  # relational: min_tokens <= max_tokens
     "prompts x n",  # relational: prompts x n <= 128
+    "needs stream_options.include_usage",  # relational: return_first_token_stages with stream
     "give one output constraint",  # relational: two constraint fields at once
     "tool function names must be unique",  # relational: across the tools list
     "which is not among the tools",  # relational: tool_choice vs tools

@@ -63,6 +63,8 @@ class FakeBackend:
         self.closed_request_ids: list[str] = []  # generators closed before they finished
         self.closed_early = threading.Event()
         self.num_yielded = 0
+        # What a real first chunk carries (cluster/frontend/first_token_stages.py), seconds.
+        self.first_token_stages = {"routing": 0.001, "prefill_compute": 0.004, "relay": 0.0005}
 
     def encode(self, text: str) -> list[int]:
         if not text:
@@ -147,6 +149,7 @@ class FakeBackend:
                     num_cached_tokens=min(self.num_cached_tokens, len(prompt_token_ids) - 1),
                     num_output_tokens=n,
                     logprobs=[-0.25 * n] if params.logprobs else [],
+                    first_token_stages=self.first_token_stages if n == 1 else {},
                 )
                 if finished:
                     return

@@ -149,6 +149,7 @@ def build_http_app(
                 echo_token_ids=prompts if params.prompt_logprobs is not None else None,
                 echo_only=body.echo_only,
                 prompt_logprobs_ids=prompts if body.prompt_logprobs is not None else None,
+                include_first_token_stages=body.return_first_token_stages,
             )
 
         return await answer(request, generation_request(request, body, prompts, params), renderer, body.stream)
@@ -176,6 +177,7 @@ def build_http_app(
                 n=body.n,
                 prompt_logprobs_ids=[prompt_ids] if body.prompt_logprobs is not None else None,
                 tool_plan=plan,
+                include_first_token_stages=body.return_first_token_stages,
             )
 
         parsed = generation_request(request, body, [prompt_ids], params, tools=bool(body.tools))

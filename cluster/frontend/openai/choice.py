@@ -39,6 +39,9 @@ class ChoiceState:
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
         self.num_output_tokens = 0
+        # The first chunk's stages (cluster/frontend/first_token_stages.py); a chunk after a
+        # migration carries none and does not replace them.
+        self.first_token_stages: dict[str, float] = {}
 
     def observe(self, chunk: StreamChunk) -> None:
         if not self.echo_only:
@@ -54,6 +57,8 @@ class ChoiceState:
                 [(int(t), finite_logprob(lp)) for t, lp in top] for top in chunk.prompt_top_logprobs
             )
             self.prompt_ranks.extend(chunk.prompt_ranks)
+        if chunk.first_token_stages and not self.first_token_stages:
+            self.first_token_stages = dict(chunk.first_token_stages)
         self.num_prompt_tokens = max(self.num_prompt_tokens, chunk.num_prompt_tokens)
         self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
         self.num_output_tokens = max(self.num_output_tokens, chunk.num_output_tokens, len(self.token_ids))

@@ -117,6 +117,13 @@ class _SamplingRequest(_Request):
         description="splitserve extension: false ends this stream with an error when its decode replica fails "
         "mid-stream, instead of moving it to another replica",
     )
+    return_first_token_stages: bool = Field(
+        False,
+        description="splitserve extension: the usage reports each choice's first-token stages (seconds: ingress, "
+        "routing, prefill_queue, prefill_compute, handoff, decode_admission, relay), the observations "
+        "/metrics' splitserve_first_token_stage_seconds got from this request; with stream, in the usage chunk "
+        "(stream_options.include_usage)",
+    )
     user: str | None = None
     prompt_logprobs: (
         Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), BeforeValidator(_integral_float_to_int)] | None
@@ -146,6 +153,12 @@ class _SamplingRequest(_Request):
             raise RequestParamError(message, name)
         if self.prompt_logprobs is not None and self.stream:  # vLLM refuses it too
             raise RequestParamError("prompt_logprobs are not available when stream is true", "prompt_logprobs")
+        if self.return_first_token_stages and self.stream and not self.include_usage:
+            raise RequestParamError(
+                "return_first_token_stages with stream needs stream_options.include_usage: the stages come in the "
+                "usage chunk",
+                "return_first_token_stages",
+            )
 
 
 class CompletionRequest(_SamplingRequest):

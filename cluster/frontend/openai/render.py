@@ -72,6 +72,7 @@ class ResponseRenderer(ABC):
         n: int = 1,
         echoes: list[str] | None = None,
         prompt_logprobs_ids: list[list[int]] | None = None,
+        include_first_token_stages: bool = False,
     ):
         self.request_id = request_id
         self.model = model
@@ -86,6 +87,7 @@ class ResponseRenderer(ABC):
         # Per choice index: a text-only chunk's event up to its text and after it (text_event).
         self._text_templates: dict[int, tuple[str, str]] = {}
         self.prompt_logprobs_ids = prompt_logprobs_ids
+        self.include_first_token_stages = include_first_token_stages
 
     def answered_by(self, model: str) -> None:
         """The served model that answers (an alias or virtual model picked it): the `model`
@@ -122,6 +124,9 @@ class ResponseRenderer(ABC):
             completion_tokens=num_output,
             total_tokens=num_prompt + num_output,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached),
+            first_token_stages=[c.first_token_stages for c in self.choices]
+            if self.include_first_token_stages
+            else None,
         )
 
     def token_string(self, token_id: int) -> str:

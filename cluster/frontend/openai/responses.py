@@ -21,6 +21,12 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    first_token_stages: list[dict[str, float]] | None = Field(
+        None,
+        exclude_if=_omit_if_none,
+        description="splitserve extension, with the request's return_first_token_stages: per choice, stage -> "
+        "seconds (as /metrics' splitserve_first_token_stage_seconds observed them); {} for a choice that got no token",
+    )
 
 
 class CompletionLogprobs(BaseModel):

@@ -169,6 +169,32 @@ def test_stream_completion_with_usage(client, backend):
     assert len({c["id"] for c in events[:-1]}) == 1
 
 
+def test_first_token_stages_are_reported_per_choice_only_when_asked(client, backend):
+    stages = backend.first_token_stages
+    body = {"model": MODEL_NAME, "prompt": "hello world", "max_tokens": 3, "n": 2, "return_first_token_stages": True}
+    usage = client.post("/v1/completions", json=body).json()["usage"]
+    assert usage["first_token_stages"] == [stages, stages] and usage["completion_tokens"] == 6
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    usage = client.post("/v1/chat/completions", json={**chat, "return_first_token_stages": True}).json()["usage"]
+    assert usage["first_token_stages"] == [stages]
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    events = parse_sse(client.post("/v1/completions", json=streamed).text)
+    assert events[-2]["usage"]["first_token_stages"] == [stages, stages]
+    assert all("first_token_stages" not in (e.get("usage") or {}) for e in events[:-2])
+    # Not asked: the usage is OpenAI's, with no such key.
+    assert (
+        "first_token_stages"
+        not in client.post("/v1/completions", json={**body, "n": 1} | {"return_first_token_stages": False}).json()[
+            "usage"
+        ]
+    )
+    # With stream, the stages need the usage chunk: a clear 400, before any generation.
+    num_calls = len(backend.calls)
+    refused = client.post("/v1/completions", json={**body, "stream": True})
+    assert_error(refused, 400, "invalid_request_error", param="return_first_token_stages")
+    assert "include_usage" in refused.json()["error"]["message"] and len(backend.calls) == num_calls
+
+
 def test_stream_chat_without_usage(client, backend):
     resp = client.post(
         "/v1/chat/completions",
