@@ -42,6 +42,9 @@ class FakeBackend:
     """ServingBackend's interface. Generation replays REPLY one token per chunk, finishing
     with "stop" after the whole reply (unless ignore_eos) or "length" at max_tokens."""
 
+    # What a real first chunk carries (cluster/frontend/first_token_stages.py), seconds.
+    FIRST_TOKEN_STAGES = {"routing": 0.001, "prefill_compute": 0.004, "relay": 0.0005}
+
     def __init__(self, tokenizer, cfg: ServeConfig | None = None, max_model_len: int = 1024):
         self.cfg = cfg or ServeConfig()
         self.vocab_size = tokenizer.vocab_size
@@ -63,8 +66,7 @@ class FakeBackend:
         self.closed_request_ids: list[str] = []  # generators closed before they finished
         self.closed_early = threading.Event()
         self.num_yielded = 0
-        # What a real first chunk carries (cluster/frontend/first_token_stages.py), seconds.
-        self.first_token_stages = {"routing": 0.001, "prefill_compute": 0.004, "relay": 0.0005}
+        self.first_token_stages = dict(self.FIRST_TOKEN_STAGES)
 
     def encode(self, text: str) -> list[int]:
         if not text:

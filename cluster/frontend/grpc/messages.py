@@ -112,6 +112,25 @@ def _varint(data: bytes, i: int) -> tuple[int, int]:
     return value, i
 
 
+class GenerateResponses:
+    """One stream's GenerateResponses. label: the client's request_id, echoed back; else the
+    server's own id. include_first_token_stages (GenerateRequest.return_first_token_stages):
+    the first chunk's stages go into the last message's usage."""
+
+    def __init__(self, label: str | None, include_first_token_stages: bool) -> None:
+        self.label = label
+        self.include_first_token_stages = include_first_token_stages
+        self.first_token_stages: dict[str, float] = {}
+
+    def of(self, chunk: StreamChunk) -> pb2.GenerateResponse:
+        if not self.first_token_stages:
+            self.first_token_stages = dict(chunk.first_token_stages)
+        response = generate_response(chunk, self.label)
+        if chunk.finished and self.include_first_token_stages:
+            response.usage.first_token_stages.update(self.first_token_stages)
+        return response
+
+
 def generate_response(chunk: StreamChunk, label: str | None = None) -> pb2.GenerateResponse:
     """label: the client's request_id, echoed back; else the server's own id."""
     response = pb2.GenerateResponse(

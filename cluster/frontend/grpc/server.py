@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from splitserve.cluster.frontend.grpc.health import BackendHealthServicer
-from splitserve.cluster.frontend.grpc.messages import generate_response, oneof_conflict, sampling_params_from
+from splitserve.cluster.frontend.grpc.messages import GenerateResponses, oneof_conflict, sampling_params_from
 from splitserve.cluster.frontend.grpc.request_arrival import RequestArrivalTimeout
 from splitserve.cluster.frontend.http.errors import retry_after
 from splitserve.cluster.frontend.model_catalog import ModelCatalog
@@ -294,10 +294,11 @@ class GrpcFrontend:
                     decision = generation.decision
                     metadata += [] if decision is None else list(decision.headers().items())
                 await context.send_initial_metadata(tuple(metadata))
+                responses = GenerateResponses(label, request.return_first_token_stages)
                 if first is not None:
-                    await context.write(generate_response(first, label))
+                    await context.write(responses.of(first))
                 async for chunk in chunks:
-                    await context.write(generate_response(chunk, label))
+                    await context.write(responses.of(chunk))
         finally:
             generation.settle()
 

@@ -130,3 +130,17 @@ def test_both_frontends_answer_every_request_alike(frontends):
         if name.startswith("budget"):
             assert http_reserved == [RESERVED], name
             assert via_http[0] == (429 if name == "budget 3" else 200), name
+
+
+def test_both_frontends_report_a_requests_first_token_stages_when_asked(frontends):
+    url, stub, _ = frontends
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 3, "return_first_token_stages": True}
+    reply = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    (via_http,) = reply.json()["usage"]["first_token_stages"]
+    metadata = (("authorization", f"Bearer {KEY}"),)
+    for asked in (True, False):
+        request = pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=PROMPT), max_tokens=3, return_first_token_stages=asked)
+        *_, last = stub.Generate(request, timeout=60, metadata=metadata)
+        assert last.finished and dict(last.usage.first_token_stages) == (via_http if asked else {})
+    assert via_http == FakeBackend.FIRST_TOKEN_STAGES  # what the backend's first chunk carried
