@@ -39,7 +39,9 @@ def with_ingress_stage(chunk: StreamChunk, ingress_s: float | None) -> StreamChu
     without stages (a continuation after a migration) stays as it is."""
     if not chunk.first_token_stages or ingress_s is None:
         return chunk
-    return msgspec.structs.replace(chunk, first_token_stages={**chunk.first_token_stages, "ingress": ingress_s})
+    stages = {**chunk.first_token_stages, "ingress": ingress_s}
+    # In the path's order (STAGES), as a report lists them.
+    return msgspec.structs.replace(chunk, first_token_stages={s: stages[s] for s in STAGES if s in stages})
 
 
 def observe_first_token(histogram, chunk: StreamChunk) -> None:
