@@ -42,9 +42,11 @@ def cluster(ray_cluster, tiny_model, loop):
     loop.run(cluster.shutdown(), timeout=60)
 
 
-def _chat(loop, cluster, reference, convs: range, num_turns: int = 3) -> list[dict]:
+def _chat(loop, cluster, reference, convs: range, num_turns: int = 3, indexed_in: str | None = None) -> list[dict]:
     """Conversations one turn at a time, each turn re-sending the history; every answer is
-    checked against the colocated engine without a tier."""
+    checked against the colocated engine without a tier. indexed_in: a pool whose router index
+    must hold each answered prompt (either tier, on some replica) before the next request, so
+    that a loaded machine's late KV events never route a turn away from its history."""
     history = {c: list(SYSTEM) for c in convs}
     results = []
     for turn in range(num_turns):
@@ -52,6 +54,16 @@ def _chat(loop, cluster, reference, convs: range, num_turns: int = 3) -> list[di
             history[c] += _turn(c, turn)
             res = loop.run(cluster.complete(history[c], GREEDY), timeout=60)
             assert res["token_ids"] == reference.generate([history[c]], GREEDY)[0].token_ids, (c, turn)
+            if indexed_in is not None:
+                hashes = hash_blocks(history[c], 16)
+                index = cluster.router.index(indexed_in)
+                wait_until(
+                    lambda index=index, hashes=hashes: (
+                        max(index.tiered_prefix_match(hashes)[1].values(), default=0) >= len(hashes)
+                    ),
+                    None,
+                    f"conversation {c}'s turn {turn} is not indexed in {indexed_in}",
+                )
             history[c] += res["token_ids"]
             results.append(res)
     return results
@@ -83,7 +95,7 @@ def test_local_prefill_reuses_decodes_host_blocks(loop, cluster, reference):
     cluster.router.config = RouterConfig(policy="kv", local_prefill_threshold=100_000)  # always local
     try:
         before = _host_loads(loop, cluster)
-        results = _chat(loop, cluster, reference, range(10, 18))
+        results = _chat(loop, cluster, reference, range(10, 18), indexed_in=DECODE)
         assert all(r["prefill_replica"] is None for r in results)
         after = _host_loads(loop, cluster)
         assert after["prefill-0"] == before["prefill-0"]
