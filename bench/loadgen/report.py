@@ -33,7 +33,9 @@ from splitserve.bench.loadgen.metrics import (
     compute_goodput,
     compute_run_metrics,
 )
+from splitserve.bench.loadgen.number_format import format_grouped, format_number, format_percent
 from splitserve.bench.loadgen.records import ConfigResult, RunResult
+from splitserve.bench.loadgen.stage_report import first_token_stage_lines
 
 # Pooled tables: (column title, how to read it from RunMetrics, True when higher is better).
 METRICS = (
@@ -74,21 +76,6 @@ def safe_filename(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "run"
 
 
-def _fmt(value: float | None, digits: int = 1, separator: str = "") -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return "inf" if math.isinf(value) else f"{value:{separator}.{digits}f}"
-
-
-def _grouped(value: float | None, digits: int = 1) -> str:
-    """The pooled tables' numbers: thousands separated (1,234.5)."""
-    return _fmt(value, digits, separator=",")
-
-
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{100.0 * value:.1f}%"
-
-
 def render_markdown(results: Sequence[ConfigResult], workload: Mapping[str, Any], slo: SloTarget | None) -> str:
     lines = ["# splitserve bench results", ""]
     lines.append("Workload: " + ", ".join(f"{key}={value}" for key, value in workload.items()))
@@ -106,7 +93,7 @@ def render_markdown(results: Sequence[ConfigResult], workload: Mapping[str, Any]
     ]
 
     def pair(summary: LatencySummary) -> str:
-        return f"{_fmt(summary.p50)} / {_fmt(summary.p99)}"
+        return f"{format_number(summary.p50)} / {format_number(summary.p99)}"
 
     for result in results:
         if result.error is not None:
@@ -114,13 +101,13 @@ def render_markdown(results: Sequence[ConfigResult], workload: Mapping[str, Any]
         for run, m in zip(result.runs, result.metrics):
             lines.append(
                 f"| {result.name} | {run.load.label} | {m.num_ok} | {m.num_failed} | {m.num_unfinished} "
-                f"| {_fmt(m.requests_per_s, 2)} | {_fmt(m.output_tokens_per_s)} | {pair(m.ttft_ms)} "
-                f"| {pair(m.itl_ms)} | {pair(m.e2e_ms)} | {_pct(m.cached_token_share)} | {_pct(m.slo_attainment)} |"
+                f"| {format_number(m.requests_per_s, 2)} | {format_number(m.output_tokens_per_s)} | {pair(m.ttft_ms)} "
+                f"| {pair(m.itl_ms)} | {pair(m.e2e_ms)} | {format_percent(m.cached_token_share)} | {format_percent(m.slo_attainment)} |"
             )
     lines += ["", "## Goodput", "", "| config | goodput (req/s) |", "|---|---|"]
     for result in results:
-        lines.append(f"| {result.name} | {_fmt(result.goodput_rps, 2)} |")
-    lines += _first_token_stage_lines(results)
+        lines.append(f"| {result.name} | {format_number(result.goodput_rps, 2)} |")
+    lines += first_token_stage_lines(results)
     error_rows = [
         (result.name, run.load.label, kind, count)
         for result in results
@@ -131,40 +118,6 @@ def render_markdown(results: Sequence[ConfigResult], workload: Mapping[str, Any]
         lines += ["", "## Errors", "", "| config | load | kind | count |", "|---|---|---|---|"]
         lines += [f"| {name} | {label} | {kind} | {count} |" for name, label, kind, count in error_rows]
     return "\n".join(lines) + "\n"
-
-
-def _first_token_stage_lines(results: Sequence[ConfigResult]) -> list[str]:
-    """Per config and load, each first-token stage's mean / p50 / p99 (ms), where the requests
-    reported them (--first-token-stages against a splitserve server)."""
-    rows = [
-        (result.name, run.load.label, m.first_token_stages_ms)
-        for result in results
-        for run, m in zip(result.runs, result.metrics)
-        if m.first_token_stages_ms
-    ]
-    if not rows:
-        return []
-    stages = list(dict.fromkeys(stage for _, _, summaries in rows for stage in summaries))
-    lines = [
-        "",
-        "## First-token stages",
-        "",
-        "Per request, as the server measured them (ms, mean / p50 / p99); `outside` is the client's TTFT "
-        "less their sum.",
-        "",
-        "| config | load | requests | " + " | ".join(stages) + " |",
-        "|---|---|---|" + "---|" * len(stages),
-    ]
-    for name, label, summaries in rows:
-        count = max(summary.count for summary in summaries.values())
-        cells = [
-            f"{_fmt(summaries[stage].mean)} / {_fmt(summaries[stage].p50)} / {_fmt(summaries[stage].p99)}"
-            if stage in summaries
-            else "-"
-            for stage in stages
-        ]
-        lines.append(f"| {name} | {label} | {count} | " + " | ".join(cells) + " |")
-    return lines
 
 
 def _slo_series(
@@ -315,8 +268,9 @@ def _goodput_lines(points: dict[tuple[str, str], PooledPoint], pooled: dict, slo
             for i in range(num_repeats)
         ]
         out.append(
-            f"- {config}: pooled {_grouped(compute_goodput(attained), 2)} req/s (sustained "
-            f"{_grouped(sustained_goodput(attained), 2)}); per repeat " + ", ".join(_grouped(g, 2) for g in per_repeat)
+            f"- {config}: pooled {format_grouped(compute_goodput(attained), 2)} req/s (sustained "
+            f"{format_grouped(sustained_goodput(attained), 2)}); per repeat "
+            + ", ".join(format_grouped(g, 2) for g in per_repeat)
         )
     out += [
         "",
@@ -343,7 +297,7 @@ def render_pooled(points: dict[tuple[str, str], PooledPoint], slo: SloTarget | N
     ]
     for config, label in keys:
         m = pooled[(config, label)]
-        cells = [_grouped(get(m), 3 if title in ("cached share", "SLO") else 1) for title, get, _ in METRICS]
+        cells = [format_grouped(get(m), 3 if title in ("cached share", "SLO") else 1) for title, get, _ in METRICS]
         repeats = len(points[(config, label)].repeats)
         out.append(
             f"| {config} | {label} | {repeats} | {m.num_ok} | {m.num_failed + m.num_unfinished} | "
@@ -364,15 +318,15 @@ def render_pooled(points: dict[tuple[str, str], PooledPoint], slo: SloTarget | N
             if config == baseline or base is None:
                 continue
             m = pooled[(config, label)]
-            cells = [_grouped(_ratio(get(m), get(base), higher), 2) + "x" for _, get, higher in RATIO_METRICS]
+            cells = [format_grouped(_ratio(get(m), get(base), higher), 2) + "x" for _, get, higher in RATIO_METRICS]
             out.append(f"| {config} | {label} | " + " | ".join(cells) + " |")
     out += ["", "Per repeat (in file order): out tok/s; TTFT mean ms; ITL p99 ms; SLO attainment", ""]
     for config, label in keys:
         each = [compute_run_metrics(run, slo) for run in points[(config, label)].repeats]
         figures = [
             " / ".join(
-                (_grouped(m.output_tokens_per_s), _grouped(m.ttft_ms.mean), _grouped(m.itl_ms.p99))
-                + (_grouped(m.slo_attainment, 3),)
+                (format_grouped(m.output_tokens_per_s), format_grouped(m.ttft_ms.mean), format_grouped(m.itl_ms.p99))
+                + (format_grouped(m.slo_attainment, 3),)
             )
             for m in each
         ]
