@@ -178,6 +178,11 @@ class ServeConfig(_Strict):
     """Address the KV rendezvous stores bind to and publish (auto: the node's IP)."""
     layerwise_transfer: bool = True
     """Send each layer's KV as soon as it is computed."""
+    early_first_token: bool = False
+    """A remote prefill's first token streams to the client as soon as the prefill replica has
+    sampled it, while its KV still moves (the decode replica starts decoding once it lands). A
+    transfer that then fails moves the stream (migration) instead of retrying it, so a request
+    with migration off waits for its KV as without this."""
     async_scheduling: bool | None = None
     """Async scheduling: the next engine step is scheduled and prepared while one runs on a forward thread (placeholders for its tokens), and its outputs are built while the next runs, hiding that host work behind the forward pass; speculative decoding always steps synchronously. Unset: on where it pays: a CUDA device, and a CPU decode replica whose decode steps run as one TorchScript call that holds no GIL (fp32, unquantized weights and KV); otherwise (a CPU prefill replica, quantized or bf16 on CPU) the synchronous step, as an eager forward shares the GIL with the host work and measured slower. true forces it on, false off."""
     kv_transfer_lease_s: float = Field(20.0, gt=0)

@@ -2,6 +2,8 @@
 (runtime/replica_channel_server.py), reserves blocks for each prompt, pulls the ones it lacks from a
 prefill replica over torch.distributed, then runs the request in its continuous batch. With
 no prefill replica named it prefills locally (conditional disaggregation, colocated mode).
+With Submit.early_first_token the prefill replica pushes the first token (first_token) before
+the KV lands: it streams at once, and the sequence waits, reserved, to join the batch.
 
 Tokens go back in one TokenBatch frame per engine step per ingress connection: the engine
 loop's sinks only append to a list, and `flush_outputs` hands the step's list to the actor's
@@ -29,7 +31,7 @@ from splitserve.engine.core.sequence import Sequence
 from splitserve.engine.engine_errors import EngineLoopStopped, EngineStepError
 from splitserve.engine.io.block_reservation import BlockReservation
 from splitserve.engine.io.request_output import RequestOutput
-from splitserve.proto.messages.handoff import StreamChunk
+from splitserve.proto.messages.handoff import PrefillResult, StreamChunk
 from splitserve.proto.messages.poll_reply import TransferTotals
 from splitserve.proto.messages.request_channel import Failed, FailureKind, Submit, TokenBatch, encode_frame
 from splitserve.runtime.engine_worker import EngineWorker
@@ -126,7 +128,8 @@ class DecodeWorker(EngineWorker):
         self.num_active = len(self._requests)
 
     def _fail(self, req: _Request, exc: BaseException) -> None:
-        if not req.aborted:
+        # Not once its stream ended otherwise (an early first token's sink got the loop's stop).
+        if not req.aborted and self._requests.get(req.submit.request_id) is req:
             kind, retryable, message = self._failure(req, exc)
             req.conn.send(encode_frame(Failed(req.submit.request_id, kind, retryable, message)))
 
@@ -180,6 +183,25 @@ class DecodeWorker(EngineWorker):
                 with contextlib.suppress(Exception):
                     await asyncio.shield(asyncio.wrap_future(self.loop.abort(rid)))
                 self._forget(req)
+
+    async def first_token(self, request_id: str, result_bytes: bytes) -> None:
+        """A remote prefill's first token, pushed by its prefill replica as soon as it was sampled
+        (Submit.early_first_token): it streams now, while the KV still moves; the sequence
+        joins the batch when the prefill call's answer says the KV is in (_start). Ignored
+        where that answer came first, the request is gone, or the token could end it."""
+        req = self._requests.get(request_id)
+        if req is None or req.aborted or not req.submit.early_first_token:
+            return
+        first = PrefillResult.from_bytes(result_bytes)
+        clock = req.clock
+
+        def sink(item: RequestOutput | Exception) -> None:  # loop thread
+            clock.mark_fetched(first)  # the first output is this one: its stages end here
+            clock.mark_first_output()
+            self._outputs.append((request_id, item))
+
+        with contextlib.suppress(Exception):  # e.g. the loop stopped: the request fails from _start
+            await asyncio.wrap_future(self.loop.accept_first_token(request_id, first, sink))
 
     def _sink(self, request_id: str, clock: FirstTokenClock):
         def sink(item: RequestOutput | Exception) -> None:  # loop thread: only collect; see _flush_outputs

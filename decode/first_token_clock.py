@@ -6,7 +6,8 @@ Stages (seconds; the ingress adds its own, cluster/frontend/first_token_stages.p
 - prefill_queue: the prompt waiting to be scheduled, on whichever replica prefilled it;
 - prefill_compute: from first scheduled to the first token sampled;
 - handoff (remote prefill only): the rest of the fetch from the prefill replica: reserving
-  blocks, the prefill call's round trip, transfer setup and wire time;
+  blocks, the prefill call's round trip, transfer setup and wire time (with an early first
+  token: the push of the token instead of the transfer);
 - decode_admission: making the sequence (a grammar's compile), admitting a prefilled
   sequence, and handing the first token from the engine loop to the actor's event loop.
 They add up to replica_seconds, the time from the request's arrival here to its first chunk
@@ -32,7 +33,10 @@ class FirstTokenClock:
         self.set_up = time.perf_counter()
 
     def mark_fetched(self, result: PrefillResult) -> None:
-        self.prefilled, self.fetched = result, time.perf_counter()
+        """The remote prefill's first token is here (an early one, or the call's answer): the
+        first that came counts."""
+        if self.fetched is None:
+            self.prefilled, self.fetched = result, time.perf_counter()
 
     def mark_first_output(self) -> None:  # the engine loop's thread
         if self.first_output is None:

@@ -97,6 +97,7 @@ class PrefillClient:
             layerwise=submit.layerwise,
             lease_s=submit.lease_s,
             deadline=submit.deadline,
+            early_first_token=submit.early_first_token,
         )
         # Post every receive before asking for the data: transfers never wait on each other.
         posted = self.post_receive(ReceiveOrder(prefill_id, transfer_id, tuple(dst_blocks), submit.layerwise))

@@ -163,9 +163,25 @@ class EngineLoop:
         self.faults.joining(seq.request_id)  # a held step lets it in
         return self.call(add)
 
+    def accept_first_token(self, request_id: str, first: PrefillResult, sink: Sink) -> Future:
+        """EngineProtocol.accept_first_token on the loop thread: an early first token's output
+        goes to sink now (and the later ones, once admit_prefilled lets the sequence join).
+        The future's result: whether it went out (else admit_prefilled sends it)."""
+
+        def accept(engine: EngineProtocol) -> bool:
+            out = engine.accept_first_token(request_id, first)
+            if out is None:
+                return False
+            self._sinks[request_id] = sink
+            self._delivered = True
+            sink(out)
+            return True
+
+        return self.call(accept)
+
     def admit_prefilled(self, request_id: str, first: PrefillResult, sink: Sink) -> Future:
-        """EngineProtocol.admit_prefilled on the loop thread: its first output and every later one
-        go to sink."""
+        """EngineProtocol.admit_prefilled on the loop thread: its first output (unless
+        accept_first_token sent it) and every later one go to sink."""
 
         def admit(engine: EngineProtocol) -> None:
             try:
@@ -173,12 +189,13 @@ class EngineLoop:
             except BaseException:
                 self.faults.joined(request_id)
                 raise
-            if out.finished:
+            if out is not None and out.finished:
                 self.faults.joined(request_id)
             else:
                 self._sinks[request_id] = sink
-            self._delivered = True
-            sink(out)
+            if out is not None:
+                self._delivered = True
+                sink(out)
 
         self.faults.joining(request_id)
         return self.call(admit)

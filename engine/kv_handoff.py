@@ -5,8 +5,11 @@ release_prefilled; prompt_block_ids says which local blocks to send. Decode: res
 prompt's blocks (reusing cached ones) before its KV arrives, then admit the request with the
 prefill replica's first token, or release the reservation.
 
-Mixed into PagedEngine, whose state it uses: kv (KVCacheManager), scheduler, _reserved, and
-abort / _forget / _emit_output.
+With an early first token (accept_first_token) the first output leaves before the KV lands;
+the sequence stays reserved, in no batch, until admit_prefilled.
+
+Mixed into PagedEngine, whose state it uses: kv (KVCacheManager), scheduler, _reserved, _early
+(reserved requests whose first token was taken early), and abort / _forget / _emit_output.
 """
 
 from __future__ import annotations
@@ -62,21 +65,65 @@ class KVHandoff:
 
     def release_reservation(self, request_id: str) -> None:
         """Free a reservation's blocks (its transfer failed or was abandoned). Unknown ids are ignored."""
+        self._early.discard(request_id)
         seq = self._reserved.pop(request_id, None)
         if seq is not None:
             self.kv.free(seq)
 
-    def admit_prefilled(self, request_id: str, first: PrefillResult) -> RequestOutput:
+    def accept_first_token(self, request_id: str, first: PrefillResult) -> RequestOutput | None:
+        """An early first token: the prefill replica's result before its KV has landed. Take the
+        token (as admit_prefilled would) and return its output now, while the sequence waits,
+        reserved and out of every batch, for admit_prefilled once the KV is in. None, taking
+        nothing, where the request is no longer reserved here or this token could end it (a
+        stop token, EOS, max_tokens, the context, a grammar or a stop string): its one output
+        then comes from admit_prefilled, once its blocks can be released."""
+        seq = self._reserved.get(request_id)
+        if seq is None or request_id in self._early or self._first_token_may_end(seq, first.first_token):
+            return None
+        if not self._prompt_logprobs_fit(seq, first):
+            return None  # admit_prefilled fails it, once no transfer writes into its blocks
+        self._take_first_token(seq, first)
+        self._early.add(request_id)
+        return self._emit_output(seq)
+
+    def _first_token_may_end(self, seq: Sequence, token: int) -> bool:
+        """Whether check_stop or the output processor could finish seq at this first token (a
+        superset: a False here is never wrong)."""
+        params, sched = seq.params, self.scheduler
+        return bool(
+            params.stop
+            or seq.grammar is not None
+            or params.max_tokens <= 1
+            or token in params.stop_token_ids
+            or token in sched.eos_token_ids
+            or seq.num_tokens + 1 >= sched.max_model_len
+        )
+
+    def admit_prefilled(self, request_id: str, first: PrefillResult) -> RequestOutput | None:
         """The reserved prompt's KV is in place: append the first token (sampled by the prefill
         replica, with its top alternatives when asked for), check the stop conditions, join the
-        running batch, and return the first output, post-processed exactly like a step's.
+        running batch, and return the first output, post-processed exactly like a step's
+        (None where accept_first_token returned it already: the sequence only joins).
         first: the prefill replica's result, whole: the first token (its logprob and top
         alternatives), the cached prompt tokens, the queue time, and for a request with
         SamplingParams.prompt_logprobs the prompt's log-probabilities, alternatives and ranks."""
         seq = self._reserved[request_id]
-        first_token = first.first_token
-        if seq.params.prompt_logprobs is not None:
-            self._check_prompt_logprobs(seq, first.prompt_logprobs, first.prompt_top_logprobs, first.prompt_ranks)
+        early = request_id in self._early
+        reason = None
+        if not early:
+            self._take_first_token(seq, first)
+            reason = check_stop(self.scheduler, seq)
+        self.scheduler.add_prefilled(seq)  # also enters its received full blocks into the cache
+        del self._reserved[request_id]  # only now: until here, abort() still frees its blocks
+        self._early.discard(request_id)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        return None if early else self._emit_output(seq)
+
+    def _take_first_token(self, seq: Sequence, first: PrefillResult) -> None:
+        """Append the prefill replica's first token (and what rides with it) to a reserved seq."""
+        request_id, first_token = seq.request_id, first.first_token
+        self._check_prompt_logprobs(seq, first)
         # A constrained request's grammar state crosses as the tokens the prefill replica
         # accepted (the first token): replay it into this replica's matcher.
         if seq.grammar is not None and not seq.grammar.accept_token(first_token):
@@ -97,24 +144,25 @@ class KVHandoff:
         seq.queue_seconds = first.queue_seconds
         top = [(int(t), float(lp)) for t, lp in first.first_top_logprobs] if seq.params.top_logprobs else None
         seq.append_token(first_token, first.first_logprob if seq.params.logprobs else None, top)
-        reason = check_stop(self.scheduler, seq)
-        self.scheduler.add_prefilled(seq)  # also enters its received full blocks into the cache
-        del self._reserved[request_id]  # only now: until here, abort() still frees its blocks
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-        return self._emit_output(seq)
 
-    def _check_prompt_logprobs(self, seq: Sequence, logprobs, top_logprobs, ranks) -> None:
+    def _check_prompt_logprobs(self, seq: Sequence, first: PrefillResult) -> None:
         """The prefill replica's prompt log-probabilities cover the prompt (and its top
         alternatives, when asked); else the reservation is freed and the request fails."""
-        num = seq.num_prompt_tokens - 1
-        num_top = num if seq.params.prompt_logprobs else 0
-        if len(logprobs or ()) != num or len(top_logprobs or ()) != num_top or len(ranks or ()) != num:
+        if not self._prompt_logprobs_fit(seq, first):
             self.release_reservation(seq.request_id)
             raise RuntimeError(
-                f"the prefill replica sent {len(logprobs or ())} prompt log-probabilities for a "
+                f"the prefill replica sent {len(first.prompt_logprobs or ())} prompt log-probabilities for a "
                 f"{seq.num_prompt_tokens}-token prompt; is it running an older splitserve?"
             )
+
+    @staticmethod
+    def _prompt_logprobs_fit(seq: Sequence, first: PrefillResult) -> bool:
+        if seq.params.prompt_logprobs is None:
+            return True
+        num = seq.num_prompt_tokens - 1
+        num_top = num if seq.params.prompt_logprobs else 0
+        sizes = (len(first.prompt_logprobs or ()), len(first.prompt_top_logprobs or ()), len(first.prompt_ranks or ()))
+        return sizes == (num, num_top, num)
 
     def _prefilled_output(self, seq: Sequence) -> RequestOutput:
         """A prefill-only request's one output: its first token, no text (decode detokenizes)."""

@@ -123,6 +123,7 @@ class PagedEngine(KVHandoff, EngineProtocol):
         self.speculator = speculator
         self._ids = itertools.count()
         self._reserved: dict[str, Sequence] = {}  # request id -> sequence holding reserved blocks
+        self._early: set[str] = set()  # reserved requests whose first token went out early (KVHandoff)
         self.num_steps = 0
         self.timing = StepTiming()
         # Async scheduling: the next step scheduled while one runs (engine/step_pipeline.py).

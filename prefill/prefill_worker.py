@@ -3,6 +3,10 @@ token and sends the KV blocks the decode replica lacks over torch.distributed.
 
 Blocks stay pinned after a transfer until the decode side acknowledges them (ack) or the
 lease runs out; then they are unpinned but stay in the prefix cache, evictable.
+
+With Handoff.early_first_token the first token is also pushed to the decode replica
+(DecodeWorker.first_token, fire and forget) as soon as it is sampled; the prefill call still
+answers once the transfer is done, and only that answer says the KV is whole.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+
+import ray
 
 from splitserve.engine.core.scheduler import ScheduledBatch
 from splitserve.engine.engine_errors import EngineStepError
@@ -36,6 +42,7 @@ class PrefillWorker(EngineWorker):
         self._pin_peers: dict[str, str] = {}  # request id -> the decode replica it is pinned for (loop thread)
         self._tasks: dict[str, asyncio.Task] = {}  # request id -> its prefill() call, for cancel()
         self._cancelled: dict[str, float] = {}  # request ids cancelled before their prefill() ran -> when
+        self._decode_handles: dict[str, object] = {}  # decode replica id -> its actor (early first tokens)
         self.num_requests = 0
         self.num_failed_transfers = 0
         self.num_blocks_sent = 0
@@ -85,8 +92,27 @@ class PrefillWorker(EngineWorker):
 
     async def open_pair(self, peer_id: str, epoch: int, peer_address=None) -> None:
         """Open the pair with decode replica peer_id (at peer_address, its transport's), as its
-        sender; the peer opens it concurrently."""
+        sender; the peer opens it concurrently. Its actor is looked up now, off the request
+        path, for early first tokens."""
         await asyncio.to_thread(self.transport.open_pair, peer_id, peer_address, "sender", epoch)
+        if peer_id not in self._decode_handles:
+            try:
+                handle = await asyncio.to_thread(ray.get_actor, peer_id, namespace=self.namespace)
+            except ValueError:  # not a named actor: its first tokens wait for the transfer
+                return
+            self._decode_handles[peer_id] = handle
+
+    def _push_first_token(self, job: SendJob, result: PrefillResult) -> None:
+        """Handoff.early_first_token: the first token to the decode replica now (fire and
+        forget: the prefill call's answer follows either way). Not for a transfer already
+        failed: its answer, the failure, is on its way."""
+        handle = self._decode_handles.get(job.peer_id)
+        if handle is None or job.failed or (job.done.done() and job.done.exception() is not None):
+            return
+        try:
+            handle.first_token.remote(job.request_id, result.to_bytes())
+        except Exception:  # the peer is gone: the transfer fails too
+            pass
 
     async def prefill(self, handoff_bytes: bytes) -> bytes:
         handoff = Handoff.from_bytes(handoff_bytes)
@@ -136,6 +162,8 @@ class PrefillWorker(EngineWorker):
             wait_s = None if handoff.deadline is None else max(handoff.deadline - time.time(), 0.1)
             out = await asyncio.wait_for(first, timeout=wait_s)
             prefill_s = time.perf_counter() - start
+            if handoff.early_first_token:
+                self._push_first_token(job, _result(out, job, prefill_s))
             await asyncio.wait_for(asyncio.wrap_future(job.done), timeout=handoff.lease_s)
         except EngineStepError as exc:  # only this request's batch failed; the pair is shared
             self.num_failed_transfers += 1
@@ -160,21 +188,7 @@ class PrefillWorker(EngineWorker):
             self._send_indices.pop(rid, None)
             self._tasks.pop(rid, None)
         self.num_blocks_sent += len(job.block_ids)
-        return PrefillResult(
-            request_id=rid,
-            first_token=out.new_token_ids[0],
-            first_logprob=out.new_logprobs[0] if out.new_logprobs else None,
-            first_top_logprobs=out.new_top_logprobs[0] if out.new_top_logprobs else [],
-            queue_seconds=out.queue_seconds or 0.0,
-            prompt_logprobs=out.prompt_logprobs,
-            prompt_top_logprobs=out.prompt_top_logprobs,
-            prompt_ranks=out.prompt_ranks,
-            num_cached_tokens=out.num_cached_tokens,
-            num_blocks_sent=len(job.block_ids),
-            num_bytes_sent=job.num_bytes,
-            prefill_seconds=prefill_s,
-            transfer_seconds=job.seconds,
-        ).to_bytes()
+        return _result(out, job, prefill_s).to_bytes()
 
     async def cancel(self, request_id: str) -> None:
         """Decode gave the request up (its client left, or it timed out): stop its prefill and
@@ -202,6 +216,7 @@ class PrefillWorker(EngineWorker):
         await super().forget_peer(peer_id, epoch)
         if epoch is not None:
             return
+        self._decode_handles.pop(peer_id, None)
         for rid, job in list(self._jobs.items()):
             task = self._tasks.get(rid)
             if job.peer_id == peer_id and task is not None:
@@ -221,3 +236,23 @@ class PrefillWorker(EngineWorker):
         self.loop.stop()
         self.sender.close()  # before the transport it sends on
         await super().shutdown()
+
+
+def _result(out: RequestOutput, job: SendJob, prefill_s: float) -> PrefillResult:
+    """The prefill call's answer: the first token (what rides with it) and the transfer's totals
+    (zero in an early first token, sent before the transfer ends)."""
+    return PrefillResult(
+        request_id=job.request_id,
+        first_token=out.new_token_ids[0],
+        first_logprob=out.new_logprobs[0] if out.new_logprobs else None,
+        first_top_logprobs=out.new_top_logprobs[0] if out.new_top_logprobs else [],
+        queue_seconds=out.queue_seconds or 0.0,
+        prompt_logprobs=out.prompt_logprobs,
+        prompt_top_logprobs=out.prompt_top_logprobs,
+        prompt_ranks=out.prompt_ranks,
+        num_cached_tokens=out.num_cached_tokens,
+        num_blocks_sent=len(job.block_ids) if job.done.done() else 0,
+        num_bytes_sent=job.num_bytes if job.done.done() else 0,
+        prefill_seconds=prefill_s,
+        transfer_seconds=job.seconds if job.done.done() else 0.0,
+    )

@@ -63,6 +63,7 @@ class DisaggCluster:
             max_retries=cfg.max_retries,
             lease_s=cfg.kv_transfer_lease_s,
             layerwise=cfg.layerwise_transfer,
+            early_first_token=cfg.early_first_token,
             request_timeout_s=cfg.request_timeout_s,
             poll_interval_s=poll_interval_s or cfg.replica_state.poll_interval_s,
             on_poll=on_poll,

@@ -64,6 +64,7 @@ class Dispatcher(RoutedReplicas):
         state_updates: Literal["push", "poll"] = "push",
         heartbeat_s: float = 1.0,
         max_migrations: int = 3,
+        early_first_token: bool = False,
     ):
         super().__init__(
             router, ingress_id or uuid.uuid4().hex[:8], poll_interval_s, on_poll, on_drop, state_updates, heartbeat_s
@@ -71,6 +72,7 @@ class Dispatcher(RoutedReplicas):
         self.max_retries = max_retries
         self.max_migrations = max_migrations  # moves of one stream to another decode replica
         self.layerwise = layerwise
+        self.early_first_token = early_first_token  # ClusterConfig.early_first_token
         self.lease_s = lease_s
         self.request_timeout_s = request_timeout_s
         self.inflight: dict[str, str] = {}  # request id -> decode replica id
@@ -169,6 +171,8 @@ class Dispatcher(RoutedReplicas):
                 deadline=deadline,
                 lease_s=self.lease_s,
                 layerwise=self.layerwise,
+                # Only where a failed transfer after the first token can move the stream.
+                early_first_token=self.early_first_token and params.migration and self.max_migrations > 0,
             )
             outcome: list = []  # the failure that ended the attempt, if one did
             # aclosing: when our caller closes us mid-stream, the attempt's clean-up (Abort)
@@ -191,7 +195,12 @@ class Dispatcher(RoutedReplicas):
                 moved_after = message
                 attempt += 1
                 self.num_migrations += 1
-                exclude[DECODE].add(decode.info.replica_id)
+                # Its KV transfer failed (an early first token): another prefill replica, or a
+                # local prefill, on any decode replica; else another decode replica.
+                if verdict.avoid == PREFILL and prefill_id is not None:
+                    exclude[PREFILL].add(prefill_id)
+                else:
+                    exclude[DECODE].add(decode.info.replica_id)
                 logger.warning("moving %s (client id %r) to another replica after: %s", base_id, label, message)
                 continue
             # Never after a chunk reached the caller without a move: a retry cannot resume it.
@@ -216,7 +225,8 @@ class Dispatcher(RoutedReplicas):
         rid = submit.request_id
         channel = decode.channel
         self.inflight[rid] = decode.info.replica_id
-        if submit.prefill_replica_id is not None:
+        kv_moving = submit.prefill_replica_id is not None
+        if kv_moving:
             self.inflight_prefill[rid] = submit.prefill_replica_id
         sent_any = done = False
         timer = None
@@ -245,8 +255,13 @@ class Dispatcher(RoutedReplicas):
                     if not sent_any:
                         item = _with_ingress_stages(item, submitted - started, time.perf_counter() - submitted)
                         sent_any = True
-                        self.inflight_prefill.pop(rid, None)
                         decision.release_prefill()
+                    if kv_moving and (not submit.early_first_token or item.finished or item.num_output_tokens > 1):
+                        # The KV has moved (an early first token comes before it does): a drain
+                        # of the prefill replica no longer waits for this request.
+                        kv_moving = False
+                        self.inflight_prefill.pop(rid, None)
+                    if item.first_token_stages:
                         handoff = item.first_token_stages.get("handoff")
                         if handoff is not None and not decision.local_prefill:
                             self.router.observe_remote_handoff(handoff)

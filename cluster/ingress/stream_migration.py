@@ -1,5 +1,6 @@
 """Migration: a stream that outlives its decode replica. When the replica streaming a request
-fails mid-stream (its channel closed, its engine loop stopped, or a step failed), the
+fails mid-stream (its channel closed, its engine loop stopped, or a step failed; or the KV
+transfer behind an early first token failed), the
 dispatcher re-submits the request as a continuation: the prompt followed by every token the
 client already has, max_tokens and min_tokens reduced by what was sent, and a Continuation
 (proto/messages/continuation.py) telling the new replica how much of that is output and how
@@ -18,17 +19,23 @@ from typing import Protocol
 import msgspec
 
 from splitserve.cluster.ingress.request_channel_client import ChannelClosed
-from splitserve.cluster.routing.replica_pools import DECODE
+from splitserve.cluster.routing.replica_pools import DECODE, PREFILL
 from splitserve.proto.messages.continuation import Continuation
 from splitserve.proto.messages.handoff import StreamChunk
 from splitserve.proto.messages.request_channel import Failed, FailureKind
 from splitserve.proto.messages.sampling_params import SamplingParams
 
+PREFILL_FAILED = "prefill_failed"
 # The failures a continuation can outlive: the replica, not the request, went wrong.
 _MOVABLE = {
     FailureKind.REPLICA_DEAD: "replica_dead",
     FailureKind.STEP_FAILED: "step_failed",
     FailureKind.REPLICA_DRAINING: "drain",  # a planned move: the replica leaves (scale-down, rollout)
+    # An early first token (ClusterConfig.early_first_token) streams before its KV lands: a
+    # transfer that then fails, times out or loses its prefill replica moves the stream.
+    FailureKind.PREFILL_FAILED: PREFILL_FAILED,
+    FailureKind.PREFILL_TIMEOUT: PREFILL_FAILED,
+    FailureKind.PREFILL_DEAD: PREFILL_FAILED,
 }
 CHANNEL_CLOSED = "channel_closed"
 # Why a movable stream was not moved (splitserve_migrations_refused_total{reason}).
@@ -63,7 +70,7 @@ def may_move(
     refused = DISABLED if not params.migration else MAX_ATTEMPTS if answer.num_moves >= max_migrations else None
     if migrations is not None:
         if refused is None:
-            migrations.moved(DECODE, reason, len(answer.token_ids))
+            migrations.moved(PREFILL if reason == PREFILL_FAILED else DECODE, reason, len(answer.token_ids))
         else:
             migrations.refused(refused)
     return refused is None

@@ -44,6 +44,9 @@ class Handoff(msgspec.Struct, forbid_unknown_fields=True):
     layerwise: bool = True  # send each layer as soon as it is computed
     lease_s: float = 20.0  # how long prefill pins the blocks without an ack
     deadline: float | None = None  # wall-clock time after which nobody should bother
+    # Push the first token to the decode replica (DecodeWorker.first_token) as soon as it is
+    # sampled, before the KV transfer ends; the answer to the prefill call still follows it.
+    early_first_token: bool = False
 
     def to_bytes(self) -> bytes:
         return _codec.encode("handoff", self)

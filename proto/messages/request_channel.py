@@ -81,6 +81,7 @@ class Submit(msgspec.Struct, tag="submit", forbid_unknown_fields=True):
     deadline: float | None = None  # time.time() after which the request is abandoned
     lease_s: float = 20.0
     layerwise: bool = True
+    early_first_token: bool = False  # a remote prefill's first token streams before its KV lands
 
 
 class Abort(msgspec.Struct, tag="abort", forbid_unknown_fields=True):

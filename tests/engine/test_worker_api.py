@@ -10,6 +10,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.io.request_output import RequestOutput
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.proto.messages.engine_stats import EngineStats
+from splitserve.proto.messages.handoff import PrefillResult
 from splitserve.proto.messages.kv_events import STORED
 from splitserve.proto.messages.sampling_params import SamplingParams
 from tests.helpers.handoff import finish_all, hand_off, run_prefill
@@ -123,3 +124,91 @@ def test_events_snapshot_and_stats(tiny_model):
     engine.release_prefilled("p")
     assert_baseline(engine)
     assert engine.device == engine.kv_cache.kv.device
+
+
+def test_an_early_first_token_streams_before_its_kv_and_changes_nothing_after(tiny_model):
+    """accept_first_token: the first output leaves before the KV is in, while the sequence waits
+    outside every batch; the stream is the one admit_prefilled alone gives, token for token and
+    text for text (logprobs too)."""
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=True, top_logprobs=2)
+    streams: dict[bool, dict[str, list[RequestOutput]]] = {}
+    for early in (False, True):
+        prefill, decode = engine_for(tiny_model), engine_for(tiny_model)
+        outputs: dict[str, list[RequestOutput]] = {}
+        for i, ids in enumerate(prompts()):
+            first, _ = hand_off(prefill, decode, ids, params, f"r{i}", early=early)
+            assert first.new_token_ids == first.token_ids and not first.finished
+            outputs[f"r{i}"] = [first]
+        finish_all(decode, outputs)
+        streams[early] = outputs
+        assert_baseline(prefill)
+        assert_baseline(decode)
+    late, early_outs = streams[False], streams[True]
+    for rid, outs in late.items():
+        fields = ("new_token_ids", "new_text", "new_logprobs", "new_top_logprobs", "finished", "finish_reason")
+        assert [[getattr(o, f) for f in fields] for o in early_outs[rid]] == [
+            [getattr(o, f) for f in fields] for o in outs
+        ]
+
+
+def test_an_early_first_token_waits_outside_the_batch_and_its_abort_frees_everything(tiny_model):
+    prefill, decode = engine_for(tiny_model), engine_for(tiny_model)
+    running, _ = hand_off(prefill, decode, prompts()[1], GREEDY, "running")
+    ids = prompts()[4]
+    seq = decode.make_sequence(None, ids, GREEDY, "waiting")
+    reservation = decode.reserve_prompt_blocks(seq)
+    first = run_prefill(prefill, ids, GREEDY, "waiting")
+    result = _result("waiting", first.new_token_ids[0], len(reservation.block_indices))
+    early = decode.accept_first_token("waiting", result)
+    assert early is not None and early.token_ids == first.new_token_ids
+    assert decode.accept_first_token("waiting", result) is None  # once
+    # Its KV is not in: the running request steps on, the waiting one is in no step.
+    stepped = {out.request_id for _ in range(4) for out in decode.step()}  # async: a step's outputs come a step late
+    assert stepped == {"running"}
+    decode.abort("waiting")
+    decode.abort("running")
+    prefill.release_prefilled("waiting")
+    assert_baseline(prefill)
+    assert_baseline(decode)
+
+
+@pytest.mark.parametrize("case", ["max_tokens_1", "stop_token", "stop_string", "eos"])
+def test_a_first_token_that_may_end_the_request_is_not_taken_early(tiny_model, case):
+    """A first token that may finish the request (check_stop or a stop string) is left to
+    admit_prefilled, whose output is the finished one once the blocks can go."""
+    prefill, decode = engine_for(tiny_model), engine_for(tiny_model)
+    ids = prompts()[3]
+    first_token = run_prefill(prefill, ids, GREEDY, "probe").token_ids[0]
+    prefill.release_prefilled("probe")
+    params = {
+        "max_tokens_1": SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+        "stop_token": SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=[first_token]),
+        "stop_string": SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=["never in the text"]),
+        "eos": SamplingParams(temperature=0, max_tokens=8),
+    }[case]
+    if case == "eos":
+        decode.scheduler.eos_token_ids = {first_token}
+    reservation = decode.reserve_prompt_blocks(decode.make_sequence(None, ids, params, case))
+    first = run_prefill(prefill, ids, params, case)
+    result = _result(case, first.new_token_ids[0], len(reservation.block_indices))
+    assert decode.accept_first_token(case, result) is None
+    prefill.release_prefilled(case)
+    out = decode.admit_prefilled(case, result)
+    assert out is not None and out.token_ids == [first_token]
+    assert out.finished == (case != "stop_string")
+    decode.abort(case)
+    assert_baseline(prefill)
+    assert_baseline(decode)
+
+
+def _result(request_id: str, first_token: int, num_blocks: int) -> PrefillResult:
+    return PrefillResult(
+        request_id=request_id,
+        first_token=first_token,
+        first_logprob=None,
+        num_cached_tokens=0,
+        num_blocks_sent=num_blocks,
+        num_bytes_sent=0,
+        prefill_seconds=0.0,
+        transfer_seconds=0.0,
+    )

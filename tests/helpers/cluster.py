@@ -88,9 +88,10 @@ def pool_states(loop: LoopThread, cluster: DisaggCluster) -> dict[str, PollReply
     return loop.run(collect(), timeout=30)
 
 
-def wait_for_baseline(loop: LoopThread, cluster: DisaggCluster, timeout_s: float = 15.0) -> dict[str, PollReply]:
-    """Poll until every live replica holds no blocks, pins nothing and runs nothing."""
-    deadline = time.monotonic() + timeout_s
+def wait_for_baseline(loop: LoopThread, cluster: DisaggCluster, timeout_s: float | None = 15.0) -> dict[str, PollReply]:
+    """Poll until every live replica holds no blocks, pins nothing and runs nothing (timeout_s
+    None: no bound of its own, the test's timeout ends it)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         states = pool_states(loop, cluster)
         busy = {
@@ -103,7 +104,7 @@ def wait_for_baseline(loop: LoopThread, cluster: DisaggCluster, timeout_s: float
         }
         if not busy:
             return states
-        if time.monotonic() > deadline:
+        if deadline is not None and time.monotonic() > deadline:
             raise AssertionError(f"block pools not back to baseline: {busy}")
         time.sleep(0.1)
 

@@ -25,6 +25,7 @@ ENGINE_LOOP_API = {
     "make_sequence",
     "add_sequence",
     "admit_prefilled",
+    "accept_first_token",
     "reserve_prompt_blocks",
     "abort",
     "stop",
