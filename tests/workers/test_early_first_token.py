@@ -105,7 +105,7 @@ def test_the_first_token_streams_while_its_kv_is_held(loop, early_cluster):
     assert tokens == reference["token_ids"] and chunks[-1].finished
     assert "".join(chunk.text for chunk in chunks) == reference["text"]
     assert cluster.dispatcher.num_migrations == 0
-    wait_for_baseline(loop, cluster, timeout_s=None)
+    wait_for_baseline(loop, cluster)
 
 
 def test_a_transfer_that_fails_after_the_first_token_moves_the_stream(loop, early_cluster):
@@ -128,4 +128,4 @@ def test_a_transfer_that_fails_after_the_first_token_moves_the_stream(loop, earl
     reference = loop.run(cluster.complete(prompt(1), WITHOUT), timeout=120)
     assert [t for chunk in chunks for t in chunk.token_ids] == reference["token_ids"]
     assert "".join(chunk.text for chunk in chunks) == reference["text"] and chunks[-1].finished
-    wait_for_baseline(loop, cluster, timeout_s=None)
+    wait_for_baseline(loop, cluster)
