@@ -77,7 +77,9 @@ def serving_backend(loop: LoopThread, cfg: ServeConfig, model_dir: str) -> Itera
         loop.run(serving.shutdown(), timeout=60)
 
 
-def pool_states(loop: LoopThread, cluster: DisaggCluster) -> dict[str, PollReply]:
+def pool_states(loop: LoopThread, cluster: DisaggCluster, timeout_s: float | None = 30.0) -> dict[str, PollReply]:
+    """Every live replica's PollReply (timeout_s None: no bound of its own, as wait_for_baseline's)."""
+
     async def collect():
         out = {}
         for pool in (cluster.prefill_pool, cluster.decode_pool):
@@ -85,7 +87,7 @@ def pool_states(loop: LoopThread, cluster: DisaggCluster) -> dict[str, PollReply
                 out[r.replica_id] = PollReply.from_bytes(await r.handle.poll.remote())
         return out
 
-    return loop.run(collect(), timeout=30)
+    return loop.run(collect(), timeout=timeout_s)
 
 
 def wait_for_baseline(loop: LoopThread, cluster: DisaggCluster, timeout_s: float | None = None) -> dict[str, PollReply]:
@@ -96,7 +98,7 @@ def wait_for_baseline(loop: LoopThread, cluster: DisaggCluster, timeout_s: float
     busy: dict[str, PollReply] = {}
 
     def settled() -> dict[str, PollReply] | None:
-        states = pool_states(loop, cluster)
+        states = pool_states(loop, cluster, timeout_s)
         busy.clear()
         busy.update(
             (rid, s)
