@@ -106,7 +106,10 @@ class Tokenizer:
         return self._backend.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch_fast skips the character offsets encode() computes and nothing here
+        # reads: the same ids for ~35% less CPU (1.34 -> 0.86 ms for a 1,000-token prompt on the
+        # bench preset), which the ingress spends on every text prompt.
+        ids = self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens:
             if self._add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
                 ids.insert(0, self.bos_token_id)
