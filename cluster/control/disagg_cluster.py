@@ -42,8 +42,8 @@ class DisaggCluster:
         make_report: Callable[[dict[str, int]], bytes] | None = None,
         ingress_id: str | None = None,
         autoscale: bool = False,
-        membership_wait_s: float = 0.25,
-        membership_idle_wait_s: float = 1.0,
+        membership_wait_s: float = 1.0,
+        membership_drain_wait_s: float = 0.25,
         on_drop: Callable[[str, str], None] | None = None,
         hash_seed: str | None = None,
     ):
@@ -88,7 +88,7 @@ class DisaggCluster:
             ingress_id,
             make_report=lambda: self._make_report(self.dispatcher.inflight_counts()),
             wait_s=membership_wait_s,
-            idle_wait_s=membership_idle_wait_s,
+            drain_wait_s=membership_drain_wait_s,
         )
         self.min_replicas = {
             PREFILL: replica_floor(cfg.prefill.replicas, cfg.prefill.autoscaling),
