@@ -9,13 +9,14 @@ a `handoff` stage, a local one none) -- never by timing:
 - an idle decode replica holding a prompt's 224-token prefix prefills its last 32 tokens
   itself ("local-prefill-cheaper"), rather than have the prefill replica compute all 256 and
   send them;
-- the same prompt shape while the decode replica runs 48 held sequences (the test hold of
-  tests/helpers/migration_streams.py) goes to the prefill replica ("remote-prefill-cheaper"):
-  each of them would wait for the local prefill.
+- the prefix with a 128-token tail while the decode replica runs 48 held sequences (the test
+  hold of tests/helpers/migration_streams.py) goes to the prefill replica
+  ("remote-prefill-cheaper"): each of them would wait for the local prefill.
 
 Why those shapes: the measured costs are only as steady as the machine, so each choice is
-made with a wide margin -- 256 tokens remote against 32 local (8x) when idle, 49 x 32 stalled
-tokens against 256 (6x) when full. Greedy output equals the colocated engine's on both paths,
+made with a wide margin -- 256 tokens remote against 32 local (8x) when idle, 49 x 128 stalled
+tokens against 352 (18x) when full. (With a 32-token tail, 6x, a loaded CI run once measured
+the replicas' per-token costs far enough apart to choose local.) Greedy output equals the colocated engine's on both paths,
 and every pool is back at its baseline after.
 """
 
@@ -178,7 +179,7 @@ def test_local_on_an_idle_decode_replica_remote_on_a_full_one(loop, serving, ref
         let_reports_through(serving)
         with_threshold(serving, 0)
         before = counts(serving)
-        full_prompt = PREFIX + tail(2)
+        full_prompt = PREFIX + tail(2, 128)
         probe = asyncio.run_coroutine_threadsafe(stream(serving, full_prompt, GREEDY), loop.loop)
         # Its first chunk came back (held sequences let a joining one through).
         wait_until(
