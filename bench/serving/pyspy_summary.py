@@ -1,5 +1,5 @@
 """Self and inclusive share of each function in a py-spy `--format raw` file (collapsed stacks):
-`python -m splitserve.bench.serving.pyspy_summary FILE` (bench/results/splitserve_vs_vllm/pyspy_ingress.sh
+`python -m splitserve.bench.serving.pyspy_summary FILE` (bench/scripts/splitserve_vs_vllm_pyspy_ingress.sh
 runs it on the ingress replica's and the decode actor's profiles)."""
 
 from __future__ import annotations

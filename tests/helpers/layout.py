@@ -210,15 +210,15 @@ class SourceTree:
     @cached_property
     def package_folders(self) -> list[Path]:
         """Every folder of modules that is a package (has an `__init__.py`): each has a README.
-        The run scripts under bench/results/ are not a package; their write-ups describe them."""
+        The benchmark drivers under bench/scripts/ are not a package; bench/README.md names them."""
         return sorted({p.parent for p in self.files if (p.parent / "__init__.py").is_file()})
 
     def folders_outside_the_wheel(self) -> list[str]:
         """Folders of shipped modules without an `__init__.py`: setup.py's find_packages skips
-        them, so the editable install imports them and the built wheel does not (the run scripts
-        under bench/results/ are not shipped)."""
-        results = self.root / "bench" / "results"
-        folders = {p.parent for p in self.files if results not in p.parents}
+        them, so the editable install imports them and the built wheel does not (the benchmark
+        drivers under bench/scripts/ are run from the repo root, not shipped)."""
+        scripts = self.root / "bench" / "scripts"
+        folders = {p.parent for p in self.files if scripts not in p.parents and p.parent != scripts}
         return sorted(f.relative_to(self.root).as_posix() for f in folders if not (f / "__init__.py").is_file())
 
     def folders_without_readme(self) -> list[str]:

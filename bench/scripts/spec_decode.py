@@ -1,4 +1,4 @@
-"""Runs the speculative-decoding benchmark of ../spec_decode.md: for each configuration, start
+"""Runs the speculative-decoding benchmark of bench/results/spec_decode.md: for each configuration, start
 `splitserve serve` (colocated: 0 prefill + 1 decode replica, 1 torch thread) on a free port,
 run `splitserve bench --url` against it, snapshot its /metrics (the splitserve_spec_decode_*
 series: acceptance and the chosen-k counts), stop it. Every run gets the same requests (same
@@ -12,7 +12,7 @@ table gives the median and every run, and each run also records what contention 
 inflate much: the decode replica's own CPU seconds per output token (psutil, the replica's
 process), next to the box's busy cores and the load average while it ran.
 
-  .venv/bin/python bench/results/spec_decode/run.py quote_c1 | mixed_c32 | quote_c1_vllm [REPEATS [CONFIG,...]]
+  .venv/bin/python bench/scripts/spec_decode.py quote_c1 | mixed_c32 | quote_c1_vllm [REPEATS [CONFIG,...]]
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ M = "/root/.cache/splitserve/models/720e346365b9eb53/bench-llama-trained1000"
 D = "/root/.cache/splitserve/models/c5627c59af78d28e/draft-llama-trained1000"
 SERVE = f"{BIN}/splitserve serve {M} --prefill-replicas 0 --decode-replicas 1 --decode-num-cpus 1 --http-port {{port}} --grpc-port 0"
 VLLM = (
-    f"VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH={HERE.parent}/splitserve_vs_vllm/vllm_shim"
+    f"VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH={HERE}/vllm_shim"
     f" /work/venvs/vllm/bin/python -m vllm.entrypoints.openai.api_server --model {M}"
     " --host 127.0.0.1 --port {port} --dtype float32 --max-model-len 4096"
 )
@@ -152,7 +152,7 @@ def run_one(command: str, args: list[str], out_dir: Path, tag: str) -> dict:
 def main(name: str, repeats: int, only: list[str] | None = None) -> None:
     args, configs = RUNS[name]
     configs = {config: command for config, command in configs.items() if not only or config in only}
-    out_dir = HERE / name
+    out_dir = HERE.parent / "results" / "spec_decode" / name  # untracked: .gitignore keeps run output out
     out_dir.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict]] = {config: [] for config in configs}
     for repeat in range(repeats):

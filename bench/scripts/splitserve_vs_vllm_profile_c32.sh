@@ -10,9 +10,9 @@ OUT=bench/results/splitserve_vs_vllm
 M=${MODEL_DIR:-/tmp/splitserve-bench/bench}
 VLLM_PY=${VLLM_PY:-/work/vllm-venv/bin/python}
 # A vLLM venv whose torchvision/torchaudio are CUDA builds next to a CPU torch cannot even
-# import transformers: hide them (vllm_shim/sitecustomize.py); text models do not need them.
+# import transformers: hide them (bench/scripts/vllm_shim/sitecustomize.py); text models do not need them.
 VLLM_ENV=""
-"$VLLM_PY" -c "import torchvision, torchaudio" 2>/dev/null || VLLM_ENV="PYTHONPATH=$PWD/$OUT/vllm_shim"
+"$VLLM_PY" -c "import torchvision, torchaudio" 2>/dev/null || VLLM_ENV="PYTHONPATH=$PWD/bench/scripts/vllm_shim"
 IDLE_S=${IDLE_S:-10}
 PREFIX=${PREFIX:-profile-c32}  # another name keeps an earlier run's files
 SS=".venv/bin/splitserve serve --model $M --http-port {port} --grpc-port 0 --decode-replicas 1"
