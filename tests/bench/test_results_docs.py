@@ -21,6 +21,9 @@ LINKING_DOCS = [BENCH_DIR / "README.md", *sorted((BENCH_DIR / "results").rglob("
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 _COMMIT = re.compile(r"\b(?:Commit:|commit|HEAD) [0-9a-f]{7,40}\b")
 _MODULE_RUN = re.compile(r"python -m ([\w.]+)")
+# A table column or row that holds one run's or one repeat's figures: the write-up keeps the
+# summary (medians, pooled figures, ranges); each run's table is what the command writes again.
+_PER_RUN_CELL = re.compile(r"^(?:run|repeat|rep|round)\s*\d+\b|\beach run\b|\bper run\b|runs' shares", re.IGNORECASE)
 _SCRIPT = re.compile(r"\bbench/(?:scripts|results)/[\w./-]+\.(?:sh|py)\b")
 
 
@@ -50,6 +53,18 @@ def test_write_up_commands_name_modules_and_scripts_that_exist(path):
         assert importlib.util.find_spec(module) is not None, f"{path.name}: `python -m {module}` does not exist"
     for script in _SCRIPT.findall(text):
         assert (REPO_ROOT / script).is_file(), f"{path.name}: {script} does not exist"
+
+
+@pytest.mark.parametrize("path", WRITE_UPS, ids=lambda path: path.name)
+def test_write_up_tables_summarise_runs_and_do_not_list_them(path):
+    per_run = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.startswith("|") or set(line) <= set("|-: "):
+            continue
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if any(_PER_RUN_CELL.search(cell) for cell in cells):
+            per_run.append(f"line {number}: {line[:100]}")
+    assert per_run == [], f"{path.name}: tables of single runs (keep medians or ranges): {per_run}"
 
 
 @pytest.mark.parametrize("path", LINKING_DOCS, ids=lambda path: str(path.relative_to(BENCH_DIR)))
