@@ -3,6 +3,7 @@
 # long/short workload. Repeats rotate the configuration order; every configuration of a
 # repeat gets the same seed (identical requests), repeats differ in seed. Run from the repo root.
 set -u
+source bench/scripts/common.sh
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 OUT=bench/results/disagg_vs_colocated
 M=${MODEL_DIR:-/tmp/splitserve-bench/small}
@@ -23,9 +24,7 @@ BENCH="--workload mixed --num-requests 36 --short-len 128 --long-len 2048 --long
 for ((rep = FIRST_REPEAT; rep < REPEATS; rep++)); do
   for ((i = 0; i < ${#ORDER[@]}; i++)); do
     name=${ORDER[$(( (i + rep) % ${#ORDER[@]} ))]}
-    echo "== repeat $rep $name $(date +%T) $(cut -d' ' -f1-3 /proc/loadavg)"
-    .venv/bin/python -m splitserve.bench.serving.process_cpu_profile --out "$OUT/rep$rep-$name.cpu.md" -- \
-      .venv/bin/splitserve bench $BENCH --seed "$rep" --out "$OUT/rep$rep-$name" --compare "$name=${CMD[$name]}"
+    profiled_bench "$rep" "$name"
   done
 done
 echo "== done $(date +%T) $(cut -d' ' -f1-3 /proc/loadavg)"

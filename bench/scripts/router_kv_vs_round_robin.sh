@@ -9,6 +9,7 @@
 #     tokens) while one load point's 12 prefixes need 768 blocks: the two caches together
 #     hold them only if each prefix stays on one replica. Rates 2, 4, 6 req/s; 4 repeats.
 set -u
+source bench/scripts/common.sh
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 OUT=bench/results/router_kv_vs_round_robin
 M=${MODEL_DIR:-/tmp/splitserve-bench/small}
@@ -31,13 +32,8 @@ fi
 BENCH="--workload prefix-repetition --num-prefixes 12 --prefix-len 1024 --suffixes-per-prefix 6 --suffix-len 64
   --max-tokens 16 --vocab-range 10:2000 --ignore-eos --rate $RATES --max-seconds 120
   --ttft-slo-ms 1000 --itl-slo-ms 100 --no-progress"
-run() {  # repeat name
-  echo "== repeat $1 $2 $(date +%T) $(cut -d' ' -f1-3 /proc/loadavg)"
-  .venv/bin/python -m splitserve.bench.serving.process_cpu_profile --out "$OUT/${TAG}rep$1-$2.cpu.md" -- \
-    .venv/bin/splitserve bench $BENCH --seed "$1" --out "$OUT/${TAG}rep$1-$2" --compare "$2=${CMD[$2]}"
-}
 for ((rep = FIRST_REPEAT; rep < REPEATS; rep++)); do
-  if ((rep % 2 == 0)); then run $rep kv; run $rep round-robin; else run $rep round-robin; run $rep kv; fi
-  ((rep == 0)) && [ -n "${CMD[kv-local]:-}" ] && run 0 kv-local
+  if ((rep % 2 == 0)); then profiled_bench $rep kv; profiled_bench $rep round-robin; else profiled_bench $rep round-robin; profiled_bench $rep kv; fi
+  ((rep == 0)) && [ -n "${CMD[kv-local]:-}" ] && profiled_bench 0 kv-local
 done
 echo "== done $(date +%T) $(cut -d' ' -f1-3 /proc/loadavg)"
